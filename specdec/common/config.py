@@ -1,0 +1,149 @@
+"""Typed service configuration, read once at start-up from flags and environment variables.
+
+Every setting has a flag (``--max-cached-tokens``) and an environment variable
+(``SPECDEC_MAX_CACHED_TOKENS``); the flag wins. A malformed value stops start-up with a
+``ConfigError`` that names the setting. Torch-free, so the gateway shares the helpers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+ENV_PREFIX = "SPECDEC_"
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or malformed; the message names it."""
+
+
+def env_name(flag: str) -> str:
+    """--max-cached-tokens -> SPECDEC_MAX_CACHED_TOKENS."""
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def add_setting(
+    parser: argparse.ArgumentParser, flag: str, help: str, default: Any = None, **kw: Any
+) -> None:
+    """A flag whose default comes from its environment variable, then `default`."""
+    env = env_name(flag)
+    parser.add_argument(
+        flag,
+        default=os.environ.get(env, default),
+        help=f"{help} [env {env}; default {default!r}]",
+        **kw,
+    )
+
+
+def parse_value(args: argparse.Namespace, flag: str, convert: Callable[[str], T], check=None) -> T:
+    """Convert args.<flag> with `convert`, then validate with `check(value) -> error or None`."""
+    raw = getattr(args, flag.lstrip("-").replace("-", "_"))
+    where = f"{flag} / {env_name(flag)}"
+    if raw is None:
+        raise ConfigError(f"{where} is required")
+    try:
+        value = convert(raw) if isinstance(raw, str) else raw
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: cannot read {raw!r}: {e}") from None
+    if check is not None:
+        problem = check(value)
+        if problem:
+            raise ConfigError(f"{where}: {problem} (got {raw!r})")
+    return value
+
+
+def positive(value: int) -> str | None:
+    return None if value > 0 else "must be > 0"
+
+
+def non_negative(value: int) -> str | None:
+    return None if value >= 0 else "must be >= 0"
+
+
+def port_number(value: int) -> str | None:
+    return None if 0 <= value <= 65535 else "must be a port number in [0, 65535] (0 = any free)"
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """Configuration of a drafter or verifier replica."""
+
+    role: str  # "drafter" | "verifier"
+    model: str
+    gguf_file: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    host: str = "0.0.0.0"
+    port: int = 50051
+    max_cached_tokens: int = 65536
+    max_draft_tokens: int = 16
+    max_context: int = 0  # 0: the model's own max_position_embeddings
+    threads: int = 0  # 0: torch's default
+    replica_id: str = ""  # empty: hostname:port, known once the port is bound
+    grace_seconds: float = 10.0
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
+        add_setting(parser, "--model", "model directory or hub id (or the dir holding --gguf-file)")
+        add_setting(parser, "--gguf-file", "GGUF file name inside --model, or a GGUF path")
+        add_setting(parser, "--dtype", f"weights dtype, one of {', '.join(DTYPES)}", "float32")
+        add_setting(parser, "--device", "torch device: cpu, cuda or cuda:N", "cpu")
+        add_setting(parser, "--host", "address to listen on", "0.0.0.0")
+        add_setting(parser, "--port", "gRPC port (0: any free port)", default_port)
+        add_setting(parser, "--max-cached-tokens", "KV cache bound over all sessions", 65536)
+        add_setting(parser, "--max-draft-tokens", "largest draft length k accepted", 16)
+        add_setting(parser, "--max-context", "context limit (0: the model's own)", 0)
+        add_setting(parser, "--threads", "torch CPU threads (0: torch's default)", 0)
+        add_setting(
+            parser, "--replica-id", "name reported in Info and logs (default host:port)", ""
+        )
+        add_setting(parser, "--grace-seconds", "graceful shutdown window on SIGTERM", 10.0)
+
+    @classmethod
+    def from_args(cls, role: str, args: argparse.Namespace) -> ReplicaConfig:
+        model = parse_value(args, "--model", str, lambda v: None if v else "must not be empty")
+        gguf = args.gguf_file or None
+        if gguf and os.sep in gguf and not os.path.isfile(gguf):  # a path must exist
+            raise ConfigError(f"--gguf-file / {env_name('--gguf-file')}: no such file {gguf!r}")
+        dtype = parse_value(
+            args, "--dtype", str, lambda v: None if v in DTYPES else f"must be one of {DTYPES}"
+        )
+        device = parse_value(args, "--device", str, _check_device)
+        port = parse_value(args, "--port", int, port_number)
+        return cls(
+            role=role,
+            model=model,
+            gguf_file=gguf,
+            dtype=dtype,
+            device=device,
+            host=parse_value(args, "--host", str),
+            port=port,
+            max_cached_tokens=parse_value(args, "--max-cached-tokens", int, positive),
+            max_draft_tokens=parse_value(args, "--max-draft-tokens", int, positive),
+            max_context=parse_value(args, "--max-context", int, non_negative),
+            threads=parse_value(args, "--threads", int, non_negative),
+            replica_id=args.replica_id or "",
+            grace_seconds=parse_value(
+                args, "--grace-seconds", float, lambda v: None if v >= 0 else "must be >= 0"
+            ),
+        )
+
+
+def _check_device(value: str) -> str | None:
+    if value == "cpu":
+        return None
+    if value == "cuda" or (value.startswith("cuda:") and value[5:].isdigit()):
+        import torch
+
+        if not torch.cuda.is_available():
+            return "CUDA is not available on this machine"
+        return None
+    return "must be cpu, cuda or cuda:N"

@@ -1,0 +1,47 @@
+"""Domain errors of the serving stack and the one place they map to gRPC status codes."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class SpecdecError(Exception):
+    """Base class: an error the caller can act on, with the gRPC status it maps to."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidRequest(SpecdecError, ValueError):
+    """Malformed input: bad token ids, empty input, k too large, bad sampling values."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class CacheMiss(SpecdecError):
+    """The replica does not hold the prefix the request builds on; resend the full context."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class CapacityExceeded(SpecdecError):
+    """The request cannot fit the replica's bounded KV cache even after evicting others."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class NotReady(SpecdecError):
+    """The model is still loading."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+# Message prefix of every cache-miss status, so clients can tell it from other
+# FAILED_PRECONDITION answers.
+CACHE_MISS_PREFIX = "cache miss"
+
+
+def is_cache_miss(err: grpc.RpcError) -> bool:
+    """True when a client-side RpcError is a replica's cache-miss answer."""
+    return err.code() == grpc.StatusCode.FAILED_PRECONDITION and (err.details() or "").startswith(
+        CACHE_MISS_PREFIX
+    )

@@ -1,0 +1,114 @@
+"""What the drafter and the verifier share: Info, Release, start-up and the serve loop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+from collections.abc import Callable
+
+import grpc
+
+from specdec.common.config import ReplicaConfig
+from specdec.common.errors import InvalidRequest, NotReady
+from specdec.common.logs import setup_logging
+from specdec.common.runtime import ModelRuntime, Prefix
+from specdec.common.serving import rpc_errors, serve
+from specdec.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+MAX_SESSION_ID_LEN = 256
+_ROLES = {"drafter": common_pb2.ROLE_DRAFTER, "verifier": common_pb2.ROLE_VERIFIER}
+
+
+def check_session_id(session_id: str) -> None:
+    if not session_id:
+        raise InvalidRequest("session_id is empty")
+    if len(session_id) > MAX_SESSION_ID_LEN:
+        raise InvalidRequest(f"session_id is longer than {MAX_SESSION_ID_LEN} characters")
+
+
+class ReplicaServicer:
+    """Info and Release, shared by DrafterService and VerifierService."""
+
+    def __init__(self, runtime: ModelRuntime):
+        self.runtime = runtime
+        self.replica_id = runtime.config.replica_id
+
+    def on_port(self, port: int) -> None:
+        if not self.replica_id:
+            self.replica_id = f"{socket.gethostname()}:{port}"
+
+    def ready_runtime(self) -> ModelRuntime:
+        if self.runtime.store is None:
+            raise NotReady("model is still loading")
+        return self.runtime
+
+    def check_extent(self, session_id: str, prefix: Prefix, new_tokens, extra: int) -> None:
+        check_session_id(session_id)
+        self.ready_runtime().validate_extent(prefix, new_tokens, extra)
+
+    @rpc_errors
+    async def Info(self, request: common_pb2.InfoRequest, context) -> common_pb2.ModelInfo:
+        rt = self.ready_runtime()
+        cfg = rt.config
+        info = common_pb2.ModelInfo(
+            role=_ROLES[cfg.role],
+            model_id=cfg.model + (f"#{cfg.gguf_file}" if cfg.gguf_file else ""),
+            vocab_size=rt.vocab_size,
+            tokenizer_fingerprint=rt.tokenizer_fingerprint,
+            max_context=rt.max_context,
+            max_draft_tokens=cfg.max_draft_tokens,
+            eos_token_ids=rt.eos_token_ids,
+            dtype=rt.dtype_name,
+            device=str(rt.device),
+            max_cached_tokens=cfg.max_cached_tokens,
+            cached_tokens=rt.store.cached_tokens,
+            cached_sessions=len(rt.store),
+            replica_id=self.replica_id,
+            chat_template=rt.chat_template,
+            bos_token_id=rt.bos_token_id,
+        )
+        if request.include_tokenizer:
+            info.tokenizer_json_zlib = rt.tokenizer_json
+        return info
+
+    @rpc_errors
+    async def Release(self, request: common_pb2.ReleaseRequest, context):
+        check_session_id(request.session_id)
+        rt = self.ready_runtime()
+        released = await rt.run(rt.release, request.session_id)
+        return common_pb2.ReleaseResponse(released=released)
+
+
+def run_replica(
+    role: str,
+    args: argparse.Namespace,
+    service_name: str,
+    make_servicer: Callable[[ModelRuntime], ReplicaServicer],
+    add_to_server: Callable[[ReplicaServicer, grpc.aio.Server], None],
+) -> None:
+    """`specdec serve drafter|verifier`: config, logging, serve until SIGTERM."""
+    config = ReplicaConfig.from_args(role, args)
+    setup_logging(role)
+    runtime = ModelRuntime(config)
+    servicer = make_servicer(runtime)
+
+    async def ready() -> None:
+        await runtime.run(runtime.load)
+
+    asyncio.run(
+        serve(
+            service_name=service_name,
+            add_servicers=lambda server: add_to_server(servicer, server),
+            reflect=[service_name],
+            host=config.host,
+            port=config.port,
+            ready=ready,
+            grace_seconds=config.grace_seconds,
+            on_stop=runtime.shutdown,
+            on_port=servicer.on_port,
+        )
+    )

@@ -1,0 +1,299 @@
+"""Model runtime shared by the drafter and the verifier.
+
+Loads a causal LM through ``AutoModelForCausalLM.from_pretrained`` (directory, hub id, or a
+GGUF file), keeps one KV cache per session with the tokens it covers, rolls rejected
+positions back, bounds the total cached tokens with least-recently-used eviction, and runs
+every forward in one dedicated thread so the event loop never blocks.
+
+Threading rule: everything that touches the model or a ``SessionCache`` runs on
+``ModelRuntime.executor`` (one worker), so sessions need no locks; the event loop only
+validates requests and awaits ``ModelRuntime.run``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+
+from specdec.common.config import ReplicaConfig
+from specdec.common.errors import CACHE_MISS_PREFIX, CacheMiss, CapacityExceeded, InvalidRequest
+from specdec.common.prefix import prefix_hash
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class SessionCache:
+    """KV cache of one session and the tokens it covers (len(tokens) == cache length)."""
+
+    tokens: list[int]
+    kv: object  # transformers DynamicCache
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class CacheStore:
+    """Per-session KV caches with a bound on total cached tokens and LRU eviction.
+
+    Only ever used from the runtime's executor thread.
+    """
+
+    def __init__(self, max_cached_tokens: int, new_cache: Callable[[], object]):
+        self.max_cached_tokens = max_cached_tokens
+        self._new_cache = new_cache
+        self._sessions: OrderedDict[str, SessionCache] = OrderedDict()
+        self.evictions = 0
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(len(s.tokens) for s in self._sessions.values())
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    def tokens(self, session_id: str) -> list[int] | None:
+        s = self._sessions.get(session_id)
+        return None if s is None else list(s.tokens)
+
+    def acquire(
+        self, session_id: str, prefix_len: int, prefix_hash_: int, grow_by: int
+    ) -> SessionCache:
+        """The session's cache cropped to the named prefix, with room for grow_by more tokens.
+
+        Raises CacheMiss when the cache does not start with that prefix (a fresh cache is
+        made for prefix_len 0), CapacityExceeded when prefix_len + grow_by exceeds the bound.
+        """
+        need = prefix_len + grow_by
+        if need > self.max_cached_tokens:
+            raise CapacityExceeded(
+                f"session needs {need} cached tokens, this replica holds at most "
+                f"{self.max_cached_tokens} (--max-cached-tokens)"
+            )
+        session = self._sessions.get(session_id)
+        if prefix_len == 0:
+            if session is None or session.tokens:
+                session = SessionCache(tokens=[], kv=self._new_cache())
+                self._sessions[session_id] = session
+        else:
+            if session is None:
+                raise CacheMiss(f"{CACHE_MISS_PREFIX}: session {session_id!r} is not cached here")
+            if len(session.tokens) < prefix_len:
+                raise CacheMiss(
+                    f"{CACHE_MISS_PREFIX}: session {session_id!r} holds {len(session.tokens)} "
+                    f"tokens, request builds on {prefix_len}"
+                )
+            if prefix_hash(session.tokens[:prefix_len]) != prefix_hash_:
+                raise CacheMiss(
+                    f"{CACHE_MISS_PREFIX}: session {session_id!r} holds different tokens in its "
+                    f"first {prefix_len}"
+                )
+            self.truncate(session, prefix_len)
+        session.last_used = time.monotonic()
+        self._sessions.move_to_end(session_id)
+        self._make_room(session_id, need)
+        return session
+
+    @staticmethod
+    def truncate(session: SessionCache, length: int) -> None:
+        """Roll the session back to its first `length` tokens."""
+        drop = len(session.tokens) - length
+        if drop > 0:
+            session.kv.crop(-drop)
+            del session.tokens[length:]
+
+    def release(self, session_id: str) -> bool:
+        return self._sessions.pop(session_id, None) is not None
+
+    def _make_room(self, keep: str, need: int) -> None:
+        """Evict least recently used sessions (never `keep`) until `need` more tokens fit."""
+        total = self.cached_tokens - len(self._sessions[keep].tokens) + need
+        while total > self.max_cached_tokens:
+            victim_id = next(iter(self._sessions))
+            if victim_id == keep:  # only `keep` is left; the bound check above makes this rare
+                break
+            victim = self._sessions.pop(victim_id)
+            total -= len(victim.tokens)
+            self.evictions += 1
+            log.info(
+                "evicted session cache",
+                extra={"session_id": victim_id, "tokens": len(victim.tokens)},
+            )
+
+
+@dataclass(frozen=True)
+class Prefix:
+    length: int
+    hash: int
+
+
+class ModelRuntime:
+    """A causal LM with per-session KV caches, driven from one executor thread."""
+
+    def __init__(self, config: ReplicaConfig):
+        self.config = config
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{config.role}-model")
+        self.model = None
+        self.device = torch.device(config.device)
+        self.vocab_size = 0
+        self.max_context = 0
+        self.eos_token_ids: list[int] = []
+        self.bos_token_id: int = -1
+        self.tokenizer_json = b""
+        self.tokenizer_fingerprint = ""
+        self.chat_template = ""
+        self.store: CacheStore | None = None
+
+    # -- loading ------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Load model and tokenizer (blocking; call on the executor)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        cfg = self.config
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        started = time.monotonic()
+        kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
+        dtype = "auto" if cfg.dtype == "auto" else _DTYPES[cfg.dtype]
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, **kwargs)
+        model.to(self.device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model, **kwargs)
+        self.model = model
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_context = int(
+            getattr(model.config, "max_position_embeddings", 0) or cfg.max_context or 0
+        )
+        if cfg.max_context:
+            self.max_context = min(self.max_context or cfg.max_context, cfg.max_context)
+        if self.max_context <= 0:
+            raise ValueError(
+                f"cannot tell the model's context length; set --max-context for {cfg.model}"
+            )
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.bos_token_id = -1 if tokenizer.bos_token_id is None else int(tokenizer.bos_token_id)
+        self.chat_template = tokenizer.chat_template or ""
+        canonical = _canonical_tokenizer_json(tokenizer)
+        self.tokenizer_json = zlib.compress(canonical, 6)
+        self.tokenizer_fingerprint = hashlib.sha256(canonical).hexdigest()
+        self.store = CacheStore(cfg.max_cached_tokens, self._new_cache)
+        log.info(
+            "model loaded",
+            extra={
+                "model": cfg.model,
+                "dtype": str(model.dtype),
+                "device": str(self.device),
+                "vocab_size": self.vocab_size,
+                "max_context": self.max_context,
+                "seconds": round(time.monotonic() - started, 2),
+            },
+        )
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.model.dtype).removeprefix("torch.") if self.model is not None else ""
+
+    # -- execution ----------------------------------------------------------------------
+
+    async def run(self, fn: Callable[..., T], *args) -> T:
+        """Run fn(*args) on the model thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- validation (event loop, cheap) -------------------------------------------------
+
+    def validate_tokens(self, what: str, tokens: Sequence[int]) -> None:
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(
+                f"{what} holds token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
+            )
+
+    def validate_extent(self, prefix: Prefix, new_tokens: Sequence[int], extra: int) -> None:
+        """new_tokens non-empty, ids in range, prefix + new + extra within the context."""
+        if not new_tokens:
+            raise InvalidRequest("new_tokens is empty: a request must carry at least one token")
+        self.validate_tokens("new_tokens", new_tokens)
+        total = prefix.length + len(new_tokens) + extra
+        if total > self.max_context:
+            raise InvalidRequest(
+                f"sequence of {total} tokens (prefix {prefix.length} + new {len(new_tokens)} "
+                f"+ draft {extra}) exceeds the model's context of {self.max_context}"
+            )
+
+    # -- model calls (executor thread only) ---------------------------------------------
+
+    def extend(
+        self, session_id: str, prefix: Prefix, new_tokens: Sequence[int], grow_by: int
+    ) -> tuple[SessionCache, torch.Tensor]:
+        """Crop the session to `prefix`, run new_tokens through the model.
+
+        grow_by: tokens this request may add in total (new tokens + later feeds), reserved
+        in the cache bound. Returns the session and logits [len(new_tokens), vocab] fp32.
+        """
+        assert self.store is not None
+        session = self.store.acquire(session_id, prefix.length, prefix.hash, grow_by)
+        try:
+            return session, self.forward(session, new_tokens)
+        except Exception:
+            # Never leave a half-updated cache behind: the caller will resend from scratch.
+            self.store.release(session_id)
+            raise
+
+    @torch.inference_mode()
+    def forward(self, session: SessionCache, tokens: Sequence[int]) -> torch.Tensor:
+        """Append tokens to the session's cache; logits [len(tokens), vocab] fp32."""
+        input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, n]
+        out = self.model(input_ids=input_ids, past_key_values=session.kv, use_cache=True)
+        session.tokens.extend(tokens)
+        return out.logits[0].float()  # [n, vocab]
+
+    def release(self, session_id: str) -> bool:
+        assert self.store is not None
+        return self.store.release(session_id)
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos:
+            ids.update(int(e) for e in eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(ids)
+
+
+def _canonical_tokenizer_json(tokenizer) -> bytes:
+    """The tokenizer as canonical JSON (sorted keys), from its fast backend."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError(
+            f"{type(tokenizer).__name__} has no fast (tokenizers) backend; "
+            "specdec needs a fast tokenizer so the torch-free gateway can use it"
+        )
+    return json.dumps(json.loads(backend.to_str()), sort_keys=True, separators=(",", ":")).encode()

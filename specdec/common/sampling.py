@@ -1,0 +1,282 @@
+"""The speculation math: warping, draft-distribution encoding, exact rejection sampling.
+
+Torch only: no gRPC, no protobuf. Everything here is the rule of DESIGN §2, written so
+that drafter and verifier share one implementation:
+
+1. The drafter samples draft tokens from its *warped* distributions (``warp``).
+2. The verifier warps the target's logits the same way and calls ``rejection_sample``:
+   accept draft token i with probability ``min(1, target_probs[i, d_i] / draft_probs[i, d_i])``;
+   at the first rejection sample the *recovered* token from ``norm(max(0, target - draft))``;
+   if every draft token is accepted, sample the *bonus* token from the last target row.
+3. Greedy decoding (temperature 0) is the limit case: accept while the draft token equals
+   the target's argmax; the next token is the target's argmax where they first differ.
+
+The draft distribution travels with the draft as an ``EncodedProbs`` (sparse ids + fp32
+probabilities when warping left few non-zero entries, dense fp16 otherwise). The drafter
+samples from ``decode(encode(probs))``, so the verifier sees exactly the distribution each
+draft token was drawn from, rounding included.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "EncodedProbs",
+    "InvalidDistribution",
+    "SamplingParams",
+    "decode_probs",
+    "encode_probs",
+    "make_generator",
+    "rejection_sample",
+    "round_trip",
+    "sample_from",
+    "warp",
+]
+
+# Largest accepted top_k; larger values behave like 0 (no filter) and are most likely a
+# client bug, so they are refused rather than silently clamped.
+MAX_TOP_K = 1 << 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling parameters (the same on drafter and verifier).
+
+    temperature: 0 = greedy. top_p in (0, 1]. top_k: 0 = off. seed: None = fresh entropy.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be in [0, {MAX_TOP_K}] (0 = off), got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 1 << 64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def make_generator(seed: int | None, salt: str, position: int, device: torch.device | str = "cpu"):
+    """A torch.Generator for one sampling step.
+
+    With a seed, the stream depends only on (seed, salt, position): a replayed round (after
+    a cache miss or a failover) draws the same numbers, and the drafter ("draft") and the
+    verifier ("verify") draw independent streams. Without a seed, fresh OS entropy.
+    """
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        digest = hashlib.blake2b(f"{seed}:{salt}:{position}".encode(), digest_size=8).digest()
+        gen.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+    return gen
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits -> sampling probabilities after temperature, top-k, top-p (transformers' order).
+
+    logits: [..., vocab] (any float dtype). Returns fp32 probabilities [..., vocab].
+    Greedy (temperature 0) returns the one-hot distribution of the argmax.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(
+            logits.argmax(dim=-1), num_classes=logits.shape[-1]
+        ).float()
+    scores = logits / params.temperature
+    vocab = scores.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        # As transformers' TopPLogitsWarper: drop the low tail whose mass is <= 1 - top_p,
+        # always keeping the most likely token.
+        sorted_scores, sorted_idx = torch.sort(scores, descending=False, dim=-1)
+        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cum <= (1.0 - params.top_p)
+        remove_sorted[..., -1] = False
+        remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
+        scores = scores.masked_fill(remove, float("-inf"))
+    return scores.softmax(dim=-1)
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one token per row. probs: [..., vocab] -> tokens [...] (int64)."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+@dataclass(frozen=True)
+class EncodedProbs:
+    """One draft distribution as it travels: sparse (ids + fp32 probs) or dense (fp16).
+
+    Exactly one of (token_ids, probs) or dense is set.
+    token_ids: [n] int32, probs: [n] fp32; dense: [vocab] fp16.
+    """
+
+    token_ids: torch.Tensor | None = None
+    probs: torch.Tensor | None = None
+    dense: torch.Tensor | None = None
+
+    @property
+    def is_sparse(self) -> bool:
+        return self.dense is None
+
+
+# Bytes per entry: sparse costs an int32 id + an fp32 prob, dense an fp16 per vocab entry.
+_SPARSE_ENTRY_BYTES = 8
+_DENSE_ENTRY_BYTES = 2
+
+
+def encode_probs(probs: torch.Tensor) -> EncodedProbs:
+    """Encode one distribution probs: [vocab] in whichever form is smaller on the wire."""
+    assert probs.dim() == 1, f"expected [vocab], got {tuple(probs.shape)}"
+    probs = probs.detach().float().cpu()
+    nonzero = torch.nonzero(probs > 0, as_tuple=False).flatten()
+    if nonzero.numel() * _SPARSE_ENTRY_BYTES < probs.numel() * _DENSE_ENTRY_BYTES:
+        return EncodedProbs(token_ids=nonzero.to(torch.int32), probs=probs[nonzero])
+    return EncodedProbs(dense=probs.to(torch.float16))
+
+
+class InvalidDistribution(ValueError):
+    """A draft distribution that cannot be a probability distribution over the vocabulary."""
+
+
+# A decoded distribution's mass must be 1 within this tolerance (fp16 rounding of a dense
+# vector of ~150k entries stays far inside it); anything else is a malformed request.
+_MASS_TOLERANCE = 1e-2
+
+
+def decode_probs(enc: EncodedProbs, vocab_size: int) -> torch.Tensor:
+    """EncodedProbs -> normalised fp32 probabilities [vocab_size] on the CPU.
+
+    Raises InvalidDistribution for ids outside the vocabulary, duplicate ids, negative or
+    non-finite entries, or a total mass that is not 1.
+    """
+    if enc.is_sparse:
+        ids, values = enc.token_ids, enc.probs
+        assert ids is not None and values is not None
+        if ids.numel() != values.numel():
+            raise InvalidDistribution(
+                f"sparse distribution has {ids.numel()} ids but {values.numel()} probabilities"
+            )
+        if ids.numel() == 0:
+            raise InvalidDistribution("sparse distribution is empty")
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+            raise InvalidDistribution(
+                f"sparse distribution has a token id outside [0, {vocab_size})"
+            )
+        if torch.unique(ids).numel() != ids.numel():
+            raise InvalidDistribution("sparse distribution repeats a token id")
+        out = torch.zeros(vocab_size, dtype=torch.float32)
+        out[ids.long()] = values.float()
+    else:
+        assert enc.dense is not None
+        if enc.dense.numel() != vocab_size:
+            raise InvalidDistribution(
+                f"dense distribution has {enc.dense.numel()} entries, vocabulary has {vocab_size}"
+            )
+        out = enc.dense.float()
+    if not torch.isfinite(out).all() or (out < 0).any():
+        raise InvalidDistribution("distribution has negative or non-finite entries")
+    mass = float(out.sum())
+    if abs(mass - 1.0) > _MASS_TOLERANCE:
+        raise InvalidDistribution(f"distribution sums to {mass:.6f}, expected 1")
+    return out / mass
+
+
+def round_trip(probs: torch.Tensor) -> tuple[EncodedProbs, torch.Tensor]:
+    """Encode probs [vocab] and decode it back: what the drafter samples from.
+
+    Returns (encoded, decoded [vocab] fp32 on probs' device).
+    """
+    enc = encode_probs(probs)
+    return enc, decode_probs(enc, probs.shape[-1]).to(probs.device)
+
+
+def rejection_sample(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+    greedy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verification rule of DESIGN §2, batched.
+
+    draft_tokens: [B, k] int64 (k may be 0).
+    draft_probs:  [B, k, vocab] fp32, the distributions the draft tokens were sampled from
+                  (ignored, may be None, when greedy).
+    target_probs: [B, k+1, vocab] fp32 warped target distributions (when greedy, any scores
+                  whose argmax is the target's token: logits or one-hot probabilities).
+    Returns (accepted_count [B] int64 in 0..k, next_token [B] int64): the output continues
+    with draft_tokens[b, :accepted_count[b]] and then next_token[b] (recovered when
+    accepted_count < k, bonus otherwise).
+    """
+    assert draft_tokens.dim() == 2, f"draft_tokens must be [B, k], got {tuple(draft_tokens.shape)}"
+    batch, k = draft_tokens.shape
+    assert target_probs.shape[:2] == (batch, k + 1), (
+        f"target_probs must be [{batch}, {k + 1}, vocab], got {tuple(target_probs.shape)}"
+    )
+    device = target_probs.device
+    draft_tokens = draft_tokens.to(device)
+    arange_b = torch.arange(batch, device=device)
+
+    if greedy:
+        target_argmax = target_probs.argmax(dim=-1)  # [B, k+1]
+        mismatch = draft_tokens != target_argmax[:, :k]  # [B, k]
+        accepted = _first_true_or(mismatch, k)  # [B]
+        return accepted, target_argmax[arange_b, accepted]
+
+    assert draft_probs is not None and draft_probs.shape == (batch, k, target_probs.shape[-1]), (
+        "draft_probs must be [B, k, vocab] matching target_probs"
+    )
+    draft_probs = draft_probs.to(device)
+    if k == 0:
+        return (
+            torch.zeros(batch, dtype=torch.long, device=device),
+            sample_from(target_probs[:, 0], generator),
+        )
+
+    idx = draft_tokens.unsqueeze(-1)  # [B, k, 1]
+    p_draft = target_probs[:, :k].gather(-1, idx).squeeze(-1)  # [B, k]
+    q_draft = draft_probs.gather(-1, idx).squeeze(-1)  # [B, k]
+    uniform = torch.rand(batch, k, generator=generator, device=device)  # [B, k]
+    # u < p/q without a division. A draft token with q = 0 cannot have been drawn from q;
+    # it is rejected, which keeps the output exact even for such a malformed draft.
+    accept = (uniform * q_draft < p_draft) & (q_draft > 0)  # [B, k]
+    accepted = _first_true_or(~accept, k)  # [B]
+
+    rejected_rows = accepted < k
+    # Residual norm(max(0, p - q)) at the rejected position; bonus row p_{k+1} otherwise.
+    pos = accepted.clamp(max=k - 1)
+    residual = (target_probs[arange_b, pos] - draft_probs[arange_b, pos]).clamp_min(0)  # [B, V]
+    mass = residual.sum(dim=-1, keepdim=True)  # [B, 1]
+    # p == q (mass 0) makes rejection impossible in exact arithmetic; with rounding it can
+    # still happen, and then p itself is the correct distribution.
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), target_probs[arange_b, pos])
+    next_dist = torch.where(rejected_rows.unsqueeze(-1), residual, target_probs[:, k])  # [B, V]
+    return accepted, sample_from(next_dist, generator)
+
+
+def _first_true_or(mask: torch.Tensor, default: int) -> torch.Tensor:
+    """Index of the first True in each row of mask [B, n], or `default` where none is True."""
+    batch, n = mask.shape
+    if n == 0:
+        return torch.full((batch,), default, dtype=torch.long, device=mask.device)
+    positions = torch.arange(n, device=mask.device).expand(batch, n)
+    big = torch.full_like(positions, default)
+    return torch.where(mask, positions, big).min(dim=-1).values

@@ -1,0 +1,64 @@
+"""The verifier's domain logic: one target forward over new tokens + draft, then the rule."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.common.runtime import ModelRuntime, Prefix
+from specdec.common.sampling import SamplingParams, make_generator, rejection_sample, warp
+
+# Salt of the verifier's random stream (the drafter uses "draft").
+VERIFY_SALT = "verify"
+
+
+@dataclass
+class Verdict:
+    accepted: int  # 0..k
+    next_token: int  # recovered (accepted < k) or bonus (accepted == k)
+    bonus: bool
+    cached_length: int
+    forward_ms: float
+
+
+def verify(
+    runtime: ModelRuntime,
+    session_id: str,
+    prefix: Prefix,
+    new_tokens: Sequence[int],
+    draft_tokens: Sequence[int],
+    draft_probs: torch.Tensor | None,
+    params: SamplingParams,
+) -> Verdict:
+    """Score draft_tokens [k] (sampled from draft_probs [k, vocab]) after prefix + new_tokens.
+
+    Runs on the model thread. The cache ends holding prefix + new_tokens + accepted drafts.
+    """
+    started = time.perf_counter()
+    k = len(draft_tokens)
+    session, logits = runtime.extend(
+        session_id, prefix, [*new_tokens, *draft_tokens], len(new_tokens) + k
+    )
+    target_logits = logits[-(k + 1) :]  # [k+1, vocab]
+    drafts = torch.tensor([list(draft_tokens)], dtype=torch.long)  # [1, k]
+    if params.greedy:
+        accepted, next_token = rejection_sample(drafts, None, target_logits[None], None, True)
+    else:
+        target_probs = warp(target_logits, params)[None]  # [1, k+1, vocab]
+        position = prefix.length + len(new_tokens)  # index of d_1 in the sequence
+        gen = make_generator(params.seed, VERIFY_SALT, position, runtime.device)
+        accepted, next_token = rejection_sample(
+            drafts, draft_probs[None].to(runtime.device), target_probs, gen, False
+        )
+    n = int(accepted[0])
+    runtime.store.truncate(session, len(session.tokens) - (k - n))  # roll back rejected drafts
+    return Verdict(
+        accepted=n,
+        next_token=int(next_token[0]),
+        bonus=n == k,
+        cached_length=len(session.tokens),
+        forward_ms=(time.perf_counter() - started) * 1e3,
+    )

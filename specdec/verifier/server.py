@@ -1,0 +1,67 @@
+"""VerifierService: a thin servicer over specdec.verifier.scorer."""
+
+from __future__ import annotations
+
+import argparse
+
+from specdec.common.convert import decode_draft_probs, prefix_from_proto, sampling_from_proto
+from specdec.common.errors import InvalidRequest
+from specdec.common.replica import ReplicaServicer, run_replica
+from specdec.common.serving import rpc_errors
+from specdec.v1 import verifier_pb2, verifier_pb2_grpc
+from specdec.verifier.scorer import verify
+
+SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name
+
+
+class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceServicer):
+    @rpc_errors
+    async def Verify(
+        self, request: verifier_pb2.VerifyRequest, context
+    ) -> verifier_pb2.VerifyResponse:
+        rt = self.ready_runtime()
+        draft_tokens = list(request.draft_tokens)
+        k = len(draft_tokens)
+        if k > rt.config.max_draft_tokens:
+            raise InvalidRequest(
+                f"draft of {k} tokens exceeds max_draft_tokens {rt.config.max_draft_tokens}"
+            )
+        rt.validate_tokens("draft_tokens", draft_tokens)
+        params = sampling_from_proto(request.sampling)
+        prefix = prefix_from_proto(request.prefix)
+        new_tokens = list(request.new_tokens)
+        self.check_extent(request.session_id, prefix, new_tokens, k)
+        draft_probs = None
+        if request.draft_probs or not params.greedy:
+            if len(request.draft_probs) != k:
+                raise InvalidRequest(
+                    f"draft_probs has {len(request.draft_probs)} distributions for {k} draft "
+                    "tokens (sampling needs one per draft token)"
+                )
+            draft_probs = decode_draft_probs(request.draft_probs, rt.vocab_size)  # [k, vocab]
+        verdict = await rt.run(
+            verify, rt, request.session_id, prefix, new_tokens, draft_tokens, draft_probs, params
+        )
+        return verifier_pb2.VerifyResponse(
+            accepted_count=verdict.accepted,
+            next_token=verdict.next_token,
+            next_token_kind=(
+                verifier_pb2.NEXT_TOKEN_KIND_BONUS
+                if verdict.bonus
+                else verifier_pb2.NEXT_TOKEN_KIND_RECOVERED
+            ),
+            cached_length=verdict.cached_length,
+            forward_ms=verdict.forward_ms,
+        )
+
+
+def main(args: argparse.Namespace) -> None:
+    run_replica(
+        "verifier",
+        args,
+        SERVICE_NAME,
+        VerifierServicer,
+        lambda servicer, server: verifier_pb2_grpc.add_VerifierServiceServicer_to_server(
+            servicer, server
+        ),
+    )
