@@ -8,21 +8,8 @@ import torch
 
 from specdec.common.errors import InvalidRequest
 from specdec.common.runtime import Prefix
-from specdec.common.sampling import EncodedProbs, InvalidDistribution, SamplingParams, decode_probs
+from specdec.common.sampling import EncodedProbs, InvalidDistribution, decode_probs
 from specdec.v1 import common_pb2
-
-
-def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Proto sampling -> SamplingParams; top_p 0 reads as unset (1.0)."""
-    try:
-        return SamplingParams(
-            temperature=float(msg.temperature),
-            top_p=float(msg.top_p) if msg.top_p != 0 else 1.0,
-            top_k=int(msg.top_k),
-            seed=int(msg.seed) if msg.HasField("seed") else None,
-        )
-    except ValueError as e:
-        raise InvalidRequest(f"sampling: {e}") from None
 
 
 def prefix_from_proto(msg: common_pb2.CachedPrefix) -> Prefix:

@@ -20,10 +20,11 @@ draft token was drawn from, rounding included.
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass
 
 import torch
+
+from specdec.common.params import SamplingParams
 
 __all__ = [
     "EncodedProbs",
@@ -37,37 +38,6 @@ __all__ = [
     "sample_from",
     "warp",
 ]
-
-# Largest accepted top_k; larger values behave like 0 (no filter) and are most likely a
-# client bug, so they are refused rather than silently clamped.
-MAX_TOP_K = 1 << 20
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Sampling parameters (the same on drafter and verifier).
-
-    temperature: 0 = greedy. top_p in (0, 1]. top_k: 0 = off. seed: None = fresh entropy.
-    """
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.top_k <= MAX_TOP_K:
-            raise ValueError(f"top_k must be in [0, {MAX_TOP_K}] (0 = off), got {self.top_k}")
-        if self.seed is not None and not 0 <= self.seed < 1 << 64:
-            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 def make_generator(seed: int | None, salt: str, position: int, device: torch.device | str = "cpu"):

@@ -30,27 +30,43 @@ CHANNEL_OPTIONS = [
 ]
 
 
+async def _abort(context: grpc.aio.ServicerContext, method_name: str, e: Exception):
+    if isinstance(e, SpecdecError):
+        await context.abort(e.code, str(e))
+    log.exception("unexpected error in %s", method_name, exc_info=e)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+
+
 def rpc_errors(method):
     """Map domain errors to gRPC status codes; anything unexpected is INTERNAL and logged.
 
-    A failing request never takes the server down.
+    A failing request never takes the server down. Wraps unary methods.
     """
 
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
         try:
             return await method(self, request, context)
-        except SpecdecError as e:
-            await context.abort(e.code, str(e))
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
-        except grpc.aio.AbortError:
+        except Exception as e:  # the one place errors become statuses
+            await _abort(context, method.__name__, e)
+
+    return wrapper
+
+
+def stream_rpc_errors(method):
+    """rpc_errors for server-streaming methods (async generators)."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            async for item in method(self, request, context):
+                yield item
+        except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
-        except Exception as e:
-            log.exception("unexpected error in %s", method.__name__)
-            await context.abort(
-                grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
-            )
+        except Exception as e:  # the one place errors become statuses
+            await _abort(context, method.__name__, e)
 
     return wrapper
 

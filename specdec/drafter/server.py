@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from specdec.common.convert import encoded_to_proto, prefix_from_proto, sampling_from_proto
+from specdec.common.convert import encoded_to_proto, prefix_from_proto
 from specdec.common.errors import InvalidRequest
+from specdec.common.params import sampling_from_proto
 from specdec.common.replica import ReplicaServicer, run_replica
 from specdec.common.serving import rpc_errors
 from specdec.drafter.proposer import propose

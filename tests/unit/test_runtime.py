@@ -1,0 +1,81 @@
+"""ModelRuntime in-process: KV cache per session, rollback, LRU eviction, cache misses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.common.config import ReplicaConfig
+from specdec.common.errors import CacheMiss, CapacityExceeded, InvalidRequest
+from specdec.common.prefix import prefix_hash
+from specdec.common.runtime import ModelRuntime, Prefix
+
+
+def p(tokens, n):
+    return Prefix(n, prefix_hash(tokens[:n]))
+
+
+@pytest.fixture(scope="module")
+def runtime(test_models):
+    rt = ModelRuntime(
+        ReplicaConfig(role="verifier", model=str(test_models.target), max_cached_tokens=100)
+    )
+    rt.load()
+    yield rt
+    rt.shutdown()
+
+
+def full_logits(rt, tokens):
+    with torch.inference_mode():
+        return rt.model(input_ids=torch.tensor([tokens])).logits[0].float()
+
+
+def test_rollback_then_continue_matches_fresh_forward(runtime):
+    toks = list(range(20, 45))
+    session, logits = runtime.extend("r", p(toks, 0), toks[:20], 20)
+    torch.testing.assert_close(logits, full_logits(runtime, toks[:20]), atol=1e-4, rtol=1e-4)
+    runtime.forward(session, [99, 98, 97])  # a draft that is then rejected
+    runtime.store.truncate(session, 20)
+    assert session.tokens == toks[:20]
+    _, logits = runtime.extend("r", p(toks, 20), toks[20:], 5)
+    torch.testing.assert_close(logits, full_logits(runtime, toks)[20:], atol=1e-4, rtol=1e-4)
+    # Cropping to an earlier prefix through the request itself.
+    _, logits = runtime.extend("r", p(toks, 10), toks[10:], 15)
+    torch.testing.assert_close(logits, full_logits(runtime, toks)[10:], atol=1e-4, rtol=1e-4)
+
+
+def test_cache_miss_cases(runtime):
+    toks = list(range(5, 15))
+    runtime.extend("m", p(toks, 0), toks, 10)
+    with pytest.raises(CacheMiss, match="not cached"):
+        runtime.extend("unknown", p(toks, 3), toks[3:], 7)
+    with pytest.raises(CacheMiss, match="holds 10 tokens"):
+        runtime.extend("m", p([*toks, 1, 2], 12), [3], 1)
+    with pytest.raises(CacheMiss, match="different tokens"):
+        runtime.extend("m", p([0, *toks[1:]], 10), [3], 1)
+    # A miss leaves the session as it was.
+    assert runtime.store.tokens("m") == toks
+
+
+def test_lru_eviction_and_capacity(runtime):
+    for sid in ("r", "m"):  # sessions of the earlier tests
+        runtime.release(sid)
+    assert len(runtime.store) == 0
+    a, b, c = [1] * 40, [2] * 40, [3] * 40
+    runtime.extend("e1", p(a, 0), a, 40)
+    runtime.extend("e2", p(b, 0), b, 40)
+    runtime.extend("e1", p(a, 40), [4], 1)  # e1 used last: e2 is now least recent
+    runtime.extend("e3", p(c, 0), c, 40)
+    assert "e2" not in runtime.store and "e1" in runtime.store and "e3" in runtime.store
+    assert runtime.store.cached_tokens <= 100
+    with pytest.raises(CapacityExceeded):
+        runtime.extend("big", p([], 0), [1] * 101, 101)
+
+
+def test_validation(runtime):
+    with pytest.raises(InvalidRequest, match="empty"):
+        runtime.validate_extent(Prefix(0, 0), [], 0)
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        runtime.validate_extent(Prefix(0, 0), [runtime.vocab_size], 0)
+    with pytest.raises(InvalidRequest, match="context"):
+        runtime.validate_extent(Prefix(500, 0), [1] * 10, 3)
