@@ -1,0 +1,62 @@
+"""Fixtures shared by unit and integration tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.modelfactory import TestModels, build_test_models
+
+
+@pytest.fixture(scope="session")
+def test_models(tmp_path_factory) -> TestModels:
+    """Tiny fp32 target / drafts and their shared tokenizer, built once per test session."""
+    return build_test_models(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def target_model(test_models):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(test_models.target, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(test_models):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(test_models.tokenizer)
+
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "The quick brown fox",
+    "import numpy as np\n",
+    "Once upon a time, in a land far away,",
+    "for i in range(10):\n    print(",
+    "SELECT name FROM users WHERE",
+]
+
+
+@pytest.fixture(scope="session")
+def reference(target_model, tokenizer):
+    """reference(prompt_ids, n) -> target.generate(do_sample=False) continuation ids."""
+    import torch
+
+    cache: dict[tuple, list[int]] = {}
+
+    def generate(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        key = (tuple(prompt_ids), max_new_tokens)
+        if key not in cache:
+            ids = torch.tensor([prompt_ids])
+            with torch.inference_mode():
+                out = target_model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=False,
+                    max_new_tokens=max_new_tokens,
+                )
+            cache[key] = out[0, len(prompt_ids) :].tolist()
+        return cache[key]
+
+    return generate

@@ -1,0 +1,336 @@
+"""Tiny random causal LMs and a shared tokenizer for exactness tests.
+
+Nothing is downloaded: the tokenizer is a byte-level BPE trained in code on a
+small built-in corpus, and the models are plain ``LlamaForCausalLM`` (fp32,
+safetensors, no custom code) with a deliberately "loud" random initialisation.
+
+Why not the default init (std 0.02)? A tiny model initialised that way repeats
+one token and its logits are nearly tied, so an exactness test of speculative
+decoding either passes trivially or flips on fp32 rounding. Here:
+
+* embeddings are N(0, 1) and every projection is N(0, (BLOCK_GAIN/sqrt(fan_in))^2),
+  so attention and MLP outputs are of the same order as the token embedding:
+  greedy output depends on the context and wanders through many distinct
+  tokens instead of settling into a short loop;
+* the lm_head is N(0, (LOGIT_STD/sqrt(hidden))^2), so (after the final RMSNorm)
+  logits have a standard deviation of about LOGIT_STD: the top-1/top-2 gap at
+  greedy steps has a median around 1.4, far above the ~1e-5 differences
+  between a multi-token forward and one-token-at-a-time decoding;
+* the lm_head rows of the special tokens (pad/bos/eos) and of byte tokens that
+  do not decode to printable ASCII are zero: their logit is exactly 0 while the
+  best ordinary token is typically ~15 above, so greedy generation never emits
+  EOS and its text is printable ASCII that decodes cleanly token by token.
+  (Sampling at temperature 1 picks one of them with probability ~1e-5 a step.)
+
+``draft_noisy`` is the target plus Gaussian noise of NOISE_REL times each
+tensor's std: its greedy token matches the target's on roughly 75-80% of the
+positions of target-generated text. ``draft_small`` is an independently
+initialised smaller model with the same vocabulary: it almost never agrees.
+
+The tokenizer adds no BOS/EOS on encode (``tok(text).input_ids`` is just the
+text), so ``tok.decode(tok(text).input_ids) == text`` for any text; the chat
+template puts ``<|bos|>`` in front.
+
+Usage::
+
+    models = build_test_models(tmp_path)          # deterministic for a seed
+    AutoModelForCausalLM.from_pretrained(models.target, dtype=torch.float32)
+    AutoTokenizer.from_pretrained(models.tokenizer)
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+__all__ = ["TestModels", "build_test_models"]
+
+BOS_TOKEN = "<|bos|>"
+EOS_TOKEN = "<|eos|>"
+PAD_TOKEN = "<|pad|>"
+SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN]  # ids 0, 1, 2
+
+TOKENIZER_VOCAB_SIZE = 384
+MAX_POSITIONS = 512
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+# Target: hidden 64, 3 layers, 4 heads of 16 (2 kv heads), MLP 192.
+TARGET_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=192,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+# Draft: hidden 32, 2 layers, 2 heads of 16 (1 kv head), MLP 96.
+DRAFT_SMALL_SHAPE = dict(
+    hidden_size=32,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+)
+
+# Initialisation gains (see _init_weights).
+EMBED_STD = 1.0
+BLOCK_GAIN = 1.25  # each projection: std = BLOCK_GAIN / sqrt(fan_in)
+LOGIT_STD = 6.0  # lm_head std = LOGIT_STD / sqrt(hidden): logits ~ N(0, LOGIT_STD^2)
+# draft_noisy: noise std = NOISE_REL * (std of the tensor it is added to).
+NOISE_REL = 0.035
+ANTI_REPEAT = 3.0
+
+# A small English + code corpus for the BPE. Content does not matter much; it
+# only has to give the trainer enough pairs to reach TOKENIZER_VOCAB_SIZE.
+_CORPUS = r'''
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles
+begins with a single step. Speculative decoding lets a small draft model
+propose several tokens that a large target model then verifies in a single
+forward pass. When the draft agrees with the target, many tokens are accepted
+at once; when it does not, the target's own token is used and the draft starts
+again from there. The output is exactly what the target would have produced
+on its own, only faster.
+
+Once upon a time there was a little server that answered every request with
+the same greeting. The operators wanted it to say something new each time, so
+they gave it a model, a tokenizer and a queue of prompts. It learned to read
+the prompts, to think about them, and to write the answers one token at a
+time. Then the requests grew, and the server became a cluster of services
+that talked to each other over the network: a gateway, a drafter and a
+verifier. Each of them kept its own cache and its own clock.
+
+What is the capital of France? Paris is the capital and the largest city of
+France. How many days are there in a week? There are seven days in a week.
+Please write a short poem about the sea, the wind and the stars at night.
+Hello, world! How are you today? I am fine, thank you, and you?
+
+def fibonacci(n: int) -> int:
+    """Return the n-th Fibonacci number."""
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+
+
+class Counter:
+    def __init__(self, start: int = 0) -> None:
+        self.value = start
+
+    def increment(self, step: int = 1) -> int:
+        self.value += step
+        return self.value
+
+    def __repr__(self) -> str:
+        return f"Counter(value={self.value})"
+
+
+def read_lines(path):
+    with open(path, "r", encoding="utf-8") as handle:
+        return [line.rstrip("\n") for line in handle if line.strip()]
+
+
+async def fetch_all(client, urls):
+    results = {}
+    for url in urls:
+        response = await client.get(url, timeout=10.0)
+        if response.status_code == 200:
+            results[url] = response.json()
+        else:
+            results[url] = None
+    return results
+
+
+import numpy as np
+
+x = np.arange(10, dtype=np.float32)
+y = x * 2.0 + 1.0
+print("mean:", y.mean(), "max:", y.max())
+
+for i in range(3):
+    if i % 2 == 0:
+        print(i, "is even")
+    else:
+        print(i, "is odd")
+
+{"name": "specdec", "version": "0.1.0", "tokens": [1, 2, 3], "ok": true}
+SELECT id, name, created_at FROM users WHERE active = 1 ORDER BY created_at DESC;
+int main(void) { printf("hello %d\n", 42); return 0; }
+const add = (a, b) => a + b; let total = [1, 2, 3].reduce(add, 0);
+'''
+
+
+@dataclass(frozen=True)
+class TestModels:
+    __test__ = False  # not a pytest test class despite the name
+
+    root: Path
+    tokenizer: Path  # AutoTokenizer.from_pretrained(tokenizer)
+    target: Path  # AutoModelForCausalLM.from_pretrained(target); has tokenizer files too
+    draft_noisy: Path  # target + small noise: agrees with target's greedy token often
+    draft_small: Path  # smaller, independently initialised; same vocab
+    vocab_size: int
+    eos_token_id: int
+
+
+def _build_tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS], trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        model_max_length=MAX_POSITIONS,
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+_TEXT_CHARS = frozenset(string.ascii_letters + string.digits + string.punctuation + " \n\t")
+
+
+def _suppressed_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
+    """Special tokens, and byte tokens that do not decode to printable ASCII.
+
+    Their lm_head rows are zeroed so that greedy output is printable ASCII text
+    that decodes cleanly token by token (no split UTF-8 sequences, no control
+    bytes) and never stops early on EOS.
+    """
+    out = []
+    for tid in range(len(tokenizer)):
+        text = tokenizer.decode([tid])
+        if tid in tokenizer.all_special_ids or not text or not set(text) <= _TEXT_CHARS:
+            out.append(tid)
+    return out
+
+
+def _make_config(shape: dict, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+        **shape,
+    )
+
+
+@torch.no_grad()
+def _init_weights(model: LlamaForCausalLM, gen: torch.Generator, suppressed_ids: list[int]) -> None:
+    """Overwrite every parameter with a deterministic, "loud" random init."""
+    hidden = model.config.hidden_size
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name == "model.embed_tokens.weight":
+            param.normal_(0.0, EMBED_STD, generator=gen)
+        elif name == "lm_head.weight":
+            param.normal_(0.0, LOGIT_STD / math.sqrt(hidden), generator=gen)
+            param.sub_(model.model.embed_tokens.weight * (ANTI_REPEAT / math.sqrt(hidden)))
+            param[suppressed_ids] = 0.0  # logit exactly 0: these (almost) never win
+        elif param.dim() == 2:  # q/k/v/o and MLP projections: [out, in]
+            param.normal_(0.0, BLOCK_GAIN / math.sqrt(param.shape[1]), generator=gen)
+        else:
+            raise AssertionError(f"unexpected parameter {name} {tuple(param.shape)}")
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    """A generator per model, so that each model depends only on (seed, name)."""
+    digest = hashlib.sha256(f"specdec-test-models/{seed}/{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+def _new_model(config: LlamaConfig, gen: torch.Generator, suppressed_ids: list[int]):
+    # fork_rng: building the module draws from the global RNG; leave the caller's alone.
+    with torch.random.fork_rng(devices=[]):
+        model = LlamaForCausalLM(config)
+    model.to(torch.float32)
+    _init_weights(model, gen, suppressed_ids)
+    model.eval()
+    return model
+
+
+@torch.no_grad()
+def _add_noise(model: LlamaForCausalLM, gen: torch.Generator, suppressed_ids: list[int]) -> None:
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            continue  # constant ones: keep them exact
+        param.add_(torch.randn(param.shape, generator=gen) * (NOISE_REL * param.std().item()))
+        if name == "lm_head.weight":
+            param[suppressed_ids] = 0.0
+
+
+def _save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, path: Path) -> Path:
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+    )
+    model.save_pretrained(path)  # model.safetensors + config.json + generation_config.json
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def build_test_models(root: Path, seed: int = 0) -> TestModels:
+    """Build the tokenizer and three tiny Llama models under ``root``.
+
+    Layout: ``root/tokenizer``, ``root/target``, ``root/draft_noisy`` and
+    ``root/draft_small``; each model directory holds the tokenizer files too.
+    Deterministic for a given ``seed`` (the tokenizer does not depend on it);
+    takes a fraction of a second. Existing files are overwritten.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = _build_tokenizer()
+    tok_dir = root / "tokenizer"
+    tokenizer.save_pretrained(tok_dir)
+    suppressed_ids = _suppressed_ids(tokenizer)
+
+    target_config = _make_config(TARGET_SHAPE, tokenizer)
+    target = _new_model(target_config, _generator(seed, "target"), suppressed_ids)
+    noisy = copy.deepcopy(target)
+    _add_noise(noisy, _generator(seed, "draft_noisy"), suppressed_ids)
+    small_config = _make_config(DRAFT_SMALL_SHAPE, tokenizer)
+    small = _new_model(small_config, _generator(seed, "draft_small"), suppressed_ids)
+
+    return TestModels(
+        root=root,
+        tokenizer=tok_dir,
+        target=_save(target, tokenizer, root / "target"),
+        draft_noisy=_save(noisy, tokenizer, root / "draft_noisy"),
+        draft_small=_save(small, tokenizer, root / "draft_small"),
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+    )
