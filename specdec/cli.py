@@ -8,12 +8,14 @@ import sys
 from specdec.common.config import ConfigError
 
 
-def _serve_replica(role: str):
+def _serve(service: str):
     def run(args: argparse.Namespace) -> None:
-        if role == "drafter":
+        if service == "drafter":
             from specdec.drafter.server import main
-        else:
+        elif service == "verifier":
             from specdec.verifier.server import main
+        else:
+            from specdec.gateway.server import main
         main(args)
 
     return run
@@ -21,6 +23,9 @@ def _serve_replica(role: str):
 
 def build_parser() -> argparse.ArgumentParser:
     from specdec.common.config import ReplicaConfig
+    from specdec.gateway.config import GatewayConfig
+    from specdec.sdk.cli_generate import add_generate_parser
+    from specdec.stack import add_up_parser
 
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -30,7 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     for role, port in (("drafter", 50061), ("verifier", 50062)):
         p = services.add_parser(role, help=f"the {role} service")
         ReplicaConfig.add_arguments(p, default_port=port)
-        p.set_defaults(func=_serve_replica(role))
+        p.set_defaults(func=_serve(role))
+    p = services.add_parser("gateway", help="the gateway (public API, speculation loop)")
+    GatewayConfig.add_arguments(p)
+    p.set_defaults(func=_serve("gateway"))
+
+    add_generate_parser(commands)
+    add_up_parser(commands)
     return parser
 
 
@@ -38,13 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        args.func(args)
+        return args.func(args) or 0
     except ConfigError as e:
         print(f"specdec: configuration error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    return 0
 
 
 if __name__ == "__main__":

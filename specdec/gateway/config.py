@@ -1,0 +1,90 @@
+"""Gateway configuration, read once at start-up (flags win over SPECDEC_* variables)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from specdec.common.config import (
+    ConfigError,
+    add_setting,
+    env_name,
+    non_negative,
+    parse_value,
+    port_number,
+    positive,
+)
+
+
+def address_list(raw: str) -> tuple[str, ...]:
+    addresses = tuple(a.strip() for a in raw.split(",") if a.strip())
+    for a in addresses:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{a!r} is not HOST:PORT")
+    if len(set(addresses)) != len(addresses):
+        raise ValueError("an address is listed twice")
+    return addresses
+
+
+def non_empty(value) -> str | None:
+    return None if value else "must name at least one HOST:PORT"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    drafters: tuple[str, ...]
+    verifiers: tuple[str, ...]
+    redis_url: str | None = None
+    host: str = "0.0.0.0"
+    port: int = 50051
+    metrics_port: int = 0
+    default_k: int = 4
+    max_new_tokens: int = 4096
+    session_ttl: int = 3600
+    max_session_ttl: int = 30 * 24 * 3600
+    rpc_timeout: float = 120.0
+    startup_timeout: float = 900.0
+    grace_seconds: float = 10.0
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        add_setting(parser, "--drafter", "drafter replicas, HOST:PORT[,HOST:PORT...]")
+        add_setting(parser, "--verifier", "verifier replicas, HOST:PORT[,HOST:PORT...]")
+        add_setting(parser, "--redis", "Redis URL for sessions (empty: in-process only)", "")
+        add_setting(parser, "--host", "address to listen on", "0.0.0.0")
+        add_setting(parser, "--port", "gRPC port (0: any free port)", 50051)
+        add_setting(parser, "--metrics-port", "Prometheus /metrics port (0: off)", 0)
+        add_setting(parser, "--default-k", "draft length when a request sets none", 4)
+        add_setting(parser, "--max-new-tokens", "largest max_new_tokens a request may ask", 4096)
+        add_setting(parser, "--session-ttl", "seconds an idle session is kept", 3600)
+        add_setting(parser, "--rpc-timeout", "deadline of each drafter/verifier call (s)", 120.0)
+        add_setting(
+            parser, "--startup-timeout", "how long to wait for replicas at start (s)", 900.0
+        )
+        add_setting(parser, "--grace-seconds", "graceful shutdown window on SIGTERM", 10.0)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> GatewayConfig:
+        def seconds(v: float) -> str | None:
+            return None if v > 0 else "must be > 0"
+
+        cfg = cls(
+            drafters=parse_value(args, "--drafter", address_list, non_empty),
+            verifiers=parse_value(args, "--verifier", address_list, non_empty),
+            redis_url=args.redis or None,
+            host=parse_value(args, "--host", str),
+            port=parse_value(args, "--port", int, port_number),
+            metrics_port=parse_value(args, "--metrics-port", int, port_number),
+            default_k=parse_value(args, "--default-k", int, non_negative),
+            max_new_tokens=parse_value(args, "--max-new-tokens", int, positive),
+            session_ttl=parse_value(args, "--session-ttl", int, positive),
+            rpc_timeout=parse_value(args, "--rpc-timeout", float, seconds),
+            startup_timeout=parse_value(args, "--startup-timeout", float, seconds),
+            grace_seconds=parse_value(args, "--grace-seconds", float, non_negative),
+        )
+        if cfg.redis_url and not cfg.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(
+                f"--redis / {env_name('--redis')}: not a redis:// URL: {cfg.redis_url!r}"
+            )
+        return cfg

@@ -1,0 +1,33 @@
+"""Gateway Prometheus metrics. Names follow vLLM's spec-decode metrics where one exists."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+PREFIX = "specdec_gateway_"
+
+REQUESTS = Counter(PREFIX + "requests", "Finished requests", ["finish_reason"])
+REQUEST_ERRORS = Counter(PREFIX + "request_errors", "Failed requests", ["code"])
+IN_FLIGHT = Gauge(PREFIX + "requests_in_flight", "Requests being generated")
+PROMPT_TOKENS = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed")
+GENERATION_TOKENS = Counter(PREFIX + "generation_tokens", "Tokens generated")
+NUM_DRAFTS = Counter(PREFIX + "spec_decode_num_drafts", "Speculation rounds with a draft")
+NUM_DRAFT_TOKENS = Counter(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens proposed")
+NUM_ACCEPTED_TOKENS = Counter(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted")
+ACCEPTED_PER_POS = Counter(
+    PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+    "Draft tokens accepted, by position in the draft",
+    ["position"],
+)
+CACHE_MISSES = Counter(PREFIX + "replica_cache_misses", "Full-context resends after a cache miss")
+FAILOVERS = Counter(PREFIX + "replica_failovers", "Calls moved to another replica", ["role"])
+TTFT = Histogram(
+    PREFIX + "time_to_first_token_seconds",
+    "Time to first token",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+ITL = Histogram(
+    PREFIX + "inter_token_latency_seconds",
+    "Time per output token after the first",
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)

@@ -1,0 +1,173 @@
+"""``specdec generate``: one generation through the gateway, streamed or as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from specdec.sdk.client import DEFAULT_TIMEOUT, Client, build_generate_request
+from specdec.sdk.errors import SpecdecError
+from specdec.sdk.types import Generation
+
+__all__ = ["DEFAULT_GATEWAY", "add_generate_parser", "run_generate"]
+
+DEFAULT_GATEWAY = "127.0.0.1:50051"
+
+
+def _token_ids(value: str) -> list[int]:
+    try:
+        ids = [int(part) for part in value.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of ints: {value!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("no token ids given")
+    return ids
+
+
+def _positive_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0: {value!r}")
+    return number
+
+
+def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``generate`` subcommand to an ``add_subparsers()`` object; returns its parser."""
+    p = subparsers.add_parser(
+        "generate",
+        help="generate text through a gateway",
+        description=(
+            "Generate a completion through the specdec gateway. Streams the text to stdout "
+            "and a summary to stderr, or prints one JSON object with --json."
+        ),
+    )
+    p.add_argument(
+        "--gateway",
+        metavar="ADDR",
+        default=None,
+        help=f"gateway host:port (default: $SPECDEC_GATEWAY, else {DEFAULT_GATEWAY})",
+    )
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", metavar="TEXT", help="prompt text ('-': read stdin)")
+    source.add_argument(
+        "--token-ids", metavar="1,2,3", type=_token_ids, help="already tokenized prompt"
+    )
+    p.add_argument("--max-new-tokens", metavar="N", type=int, default=128)
+    p.add_argument("--temperature", metavar="T", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", metavar="P", type=float, default=1.0)
+    p.add_argument("--top-k", metavar="K", type=int, default=0, help="0: no top-k filter")
+    p.add_argument("--seed", metavar="S", type=int, default=None)
+    p.add_argument(
+        "--stop",
+        metavar="STR",
+        action="append",
+        default=[],
+        help="stop before this string (repeatable)",
+    )
+    p.add_argument(
+        "--k",
+        metavar="K",
+        type=int,
+        default=None,
+        help="draft tokens per round (default: the server's; 0: no speculation)",
+    )
+    p.add_argument(
+        "--ssd",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="speculative speculative decoding on/off (default: the server's)",
+    )
+    p.add_argument("--session", metavar="ID", default=None, help="continue this session")
+    p.add_argument(
+        "--reset-session", action="store_true", help="forget the session's earlier history"
+    )
+    p.add_argument(
+        "--session-ttl",
+        metavar="SECONDS",
+        type=int,
+        default=0,
+        help="idle time after which the session is forgotten (default: the server's)",
+    )
+    p.add_argument(
+        "--timeout",
+        metavar="SECONDS",
+        type=_positive_float,
+        default=None,
+        help=f"deadline of the call (default: {DEFAULT_TIMEOUT:g})",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object, no streaming")
+    p.set_defaults(func=run_generate)
+    return p
+
+
+def _summary(gen: Generation, wall_s: float) -> str:
+    tokens_per_s = gen.tokens_per_second
+    if tokens_per_s == 0.0 and wall_s > 0:
+        tokens_per_s = gen.usage.completion_tokens / wall_s
+    parts = [
+        f"{gen.usage.completion_tokens} tokens",
+        f"finish={gen.finish_reason}",
+        f"acceptance={gen.stats.acceptance_rate:.1%}",
+        f"{tokens_per_s:.1f} tok/s",
+        f"{gen.stats.rounds} rounds",
+    ]
+    if gen.session_id:
+        parts.append(f"session={gen.session_id}")
+    return "[" + ", ".join(parts) + "]"
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Run ``specdec generate``; returns the process exit code."""
+    gateway = args.gateway or os.environ.get("SPECDEC_GATEWAY") or DEFAULT_GATEWAY
+    prompt = args.prompt
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    request: dict[str, Any] = {
+        "token_ids": args.token_ids,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop": tuple(args.stop or ()),
+        "session_id": args.session,
+        "reset_session": args.reset_session,
+        "session_ttl_seconds": args.session_ttl,
+        "k": args.k,
+        "ssd": args.ssd,
+    }
+    try:  # reject bad arguments before connecting
+        build_generate_request(prompt, **request)
+    except (ValueError, TypeError) as e:
+        print(f"specdec: invalid arguments: {e}", file=sys.stderr)
+        return 2
+    timeout = DEFAULT_TIMEOUT if args.timeout is None else args.timeout
+    try:
+        with Client(gateway, timeout=timeout) as client:
+            if args.json:
+                gen = client.generate(prompt, **request)
+                print(json.dumps(gen.to_dict(), ensure_ascii=False))
+                return 0
+            start = time.perf_counter()
+            final: Generation | None = None
+            for chunk in client.stream(prompt, **request):
+                if chunk.text:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                final = chunk.final or final
+            if final is not None:
+                if sys.stdout.isatty() and not final.text.endswith("\n"):
+                    sys.stdout.write("\n")
+                    sys.stdout.flush()
+                print(_summary(final, time.perf_counter() - start), file=sys.stderr)
+            return 0
+    except SpecdecError as e:
+        print(f"specdec: {e.code.name}: {e.details}", file=sys.stderr)
+        return 1

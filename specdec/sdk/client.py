@@ -1,0 +1,393 @@
+"""Sync and asyncio clients for the specdec gateway.
+
+Both clients share one request builder (:func:`build_generate_request`) and one response
+conversion (:func:`~specdec.sdk.types.generation_from_proto` and
+:class:`~specdec.sdk.types.StreamAssembler`); they differ only in transport. gRPC failures
+are raised as :class:`~specdec.sdk.errors.SpecdecError` subclasses, bad arguments as
+``ValueError`` before anything is sent.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from specdec.sdk.errors import from_rpc_error
+from specdec.sdk.types import Generation, StreamAssembler, StreamChunk, generation_from_proto
+from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "MAX_MESSAGE_BYTES",
+    "AsyncClient",
+    "Client",
+    "build_generate_request",
+    "channel_options",
+]
+
+#: Default per-call deadline in seconds.
+DEFAULT_TIMEOUT = 300.0
+#: Send / receive message size limit of the client channel.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class _Default(enum.Enum):
+    TIMEOUT = "client default"
+
+
+#: ``timeout=`` default of a call: the client's own timeout.
+_CLIENT_DEFAULT = _Default.TIMEOUT
+
+
+def channel_options(extra: Sequence[tuple[str, Any]] | None = None) -> list[tuple[str, Any]]:
+    """The channel options used by the clients: 64 MiB messages, then ``extra`` (which wins)."""
+    options: dict[str, Any] = {
+        "grpc.max_send_message_length": MAX_MESSAGE_BYTES,
+        "grpc.max_receive_message_length": MAX_MESSAGE_BYTES,
+    }
+    for key, value in extra or ():
+        options[key] = value
+    return list(options.items())
+
+
+def build_generate_request(
+    prompt: str | None = None,
+    *,
+    token_ids: Sequence[int] | None = None,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    session_id: str | None = None,
+    reset_session: bool = False,
+    session_ttl_seconds: int = 0,
+    k: int | None = None,
+    ssd: bool | None = None,
+) -> gateway_pb2.GenerateRequest:
+    """The ``GenerateRequest`` for these arguments (``ValueError`` / ``TypeError`` if invalid).
+
+    Exactly one of ``prompt`` / ``token_ids``. ``seed``, ``k`` and ``ssd`` left as None stay
+    unset in the message (server defaults); no ``session_id`` means a one-off request.
+    """
+    if (prompt is None) == (token_ids is None):
+        raise ValueError("give exactly one of prompt or token_ids")
+    if isinstance(stop, str):  # a lone string is one stop sequence, not its characters
+        stop = (stop,)
+    if not session_id and (reset_session or session_ttl_seconds):
+        raise ValueError("reset_session and session_ttl_seconds need a session_id")
+
+    request = gateway_pb2.GenerateRequest(
+        max_new_tokens=max_new_tokens,
+        sampling=common_pb2.SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,  # None leaves the optional field unset
+        ),
+        stop=list(stop),
+    )
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str, not {type(prompt).__name__}")
+        request.prompt = prompt
+    else:
+        if isinstance(token_ids, (str, bytes)):
+            raise TypeError("token_ids must be a sequence of ints")
+        request.prompt_token_ids.ids.extend(token_ids)
+    if session_id:
+        request.session.CopyFrom(
+            gateway_pb2.SessionOptions(
+                id=session_id,
+                mode=(
+                    gateway_pb2.SESSION_MODE_RESET
+                    if reset_session
+                    else gateway_pb2.SESSION_MODE_CONTINUE
+                ),
+                ttl_seconds=session_ttl_seconds,
+            )
+        )
+    if k is not None or ssd is not None:
+        request.speculation.CopyFrom(gateway_pb2.SpeculationParams(num_draft_tokens=k, ssd=ssd))
+    return request
+
+
+class _ClientBase:
+    def __init__(self, timeout: float | None) -> None:
+        if timeout is not None and timeout <= 0:
+            raise ValueError("timeout must be > 0 seconds, or None for no deadline")
+        self.timeout = timeout
+
+    def _deadline(self, timeout: float | _Default | None) -> float | None:
+        return self.timeout if timeout is _CLIENT_DEFAULT else timeout
+
+
+class Client(_ClientBase):
+    """Blocking client for the gateway. Thread-safe; use as a context manager or ``close()``.
+
+    ``timeout`` is the default deadline of every call in seconds (None: no deadline);
+    each call can override it with its own ``timeout=``.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        channel_options: Sequence[tuple[str, Any]] | None = None,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        super().__init__(timeout)
+        self.address = address
+        options = _channel_options(channel_options)
+        if credentials is None:
+            self._channel = grpc.insecure_channel(address, options=options)
+        else:
+            self._channel = grpc.secure_channel(address, credentials, options=options)
+        self._stub = gateway_pb2_grpc.GatewayServiceStub(self._channel)
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        session_id: str | None = None,
+        reset_session: bool = False,
+        session_ttl_seconds: int = 0,
+        k: int | None = None,
+        ssd: bool | None = None,
+        timeout: float | _Default | None = _CLIENT_DEFAULT,
+    ) -> Generation:
+        """Generate a completion and return it whole."""
+        request = build_generate_request(
+            prompt,
+            token_ids=token_ids,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
+            session_id=session_id,
+            reset_session=reset_session,
+            session_ttl_seconds=session_ttl_seconds,
+            k=k,
+            ssd=ssd,
+        )
+        try:
+            response = self._stub.Generate(request, timeout=self._deadline(timeout))
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        return generation_from_proto(response)
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        session_id: str | None = None,
+        reset_session: bool = False,
+        session_ttl_seconds: int = 0,
+        k: int | None = None,
+        ssd: bool | None = None,
+        timeout: float | _Default | None = _CLIENT_DEFAULT,
+    ) -> Iterator[StreamChunk]:
+        """Generate a completion chunk by chunk; the last chunk has ``final`` set.
+
+        Arguments are checked now; the call starts on the first ``next()``. Leaving the
+        loop early (or closing the iterator) cancels the call.
+        """
+        request = build_generate_request(
+            prompt,
+            token_ids=token_ids,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
+            session_id=session_id,
+            reset_session=reset_session,
+            session_ttl_seconds=session_ttl_seconds,
+            k=k,
+            ssd=ssd,
+        )
+        return self._stream(request, self._deadline(timeout))
+
+    def _stream(
+        self, request: gateway_pb2.GenerateRequest, timeout: float | None
+    ) -> Iterator[StreamChunk]:
+        assembler = StreamAssembler()
+        call = self._stub.GenerateStream(request, timeout=timeout)
+        try:
+            for message in call:
+                yield assembler.feed(message)
+            assembler.finish()
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            call.cancel()  # no-op once the call has finished
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Client({self.address!r}, timeout={self.timeout!r})"
+
+
+class AsyncClient(_ClientBase):
+    """asyncio client (``grpc.aio``) with the same API as :class:`Client`.
+
+    ``await client.generate(...)``; ``async for chunk in client.stream(...)``;
+    ``async with AsyncClient(...)`` or ``await client.close()``.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        channel_options: Sequence[tuple[str, Any]] | None = None,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        super().__init__(timeout)
+        self.address = address
+        options = _channel_options(channel_options)
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(address, options=options)
+        else:
+            self._channel = grpc.aio.secure_channel(address, credentials, options=options)
+        self._stub = gateway_pb2_grpc.GatewayServiceStub(self._channel)
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        session_id: str | None = None,
+        reset_session: bool = False,
+        session_ttl_seconds: int = 0,
+        k: int | None = None,
+        ssd: bool | None = None,
+        timeout: float | _Default | None = _CLIENT_DEFAULT,
+    ) -> Generation:
+        """Generate a completion and return it whole."""
+        request = build_generate_request(
+            prompt,
+            token_ids=token_ids,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
+            session_id=session_id,
+            reset_session=reset_session,
+            session_ttl_seconds=session_ttl_seconds,
+            k=k,
+            ssd=ssd,
+        )
+        try:
+            response = await self._stub.Generate(request, timeout=self._deadline(timeout))
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        return generation_from_proto(response)
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        session_id: str | None = None,
+        reset_session: bool = False,
+        session_ttl_seconds: int = 0,
+        k: int | None = None,
+        ssd: bool | None = None,
+        timeout: float | _Default | None = _CLIENT_DEFAULT,
+    ) -> AsyncIterator[StreamChunk]:
+        """Generate chunk by chunk (``async for``); the last chunk has ``final`` set.
+
+        Arguments are checked now (not awaited); the call starts on the first iteration.
+        Leaving the loop early cancels the call.
+        """
+        request = build_generate_request(
+            prompt,
+            token_ids=token_ids,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
+            session_id=session_id,
+            reset_session=reset_session,
+            session_ttl_seconds=session_ttl_seconds,
+            k=k,
+            ssd=ssd,
+        )
+        return self._stream(request, self._deadline(timeout))
+
+    async def _stream(
+        self, request: gateway_pb2.GenerateRequest, timeout: float | None
+    ) -> AsyncIterator[StreamChunk]:
+        assembler = StreamAssembler()
+        call = self._stub.GenerateStream(request, timeout=timeout)
+        try:
+            async for message in call:
+                yield assembler.feed(message)
+            assembler.finish()
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            call.cancel()  # no-op once the call has finished
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"AsyncClient({self.address!r}, timeout={self.timeout!r})"
+
+
+# The constructors' ``channel_options`` parameter shadows the function inside them.
+_channel_options = channel_options

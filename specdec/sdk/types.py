@@ -1,0 +1,229 @@
+"""Typed results of a generation, and their conversion from the gateway's proto messages."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from specdec.sdk.errors import InternalError
+from specdec.v1 import gateway_pb2
+
+__all__ = [
+    "Generation",
+    "SpeculationStats",
+    "StreamAssembler",
+    "StreamChunk",
+    "Timings",
+    "Usage",
+    "finish_reason_from_proto",
+    "generation_from_proto",
+    "speculation_stats_from_proto",
+    "timings_from_proto",
+    "usage_from_proto",
+]
+
+_FINISH_REASONS = {
+    gateway_pb2.FINISH_REASON_LENGTH: "length",
+    gateway_pb2.FINISH_REASON_EOS: "eos",
+    gateway_pb2.FINISH_REASON_STOP: "stop",
+}
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    #: Tokens of earlier turns of the session this request continued from.
+    history_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Timings:
+    time_to_first_token_ms: float = 0.0
+    total_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class SpeculationStats:
+    #: Verification rounds (target forward passes).
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    #: accepted_tokens / draft_tokens (0 when nothing was drafted).
+    acceptance_rate: float = 0.0
+    #: Tokens produced per round (accepted + 1).
+    mean_accepted_length: float = 0.0
+    #: accepted_per_position[i]: rounds whose draft token i was accepted.
+    accepted_per_position: tuple[int, ...] = ()
+    #: Draft length the request ran with.
+    num_draft_tokens: int = 0
+    ssd: bool = False
+    ssd_hits: int = 0
+    ssd_misses: int = 0
+    #: Full-context resends after a replica cache miss or failover.
+    cache_misses: int = 0
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A finished generation: what ``Client.generate`` returns and a stream's ``final``."""
+
+    text: str
+    #: Completion token ids (the prompt is not included).
+    tokens: tuple[int, ...]
+    #: "length" | "eos" | "stop" ("unknown" only if the server did not say).
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+    stats: SpeculationStats
+    #: The session continued (or created); "" for a one-off request.
+    session_id: str = ""
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Completion tokens per second of server time (0 when the server gave no timing)."""
+        if self.timings.total_ms <= 0:
+            return 0.0
+        return self.usage.completion_tokens / (self.timings.total_ms / 1000.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (lists for sequences, plain str/int/float/bool values)."""
+        s = self.stats
+        return {
+            "text": self.text,
+            "tokens": list(self.tokens),
+            "finish_reason": self.finish_reason,
+            "usage": {
+                "prompt_tokens": self.usage.prompt_tokens,
+                "completion_tokens": self.usage.completion_tokens,
+                "history_tokens": self.usage.history_tokens,
+            },
+            "timings": {
+                "time_to_first_token_ms": self.timings.time_to_first_token_ms,
+                "total_ms": self.timings.total_ms,
+            },
+            "stats": {
+                "rounds": s.rounds,
+                "draft_tokens": s.draft_tokens,
+                "accepted_tokens": s.accepted_tokens,
+                "acceptance_rate": s.acceptance_rate,
+                "mean_accepted_length": s.mean_accepted_length,
+                "accepted_per_position": list(s.accepted_per_position),
+                "num_draft_tokens": s.num_draft_tokens,
+                "ssd": s.ssd,
+                "ssd_hits": s.ssd_hits,
+                "ssd_misses": s.ssd_misses,
+                "cache_misses": s.cache_misses,
+            },
+            "session_id": self.session_id,
+        }
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """One streamed step: the text and tokens new since the previous chunk.
+
+    The last chunk of a stream has ``final`` set; its text and tokens are those of the
+    whole generation (the concatenation of every chunk's deltas).
+    """
+
+    text: str
+    tokens: tuple[int, ...]
+    final: Generation | None = None
+
+
+def _f32(x: float) -> float:
+    """The shortest decimal that is the same float32 (0.8f reads 0.8, not 0.800000011920929)."""
+    packed = struct.pack("<f", x)
+    for digits in range(6, 10):
+        y = float(f"{x:.{digits}g}")
+        if struct.pack("<f", y) == packed:
+            return y
+    return float(x)
+
+
+def finish_reason_from_proto(reason: int) -> str:
+    return _FINISH_REASONS.get(reason, "unknown")
+
+
+def usage_from_proto(msg: gateway_pb2.Usage) -> Usage:
+    return Usage(
+        prompt_tokens=msg.prompt_tokens,
+        completion_tokens=msg.completion_tokens,
+        history_tokens=msg.history_tokens,
+    )
+
+
+def timings_from_proto(msg: gateway_pb2.Timings) -> Timings:
+    return Timings(
+        time_to_first_token_ms=_f32(msg.time_to_first_token_ms),
+        total_ms=_f32(msg.total_ms),
+    )
+
+
+def speculation_stats_from_proto(msg: gateway_pb2.SpeculationStats) -> SpeculationStats:
+    return SpeculationStats(
+        rounds=msg.rounds,
+        draft_tokens=msg.draft_tokens,
+        accepted_tokens=msg.accepted_tokens,
+        acceptance_rate=_f32(msg.acceptance_rate),
+        mean_accepted_length=_f32(msg.mean_accepted_length),
+        accepted_per_position=tuple(msg.accepted_per_position),
+        num_draft_tokens=msg.num_draft_tokens,
+        ssd=msg.ssd,
+        ssd_hits=msg.ssd_hits,
+        ssd_misses=msg.ssd_misses,
+        cache_misses=msg.cache_misses,
+    )
+
+
+def _generation(
+    msg: gateway_pb2.GenerateResponse | gateway_pb2.GenerateStreamResponse,
+    text: str,
+    tokens: tuple[int, ...],
+) -> Generation:
+    return Generation(
+        text=text,
+        tokens=tokens,
+        finish_reason=finish_reason_from_proto(msg.finish_reason),
+        usage=usage_from_proto(msg.usage),
+        timings=timings_from_proto(msg.timings),
+        stats=speculation_stats_from_proto(msg.stats),
+        session_id=msg.session_id,
+    )
+
+
+def generation_from_proto(msg: gateway_pb2.GenerateResponse) -> Generation:
+    """The result of a unary ``Generate`` call."""
+    return _generation(msg, msg.text, tuple(msg.token_ids))
+
+
+class StreamAssembler:
+    """Turns ``GenerateStreamResponse`` messages into :class:`StreamChunk` s.
+
+    The final message is the one with a finish reason set: its chunk carries ``final``, a
+    :class:`Generation` with the concatenated text and tokens and the final message's
+    usage, timings, statistics and session id. Shared by the sync and asyncio clients.
+    """
+
+    def __init__(self) -> None:
+        self._text: list[str] = []
+        self._tokens: list[int] = []
+        self.final: Generation | None = None
+
+    def feed(self, msg: gateway_pb2.GenerateStreamResponse) -> StreamChunk:
+        if self.final is not None:
+            raise InternalError("gateway stream sent a message after its final message")
+        text, tokens = msg.text, tuple(msg.token_ids)
+        self._text.append(text)
+        self._tokens.extend(tokens)
+        if msg.finish_reason != gateway_pb2.FINISH_REASON_UNSPECIFIED:
+            self.final = _generation(msg, "".join(self._text), tuple(self._tokens))
+        return StreamChunk(text=text, tokens=tokens, final=self.final)
+
+    def finish(self) -> Generation:
+        """Call when the stream ended normally: the final generation, or InternalError."""
+        if self.final is None:
+            raise InternalError("gateway stream ended without a final message")
+        return self.final

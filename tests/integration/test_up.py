@@ -1,0 +1,130 @@
+"""`specdec up` runs the local stack; `specdec generate` talks to it; SIGTERM stops it all."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is gone for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_up_generate_and_clean_stop(test_models, tokenizer, reference, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "specdec",
+            "up",
+            "--draft-model",
+            str(test_models.draft_noisy),
+            "--target-model",
+            str(test_models.target),
+            "--port",
+            "0",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--draft-threads",
+            "1",
+            "--target-threads",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    lines, pids, gateway = [], [], None
+    try:
+        deadline = time.monotonic() + 300
+        while gateway is None and time.monotonic() < deadline:
+            line = up.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if m := re.search(r"\(pid (\d+)\)", line):
+                pids.append(int(m.group(1)))
+            if m := re.match(r"gateway\s+(\S+)", line):
+                gateway = m.group(1)
+        assert gateway, "".join(lines)
+        assert len(pids) == 4  # redis, drafter, verifier, gateway
+
+        prompt = "def fibonacci(n):"
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "specdec",
+                "generate",
+                "--gateway",
+                gateway,
+                "--prompt",
+                prompt,
+                "--max-new-tokens",
+                "16",
+                "--k",
+                "4",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout)
+        ids = tokenizer(prompt).input_ids
+        assert result["tokens"] == reference(ids, 16)
+        assert result["finish_reason"] == "length"
+        assert result["usage"]["completion_tokens"] == 16
+        for key in ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate"):
+            assert key in result["stats"]
+        assert result["text"] == tokenizer.decode(result["tokens"], skip_special_tokens=True)
+
+        streamed = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "specdec",
+                "generate",
+                "--gateway",
+                gateway,
+                "--prompt",
+                prompt,
+                "--max-new-tokens",
+                "16",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert streamed.returncode == 0 and streamed.stdout.rstrip("\n") == result["text"]
+
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 0
+        assert "stopped" in up.stdout.read()
+        time.sleep(0.5)
+        assert not [p for p in pids if _pid_alive(p)]
+        assert (tmp_path / "logs" / "verifier.log").read_text().count('"serving"') == 1
+    finally:
+        if up.poll() is None:
+            up.kill()
