@@ -5,7 +5,7 @@ VPY       := $(VENV)/bin/python
 TORCH_VER ?= 2.13.0
 PROTOS    := $(wildcard protos/specdec/v1/*.proto)
 
-.PHONY: install proto proto-check lint lint-proto format test test-unit test-integration clean
+.PHONY: install demo up proto proto-check lint lint-proto format test test-unit test-integration clean
 
 # Create .venv/ with the project and its dev tools. torch goes first so that
 # transformers does not pull a multi-GB CUDA build.
@@ -17,6 +17,11 @@ $(VENV)/.installed: pyproject.toml
 	$(VPY) -m pip install -q torch==$(TORCH_VER)
 	$(VPY) -m pip install -q -e '.[dev]'
 	touch $@
+
+# The local stack (Redis, drafter, verifier, gateway) on tiny random models: streams a few
+# prompts and compares speculation with k=0. The real-models work replaces the tiny pair.
+demo: install
+	$(VENV)/bin/specdec demo --tiny .cache/tiny-models
 
 # Regenerate the Python stubs in specdec/v1/ from protos/ (never edit them by hand).
 proto: install
@@ -47,4 +52,4 @@ test-integration: install
 	$(VPY) -m pytest -q tests/integration
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .cache

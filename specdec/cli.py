@@ -23,6 +23,7 @@ def _serve(service: str):
 
 def build_parser() -> argparse.ArgumentParser:
     from specdec.common.config import ReplicaConfig
+    from specdec.demo import add_demo_parser
     from specdec.gateway.config import GatewayConfig
     from specdec.sdk.cli_generate import add_generate_parser
     from specdec.stack import add_up_parser
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_generate_parser(commands)
     add_up_parser(commands)
+    add_demo_parser(commands)
     return parser
 
 

@@ -18,13 +18,11 @@ from specdec.launcher import ServiceFailed, ServiceProcess
 from specdec.redisproc import RedisProcess
 
 
-def add_up_parser(commands) -> argparse.ArgumentParser:
-    p = commands.add_parser("up", help="run drafter, verifier, gateway and Redis locally")
-    p.add_argument("--draft-model", required=True, help="draft model directory (or GGUF dir)")
-    p.add_argument("--target-model", required=True, help="target model directory (or GGUF dir)")
+def add_stack_arguments(p: argparse.ArgumentParser, port_default: int = 50051) -> None:
+    """Flags of the local stack, shared by `specdec up` and `specdec demo`."""
     p.add_argument("--draft-gguf-file", help="GGUF file of the draft model")
     p.add_argument("--target-gguf-file", help="GGUF file of the target model")
-    p.add_argument("--port", type=int, default=50051, help="gateway port (0: any free port)")
+    p.add_argument("--port", type=int, default=port_default, help="gateway port (0: any free)")
     p.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     p.add_argument("--dtype", default="float32", help="weights dtype of both models")
     p.add_argument("--device", default="cpu", help="torch device of both models")
@@ -34,55 +32,68 @@ def add_up_parser(commands) -> argparse.ArgumentParser:
     p.add_argument("--target-threads", type=int, default=0, help="verifier torch threads")
     p.add_argument("--default-k", type=int, default=4, help="gateway's default draft length")
     p.add_argument("--log-dir", help="write each service's log to DIR/<service>.log")
+
+
+def add_up_parser(commands) -> argparse.ArgumentParser:
+    p = commands.add_parser("up", help="run drafter, verifier, gateway and Redis locally")
+    p.add_argument("--draft-model", required=True, help="draft model directory (or GGUF dir)")
+    p.add_argument("--target-model", required=True, help="target model directory (or GGUF dir)")
+    add_stack_arguments(p)
     p.set_defaults(func=run_up)
     return p
 
 
-def run_up(args: argparse.Namespace) -> int:
-    log_dir = Path(args.log_dir) if args.log_dir else None
-    if log_dir:
-        log_dir.mkdir(parents=True, exist_ok=True)
+class LocalStack:
+    """Redis + drafter + verifier + gateway as child processes; a context manager."""
 
-    def service(name: str, *argv: str) -> ServiceProcess:
-        log_path = str(log_dir / f"{name}.log") if log_dir else None
-        return ServiceProcess.specdec(name, *argv, log_path=log_path)
+    def __init__(self, args: argparse.Namespace, announce=None):
+        self.args = args
+        self.announce = announce or (lambda line: None)
+        self.log_dir = Path(args.log_dir) if getattr(args, "log_dir", None) else None
+        self.redis: RedisProcess | None = None
+        self.procs: list[ServiceProcess] = []
+        self.gateway: ServiceProcess | None = None
 
-    def replica(role: str, model: str, gguf: str | None, threads: int) -> ServiceProcess:
-        argv = ["serve", role, "--model", model, "--port", "0", "--host", args.host]
-        argv += ["--dtype", args.dtype, "--device", args.device, "--threads", str(threads)]
+    def _service(self, name: str, *argv: str) -> ServiceProcess:
+        log_path = str(self.log_dir / f"{name}.log") if self.log_dir else None
+        proc = ServiceProcess.specdec(name, *argv, log_path=log_path)
+        self.procs.append(proc)
+        return proc.start()
+
+    def _replica(self, role: str, model: str, gguf: str | None, threads: int) -> ServiceProcess:
+        a = self.args
+        argv = ["serve", role, "--model", model, "--port", "0", "--host", a.host]
+        argv += ["--dtype", a.dtype, "--device", a.device, "--threads", str(threads)]
         if gguf:
             argv += ["--gguf-file", gguf]
-        return service(role, *argv)
+        return self._service(role, *argv)
 
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-
-    redis: RedisProcess | None = None
-    procs: list[ServiceProcess] = []
-    try:
+    def start(self) -> LocalStack:
+        a = self.args
+        if self.log_dir:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
         redis_url = os.environ.get("REDIS_URL")
         if not redis_url:
-            redis = RedisProcess().start()
-            redis_url = redis.url
-        say(f"redis     {redis_url}" + (f" (pid {redis.pid})" if redis else " (REDIS_URL)"))
-        drafter = replica("drafter", args.draft_model, args.draft_gguf_file, args.draft_threads)
-        verifier = replica(
-            "verifier", args.target_model, args.target_gguf_file, args.target_threads
+            self.redis = RedisProcess().start()
+            redis_url = self.redis.url
+        self.announce(
+            f"redis     {redis_url}"
+            + (f" (pid {self.redis.pid})" if self.redis else " (REDIS_URL)")
         )
-        procs += [drafter.start(), verifier.start()]
-        say("loading models ...")
+        drafter = self._replica("drafter", a.draft_model, a.draft_gguf_file, a.draft_threads)
+        verifier = self._replica("verifier", a.target_model, a.target_gguf_file, a.target_threads)
+        self.announce("loading models ...")
         for p in (drafter, verifier):
             p.wait_healthy(timeout=1800)
-            say(f"{p.name:<9} {p.address} (pid {p.proc.pid})")
-        gateway = service(
+            self.announce(f"{p.name:<9} {p.address} (pid {p.proc.pid})")
+        self.gateway = self._service(
             "gateway",
             "serve",
             "gateway",
             "--host",
-            args.host,
+            a.host,
             "--port",
-            str(args.port),
+            str(a.port),
             "--drafter",
             drafter.address,
             "--verifier",
@@ -90,27 +101,59 @@ def run_up(args: argparse.Namespace) -> int:
             "--redis",
             redis_url,
             "--default-k",
-            str(args.default_k),
+            str(a.default_k),
         )
-        procs.append(gateway.start())
-        gateway.wait_healthy(timeout=300)
-        say(f"gateway   {gateway.address} (pid {gateway.proc.pid})")
-        say(f"ready: specdec generate --gateway {gateway.address} --prompt 'def fib(n):'")
-        while not stop.wait(0.5):
-            dead = [p for p in procs if not p.alive()]
-            if dead:
-                raise ServiceFailed(f"{dead[0].name} exited:\n{dead[0].tail()}")
-        say("stopping ...")
-        return 0
+        self.gateway.wait_healthy(timeout=300)
+        self.announce(f"gateway   {self.gateway.address} (pid {self.gateway.proc.pid})")
+        return self
+
+    def check_alive(self) -> None:
+        dead = [p for p in self.procs if not p.alive()]
+        if dead:
+            raise ServiceFailed(f"{dead[0].name} exited:\n{dead[0].tail()}")
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+        if self.redis:
+            self.redis.stop()
+
+    def __enter__(self) -> LocalStack:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run_up(args: argparse.Namespace) -> int:
+    stop = threading.Event()
+    loading = True
+
+    def on_signal(*_):
+        if loading:  # interrupt the model loading: __enter__ stops what has started
+            raise KeyboardInterrupt
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    try:
+        with LocalStack(args, announce=say) as stack:
+            loading = False
+            say(f"ready: specdec generate --gateway {stack.gateway.address} --prompt 'def fib(n):'")
+            while not stop.wait(0.5):
+                stack.check_alive()
+            say("stopping ...")
     except ServiceFailed as e:
         print(f"specdec up: {e}", file=sys.stderr)
         return 1
-    finally:
-        for p in reversed(procs):
-            p.stop()
-        if redis:
-            redis.stop()
-        say("stopped")
+    except KeyboardInterrupt:
+        say("interrupted while starting")
+    say("stopped")
+    return 0
 
 
 def say(line: str) -> None:

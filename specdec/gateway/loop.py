@@ -16,6 +16,7 @@ import grpc
 
 from specdec.common.errors import SpecdecError, is_cache_miss
 from specdec.common.prefix import prefix_hash
+from specdec.gateway import metrics
 from specdec.gateway.replicas import Fleet, NoReplica, Replica
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
 
@@ -170,6 +171,7 @@ class Speculator:
                     pool.mark_down(replica, err.details() or "unavailable")
                     failed.append(replica)
                     self.stats.failovers += 1
+                    metrics.FAILOVERS.labels(role=role).inc()
                     placement.replica, placement.cached = None, 0
                     continue
                 raise UpstreamError(replica, err) from None

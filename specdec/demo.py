@@ -1,0 +1,88 @@
+"""`specdec demo`: start the local stack, stream a few prompts, compare with k = 0.
+
+For every prompt it generates once without speculation (k = 0, the target alone through the
+same services) and once with speculation (streamed to the terminal), then prints tokens/s,
+the acceptance rate, the speedup measured in this run, and whether both outputs are
+identical (they must be: greedy decoding is exact).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from specdec.launcher import ServiceFailed
+from specdec.stack import LocalStack, add_stack_arguments
+
+PROMPTS = [
+    ("code", "def quicksort(items):\n    "),
+    ("prose", "The history of the printing press begins"),
+    ("chat", [{"role": "user", "content": "Write a haiku about a lighthouse."}]),
+]
+
+
+def add_demo_parser(commands) -> argparse.ArgumentParser:
+    p = commands.add_parser("demo", help="run the local stack and compare speculation with k=0")
+    p.add_argument("--draft-model", help="draft model directory")
+    p.add_argument("--target-model", help="target model directory")
+    p.add_argument(
+        "--tiny",
+        metavar="DIR",
+        help="build tiny random models in DIR and use them (shows the mechanics, not speed)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--k", type=int, default=4, help="draft length of the speculative run")
+    add_stack_arguments(p, port_default=0)
+    p.set_defaults(func=run_demo)
+    return p
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    if args.tiny:
+        from specdec.testing.tinymodels import build_test_models
+
+        models = build_test_models(Path(args.tiny))
+        args.draft_model, args.target_model = str(models.draft_noisy), str(models.target)
+        print(f"tiny random models in {args.tiny}: output is gibberish, exactness is real")
+    if not (args.draft_model and args.target_model):
+        print("specdec demo: give --draft-model and --target-model, or --tiny DIR", file=sys.stderr)
+        return 2
+    from transformers import AutoTokenizer
+
+    from specdec.sdk import Client
+
+    template = AutoTokenizer.from_pretrained(args.target_model, gguf_file=args.target_gguf_file)
+    rows = []
+    try:
+        with LocalStack(args, announce=print) as stack, Client(stack.gateway.address) as client:
+            for kind, prompt in PROMPTS:
+                if not isinstance(prompt, str):
+                    prompt = template.apply_chat_template(
+                        prompt, tokenize=False, add_generation_prompt=True
+                    )
+                n = args.max_new_tokens
+                client.generate(prompt, max_new_tokens=4, k=args.k)  # warm up both paths
+                base = client.generate(prompt, max_new_tokens=n, k=0)
+                print(f"\n--- {kind} (k={args.k}) ---\n{prompt}", end="", flush=True)
+                spec = None
+                for chunk in client.stream(prompt, max_new_tokens=n, k=args.k):
+                    print(chunk.text, end="", flush=True)
+                    spec = chunk.final or spec
+                print()
+                rows.append((kind, base, spec))
+    except ServiceFailed as e:
+        print(f"specdec demo: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"\n{'prompt':<8}{'k=0 tok/s':>11}{f'k={args.k} tok/s':>11}{'accept':>9}"
+        f"{'tok/round':>11}{'speedup':>9}  identical"
+    )
+    for kind, base, spec in rows:
+        print(
+            f"{kind:<8}{base.tokens_per_second:>11.1f}{spec.tokens_per_second:>11.1f}"
+            f"{spec.stats.acceptance_rate:>9.0%}{spec.stats.mean_accepted_length:>11.2f}"
+            f"{spec.tokens_per_second / base.tokens_per_second:>8.2f}x  "
+            f"{'yes' if spec.tokens == base.tokens else 'NO'}"
+        )
+    return 0 if all(spec.tokens == base.tokens for _, base, spec in rows) else 1
