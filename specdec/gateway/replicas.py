@@ -162,7 +162,11 @@ class Fleet:
             for r in list(pending):
                 if not await self.pool(r.role).healthy(r):
                     continue
-                r.info = await self.pool(r.role).fetch_info(r)
+                try:
+                    r.info = await self.pool(r.role).fetch_info(r)
+                except grpc.RpcError as e:
+                    log.info("replica not ready", extra={"replica": r.address, "why": e.details()})
+                    continue
                 r.up = True
                 pending.remove(r)
             if pending:

@@ -362,23 +362,34 @@ def test_redis_down_keeps_serving(stack, tokenizer, reference):
         server.stop()
 
 
-def test_gateway_refuses_mismatched_vocabulary(stack, tmp_path, test_models):
+@pytest.mark.parametrize("mismatch", ["vocabulary", "tokenizer"])
+def test_gateway_refuses_mismatched_replicas(stack, tmp_path, test_models, mismatch):
+    import json
+    import shutil
+
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(test_models.draft_small)
-    config.vocab_size += 16
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "other")
-    for f in test_models.tokenizer.iterdir():
-        (tmp_path / "other" / f.name).write_bytes(f.read_bytes())
-    odd = replica("drafter", tmp_path / "other").wait_healthy()
+    other = tmp_path / "other"
+    if mismatch == "vocabulary":
+        config = AutoConfig.from_pretrained(test_models.draft_small)
+        config.vocab_size += 16
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(other)
+        for f in test_models.tokenizer.iterdir():
+            shutil.copy(f, other / f.name)
+    else:  # same vocabulary size, another tokenizer (it lowercases its input)
+        shutil.copytree(test_models.draft_small, other)
+        spec = json.loads((other / "tokenizer.json").read_text())
+        spec["normalizer"] = {"type": "Lowercase"}
+        (other / "tokenizer.json").write_text(json.dumps(spec))
+    odd = replica("drafter", other).wait_healthy()
     g = gateway([odd], [stack["verifier"]])
     try:
         with pytest.raises(ServiceFailed) as err:
             g.wait_healthy(60)
         message = str(err.value)
-        assert "vocabulary" in message
+        assert mismatch in message
         assert odd.address in message and stack["verifier"].address in message
     finally:
         g.stop()
