@@ -45,6 +45,8 @@ def encoded_from_proto(msg: common_pb2.DraftDistribution) -> EncodedProbs:
         }.get(fmt)
         if dtype is None:
             raise InvalidDistribution(f"dense distribution has unknown format {fmt}")
+        if not msg.dense.data:
+            raise InvalidDistribution("dense distribution has no data")
         if len(msg.dense.data) % 2:
             raise InvalidDistribution("dense distribution data has an odd number of bytes")
         return EncodedProbs(dense=torch.frombuffer(bytearray(msg.dense.data), dtype=dtype))

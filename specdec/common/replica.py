@@ -54,6 +54,9 @@ class ReplicaServicer:
     async def Info(self, request: common_pb2.InfoRequest, context) -> common_pb2.ModelInfo:
         rt = self.ready_runtime()
         cfg = rt.config
+        cached_tokens, cached_sessions = await rt.run(
+            lambda: (rt.store.cached_tokens, len(rt.store))
+        )
         info = common_pb2.ModelInfo(
             role=_ROLES[cfg.role],
             model_id=cfg.model + (f"#{cfg.gguf_file}" if cfg.gguf_file else ""),
@@ -65,8 +68,8 @@ class ReplicaServicer:
             dtype=rt.dtype_name,
             device=str(rt.device),
             max_cached_tokens=cfg.max_cached_tokens,
-            cached_tokens=rt.store.cached_tokens,
-            cached_sessions=len(rt.store),
+            cached_tokens=cached_tokens,
+            cached_sessions=cached_sessions,
             replica_id=self.replica_id,
             chat_template=rt.chat_template,
             bos_token_id=rt.bos_token_id,

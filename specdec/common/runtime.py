@@ -21,6 +21,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -191,6 +192,7 @@ class ModelRuntime:
         canonical = _canonical_tokenizer_json(tokenizer)
         self.tokenizer_json = zlib.compress(canonical, 6)
         self.tokenizer_fingerprint = hashlib.sha256(canonical).hexdigest()
+        _check_rollback(self._new_cache(), cfg.model)
         self.store = CacheStore(cfg.max_cached_tokens, self._new_cache)
         log.info(
             "model loaded",
@@ -252,13 +254,27 @@ class ModelRuntime:
 
         grow_by: tokens this request may add in total (new tokens + later feeds), reserved
         in the cache bound. Returns the session and logits [len(new_tokens), vocab] fp32.
+        Call inside `guarded(session_id)`.
         """
         assert self.store is not None
         session = self.store.acquire(session_id, prefix.length, prefix.hash, grow_by)
+        return session, self.forward(session, new_tokens)
+
+    @contextmanager
+    def guarded(self, session_id: str):
+        """Drop the session if the block fails after touching its cache.
+
+        A forward that fails half-way (out of memory, say) can leave some layers one
+        token longer than the session's tokens; such a cache would pass the prefix check
+        and silently hurt acceptance. The caller gets the error; the next request misses
+        and resends the full context. Cache misses and capacity errors leave it alone.
+        """
         try:
-            return session, self.forward(session, new_tokens)
-        except Exception:
-            # Never leave a half-updated cache behind: the caller will resend from scratch.
+            yield
+        except (CacheMiss, CapacityExceeded, InvalidRequest):
+            raise
+        except BaseException:
+            assert self.store is not None
             self.store.release(session_id)
             raise
 
@@ -276,16 +292,29 @@ class ModelRuntime:
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config):
+    """The tokens at which `generate()` stops: the generation config's EOS, else the model
+    config's, else the tokenizer's."""
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
         eos = getattr(source, "eos_token_id", None) if source is not None else None
         if isinstance(eos, int):
-            ids.add(eos)
-        elif eos:
-            ids.update(int(e) for e in eos)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return sorted(ids)
+            return [eos]
+        if eos:
+            return sorted({int(e) for e in eos})
+    return []
+
+
+def _check_rollback(cache, model: str) -> None:
+    """Refuse models whose KV cache cannot be rolled back exactly."""
+    if any(getattr(cache, "is_sliding", [])):
+        raise ValueError(
+            f"{model} uses sliding-window attention; rolling back rejected draft tokens in "
+            "its cache is not exact with this transformers version, so specdec refuses it"
+        )
+    if not getattr(cache, "is_croppable", True):
+        raise ValueError(
+            f"{model} has cache layers that cannot be cropped (recurrent or linear "
+            "attention); speculative decoding needs to roll back rejected tokens"
+        )
 
 
 def _canonical_tokenizer_json(tokenizer) -> bytes:

@@ -36,6 +36,11 @@ def propose(
     The cache ends holding prefix + new_tokens + d_1..d_{k-1}: d_k is only fed if it is
     accepted, in the next request's new tokens.
     """
+    with runtime.guarded(session_id):
+        return _propose(runtime, session_id, prefix, new_tokens, k, params)
+
+
+def _propose(runtime, session_id, prefix, new_tokens, k, params) -> Draft:
     started = time.perf_counter()
     session, logits = runtime.extend(session_id, prefix, new_tokens, len(new_tokens) + k - 1)
     last = logits[-1]  # [vocab]

@@ -37,6 +37,11 @@ def verify(
 
     Runs on the model thread. The cache ends holding prefix + new_tokens + accepted drafts.
     """
+    with runtime.guarded(session_id):
+        return _verify(runtime, session_id, prefix, new_tokens, draft_tokens, draft_probs, params)
+
+
+def _verify(runtime, session_id, prefix, new_tokens, draft_tokens, draft_probs, params) -> Verdict:
     started = time.perf_counter()
     k = len(draft_tokens)
     session, logits = runtime.extend(

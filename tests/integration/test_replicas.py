@@ -483,6 +483,24 @@ def bad_requests(ids: list[int], vocab: int):
             "negative",
         ),
         (
+            "dense no data",
+            "verify",
+            v(
+                session_id="b",
+                prefix=p0,
+                new_tokens=ids,
+                draft_tokens=[1],
+                draft_probs=[
+                    common_pb2.DraftDistribution(
+                        dense=common_pb2.DenseProbs(format=common_pb2.PROB_FORMAT_FLOAT16)
+                    )
+                ],
+                sampling=sampled,
+            ),
+            inv,
+            "no data",
+        ),
+        (
             "empty distribution",
             "verify",
             v(

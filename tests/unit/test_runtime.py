@@ -79,3 +79,36 @@ def test_validation(runtime):
         runtime.validate_extent(Prefix(0, 0), [runtime.vocab_size], 0)
     with pytest.raises(InvalidRequest, match="context"):
         runtime.validate_extent(Prefix(500, 0), [1] * 10, 3)
+
+
+def test_failed_forward_drops_the_session(runtime):
+    toks = list(range(30, 40))
+    with runtime.guarded("g"):
+        session, _ = runtime.extend("g", p(toks, 0), toks, 12)
+    assert "g" in runtime.store
+    with pytest.raises(IndexError), runtime.guarded("g"):
+        runtime.forward(session, [runtime.vocab_size + 10])  # fails inside the model
+    assert "g" not in runtime.store  # the next request misses and resends everything
+    with pytest.raises(CacheMiss), runtime.guarded("g"):
+        runtime.extend("g", p(toks, 10), [1], 1)
+
+
+def test_refuses_models_whose_cache_cannot_roll_back(tmp_path, test_models):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=test_models.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        sliding_window=8,
+    )
+    MistralForCausalLM(config).save_pretrained(tmp_path / "swa")
+    for f in test_models.tokenizer.iterdir():
+        (tmp_path / "swa" / f.name).write_bytes(f.read_bytes())
+    rt = ModelRuntime(ReplicaConfig(role="drafter", model=str(tmp_path / "swa")))
+    with pytest.raises(ValueError, match="sliding-window"):
+        rt.load()
+    rt.shutdown()
