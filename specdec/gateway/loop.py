@@ -8,6 +8,7 @@ full context to a (possibly other) replica. Misses and failover cost time, never
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,9 @@ from specdec.gateway.replicas import Fleet, NoReplica, Replica
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
+
+# Pauses before retrying the only replica of a role that answered UNAVAILABLE (seconds).
+RETRY_BACKOFF = (0.2, 0.5, 1.0, 2.0)
 
 
 class UpstreamError(SpecdecError):
@@ -146,7 +150,8 @@ class Speculator:
         misses (resend everything) and unavailable replicas (another replica, everything)."""
         pool = self.fleet.pool(role)
         failed: list[Replica] = []
-        for _ in range(2 * len(pool.replicas) + 2):
+        retries = 0
+        for _ in range(2 * len(pool.replicas) + 2 + len(RETRY_BACKOFF)):
             if placement.replica is None or not placement.replica.up:
                 try:
                     chosen = pool.pick(preferred=placement.address, exclude=failed)
@@ -168,6 +173,13 @@ class Speculator:
                     placement.cached = 0
                     continue
                 if err.code() == grpc.StatusCode.UNAVAILABLE:
+                    others = [r for r in pool.up() if r is not replica and r not in failed]
+                    if not others and retries < len(RETRY_BACKOFF):
+                        # The only replica left: a blip (a restart, a full queue) must not
+                        # fail every request at once. Its cache may survive; a miss says so.
+                        await asyncio.sleep(RETRY_BACKOFF[retries])
+                        retries += 1
+                        continue
                     pool.mark_down(replica, err.details() or "unavailable")
                     failed.append(replica)
                     self.stats.failovers += 1

@@ -30,6 +30,10 @@ SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_na
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_SESSION_ID_CHARS = 256
+# A prompt longer than this many characters per context token cannot fit: refused before
+# it is tokenized, so one huge prompt cannot hold the event loop.
+MAX_CHARS_PER_TOKEN = 64
+TURN_LOCK_SECONDS = 60.0
 FINISH = {
     "length": gateway_pb2.FINISH_REASON_LENGTH,
     "eos": gateway_pb2.FINISH_REASON_EOS,
@@ -41,11 +45,15 @@ class Unimplemented(SpecdecError):
     code = grpc.StatusCode.UNIMPLEMENTED
 
 
+class Aborted(SpecdecError):
+    code = grpc.StatusCode.ABORTED
+
+
 @dataclass(frozen=True)
 class Job:
     """A validated GenerateRequest."""
 
-    prompt_ids: list[int]
+    prompt: str | list[int]  # text (tokenized in _run, once the history is known) or ids
     max_new_tokens: int
     sampling: common_pb2.SamplingParams
     stop: tuple[str, ...]
@@ -82,6 +90,12 @@ class Gateway:
         self.eos_token_ids = frozenset(info.eos_token_ids)
         self.max_context = min(r.info.max_context for r in replicas)
         self.max_k = min(r.info.max_draft_tokens for r in replicas)
+        self.default_k = min(self.config.default_k, self.max_k)
+        if self.default_k < self.config.default_k:
+            log.warning(
+                "--default-k is above what the replicas accept; using their maximum",
+                extra={"default_k": self.config.default_k, "max_k": self.max_k},
+            )
         self.fleet.start_probe()
         if self.config.redis_url and not await self.sessions.ping():
             log.warning(
@@ -109,18 +123,23 @@ class Gateway:
         if which == "prompt":
             if not req.prompt:
                 raise InvalidRequest("prompt is empty")
-            prompt_ids = self.codec.encode(req.prompt)
+            if len(req.prompt) > self.max_context * MAX_CHARS_PER_TOKEN:
+                raise InvalidRequest(
+                    f"prompt of {len(req.prompt)} characters cannot fit the model's context "
+                    f"of {self.max_context} tokens"
+                )
+            prompt: str | list[int] = req.prompt
         elif which == "prompt_token_ids":
-            prompt_ids = list(req.prompt_token_ids.ids)
-            bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+            prompt = list(req.prompt_token_ids.ids)
+            if not prompt:
+                raise InvalidRequest("prompt is empty: prompt_token_ids has no ids")
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidRequest(
                     f"prompt_token_ids holds {bad[0]}, outside the vocabulary [0, {self.vocab_size})"
                 )
         else:
             raise InvalidRequest("prompt is empty: set prompt or prompt_token_ids")
-        if not prompt_ids:
-            raise InvalidRequest("prompt is empty after tokenization")
         if not 1 <= req.max_new_tokens <= self.config.max_new_tokens:
             raise InvalidRequest(
                 f"max_new_tokens must be in [1, {self.config.max_new_tokens}], got {req.max_new_tokens}"
@@ -144,13 +163,13 @@ class Gateway:
                 f"got {session.ttl_seconds}"
             )
         spec = req.speculation
-        k = spec.num_draft_tokens if spec.HasField("num_draft_tokens") else self.config.default_k
+        k = spec.num_draft_tokens if spec.HasField("num_draft_tokens") else self.default_k
         if not 0 <= k <= self.max_k:
             raise InvalidRequest(f"num_draft_tokens must be in [0, {self.max_k}], got {k}")
         if spec.HasField("ssd") and spec.ssd:
             raise Unimplemented("speculative speculative decoding (ssd) is not available yet")
         return Job(
-            prompt_ids=prompt_ids,
+            prompt=prompt,
             max_new_tokens=req.max_new_tokens,
             sampling=req.sampling,
             stop=stop,
@@ -174,17 +193,42 @@ class Gateway:
             metrics.IN_FLIGHT.dec()
 
     async def _run(self, job: Job) -> AsyncIterator[Event]:
+        if not job.session_id:
+            async for event in self._turn(job, None):
+                yield event
+            return
+        token = await self.sessions.lock_turn(job.session_id, TURN_LOCK_SECONDS)
+        if token is None:
+            raise Aborted(
+                f"session {job.session_id!r} has a turn in progress; send a session's turns "
+                "one after another"
+            )
+        try:
+            async for event in self._turn(job, token):
+                yield event
+        finally:
+            await self.sessions.unlock_turn(job.session_id, token)
+
+    async def _turn(self, job: Job, lock: str | None) -> AsyncIterator[Event]:
         started = time.perf_counter()
         record = None
         if job.session_id and not job.reset:
             record = await self.sessions.get(job.session_id)
         history = record.tokens if record else []
-        ctx = [*history, *job.prompt_ids]
+        if isinstance(job.prompt, str):
+            # A new conversation gets the tokenizer's special tokens (BOS), as
+            # `tokenizer(prompt)` would; a continuation appends the text alone.
+            prompt_ids = await asyncio.to_thread(self.codec.encode, job.prompt, not history)
+            if not prompt_ids:
+                raise InvalidRequest("prompt is empty after tokenization")
+        else:
+            prompt_ids = job.prompt
+        ctx = [*history, *prompt_ids]
         if len(ctx) + job.max_new_tokens > self.max_context:
             raise InvalidRequest(
                 f"the model's context is {self.max_context} tokens; this request needs "
                 f"{len(ctx) + job.max_new_tokens} ({len(history)} history + "
-                f"{len(job.prompt_ids)} prompt + {job.max_new_tokens} max_new_tokens)"
+                f"{len(prompt_ids)} prompt + {job.max_new_tokens} max_new_tokens)"
             )
         drafter, verifier = Placement(), Placement()
         if record:
@@ -200,6 +244,7 @@ class Gateway:
         )
         completion = Completion(self.codec, job.max_new_tokens, self.eos_token_ids, job.stop)
         first_at = last_at = None
+        lock_refreshed = started
         try:
             while completion.finish_reason is None:
                 remaining = job.max_new_tokens - len(completion.tokens)
@@ -214,11 +259,14 @@ class Gateway:
                     for _ in tokens:
                         metrics.ITL.observe((now - last_at) / len(tokens))
                 last_at = now
+                if lock and now - lock_refreshed > TURN_LOCK_SECONDS / 3:
+                    await self.sessions.refresh_turn(job.session_id, lock, TURN_LOCK_SECONDS)
+                    lock_refreshed = now
                 if completion.finish_reason is None and (text or tokens):
                     yield Event(text, tokens)
-            response = self._response(job, completion, spec, history, started, first_at)
+            response = self._response(job, prompt_ids, completion, spec, history, started, first_at)
             if job.session_id:
-                final_tokens = [*history, *job.prompt_ids, *completion.tokens]
+                final_tokens = [*history, *prompt_ids, *completion.tokens]
                 await self.sessions.put(
                     SessionRecord(
                         session_id=job.session_id,
@@ -237,14 +285,14 @@ class Gateway:
             if not job.session_id:
                 self._release_later(replica_session, drafter, verifier)
 
-    def _response(self, job, completion, spec, history, started, first_at):
+    def _response(self, job, prompt_ids, completion, spec, history, started, first_at):
         stats = spec.stats
         return gateway_pb2.GenerateResponse(
             text=completion.text,
             token_ids=completion.tokens,
             finish_reason=FINISH[completion.finish_reason],
             usage=gateway_pb2.Usage(
-                prompt_tokens=len(job.prompt_ids),
+                prompt_tokens=len(prompt_ids),
                 completion_tokens=len(completion.tokens),
                 history_tokens=len(history),
             ),

@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import sys
 import time
+import uuid
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -51,7 +52,16 @@ log = logging.getLogger(__name__)
 
 MAX_SESSION_ID_LEN = 256
 RECORD_VERSION = b"1"
-OPS = ("get", "put", "delete", "ping")
+OPS = ("get", "put", "delete", "ping", "lock")
+
+# Release / extend a turn lock only if this gateway still holds it (its token).
+_DELETE_IF_OWNER = (
+    "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+)
+_REFRESH_IF_OWNER = (
+    "if redis.call('get', KEYS[1]) == ARGV[1] then "
+    "return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+)
 
 # Module-level, so any number of SessionIndex objects share one registration.
 STORE_ERRORS = Counter(
@@ -200,6 +210,7 @@ class SessionIndex:
         self.key_prefix = key_prefix
         self.op_timeout = float(op_timeout)
         self._local: OrderedDict[str, _LocalEntry] = OrderedDict()
+        self._turns: set[str] = set()  # sessions with a turn in flight in this process
         self._limiter = _WarnLimiter(self.warn_interval)
         self._available = url is not None
         self._redis: aioredis.Redis | None = None
@@ -294,6 +305,58 @@ class SessionIndex:
             self._failed("delete", e)
             return
         self._succeeded()
+
+    # -- one turn at a time ----------------------------------------------------------------
+
+    async def lock_turn(self, session_id: str, ttl_seconds: float = 60.0) -> str | None:
+        """Claim the session for one turn; a token to unlock with, or None if it is taken.
+
+        Held in this process and, when Redis is reachable, in Redis (SET NX PX), so two
+        gateway replicas cannot run turns of one session at the same time. The Redis lock
+        expires by itself if this gateway dies; `refresh_turn` extends it on long turns.
+        With Redis unreachable only this process's lock holds.
+        """
+        validate_session_id(session_id)
+        if session_id in self._turns:
+            return None
+        token = uuid.uuid4().hex
+        self._turns.add(session_id)
+        if self._redis is not None:
+            try:
+                taken = await self._redis.set(
+                    self._lock_key(session_id), token, nx=True, px=int(ttl_seconds * 1000)
+                )
+            except _STORE_ERRORS as e:
+                self._failed("lock", e)
+            else:
+                self._succeeded()
+                if not taken:
+                    self._turns.discard(session_id)
+                    return None
+        return token
+
+    async def refresh_turn(self, session_id: str, token: str, ttl_seconds: float = 60.0) -> None:
+        if self._redis is None:
+            return
+        try:
+            await self._redis.eval(
+                _REFRESH_IF_OWNER, 1, self._lock_key(session_id), token, int(ttl_seconds * 1000)
+            )
+        except _STORE_ERRORS as e:
+            self._failed("lock", e)
+
+    async def unlock_turn(self, session_id: str, token: str) -> None:
+        self._turns.discard(session_id)
+        if self._redis is None:
+            return
+        try:
+            await self._redis.eval(_DELETE_IF_OWNER, 1, self._lock_key(session_id), token)
+        except _STORE_ERRORS as e:
+            self._failed("lock", e)
+
+    def _lock_key(self, session_id: str) -> str:
+        # "specdec:session-lock:<id>": outside the records' namespace for any session id.
+        return self.key_prefix.rstrip(":") + "-lock:" + session_id
 
     async def ping(self) -> bool:
         """True if Redis answers; False without Redis or when it is unreachable."""

@@ -36,8 +36,10 @@ class TextCodec:
             )
         return codec
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of text; add_special_tokens applies the tokenizer's post-processor
+        (a BOS for Llama-style tokenizers), as `tokenizer(text)` does in transformers."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -47,9 +49,12 @@ class TextCodec:
 class Completion:
     """The completion of one request as tokens arrive: text, stop strings, EOS, length.
 
-    `push(tokens)` takes the tokens of one verified round and returns the text that may be
-    streamed now. Text that could still turn out to start a stop string, or that ends in an
-    incomplete UTF-8 sequence, is held back until it is certain.
+    Tokens are taken one at a time, whatever the size of the round that brought them, so
+    where a stop string cuts never depends on how many draft tokens a round accepted.
+    Text is detokenized incrementally (as vLLM does): each token decodes a short window
+    that starts a few tokens back, and text that ends in an incomplete UTF-8 sequence waits
+    for the next token. `push(tokens)` returns what may be streamed now: text that could
+    still turn out to start a stop string is held back until it is certain.
     """
 
     codec: TextCodec
@@ -61,50 +66,59 @@ class Completion:
     emitted_chars: int = 0
     emitted_tokens: int = 0
     finish_reason: str | None = None  # "length" | "eos" | "stop"
+    _prefix_offset: int = 0  # start of the decode window
+    _read_offset: int = 0  # tokens whose text is already in self.text
 
     def push(self, new_tokens: Sequence[int]) -> tuple[str, list[int]]:
         """Add a round's tokens; returns (text delta, token delta) safe to stream now."""
         assert self.finish_reason is None, "completion already finished"
-        start = len(self.tokens)
+        longest = max(map(len, self.stop), default=0)
         for token in new_tokens:
             self.tokens.append(token)
+            before = len(self.text)
+            self.text += self._decode_next()
+            if self.stop and len(self.text) > before and self._cut_at_stop(before, longest):
+                break
             if token in self.eos_token_ids:
                 self.finish_reason = "eos"
                 break
             if len(self.tokens) >= self.max_new_tokens:
                 self.finish_reason = "length"
                 break
-        self.text = self.codec.decode(self.tokens)
-        if self.stop:
-            self._apply_stop(start)
-        return self._delta()
+        if self.finish_reason in ("eos", "length"):
+            self.text += self._flush()
+        return self._delta(longest)
 
-    def _apply_stop(self, first_new: int) -> None:
-        # A stop string can only end inside the text the new tokens added.
-        longest = max(map(len, self.stop))
-        old_text_len = len(self.codec.decode(self.tokens[:first_new]))
-        window_start = max(0, old_text_len - longest + 1)
-        hits = [(i, s) for s in self.stop if (i := self.text.find(s, window_start)) >= 0]
+    def _decode_next(self) -> str:
+        window = self.tokens[self._prefix_offset :]
+        known = self.codec.decode(self.tokens[self._prefix_offset : self._read_offset])
+        full = self.codec.decode(window)
+        if len(full) <= len(known) or full.endswith("\ufffd"):
+            return ""  # nothing new yet, or an incomplete UTF-8 sequence: wait
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.tokens)
+        return full[len(known) :]
+
+    def _flush(self) -> str:
+        """Text still held back at the end (an incomplete UTF-8 tail decodes as U+FFFD)."""
+        known = self.codec.decode(self.tokens[self._prefix_offset : self._read_offset])
+        full = self.codec.decode(self.tokens[self._prefix_offset :])
+        self._read_offset = len(self.tokens)
+        return full[len(known) :]
+
+    def _cut_at_stop(self, before: int, longest: int) -> bool:
+        """Stop at the first stop string the last token completed; True if one did."""
+        start = max(0, before - longest + 1)
+        hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
         if not hits:
-            return
-        cut, stop = min(hits)
-        # Keep the tokens up to the one that completes the stop string.
-        for n in range(first_new + 1, len(self.tokens) + 1):
-            if self.codec.decode(self.tokens[:n]).find(stop, window_start) >= 0:
-                del self.tokens[n:]
-                break
-        self.text = self.text[:cut]
+            return False
+        self.text = self.text[: min(hits)]
         self.finish_reason = "stop"
+        return True
 
-    def _delta(self) -> tuple[str, list[int]]:
-        if self.finish_reason is not None:
-            safe = len(self.text)
-        else:
-            safe = len(self.text)
-            if self.stop:
-                safe -= max(map(len, self.stop)) - 1
-            while safe > 0 and self.text[safe - 1] == "\ufffd":
-                safe -= 1
+    def _delta(self, longest: int) -> tuple[str, list[int]]:
+        safe = len(self.text)
+        if self.finish_reason is None and longest:
+            safe -= longest - 1
         safe = max(safe, self.emitted_chars)
         text = self.text[self.emitted_chars : safe]
         self.emitted_chars = safe

@@ -252,6 +252,7 @@ BAD_REQUESTS = [
     ({"prompt": "hi", "session": {"id": "s", "ttl_seconds": 10**9}}, "ttl"),
     ({"prompt": "hi", "session": {"id": "x" * 300}}, "session id"),
     ({"prompt": "hi " * 200, "max_new_tokens": 400}, "context"),
+    ({"prompt": "x" * (512 * 64 + 1)}, "characters"),
 ]
 
 
@@ -285,6 +286,27 @@ def test_ssd_not_built_yet_says_so(client):
     with pytest.raises(SpecdecError) as err:
         client.generate("hi", max_new_tokens=2, ssd=True)
     assert err.value.code.name == "UNIMPLEMENTED"
+
+
+def test_concurrent_turns_of_one_session_are_refused(stack, tokenizer):
+    """A turn in flight on gateway A: a second turn of that session on B is ABORTED."""
+    ids = ids_of(tokenizer, PROMPTS[0])
+    with Client(stack["a"].address) as a, Client(stack["b"].address) as b:
+        # 400 target steps (k = 0): the turn runs for a long while after its first chunk,
+        # whatever the machine's load, and holds the session all that time.
+        first = a.stream(token_ids=ids, max_new_tokens=400, k=0, session_id="busy")
+        chunks = [next(first)]
+        with pytest.raises(SpecdecError) as err:
+            b.generate(token_ids=[5], max_new_tokens=2, session_id="busy")
+        assert err.value.code.name == "ABORTED" and "in progress" in err.value.details
+        with pytest.raises(SpecdecError) as err:  # the same gateway refuses it too
+            a.generate(token_ids=[5], max_new_tokens=2, session_id="busy")
+        assert err.value.code.name == "ABORTED"
+        chunks += list(first)
+        assert chunks[-1].final is not None
+        # The lock is gone once the turn ends: the next turn runs, on either gateway.
+        nxt = b.generate(token_ids=[5], max_new_tokens=2, session_id="busy")
+    assert nxt.usage.history_tokens == len(ids) + 400
 
 
 def test_gateway_restart_between_turns(stack, redis_server, tokenizer, reference):

@@ -404,3 +404,51 @@ async def test_several_indexes_share_module_metrics(server):
     indexes = [SessionIndex(server.url) for _ in range(3)] + [SessionIndex(None)]
     for idx in indexes:
         await idx.close()
+
+
+# -- one turn at a time ---------------------------------------------------------------------
+
+
+async def test_turn_lock_spans_gateway_replicas(server, raw):
+    a, b = SessionIndex(server.url), SessionIndex(server.url)
+    try:
+        token = await a.lock_turn("t", ttl_seconds=30)
+        assert token is not None
+        assert await a.lock_turn("t") is None  # same gateway
+        assert await b.lock_turn("t") is None  # another gateway, through Redis
+        assert 0 < raw.pttl("specdec:session-lock:t") <= 30_000
+        assert raw.exists("specdec:session:t") == 0  # the lock is not a session record
+        await b.unlock_turn("t", "not-the-owner")  # only the holder can release it
+        assert await b.lock_turn("t") is None
+        await a.refresh_turn("t", token, ttl_seconds=60)
+        assert raw.pttl("specdec:session-lock:t") > 30_000
+        await a.unlock_turn("t", token)
+        token_b = await b.lock_turn("t")
+        assert token_b is not None
+        await b.unlock_turn("t", token_b)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_turn_lock_expires_if_its_gateway_dies(server):
+    a, b = SessionIndex(server.url), SessionIndex(server.url)
+    try:
+        assert await a.lock_turn("gone", ttl_seconds=0.3) is not None
+        await a.close()  # the gateway dies without unlocking
+        await asyncio.sleep(0.6)
+        assert await b.lock_turn("gone") is not None
+    finally:
+        await b.close()
+
+
+async def test_turn_lock_without_redis_is_local(server):
+    index = SessionIndex(server.url)
+    try:
+        server.stop()
+        token = await index.lock_turn("x")
+        assert token is not None and await index.lock_turn("x") is None
+        await index.unlock_turn("x", token)
+        assert await index.lock_turn("x") is not None
+    finally:
+        await index.close()

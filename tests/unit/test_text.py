@@ -81,3 +81,57 @@ def test_incomplete_utf8_is_held_back(codec):
         assert "\ufffd" not in delta
         streamed += delta
     assert streamed == "caf\u00e9 ok"
+
+
+@pytest.mark.parametrize(
+    ("text", "stop"),
+    [
+        ("a\U0001f600b and more", ["a\U0001f600"]),
+        ("xx abcd yy", ["abcd", "c"]),
+        ("caf\u00e9 au lait, s'il vous pla\u00eet", ["au l", "\u00eet"]),
+        ("def f(x):\n    return x\n\ndef g", ["\n\n", "return"]),
+        ("no stop here at all", ["zzz"]),
+    ],
+)
+def test_result_does_not_depend_on_round_sizes(codec, text, stop):
+    """Speculation delivers tokens in rounds of any size: the outcome must not change."""
+    import random
+
+    ids = codec.encode(text)
+    outcomes = set()
+    for seed in range(40):
+        rng = random.Random(seed)
+        c = completion(codec, stop=stop, max_new=len(ids))
+        streamed, i = "", 0
+        while c.finish_reason is None:
+            n = 1 if seed == 0 else rng.randint(1, 5)  # seed 0: one token at a time (k = 0)
+            delta, _ = c.push(ids[i : i + n])
+            streamed += delta
+            i += n
+        assert streamed == c.text
+        outcomes.add((c.text, tuple(c.tokens), c.finish_reason))
+    assert len(outcomes) == 1, outcomes
+    final_text, _, reason = outcomes.pop()
+    if reason == "length":
+        assert final_text == codec.decode(ids)
+
+
+def test_special_tokens_only_when_asked(codec):
+    """A new conversation gets the post-processor's BOS, a continuation none."""
+    import json
+
+    spec = json.loads(codec.tokenizer.to_str())
+    bos = "<|bos|>"
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [
+            {"SpecialToken": {"id": bos, "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+        ],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 0}}],
+        "special_tokens": {bos: {"id": bos, "ids": [1], "tokens": [bos]}},
+    }
+    with_bos = TextCodec(json.dumps(spec).encode())
+    plain = with_bos.encode("hello")
+    assert with_bos.encode("hello", add_special_tokens=True) == [1, *plain]
+    assert 1 not in plain
