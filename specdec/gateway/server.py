@@ -351,10 +351,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     @rpc_errors
     async def Generate(self, request, context) -> gateway_pb2.GenerateResponse:
+        # Drain the generator (never return from inside the loop): its cleanup (the
+        # session's turn lock, metrics, cache release) must run before the answer leaves.
+        final = None
         async for event in self.gateway.run(request):
-            if event.final is not None:
-                return event.final
-        raise AssertionError("generation ended without a final response")
+            final = event.final or final
+        if final is None:
+            raise AssertionError("generation ended without a final response")
+        return final
 
     @stream_rpc_errors
     async def GenerateStream(self, request, context):

@@ -70,26 +70,17 @@ def test_up_generate_and_clean_stop(test_models, tokenizer, reference, tmp_path)
         assert len(pids) == 4  # redis, drafter, verifier, gateway
 
         prompt = "def fibonacci(n):"
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "specdec",
-                "generate",
-                "--gateway",
-                gateway,
-                "--prompt",
-                prompt,
-                "--max-new-tokens",
-                "16",
-                "--k",
-                "4",
-                "--json",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+
+        def generate(*extra: str) -> subprocess.CompletedProcess:
+            argv = ["generate", "--gateway", gateway, "--prompt", prompt, "--max-new-tokens", "16"]
+            return subprocess.run(
+                [sys.executable, "-m", "specdec", *argv, *extra],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+
+        out = generate("--k", "4", "--json")
         assert out.returncode == 0, out.stderr
         result = json.loads(out.stdout)
         ids = tokenizer(prompt).input_ids
@@ -100,23 +91,7 @@ def test_up_generate_and_clean_stop(test_models, tokenizer, reference, tmp_path)
             assert key in result["stats"]
         assert result["text"] == tokenizer.decode(result["tokens"], skip_special_tokens=True)
 
-        streamed = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "specdec",
-                "generate",
-                "--gateway",
-                gateway,
-                "--prompt",
-                prompt,
-                "--max-new-tokens",
-                "16",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        streamed = generate()
         assert streamed.returncode == 0 and streamed.stdout.rstrip("\n") == result["text"]
 
         up.send_signal(signal.SIGTERM)
