@@ -56,7 +56,6 @@ class CacheStore:
         self.max_cached_tokens = max_cached_tokens
         self._new_cache = new_cache
         self._sessions: OrderedDict[str, SessionCache] = OrderedDict()
-        self.evictions = 0
 
     @property
     def cached_tokens(self) -> int:
@@ -130,7 +129,6 @@ class CacheStore:
                 break
             victim = self._sessions.pop(victim_id)
             total -= len(victim.tokens)
-            self.evictions += 1
             log.info(
                 "evicted session cache",
                 extra={"session_id": victim_id, "tokens": len(victim.tokens)},

@@ -59,7 +59,6 @@ class LoopStats:
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     cache_misses: int = 0
-    failovers: int = 0
 
     def record(self, k: int, accepted: int) -> None:
         self.rounds += 1
@@ -182,7 +181,6 @@ class Speculator:
                         continue
                     pool.mark_down(replica, err.details() or "unavailable")
                     failed.append(replica)
-                    self.stats.failovers += 1
                     metrics.FAILOVERS.labels(role=role).inc()
                     placement.replica, placement.cached = None, 0
                     continue

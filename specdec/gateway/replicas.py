@@ -40,8 +40,6 @@ class Replica:
     in_flight: int = 0
     up: bool = False
     info: common_pb2.ModelInfo | None = None
-    failures: int = 0
-    last_failure: float = 0.0
     served: int = field(default=0)
 
     def __repr__(self) -> str:
@@ -97,8 +95,6 @@ class ReplicaPool:
                 extra={"replica": replica.address, "role": self.role, "why": why},
             )
         replica.up = False
-        replica.failures += 1
-        replica.last_failure = time.monotonic()
 
     async def fetch_info(
         self, replica: Replica, include_tokenizer: bool = False

@@ -19,16 +19,15 @@ from specdec.v1 import common_pb2
 class TextCodec:
     """Encode prompts and decode completions with the replicas' tokenizer."""
 
-    def __init__(self, tokenizer_json: bytes, chat_template: str = ""):
+    def __init__(self, tokenizer_json: bytes):
         self.fingerprint = hashlib.sha256(tokenizer_json).hexdigest()
         self.tokenizer = Tokenizer.from_str(tokenizer_json.decode())
-        self.chat_template = chat_template
 
     @classmethod
     def from_info(cls, info: common_pb2.ModelInfo) -> TextCodec:
         if not info.tokenizer_json_zlib:
             raise ValueError(f"replica {info.replica_id} sent no tokenizer")
-        codec = cls(zlib.decompress(info.tokenizer_json_zlib), info.chat_template)
+        codec = cls(zlib.decompress(info.tokenizer_json_zlib))
         if codec.fingerprint != info.tokenizer_fingerprint:
             raise ValueError(
                 f"tokenizer from {info.replica_id} does not match its fingerprint "

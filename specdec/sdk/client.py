@@ -117,6 +117,16 @@ def build_generate_request(
     return request
 
 
+def _request(arguments: dict[str, Any]) -> gateway_pb2.GenerateRequest:
+    """build_generate_request from a generate()/stream() call's own arguments.
+
+    The four public methods keep their full signatures for readers and IDEs; this keeps
+    one copy of the forwarding.
+    """
+    params = {k: v for k, v in arguments.items() if k not in ("self", "timeout")}
+    return build_generate_request(**params)
+
+
 class _ClientBase:
     def __init__(self, timeout: float | None) -> None:
         if timeout is not None and timeout <= 0:
@@ -170,21 +180,7 @@ class Client(_ClientBase):
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> Generation:
         """Generate a completion and return it whole."""
-        request = build_generate_request(
-            prompt,
-            token_ids=token_ids,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=stop,
-            session_id=session_id,
-            reset_session=reset_session,
-            session_ttl_seconds=session_ttl_seconds,
-            k=k,
-            ssd=ssd,
-        )
+        request = _request(locals())
         try:
             response = self._stub.Generate(request, timeout=self._deadline(timeout))
         except grpc.RpcError as e:
@@ -214,21 +210,7 @@ class Client(_ClientBase):
         Arguments are checked now; the call starts on the first ``next()``. Leaving the
         loop early (or closing the iterator) cancels the call.
         """
-        request = build_generate_request(
-            prompt,
-            token_ids=token_ids,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=stop,
-            session_id=session_id,
-            reset_session=reset_session,
-            session_ttl_seconds=session_ttl_seconds,
-            k=k,
-            ssd=ssd,
-        )
+        request = _request(locals())
         return self._stream(request, self._deadline(timeout))
 
     def _stream(
@@ -301,21 +283,7 @@ class AsyncClient(_ClientBase):
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> Generation:
         """Generate a completion and return it whole."""
-        request = build_generate_request(
-            prompt,
-            token_ids=token_ids,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=stop,
-            session_id=session_id,
-            reset_session=reset_session,
-            session_ttl_seconds=session_ttl_seconds,
-            k=k,
-            ssd=ssd,
-        )
+        request = _request(locals())
         try:
             response = await self._stub.Generate(request, timeout=self._deadline(timeout))
         except grpc.RpcError as e:
@@ -345,21 +313,7 @@ class AsyncClient(_ClientBase):
         Arguments are checked now (not awaited); the call starts on the first iteration.
         Leaving the loop early cancels the call.
         """
-        request = build_generate_request(
-            prompt,
-            token_ids=token_ids,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=stop,
-            session_id=session_id,
-            reset_session=reset_session,
-            session_ttl_seconds=session_ttl_seconds,
-            k=k,
-            ssd=ssd,
-        )
+        request = _request(locals())
         return self._stream(request, self._deadline(timeout))
 
     async def _stream(
