@@ -22,6 +22,7 @@ def _serve(service: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from specdec.bench import add_bench_parser
     from specdec.common.config import ReplicaConfig
     from specdec.demo import add_demo_parser
     from specdec.gateway.config import GatewayConfig
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(commands)
     add_up_parser(commands)
     add_demo_parser(commands)
+    add_bench_parser(commands)
     return parser
 
 

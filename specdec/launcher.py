@@ -32,8 +32,10 @@ class ServiceProcess:
         argv: Sequence[str],
         env: dict[str, str] | None = None,
         log_path: str | None = None,
+        cpus: Sequence[int] | None = None,
     ):
         self.name = name
+        self.cpus = set(cpus) if cpus else None
         self.argv = list(argv)
         self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         self.log_path = log_path
@@ -60,6 +62,8 @@ class ServiceProcess:
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,  # Ctrl-C in a terminal reaches the parent only
+            # Pin before exec, so every thread the service starts inherits the CPU set.
+            preexec_fn=(lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None,
         )
         threading.Thread(target=self._pump, daemon=True, name=f"{self.name}-log").start()
         return self

@@ -30,8 +30,30 @@ def add_stack_arguments(p: argparse.ArgumentParser, port_default: int = 50051) -
         "--draft-threads", type=int, default=0, help="drafter torch threads (0: default)"
     )
     p.add_argument("--target-threads", type=int, default=0, help="verifier torch threads")
+    p.add_argument(
+        "--draft-cpus", type=_cpu_list, help="pin the drafter to these CPUs, e.g. 0 or 0-3"
+    )
+    p.add_argument("--target-cpus", type=_cpu_list, help="pin the verifier to these CPUs")
     p.add_argument("--default-k", type=int, default=4, help="gateway's default draft length")
     p.add_argument("--log-dir", help="write each service's log to DIR/<service>.log")
+
+
+def _cpu_list(text: str) -> list[int]:
+    """'0', '0,2' or '0-3' -> CPU ids (argparse type)."""
+    cpus: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            cpus.extend(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a CPU list: {text!r} (e.g. 0, 0,2 or 0-3)") from None
+    available = os.sched_getaffinity(0)
+    missing = sorted(set(cpus) - available)
+    if not cpus or missing:
+        raise argparse.ArgumentTypeError(
+            f"CPUs {missing or text} are not available here (have {sorted(available)})"
+        )
+    return cpus
 
 
 def add_up_parser(commands) -> argparse.ArgumentParser:
@@ -54,19 +76,21 @@ class LocalStack:
         self.procs: list[ServiceProcess] = []
         self.gateway: ServiceProcess | None = None
 
-    def _service(self, name: str, *argv: str) -> ServiceProcess:
+    def _service(self, name: str, *argv: str, cpus: list[int] | None = None) -> ServiceProcess:
         log_path = str(self.log_dir / f"{name}.log") if self.log_dir else None
-        proc = ServiceProcess.specdec(name, *argv, log_path=log_path)
+        proc = ServiceProcess.specdec(name, *argv, log_path=log_path, cpus=cpus)
         self.procs.append(proc)
         return proc.start()
 
-    def _replica(self, role: str, model: str, gguf: str | None, threads: int) -> ServiceProcess:
+    def _replica(
+        self, role: str, model: str, gguf: str | None, threads: int, cpus: list[int] | None
+    ) -> ServiceProcess:
         a = self.args
         argv = ["serve", role, "--model", model, "--port", "0", "--host", a.host]
         argv += ["--dtype", a.dtype, "--device", a.device, "--threads", str(threads)]
         if gguf:
             argv += ["--gguf-file", gguf]
-        return self._service(role, *argv)
+        return self._service(role, *argv, cpus=cpus)
 
     def start(self) -> LocalStack:
         a = self.args
@@ -80,8 +104,12 @@ class LocalStack:
             f"redis     {redis_url}"
             + (f" (pid {self.redis.pid})" if self.redis else " (REDIS_URL)")
         )
-        drafter = self._replica("drafter", a.draft_model, a.draft_gguf_file, a.draft_threads)
-        verifier = self._replica("verifier", a.target_model, a.target_gguf_file, a.target_threads)
+        drafter = self._replica(
+            "drafter", a.draft_model, a.draft_gguf_file, a.draft_threads, a.draft_cpus
+        )
+        verifier = self._replica(
+            "verifier", a.target_model, a.target_gguf_file, a.target_threads, a.target_cpus
+        )
         self.announce("loading models ...")
         for p in (drafter, verifier):
             p.wait_healthy(timeout=1800)
