@@ -57,6 +57,18 @@ def parse_value(args: argparse.Namespace, flag: str, convert: Callable[[str], T]
     return value
 
 
+def boolean(value: str | bool) -> bool:
+    """'true'/'false' (also 1/0, yes/no, on/off) -> bool (ValueError otherwise)."""
+    if isinstance(value, bool):
+        return value
+    text = value.strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
 def positive(value: int) -> str | None:
     return None if value > 0 else "must be > 0"
 
@@ -70,6 +82,7 @@ def port_number(value: int) -> str | None:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAX_FAN_OUT = 64  # SSD branches per round
 
 
 @dataclass(frozen=True)
@@ -89,9 +102,15 @@ class ReplicaConfig:
     threads: int = 0  # 0: torch's default
     replica_id: str = ""  # empty: hostname:port, known once the port is bound
     grace_seconds: float = 10.0
+    # Drafter only: speculative speculative decoding (SSD) fan-out.
+    ssd_fan_out: int = 6  # branches prepared per round unless the request says
+    ssd_max_per_outcome: int = 3  # at most this many next tokens per accepted count
+    ssd_acceptance_prior: float = 0.7  # ranks outcomes until the request sends its rate
 
     @staticmethod
-    def add_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
+    def add_arguments(
+        parser: argparse.ArgumentParser, default_port: int, role: str = "verifier"
+    ) -> None:
         add_setting(parser, "--model", "model directory or hub id (or the dir holding --gguf-file)")
         add_setting(parser, "--gguf-file", "GGUF file name inside --model, or a GGUF path")
         add_setting(parser, "--dtype", f"weights dtype, one of {', '.join(DTYPES)}", "float32")
@@ -106,6 +125,17 @@ class ReplicaConfig:
             parser, "--replica-id", "name reported in Info and logs (default host:port)", ""
         )
         add_setting(parser, "--grace-seconds", "graceful shutdown window on SIGTERM", 10.0)
+        if role == "drafter":
+            add_setting(parser, "--ssd-fan-out", "SSD: branches prepared per round", 6)
+            add_setting(
+                parser, "--ssd-max-per-outcome", "SSD: next tokens tried per accepted count", 3
+            )
+            add_setting(
+                parser,
+                "--ssd-acceptance-prior",
+                "SSD: acceptance rate that ranks outcomes before a request has its own",
+                0.7,
+            )
 
     @classmethod
     def from_args(cls, role: str, args: argparse.Namespace) -> ReplicaConfig:
@@ -134,7 +164,25 @@ class ReplicaConfig:
             grace_seconds=parse_value(
                 args, "--grace-seconds", float, lambda v: None if v >= 0 else "must be >= 0"
             ),
+            **(_ssd_settings(args) if role == "drafter" else {}),
         )
+
+
+def _ssd_settings(args: argparse.Namespace) -> dict:
+    return {
+        "ssd_fan_out": parse_value(args, "--ssd-fan-out", int, _fan_out),
+        "ssd_max_per_outcome": parse_value(args, "--ssd-max-per-outcome", int, positive),
+        "ssd_acceptance_prior": parse_value(
+            args,
+            "--ssd-acceptance-prior",
+            float,
+            lambda v: None if 0 < v < 1 else "must be in (0, 1)",
+        ),
+    }
+
+
+def _fan_out(value: int) -> str | None:
+    return None if 1 <= value <= MAX_FAN_OUT else f"must be in [1, {MAX_FAN_OUT}]"
 
 
 def _check_device(value: str) -> str | None:

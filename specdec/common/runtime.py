@@ -44,6 +44,8 @@ class SessionCache:
     tokens: list[int]
     kv: object  # transformers DynamicCache
     last_used: float = field(default_factory=time.monotonic)
+    # Drafter: next-round drafts prepared by Speculate (specdec.drafter.speculate.Prepared).
+    prepared: object | None = None
 
 
 class CacheStore:

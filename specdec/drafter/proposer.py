@@ -21,6 +21,29 @@ class Draft:
     probs: list[EncodedProbs]  # [k], empty when greedy
     cached_length: int
     forward_ms: float
+    prepared: bool = False  # served from a Speculate branch, no forward
+
+
+class Sampler:
+    """Draws draft tokens from logits rows: argmax under greedy, else a sample from the
+    encoded-and-decoded warped distribution (what travels is what was sampled from)."""
+
+    def __init__(self, params: SamplingParams, device: torch.device):
+        self.params = params
+        self.device = device
+        self.shared = (
+            None
+            if params.greedy or params.seed is not None
+            else make_generator(None, DRAFT_SALT, 0, device)
+        )
+
+    def draw(self, logits: torch.Tensor, position: int) -> tuple[int, EncodedProbs | None]:
+        """One token for sequence index `position` from logits [vocab]."""
+        if self.params.greedy:
+            return int(logits.argmax()), None
+        enc, probs = round_trip(warp(logits, self.params))
+        gen = self.shared or make_generator(self.params.seed, DRAFT_SALT, position, self.device)
+        return int(torch.multinomial(probs, 1, generator=gen)), enc
 
 
 def propose(
@@ -33,41 +56,39 @@ def propose(
 ) -> Draft:
     """Draft k tokens after prefix + new_tokens (runs on the model thread).
 
-    The cache ends holding prefix + new_tokens + d_1..d_{k-1}: d_k is only fed if it is
-    accepted, in the next request's new tokens.
+    If Speculate prepared a draft for exactly this sequence it is returned without a
+    forward and the cache stays at the prefix. Otherwise the cache ends holding
+    prefix + new_tokens + d_1..d_{k-1}: d_k is only fed if it is accepted, in the next
+    request's new tokens.
     """
     with runtime.guarded(session_id):
         return _propose(runtime, session_id, prefix, new_tokens, k, params)
 
 
 def _propose(runtime, session_id, prefix, new_tokens, k, params) -> Draft:
+    from specdec.drafter.speculate import take_prepared
+
     started = time.perf_counter()
-    session, logits = runtime.extend(session_id, prefix, new_tokens, len(new_tokens) + k - 1)
+    session = runtime.store.acquire(session_id, prefix.length, prefix.hash, len(new_tokens) + k - 1)
+    hit = take_prepared(session, new_tokens, k, params)
+    if hit is not None:
+        tokens, probs = hit
+        return Draft(tokens, probs, len(session.tokens), _ms(started), prepared=True)
+    logits = runtime.forward(session, new_tokens)
     last = logits[-1]  # [vocab]
     position = prefix.length + len(new_tokens)  # index of d_1 in the sequence
-    shared_gen = (
-        None
-        if params.greedy or params.seed is not None
-        else make_generator(None, DRAFT_SALT, 0, runtime.device)
-    )
+    sampler = Sampler(params, runtime.device)
     tokens: list[int] = []
     encoded: list[EncodedProbs] = []
     for i in range(k):
-        if params.greedy:
-            token = int(last.argmax())
-        else:
-            enc, probs = round_trip(warp(last, params))  # sample from what travels
-            gen = shared_gen or make_generator(
-                params.seed, DRAFT_SALT, position + i, runtime.device
-            )
-            token = int(torch.multinomial(probs, 1, generator=gen))
-            encoded.append(enc)
+        token, enc = sampler.draw(last, position + i)
         tokens.append(token)
+        if enc is not None:
+            encoded.append(enc)
         if i < k - 1:
             last = runtime.forward(session, [token])[-1]
-    return Draft(
-        tokens=tokens,
-        probs=encoded,
-        cached_length=len(session.tokens),
-        forward_ms=(time.perf_counter() - started) * 1e3,
-    )
+    return Draft(tokens, encoded, len(session.tokens), _ms(started))
+
+
+def _ms(started: float) -> float:
+    return (time.perf_counter() - started) * 1e3

@@ -3,27 +3,32 @@
 from __future__ import annotations
 
 import argparse
+import math
 
+from specdec.common.config import MAX_FAN_OUT
 from specdec.common.convert import encoded_to_proto, prefix_from_proto
 from specdec.common.errors import InvalidRequest
 from specdec.common.params import sampling_from_proto
 from specdec.common.replica import ReplicaServicer, run_replica
 from specdec.common.serving import rpc_errors
 from specdec.drafter.proposer import propose
+from specdec.drafter.speculate import speculate
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name
 
 
 class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
+    def _draft_length(self, k: int) -> int:
+        limit = self.ready_runtime().config.max_draft_tokens
+        if not 1 <= k <= limit:
+            raise InvalidRequest(f"num_draft_tokens must be in [1, {limit}], got {k}")
+        return k
+
     @rpc_errors
     async def Draft(self, request: drafter_pb2.DraftRequest, context) -> drafter_pb2.DraftResponse:
         rt = self.ready_runtime()
-        k = request.num_draft_tokens
-        if not 1 <= k <= rt.config.max_draft_tokens:
-            raise InvalidRequest(
-                f"num_draft_tokens must be in [1, {rt.config.max_draft_tokens}], got {k}"
-            )
+        k = self._draft_length(request.num_draft_tokens)
         params = sampling_from_proto(request.sampling)
         prefix = prefix_from_proto(request.prefix)
         new_tokens = list(request.new_tokens)
@@ -34,6 +39,61 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             draft_probs=[encoded_to_proto(e) for e in draft.probs],
             cached_length=draft.cached_length,
             forward_ms=draft.forward_ms,
+            prepared=draft.prepared,
+        )
+
+    @rpc_errors
+    async def Speculate(
+        self, request: drafter_pb2.SpeculateRequest, context
+    ) -> drafter_pb2.SpeculateResponse:
+        rt = self.ready_runtime()
+        cfg = rt.config
+        k_next = self._draft_length(request.num_draft_tokens)
+        draft_length = request.draft_length
+        if not 1 <= draft_length <= cfg.max_draft_tokens:
+            raise InvalidRequest(
+                f"draft_length must be in [1, {cfg.max_draft_tokens}], got {draft_length}"
+            )
+        new_tokens = list(request.new_tokens)
+        if len(new_tokens) < draft_length + 1:
+            raise InvalidRequest(
+                f"new_tokens must hold the draft and the token before it: at least "
+                f"{draft_length + 1} tokens, got {len(new_tokens)}"
+            )
+        fan_out = request.fan_out or cfg.ssd_fan_out
+        if fan_out > MAX_FAN_OUT:
+            raise InvalidRequest(f"fan_out must be at most {MAX_FAN_OUT}, got {fan_out}")
+        alpha = cfg.ssd_acceptance_prior
+        if request.HasField("acceptance_rate"):
+            alpha = request.acceptance_rate
+            if not (math.isfinite(alpha) and 0.0 <= alpha <= 1.0):
+                raise InvalidRequest(f"acceptance_rate must be in [0, 1], got {alpha}")
+        params = sampling_from_proto(request.sampling)
+        prefix = prefix_from_proto(request.prefix)
+        # A branch adds its next token and k_next drafts after the sequence.
+        self.check_extent(request.session_id, prefix, new_tokens, k_next + 1)
+        result = await rt.run(
+            speculate,
+            rt,
+            request.session_id,
+            prefix,
+            new_tokens,
+            draft_length,
+            k_next,
+            params,
+            fan_out,
+            alpha,
+            cfg.ssd_max_per_outcome,
+        )
+        return drafter_pb2.SpeculateResponse(
+            branches=[
+                drafter_pb2.SpeculatedBranch(
+                    accepted_count=b.accepted, next_token=b.next_token, draft_tokens=b.tokens
+                )
+                for b in result.branches
+            ],
+            cached_length=result.cached_length,
+            forward_ms=result.forward_ms,
         )
 
 

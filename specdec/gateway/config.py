@@ -6,14 +6,20 @@ import argparse
 from dataclasses import dataclass
 
 from specdec.common.config import (
+    MAX_FAN_OUT,
     ConfigError,
     add_setting,
+    boolean,
     env_name,
     non_negative,
     parse_value,
     port_number,
     positive,
 )
+
+
+def _fan_out(value: int) -> str | None:
+    return None if 0 <= value <= MAX_FAN_OUT else f"must be in [0, {MAX_FAN_OUT}]"
 
 
 def address_list(raw: str) -> tuple[str, ...]:
@@ -40,6 +46,8 @@ class GatewayConfig:
     port: int = 50051
     metrics_port: int = 0
     default_k: int = 4
+    ssd: bool = False  # speculative speculative decoding when a request does not say
+    ssd_fan_out: int = 0  # branches per round; 0: the drafter's --ssd-fan-out
     max_new_tokens: int = 4096
     session_ttl: int = 3600
     max_session_ttl: int = 30 * 24 * 3600
@@ -56,6 +64,8 @@ class GatewayConfig:
         add_setting(parser, "--port", "gRPC port (0: any free port)", 50051)
         add_setting(parser, "--metrics-port", "Prometheus /metrics port (0: off)", 0)
         add_setting(parser, "--default-k", "draft length when a request sets none", 4)
+        add_setting(parser, "--ssd", "SSD (pre-draft during verification) by default", False)
+        add_setting(parser, "--ssd-fan-out", "SSD branches per round (0: the drafter's default)", 0)
         add_setting(parser, "--max-new-tokens", "largest max_new_tokens a request may ask", 4096)
         add_setting(parser, "--session-ttl", "seconds an idle session is kept", 3600)
         add_setting(parser, "--rpc-timeout", "deadline of each drafter/verifier call (s)", 120.0)
@@ -77,6 +87,8 @@ class GatewayConfig:
             port=parse_value(args, "--port", int, port_number),
             metrics_port=parse_value(args, "--metrics-port", int, port_number),
             default_k=parse_value(args, "--default-k", int, non_negative),
+            ssd=parse_value(args, "--ssd", boolean),
+            ssd_fan_out=parse_value(args, "--ssd-fan-out", int, _fan_out),
             max_new_tokens=parse_value(args, "--max-new-tokens", int, positive),
             session_ttl=parse_value(args, "--session-ttl", int, positive),
             rpc_timeout=parse_value(args, "--rpc-timeout", float, seconds),

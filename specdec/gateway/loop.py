@@ -4,18 +4,28 @@ Per round: Draft(k) on a drafter, Verify on a verifier, append the accepted draf
 the next token. Each side's KV cache is tracked as (replica, cached length); a request names
 the prefix it builds on, a cache miss or a failed replica makes the next call resend the
 full context to a (possibly other) replica. Misses and failover cost time, never tokens.
+
+With SSD (DESIGN §4) Speculate(t) leaves with Verify(t): the drafter prepares next-round
+drafts for the likeliest outcomes while the verifier works. If the verified outcome
+(accepted count, next token) is one of them, that is a hit: under greedy decoding the
+gateway already holds the next draft and Verify(t+1) leaves at once; under sampling the
+Draft(t+1) call is answered from the prepared branch with its distributions, without a
+forward. A miss is a normal Draft. The verifier applies the same rule to whatever draft
+it gets, so SSD changes speed only, never tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
 from specdec.common.errors import SpecdecError, is_cache_miss
+from specdec.common.params import sampling_from_proto
 from specdec.common.prefix import prefix_hash
 from specdec.gateway import metrics
 from specdec.gateway.replicas import Fleet, NoReplica, Replica
@@ -59,6 +69,12 @@ class LoopStats:
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     cache_misses: int = 0
+    ssd_hits: int = 0
+    ssd_misses: int = 0
+    ssd_branches: int = 0
+    ssd_hidden_ms: float = 0.0  # Speculate time that overlapped a verification
+    ssd_bytes: int = 0  # Speculate requests + responses
+    drafter_wait_ms: float = 0.0  # gateway blocked on the drafter
 
     def record(self, k: int, accepted: int) -> None:
         self.rounds += 1
@@ -90,6 +106,8 @@ class Speculator:
         drafter: Placement,
         verifier: Placement,
         rpc_timeout: float,
+        ssd: bool = False,
+        ssd_fan_out: int = 0,
     ):
         self.fleet = fleet
         self.session = replica_session
@@ -98,55 +116,134 @@ class Speculator:
         self.verifier = verifier
         self.rpc_timeout = rpc_timeout
         self.stats = LoopStats()
+        self.ssd = ssd
+        self.ssd_fan_out = ssd_fan_out
+        self.greedy = sampling_from_proto(sampling).greedy
+        # SSD hit under greedy: (context length it follows, the prepared draft).
+        self._ready: tuple[int, list[int]] | None = None
 
-    async def round(self, ctx: Sequence[int], k: int) -> list[int]:
-        """One speculation round after ctx; returns the accepted draft tokens + next token."""
+    async def round(self, ctx: Sequence[int], k: int, remaining: int) -> list[int]:
+        """One speculation round after ctx; returns the accepted draft tokens + next token.
+
+        remaining: tokens the request may still generate (>= k + 1); with SSD the drafter
+        speculates only when some outcome leaves room for another round with a draft.
+        """
         draft_tokens: Sequence[int] = ()
         draft_probs: Sequence[common_pb2.DraftDistribution] = ()
-        if k > 0:
-            draft = await self._call(
-                "drafter",
-                self.drafter,
+        ready, self._ready = self._ready, None
+        if k > 0 and ready is not None and ready[0] == len(ctx):
+            draft_tokens = ready[1][:k]
+        elif k > 0:
+            waited = time.perf_counter()
+            draft = await self._call("Draft", self.drafter, ctx, self._draft_request(k))
+            self.stats.drafter_wait_ms += (time.perf_counter() - waited) * 1e3
+            self.drafter.cached = draft.cached_length
+            draft_tokens, draft_probs = draft.draft_tokens, draft.draft_probs
+        speculation = None
+        if self.ssd and k > 0 and remaining >= 3:
+            # Outcome "nothing accepted" leaves remaining - 1 tokens: a round of up to
+            # remaining - 2 drafts; other outcomes truncate the prepared draft.
+            speculation = asyncio.ensure_future(
+                self._speculate(ctx, draft_tokens, min(k, remaining - 2))
+            )
+        verify_sent = time.perf_counter()
+        try:
+            verdict = await self._call(
+                "Verify",
+                self.verifier,
                 ctx,
-                lambda prefix, new: drafter_pb2.DraftRequest(
+                lambda prefix, new: verifier_pb2.VerifyRequest(
                     session_id=self.session,
                     prefix=prefix,
                     new_tokens=new,
-                    num_draft_tokens=k,
+                    draft_tokens=draft_tokens,
+                    draft_probs=draft_probs,
                     sampling=self.sampling,
                 ),
             )
-            self.drafter.cached = draft.cached_length
-            draft_tokens, draft_probs = draft.draft_tokens, draft.draft_probs
-        verdict = await self._call(
-            "verifier",
-            self.verifier,
-            ctx,
-            lambda prefix, new: verifier_pb2.VerifyRequest(
+        except BaseException:
+            if speculation is not None:
+                speculation.cancel()
+            raise
+        verified = time.perf_counter()
+        accepted = verdict.accepted_count
+        self.verifier.cached = verdict.cached_length
+        self.stats.record(k, accepted)
+        if speculation is not None:
+            branches, spec_sent, spec_done = await speculation
+            self.stats.drafter_wait_ms += max(0.0, spec_done - verified) * 1e3
+            self.stats.ssd_hidden_ms += (
+                max(0.0, min(spec_done, verified) - max(spec_sent, verify_sent)) * 1e3
+            )
+            branch = branches.get((accepted, verdict.next_token))
+            if branch is None:
+                self.stats.ssd_misses += 1
+            else:
+                self.stats.ssd_hits += 1
+                if self.greedy:  # the next draft is on hand; sampling fetches it from
+                    # the drafter, with its distributions (a Draft without a forward)
+                    self._ready = (len(ctx) + accepted + 1, list(branch))
+        # The drafter cached the draft (all of it with SSD, d_1..d_{k-1} without); what
+        # follows the accepted tokens is stale.
+        self.drafter.cached = min(self.drafter.cached, len(ctx) + accepted)
+        return [*draft_tokens[:accepted], verdict.next_token]
+
+    def _draft_request(self, k: int):
+        return lambda prefix, new: drafter_pb2.DraftRequest(
+            session_id=self.session,
+            prefix=prefix,
+            new_tokens=new,
+            num_draft_tokens=k,
+            sampling=self.sampling,
+        )
+
+    async def _speculate(
+        self, ctx: Sequence[int], draft: Sequence[int], k_next: int
+    ) -> tuple[dict[tuple[int, int], Sequence[int]], float, float]:
+        """Speculate(t); returns the prepared drafts by outcome, and when it was sent and
+        answered (perf_counter seconds)."""
+        sent = time.perf_counter()
+        request_bytes = 0
+
+        def build(prefix, new):
+            nonlocal request_bytes
+            request = drafter_pb2.SpeculateRequest(
                 session_id=self.session,
                 prefix=prefix,
                 new_tokens=new,
-                draft_tokens=draft_tokens,
-                draft_probs=draft_probs,
+                draft_length=len(draft),
+                num_draft_tokens=k_next,
                 sampling=self.sampling,
-            ),
-        )
-        accepted = verdict.accepted_count
-        self.verifier.cached = verdict.cached_length
-        # The drafter cached d_1..d_{k-1}; what follows the accepted ones is stale.
-        self.drafter.cached = min(self.drafter.cached, len(ctx) + accepted)
-        self.stats.record(k, accepted)
-        return [*draft_tokens[:accepted], verdict.next_token]
+                fan_out=self.ssd_fan_out,
+                # The request's own rate once it has one; until then the drafter's prior.
+                acceptance_rate=self.stats.acceptance_rate if self.stats.draft_tokens else None,
+            )
+            request_bytes += request.ByteSize()
+            return request
+
+        response = await self._call("Speculate", self.drafter, ctx, build, tail=draft)
+        done = time.perf_counter()
+        self.drafter.cached = response.cached_length
+        self.stats.ssd_branches += len(response.branches)
+        self.stats.ssd_bytes += request_bytes + response.ByteSize()
+        branches = {(b.accepted_count, b.next_token): b.draft_tokens for b in response.branches}
+        return branches, sent, done
 
     async def _call(
         self,
-        role: str,
+        method_name: str,
         placement: Placement,
         ctx: Sequence[int],
         build: Callable[[common_pb2.CachedPrefix, Sequence[int]], object],
+        tail: Sequence[int] = (),
     ):
         """Send build(prefix, new_tokens) to the placement's replica, recovering from cache
-        misses (resend everything) and unavailable replicas (another replica, everything)."""
+        misses (resend everything) and unavailable replicas (another replica, everything).
+
+        The prefix is at most ctx minus its last token (every call carries at least one
+        new token); new_tokens is the rest of ctx followed by `tail`.
+        """
+        role = "verifier" if method_name == "Verify" else "drafter"
         pool = self.fleet.pool(role)
         failed: list[Replica] = []
         retries = 0
@@ -161,8 +258,8 @@ class Speculator:
             replica = placement.replica
             n = min(placement.cached, len(ctx) - 1)
             prefix = common_pb2.CachedPrefix(length=n, hash=prefix_hash(ctx[:n]))
-            request = build(prefix, ctx[n:])
-            method = replica.stub.Draft if role == "drafter" else replica.stub.Verify
+            request = build(prefix, [*ctx[n:], *tail])
+            method = getattr(replica.stub, method_name)
             replica.in_flight += 1
             try:
                 return await method(request, timeout=self.rpc_timeout)

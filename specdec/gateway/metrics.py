@@ -20,6 +20,18 @@ ACCEPTED_PER_POS = Counter(
     ["position"],
 )
 CACHE_MISSES = Counter(PREFIX + "replica_cache_misses", "Full-context resends after a cache miss")
+# SSD hit rate = ssd_hits / (ssd_hits + ssd_misses); branches per round = ssd_branches /
+# (ssd_hits + ssd_misses).
+SSD_HITS = Counter(PREFIX + "ssd_hits", "SSD rounds whose outcome had a prepared draft")
+SSD_MISSES = Counter(PREFIX + "ssd_misses", "SSD rounds whose outcome had no prepared draft")
+SSD_BRANCHES = Counter(PREFIX + "ssd_branches", "Next-round drafts the drafter prepared")
+SSD_HIDDEN = Counter(
+    PREFIX + "ssd_hidden_drafter_seconds", "Drafter (Speculate) time overlapped by verification"
+)
+SSD_BYTES = Counter(PREFIX + "ssd_bytes", "Bytes of Speculate requests and responses")
+DRAFTER_WAIT = Counter(
+    PREFIX + "drafter_wait_seconds", "Time the speculation loop spent waiting for a drafter"
+)
 FAILOVERS = Counter(PREFIX + "replica_failovers", "Calls moved to another replica", ["role"])
 TTFT = Histogram(
     PREFIX + "time_to_first_token_seconds",

@@ -41,10 +41,6 @@ FINISH = {
 }
 
 
-class Unimplemented(SpecdecError):
-    code = grpc.StatusCode.UNIMPLEMENTED
-
-
 class Aborted(SpecdecError):
     code = grpc.StatusCode.ABORTED
 
@@ -61,6 +57,7 @@ class Job:
     reset: bool
     ttl: int
     k: int
+    ssd: bool
 
 
 @dataclass
@@ -166,8 +163,7 @@ class Gateway:
         k = spec.num_draft_tokens if spec.HasField("num_draft_tokens") else self.default_k
         if not 0 <= k <= self.max_k:
             raise InvalidRequest(f"num_draft_tokens must be in [0, {self.max_k}], got {k}")
-        if spec.HasField("ssd") and spec.ssd:
-            raise Unimplemented("speculative speculative decoding (ssd) is not available yet")
+        ssd = spec.ssd if spec.HasField("ssd") else self.config.ssd
         return Job(
             prompt=prompt,
             max_new_tokens=req.max_new_tokens,
@@ -177,6 +173,7 @@ class Gateway:
             reset=session.mode == gateway_pb2.SESSION_MODE_RESET,
             ttl=session.ttl_seconds or self.config.session_ttl,
             k=k,
+            ssd=ssd and k > 0,
         )
 
     # -- generation ---------------------------------------------------------------------
@@ -240,7 +237,14 @@ class Gateway:
             )
         replica_session = f"s/{job.session_id}" if job.session_id else f"r/{uuid.uuid4().hex}"
         spec = Speculator(
-            self.fleet, replica_session, job.sampling, drafter, verifier, self.config.rpc_timeout
+            self.fleet,
+            replica_session,
+            job.sampling,
+            drafter,
+            verifier,
+            self.config.rpc_timeout,
+            ssd=job.ssd,
+            ssd_fan_out=self.config.ssd_fan_out,
         )
         completion = Completion(self.codec, job.max_new_tokens, self.eos_token_ids, job.stop)
         first_at = last_at = None
@@ -248,7 +252,7 @@ class Gateway:
         try:
             while completion.finish_reason is None:
                 remaining = job.max_new_tokens - len(completion.tokens)
-                new = await spec.round(ctx, min(job.k, remaining - 1))
+                new = await spec.round(ctx, min(job.k, remaining - 1), remaining)
                 ctx.extend(new)
                 text, tokens = completion.push(new)
                 now = time.perf_counter()
@@ -308,7 +312,13 @@ class Gateway:
                 mean_accepted_length=stats.mean_accepted_length,
                 accepted_per_position=stats.accepted_per_position,
                 num_draft_tokens=job.k,
-                ssd=False,
+                ssd=job.ssd,
+                ssd_hits=stats.ssd_hits,
+                ssd_misses=stats.ssd_misses,
+                ssd_branches=stats.ssd_branches,
+                ssd_hidden_ms=stats.ssd_hidden_ms,
+                drafter_wait_ms=stats.drafter_wait_ms,
+                ssd_bytes=stats.ssd_bytes,
                 cache_misses=stats.cache_misses,
             ),
             session_id=job.session_id or "",
@@ -326,6 +336,12 @@ class Gateway:
         for pos, n in enumerate(s.accepted_per_position):
             metrics.ACCEPTED_PER_POS.labels(position=str(pos)).inc(n)
         metrics.CACHE_MISSES.inc(s.cache_misses)
+        metrics.SSD_HITS.inc(s.ssd_hits)
+        metrics.SSD_MISSES.inc(s.ssd_misses)
+        metrics.SSD_BRANCHES.inc(s.ssd_branches)
+        metrics.SSD_HIDDEN.inc(s.ssd_hidden_ms / 1e3)
+        metrics.SSD_BYTES.inc(s.ssd_bytes)
+        metrics.DRAFTER_WAIT.inc(s.drafter_wait_ms / 1e3)
 
     def _release_later(self, replica_session: str, *placements: Placement) -> None:
         """Drop a one-off request's KV caches (best effort, off the response path)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,20 @@ class SpeculationStats:
     ssd_misses: int = 0
     #: Full-context resends after a replica cache miss or failover.
     cache_misses: int = 0
+    #: SSD: next-round drafts the drafter prepared, over all rounds.
+    ssd_branches: int = 0
+    #: SSD: drafter time that ran while the verifier worked (ms).
+    ssd_hidden_ms: float = 0.0
+    #: Time the gateway waited for the drafter (Draft calls, late Speculate answers; ms).
+    drafter_wait_ms: float = 0.0
+    #: SSD: bytes of Speculate requests and responses.
+    ssd_bytes: int = 0
+
+    @property
+    def ssd_hit_rate(self) -> float:
+        """Share of SSD rounds whose outcome had a prepared draft (0 without SSD)."""
+        n = self.ssd_hits + self.ssd_misses
+        return self.ssd_hits / n if n else 0.0
 
 
 @dataclass(frozen=True)
@@ -104,17 +119,9 @@ class Generation:
                 "total_ms": self.timings.total_ms,
             },
             "stats": {
-                "rounds": s.rounds,
-                "draft_tokens": s.draft_tokens,
-                "accepted_tokens": s.accepted_tokens,
-                "acceptance_rate": s.acceptance_rate,
-                "mean_accepted_length": s.mean_accepted_length,
+                **dataclasses.asdict(s),
                 "accepted_per_position": list(s.accepted_per_position),
-                "num_draft_tokens": s.num_draft_tokens,
-                "ssd": s.ssd,
-                "ssd_hits": s.ssd_hits,
-                "ssd_misses": s.ssd_misses,
-                "cache_misses": s.cache_misses,
+                "ssd_hit_rate": s.ssd_hit_rate,
             },
             "session_id": self.session_id,
         }
@@ -175,6 +182,10 @@ def speculation_stats_from_proto(msg: gateway_pb2.SpeculationStats) -> Speculati
         ssd_hits=msg.ssd_hits,
         ssd_misses=msg.ssd_misses,
         cache_misses=msg.cache_misses,
+        ssd_branches=msg.ssd_branches,
+        ssd_hidden_ms=msg.ssd_hidden_ms,
+        drafter_wait_ms=msg.drafter_wait_ms,
+        ssd_bytes=msg.ssd_bytes,
     )
 
 

@@ -41,6 +41,11 @@ class DrafterServiceStub:
                 request_serializer=specdec_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
                 _registered_method=True)
+        self.Speculate = channel.unary_unary(
+                '/specdec.v1.DrafterService/Speculate',
+                request_serializer=specdec_dot_v1_dot_drafter__pb2.SpeculateRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_drafter__pb2.SpeculateResponse.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/specdec.v1.DrafterService/Info',
                 request_serializer=specdec_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
@@ -59,6 +64,16 @@ class DrafterServiceServicer:
 
     def Draft(self, request, context):
         """Propose `num_draft_tokens` tokens after the session's sequence.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Speculate(self, request, context):
+        """Speculative speculative decoding (SSD): while the verifier checks a draft, prepare the
+        next round's drafts for the likeliest verification outcomes. The prepared drafts stay
+        on the replica (with their distributions); a later Draft whose sequence matches one
+        of them is answered without a model forward.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -85,6 +100,11 @@ def add_DrafterServiceServicer_to_server(servicer, server):
                     servicer.Draft,
                     request_deserializer=specdec_dot_v1_dot_drafter__pb2.DraftRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_drafter__pb2.DraftResponse.SerializeToString,
+            ),
+            'Speculate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Speculate,
+                    request_deserializer=specdec_dot_v1_dot_drafter__pb2.SpeculateRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_drafter__pb2.SpeculateResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -125,6 +145,33 @@ class DrafterService:
             '/specdec.v1.DrafterService/Draft',
             specdec_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
             specdec_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Speculate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.DrafterService/Speculate',
+            specdec_dot_v1_dot_drafter__pb2.SpeculateRequest.SerializeToString,
+            specdec_dot_v1_dot_drafter__pb2.SpeculateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -282,12 +282,6 @@ def test_sdk_raises_invalid_argument(client):
     assert "temperature" in err.value.details
 
 
-def test_ssd_not_built_yet_says_so(client):
-    with pytest.raises(SpecdecError) as err:
-        client.generate("hi", max_new_tokens=2, ssd=True)
-    assert err.value.code.name == "UNIMPLEMENTED"
-
-
 def test_concurrent_turns_of_one_session_are_refused(stack, tokenizer):
     """A turn in flight on gateway A: a second turn of that session on B is ABORTED."""
     ids = ids_of(tokenizer, PROMPTS[0])

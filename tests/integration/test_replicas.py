@@ -323,6 +323,7 @@ def bad_requests(ids: list[int], vocab: int):
     nan = [float("nan")] * vocab
     v = verifier_pb2.VerifyRequest
     d = drafter_pb2.DraftRequest
+    s = drafter_pb2.SpeculateRequest
     p0 = prefix(ids, 0)
     inv = grpc.StatusCode.INVALID_ARGUMENT
     return [
@@ -553,6 +554,81 @@ def bad_requests(ids: list[int], vocab: int):
             "top_k",
         ),
         (
+            "speculate draft_length zero",
+            "speculate",
+            s(session_id="b", prefix=p0, new_tokens=ids, draft_length=0, num_draft_tokens=2),
+            inv,
+            "draft_length",
+        ),
+        (
+            "speculate without the token before the draft",
+            "speculate",
+            s(session_id="b", prefix=p0, new_tokens=[5, 6], draft_length=2, num_draft_tokens=2),
+            inv,
+            "at least 3 tokens",
+        ),
+        (
+            "speculate next k zero",
+            "speculate",
+            s(session_id="b", prefix=p0, new_tokens=ids, draft_length=1, num_draft_tokens=0),
+            inv,
+            "num_draft_tokens",
+        ),
+        (
+            "speculate fan-out too large",
+            "speculate",
+            s(
+                session_id="b",
+                prefix=p0,
+                new_tokens=ids,
+                draft_length=1,
+                num_draft_tokens=2,
+                fan_out=65,
+            ),
+            inv,
+            "fan_out",
+        ),
+        (
+            "speculate acceptance rate nan",
+            "speculate",
+            s(
+                session_id="b",
+                prefix=p0,
+                new_tokens=ids,
+                draft_length=1,
+                num_draft_tokens=2,
+                acceptance_rate=float("nan"),
+            ),
+            inv,
+            "acceptance_rate",
+        ),
+        (
+            "speculate oov",
+            "speculate",
+            s(
+                session_id="b",
+                prefix=p0,
+                new_tokens=[*ids, vocab],
+                draft_length=1,
+                num_draft_tokens=2,
+            ),
+            inv,
+            "outside the vocabulary",
+        ),
+        (
+            "speculate beyond context",
+            "speculate",
+            s(
+                session_id="b",
+                prefix=p0,
+                new_tokens=[5] * 505,
+                draft_length=2,
+                num_draft_tokens=8,
+            ),
+            inv,
+            "context",
+        ),
+        (
             "nan temperature",
             "verify",
             v(
@@ -578,7 +654,9 @@ def test_bad_input_is_rejected_and_harms_nothing(
     for _ in range(3):
         ctx += loop.round(ctx, 4)
     for name, rpc, request, code, fragment in bad_requests(ids, test_models.vocab_size):
-        call = drafter.Draft if rpc == "draft" else verifier.Verify
+        call = {"draft": drafter.Draft, "verify": verifier.Verify, "speculate": drafter.Speculate}[
+            rpc
+        ]
         with pytest.raises(grpc.RpcError) as err:
             call(request, timeout=10)
         assert err.value.code() == code, f"{name}: {err.value.code()} {err.value.details()}"
@@ -634,3 +712,59 @@ def test_eviction_and_capacity(test_models, tokenizer):
             assert "max-cached-tokens" in err.value.details()
     finally:
         assert proc.stop() == 0  # graceful shutdown on SIGTERM exits cleanly
+
+
+def test_speculate_prepares_drafts_that_a_matching_draft_takes(stubs, tokenizer):
+    """Speculate after a sampled draft: a Draft for one branch's outcome gets that branch
+    (tokens and distributions) without a forward; any other Draft drafts afresh."""
+    drafter, _ = stubs
+    sampled = common_pb2.SamplingParams(temperature=1.0, top_k=5, seed=3)
+    ids = tokenizer(PROMPTS[1]).input_ids
+    d = drafter.Draft(
+        drafter_pb2.DraftRequest(
+            session_id="ssd",
+            prefix=prefix(ids, 0),
+            new_tokens=ids,
+            num_draft_tokens=3,
+            sampling=sampled,
+        ),
+        timeout=30,
+    )
+    draft = list(d.draft_tokens)
+    assert not d.prepared and d.cached_length == len(ids) + 2
+    n = len(ids) - 1  # the request carries the token before the draft and the draft
+    seq = [*ids, *draft]
+    spec = drafter.Speculate(
+        drafter_pb2.SpeculateRequest(
+            session_id="ssd",
+            prefix=prefix(seq, n),
+            new_tokens=seq[n:],
+            draft_length=3,
+            num_draft_tokens=2,
+            sampling=sampled,
+            fan_out=5,
+        ),
+        timeout=30,
+    )
+    assert spec.cached_length == len(seq)
+    keys = [(b.accepted_count, b.next_token) for b in spec.branches]
+    assert len(keys) == 5 and len(set(keys)) == 5
+    for a, t in keys:
+        assert 0 <= a <= 3 and (a == 3 or t != draft[a])  # a rejected token is not retried
+    assert all(len(b.draft_tokens) == 2 for b in spec.branches)
+    branch = spec.branches[-1]
+    a, t = branch.accepted_count, branch.next_token
+    ctx = [*ids, *draft[:a], t]
+    after = drafter_pb2.DraftRequest(
+        session_id="ssd",
+        prefix=prefix(ctx, len(ids) + a),
+        new_tokens=[t],
+        num_draft_tokens=2,
+        sampling=sampled,
+    )
+    hit = drafter.Draft(after, timeout=30)
+    assert hit.prepared and list(hit.draft_tokens) == list(branch.draft_tokens)
+    assert len(hit.draft_probs) == 2 and hit.cached_length == len(ids) + a
+    # The branches were for one round only: the same request again drafts with a forward.
+    again = drafter.Draft(after, timeout=30)
+    assert not again.prepared and again.cached_length == len(ctx) + 1

@@ -47,6 +47,34 @@ def test_bad_values_name_the_setting(argv, names):
         parse(*argv)
 
 
+def test_ssd_settings():
+    from specdec.gateway.config import GatewayConfig
+
+    args = build_parser().parse_args(["serve", "drafter", "--model", "m", "--ssd-fan-out", "9"])
+    cfg = ReplicaConfig.from_args("drafter", args)
+    assert (cfg.ssd_fan_out, cfg.ssd_max_per_outcome, cfg.ssd_acceptance_prior) == (9, 3, 0.7)
+    for flag, value in (
+        ("--ssd-fan-out", "0"),
+        ("--ssd-fan-out", "65"),
+        ("--ssd-acceptance-prior", "1"),
+        ("--ssd-max-per-outcome", "0"),
+    ):
+        args = build_parser().parse_args(["serve", "drafter", "--model", "m", flag, value])
+        with pytest.raises(ConfigError, match=flag):
+            ReplicaConfig.from_args("drafter", args)
+
+    def gateway(*argv):
+        base = ["serve", "gateway", "--drafter", "h:1", "--verifier", "h:2"]
+        return GatewayConfig.from_args(build_parser().parse_args([*base, *argv]))
+
+    assert gateway().ssd is False and gateway("--ssd", "on").ssd is True
+    assert gateway("--ssd-fan-out", "4").ssd_fan_out == 4
+    with pytest.raises(ConfigError, match="--ssd "):
+        gateway("--ssd", "maybe")
+    with pytest.raises(SystemExit):  # SSD settings belong to the drafter
+        build_parser().parse_args(["serve", "verifier", "--model", "m", "--ssd-fan-out", "2"])
+
+
 def test_cli_exits_with_the_message():
     result = subprocess.run(
         [sys.executable, "-m", "specdec", "serve", "drafter", "--model", "m", "--dtype", "fp7"],

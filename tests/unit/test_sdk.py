@@ -176,6 +176,10 @@ def _stats(**overrides) -> gateway_pb2.SpeculationStats:
         "ssd_hits": 2,
         "ssd_misses": 1,
         "cache_misses": 1,
+        "ssd_branches": 12,
+        "ssd_hidden_ms": 150.0,
+        "drafter_wait_ms": 20.0,
+        "ssd_bytes": 300,
     }
     fields.update(overrides)
     return gateway_pb2.SpeculationStats(**fields)
@@ -264,6 +268,11 @@ def test_to_dict_is_json_serialisable():
         "ssd_hits": 2,
         "ssd_misses": 1,
         "cache_misses": 1,
+        "ssd_branches": 12,
+        "ssd_hidden_ms": 150.0,
+        "drafter_wait_ms": 20.0,
+        "ssd_bytes": 300,
+        "ssd_hit_rate": 2 / 3,
     }
 
 

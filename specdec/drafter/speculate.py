@@ -1,0 +1,193 @@
+"""Speculative speculative decoding on the drafter (DESIGN §4; Kumar, Dao, May, Saguaro).
+
+While the verifier checks a round's draft d_1..d_k after the sequence x (length L), the
+drafter prepares next-round drafts for the likeliest verification outcomes (a, t): a draft
+tokens accepted, then token t (the recovered token when a < k, the bonus token when a = k).
+
+Which outcomes. Under an i.i.d. acceptance rate alpha (the request's running rate, else the
+replica's prior), outcome a has probability alpha^a (1 - alpha) for a < k and alpha^k for
+a = k. The next token is guessed from the drafter's own distributions: for a < k the
+target rejected d_{a+1}, so the candidates are the drafter's likeliest tokens at that
+position other than d_{a+1} (renormalised); for a = k, the likeliest tokens after d_k. A
+branch (a, t) scores P(a) q(t | a); the `fan_out` best are drafted, at most
+`max_per_outcome` per a: the fan-out falls geometrically with a, capped, as in the paper.
+
+How they are drafted. One forward feeds the request's new tokens (which end with the
+draft) into the session's cache, which then holds x + d_1..d_k and gives the drafter's
+distribution at every draft position. Every branch (a, t) shares x + d_1..d_a: the cache is
+expanded to one row per branch (a view, not a copy), the slots of d_{a+1}..d_k are masked
+out of that row's attention, and t is fed at its true position L + a. Each of the
+num_draft_tokens steps is then one batched forward over all branches. The batched cache is
+dropped at the end; the session's own cache only gained the draft.
+
+The prepared branches (tokens and, under sampling, the distributions they were drawn from)
+stay in the session. A Draft for exactly x + d_1..d_a + t takes its branch without a
+forward; any other Draft discards them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.common.prefix import prefix_hash
+from specdec.common.runtime import ModelRuntime, Prefix, SessionCache
+from specdec.common.sampling import EncodedProbs, SamplingParams, warp
+from specdec.drafter.proposer import Sampler
+
+# Outcome probabilities are ranked with alpha clamped away from 0 and 1, so that every
+# accept length keeps some weight.
+ALPHA_RANGE = (0.05, 0.95)
+
+
+@dataclass
+class Branch:
+    accepted: int  # a: draft tokens accepted in the outcome
+    next_token: int  # t: the recovered (a < k) or bonus (a = k) token
+    tokens: list[int]  # the prepared next-round draft
+    probs: list[EncodedProbs]  # what each was sampled from; empty under greedy
+
+
+@dataclass
+class Prepared:
+    """Branches prepared for the draft that follows the first base_length tokens."""
+
+    base_length: int
+    base_hash: int
+    draft: list[int]
+    params: SamplingParams
+    branches: dict[tuple[int, int], Branch]
+
+
+@dataclass
+class Speculation:
+    branches: list[Branch]
+    cached_length: int
+    forward_ms: float
+
+
+def speculate(
+    runtime: ModelRuntime,
+    session_id: str,
+    prefix: Prefix,
+    new_tokens: Sequence[int],
+    draft_length: int,
+    num_draft_tokens: int,
+    params: SamplingParams,
+    fan_out: int,
+    alpha: float,
+    max_per_outcome: int,
+) -> Speculation:
+    """Prepare next-round drafts for the draft at the end of prefix + new_tokens (model
+    thread). new_tokens holds at least draft_length + 1 tokens."""
+    with runtime.guarded(session_id):
+        started = time.perf_counter()
+        session = runtime.store.acquire(session_id, prefix.length, prefix.hash, len(new_tokens))
+        session.prepared = None
+        rows = runtime.forward(session, new_tokens)[-(draft_length + 1) :]  # [k+1, vocab]
+        base = len(session.tokens) - draft_length
+        draft = session.tokens[base:]
+        ranking = rows.softmax(-1) if params.greedy else warp(rows, params)
+        keys = rank_outcomes(ranking, draft, alpha, fan_out, max_per_outcome)
+        branches = draft_branches(runtime, session, base, keys, num_draft_tokens, params)
+        session.prepared = Prepared(
+            base_length=base,
+            base_hash=prefix_hash(session.tokens[:base]),
+            draft=draft,
+            params=params,
+            branches={(b.accepted, b.next_token): b for b in branches},
+        )
+        return Speculation(branches, len(session.tokens), (time.perf_counter() - started) * 1e3)
+
+
+def rank_outcomes(
+    probs: torch.Tensor, draft: Sequence[int], alpha: float, fan_out: int, max_per_outcome: int
+) -> list[tuple[int, int]]:
+    """The fan_out likeliest outcomes (a, t), likeliest first.
+
+    probs: [k+1, vocab], row i the drafter's distribution of the token after d_1..d_i.
+    """
+    k = len(draft)
+    alpha = min(max(alpha, ALPHA_RANGE[0]), ALPHA_RANGE[1])
+    scored: list[tuple[float, int, int]] = []
+    for a in range(k + 1):
+        p_outcome = alpha**a * (1 - alpha) if a < k else alpha**k
+        q = probs[a].clone()
+        if a < k:
+            q[draft[a]] = 0.0  # the target rejected it
+        total = float(q.sum())
+        if total <= 0.0:
+            continue  # greedy one-hot or top-k of 1: no other candidate at this position
+        top = torch.topk(q, min(max_per_outcome, q.numel()))
+        for p, t in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+            if p > 0.0:
+                scored.append((p_outcome * p / total, a, t))
+    scored.sort(key=lambda s: (-s[0], s[1], s[2]))
+    return [(a, t) for _, a, t in scored[:fan_out]]
+
+
+@torch.inference_mode()
+def draft_branches(
+    runtime: ModelRuntime,
+    session: SessionCache,
+    base: int,
+    keys: Sequence[tuple[int, int]],
+    steps: int,
+    params: SamplingParams,
+) -> list[Branch]:
+    """Draft `steps` tokens after base + d_1..d_a + t for every key (a, t), batched."""
+    from transformers import DynamicCache
+
+    if not keys:
+        return []
+    n, device = len(keys), runtime.device
+    cache = DynamicCache(config=runtime.model.config)
+    for i, layer in enumerate(session.kv.layers):
+        cache.update(layer.keys.expand(n, -1, -1, -1), layer.values.expand(n, -1, -1, -1), i)
+    accepted = torch.tensor([a for a, _ in keys], device=device)  # [n]
+    slots = torch.arange(len(session.tokens), device=device)
+    mask = (slots[None, :] < base + accepted[:, None]).long()  # [n, L + k]: drop d_{a+1}..
+    ids = torch.tensor([[t] for _, t in keys], device=device)  # [n, 1]
+    positions = (base + accepted)[:, None]  # [n, 1]: t sits at L + a
+    sampler = Sampler(params, device)
+    branches = [Branch(a, t, [], []) for a, t in keys]
+    for step in range(steps):
+        mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)
+        logits = runtime.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        ).logits[:, -1]  # [n, vocab]
+        for row, branch in enumerate(branches):
+            token, enc = sampler.draw(logits[row].float(), int(positions[row]) + 1)
+            branch.tokens.append(token)
+            if enc is not None:
+                branch.probs.append(enc)
+        if step < steps - 1:
+            ids = torch.tensor([[b.tokens[-1]] for b in branches], device=device)
+            positions = positions + 1
+    return branches
+
+
+def take_prepared(
+    session: SessionCache, new_tokens: Sequence[int], k: int, params: SamplingParams
+) -> tuple[list[int], list[EncodedProbs]] | None:
+    """The prepared draft for session.tokens + new_tokens, if Speculate made one; the
+    session's branches are discarded either way (they only serve the next round)."""
+    prepared, session.prepared = session.prepared, None
+    if not isinstance(prepared, Prepared) or prepared.params != params:
+        return None
+    full = [*session.tokens, *new_tokens]
+    base = prepared.base_length
+    a = len(full) - 1 - base
+    if not 0 <= a <= len(prepared.draft) or full[base : base + a] != prepared.draft[:a]:
+        return None
+    branch = prepared.branches.get((a, full[-1]))
+    if branch is None or len(branch.tokens) < k or prefix_hash(full[:base]) != prepared.base_hash:
+        return None
+    return branch.tokens[:k], branch.probs[:k]
