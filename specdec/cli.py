@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     from specdec.common.config import ReplicaConfig
     from specdec.demo import add_demo_parser
     from specdec.gateway.config import GatewayConfig
+    from specdec.models import add_models_parser
     from specdec.sdk.cli_generate import add_generate_parser
     from specdec.stack import add_up_parser
 
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     services = serve.add_subparsers(dest="service", required=True)
     for role, port in (("drafter", 50061), ("verifier", 50062)):
         p = services.add_parser(role, help=f"the {role} service")
-        ReplicaConfig.add_arguments(p, default_port=port)
+        ReplicaConfig.add_arguments(p, default_port=port, role=role)
         p.set_defaults(func=_serve(role))
     p = services.add_parser("gateway", help="the gateway (public API, speculation loop)")
     GatewayConfig.add_arguments(p)
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(commands)
     add_up_parser(commands)
     add_demo_parser(commands)
+    add_models_parser(commands)
     add_bench_parser(commands)
     return parser
 
