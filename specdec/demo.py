@@ -1,9 +1,13 @@
 """`specdec demo`: start the local stack, stream a few prompts, compare with k = 0.
 
 For every prompt it generates once without speculation (k = 0, the target alone through the
-same services) and once with speculation (streamed to the terminal), then prints tokens/s,
-the acceptance rate, the speedup measured in this run, and whether both outputs are
-identical (they must be: greedy decoding is exact).
+same services), once with speculation (streamed to the terminal) and once with speculative
+speculative decoding (SSD), then prints tokens/s, the acceptance rate, the SSD hit rate,
+the speedups measured in this run, and whether the outputs are identical (they must be:
+greedy decoding is exact).
+
+Models: the installed default pair (`specdec models install`), --draft-model and
+--target-model, or --tiny DIR (random models: shows the mechanics, not speed).
 """
 
 from __future__ import annotations
@@ -24,29 +28,49 @@ PROMPTS = [
 
 def add_demo_parser(commands) -> argparse.ArgumentParser:
     p = commands.add_parser("demo", help="run the local stack and compare speculation with k=0")
-    p.add_argument("--draft-model", help="draft model directory")
-    p.add_argument("--target-model", help="target model directory")
+    p.add_argument("--draft-model", help="draft model directory (default: the installed pair)")
+    p.add_argument("--target-model", help="target model directory (default: the installed pair)")
     p.add_argument(
         "--tiny",
         metavar="DIR",
         help="build tiny random models in DIR and use them (shows the mechanics, not speed)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--k", type=int, default=4, help="draft length of the speculative run")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--k", type=int, default=4, help="draft length of the speculative runs")
     add_stack_arguments(p, port_default=0)
-    p.set_defaults(func=run_demo)
+    p.set_defaults(func=run_demo, dtype="bfloat16")
     return p
 
 
-def run_demo(args: argparse.Namespace) -> int:
+def resolve_models(args: argparse.Namespace, command: str) -> str | None:
+    """Fill args.draft_model / target_model (tiny, given, or the installed default pair);
+    an error message when there are none."""
     if args.tiny:
         from specdec.testing.tinymodels import build_test_models
 
         models = build_test_models(Path(args.tiny))
         args.draft_model, args.target_model = str(models.draft_noisy), str(models.target)
+        args.dtype = "float32"
         print(f"tiny random models in {args.tiny}: output is gibberish, exactness is real")
-    if not (args.draft_model and args.target_model):
-        print("specdec demo: give --draft-model and --target-model, or --tiny DIR", file=sys.stderr)
+        return None
+    if args.draft_model and args.target_model:
+        return None
+    from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, installed_path
+
+    draft, target = installed_path(DEFAULT_DRAFT), installed_path(DEFAULT_TARGET)
+    if not (draft and target):
+        return (
+            f"specdec {command}: the default model pair is not installed; run "
+            "`specdec models install`, or give --draft-model and --target-model (or --tiny DIR)"
+        )
+    args.draft_model, args.target_model = str(draft), str(target)
+    return None
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    problem = resolve_models(args, "demo")
+    if problem:
+        print(problem, file=sys.stderr)
         return 2
     from transformers import AutoTokenizer
 
@@ -62,27 +86,31 @@ def run_demo(args: argparse.Namespace) -> int:
                         prompt, tokenize=False, add_generation_prompt=True
                     )
                 n = args.max_new_tokens
-                client.generate(prompt, max_new_tokens=4, k=args.k)  # warm up both paths
+                for ssd in (False, True):  # warm up every path
+                    client.generate(prompt, max_new_tokens=4, k=args.k, ssd=ssd)
                 base = client.generate(prompt, max_new_tokens=n, k=0)
                 print(f"\n--- {kind} (k={args.k}) ---\n{prompt}", end="", flush=True)
                 spec = None
-                for chunk in client.stream(prompt, max_new_tokens=n, k=args.k):
+                for chunk in client.stream(prompt, max_new_tokens=n, k=args.k, ssd=False):
                     print(chunk.text, end="", flush=True)
                     spec = chunk.final or spec
                 print()
-                rows.append((kind, base, spec))
+                ssd = client.generate(prompt, max_new_tokens=n, k=args.k, ssd=True)
+                rows.append((kind, base, spec, ssd))
     except ServiceFailed as e:
         print(f"specdec demo: {e}", file=sys.stderr)
         return 1
     print(
-        f"\n{'prompt':<8}{'k=0 tok/s':>11}{f'k={args.k} tok/s':>11}{'accept':>9}"
-        f"{'tok/round':>11}{'speedup':>9}  identical"
+        f"\n{'prompt':<8}{'k=0 tok/s':>11}{f'k={args.k} tok/s':>11}{'accept':>8}"
+        f"{'tok/round':>10}{'speedup':>9}{'SSD tok/s':>11}{'hits':>6}{'speedup':>9}  identical"
     )
-    for kind, base, spec in rows:
+    for kind, base, spec, ssd in rows:
         print(
-            f"{kind:<8}{base.tokens_per_second:>11.1f}{spec.tokens_per_second:>11.1f}"
-            f"{spec.stats.acceptance_rate:>9.0%}{spec.stats.mean_accepted_length:>11.2f}"
-            f"{spec.tokens_per_second / base.tokens_per_second:>8.2f}x  "
-            f"{'yes' if spec.tokens == base.tokens else 'NO'}"
+            f"{kind:<8}{base.tokens_per_second:>11.2f}{spec.tokens_per_second:>11.2f}"
+            f"{spec.stats.acceptance_rate:>8.0%}{spec.stats.mean_accepted_length:>10.2f}"
+            f"{spec.tokens_per_second / base.tokens_per_second:>8.2f}x"
+            f"{ssd.tokens_per_second:>11.2f}{ssd.stats.ssd_hit_rate:>6.0%}"
+            f"{ssd.tokens_per_second / base.tokens_per_second:>8.2f}x  "
+            f"{'yes' if spec.tokens == base.tokens == ssd.tokens else 'NO'}"
         )
-    return 0 if all(spec.tokens == base.tokens for _, base, spec in rows) else 1
+    return 0 if all(spec.tokens == base.tokens == ssd.tokens for _, base, spec, ssd in rows) else 1

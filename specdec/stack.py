@@ -35,6 +35,9 @@ def add_stack_arguments(p: argparse.ArgumentParser, port_default: int = 50051) -
     )
     p.add_argument("--target-cpus", type=_cpu_list, help="pin the verifier to these CPUs")
     p.add_argument("--default-k", type=int, default=4, help="gateway's default draft length")
+    p.add_argument(
+        "--ssd", action="store_true", help="gateway default: speculative speculative decoding"
+    )
     p.add_argument("--log-dir", help="write each service's log to DIR/<service>.log")
 
 
@@ -130,6 +133,8 @@ class LocalStack:
             redis_url,
             "--default-k",
             str(a.default_k),
+            "--ssd",
+            "true" if getattr(a, "ssd", False) else "false",
         )
         self.gateway.wait_healthy(timeout=300)
         self.announce(f"gateway   {self.gateway.address} (pid {self.gateway.proc.pid})")
