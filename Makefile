@@ -35,7 +35,7 @@ demo-tiny: install
 
 # The benchmark on the pretrained pair, drafter and verifier pinned to one core each:
 # 12 prompts x 128 tokens, every mode interleaved (about an hour on 2 cores).
-BENCH_ARGS ?= --pin --k 2,3,4,6 --ssd-k 2,3,4
+BENCH_ARGS ?= --pin
 bench: models
 	$(VENV)/bin/specdec bench $(BENCH_ARGS) --out bench-results/full
 

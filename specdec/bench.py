@@ -192,19 +192,34 @@ class HFRunner:
         return Sample(out[0, len(ids) :].tolist(), seconds, ttft)
 
 
+# Two bfloat16 computations of the same logits (a one-token decode step and a batched
+# verification) differ by a few units in the last place after 28 layers; tokens whose logits
+# are this close can come out in either order.
+NEAR_TIE_ULPS = 4
+
+
 def tie_break(hf: HFRunner, ids: list[int], base: list[int], other: list[int]) -> dict:
-    """Where `other` first leaves the baseline `base`: are the two tokens tied in the
-    target's logits at the model's precision (within one ulp of the maximum)?"""
+    """Where `other` first leaves the baseline `base`: how far apart the two tokens' logits
+    are there (one forward of the target), in units of the last place of the top logit."""
     torch = hf.torch
     i = _first_difference(other, base)
     if i is None or i >= min(len(base), len(other)):
-        return {"position": i, "tied": False}
+        return {"position": i, "gap_ulps": None}  # one is a prefix of the other
     with torch.inference_mode():
         logits = hf.target(input_ids=torch.tensor([[*ids, *base[:i]]])).logits[0, -1]
     top = logits.max()
     ulp = float(torch.nextafter(top, top + 1) - top)
     gap = float(abs(logits[base[i]].float() - logits[other[i]].float()))
-    return {"position": i, "gap": gap, "ulp": ulp, "tied": gap <= ulp}
+    return {"position": i, "gap": gap, "ulp": ulp, "gap_ulps": gap / ulp if ulp else None}
+
+
+def near_ties_only(row: dict) -> bool:
+    """Every difference from the baseline starts where the two tokens' logits are within
+    NEAR_TIE_ULPS of each other (a numerical near-tie, not a wrong acceptance)."""
+    checks = row.get("tie_breaks") or []
+    return bool(checks) and all(
+        c["gap_ulps"] is not None and c["gap_ulps"] <= NEAR_TIE_ULPS for c in checks
+    )
 
 
 def run_stack_mode(client, mode: Mode, ids: list[int], n: int) -> Sample:
@@ -357,8 +372,8 @@ def markdown(rows: dict[str, dict], cost_ratio: float | None) -> str:
 def _identical(row: dict) -> str:
     if row["exact"]:
         return "yes"
-    if row.get("tie_breaks_only"):
-        return f"tie-break in prompts {row['mismatched_prompts']}"
+    if near_ties_only(row):
+        return f"near-tie in prompts {row['mismatched_prompts']}"
     return f"NO {row['mismatched_prompts']}"
 
 
@@ -370,15 +385,17 @@ def chart(rows: dict[str, dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     spec = sorted((r["k"], r) for r in rows.values() if r["engine"] == "stack" and not r["ssd"])
-    ax.plot([k for k, _ in spec], [r["speedup_vs_target"] for _, r in spec], "o-", label="stack")
+    ks = [k for k, _ in spec]
+    ax.plot(ks, [r["speedup_vs_target"] for _, r in spec], "o-", label="speculative (stack)")
     bound = [(k, r["bound_speedup"]) for k, r in spec if "bound_speedup" in r]
     if bound:
         ax.plot(*zip(*bound, strict=True), "x--", color="gray", label="bound E/(ck+1)")
     ssd = sorted((r["k"], r["speedup_vs_target"]) for r in rows.values() if r["ssd"])
     if ssd:
-        ax.plot(*zip(*ssd, strict=True), "s", color="C3", label="SSD")
+        ax.plot(*zip(*ssd, strict=True), "s", color="C3", label="SSD (stack)")
     ax.axhline(1.0, color="black", lw=0.8, label="target alone")
     ax.axhline(rows["assisted"]["speedup_vs_target"], color="C2", ls=":", label="HF assisted")
+    ax.set_xticks(ks)
     ax.set_xlabel("draft length k")
     ax.set_ylabel("speedup over target alone (tokens/s)")
     ax.legend()
@@ -412,10 +429,8 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
     p.add_argument("--prompts", help="JSONL prompt file (default: the shipped set of 12)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, help="use the first N prompts")
-    p.add_argument("--k", default="2,4,6", help="draft lengths of the speculation rows")
-    p.add_argument(
-        "--ssd-k", default="", help="draft lengths of SSD rows (empty: no SSD rows), e.g. 4"
-    )
+    p.add_argument("--k", default="2,3,4", help="draft lengths of the speculation rows")
+    p.add_argument("--ssd-k", default="2,3,4", help="draft lengths of the SSD rows (empty: none)")
     p.add_argument(
         "--quick",
         action="store_true",
@@ -427,6 +442,11 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
         help="drafter on CPU 0, verifier on CPU 1, one thread each (needs 2 CPUs)",
     )
     p.add_argument("--out", default="bench-results", help="folder for JSON, markdown and PNG")
+    p.add_argument(
+        "--report",
+        metavar="DIR",
+        help="only re-render DIR/results.md and speedup.png from DIR/results.json",
+    )
     add_stack_arguments(p, port_default=0)
     # bfloat16: on CPU a 3-5 token float32 forward costs about 3x a one-token one, which
     # would misstate what verification costs. bfloat16 logits can tie exactly, so where a
@@ -440,6 +460,8 @@ def _ints(text: str) -> list[int]:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.report:
+        return report(Path(args.report))
     from specdec.demo import resolve_models
     from specdec.launcher import ServiceFailed
     from specdec.sdk import Client
@@ -497,15 +519,10 @@ def run_bench(args: argparse.Namespace) -> int:
     rows = summarize(runs, cost_ratio)
     for name, row in rows.items():
         if row.get("exact") is False:
-            checks = [
+            row["tie_breaks"] = [
                 tie_break(hf, encoded[i], t.samples[i].tokens, runs[name].samples[i].tokens)
                 for i in row["mismatched_prompts"]
             ]
-            row["tie_breaks"] = checks
-            row["tie_breaks_only"] = all(c["tied"] for c in checks)
-    table = markdown(rows, cost_ratio)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     import torch
     import transformers
 
@@ -527,17 +544,29 @@ def run_bench(args: argparse.Namespace) -> int:
         },
         "modes": rows,
     }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    return report(out)
+
+
+def report(out: Path) -> int:
+    """Render results.md and speedup.png from out/results.json and print the table;
+    exit status 1 if a mode differs from the baseline other than at near-ties."""
+    result = json.loads((out / "results.json").read_text())
+    rows, meta = result["modes"], result["meta"]
+    table = markdown(rows, meta["cost_ratio"])
     (out / "results.md").write_text(table)
     chart(rows, out / "speedup.png")
     print("\n" + table)
-    print(f"wrote {out}/results.json, results.md, speedup.png")
+    print(f"wrote {out}/results.md and speedup.png from results.json")
     differ = [n for n, r in rows.items() if r["contender"] and not r["exact"]]
-    ties = [n for n in differ if rows[n]["tie_breaks_only"]]
+    ties = [n for n in differ if near_ties_only(rows[n])]
     if ties:
         print(
-            f"{', '.join(ties)}: differ from the target alone only where two tokens' logits "
-            f"are equal at {args.dtype} precision (see tie_breaks in results.json)"
+            f"{', '.join(ties)}: differ from the target alone only where the two tokens' "
+            f"logits are within {NEAR_TIE_ULPS} units in the last place of {meta['dtype']} "
+            "(see tie_breaks in results.json)"
         )
     wrong = [n for n in differ if n not in ties]
     if wrong:

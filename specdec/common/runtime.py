@@ -44,8 +44,6 @@ class SessionCache:
     tokens: list[int]
     kv: object  # transformers DynamicCache
     last_used: float = field(default_factory=time.monotonic)
-    # Drafter: next-round drafts prepared by Speculate (specdec.drafter.speculate.Prepared).
-    prepared: object | None = None
 
 
 class CacheStore:
@@ -159,6 +157,9 @@ class ModelRuntime:
         self.tokenizer_fingerprint = ""
         self.chat_template = ""
         self.store: CacheStore | None = None
+        # Drafter: SSD branches by session (specdec.drafter.speculate), model thread only.
+        # They serve one round, so only the most recent sessions keep theirs.
+        self.prepared: OrderedDict[str, object] = OrderedDict()
 
     # -- loading ------------------------------------------------------------------------
 
@@ -288,6 +289,7 @@ class ModelRuntime:
 
     def release(self, session_id: str) -> bool:
         assert self.store is not None
+        self.prepared.pop(session_id, None)
         return self.store.release(session_id)
 
 

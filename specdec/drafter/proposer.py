@@ -70,7 +70,7 @@ def _propose(runtime, session_id, prefix, new_tokens, k, params) -> Draft:
 
     started = time.perf_counter()
     session = runtime.store.acquire(session_id, prefix.length, prefix.hash, len(new_tokens) + k - 1)
-    hit = take_prepared(session, new_tokens, k, params)
+    hit = take_prepared(runtime, session_id, session, new_tokens, k, params)
     if hit is not None:
         tokens, probs = hit
         return Draft(tokens, probs, len(session.tokens), _ms(started), prepared=True)

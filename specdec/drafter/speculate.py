@@ -21,8 +21,9 @@ num_draft_tokens steps is then one batched forward over all branches. The batche
 dropped at the end; the session's own cache only gained the draft.
 
 The prepared branches (tokens and, under sampling, the distributions they were drawn from)
-stay in the session. A Draft for exactly x + d_1..d_a + t takes its branch without a
-forward; any other Draft discards them.
+stay on the replica, for the MAX_PREPARED_SESSIONS most recent sessions (they serve one
+round; under sampling a branch holds k dense distributions). A Draft for exactly
+x + d_1..d_a + t takes its branch without a forward; any other Draft discards them.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from specdec.common.runtime import ModelRuntime, Prefix, SessionCache
 from specdec.common.sampling import EncodedProbs, SamplingParams, warp
 from specdec.drafter.proposer import Sampler
 
+MAX_PREPARED_SESSIONS = 32
 # Outcome probabilities are ranked with alpha clamped away from 0 and 1, so that every
 # accept length keeps some weight.
 ALPHA_RANGE = (0.05, 0.95)
@@ -85,21 +87,23 @@ def speculate(
     thread). new_tokens holds at least draft_length + 1 tokens."""
     with runtime.guarded(session_id):
         started = time.perf_counter()
+        runtime.prepared.pop(session_id, None)
         session = runtime.store.acquire(session_id, prefix.length, prefix.hash, len(new_tokens))
-        session.prepared = None
         rows = runtime.forward(session, new_tokens)[-(draft_length + 1) :]  # [k+1, vocab]
         base = len(session.tokens) - draft_length
         draft = session.tokens[base:]
         ranking = rows.softmax(-1) if params.greedy else warp(rows, params)
         keys = rank_outcomes(ranking, draft, alpha, fan_out, max_per_outcome)
         branches = draft_branches(runtime, session, base, keys, num_draft_tokens, params)
-        session.prepared = Prepared(
+        runtime.prepared[session_id] = Prepared(
             base_length=base,
             base_hash=prefix_hash(session.tokens[:base]),
             draft=draft,
             params=params,
             branches={(b.accepted, b.next_token): b for b in branches},
         )
+        while len(runtime.prepared) > MAX_PREPARED_SESSIONS:
+            runtime.prepared.popitem(last=False)
         return Speculation(branches, len(session.tokens), (time.perf_counter() - started) * 1e3)
 
 
@@ -175,11 +179,16 @@ def draft_branches(
 
 
 def take_prepared(
-    session: SessionCache, new_tokens: Sequence[int], k: int, params: SamplingParams
+    runtime: ModelRuntime,
+    session_id: str,
+    session: SessionCache,
+    new_tokens: Sequence[int],
+    k: int,
+    params: SamplingParams,
 ) -> tuple[list[int], list[EncodedProbs]] | None:
     """The prepared draft for session.tokens + new_tokens, if Speculate made one; the
     session's branches are discarded either way (they only serve the next round)."""
-    prepared, session.prepared = session.prepared, None
+    prepared = runtime.prepared.pop(session_id, None)
     if not isinstance(prepared, Prepared) or prepared.params != params:
         return None
     full = [*session.tokens, *new_tokens]

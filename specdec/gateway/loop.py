@@ -164,6 +164,8 @@ class Speculator:
         except BaseException:
             if speculation is not None:
                 speculation.cancel()
+                if speculation.done() and not speculation.cancelled():
+                    speculation.exception()  # retrieved: the verifier's error is the one raised
             raise
         verified = time.perf_counter()
         accepted = verdict.accepted_count

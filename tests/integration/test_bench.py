@@ -13,23 +13,27 @@ pytestmark = pytest.mark.integration
 def test_bench_quick_on_tiny_models(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "specdec", "bench", "--tiny", str(tmp_path / "models")]
-    cmd += ["--quick", "--max-new-tokens", "12", "--k", "2,3", "--out", str(out)]
+    cmd += ["--quick", "--max-new-tokens", "12", "--k", "2,3", "--ssd-k", "2", "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((out / "results.json").read_text())
     modes = result["modes"]
-    assert set(modes) == {"target", "k=0", "k=2", "k=3", "assisted", "draft"}
+    assert set(modes) == {"target", "k=0", "k=2", "k=3", "ssd k=2", "assisted", "draft"}
     assert result["meta"]["prompt_kinds"] == ["code", "prose", "chat"]
     assert "exact" not in modes["draft"]  # measured for the cost ratio, not a contender
     for name, row in modes.items():
         assert row.get("exact", True), name
         assert row["tokens"] == 3 * 12, name  # tiny greedy models never emit EOS
         assert row["tokens_per_second"] > 0
-    for name in ("k=2", "k=3"):
+    for name in ("k=2", "k=3", "ssd k=2"):
         row = modes[name]
         assert len(row["accepted_per_position"]) == row["k"]
         assert 0 < row["acceptance_rate"] <= 1
         assert row["bound_speedup"] > 0
+        assert row["round_ms"] > 0 and row["drafter_wait_ms_per_round"] >= 0
+    ssd = modes["ssd k=2"]
+    assert ssd["ssd"] and 0 < ssd["ssd_hit_rate"] <= 1 and ssd["ssd_branches_per_round"] > 0
+    assert ssd["ssd_hidden_ms_per_round"] > 0 and ssd["ssd_bytes_per_round"] > 0
     assert modes["target"]["speedup_vs_target"] == 1.0
     assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| k=2 |" in (out / "results.md").read_text()
