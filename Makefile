@@ -24,8 +24,8 @@ $(VENV)/.installed: pyproject.toml
 models: install
 	$(VENV)/bin/specdec models install
 
-# The local stack (Redis, drafter, verifier, gateway) on the pretrained pair: streams a code,
-# a prose and a chat prompt and compares speculation and SSD with k=0, measured in this run.
+# The local stack (Redis, drafter, verifier, gateway) on the pretrained pair, one CPU per role:
+# streams a code, a prose and a chat prompt and compares speculation and SSD with k=0.
 demo: models
 	$(VENV)/bin/specdec demo
 

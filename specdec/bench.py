@@ -465,7 +465,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from specdec.demo import resolve_models
     from specdec.launcher import ServiceFailed
     from specdec.sdk import Client
-    from specdec.stack import LocalStack
+    from specdec.stack import LocalStack, pin_roles
 
     problem = resolve_models(args, "bench")
     if problem:
@@ -474,13 +474,10 @@ def run_bench(args: argparse.Namespace) -> int:
     host = machine()  # before this process pins itself to one CPU
     pinned = None
     if args.pin:
-        cpus = sorted(os.sched_getaffinity(0))
-        if len(cpus) < 2:
+        pinned = pin_roles(args)
+        if pinned is None:
             print("specdec bench: --pin needs at least 2 CPUs", file=sys.stderr)
             return 2
-        pinned = (cpus[0], cpus[1])
-        args.draft_cpus, args.target_cpus = [cpus[0]], [cpus[1]]
-        args.draft_threads = args.target_threads = 1
     prompts = load_prompts(args.prompts)
     n = args.max_new_tokens
     if args.quick:

@@ -59,6 +59,17 @@ def _cpu_list(text: str) -> list[int]:
     return cpus
 
 
+def pin_roles(args: argparse.Namespace) -> tuple[int, int] | None:
+    """Drafter on the first CPU, verifier on the second, one thread each: separate node
+    pools in miniature. Returns (drafter cpu, verifier cpu), or None with fewer than 2."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    args.draft_cpus, args.target_cpus = [cpus[0]], [cpus[1]]
+    args.draft_threads = args.target_threads = 1
+    return cpus[0], cpus[1]
+
+
 def add_up_parser(commands) -> argparse.ArgumentParser:
     p = commands.add_parser("up", help="run drafter, verifier, gateway and Redis locally")
     p.add_argument("--draft-model", required=True, help="draft model directory (or GGUF dir)")

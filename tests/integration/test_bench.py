@@ -37,3 +37,17 @@ def test_bench_quick_on_tiny_models(tmp_path):
     assert modes["target"]["speedup_vs_target"] == 1.0
     assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| k=2 |" in (out / "results.md").read_text()
+
+
+def test_demo_on_tiny_models(tmp_path):
+    """`specdec demo --tiny`: the stack streams every prompt and k=0, speculation and SSD
+    agree token for token (float32: any difference fails the command)."""
+    cmd = [sys.executable, "-m", "specdec", "demo", "--tiny", str(tmp_path / "models")]
+    done = subprocess.run(
+        [*cmd, "--max-new-tokens", "10"], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines()]
+    table = {r[0]: r for r in rows if r and r[0] in ("code", "prose", "chat")}
+    assert set(table) == {"code", "prose", "chat"}
+    assert all(r[-1] == "yes" for r in table.values())
