@@ -163,26 +163,27 @@ def test_channel_options():
 # --------------------------------------------------------------------------- responses
 
 
+STATS = {
+    "rounds": 3,
+    "draft_tokens": 12,
+    "accepted_tokens": 9,
+    "acceptance_rate": 0.75,
+    "mean_accepted_length": 4.0,
+    "accepted_per_position": [3, 3, 2, 1],
+    "num_draft_tokens": 4,
+    "ssd": True,
+    "ssd_hits": 2,
+    "ssd_misses": 1,
+    "cache_misses": 1,
+    "ssd_branches": 12,
+    "ssd_hidden_ms": 150.0,
+    "drafter_wait_ms": 20.0,
+    "ssd_bytes": 300,
+}
+
+
 def _stats(**overrides) -> gateway_pb2.SpeculationStats:
-    fields = {
-        "rounds": 3,
-        "draft_tokens": 12,
-        "accepted_tokens": 9,
-        "acceptance_rate": 0.75,
-        "mean_accepted_length": 4.0,
-        "accepted_per_position": [3, 3, 2, 1],
-        "num_draft_tokens": 4,
-        "ssd": True,
-        "ssd_hits": 2,
-        "ssd_misses": 1,
-        "cache_misses": 1,
-        "ssd_branches": 12,
-        "ssd_hidden_ms": 150.0,
-        "drafter_wait_ms": 20.0,
-        "ssd_bytes": 300,
-    }
-    fields.update(overrides)
-    return gateway_pb2.SpeculationStats(**fields)
+    return gateway_pb2.SpeculationStats(**{**STATS, **overrides})
 
 
 def test_generation_from_proto():
@@ -256,24 +257,7 @@ def test_to_dict_is_json_serialisable():
     assert d["usage"] == {"prompt_tokens": 1, "completion_tokens": 2, "history_tokens": 0}
     assert d["timings"] == {"time_to_first_token_ms": 0.0, "total_ms": 0.0}
     assert d["session_id"] == "s"
-    assert d["stats"] == {
-        "rounds": 3,
-        "draft_tokens": 12,
-        "accepted_tokens": 9,
-        "acceptance_rate": 0.75,
-        "mean_accepted_length": 4.0,
-        "accepted_per_position": [3, 3, 2, 1],
-        "num_draft_tokens": 4,
-        "ssd": True,
-        "ssd_hits": 2,
-        "ssd_misses": 1,
-        "cache_misses": 1,
-        "ssd_branches": 12,
-        "ssd_hidden_ms": 150.0,
-        "drafter_wait_ms": 20.0,
-        "ssd_bytes": 300,
-        "ssd_hit_rate": 2 / 3,
-    }
+    assert d["stats"] == {**STATS, "ssd_hit_rate": 2 / 3}
 
 
 def test_stream_assembler_concatenates_deltas():
