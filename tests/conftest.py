@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.testing.tinymodels import TestModels, build_test_models
+from specdec.tools.tinymodels import TestModels, build_test_models
 
 
 @pytest.fixture(scope="session")

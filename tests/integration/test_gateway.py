@@ -8,9 +8,9 @@ import urllib.request
 import pytest
 
 from specdec.gateway.sessions import SessionIndex
-from specdec.launcher import ServiceFailed, ServiceProcess
-from specdec.redisproc import RedisProcess
 from specdec.sdk import AsyncClient, Client, InvalidArgument, SpecdecError
+from specdec.tools.launcher import ServiceFailed, ServiceProcess
+from specdec.tools.redisproc import RedisProcess
 from tests.conftest import PROMPTS
 
 pytestmark = pytest.mark.integration
@@ -413,6 +413,6 @@ def test_gateway_refuses_mismatched_replicas(stack, tmp_path, test_models, misma
 
 
 def _free_port() -> int:
-    from specdec.redisproc import free_port
+    from specdec.tools.redisproc import free_port
 
     return free_port()

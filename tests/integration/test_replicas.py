@@ -12,7 +12,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from specdec.common.prefix import prefix_hash
-from specdec.launcher import ServiceProcess
+from specdec.tools.launcher import ServiceProcess
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from tests.conftest import PROMPTS
 

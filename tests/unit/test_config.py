@@ -8,12 +8,14 @@ import sys
 import pytest
 
 from specdec.cli import build_parser
-from specdec.common.config import ConfigError, ReplicaConfig
+from specdec.common.config import ConfigError
+from specdec.drafter.config import DrafterConfig
+from specdec.verifier.config import VerifierConfig
 
 
-def parse(*argv: str) -> ReplicaConfig:
+def parse(*argv: str) -> VerifierConfig:
     args = build_parser().parse_args(["serve", "verifier", *argv])
-    return ReplicaConfig.from_args("verifier", args)
+    return VerifierConfig.from_args(args)
 
 
 def test_defaults_and_flags():
@@ -51,7 +53,8 @@ def test_ssd_settings():
     from specdec.gateway.config import GatewayConfig
 
     args = build_parser().parse_args(["serve", "drafter", "--model", "m", "--ssd-fan-out", "9"])
-    cfg = ReplicaConfig.from_args("drafter", args)
+    cfg = DrafterConfig.from_args(args)
+    assert cfg.role == "drafter" and parse("--model", "m").role == "verifier"
     assert (cfg.ssd_fan_out, cfg.ssd_max_per_outcome, cfg.ssd_acceptance_prior) == (9, 3, 0.7)
     for flag, value in (
         ("--ssd-fan-out", "0"),
@@ -61,7 +64,7 @@ def test_ssd_settings():
     ):
         args = build_parser().parse_args(["serve", "drafter", "--model", "m", flag, value])
         with pytest.raises(ConfigError, match=flag):
-            ReplicaConfig.from_args("drafter", args)
+            DrafterConfig.from_args(args)
 
     def gateway(*argv):
         base = ["serve", "gateway", "--drafter", "h:1", "--verifier", "h:2"]
@@ -86,5 +89,5 @@ def test_cli_exits_with_the_message():
 
 
 def test_cli_import_is_torch_free():
-    code = "import sys, specdec.cli, specdec.launcher; sys.exit('torch' in sys.modules)"
+    code = "import sys, specdec.cli, specdec.tools.launcher; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from specdec.cli import main
-from specdec.models import (
+from specdec.tools.models import (
     MARKER,
     MODELS,
     ModelError,
@@ -89,9 +89,7 @@ def test_known_models_are_pinned_chunk_packages():
 
 
 def test_import_needs_no_torch():
-    code = (
-        "import sys, specdec.models; sys.exit(bool({'torch', 'transformers'} & set(sys.modules)))"
-    )
+    code = "import sys, specdec.tools.models; sys.exit(bool({'torch', 'transformers'} & set(sys.modules)))"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -1,4 +1,4 @@
-"""The generated stubs in specdec/v1 are what protoc makes from protos/ now, and buf lint passes."""
+"""The generated stubs in sdk/specdec/v1 are what protoc makes from protos/ now, and buf lint passes."""
 
 from __future__ import annotations
 
@@ -30,7 +30,9 @@ def test_generated_stubs_are_fresh(tmp_path):
     )
     fresh = {p.name: p.read_bytes() for p in (tmp_path / "specdec" / "v1").iterdir()}
     committed = {
-        p.name: p.read_bytes() for p in (ROOT / "specdec" / "v1").iterdir() if "_pb2" in p.name
+        p.name: p.read_bytes()
+        for p in (ROOT / "sdk" / "specdec" / "v1").iterdir()
+        if "_pb2" in p.name
     }
     assert set(fresh) == set(committed), "stub files differ: run `make proto`"
     stale = [name for name in fresh if fresh[name] != committed[name]]

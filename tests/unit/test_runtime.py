@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.common.config import ReplicaConfig
 from specdec.common.errors import CacheMiss, CapacityExceeded, InvalidRequest
 from specdec.common.prefix import prefix_hash
 from specdec.common.runtime import ModelRuntime, Prefix
+from specdec.drafter.config import DrafterConfig
+from specdec.verifier.config import VerifierConfig
 
 
 def p(tokens, n):
@@ -18,7 +19,7 @@ def p(tokens, n):
 @pytest.fixture(scope="module")
 def runtime(test_models):
     rt = ModelRuntime(
-        ReplicaConfig(role="verifier", model=str(test_models.target), max_cached_tokens=100)
+        VerifierConfig(role="verifier", model=str(test_models.target), max_cached_tokens=100)
     )
     rt.load()
     yield rt
@@ -108,7 +109,7 @@ def test_refuses_models_whose_cache_cannot_roll_back(tmp_path, test_models):
     MistralForCausalLM(config).save_pretrained(tmp_path / "swa")
     for f in test_models.tokenizer.iterdir():
         (tmp_path / "swa" / f.name).write_bytes(f.read_bytes())
-    rt = ModelRuntime(ReplicaConfig(role="drafter", model=str(tmp_path / "swa")))
+    rt = ModelRuntime(DrafterConfig(role="drafter", model=str(tmp_path / "swa")))
     with pytest.raises(ValueError, match="sliding-window"):
         rt.load()
     rt.shutdown()

@@ -13,7 +13,7 @@ import redis
 from prometheus_client import REGISTRY
 
 from specdec.gateway.sessions import SessionIndex, SessionRecord
-from specdec.redisproc import RedisProcess, redis_server_binary
+from specdec.tools.redisproc import RedisProcess, redis_server_binary
 
 PREFIX = "specdec:session:"
 LOGGER = "specdec.gateway.sessions"

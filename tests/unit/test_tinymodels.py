@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM  # noqa: E402
 
-from specdec.testing.tinymodels import TestModels, build_test_models  # noqa: E402
+from specdec.tools.tinymodels import TestModels, build_test_models  # noqa: E402
 
 PROMPTS = [
     "The quick brown fox",

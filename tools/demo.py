@@ -16,8 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from specdec.launcher import ServiceFailed
-from specdec.stack import LocalStack, add_stack_arguments, pin_roles
+from specdec.tools.launcher import ServiceFailed
+from specdec.tools.stack import LocalStack, add_stack_arguments, pin_roles
 
 PROMPTS = [
     ("code", "def quicksort(items):\n    "),
@@ -54,7 +54,7 @@ def resolve_models(args: argparse.Namespace, command: str) -> str | None:
     """Fill args.draft_model / target_model (tiny, given, or the installed default pair);
     an error message when there are none."""
     if args.tiny:
-        from specdec.testing.tinymodels import build_test_models
+        from specdec.tools.tinymodels import build_test_models
 
         models = build_test_models(Path(args.tiny))
         args.draft_model, args.target_model = str(models.draft_noisy), str(models.target)
@@ -63,7 +63,7 @@ def resolve_models(args: argparse.Namespace, command: str) -> str | None:
         return None
     if args.draft_model and args.target_model:
         return None
-    from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, installed_path
+    from specdec.tools.models import DEFAULT_DRAFT, DEFAULT_TARGET, installed_path
 
     draft, target = installed_path(DEFAULT_DRAFT), installed_path(DEFAULT_TARGET)
     if not (draft and target):

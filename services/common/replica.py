@@ -78,24 +78,28 @@ class ReplicaServicer:
             info.tokenizer_json_zlib = rt.tokenizer_json
         return info
 
+    def release(self, session_id: str) -> bool:
+        """Drop everything this replica keeps for the session (model thread)."""
+        return self.runtime.release(session_id)
+
     @rpc_errors
     async def Release(self, request: common_pb2.ReleaseRequest, context):
         check_session_id(request.session_id)
         rt = self.ready_runtime()
-        released = await rt.run(rt.release, request.session_id)
+        released = await rt.run(self.release, request.session_id)
         return common_pb2.ReleaseResponse(released=released)
 
 
 def run_replica(
-    role: str,
+    config_type: type[ReplicaConfig],
     args: argparse.Namespace,
     service_name: str,
     make_servicer: Callable[[ModelRuntime], ReplicaServicer],
     add_to_server: Callable[[ReplicaServicer, grpc.aio.Server], None],
 ) -> None:
     """`specdec serve drafter|verifier`: config, logging, serve until SIGTERM."""
-    config = ReplicaConfig.from_args(role, args)
-    setup_logging(role)
+    config = config_type.from_args(args)
+    setup_logging(config.role)
     runtime = ModelRuntime(config)
     servicer = make_servicer(runtime)
 

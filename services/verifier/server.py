@@ -10,6 +10,7 @@ from specdec.common.params import sampling_from_proto
 from specdec.common.replica import ReplicaServicer, run_replica
 from specdec.common.serving import rpc_errors
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
+from specdec.verifier.config import VerifierConfig
 from specdec.verifier.scorer import verify
 
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name
@@ -58,7 +59,7 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
 
 def main(args: argparse.Namespace) -> None:
     run_replica(
-        "verifier",
+        VerifierConfig,
         args,
         SERVICE_NAME,
         VerifierServicer,

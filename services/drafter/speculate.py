@@ -21,14 +21,15 @@ num_draft_tokens steps is then one batched forward over all branches. The batche
 dropped at the end; the session's own cache only gained the draft.
 
 The prepared branches (tokens and, under sampling, the distributions they were drawn from)
-stay on the replica, for the MAX_PREPARED_SESSIONS most recent sessions (they serve one
-round; under sampling a branch holds k dense distributions). A Draft for exactly
-x + d_1..d_a + t takes its branch without a forward; any other Draft discards them.
+stay on the replica in a BranchStore, for the MAX_PREPARED_SESSIONS most recent sessions
+(they serve one round; under sampling a branch holds k dense distributions). A Draft for
+exactly x + d_1..d_a + t takes its branch without a forward; any other Draft discards them.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,7 +38,7 @@ import torch
 from specdec.common.prefix import prefix_hash
 from specdec.common.runtime import ModelRuntime, Prefix, SessionCache
 from specdec.common.sampling import EncodedProbs, SamplingParams, warp
-from specdec.drafter.proposer import Sampler
+from specdec.drafter.sampler import Sampler
 
 MAX_PREPARED_SESSIONS = 32
 # Outcome probabilities are ranked with alpha clamped away from 0 and 1, so that every
@@ -64,6 +65,29 @@ class Prepared:
     branches: dict[tuple[int, int], Branch]
 
 
+class BranchStore:
+    """Prepared branches by session, newest last, bounded to MAX_PREPARED_SESSIONS.
+
+    Drafter state only; like the KV caches, used from the model thread only.
+    """
+
+    def __init__(self, max_sessions: int = MAX_PREPARED_SESSIONS):
+        self.max_sessions = max_sessions
+        self._by_session: OrderedDict[str, Prepared] = OrderedDict()
+
+    def put(self, session_id: str, prepared: Prepared) -> None:
+        self._by_session[session_id] = prepared
+        self._by_session.move_to_end(session_id)
+        while len(self._by_session) > self.max_sessions:
+            self._by_session.popitem(last=False)
+
+    def pop(self, session_id: str) -> Prepared | None:
+        return self._by_session.pop(session_id, None)
+
+    def __len__(self) -> int:
+        return len(self._by_session)
+
+
 @dataclass
 class Speculation:
     branches: list[Branch]
@@ -73,6 +97,7 @@ class Speculation:
 
 def speculate(
     runtime: ModelRuntime,
+    store: BranchStore,
     session_id: str,
     prefix: Prefix,
     new_tokens: Sequence[int],
@@ -87,7 +112,7 @@ def speculate(
     thread). new_tokens holds at least draft_length + 1 tokens."""
     with runtime.guarded(session_id):
         started = time.perf_counter()
-        runtime.prepared.pop(session_id, None)
+        store.pop(session_id)
         session = runtime.store.acquire(session_id, prefix.length, prefix.hash, len(new_tokens))
         rows = runtime.forward(session, new_tokens)[-(draft_length + 1) :]  # [k+1, vocab]
         base = len(session.tokens) - draft_length
@@ -95,15 +120,16 @@ def speculate(
         ranking = rows.softmax(-1) if params.greedy else warp(rows, params)
         keys = rank_outcomes(ranking, draft, alpha, fan_out, max_per_outcome)
         branches = draft_branches(runtime, session, base, keys, num_draft_tokens, params)
-        runtime.prepared[session_id] = Prepared(
-            base_length=base,
-            base_hash=prefix_hash(session.tokens[:base]),
-            draft=draft,
-            params=params,
-            branches={(b.accepted, b.next_token): b for b in branches},
+        store.put(
+            session_id,
+            Prepared(
+                base_length=base,
+                base_hash=prefix_hash(session.tokens[:base]),
+                draft=draft,
+                params=params,
+                branches={(b.accepted, b.next_token): b for b in branches},
+            ),
         )
-        while len(runtime.prepared) > MAX_PREPARED_SESSIONS:
-            runtime.prepared.popitem(last=False)
         return Speculation(branches, len(session.tokens), (time.perf_counter() - started) * 1e3)
 
 
@@ -179,7 +205,7 @@ def draft_branches(
 
 
 def take_prepared(
-    runtime: ModelRuntime,
+    store: BranchStore,
     session_id: str,
     session: SessionCache,
     new_tokens: Sequence[int],
@@ -188,8 +214,8 @@ def take_prepared(
 ) -> tuple[list[int], list[EncodedProbs]] | None:
     """The prepared draft for session.tokens + new_tokens, if Speculate made one; the
     session's branches are discarded either way (they only serve the next round)."""
-    prepared = runtime.prepared.pop(session_id, None)
-    if not isinstance(prepared, Prepared) or prepared.params != params:
+    prepared = store.pop(session_id)
+    if prepared is None or prepared.params != params:
         return None
     full = [*session.tokens, *new_tokens]
     base = prepared.base_length

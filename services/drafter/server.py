@@ -10,15 +10,25 @@ from specdec.common.convert import encoded_to_proto, prefix_from_proto
 from specdec.common.errors import InvalidRequest
 from specdec.common.params import sampling_from_proto
 from specdec.common.replica import ReplicaServicer, run_replica
+from specdec.common.runtime import ModelRuntime
 from specdec.common.serving import rpc_errors
+from specdec.drafter.config import DrafterConfig
 from specdec.drafter.proposer import propose
-from specdec.drafter.speculate import speculate
+from specdec.drafter.speculate import BranchStore, speculate
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name
 
 
 class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
+    def __init__(self, runtime: ModelRuntime):
+        super().__init__(runtime)
+        self.branches = BranchStore()  # SSD: prepared next-round drafts (model thread only)
+
+    def release(self, session_id: str) -> bool:
+        self.branches.pop(session_id)
+        return super().release(session_id)
+
     def _draft_length(self, k: int) -> int:
         limit = self.ready_runtime().config.max_draft_tokens
         if not 1 <= k <= limit:
@@ -33,7 +43,9 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
         prefix = prefix_from_proto(request.prefix)
         new_tokens = list(request.new_tokens)
         self.check_extent(request.session_id, prefix, new_tokens, k)
-        draft = await rt.run(propose, rt, request.session_id, prefix, new_tokens, k, params)
+        draft = await rt.run(
+            propose, rt, self.branches, request.session_id, prefix, new_tokens, k, params
+        )
         return drafter_pb2.DraftResponse(
             draft_tokens=draft.tokens,
             draft_probs=[encoded_to_proto(e) for e in draft.probs],
@@ -75,6 +87,7 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
         result = await rt.run(
             speculate,
             rt,
+            self.branches,
             request.session_id,
             prefix,
             new_tokens,
@@ -99,7 +112,7 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
 
 def main(args: argparse.Namespace) -> None:
     run_replica(
-        "drafter",
+        DrafterConfig,
         args,
         SERVICE_NAME,
         DrafterServicer,

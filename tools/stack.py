@@ -14,8 +14,8 @@ import sys
 import threading
 from pathlib import Path
 
-from specdec.launcher import ServiceFailed, ServiceProcess
-from specdec.redisproc import RedisProcess
+from specdec.tools.launcher import ServiceFailed, ServiceProcess
+from specdec.tools.redisproc import RedisProcess
 
 
 def add_stack_arguments(p: argparse.ArgumentParser, port_default: int = 50051) -> None:

@@ -157,9 +157,6 @@ class ModelRuntime:
         self.tokenizer_fingerprint = ""
         self.chat_template = ""
         self.store: CacheStore | None = None
-        # Drafter: SSD branches by session (specdec.drafter.speculate), model thread only.
-        # They serve one round, so only the most recent sessions keep theirs.
-        self.prepared: OrderedDict[str, object] = OrderedDict()
 
     # -- loading ------------------------------------------------------------------------
 
@@ -289,7 +286,6 @@ class ModelRuntime:
 
     def release(self, session_id: str) -> bool:
         assert self.store is not None
-        self.prepared.pop(session_id, None)
         return self.store.release(session_id)
 
 

@@ -11,7 +11,7 @@ import argparse
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 T = TypeVar("T")
 
@@ -82,12 +82,16 @@ def port_number(value: int) -> str | None:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-MAX_FAN_OUT = 64  # SSD branches per round
+MAX_FAN_OUT = 64  # SSD branches per round (drafter and gateway settings, Speculate requests)
 
 
 @dataclass(frozen=True)
 class ReplicaConfig:
-    """Configuration of a drafter or verifier replica."""
+    """What every model replica (drafter or verifier) is configured with.
+
+    The drafter and the verifier each subclass it (specdec.drafter.config,
+    specdec.verifier.config) with their role and any settings of their own.
+    """
 
     role: str  # "drafter" | "verifier"
     model: str
@@ -102,15 +106,11 @@ class ReplicaConfig:
     threads: int = 0  # 0: torch's default
     replica_id: str = ""  # empty: hostname:port, known once the port is bound
     grace_seconds: float = 10.0
-    # Drafter only: speculative speculative decoding (SSD) fan-out.
-    ssd_fan_out: int = 6  # branches prepared per round unless the request says
-    ssd_max_per_outcome: int = 3  # at most this many next tokens per accepted count
-    ssd_acceptance_prior: float = 0.7  # ranks outcomes until the request sends its rate
 
-    @staticmethod
-    def add_arguments(
-        parser: argparse.ArgumentParser, default_port: int, role: str = "verifier"
-    ) -> None:
+    ROLE: ClassVar[str] = ""
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser, default_port: int) -> None:
         add_setting(parser, "--model", "model directory or hub id (or the dir holding --gguf-file)")
         add_setting(parser, "--gguf-file", "GGUF file name inside --model, or a GGUF path")
         add_setting(parser, "--dtype", f"weights dtype, one of {', '.join(DTYPES)}", "float32")
@@ -125,20 +125,19 @@ class ReplicaConfig:
             parser, "--replica-id", "name reported in Info and logs (default host:port)", ""
         )
         add_setting(parser, "--grace-seconds", "graceful shutdown window on SIGTERM", 10.0)
-        if role == "drafter":
-            add_setting(parser, "--ssd-fan-out", "SSD: branches prepared per round", 6)
-            add_setting(
-                parser, "--ssd-max-per-outcome", "SSD: next tokens tried per accepted count", 3
-            )
-            add_setting(
-                parser,
-                "--ssd-acceptance-prior",
-                "SSD: acceptance rate that ranks outcomes before a request has its own",
-                0.7,
-            )
+        cls.add_role_arguments(parser)
 
     @classmethod
-    def from_args(cls, role: str, args: argparse.Namespace) -> ReplicaConfig:
+    def add_role_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """Settings only this role has (none here)."""
+
+    @classmethod
+    def role_settings(cls, args: argparse.Namespace) -> dict[str, Any]:
+        """Values of the settings add_role_arguments added, by field name."""
+        return {}
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ReplicaConfig:
         model = parse_value(args, "--model", str, lambda v: None if v else "must not be empty")
         gguf = args.gguf_file or None
         if gguf and os.sep in gguf and not os.path.isfile(gguf):  # a path must exist
@@ -149,7 +148,7 @@ class ReplicaConfig:
         device = parse_value(args, "--device", str, _check_device)
         port = parse_value(args, "--port", int, port_number)
         return cls(
-            role=role,
+            role=cls.ROLE,
             model=model,
             gguf_file=gguf,
             dtype=dtype,
@@ -164,25 +163,8 @@ class ReplicaConfig:
             grace_seconds=parse_value(
                 args, "--grace-seconds", float, lambda v: None if v >= 0 else "must be >= 0"
             ),
-            **(_ssd_settings(args) if role == "drafter" else {}),
+            **cls.role_settings(args),
         )
-
-
-def _ssd_settings(args: argparse.Namespace) -> dict:
-    return {
-        "ssd_fan_out": parse_value(args, "--ssd-fan-out", int, _fan_out),
-        "ssd_max_per_outcome": parse_value(args, "--ssd-max-per-outcome", int, positive),
-        "ssd_acceptance_prior": parse_value(
-            args,
-            "--ssd-acceptance-prior",
-            float,
-            lambda v: None if 0 < v < 1 else "must be in (0, 1)",
-        ),
-    }
-
-
-def _fan_out(value: int) -> str | None:
-    return None if 1 <= value <= MAX_FAN_OUT else f"must be in [1, {MAX_FAN_OUT}]"
 
 
 def _check_device(value: str) -> str | None:

@@ -6,13 +6,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from specdec.common.runtime import ModelRuntime, Prefix
-from specdec.common.sampling import EncodedProbs, SamplingParams, make_generator, round_trip, warp
-
-# Salt of the drafter's random stream (the verifier uses "verify").
-DRAFT_SALT = "draft"
+from specdec.common.sampling import EncodedProbs, SamplingParams
+from specdec.drafter.sampler import Sampler
+from specdec.drafter.speculate import BranchStore, take_prepared
 
 
 @dataclass
@@ -24,30 +21,9 @@ class Draft:
     prepared: bool = False  # served from a Speculate branch, no forward
 
 
-class Sampler:
-    """Draws draft tokens from logits rows: argmax under greedy, else a sample from the
-    encoded-and-decoded warped distribution (what travels is what was sampled from)."""
-
-    def __init__(self, params: SamplingParams, device: torch.device):
-        self.params = params
-        self.device = device
-        self.shared = (
-            None
-            if params.greedy or params.seed is not None
-            else make_generator(None, DRAFT_SALT, 0, device)
-        )
-
-    def draw(self, logits: torch.Tensor, position: int) -> tuple[int, EncodedProbs | None]:
-        """One token for sequence index `position` from logits [vocab]."""
-        if self.params.greedy:
-            return int(logits.argmax()), None
-        enc, probs = round_trip(warp(logits, self.params))
-        gen = self.shared or make_generator(self.params.seed, DRAFT_SALT, position, self.device)
-        return int(torch.multinomial(probs, 1, generator=gen)), enc
-
-
 def propose(
     runtime: ModelRuntime,
+    branches: BranchStore,
     session_id: str,
     prefix: Prefix,
     new_tokens: Sequence[int],
@@ -62,15 +38,13 @@ def propose(
     request's new tokens.
     """
     with runtime.guarded(session_id):
-        return _propose(runtime, session_id, prefix, new_tokens, k, params)
+        return _propose(runtime, branches, session_id, prefix, new_tokens, k, params)
 
 
-def _propose(runtime, session_id, prefix, new_tokens, k, params) -> Draft:
-    from specdec.drafter.speculate import take_prepared
-
+def _propose(runtime, branches, session_id, prefix, new_tokens, k, params) -> Draft:
     started = time.perf_counter()
     session = runtime.store.acquire(session_id, prefix.length, prefix.hash, len(new_tokens) + k - 1)
-    hit = take_prepared(runtime, session_id, session, new_tokens, k, params)
+    hit = take_prepared(branches, session_id, session, new_tokens, k, params)
     if hit is not None:
         tokens, probs = hit
         return Draft(tokens, probs, len(session.tokens), _ms(started), prepared=True)

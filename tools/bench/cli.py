@@ -75,7 +75,7 @@ def load_prompts(path: str | None) -> list[Prompt]:
     if path:
         text = Path(path).read_text()
     else:
-        text = resources.files("specdec.benchdata").joinpath("prompts.jsonl").read_text()
+        text = resources.files("specdec.tools.benchdata").joinpath("prompts.jsonl").read_text()
     prompts = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -418,7 +418,7 @@ def machine() -> dict:
 
 
 def add_bench_parser(commands) -> argparse.ArgumentParser:
-    from specdec.stack import add_stack_arguments
+    from specdec.tools.stack import add_stack_arguments
 
     p = commands.add_parser(
         "bench", help="benchmark speculation against the target alone and HF assisted generation"
@@ -462,10 +462,10 @@ def _ints(text: str) -> list[int]:
 def run_bench(args: argparse.Namespace) -> int:
     if args.report:
         return report(Path(args.report))
-    from specdec.demo import resolve_models
-    from specdec.launcher import ServiceFailed
     from specdec.sdk import Client
-    from specdec.stack import LocalStack, pin_roles
+    from specdec.tools.demo import resolve_models
+    from specdec.tools.launcher import ServiceFailed
+    from specdec.tools.stack import LocalStack, pin_roles
 
     problem = resolve_models(args, "bench")
     if problem:

@@ -1,0 +1,47 @@
+"""The drafter's configuration: a replica's settings plus SSD (speculative speculative
+decoding) fan-out, read once at start-up."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from specdec.common.config import MAX_FAN_OUT, ReplicaConfig, add_setting, parse_value, positive
+
+
+@dataclass(frozen=True)
+class DrafterConfig(ReplicaConfig):
+    ssd_fan_out: int = 6  # branches prepared per round unless the request says
+    ssd_max_per_outcome: int = 3  # at most this many next tokens per accepted count
+    ssd_acceptance_prior: float = 0.7  # ranks outcomes until the request sends its rate
+
+    ROLE: ClassVar[str] = "drafter"
+
+    @classmethod
+    def add_role_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        add_setting(parser, "--ssd-fan-out", "SSD: branches prepared per round", 6)
+        add_setting(parser, "--ssd-max-per-outcome", "SSD: next tokens tried per accepted count", 3)
+        add_setting(
+            parser,
+            "--ssd-acceptance-prior",
+            "SSD: acceptance rate that ranks outcomes before a request has its own",
+            0.7,
+        )
+
+    @classmethod
+    def role_settings(cls, args: argparse.Namespace) -> dict[str, Any]:
+        return {
+            "ssd_fan_out": parse_value(args, "--ssd-fan-out", int, _fan_out),
+            "ssd_max_per_outcome": parse_value(args, "--ssd-max-per-outcome", int, positive),
+            "ssd_acceptance_prior": parse_value(
+                args,
+                "--ssd-acceptance-prior",
+                float,
+                lambda v: None if 0 < v < 1 else "must be in (0, 1)",
+            ),
+        }
+
+
+def _fan_out(value: int) -> str | None:
+    return None if 1 <= value <= MAX_FAN_OUT else f"must be in [1, {MAX_FAN_OUT}]"

@@ -1,0 +1,13 @@
+"""The verifier's configuration: a replica's settings (it has none of its own yet)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from specdec.common.config import ReplicaConfig
+
+
+@dataclass(frozen=True)
+class VerifierConfig(ReplicaConfig):
+    ROLE: ClassVar[str] = "verifier"
