@@ -92,7 +92,12 @@ def run_demo(args: argparse.Namespace) -> int:
     try:
         with LocalStack(args, announce=print) as stack, Client(stack.gateway.address) as client:
             for kind, prompt in PROMPTS:
+                shown = prompt
                 if not isinstance(prompt, str):
+                    # The model sees its chat template (system prompt, special tokens);
+                    # the terminal shows the conversation.
+                    shown = "".join(f"[{m['role']}] {m['content']}\n" for m in prompt)
+                    shown += "[assistant] "
                     prompt = template.apply_chat_template(
                         prompt, tokenize=False, add_generation_prompt=True
                     )
@@ -100,7 +105,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 for ssd in (False, True):  # warm up every path
                     client.generate(prompt, max_new_tokens=4, k=args.k, ssd=ssd)
                 base = client.generate(prompt, max_new_tokens=n, k=0)
-                print(f"\n--- {kind} (k={args.k}) ---\n{prompt}", end="", flush=True)
+                print(f"\n--- {kind} (k={args.k}) ---\n{shown}", end="", flush=True)
                 spec = None
                 for chunk in client.stream(prompt, max_new_tokens=n, k=args.k, ssd=False):
                     print(chunk.text, end="", flush=True)

@@ -86,8 +86,3 @@ def test_cli_exits_with_the_message():
     )
     assert result.returncode == 2
     assert "--dtype" in result.stderr and "fp7" in result.stderr
-
-
-def test_cli_import_is_torch_free():
-    code = "import sys, specdec.cli, specdec.tools.launcher; sys.exit('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

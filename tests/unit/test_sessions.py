@@ -12,7 +12,7 @@ import pytest
 import redis
 from prometheus_client import REGISTRY
 
-from specdec.gateway.sessions import SessionIndex, SessionRecord
+from specdec.gateway.sessions import SessionIndex, SessionRecord, TurnLocks
 from specdec.tools.redisproc import RedisProcess, redis_server_binary
 
 PREFIX = "specdec:session:"
@@ -54,7 +54,7 @@ def record(sid: str = "s1", n: int = 5, **kw) -> SessionRecord:
 
 
 def store_warnings(caplog) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
+    return [r for r in caplog.records if r.name.startswith(LOGGER) and r.levelno == logging.WARNING]
 
 
 # -- RedisProcess -------------------------------------------------------------------------------
@@ -411,21 +411,22 @@ async def test_several_indexes_share_module_metrics(server):
 
 async def test_turn_lock_spans_gateway_replicas(server, raw):
     a, b = SessionIndex(server.url), SessionIndex(server.url)
+    la, lb = TurnLocks(a), TurnLocks(b)
     try:
-        token = await a.lock_turn("t", ttl_seconds=30)
+        token = await la.lock("t", ttl_seconds=30)
         assert token is not None
-        assert await a.lock_turn("t") is None  # same gateway
-        assert await b.lock_turn("t") is None  # another gateway, through Redis
+        assert await la.lock("t") is None  # same gateway
+        assert await lb.lock("t") is None  # another gateway, through Redis
         assert 0 < raw.pttl("specdec:session-lock:t") <= 30_000
         assert raw.exists("specdec:session:t") == 0  # the lock is not a session record
-        await b.unlock_turn("t", "not-the-owner")  # only the holder can release it
-        assert await b.lock_turn("t") is None
-        await a.refresh_turn("t", token, ttl_seconds=60)
+        await lb.unlock("t", "not-the-owner")  # only the holder can release it
+        assert await lb.lock("t") is None
+        await la.refresh("t", token, ttl_seconds=60)
         assert raw.pttl("specdec:session-lock:t") > 30_000
-        await a.unlock_turn("t", token)
-        token_b = await b.lock_turn("t")
+        await la.unlock("t", token)
+        token_b = await lb.lock("t")
         assert token_b is not None
-        await b.unlock_turn("t", token_b)
+        await lb.unlock("t", token_b)
     finally:
         await a.close()
         await b.close()
@@ -433,22 +434,24 @@ async def test_turn_lock_spans_gateway_replicas(server, raw):
 
 async def test_turn_lock_expires_if_its_gateway_dies(server):
     a, b = SessionIndex(server.url), SessionIndex(server.url)
+    la, lb = TurnLocks(a), TurnLocks(b)
     try:
-        assert await a.lock_turn("gone", ttl_seconds=0.3) is not None
+        assert await la.lock("gone", ttl_seconds=0.3) is not None
         await a.close()  # the gateway dies without unlocking
         await asyncio.sleep(0.6)
-        assert await b.lock_turn("gone") is not None
+        assert await lb.lock("gone") is not None
     finally:
         await b.close()
 
 
 async def test_turn_lock_without_redis_is_local(server):
     index = SessionIndex(server.url)
+    locks = TurnLocks(index)
     try:
         server.stop()
-        token = await index.lock_turn("x")
-        assert token is not None and await index.lock_turn("x") is None
-        await index.unlock_turn("x", token)
-        assert await index.lock_turn("x") is not None
+        token = await locks.lock("x")
+        assert token is not None and await locks.lock("x") is None
+        await locks.unlock("x", token)
+        assert await locks.lock("x") is not None
     finally:
         await index.close()

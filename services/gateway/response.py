@@ -1,0 +1,95 @@
+"""What a finished turn returns: the GenerateResponse, the stream's messages, the metrics."""
+
+from __future__ import annotations
+
+import time
+
+from specdec.gateway import metrics
+from specdec.gateway.loop import LoopStats
+from specdec.gateway.request import Job
+from specdec.gateway.text import Completion
+from specdec.v1 import gateway_pb2
+
+FINISH = {
+    "length": gateway_pb2.FINISH_REASON_LENGTH,
+    "eos": gateway_pb2.FINISH_REASON_EOS,
+    "stop": gateway_pb2.FINISH_REASON_STOP,
+}
+
+
+def build_response(
+    job: Job,
+    prompt_ids: list[int],
+    history_tokens: int,
+    completion: Completion,
+    stats: LoopStats,
+    started: float,
+    first_at: float | None,
+) -> gateway_pb2.GenerateResponse:
+    """The final answer of a turn; started / first_at are perf_counter() seconds."""
+    return gateway_pb2.GenerateResponse(
+        text=completion.text,
+        token_ids=completion.tokens,
+        finish_reason=FINISH[completion.finish_reason],
+        usage=gateway_pb2.Usage(
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=len(completion.tokens),
+            history_tokens=history_tokens,
+        ),
+        timings=gateway_pb2.Timings(
+            time_to_first_token_ms=((first_at or started) - started) * 1e3,
+            total_ms=(time.perf_counter() - started) * 1e3,
+        ),
+        stats=gateway_pb2.SpeculationStats(
+            rounds=stats.rounds,
+            draft_tokens=stats.draft_tokens,
+            accepted_tokens=stats.accepted_tokens,
+            acceptance_rate=stats.acceptance_rate,
+            mean_accepted_length=stats.mean_accepted_length,
+            accepted_per_position=stats.accepted_per_position,
+            num_draft_tokens=job.k,
+            ssd=job.ssd,
+            ssd_hits=stats.ssd_hits,
+            ssd_misses=stats.ssd_misses,
+            ssd_branches=stats.ssd_branches,
+            ssd_hidden_ms=stats.ssd_hidden_ms,
+            drafter_wait_ms=stats.drafter_wait_ms,
+            ssd_bytes=stats.ssd_bytes,
+            cache_misses=stats.cache_misses,
+        ),
+        session_id=job.session_id or "",
+    )
+
+
+def stream_message(
+    text: str, tokens: list[int], final: gateway_pb2.GenerateResponse | None
+) -> gateway_pb2.GenerateStreamResponse:
+    """One GenerateStream message: a delta, and on the last one the final fields."""
+    msg = gateway_pb2.GenerateStreamResponse(text=text, token_ids=tokens)
+    if final is not None:
+        msg.finish_reason = final.finish_reason
+        msg.usage.CopyFrom(final.usage)
+        msg.timings.CopyFrom(final.timings)
+        msg.stats.CopyFrom(final.stats)
+        msg.session_id = final.session_id
+    return msg
+
+
+def record_metrics(stats: LoopStats, completion: Completion) -> None:
+    """Add a turn's figures to the gateway's Prometheus counters (finished or not)."""
+    s = stats
+    if completion.finish_reason:
+        metrics.REQUESTS.labels(finish_reason=completion.finish_reason).inc()
+    metrics.GENERATION_TOKENS.inc(len(completion.tokens))
+    metrics.NUM_DRAFTS.inc(s.drafts)
+    metrics.NUM_DRAFT_TOKENS.inc(s.draft_tokens)
+    metrics.NUM_ACCEPTED_TOKENS.inc(s.accepted_tokens)
+    for pos, n in enumerate(s.accepted_per_position):
+        metrics.ACCEPTED_PER_POS.labels(position=str(pos)).inc(n)
+    metrics.CACHE_MISSES.inc(s.cache_misses)
+    metrics.SSD_HITS.inc(s.ssd_hits)
+    metrics.SSD_MISSES.inc(s.ssd_misses)
+    metrics.SSD_BRANCHES.inc(s.ssd_branches)
+    metrics.SSD_HIDDEN.inc(s.ssd_hidden_ms / 1e3)
+    metrics.SSD_BYTES.inc(s.ssd_bytes)
+    metrics.DRAFTER_WAIT.inc(s.drafter_wait_ms / 1e3)

@@ -1,0 +1,19 @@
+"""The session index: per-session token history and cache affinity, kept in Redis (design §3).
+
+- ``record``: what a session is (SessionRecord) and its Redis hash format;
+- ``local``: the bounded in-process copy used while Redis is unreachable;
+- ``index``: SessionIndex, Redis with that local fallback and the write-back after an outage;
+- ``turns``: TurnLocks, one turn at a time per session across gateway replicas.
+"""
+
+from specdec.gateway.sessions.index import SessionIndex
+from specdec.gateway.sessions.record import MAX_SESSION_ID_LEN, SessionRecord, validate_session_id
+from specdec.gateway.sessions.turns import TurnLocks
+
+__all__ = [
+    "MAX_SESSION_ID_LEN",
+    "SessionIndex",
+    "SessionRecord",
+    "TurnLocks",
+    "validate_session_id",
+]

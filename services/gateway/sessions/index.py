@@ -1,0 +1,263 @@
+"""SessionIndex: session records in Redis, with a local fallback while Redis is down.
+
+A put replaces the whole hash (format in specdec.gateway.sessions.record) and sets its TTL
+in one MULTI/EXEC, so a record is never half written and every put refreshes the TTL;
+reads refresh nothing. Any gateway replica can read any session, and a gateway restart
+loses none.
+
+Redis down degrades, never crashes: every call has short socket timeouts, a Redis error is
+logged (a WARNING, at most once per ``warn_interval`` seconds per kind of error), counted in
+``specdec_gateway_session_store_errors_total{op}``, and the call falls back to a bounded
+in-process LRU copy (write-through on every put, filled on every successful get). Records
+written locally during an outage are written back to Redis by the next successful ``get`` of
+that session, unless Redis holds a newer one. ``url=None`` runs without Redis: sessions live
+only in the local copy (still bounded and still expiring).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from prometheus_client import Counter, Gauge
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from specdec.gateway.sessions.local import LocalCopy, LocalEntry
+from specdec.gateway.sessions.record import (
+    SessionRecord,
+    decode_record,
+    encode_record,
+    validate_session_id,
+)
+
+log = logging.getLogger(__name__)
+
+OPS = ("get", "put", "delete", "ping", "lock")
+
+# Module-level, so any number of SessionIndex objects share one registration.
+STORE_ERRORS = Counter(
+    "specdec_gateway_session_store_errors_total",
+    "Session store (Redis) operations that failed and fell back to the local copy.",
+    ["op"],
+)
+STORE_UP = Gauge(
+    "specdec_gateway_session_store_up",
+    "1 if the last session store (Redis) operation succeeded, else 0.",
+)
+for _op in OPS:
+    STORE_ERRORS.labels(op=_op)
+
+# Errors that mean "the store is unavailable or misbehaving": degrade, never raise.
+STORE_FAILURES: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
+
+
+@dataclass
+class _WarnLimiter:
+    interval: float
+    last: dict[str, float] = field(default_factory=dict)
+
+    def should_log(self, kind: str) -> bool:
+        now = time.monotonic()
+        last = self.last.get(kind)
+        if last is not None and now - last < self.interval:
+            return False
+        self.last[kind] = now
+        return True
+
+
+class SessionIndex:
+    """Session records in Redis with a bounded local LRU fallback (see the module docstring)."""
+
+    warn_interval = 10.0  # seconds between two warnings for the same kind of error
+
+    def __init__(
+        self,
+        url: str | None,
+        *,
+        default_ttl: int = 3600,
+        local_capacity: int = 1024,
+        key_prefix: str = "specdec:session:",
+        op_timeout: float = 0.5,
+    ) -> None:
+        if default_ttl <= 0:
+            raise ValueError(f"default_ttl must be > 0 seconds, got {default_ttl}")
+        if op_timeout <= 0:
+            raise ValueError(f"op_timeout must be > 0 seconds, got {op_timeout}")
+        self.url = url
+        self.default_ttl = int(default_ttl)
+        self.key_prefix = key_prefix
+        self.op_timeout = float(op_timeout)
+        self.local = LocalCopy(int(local_capacity))
+        self._limiter = _WarnLimiter(self.warn_interval)
+        self._available = url is not None
+        self.redis: aioredis.Redis | None = None
+        if url is not None:
+            # One retry without backoff: enough to replace a pooled connection that went stale
+            # (Redis restarted) transparently, short enough to degrade fast when it is down.
+            self.redis = aioredis.Redis.from_url(
+                url,
+                socket_timeout=self.op_timeout,
+                socket_connect_timeout=self.op_timeout,
+                retry=Retry(NoBackoff(), 1),
+                decode_responses=False,
+            )
+
+    # -- public API ---------------------------------------------------------------------------
+
+    @property
+    def redis_available(self) -> bool:
+        """Whether the last Redis operation succeeded (always False without Redis)."""
+        return self._available
+
+    def key(self, session_id: str) -> str:
+        return self.key_prefix + validate_session_id(session_id)
+
+    async def get(self, session_id: str) -> SessionRecord | None:
+        """The session's record, or None. Falls back to the local copy if Redis fails."""
+        key = self.key(session_id)
+        if self.redis is None:
+            return self.local.get(session_id)
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hgetall(key)
+                pipe.pttl(key)
+                raw, pttl = await pipe.execute()
+        except STORE_FAILURES as e:
+            self.failed("get", e)
+            return self.local.get(session_id)
+        self.succeeded()
+        remote: SessionRecord | None = None
+        if raw:
+            try:
+                remote = decode_record(session_id, raw)
+            except (ValueError, KeyError, UnicodeDecodeError) as e:
+                self._warn("corrupt", f"session {session_id!r}: unreadable record in Redis: {e}")
+                remote = None
+        entry = self.local.entry(session_id)
+        if (
+            entry is not None
+            and entry.dirty
+            and (remote is None or remote.updated_at < entry.record.updated_at)
+        ):
+            # Written here during an outage and newer than Redis's copy: write it back.
+            await self._write_back(key, entry)
+            return entry.record.copy()
+        if remote is None:
+            self.local.pop(session_id)
+            return None
+        # The local copy expires with the Redis key (PTTL -1: no expiry there; keep the default).
+        expires_in = pttl / 1000 if isinstance(pttl, int) and pttl > 0 else self.default_ttl
+        self.local.put(remote, expires_in, dirty=False)
+        return remote.copy()
+
+    async def put(self, record: SessionRecord, ttl_seconds: int | None = None) -> None:
+        """Store the record (replacing any previous one), set ``updated_at`` and the TTL."""
+        key = self.key(record.session_id)
+        ttl = self.default_ttl if ttl_seconds is None else int(ttl_seconds)
+        if ttl <= 0:
+            raise ValueError(f"ttl_seconds must be > 0, got {ttl_seconds}")
+        record.updated_at = time.time()
+        fields = encode_record(record)  # validates the tokens before anything is stored
+        if self.redis is None:
+            self.local.put(record, ttl, dirty=False)
+            return
+        try:
+            await self._write(key, fields, ttl)
+        except STORE_FAILURES as e:
+            self.failed("put", e)
+            self.local.put(record, ttl, dirty=True)
+            return
+        self.succeeded()
+        self.local.put(record, ttl, dirty=False)
+
+    async def delete(self, session_id: str) -> None:
+        """Forget the session (locally at once; in Redis if it is reachable)."""
+        key = self.key(session_id)
+        self.local.pop(session_id)
+        if self.redis is None:
+            return
+        try:
+            await self.redis.delete(key)
+        except STORE_FAILURES as e:
+            self.failed("delete", e)
+            return
+        self.succeeded()
+
+    async def ping(self) -> bool:
+        """True if Redis answers; False without Redis or when it is unreachable."""
+        if self.redis is None:
+            return False
+        try:
+            await self.redis.ping()
+        except STORE_FAILURES as e:
+            self.failed("ping", e)
+            return False
+        self.succeeded()
+        return True
+
+    async def close(self) -> None:
+        if self.redis is not None:
+            redis, self.redis = self.redis, None
+            try:
+                await redis.aclose()
+            except STORE_FAILURES as e:  # closing a dead connection must not fail shutdown
+                log.debug("closing the session store: %s", e)
+            self._available = False
+
+    async def __aenter__(self) -> SessionIndex:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def local_size(self) -> int:
+        """Records in the local LRU copy (including expired ones not yet dropped)."""
+        return len(self.local)
+
+    # -- health accounting (shared with the turn locks) -------------------------------------
+
+    def failed(self, op: str, error: BaseException) -> None:
+        STORE_ERRORS.labels(op=op).inc()
+        STORE_UP.set(0)
+        self._available = False
+        kind = type(error).__name__
+        self._warn(
+            kind,
+            f"session store (Redis) {op} failed ({kind}: {error}); continuing with the local "
+            f"in-process copy, without cross-replica session affinity",
+        )
+
+    def succeeded(self) -> None:
+        STORE_UP.set(1)
+        if not self._available:
+            log.info("session store (Redis) reachable again")
+        self._available = True
+
+    def _warn(self, kind: str, message: str) -> None:
+        if self._limiter.should_log(kind):
+            log.warning(message)
+
+    # -- Redis ----------------------------------------------------------------------------
+
+    async def _write(self, key: str, fields: dict[str, bytes | str], ttl: int) -> None:
+        assert self.redis is not None
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping=fields)
+            pipe.expire(key, ttl)
+            await pipe.execute()
+
+    async def _write_back(self, key: str, entry: LocalEntry) -> None:
+        remaining = max(1, round(entry.expires_at - time.monotonic()))
+        try:
+            await self._write(key, encode_record(entry.record), remaining)
+        except STORE_FAILURES as e:
+            self.failed("put", e)
+            return
+        entry.dirty = False
+        log.info(
+            "session %r: local copy written back to the session store", entry.record.session_id
+        )

@@ -1,0 +1,61 @@
+"""The bounded in-process copy of session records, used while Redis is unreachable.
+
+An LRU of at most ``capacity`` records, each expiring like its Redis key. A record written
+here during an outage is *dirty*: the index writes it back to Redis at the next successful
+read of that session, unless Redis holds a newer one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from specdec.gateway.sessions.record import SessionRecord
+
+
+@dataclass
+class LocalEntry:
+    record: SessionRecord
+    expires_at: float  # time.monotonic()
+    dirty: bool = False  # written while Redis was unreachable; not in Redis yet
+
+
+class LocalCopy:
+    def __init__(self, capacity: int):
+        if capacity < 0:
+            raise ValueError(f"local_capacity must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self._entries: OrderedDict[str, LocalEntry] = OrderedDict()
+
+    def __len__(self) -> int:
+        """Records held (including expired ones not yet dropped)."""
+        return len(self._entries)
+
+    def entry(self, session_id: str) -> LocalEntry | None:
+        """The session's live entry (an expired one is dropped), marked recently used."""
+        entry = self._entries.get(session_id)
+        if entry is None:
+            return None
+        if entry.expires_at <= time.monotonic():
+            del self._entries[session_id]
+            return None
+        self._entries.move_to_end(session_id)
+        return entry
+
+    def get(self, session_id: str) -> SessionRecord | None:
+        entry = self.entry(session_id)
+        return entry.record.copy() if entry is not None else None
+
+    def put(self, record: SessionRecord, expires_in: float, *, dirty: bool) -> None:
+        if self.capacity == 0:
+            return
+        self._entries[record.session_id] = LocalEntry(
+            record=record.copy(), expires_at=time.monotonic() + expires_in, dirty=dirty
+        )
+        self._entries.move_to_end(record.session_id)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def pop(self, session_id: str) -> None:
+        self._entries.pop(session_id, None)

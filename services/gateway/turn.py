@@ -1,0 +1,252 @@
+"""One turn of a request: the session's history, the speculation loop, the session write.
+
+`Gateway` is the request-level logic, independent of gRPC plumbing (the servicer in
+specdec.gateway.server translates; an HTTP front can call the same `run`). A turn:
+
+1. validates the request (specdec.gateway.request) and, for a session, takes its turn
+   lock (one turn at a time per session, across gateways);
+2. reads the session's record (history, which replicas cache it and how much);
+3. tokenizes the prompt after the history and checks it fits the context;
+4. runs speculation rounds (specdec.gateway.loop) until the completion finishes, yielding
+   what may be streamed after each round;
+5. writes the session's new history and placement, then yields the final response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from specdec.common.errors import InvalidRequest, SpecdecError
+from specdec.gateway import metrics
+from specdec.gateway.config import GatewayConfig
+from specdec.gateway.loop import Placement, Speculator
+from specdec.gateway.replicas import Fleet
+from specdec.gateway.request import Job, Limits, validate
+from specdec.gateway.response import build_response, record_metrics
+from specdec.gateway.sessions import SessionIndex, SessionRecord, TurnLocks
+from specdec.gateway.text import Completion, TextCodec
+from specdec.v1 import common_pb2, gateway_pb2
+
+log = logging.getLogger(__name__)
+
+TURN_LOCK_SECONDS = 60.0
+
+
+class Aborted(SpecdecError):
+    code = grpc.StatusCode.ABORTED
+
+
+@dataclass
+class Event:
+    """What one step of a request produced: a delta, and the response when finished."""
+
+    text: str
+    tokens: list[int]
+    final: gateway_pb2.GenerateResponse | None = None
+
+
+def replica_session_id(session_id: str | None) -> str:
+    """The id under which the replicas cache a request's KV.
+
+    A user session is `s/<id>`, so its turns reuse one cache. A one-off request gets
+    `r/<random>`, released when it ends. The prefixes keep the two apart: no session id a
+    user picks can name a one-off request's cache, or the other way round.
+    """
+    return f"s/{session_id}" if session_id else f"r/{uuid.uuid4().hex}"
+
+
+class Gateway:
+    """Turns against the replica fleet and the session index."""
+
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.fleet = Fleet(config.drafters, config.verifiers)
+        self.sessions = SessionIndex(config.redis_url, default_ttl=config.session_ttl)
+        self.turns = TurnLocks(self.sessions)
+        self.codec: TextCodec | None = None
+        self.limits: Limits | None = None
+        self.eos_token_ids: frozenset[int] = frozenset()
+        self._background: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        """Wait for the replicas, take their tokenizer and limits, start the probe."""
+        info = await self.fleet.connect(self.config.startup_timeout)
+        self.codec = TextCodec.from_info(info)
+        replicas = self.fleet.all
+        max_k = min(r.info.max_draft_tokens for r in replicas)
+        default_k = min(self.config.default_k, max_k)
+        if default_k < self.config.default_k:
+            log.warning(
+                "--default-k is above what the replicas accept; using their maximum",
+                extra={"default_k": self.config.default_k, "max_k": max_k},
+            )
+        self.limits = Limits(
+            vocab_size=info.vocab_size,
+            max_context=min(r.info.max_context for r in replicas),
+            max_k=max_k,
+            default_k=default_k,
+            default_ssd=self.config.ssd,
+            max_new_tokens=self.config.max_new_tokens,
+            default_ttl=self.config.session_ttl,
+            max_session_ttl=self.config.max_session_ttl,
+        )
+        self.eos_token_ids = frozenset(info.eos_token_ids)
+        self.fleet.start_probe()
+        if self.config.redis_url and not await self.sessions.ping():
+            log.warning(
+                "redis unreachable at start; sessions stay in this process until it is back"
+            )
+        log.info(
+            "gateway ready",
+            extra={
+                "drafters": list(self.config.drafters),
+                "verifiers": list(self.config.verifiers),
+                "vocab_size": self.limits.vocab_size,
+                "max_context": self.limits.max_context,
+                "max_k": self.limits.max_k,
+            },
+        )
+
+    async def close(self) -> None:
+        await self.fleet.close()
+        await self.sessions.close()
+
+    async def run(self, req: gateway_pb2.GenerateRequest) -> AsyncIterator[Event]:
+        """Validate and run one request; errors are SpecdecError with their status."""
+        metrics.IN_FLIGHT.inc()
+        try:
+            async for event in self._run(validate(req, self.limits)):
+                yield event
+        except SpecdecError as e:
+            metrics.REQUEST_ERRORS.labels(code=e.code.name).inc()
+            raise
+        finally:
+            metrics.IN_FLIGHT.dec()
+
+    async def _run(self, job: Job) -> AsyncIterator[Event]:
+        if not job.session_id:
+            async for event in self._turn(job, None):
+                yield event
+            return
+        token = await self.turns.lock(job.session_id, TURN_LOCK_SECONDS)
+        if token is None:
+            raise Aborted(
+                f"session {job.session_id!r} has a turn in progress; send a session's turns "
+                "one after another"
+            )
+        try:
+            async for event in self._turn(job, token):
+                yield event
+        finally:
+            await self.turns.unlock(job.session_id, token)
+
+    async def _turn(self, job: Job, lock: str | None) -> AsyncIterator[Event]:
+        started = time.perf_counter()
+        record = None
+        if job.session_id and not job.reset:
+            record = await self.sessions.get(job.session_id)
+        history = record.tokens if record else []
+        if isinstance(job.prompt, str):
+            # A new conversation gets the tokenizer's special tokens (BOS), as
+            # `tokenizer(prompt)` would; a continuation appends the text alone.
+            prompt_ids = await asyncio.to_thread(self.codec.encode, job.prompt, not history)
+            if not prompt_ids:
+                raise InvalidRequest("prompt is empty after tokenization")
+        else:
+            prompt_ids = job.prompt
+        ctx = [*history, *prompt_ids]
+        max_context = self.limits.max_context
+        if len(ctx) + job.max_new_tokens > max_context:
+            raise InvalidRequest(
+                f"the model's context is {max_context} tokens; this request needs "
+                f"{len(ctx) + job.max_new_tokens} ({len(history)} history + "
+                f"{len(prompt_ids)} prompt + {job.max_new_tokens} max_new_tokens)"
+            )
+        metrics.PROMPT_TOKENS.inc(len(prompt_ids))
+        drafter, verifier = Placement(), Placement()
+        if record:
+            drafter = Placement(
+                self.fleet.drafters.by_address(record.drafter), record.drafter_cached
+            )
+            verifier = Placement(
+                self.fleet.verifiers.by_address(record.verifier), record.verifier_cached
+            )
+        replica_session = replica_session_id(job.session_id)
+        spec = Speculator(
+            self.fleet,
+            replica_session,
+            job.sampling,
+            drafter,
+            verifier,
+            self.config.rpc_timeout,
+            ssd=job.ssd,
+            ssd_fan_out=self.config.ssd_fan_out,
+        )
+        completion = Completion(self.codec, job.max_new_tokens, self.eos_token_ids, job.stop)
+        first_at = last_at = None
+        lock_refreshed = started
+        try:
+            while completion.finish_reason is None:
+                remaining = job.max_new_tokens - len(completion.tokens)
+                new = await spec.round(ctx, min(job.k, remaining - 1), remaining)
+                ctx.extend(new)
+                text, tokens = completion.push(new)
+                now = time.perf_counter()
+                if first_at is None:
+                    first_at = now
+                    metrics.TTFT.observe(now - started)
+                elif tokens:
+                    for _ in tokens:
+                        metrics.ITL.observe((now - last_at) / len(tokens))
+                last_at = now
+                if lock and now - lock_refreshed > TURN_LOCK_SECONDS / 3:
+                    await self.turns.refresh(job.session_id, lock, TURN_LOCK_SECONDS)
+                    lock_refreshed = now
+                if completion.finish_reason is None and (text or tokens):
+                    yield Event(text, tokens)
+            response = build_response(
+                job, prompt_ids, len(history), completion, spec.stats, started, first_at
+            )
+            if job.session_id:
+                final_tokens = [*history, *prompt_ids, *completion.tokens]
+                await self.sessions.put(
+                    SessionRecord(
+                        session_id=job.session_id,
+                        tokens=final_tokens,
+                        drafter=drafter.address,
+                        verifier=verifier.address,
+                        drafter_cached=min(drafter.cached, len(final_tokens)),
+                        verifier_cached=min(verifier.cached, len(final_tokens)),
+                        turns=(record.turns if record else 0) + 1,
+                    ),
+                    ttl_seconds=job.ttl,
+                )
+            yield Event(text, tokens, response)
+        finally:
+            record_metrics(spec.stats, completion)
+            if not job.session_id:
+                self._release_later(replica_session, drafter, verifier)
+
+    def _release_later(self, replica_session: str, *placements: Placement) -> None:
+        """Drop a one-off request's KV caches (best effort, off the response path)."""
+
+        async def release() -> None:
+            for p in placements:
+                if p.replica is not None and p.replica.up:
+                    try:
+                        await p.replica.stub.Release(
+                            common_pb2.ReleaseRequest(session_id=replica_session), timeout=5
+                        )
+                    except grpc.RpcError as e:
+                        log.info("release failed", extra={"replica": p.address, "why": e.details()})
+
+        task = asyncio.ensure_future(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

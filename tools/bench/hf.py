@@ -1,0 +1,130 @@
+"""The in-process anchors: the target (and draft) with transformers `generate`, assisted
+generation, and the near-tie check of a difference from the baseline."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+from specdec.tools.bench.modes import Mode, Prompt, Sample
+from specdec.tools.bench.stats import first_difference
+
+
+def pin_process(cpus: set[int] | None) -> None:
+    """Move every thread of this process (torch's pool included) onto `cpus`."""
+    if cpus is None:
+        return
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that has just ended
+            os.sched_setaffinity(int(tid), cpus)
+
+
+class HFRunner:
+    """The target (and the draft) loaded in this process with transformers."""
+
+    def __init__(self, target: str, draft: str, dtype: str, pinned: tuple[int, int] | None):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        dt_ = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        self.target = AutoModelForCausalLM.from_pretrained(target, dtype=dt_[dtype]).eval()
+        self.draft = AutoModelForCausalLM.from_pretrained(draft, dtype=dt_[dtype]).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(target)
+        self.pinned = pinned  # (drafter cpu, verifier cpu)
+        self.default_threads = torch.get_num_threads()
+        eos = self.target.generation_config.eos_token_id
+        self.eos = eos if eos is not None else self.tokenizer.eos_token_id
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if prompt.messages is not None:
+            text = self.tokenizer.apply_chat_template(
+                prompt.messages, tokenize=False, add_generation_prompt=True
+            )
+        else:
+            text = prompt.text
+        return list(self.tokenizer(text).input_ids)
+
+    def _placement(self, mode: Mode) -> tuple[set[int] | None, int]:
+        if self.pinned is None:
+            return None, self.default_threads
+        draft_cpu, target_cpu = self.pinned
+        if mode.name == "target":
+            return {target_cpu}, 1
+        if mode.name == "draft":
+            return {draft_cpu}, 1
+        return {draft_cpu, target_cpu}, 2
+
+    def run(self, mode: Mode, ids: list[int], n: int) -> Sample:
+        from transformers import GenerationConfig
+        from transformers.generation.streamers import BaseStreamer
+
+        class FirstToken(BaseStreamer):
+            def __init__(self):
+                self.puts, self.at = 0, None
+
+            def put(self, value):
+                self.puts += 1
+                if self.puts == 2:  # the first put is the prompt
+                    self.at = time.perf_counter()
+
+            def end(self):
+                pass
+
+        torch = self.torch
+        cpus, threads = self._placement(mode)
+        torch.set_num_threads(threads)
+        pin_process(cpus)
+        model = self.draft if mode.name == "draft" else self.target
+        config = GenerationConfig(
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=self.eos,
+            pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+        )
+        extra = {"assistant_model": self.draft} if mode.name == "assisted" else {}
+        streamer = FirstToken()
+        input_ids = torch.tensor([ids])
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                generation_config=config,
+                streamer=streamer,
+                **extra,
+            )
+        seconds = time.perf_counter() - started
+        ttft = ((streamer.at or started + seconds) - started) * 1e3
+        return Sample(out[0, len(ids) :].tolist(), seconds, ttft)
+
+
+# Two bfloat16 computations of the same logits (a one-token decode step and a batched
+# verification) differ by a few units in the last place after 28 layers; tokens whose logits
+# are this close can come out in either order.
+NEAR_TIE_ULPS = 4
+
+
+def tie_break(hf: HFRunner, ids: list[int], base: list[int], other: list[int]) -> dict:
+    """Where `other` first leaves the baseline `base`: how far apart the two tokens' logits
+    are there (one forward of the target), in units of the last place of the top logit."""
+    torch = hf.torch
+    i = first_difference(other, base)
+    if i is None or i >= min(len(base), len(other)):
+        return {"position": i, "gap_ulps": None}  # one is a prefix of the other
+    with torch.inference_mode():
+        logits = hf.target(input_ids=torch.tensor([[*ids, *base[:i]]])).logits[0, -1]
+    top = logits.max()
+    ulp = float(torch.nextafter(top, top + 1) - top)
+    gap = float(abs(logits[base[i]].float() - logits[other[i]].float()))
+    return {"position": i, "gap": gap, "ulp": ulp, "gap_ulps": gap / ulp if ulp else None}
+
+
+def near_ties_only(row: dict) -> bool:
+    """Every difference from the baseline starts where the two tokens' logits are within
+    NEAR_TIE_ULPS of each other (a numerical near-tie, not a wrong acceptance)."""
+    checks = row.get("tie_breaks") or []
+    return bool(checks) and all(
+        c["gap_ulps"] is not None and c["gap_ulps"] <= NEAR_TIE_ULPS for c in checks
+    )

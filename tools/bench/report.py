@@ -1,0 +1,103 @@
+"""The bench's outputs: the markdown table, the speedup chart, and the report from JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specdec.tools.bench.hf import NEAR_TIE_ULPS, near_ties_only
+
+
+def markdown(rows: dict[str, dict], cost_ratio: float | None) -> str:
+    head = (
+        "| mode | tok/s | TTFT ms | speedup vs target | vs k=0 | accept | tokens/round "
+        "| accepted per position | bound | SSD hits | identical |\n"
+        "|---|--:|--:|--:|--:|--:|--:|---|--:|--:|---|\n"
+    )
+    lines = []
+    for name, r in rows.items():
+        if not r["contender"]:
+            continue
+
+        def f(key, fmt="{:.2f}", row=r):
+            v = row.get(key)
+            return "" if v is None else fmt.format(v)
+
+        lines.append(
+            f"| {name} | {r['tokens_per_second']:.2f} | {r['ttft_ms']:.0f} | "
+            f"{r['speedup_vs_target']:.2f}x | {f('speedup_vs_k0', '{:.2f}x')} | "
+            f"{f('acceptance_rate', '{:.0%}')} | {f('mean_accepted_length')} | "
+            f"{' '.join(map(str, r.get('accepted_per_position', [])))} | "
+            f"{f('bound_speedup', '{:.2f}x')} | {f('ssd_hit_rate', '{:.0%}')} | "
+            f"{_identical(r)} |"
+        )
+    tail = ""
+    if cost_ratio is not None:
+        d = rows["draft"]
+        tail = (
+            f"\nCost ratio c = {cost_ratio:.3f} (draft alone {d['tokens_per_second']:.2f} tok/s "
+            f"vs target alone {rows['target']['tokens_per_second']:.2f} tok/s). "
+            "bound = tokens per round / (c k + 1).\n"
+        )
+    return head + "\n".join(lines) + "\n" + tail
+
+
+def _identical(row: dict) -> str:
+    if row["exact"]:
+        return "yes"
+    if near_ties_only(row):
+        return f"near-tie in prompts {row['mismatched_prompts']}"
+    return f"NO {row['mismatched_prompts']}"
+
+
+def chart(rows: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    spec = sorted((r["k"], r) for r in rows.values() if r["engine"] == "stack" and not r["ssd"])
+    ks = [k for k, _ in spec]
+    ax.plot(ks, [r["speedup_vs_target"] for _, r in spec], "o-", label="speculative (stack)")
+    bound = [(k, r["bound_speedup"]) for k, r in spec if "bound_speedup" in r]
+    if bound:
+        ax.plot(*zip(*bound, strict=True), "x--", color="gray", label="bound E/(ck+1)")
+    ssd = sorted((r["k"], r["speedup_vs_target"]) for r in rows.values() if r["ssd"])
+    if ssd:
+        ax.plot(*zip(*ssd, strict=True), "s", color="C3", label="SSD (stack)")
+    ax.axhline(1.0, color="black", lw=0.8, label="target alone")
+    ax.axhline(rows["assisted"]["speedup_vs_target"], color="C2", ls=":", label="HF assisted")
+    ax.set_xticks(ks)
+    ax.set_xlabel("draft length k")
+    ax.set_ylabel("speedup over target alone (tokens/s)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def report(out: Path) -> int:
+    """Render results.md and speedup.png from out/results.json and print the table;
+    exit status 1 if a mode differs from the baseline other than at near-ties."""
+    result = json.loads((out / "results.json").read_text())
+    rows, meta = result["modes"], result["meta"]
+    table = markdown(rows, meta["cost_ratio"])
+    (out / "results.md").write_text(table)
+    chart(rows, out / "speedup.png")
+    print("\n" + table)
+    print(f"wrote {out}/results.md and speedup.png from results.json")
+    differ = [n for n, r in rows.items() if r["contender"] and not r["exact"]]
+    ties = [n for n in differ if near_ties_only(rows[n])]
+    if ties:
+        print(
+            f"{', '.join(ties)}: differ from the target alone only where the two tokens' "
+            f"logits are within {NEAR_TIE_ULPS} units in the last place of {meta['dtype']} "
+            "(see tie_breaks in results.json)"
+        )
+    wrong = [n for n in differ if n not in ties]
+    if wrong:
+        print(f"NOT IDENTICAL to the target alone: {', '.join(wrong)} (see mismatched_prompts)")
+        return 1
+    return 0

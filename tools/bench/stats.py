@@ -1,0 +1,107 @@
+"""Per-mode statistics of a bench run: throughput, acceptance, exactness, the bound."""
+
+from __future__ import annotations
+
+from specdec.tools.bench.modes import ModeRun
+
+
+def summarize(runs: dict[str, ModeRun], cost_ratio: float | None) -> dict[str, dict]:
+    """Per mode: throughput, TTFT, acceptance, exactness, speedups, and the bound."""
+    base = runs["target"]
+    base_tps = mode_tps(base)
+    k0_tps = mode_tps(runs["k=0"]) if "k=0" in runs else None
+    out = {}
+    for name, run in runs.items():
+        tps = mode_tps(run)
+        row: dict = {
+            "engine": run.mode.engine,
+            "k": run.mode.k,
+            "ssd": run.mode.ssd,
+            "contender": run.mode.contender,
+            "tokens": sum(len(s.tokens) for s in run.samples),
+            "seconds": round(sum(s.seconds for s in run.samples), 3),
+            "tokens_per_second": round(tps, 3),
+            "ttft_ms": round(sum(s.ttft_ms for s in run.samples) / len(run.samples), 1),
+            "speedup_vs_target": round(tps / base_tps, 3),
+            "speedup_vs_k0": round(tps / k0_tps, 3) if k0_tps else None,
+        }
+        row["per_prompt"] = [
+            {
+                "tokens": len(s.tokens),
+                "tokens_per_second": round(len(s.tokens) / s.seconds, 3),
+                "ttft_ms": round(s.ttft_ms, 1),
+                "first_difference": first_difference(s.tokens, b.tokens),
+                **({"stats": s.stats} if s.stats else {}),
+            }
+            for s, b in zip(run.samples, base.samples, strict=True)
+        ]
+        if run.mode.contender:  # the draft alone is not meant to match
+            differ = [
+                i
+                for i, (s, b) in enumerate(zip(run.samples, base.samples, strict=True))
+                if s.tokens != b.tokens
+            ]
+            row |= {"exact": not differ, "mismatched_prompts": differ}
+        if run.mode.engine == "stack" and run.mode.k:
+            stats = [s.stats for s in run.samples]
+            rounds = sum(s["rounds"] for s in stats)
+            drafted = sum(s["draft_tokens"] for s in stats)
+            accepted = sum(s["accepted_tokens"] for s in stats)
+            per_pos = [0] * run.mode.k
+            for s in stats:
+                for i, a in enumerate(s["accepted_per_position"]):
+                    per_pos[i] += a
+            mean_len = (accepted + rounds) / rounds if rounds else 0.0
+            row |= {
+                "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+                "mean_accepted_length": round(mean_len, 3),
+                "accepted_per_position": per_pos,
+                "rounds": rounds,
+                "cache_misses": sum(s["cache_misses"] for s in stats),
+            }
+            if cost_ratio is not None:
+                # Leviathan et al.: speedup <= E / (c k + 1) with E = (1 - a^(k+1)) / (1 - a)
+                # the expected tokens per round; E is measured here, so is c.
+                row["acceptance_alpha"] = round(_alpha(mean_len, run.mode.k), 4)
+                row["bound_speedup"] = round(mean_len / (cost_ratio * run.mode.k + 1), 3)
+            # Where a round's time goes, per round (gateway's view).
+            row["round_ms"] = round(row["seconds"] * 1e3 / rounds, 1)
+            row["drafter_wait_ms_per_round"] = round(_total(stats, "drafter_wait_ms") / rounds, 1)
+            if run.mode.ssd:
+                hits, misses = _total(stats, "ssd_hits"), _total(stats, "ssd_misses")
+                speculated = hits + misses
+                row |= {
+                    "ssd_hit_rate": round(hits / speculated, 4) if speculated else 0.0,
+                    "ssd_branches_per_round": round(_total(stats, "ssd_branches") / rounds, 2),
+                    "ssd_hidden_ms_per_round": round(_total(stats, "ssd_hidden_ms") / rounds, 1),
+                    "ssd_bytes_per_round": round(_total(stats, "ssd_bytes") / rounds),
+                }
+        out[name] = row
+    return out
+
+
+def _total(stats: list[dict], key: str) -> float:
+    return sum(s[key] for s in stats)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where a and b differ (None if equal)."""
+    if a == b:
+        return None
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
+def mode_tps(run: ModeRun) -> float:
+    return sum(len(s.tokens) for s in run.samples) / sum(s.seconds for s in run.samples)
+
+
+def _alpha(mean_len: float, k: int) -> float:
+    """The i.i.d. acceptance a with (1 - a^(k+1)) / (1 - a) == mean_len (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        e = k + 1 if mid == 1 else (1 - mid ** (k + 1)) / (1 - mid)
+        lo, hi = (mid, hi) if e < mean_len else (lo, mid)
+    return (lo + hi) / 2
