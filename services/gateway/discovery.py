@@ -86,9 +86,9 @@ def parse_target(raw: str) -> DnsTarget | K8sTarget | None:
         rest, server = raw[4:], None
         if rest.startswith("//"):
             authority, slash, rest = rest[2:].partition("/")
-            host, _, port = authority.rpartition(":")
+            host, colon, port = authority.rpartition(":")
             host = host.strip("[]")
-            if not slash or not host:
+            if not slash or not colon:
                 raise ValueError(f"{raw!r}: expected dns://DNS_SERVER:PORT/NAME:PORT")
             try:
                 ipaddress.ip_address(host)
@@ -110,7 +110,7 @@ def parse_target(raw: str) -> DnsTarget | K8sTarget | None:
         if not port:
             raise ValueError(f"{raw!r}: expected k8s:[NAMESPACE/]SERVICE:PORT")
         return K8sTarget(namespace or None, service, int(port) if port.isdigit() else port)
-    if raw.split(":", 1)[0] in ("dns", "k8s", "static", "http", "https", "grpc"):
+    if raw.split(":", 1)[0] in ("static", "http", "https", "grpc", "unix", "xds", "consul"):
         raise ValueError(f"{raw!r}: unknown discovery scheme")
     return None
 
