@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 
 import helm_python
 import kubernetes_validate
@@ -326,7 +327,12 @@ def test_every_value_is_documented_and_in_the_schema():
 def test_notes_say_how_to_call_the_gateway():
     notes = render()["specdec/templates/NOTES.txt"]
     assert f"{role_name('gateway')}.specdec.svc:50051" in notes
-    assert "port-forward" in notes and "specdec generate" in notes
+    assert "port-forward" in notes
+    (line,) = [x.strip() for x in notes.splitlines() if "specdec generate" in x]
+    from specdec.cli import build_parser
+
+    args = build_parser().parse_args(shlex.split(line)[1:])  # the command as printed parses
+    assert args.gateway == "127.0.0.1:50051" and args.prompt
 
 
 def test_examples_are_valid_yaml_objects():

@@ -14,7 +14,9 @@ transformers' generate(): the session moves with a full-context resend.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import shutil
 import socket
 import threading
 import time
@@ -35,6 +37,7 @@ from tests.kubeapi import FakeKubeAPI
 pytestmark = pytest.mark.integration
 
 HOSTS = ("127.0.0.2", "127.0.0.3")
+ODD_HOST = "127.0.0.4"  # a replica with another tokenizer
 N = 16
 
 
@@ -90,7 +93,7 @@ def redis_server():
 @pytest.fixture(scope="module")
 def pools(test_models):
     """{role: (port, {host: process})}: a drafter and a verifier on each of HOSTS."""
-    ports = {"drafter": port_free_on_all(HOSTS), "verifier": port_free_on_all(HOSTS)}
+    ports = {"drafter": port_free_on_all((*HOSTS, ODD_HOST)), "verifier": port_free_on_all(HOSTS)}
     models = {"drafter": test_models.draft_noisy, "verifier": test_models.target}
     procs = {
         role: {h: start_replica(role, models[role], h, ports[role]) for h in HOSTS}
@@ -144,11 +147,12 @@ def replica_counts(gateway) -> dict[tuple[str, str], float]:
     return {(role, state): float(v) for role, state, v in found}
 
 
-def wait_for_replicas(gateway, drafters: int, verifiers: int) -> None:
-    """Until the gateway serves from exactly this many replicas and knows no others."""
+def wait_for_replicas(gateway, drafters: int, verifiers: int, drafters_out: int = 0) -> None:
+    """Until the gateway serves from exactly this many replicas and knows no others
+    (but `drafters_out` drafters it keeps out)."""
     want = {
         ("drafter", "up"): drafters,
-        ("drafter", "down"): 0,
+        ("drafter", "down"): drafters_out,
         ("verifier", "up"): verifiers,
         ("verifier", "down"): 0,
     }
@@ -233,7 +237,20 @@ def dns_server():
         server.stop()
 
 
-def test_dns_discovery_follows_records(pools, dns_server, redis_server, tokenizer, reference):
+@pytest.fixture
+def other_tokenizer(test_models, tmp_path):
+    """The small draft model with another tokenizer of the same size (it lowercases)."""
+    other = tmp_path / "other"
+    shutil.copytree(test_models.draft_small, other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    spec["normalizer"] = {"type": "Lowercase"}
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    return other
+
+
+def test_dns_discovery_follows_records(
+    pools, dns_server, redis_server, tokenizer, reference, other_tokenizer
+):
     zone, dns_port = dns_server
     (d_port, drafters), (v_port, verifiers) = pools["drafter"], pools["verifier"]
     zone.set("drafters.specdec.test", [HOSTS[0]])
@@ -277,6 +294,21 @@ def test_dns_discovery_follows_records(pools, dns_server, redis_server, tokenize
             zone.set("drafters.specdec.test", [HOSTS[0]])
             wait_for_replicas(g, 1, 1)
             send(" finally")
+            # A drafter with another tokenizer appears: known, kept out, never served.
+            odd = start_replica("drafter", other_tokenizer, ODD_HOST, d_port).wait_healthy()
+            try:
+                zone.set("drafters.specdec.test", [HOSTS[0], ODD_HOST])
+                wait_for_replicas(g, 1, 1, drafters_out=1)
+                for _ in range(100):
+                    if any("kept out" in line and ODD_HOST in line for line in g.lines):
+                        break
+                    time.sleep(0.2)
+                else:
+                    raise AssertionError(f"no refusal logged:\n{g.tail()}")
+                _, record = send(" again")
+                assert record.drafter == drafters[HOSTS[0]].address
+            finally:
+                odd.stop()
     finally:
         g.stop()
 
