@@ -231,11 +231,12 @@ class K8sDiscovery:
         from kubernetes import client, watch
         from kubernetes.client.rest import ApiException
 
-        api_client = self.api_client()
-        api = client.DiscoveryV1Api(api_client)
         selector = f"{SERVICE_NAME_LABEL}={self.target.service}"
+        api = None
         while not self._stopped.is_set():
             try:
+                if api is None:  # no credentials yet is an error like any other: retried
+                    api = client.DiscoveryV1Api(self.api_client())
                 version = self._list(api)
                 publish(self._union())
                 self._watch = watch.Watch()
