@@ -68,8 +68,9 @@ format: install
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# (tests/chart runs in `make chart-test`, which also installs checkov)
 test: install
-	$(VPY) -m pytest -q
+	$(VPY) -m pytest -q --ignore=tests/chart
 
 test-unit: install
 	$(VPY) -m pytest -q tests/unit
@@ -78,7 +79,7 @@ test-integration: install
 	$(VPY) -m pytest -q tests/integration
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info sdk/*.egg-info .pytest_cache .cache
+	rm -rf $(VENV) $(CHECKOV_VENV) build dist *.egg-info sdk/*.egg-info .pytest_cache .cache
 
 # The Helm chart (helm/specdec): real Helm lint and render of the default values and the
 # examples, Kubernetes schema validation, checkov, placement and discovery tests, and the

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -27,7 +28,8 @@ SKIPPED = {
 
 
 def checkov_binary() -> str:
-    path = os.environ.get("CHECKOV") or shutil.which("checkov")
+    local = Path(__file__).resolve().parents[2] / ".venv-checkov" / "bin" / "checkov"
+    path = os.environ.get("CHECKOV") or (str(local) if local.exists() else shutil.which("checkov"))
     if not path:
         pytest.fail("checkov not found: run `make chart-test`, which installs it in .venv-checkov")
     return path
