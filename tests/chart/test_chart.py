@@ -100,6 +100,9 @@ def test_gpu_pools_place_drafter_and_verifier_apart():
         assert want >= 1
         assert res["limits"][gpu] == want and res["requests"][gpu] == want, role
         assert spec["runtimeClassName"] == "nvidia"
+        selector = find(objs, "Deployment", role_name(role))["spec"]["selector"]
+        (spread,) = spec["topologySpreadConstraints"]
+        assert spread["labelSelector"] == selector  # filled in with this role's pods
 
 
 @pytest.mark.parametrize("gpu", ["amd.com/gpu", "nvidia.com/mig-1g.10gb"])

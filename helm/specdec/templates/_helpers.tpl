@@ -137,13 +137,15 @@ http://{{ include "specdec.roleName" (dict "root" . "role" "jaeger") }}.{{ .Rele
 {{/* topologySpreadConstraints with this role's labelSelector filled in (dict root role list) */}}
 {{- define "specdec.topologySpread" -}}
 {{- $ctx := . }}
+{{- $out := list }}
 {{- range .list }}
-- {{- $c := deepCopy . }}
-  {{- if not $c.labelSelector }}
-  {{- $_ := set $c "labelSelector" (dict "matchLabels" (include "specdec.selectorLabels" $ctx | fromYaml)) }}
-  {{- end }}
-  {{- toYaml $c | nindent 2 }}
+{{- $c := deepCopy . }}
+{{- if not $c.labelSelector }}
+{{- $_ := set $c "labelSelector" (dict "matchLabels" (include "specdec.selectorLabels" $ctx | fromYaml)) }}
 {{- end }}
+{{- $out = append $out $c }}
+{{- end }}
+{{- toYaml $out }}
 {{- end }}
 
 {{/* The 'grpc' probes of a container (dict port cfg) */}}
