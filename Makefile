@@ -5,7 +5,7 @@ VPY       := $(VENV)/bin/python
 TORCH_VER ?= 2.13.0
 PROTOS    := $(wildcard protos/specdec/v1/*.proto)
 
-.PHONY: install dist models demo demo-tiny bench bench-quick up proto proto-check lint lint-proto format test test-unit test-integration clean
+.PHONY: chart-test install dist models demo demo-tiny bench bench-quick up proto proto-check lint lint-proto format test test-unit test-integration clean
 
 # Create .venv/ with the project and its dev tools. torch goes first so that
 # transformers does not pull a multi-GB CUDA build.
@@ -68,8 +68,9 @@ format: install
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# (tests/chart runs in `make chart-test`, which also installs checkov)
 test: install
-	$(VPY) -m pytest -q
+	$(VPY) -m pytest -q --ignore=tests/chart
 
 test-unit: install
 	$(VPY) -m pytest -q tests/unit
@@ -78,4 +79,18 @@ test-integration: install
 	$(VPY) -m pytest -q tests/integration
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info sdk/*.egg-info .pytest_cache .cache
+	rm -rf $(VENV) $(CHECKOV_VENV) build dist *.egg-info sdk/*.egg-info .pytest_cache .cache
+
+# The Helm chart (helm/specdec): real Helm lint and render of the default values and the
+# examples, Kubernetes schema validation, checkov, placement and discovery tests, and the
+# rendered Deployments booted as local processes. checkov gets its own virtualenv (its pins
+# conflict with the project's).
+CHECKOV_VENV ?= .venv-checkov
+CHECKOV_VER  ?= 3.3.30
+$(CHECKOV_VENV)/.installed:
+	test -x $(CHECKOV_VENV)/bin/python || $(PY) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install -q checkov==$(CHECKOV_VER)
+	touch $@
+
+chart-test: install $(CHECKOV_VENV)/.installed
+	CHECKOV=$(abspath $(CHECKOV_VENV))/bin/checkov $(VPY) -m pytest -q tests/chart

@@ -16,6 +16,7 @@ from specdec.common.config import (
     port_number,
     positive,
 )
+from specdec.gateway.discovery import parse_target
 
 
 def _fan_out(value: int) -> str | None:
@@ -23,6 +24,9 @@ def _fan_out(value: int) -> str | None:
 
 
 def address_list(raw: str) -> tuple[str, ...]:
+    """HOST:PORT[,HOST:PORT...], or one dns:/k8s: discovery target (see discovery.py)."""
+    if parse_target(raw) is not None:  # raises ValueError when malformed
+        return (raw.strip(),)
     addresses = tuple(a.strip() for a in raw.split(",") if a.strip())
     for a in addresses:
         host, _, port = a.rpartition(":")
@@ -54,11 +58,17 @@ class GatewayConfig:
     rpc_timeout: float = 120.0
     startup_timeout: float = 900.0
     grace_seconds: float = 10.0
+    dns_interval: float = 5.0  # seconds between two resolutions of a dns: target
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        add_setting(parser, "--drafter", "drafter replicas, HOST:PORT[,HOST:PORT...]")
-        add_setting(parser, "--verifier", "verifier replicas, HOST:PORT[,HOST:PORT...]")
+        where = (
+            "HOST:PORT[,HOST:PORT...], dns:[//DNS_SERVER:PORT/]NAME:PORT or "
+            "k8s:[NAMESPACE/]SERVICE:PORT"
+        )
+        add_setting(parser, "--drafter", f"drafter replicas: {where}")
+        add_setting(parser, "--verifier", f"verifier replicas: {where}")
+        add_setting(parser, "--dns-interval", "seconds between two DNS resolutions (dns:)", 5.0)
         add_setting(parser, "--redis", "Redis URL for sessions (empty: in-process only)", "")
         add_setting(parser, "--host", "address to listen on", "0.0.0.0")
         add_setting(parser, "--port", "gRPC port (0: any free port)", 50051)
@@ -94,6 +104,7 @@ class GatewayConfig:
             rpc_timeout=parse_value(args, "--rpc-timeout", float, seconds),
             startup_timeout=parse_value(args, "--startup-timeout", float, seconds),
             grace_seconds=parse_value(args, "--grace-seconds", float, non_negative),
+            dns_interval=parse_value(args, "--dns-interval", float, seconds),
         )
         if cfg.redis_url and not cfg.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(

@@ -33,6 +33,7 @@ DRAFTER_WAIT = Counter(
     PREFIX + "drafter_wait_seconds", "Time the speculation loop spent waiting for a drafter"
 )
 FAILOVERS = Counter(PREFIX + "replica_failovers", "Calls moved to another replica", ["role"])
+REPLICAS = Gauge(PREFIX + "replicas", "Replicas this gateway knows, by state", ["role", "state"])
 TTFT = Histogram(
     PREFIX + "time_to_first_token_seconds",
     "Time to first token",
