@@ -15,6 +15,7 @@ specdec.gateway.server translates; an HTTP front can call the same `run`). A tur
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -39,9 +40,13 @@ log = logging.getLogger(__name__)
 TURN_LOCK_SECONDS = 60.0
 
 
-# Builds a turn's prompt ids from the session's record, inside the turn lock; may return
-# None as the record to start the session afresh (the HTTP chat API: specdec.gateway.http.chat).
-Prompter = Callable[[SessionRecord | None], Awaitable[tuple[SessionRecord | None, list[int]]]]
+# Builds a turn's prompt ids from the session's record, inside the turn lock: returns the
+# record to continue (None: start the session afresh), the prompt ids and, when the request
+# left max_new_tokens to it, the max_new_tokens that fits (the HTTP chat API,
+# specdec.gateway.http.chat).
+Prompter = Callable[
+    [SessionRecord | None], Awaitable[tuple[SessionRecord | None, list[int], int | None]]
+]
 
 
 class Aborted(SpecdecError):
@@ -165,8 +170,10 @@ class Gateway:
             record = await self.sessions.get(job.session_id)
         history = record.tokens if record else []
         if prompter is not None:
-            record, prompt_ids = await prompter(record)
+            record, prompt_ids, max_new_tokens = await prompter(record)
             history = record.tokens if record else []
+            if max_new_tokens is not None:
+                job = dataclasses.replace(job, max_new_tokens=max_new_tokens)
         elif isinstance(job.prompt, str):
             # A new conversation gets the tokenizer's special tokens (BOS), as
             # `tokenizer(prompt)` would; a continuation appends the text alone.

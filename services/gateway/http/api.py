@@ -86,6 +86,7 @@ class Options:
     include_usage: bool = False
     timeout: float | None = None
     session_id: str | None = None
+    max_tokens_given: bool = False
 
 
 def _check_fields(body: dict, allowed: set[str]) -> None:
@@ -147,6 +148,7 @@ def _common(body: dict, req: gateway_pb2.GenerateRequest, served: str) -> Option
         value = _number(body, name, integer=True)
         if value is not None:
             _set(req, "max_new_tokens", value, name)
+            opts.max_tokens_given = True
     sampling = common_pb2.SamplingParams()
     temperature = _number(body, "temperature")
     sampling.temperature = DEFAULT_TEMPERATURE if temperature is None else temperature
@@ -223,12 +225,11 @@ def completion_request(body: Any, served: str) -> tuple[gateway_pb2.GenerateRequ
     return req, _common(body, req, served)
 
 
-def chat_request(
-    body: Any, served: str, max_new_tokens: int
-) -> tuple[gateway_pb2.GenerateRequest, Options, list[dict]]:
+def chat_request(body: Any, served: str) -> tuple[gateway_pb2.GenerateRequest, Options, list[dict]]:
     """POST /v1/chat/completions body -> (GenerateRequest without its prompt, Options,
     messages). The caller renders the messages into `prompt`. Without max_tokens a chat
-    may use the gateway's --max-new-tokens."""
+    may use what is left of the context, up to the gateway's --max-new-tokens: ChatTurn
+    sets it once the prompt's length is known (the request carries 1 for validation)."""
     from specdec.gateway.http.chat import messages_from_json
 
     if not isinstance(body, dict):
@@ -236,7 +237,7 @@ def chat_request(
     _check_fields(body, CHAT_FIELDS)
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
         raise InvalidRequest("give max_tokens or max_completion_tokens, not both")
-    req = gateway_pb2.GenerateRequest(max_new_tokens=max_new_tokens)
+    req = gateway_pb2.GenerateRequest(max_new_tokens=1)
     opts = _common(body, req, served)
     return req, opts, messages_from_json(body.get("messages"))
 

@@ -283,13 +283,19 @@ class OpenAIServer:
         try:
             self._authorize(request)
             self._ready()
-            req, opts, messages = api.chat_request(
-                await self._body(request), self.model, self.gateway.limits.max_new_tokens
-            )
+            req, opts, messages = api.chat_request(await self._body(request), self.model)
             req.prompt = self.chat_template().render(messages, add_generation_prompt=True)
         except SpecdecError as e:
             return error_response(e)
-        turn = ChatTurn(self.gateway.codec, req.prompt, opts.session_id)
+        limits = self.gateway.limits
+        turn = ChatTurn(
+            self.gateway.codec,
+            req.prompt,
+            opts.session_id,
+            fill_context=not opts.max_tokens_given,
+            max_context=limits.max_context,
+            max_new_tokens=limits.max_new_tokens,
+        )
         renderer = api.Renderer(chat=True, model=opts.model)
         return Generation(self.gateway.run(req, turn), renderer, opts, turn)
 

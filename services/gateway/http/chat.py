@@ -191,20 +191,36 @@ def messages_from_json(raw: Any) -> list[dict[str, Any]]:
 class ChatTurn:
     """The prompter of one chat request (see the module docstring).
 
-    After the turn: `continued` (the session's history was extended), `restarted` (why a
-    session with history started afresh, else None), `history_tokens`.
+    `fill_context`: the request gave no max_tokens, so the completion may use what is left
+    of the context, up to `max_new_tokens` (the gateway's limit). After the turn:
+    `continued` (the session's history was extended), `restarted` (why a session with
+    history started afresh, else None), `history_tokens`.
     """
 
     codec: TextCodec
     rendered: str
     session_id: str | None = None
+    fill_context: bool = False
+    max_context: int = 0
+    max_new_tokens: int = 0
     continued: bool = False
     restarted: str | None = None
     history_tokens: int = 0
 
     async def __call__(
         self, record: SessionRecord | None
-    ) -> tuple[SessionRecord | None, list[int]]:
+    ) -> tuple[SessionRecord | None, list[int], int | None]:
+        record, ids = await self._prompt(record)
+        if not self.fill_context:
+            return record, ids, None
+        room = self.max_context - len(ids) - (len(record.tokens) if record else 0)
+        if room < 1:
+            raise InvalidRequest(
+                f"the conversation fills the model's context of {self.max_context} tokens"
+            )
+        return record, ids, min(room, self.max_new_tokens)
+
+    async def _prompt(self, record: SessionRecord | None) -> tuple[SessionRecord | None, list[int]]:
         if record is not None and record.tokens:
             history_text = await asyncio.to_thread(self._decode, record.tokens)
             if len(self.rendered) > len(history_text) and self.rendered.startswith(history_text):
