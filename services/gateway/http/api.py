@@ -55,7 +55,7 @@ COMMON_FIELDS = {
     "timeout",
 }
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "metadata", "store"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
 # OpenAI fields that are accepted only with their neutral value (anything else is refused,
 # never ignored).
 NEUTRAL: dict[str, tuple] = {
@@ -74,6 +74,8 @@ NEUTRAL: dict[str, tuple] = {
     "function_call": (None, "none"),
     "parallel_tool_calls": (None, False, True),
     "response_format": (None, {"type": "text"}),
+    "store": (None, False),
+    "metadata": (None, {}),
 }
 
 
@@ -174,10 +176,7 @@ def _common(body: dict, req: gateway_pb2.GenerateRequest, served: str) -> Option
     opts.stream = bool(_bool(body, "stream"))
     stream_options = body.get("stream_options")
     if stream_options is not None:
-        if not isinstance(stream_options, dict) or set(stream_options) - {
-            "include_usage",
-            "continuous_usage_stats",
-        }:
+        if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
             raise InvalidRequest("stream_options may only hold include_usage")
         if not opts.stream:
             raise InvalidRequest("stream_options is only allowed with stream: true")
