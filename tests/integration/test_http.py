@@ -410,3 +410,50 @@ def test_concurrent_requests(oai, tokenizer, reference):
         t.join()
     for i in range(4):
         assert results[i] == reference(tokenizer(PROMPTS[i]).input_ids, 8)
+
+
+def test_unary_disconnect_cancels(stack, oai):
+    """A non-streamed request whose client goes away is cancelled too."""
+    gateway = stack["gateway"]
+    before = sum("generation cancelled" in line for line in gateway.lines)
+    body = json.dumps(
+        {"model": "tiny", "prompt": "unary", "max_tokens": 400, "temperature": 0, "k": 0}
+    ).encode()
+    host, port = stack["http"].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        time.sleep(1.0)  # the generation is under way (400 tokens at k = 0 take longer)
+    deadline = time.monotonic() + 120
+    while sum("generation cancelled" in line for line in gateway.lines) == before:
+        assert time.monotonic() < deadline, gateway.tail()
+        time.sleep(0.2)
+    line = [json.loads(x) for x in gateway.lines if "generation cancelled" in x][-1]
+    assert line["session_id"] is None and line["tokens"] < 400
+    assert (
+        oai.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens == 2
+    )
+
+
+def test_ssd_and_seed_extensions(oai, tokenizer, reference):
+    ids = tokenizer(PROMPTS[4]).input_ids
+    got = oai.completions.create(
+        model="tiny", prompt=PROMPTS[4], max_tokens=N, temperature=0,
+        extra_body={"k": 2, "ssd": True},
+    )  # fmt: skip
+    stats = ext(got)["stats"]
+    assert ext(got)["token_ids"] == reference(ids, N)
+    assert stats["ssd"] is True and stats["num_draft_tokens"] == 2
+    assert stats["ssd_hits"] + stats["ssd_misses"] > 0
+    # Sampling with a seed is reproducible through the HTTP API as through gRPC.
+    a, b = (
+        oai.completions.create(
+            model="tiny", prompt=PROMPTS[4], max_tokens=N, temperature=1.0, seed=7,
+            extra_body={"k": 3, "top_k": 50},
+        )
+        for _ in range(2)
+    )  # fmt: skip
+    assert ext(a)["token_ids"] == ext(b)["token_ids"]
