@@ -75,6 +75,9 @@ def add_up_parser(commands) -> argparse.ArgumentParser:
     p.add_argument("--draft-model", required=True, help="draft model directory (or GGUF dir)")
     p.add_argument("--target-model", required=True, help="target model directory (or GGUF dir)")
     add_stack_arguments(p)
+    p.add_argument(
+        "--http-port", type=int, default=0, help="gateway's OpenAI-compatible HTTP port (0: off)"
+    )
     p.set_defaults(func=run_up)
     return p
 
@@ -146,9 +149,12 @@ class LocalStack:
             str(a.default_k),
             "--ssd",
             "true" if getattr(a, "ssd", False) else "false",
+            *(["--http-port", str(a.http_port)] if getattr(a, "http_port", 0) else []),
         )
         self.gateway.wait_healthy(timeout=300)
         self.announce(f"gateway   {self.gateway.address} (pid {self.gateway.proc.pid})")
+        if getattr(a, "http_port", 0):
+            self.announce(f"openai    http://{a.host}:{a.http_port}/v1")
         return self
 
     def check_alive(self) -> None:

@@ -73,6 +73,7 @@ class ReplicaServicer:
             replica_id=self.replica_id,
             chat_template=rt.chat_template,
             bos_token_id=rt.bos_token_id,
+            special_tokens=rt.special_tokens,
         )
         if request.include_tokenizer:
             info.tokenizer_json_zlib = rt.tokenizer_json

@@ -156,6 +156,7 @@ class ModelRuntime:
         self.tokenizer_json = b""
         self.tokenizer_fingerprint = ""
         self.chat_template = ""
+        self.special_tokens: dict[str, str] = {}  # bos_token, eos_token, ... (chat templates)
         self.store: CacheStore | None = None
 
     # -- loading ------------------------------------------------------------------------
@@ -187,6 +188,7 @@ class ModelRuntime:
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.bos_token_id = -1 if tokenizer.bos_token_id is None else int(tokenizer.bos_token_id)
         self.chat_template = tokenizer.chat_template or ""
+        self.special_tokens = {k: str(v) for k, v in tokenizer.special_tokens_map.items()}
         canonical = _canonical_tokenizer_json(tokenizer)
         self.tokenizer_json = zlib.compress(canonical, 6)
         self.tokenizer_fingerprint = hashlib.sha256(canonical).hexdigest()

@@ -51,7 +51,12 @@ def main(args: argparse.Namespace) -> None:
                 start_http_server(config.metrics_port)
             await gateway.start()
 
+        http = None
         try:
+            if config.http_port:
+                from specdec.gateway.http.app import start_http
+
+                http = await start_http(gateway, config)  # answers 503 until ready
             await serve(
                 service_name=SERVICE_NAME,
                 add_servicers=lambda server: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
@@ -64,6 +69,8 @@ def main(args: argparse.Namespace) -> None:
                 grace_seconds=config.grace_seconds,
             )
         finally:
+            if http is not None:
+                await http.stop()
             await gateway.close()
 
     asyncio.run(run())

@@ -15,10 +15,11 @@ specdec.gateway.server translates; an HTTP front can call the same `run`). A tur
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -37,6 +38,15 @@ from specdec.v1 import common_pb2, gateway_pb2
 log = logging.getLogger(__name__)
 
 TURN_LOCK_SECONDS = 60.0
+
+
+# Builds a turn's prompt ids from the session's record, inside the turn lock: returns the
+# record to continue (None: start the session afresh), the prompt ids and, when the request
+# left max_new_tokens to it, the max_new_tokens that fits (the HTTP chat API,
+# specdec.gateway.http.chat).
+Prompter = Callable[
+    [SessionRecord | None], Awaitable[tuple[SessionRecord | None, list[int], int | None]]
+]
 
 
 class Aborted(SpecdecError):
@@ -118,11 +128,15 @@ class Gateway:
         await self.fleet.close()
         await self.sessions.close()
 
-    async def run(self, req: gateway_pb2.GenerateRequest) -> AsyncIterator[Event]:
-        """Validate and run one request; errors are SpecdecError with their status."""
+    async def run(
+        self, req: gateway_pb2.GenerateRequest, prompter: Prompter | None = None
+    ) -> AsyncIterator[Event]:
+        """Validate and run one request; errors are SpecdecError with their status.
+
+        `prompter`, when given, replaces the tokenization of the prompt (see Prompter)."""
         metrics.IN_FLIGHT.inc()
         try:
-            async for event in self._run(validate(req, self.limits)):
+            async for event in self._run(validate(req, self.limits), prompter):
                 yield event
         except SpecdecError as e:
             metrics.REQUEST_ERRORS.labels(code=e.code.name).inc()
@@ -130,9 +144,9 @@ class Gateway:
         finally:
             metrics.IN_FLIGHT.dec()
 
-    async def _run(self, job: Job) -> AsyncIterator[Event]:
+    async def _run(self, job: Job, prompter: Prompter | None) -> AsyncIterator[Event]:
         if not job.session_id:
-            async for event in self._turn(job, None):
+            async for event in self._turn(job, None, prompter):
                 yield event
             return
         token = await self.turns.lock(job.session_id, TURN_LOCK_SECONDS)
@@ -142,18 +156,25 @@ class Gateway:
                 "one after another"
             )
         try:
-            async for event in self._turn(job, token):
+            async for event in self._turn(job, token, prompter):
                 yield event
         finally:
             await self.turns.unlock(job.session_id, token)
 
-    async def _turn(self, job: Job, lock: str | None) -> AsyncIterator[Event]:
+    async def _turn(
+        self, job: Job, lock: str | None, prompter: Prompter | None = None
+    ) -> AsyncIterator[Event]:
         started = time.perf_counter()
         record = None
         if job.session_id and not job.reset:
             record = await self.sessions.get(job.session_id)
         history = record.tokens if record else []
-        if isinstance(job.prompt, str):
+        if prompter is not None:
+            record, prompt_ids, max_new_tokens = await prompter(record)
+            history = record.tokens if record else []
+            if max_new_tokens is not None:
+                job = dataclasses.replace(job, max_new_tokens=max_new_tokens)
+        elif isinstance(job.prompt, str):
             # A new conversation gets the tokenizer's special tokens (BOS), as
             # `tokenizer(prompt)` would; a continuation appends the text alone.
             prompt_ids = await asyncio.to_thread(self.codec.encode, job.prompt, not history)

@@ -341,3 +341,21 @@ def test_notes_say_how_to_call_the_gateway():
 def test_examples_are_valid_yaml_objects():
     for path in EXAMPLES:
         assert isinstance(yaml.safe_load(path.read_text()), dict), path.name
+
+
+def test_gateway_http_port_is_exposed_when_set():
+    """gateway.httpPort: the container port, --http-port, the Service, the NetworkPolicy."""
+    gw = role_name("gateway")
+    objs = objects({"gateway": {"httpPort": 8000}})
+    c = container(find(objs, "Deployment", gw), "gateway")
+    assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in c["ports"]
+    assert env_of(c)["SPECDEC_HTTP_PORT"] == "8000"
+    ports = {p["name"]: p for p in find(objs, "Service", gw)["spec"]["ports"]}
+    assert ports["http"]["port"] == 8000 and ports["http"]["targetPort"] == "http"
+    ingress = find(objs, "NetworkPolicy", gw)["spec"]["ingress"]
+    assert {"port": 8000, "protocol": "TCP"} in ingress[0]["ports"]
+    off = objects({})
+    c = container(find(off, "Deployment", gw), "gateway")
+    assert env_of(c)["SPECDEC_HTTP_PORT"] == "0"
+    assert "http" not in [p["name"] for p in c["ports"]]
+    assert "http" not in [p["name"] for p in find(off, "Service", gw)["spec"]["ports"]]

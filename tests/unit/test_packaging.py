@@ -33,11 +33,12 @@ def test_sdk_imports_neither_torch_nor_transformers():
 def test_gateway_and_cli_import_no_torch():
     mods = _fresh_modules(
         "import specdec.gateway.server, specdec.gateway.turn, specdec.gateway.loop, "
-        "specdec.gateway.sessions, specdec.gateway.replicas, specdec.tools.launcher\n"
+        "specdec.gateway.sessions, specdec.gateway.replicas, specdec.tools.launcher, "
+        "specdec.gateway.http.app\n"
         "from specdec.cli import build_parser\n"
         "build_parser().parse_args(['serve', 'gateway', '--drafter', 'h:1', '--verifier', 'h:2'])"
     )
-    assert "specdec" in mods and "grpc" in mods
+    assert "specdec" in mods and "grpc" in mods and "uvicorn" in mods
     assert "torch" not in mods and "transformers" not in mods
 
 

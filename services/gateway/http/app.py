@@ -1,0 +1,375 @@
+"""The gateway's OpenAI-compatible HTTP API: a Starlette app served by uvicorn in the
+gateway's own event loop, next to grpc.aio, so every request calls `Gateway.run` directly.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
+GET /v1/models/{model}, GET /health. Each generation is one `Gateway.run` (validation, the
+turn lock, the loop and the session write are the gRPC path's own); this module only
+translates (specdec.gateway.http.api), streams server-sent events, enforces the request's
+`timeout` and cancels the generation when the client goes away: cancelling the turn's
+generator runs its cleanup, so the session's turn lock is released at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from specdec.common.errors import InvalidRequest, SpecdecError
+from specdec.gateway.http import api
+from specdec.gateway.http.chat import ChatTemplate, ChatTurn
+from specdec.gateway.http.errors import (
+    DeadlineExceeded,
+    ModelNotFound,
+    NotReady,
+    Unauthenticated,
+    error_body,
+    http_status,
+)
+from specdec.gateway.turn import Gateway
+
+log = logging.getLogger(__name__)
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+def error_response(e: BaseException) -> JSONResponse:
+    return JSONResponse(error_body(e), status_code=http_status(e))
+
+
+def _sse(obj: Any) -> bytes:
+    data = (
+        obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    )
+    return f"data: {data}\n\n".encode()
+
+
+class Generation:
+    """An ASGI response that runs one generation: unary JSON or a stream of events.
+
+    Three things race: the generation (`_pump`), the client going away (`_disconnect`)
+    and the request's timeout. A client that disconnects cancels the generation; a
+    timeout cancels it and answers 504 (an error event when the stream has started).
+    Errors before the first event get their own HTTP status; later ones (streams only)
+    arrive as an error event followed by `data: [DONE]`.
+    """
+
+    def __init__(self, events, renderer: api.Renderer, opts: api.Options, turn: ChatTurn | None):
+        self.events = events
+        self.renderer = renderer
+        self.opts = opts
+        self.turn = turn
+        self.started = False  # response headers sent
+        self.tokens = 0
+        self.scope: Scope = {"type": "http"}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.scope = scope
+        pump = asyncio.ensure_future(self._pump(send))
+        gone = asyncio.ensure_future(_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait(
+                {pump, gone}, timeout=self.opts.timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for task in (pump, gone):
+                task.cancel()
+        if pump in done:
+            pump.result()
+            return
+        with contextlib.suppress(asyncio.CancelledError):
+            await pump  # the generation's cleanup (turn lock, metrics) has run
+        if gone in done:
+            log.info(
+                "http client disconnected; generation cancelled",
+                extra={"session_id": self.opts.session_id, "tokens": self.tokens},
+            )
+            return
+        err = DeadlineExceeded(
+            f"the generation did not finish within timeout={self.opts.timeout}s "
+            f"({self.tokens} tokens generated)"
+        )
+        with contextlib.suppress(OSError):
+            await self._send_error(send, err)
+
+    async def _pump(self, send: Send) -> None:
+        r, opts = self.renderer, self.opts
+        final = None
+        try:
+            async for event in self.events:
+                self.tokens += len(event.tokens)
+                if event.final is not None:
+                    final = event.final
+                    self._note_session(final)
+                if opts.stream:
+                    first = not self.started
+                    if first:
+                        await send(
+                            {"type": "http.response.start", "status": 200, "headers": SSE_HEADERS}
+                        )
+                        self.started = True
+                    for chunk in r.chunks(
+                        event.text, event.tokens, event.final, first, opts.include_usage
+                    ):
+                        await send(
+                            {"type": "http.response.body", "body": _sse(chunk), "more_body": True}
+                        )
+            if final is None:
+                raise AssertionError("generation ended without a final response")
+            if opts.stream:
+                await send(
+                    {"type": "http.response.body", "body": _sse("[DONE]"), "more_body": False}
+                )
+            else:
+                await JSONResponse(r.body(final))(self.scope, _no_receive, send)
+        except SpecdecError as e:
+            await self._send_error(send, e)
+        except Exception as e:
+            log.exception("unexpected error in an HTTP generation", exc_info=e)
+            await self._send_error(send, e)
+        finally:
+            await self.events.aclose()
+
+    def _note_session(self, final) -> None:
+        if not self.opts.session_id:
+            return
+        session: dict[str, Any] = {
+            "id": self.opts.session_id,
+            "history_tokens": final.usage.history_tokens,
+        }
+        if self.turn is not None:
+            session["continued"] = self.turn.continued
+            session["restarted"] = self.turn.restarted
+        self.renderer.session = session
+
+    async def _send_error(self, send: Send, e: BaseException) -> None:
+        if not self.started:
+            await error_response(e)(self.scope, _no_receive, send)
+            self.started = True
+            return
+        await send({"type": "http.response.body", "body": _sse(error_body(e)), "more_body": True})
+        await send({"type": "http.response.body", "body": _sse("[DONE]"), "more_body": False})
+
+
+async def _no_receive() -> dict:
+    raise AssertionError("a response does not read the request")
+
+
+async def _disconnect(receive: Receive) -> None:
+    """Returns when the client has gone (the request body is already read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class OpenAIServer:
+    """The routes, over one Gateway."""
+
+    def __init__(self, gateway: Gateway, served_model_name: str = "", api_key: str = ""):
+        self.gateway = gateway
+        self.served_model_name = served_model_name
+        self.api_key = api_key
+        self.created = int(time.time())
+        self._chat_template: tuple[str, ChatTemplate] | None = None
+
+    # -- state ---------------------------------------------------------------------------
+
+    def _ready(self) -> None:
+        if self.gateway.limits is None or self.gateway.codec is None:
+            raise NotReady("the gateway is starting: its replicas have not all answered yet")
+
+    def _verifier_info(self):
+        for replica in self.gateway.fleet.verifiers.replicas:
+            if replica.info is not None:
+                return replica.info
+        raise NotReady("no verifier has answered Info yet")
+
+    @property
+    def model(self) -> str:
+        return self.served_model_name or self._verifier_info().model_id
+
+    def chat_template(self) -> ChatTemplate:
+        info = self._verifier_info()
+        if self._chat_template is None or self._chat_template[0] != info.chat_template:
+            self._chat_template = (
+                info.chat_template,
+                ChatTemplate(info.chat_template, dict(info.special_tokens)),
+            )
+        return self._chat_template[1]
+
+    def _authorize(self, request: Request) -> None:
+        if not self.api_key:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        ):
+            raise Unauthenticated("missing or wrong API key (Authorization: Bearer <key>)")
+
+    async def _body(self, request: Request) -> Any:
+        try:
+            return json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
+
+    # -- routes --------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        try:
+            self._ready()
+        except SpecdecError as e:
+            return error_response(e)
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            self._ready()
+            return JSONResponse({"object": "list", "data": [self._model_card()]})
+        except SpecdecError as e:
+            return error_response(e)
+
+    async def model_card(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            self._ready()
+            name = request.path_params["model"]
+            if name != self.model:
+                raise ModelNotFound(
+                    f"the model {name!r} does not exist; this server serves {self.model!r}"
+                )
+            return JSONResponse(self._model_card())
+        except SpecdecError as e:
+            return error_response(e)
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.model,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "specdec",
+            "max_model_len": self.gateway.limits.max_context,
+        }
+
+    async def completions(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            self._ready()
+            req, opts = api.completion_request(await self._body(request), self.model)
+        except SpecdecError as e:
+            return error_response(e)
+        renderer = api.Renderer(chat=False, model=opts.model)
+        return Generation(self.gateway.run(req), renderer, opts, None)
+
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            self._ready()
+            req, opts, messages = api.chat_request(await self._body(request), self.model)
+            req.prompt = self.chat_template().render(messages, add_generation_prompt=True)
+        except SpecdecError as e:
+            return error_response(e)
+        limits = self.gateway.limits
+        turn = ChatTurn(
+            self.gateway.codec,
+            req.prompt,
+            opts.session_id,
+            fill_context=not opts.max_tokens_given,
+            max_context=limits.max_context,
+            max_new_tokens=limits.max_new_tokens,
+        )
+        renderer = api.Renderer(chat=True, model=opts.model)
+        return Generation(self.gateway.run(req, turn), renderer, opts, turn)
+
+    def app(self) -> Starlette:
+        async def http_error(request: Request, exc: HTTPException) -> Response:
+            status = exc.status_code
+            body = {
+                "error": {
+                    "message": f"{request.method} {request.url.path}: {exc.detail}",
+                    "type": "not_found_error" if status == 404 else "invalid_request_error",
+                    "param": None,
+                    "code": str(status),
+                }
+            }
+            return JSONResponse(body, status_code=status)
+
+        return Starlette(
+            routes=[
+                Route("/health", self.health, methods=["GET"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self.model_card, methods=["GET"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            ],
+            exception_handlers={HTTPException: http_error},
+        )
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers: the gateway's bootstrap owns SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class HttpServer:
+    """uvicorn serving the app in the running event loop."""
+
+    def __init__(self, app: Starlette, host: str, port: int, grace_seconds: float):
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=max(1, int(grace_seconds)),
+        )
+        self.server = _Server(config)
+        self.task: asyncio.Task | None = None
+        self.port = port
+
+    async def start(self) -> None:
+        self.task = asyncio.ensure_future(self.server.serve())
+        while not self.server.started:
+            if self.task.done():
+                with contextlib.suppress(SystemExit):  # uvicorn exits when it cannot bind
+                    self.task.result()
+                raise OSError(f"cannot serve HTTP on port {self.port}")
+            await asyncio.sleep(0.05)
+        log.info("http serving", extra={"http_port": self.port})
+
+    async def stop(self) -> None:
+        if self.task is None:
+            return
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError, SystemExit):
+            await self.task
+
+
+async def start_http(gateway: Gateway, config) -> HttpServer:
+    """Serve the OpenAI-compatible API on config.http_port (GatewayConfig)."""
+    app = OpenAIServer(gateway, config.served_model_name, config.api_key).app()
+    server = HttpServer(app, config.host, config.http_port, config.grace_seconds)
+    await server.start()
+    return server
