@@ -59,9 +59,7 @@ def main(argv: list[str]) -> int:
     dest, version, requirements = Path(argv[0]), argv[1], argv[2:]
     dest.mkdir(parents=True, exist_ok=True)
     environment = default_environment()
-    environment.update(
-        python_full_version=version, python_version=".".join(version.split(".")[:2])
-    )
+    environment.update(python_full_version=version, python_version=".".join(version.split(".")[:2]))
     download(dest, requirements)
     for _ in range(10):
         needed = missing(dest, environment)
