@@ -101,9 +101,12 @@ images: install
 
 # Builds the gateway image and runs it (buildah): --help, no torch, then a read-only root
 # filesystem gateway against a drafter and a verifier on this host, checked against generate().
+# IMAGE_TEST_ROLES="gateway drafter verifier" also builds the replica images and runs the whole
+# stack from images (the models mounted read-only).
+IMAGE_TEST_ROLES ?= gateway
 image-test: install
-	BUILDER=buildah docker/images.sh build gateway
-	SPECDEC_IMAGE_TEST=1 $(VPY) -m pytest -q tests/images
+	BUILDER=buildah docker/images.sh build $(IMAGE_TEST_ROLES)
+	SPECDEC_IMAGE_TEST=1 SPECDEC_IMAGE_ROLES="$(IMAGE_TEST_ROLES)" $(VPY) -m pytest -q tests/images
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info sdk/*.egg-info .pytest_cache .cache
