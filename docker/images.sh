@@ -50,7 +50,7 @@ need() {
 base() {
     need debootstrap "apt-get install -y debootstrap"
     need buildah "apt-get install -y buildah"
-    local rootfs=build/base-rootfs
+    local rootfs=build/base-rootfs start=$SECONDS
     if [ ! -x "$rootfs/usr/bin/python3" ]; then
         rm -rf "$rootfs"
         debootstrap --variant=minbase --include=python3,python3-venv bookworm "$rootfs" \
@@ -71,13 +71,13 @@ base() {
     local version
     version=$(buildah_ run --isolation chroot "$ctr" python3 --version)
     buildah_ rm "$ctr" >/dev/null
-    echo "images: base image $LOCAL_BASE ($version)"
+    echo "images: base image $LOCAL_BASE ($version) in $((SECONDS - start)) s"
 }
 
 # Every wheel the three images need, for the Python of the local base image (3.11.x).
 wheels() {
     [ -x "$PYTHON" ] || die "$PYTHON not found: run \`make install\` first"
-    local target host
+    local target host start=$SECONDS
     target=${IMAGE_PYTHON:-$(image_python)}
     host=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
     [ "$host" = "${target%.*}" ] ||
@@ -85,7 +85,7 @@ wheels() {
     "$PYTHON" docker/fill_wheels.py docker/wheels "$target" \
         "setuptools>=77" "torch==$TORCH_VERSION+$TORCH_VARIANT" ./sdk ".[replica]"
     echo "images: docker/wheels/ holds $(find docker/wheels -name '*.whl' | wc -l) wheels" \
-        "($(du -sh docker/wheels | cut -f1)) for Python $target"
+        "($(du -sh docker/wheels | cut -f1)) for Python $target, in $((SECONDS - start)) s"
 }
 
 # The full Python version of the local base image (markers such as python_full_version).
