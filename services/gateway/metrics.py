@@ -33,6 +33,11 @@ DRAFTER_WAIT = Counter(
     PREFIX + "drafter_wait_seconds", "Time the speculation loop spent waiting for a drafter"
 )
 FAILOVERS = Counter(PREFIX + "replica_failovers", "Calls moved to another replica", ["role"])
+BUSY_REDIRECTS = Counter(
+    PREFIX + "replica_busy_redirects",
+    "Calls moved to another replica because one answered busy (full queue)",
+    ["role"],
+)
 TTFT = Histogram(
     PREFIX + "time_to_first_token_seconds",
     "Time to first token",
