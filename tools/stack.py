@@ -147,6 +147,8 @@ class LocalStack:
         draft_threads, target_threads = split_threads(
             a.draft_threads, a.target_threads, pinned=bool(a.draft_cpus or a.target_cpus)
         )
+        if not (a.draft_cpus or a.target_cpus):
+            self.announce(f"threads   drafter {draft_threads}, verifier {target_threads}")
         drafter = self._replica(
             "drafter", a.draft_model, a.draft_gguf_file, draft_threads, a.draft_cpus
         )

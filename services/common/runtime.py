@@ -156,8 +156,8 @@ class ModelRuntime:
     def __init__(self, config: ReplicaConfig):
         self.config = config
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{config.role}-model")
-        # Model calls submitted and not finished (the running one included), and the lock
-        # that guards the count: bounded by config.max_queue (backpressure, `run`).
+        # Model requests submitted and not finished (the running one included), and the
+        # lock that guards the count: bounded by config.max_queue (backpressure, `run`).
         self.pending = 0
         self._pending_lock = threading.Lock()
         self.model = None
@@ -233,11 +233,13 @@ class ModelRuntime:
         bounded: a request for the model (Draft, Verify, Speculate). When max_queue of them
         already wait behind the running one, raise ReplicaBusy (RESOURCE_EXHAUSTED) at once
         instead of queueing: the gateway tries a less loaded replica. Housekeeping calls
-        (load, Info, Release) pass bounded=False and are never refused.
+        (load, Info, Release) pass bounded=False: never refused, and not counted.
         """
+        if not bounded:
+            return await asyncio.wrap_future(self.executor.submit(fn, *args))
         limit = self.config.max_queue
         with self._pending_lock:
-            if bounded and self.pending > limit:
+            if self.pending > limit:
                 raise ReplicaBusy(
                     f"{BUSY_PREFIX}: {self.pending - 1} requests queued for the model "
                     f"(at most {limit} wait, --max-queue)"

@@ -187,7 +187,9 @@ async def _run(args, conversations, modes, levels, settings, num_requests, slice
         if args.check_exact:
             if not args.no_progress:
                 print("running every prompt alone at k=0 for --check-exact ...", file=sys.stderr)
-            references = await reference_outputs(backend, conversations, settings, test.run_id)
+            # A cell starts at most num_requests conversations, from the first one on.
+            used = conversations if args.duration else conversations[:num_requests]
+            references = await reference_outputs(backend, used, settings, test.run_id)
         started = dt.datetime.now(dt.timezone.utc)
         cells = await test.run()
     finally:

@@ -124,6 +124,8 @@ def write_png(out: Path, results: Sequence[dict], by_rate: bool) -> Path:
         ax.grid(alpha=0.3)
         if not by_rate:
             ax.set_xscale("log", base=2)
+        levels = sorted({x_of(r) for r in results})
+        ax.set_xticks(levels, [f"{v:g}" for v in levels])
         ax.legend(fontsize=7)
     fig.tight_layout()
     out.mkdir(parents=True, exist_ok=True)
