@@ -152,3 +152,24 @@ def test_report_table_json_and_png(tmp_path):
     assert json.loads(path.read_text())["results"][0]["failed"] == 3
     png = write_png(tmp_path, results, by_rate=False)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--modes", "k0,adaptive"],
+            "mode 'adaptive' (speculation that adapts its draft length) is not built yet",
+        ),
+        (["--modes", "k2", "--k", "2"], "give --modes or --k/--ssd, not both"),
+        (["--api", "openai"], "--api 'openai' is not built (have: grpc)"),
+        (["--check-exact", "--temperature", "0.7"], "--check-exact needs greedy decoding"),
+        (["--concurrency", "0"], "--concurrency: '0' is not a positive number"),
+    ],
+)
+def test_cli_refuses_what_it_cannot_do(argv, message, capsys):
+    """Refused before anything is sent (no gateway listens at this address)."""
+    from specdec.cli import main
+
+    assert main(["loadtest", "--gateway", "127.0.0.1:9", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -61,8 +61,8 @@ def add_loadtest_parser(commands) -> argparse.ArgumentParser:
     p.add_argument(
         "--slices",
         type=int,
-        help="split each level and mode into this many slices, run in rotating mode order "
-        "(default 2 with several modes, else 1)",
+        help="split each level and mode into this many slices: slice 1 of every level and "
+        "mode, then slice 2, ..., modes in rotating order (default 2 with several modes, else 1)",
     )
     p.add_argument(
         "--check-exact",

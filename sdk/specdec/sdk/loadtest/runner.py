@@ -1,8 +1,8 @@
 """Running a load test: levels x modes, interleaved, each request timed from the client.
 
-Each (level, mode) is one *cell*. A cell's requests are split into ``slices``; at each level
-the slices of every mode run in turn, in an order that rotates from slice to slice, so that
-drift of the machine hits every mode alike. A slice keeps ``concurrency`` conversations in
+Each (level, mode) is one *cell*. A cell's requests are split into ``slices``; slice 1 of
+every level and mode runs, then slice 2, and so on, the modes of a level in an order that
+rotates from slice to slice, so that drift of the machine hits every mode and level alike. A slice keeps ``concurrency`` conversations in
 flight (or starts conversations at Poisson arrival times for a ``rate`` level) until its
 share of ``num_requests`` has been sent or its share of ``duration`` has passed; requests
 already sent then finish (each bounded by the request timeout). Nothing runs unbounded.
@@ -232,8 +232,8 @@ class LoadTest:
         self.cells = {(lv.label, m.name): Cell(lv, m) for lv in self.levels for m in self.modes}
 
     async def run(self) -> list[Cell]:
-        for level in self.levels:
-            for s in range(self.slices):
+        for s in range(self.slices):
+            for level in self.levels:
                 shift = s % len(self.modes)
                 for mode in self.modes[shift:] + self.modes[:shift]:
                     await self._slice(self.cells[(level.label, mode.name)], s)
