@@ -152,3 +152,20 @@ def test_threads_fit_the_cores(up, tmp_path):
     rate = {r["level"]: r["request_throughput"] for r in doc["results"]}
     assert all(r["failed"] == 0 for r in doc["results"])
     assert rate["c=8"] >= rate["c=1"], rate
+
+
+def test_poisson_rate_levels_bounded_by_duration(up, tmp_path):
+    doc, _ = loadtest(
+        up["address"],
+        tmp_path / "out",
+        *("--rate", "4,16", "--max-concurrency", "4", "--duration", "2", "--num-requests", "12"),
+        *("--modes", "k2", "--max-new-tokens", "4", "--seed", "7", "--temperature", "0.8"),
+    )
+    assert [(r["level"], r["request_rate"], r["max_concurrency"]) for r in doc["results"]] == [
+        ("rate=4/s", 4.0, 4),
+        ("rate=16/s", 16.0, 4),
+    ]
+    for r in doc["results"]:
+        assert 0 < r["completed"] <= 12 and r["failed"] == 0
+        assert "exact_checked" not in r  # no --check-exact
+    assert doc["config"]["temperature"] == 0.8 and doc["config"]["seed"] == 7

@@ -46,6 +46,8 @@ def test_levels():
     for bad in ("0", "x", "-2"):
         with pytest.raises(ValueError, match="not a positive number"):
             parse_levels(bad, None)
+    with pytest.raises(ValueError, match="given twice"):
+        parse_levels("1,8,1", None)
     with pytest.raises(ValueError, match="one of --concurrency or --rate"):
         parse_levels("1", "2")
 

@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from specdec.sdk.client import AsyncClient
 from specdec.sdk.errors import SpecdecError
@@ -50,6 +51,26 @@ class RequestRecord:
     accepted_tokens: int = 0
     ssd_hits: int = 0
     ssd_misses: int = 0
+
+
+class Backend(Protocol):
+    """An API the load test can drive. ``stream`` yields the SDK's StreamChunk s (tokens
+    per chunk; the last has ``final``, a Generation with usage and speculation stats) and
+    raises ``specdec.sdk.SpecdecError`` (with its gRPC-style code) on failure."""
+
+    name: str
+
+    def stream(
+        self,
+        text: str,
+        mode: Mode,
+        settings: RequestSettings,
+        seed: int | None,
+        session_id: str | None,
+        first_turn: bool,
+    ) -> AsyncIterator[StreamChunk]: ...
+
+    async def close(self) -> None: ...
 
 
 class GrpcBackend:
@@ -88,12 +109,13 @@ class GrpcBackend:
         await self.client.close()
 
 
-#: --api choices; another API (an OpenAI-compatible one, say) adds its backend here.
-BACKENDS: dict[str, Callable[[str, float], GrpcBackend]] = {"grpc": GrpcBackend}
+#: --api choices: name -> factory(address, timeout); another API (an OpenAI-compatible one,
+#: say) adds its Backend here.
+BACKENDS: dict[str, Callable[[str, float], Backend]] = {"grpc": GrpcBackend}
 
 
 async def run_request(
-    backend: GrpcBackend,
+    backend: Backend,
     record: RequestRecord,
     text: str,
     mode: Mode,
@@ -197,7 +219,7 @@ class LoadTest:
 
     def __init__(
         self,
-        backend: GrpcBackend,
+        backend: Backend,
         conversations: Sequence[Conversation],
         modes: Sequence[Mode],
         levels: Sequence[Level],
@@ -329,7 +351,7 @@ class LoadTest:
 
 
 async def reference_outputs(
-    backend: GrpcBackend,
+    backend: Backend,
     conversations: Sequence[Conversation],
     settings: RequestSettings,
     run_id: str,

@@ -192,4 +192,7 @@ def parse_levels(
             raise ValueError(f"{what}: {part!r} is not a positive number") from None
     if not levels:
         raise ValueError("no load level given")
+    labels = [level.label for level in levels]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"a load level is given twice: {', '.join(labels)}")
     return levels
