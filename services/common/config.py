@@ -103,7 +103,8 @@ class ReplicaConfig:
     max_cached_tokens: int = 65536
     max_draft_tokens: int = 16
     max_context: int = 0  # 0: the model's own max_position_embeddings
-    threads: int = 0  # 0: torch's default
+    threads: int = 0  # 0: the CPUs this process may use (affinity mask, cgroup quota)
+    max_queue: int = 64  # model requests that may wait behind the running one
     replica_id: str = ""  # empty: hostname:port, known once the port is bound
     grace_seconds: float = 10.0
 
@@ -120,7 +121,19 @@ class ReplicaConfig:
         add_setting(parser, "--max-cached-tokens", "KV cache bound over all sessions", 65536)
         add_setting(parser, "--max-draft-tokens", "largest draft length k accepted", 16)
         add_setting(parser, "--max-context", "context limit (0: the model's own)", 0)
-        add_setting(parser, "--threads", "torch CPU threads (0: torch's default)", 0)
+        add_setting(
+            parser,
+            "--threads",
+            "torch CPU threads (0: the CPUs this process may use: affinity mask, cgroup quota)",
+            0,
+        )
+        add_setting(
+            parser,
+            "--max-queue",
+            "model requests that may wait behind the running one; more are refused with "
+            "RESOURCE_EXHAUSTED (replica busy) so the gateway tries another replica",
+            64,
+        )
         add_setting(
             parser, "--replica-id", "name reported in Info and logs (default host:port)", ""
         )
@@ -159,6 +172,7 @@ class ReplicaConfig:
             max_draft_tokens=parse_value(args, "--max-draft-tokens", int, positive),
             max_context=parse_value(args, "--max-context", int, non_negative),
             threads=parse_value(args, "--threads", int, non_negative),
+            max_queue=parse_value(args, "--max-queue", int, non_negative),
             replica_id=args.replica_id or "",
             grace_seconds=parse_value(
                 args, "--grace-seconds", float, lambda v: None if v >= 0 else "must be >= 0"

@@ -55,7 +55,7 @@ class ReplicaServicer:
         rt = self.ready_runtime()
         cfg = rt.config
         cached_tokens, cached_sessions = await rt.run(
-            lambda: (rt.store.cached_tokens, len(rt.store))
+            lambda: (rt.store.cached_tokens, len(rt.store)), bounded=False
         )
         info = common_pb2.ModelInfo(
             role=_ROLES[cfg.role],
@@ -87,7 +87,7 @@ class ReplicaServicer:
     async def Release(self, request: common_pb2.ReleaseRequest, context):
         check_session_id(request.session_id)
         rt = self.ready_runtime()
-        released = await rt.run(self.release, request.session_id)
+        released = await rt.run(self.release, request.session_id, bounded=False)
         return common_pb2.ReleaseResponse(released=released)
 
 
@@ -105,7 +105,7 @@ def run_replica(
     servicer = make_servicer(runtime)
 
     async def ready() -> None:
-        await runtime.run(runtime.load)
+        await runtime.run(runtime.load, bounded=False)
 
     asyncio.run(
         serve(

@@ -16,6 +16,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import threading
 import time
 import zlib
 from collections import OrderedDict
@@ -28,7 +29,15 @@ from typing import TypeVar
 import torch
 
 from specdec.common.config import ReplicaConfig
-from specdec.common.errors import CACHE_MISS_PREFIX, CacheMiss, CapacityExceeded, InvalidRequest
+from specdec.common.cpus import thread_budget
+from specdec.common.errors import (
+    BUSY_PREFIX,
+    CACHE_MISS_PREFIX,
+    CacheMiss,
+    CapacityExceeded,
+    InvalidRequest,
+    ReplicaBusy,
+)
 from specdec.common.prefix import prefix_hash
 
 log = logging.getLogger(__name__)
@@ -147,6 +156,10 @@ class ModelRuntime:
     def __init__(self, config: ReplicaConfig):
         self.config = config
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{config.role}-model")
+        # Model requests submitted and not finished (the running one included), and the
+        # lock that guards the count: bounded by config.max_queue (backpressure, `run`).
+        self.pending = 0
+        self._pending_lock = threading.Lock()
         self.model = None
         self.device = torch.device(config.device)
         self.vocab_size = 0
@@ -166,8 +179,7 @@ class ModelRuntime:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         cfg = self.config
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        _set_threads(cfg.threads)
         started = time.monotonic()
         kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
         dtype = "auto" if cfg.dtype == "auto" else _DTYPES[cfg.dtype]
@@ -217,9 +229,36 @@ class ModelRuntime:
 
     # -- execution ----------------------------------------------------------------------
 
-    async def run(self, fn: Callable[..., T], *args) -> T:
-        """Run fn(*args) on the model thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+    async def run(self, fn: Callable[..., T], *args, bounded: bool = True) -> T:
+        """Run fn(*args) on the model thread.
+
+        bounded: a request for the model (Draft, Verify, Speculate). When max_queue of them
+        already wait behind the running one, raise ReplicaBusy (RESOURCE_EXHAUSTED) at once
+        instead of queueing: the gateway tries a less loaded replica. Housekeeping calls
+        (load, Info, Release) pass bounded=False: never refused, and not counted.
+        """
+        if not bounded:
+            return await asyncio.wrap_future(self.executor.submit(fn, *args))
+        limit = self.config.max_queue
+        with self._pending_lock:
+            if self.pending > limit:
+                raise ReplicaBusy(
+                    f"{BUSY_PREFIX}: {self.pending - 1} requests queued for the model "
+                    f"(at most {limit} wait, --max-queue)"
+                )
+            self.pending += 1
+        try:
+            future = self.executor.submit(fn, *args)
+        except BaseException:
+            self._finished(None)
+            raise
+        future.add_done_callback(self._finished)
+        # Cancelling the caller cancels the job if it has not started (its count drops then).
+        return await asyncio.wrap_future(future)
+
+    def _finished(self, _future) -> None:
+        with self._pending_lock:
+            self.pending -= 1
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -289,6 +328,23 @@ class ModelRuntime:
     def release(self, session_id: str) -> bool:
         assert self.store is not None
         return self.store.release(session_id)
+
+
+def _set_threads(requested: int) -> None:
+    """Size torch's intra-op pool to the CPUs this replica may use (--threads wins), and keep
+    the inter-op pool small: forwards run one at a time on the model thread."""
+    budget = thread_budget(requested)
+    torch.set_num_threads(budget.threads)
+    interop = min(2, budget.threads)
+    try:
+        torch.set_num_interop_threads(interop)
+    except RuntimeError as e:  # only possible once per process, before parallel work
+        log.warning("inter-op threads not set", extra={"why": str(e)})
+        interop = torch.get_num_interop_threads()
+    log.info(
+        "torch threads",
+        extra={"threads": budget.threads, "interop_threads": interop, "source": budget.source},
+    )
 
 
 def _eos_ids(model, tokenizer) -> list[int]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specdec.common.errors import SpecdecError, is_cache_miss
+from specdec.common.errors import SpecdecError, is_busy, is_cache_miss
 from specdec.common.params import sampling_from_proto
 from specdec.common.prefix import prefix_hash
 from specdec.gateway import metrics
@@ -43,6 +43,7 @@ class UpstreamError(SpecdecError):
     def __init__(self, replica: Replica, err: grpc.RpcError):
         super().__init__(f"{replica!r}: {err.details()}")
         self.code = err.code()
+        self.busy = is_busy(err)  # every replica of the role refused: queues full
 
 
 class Unavailable(SpecdecError):
@@ -223,7 +224,12 @@ class Speculator:
             request_bytes += request.ByteSize()
             return request
 
-        response = await self._call("Speculate", self.drafter, ctx, build, tail=draft)
+        try:
+            response = await self._call("Speculate", self.drafter, ctx, build, tail=draft)
+        except UpstreamError as e:
+            if not e.busy:
+                raise
+            return {}, sent, time.perf_counter()  # drafters full: an SSD miss, not a failure
         done = time.perf_counter()
         self.drafter.cached = response.cached_length
         self.stats.ssd_branches += len(response.branches)
@@ -248,11 +254,12 @@ class Speculator:
         role = "verifier" if method_name == "Verify" else "drafter"
         pool = self.fleet.pool(role)
         failed: list[Replica] = []
+        busy: list[Replica] = []  # answered "replica busy" (backpressure): up, but full
         retries = 0
-        for _ in range(2 * len(pool.replicas) + 2 + len(RETRY_BACKOFF)):
+        for _ in range(3 * len(pool.replicas) + 2 + len(RETRY_BACKOFF)):
             if placement.replica is None or not placement.replica.up:
                 try:
-                    chosen = pool.pick(preferred=placement.address, exclude=failed)
+                    chosen = pool.pick(preferred=placement.address, exclude=[*failed, *busy])
                 except NoReplica as e:
                     raise Unavailable(str(e)) from None
                 if chosen is not placement.replica:
@@ -269,6 +276,15 @@ class Speculator:
                 if is_cache_miss(err):
                     self.stats.cache_misses += 1
                     placement.cached = 0
+                    continue
+                if is_busy(err):
+                    # Full queue: another replica of the pool (cache lost there), never
+                    # marked down; when every one is full the client gets RESOURCE_EXHAUSTED.
+                    busy.append(replica)
+                    metrics.BUSY_REDIRECTS.labels(role=role).inc()
+                    if not [r for r in pool.up() if r not in failed and r not in busy]:
+                        raise UpstreamError(replica, err) from None
+                    placement.replica, placement.cached = None, 0
                     continue
                 if err.code() == grpc.StatusCode.UNAVAILABLE:
                     others = [r for r in pool.up() if r is not replica and r not in failed]

@@ -34,6 +34,11 @@ DRAFTER_WAIT = Counter(
 )
 FAILOVERS = Counter(PREFIX + "replica_failovers", "Calls moved to another replica", ["role"])
 REPLICAS = Gauge(PREFIX + "replicas", "Replicas this gateway knows, by state", ["role", "state"])
+BUSY_REDIRECTS = Counter(
+    PREFIX + "replica_busy_redirects",
+    "Calls moved to another replica because one answered busy (full queue)",
+    ["role"],
+)
 TTFT = Histogram(
     PREFIX + "time_to_first_token_seconds",
     "Time to first token",
