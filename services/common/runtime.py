@@ -12,7 +12,6 @@ validates requests and awaits ``ModelRuntime.run``.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
@@ -29,6 +28,7 @@ import torch
 
 from specdec.common.config import ReplicaConfig
 from specdec.common.errors import CACHE_MISS_PREFIX, CacheMiss, CapacityExceeded, InvalidRequest
+from specdec.common.metrics import ReplicaObserver, note_cache, note_eviction, note_rollback
 from specdec.common.prefix import prefix_hash
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ class CacheStore:
                     f"first {prefix_len}"
                 )
             self.truncate(session, prefix_len)
+        note_cache(prefix_len)
         session.last_used = time.monotonic()
         self._sessions.move_to_end(session_id)
         self._make_room(session_id, need)
@@ -116,6 +117,7 @@ class CacheStore:
         if drop > 0:
             session.kv.crop(-drop)
             del session.tokens[length:]
+            note_rollback(drop)
 
     def release(self, session_id: str) -> bool:
         return self._sessions.pop(session_id, None) is not None
@@ -129,6 +131,7 @@ class CacheStore:
                 break
             victim = self._sessions.pop(victim_id)
             total -= len(victim.tokens)
+            note_eviction(len(victim.tokens))
             log.info(
                 "evicted session cache",
                 extra={"session_id": victim_id, "tokens": len(victim.tokens)},
@@ -157,6 +160,7 @@ class ModelRuntime:
         self.tokenizer_fingerprint = ""
         self.chat_template = ""
         self.store: CacheStore | None = None
+        self.obs = ReplicaObserver(self)  # metrics and spans (specdec.common.metrics)
 
     # -- loading ------------------------------------------------------------------------
 
@@ -216,8 +220,8 @@ class ModelRuntime:
     # -- execution ----------------------------------------------------------------------
 
     async def run(self, fn: Callable[..., T], *args) -> T:
-        """Run fn(*args) on the model thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        """Run fn(*args) on the model thread (in a copy of the caller's context)."""
+        return await self.obs.run(self.executor, fn, *args)
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -280,7 +284,8 @@ class ModelRuntime:
     def forward(self, session: SessionCache, tokens: Sequence[int]) -> torch.Tensor:
         """Append tokens to the session's cache; logits [len(tokens), vocab] fp32."""
         input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, n]
-        out = self.model(input_ids=input_ids, past_key_values=session.kv, use_cache=True)
+        with self.obs.forward(len(tokens), 1, fresh=not session.tokens):
+            out = self.model(input_ids=input_ids, past_key_values=session.kv, use_cache=True)
         session.tokens.extend(tokens)
         return out.logits[0].float()  # [n, vocab]
 
