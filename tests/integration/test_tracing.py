@@ -413,3 +413,31 @@ def test_spans_are_flushed_on_sigterm(test_models, receiver):
         assert server.parent_id == "" and server.attributes["rpc.method"] == "Verify"
     finally:
         v.stop()
+
+
+def test_up_passes_otlp_settings_to_every_child(test_models, receiver, tokenizer, monkeypatch):
+    """`specdec up --otlp-endpoint URL`: every child exports under its own service name."""
+    import argparse
+
+    from specdec.tools.stack import LocalStack, add_up_parser
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    parser = argparse.ArgumentParser()
+    add_up_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        ["up", "--draft-model", str(test_models.draft_noisy), "--target-model",
+         str(test_models.target), "--port", "0", "--draft-threads", "1", "--target-threads",
+         "1", "--otlp-endpoint", receiver.endpoint, "--ssd"]
+    )  # fmt: skip
+    lines: list[str] = []
+    with LocalStack(args, announce=lines.append) as stack:
+        with Client(stack.gateway.address, timeout=120) as client:
+            gen = client.generate(PROMPTS[1], max_new_tokens=12, k=2, session_id="up")
+        spans = receiver.wait_for(complete(gen.trace_id, gen.stats.rounds))
+    trace = [s for s in spans if s.trace_id == gen.trace_id]
+    check_trace(trace, gen)
+    assert {s.service for s in trace} == {"specdec-gateway", "specdec-drafter", "specdec-verifier"}
+    assert {"get", "lock", "put", "unlock"} <= {
+        s.attributes.get("db.operation.name") for s in trace if s.name.startswith("redis ")
+    }  # the stack's own Redis
+    assert f"traces    {receiver.endpoint} (grpc)" in lines
