@@ -228,3 +228,34 @@ def test_prometheus_scrapes_every_service(scraped, tokenizer):
     # Every target was scraped successfully.
     for job in ("gateway", "drafter", "verifier"):
         assert prom.query(f'up{{job="{job}"}}') == 1
+
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "specdec" / "dashboards" / "specdec.json"
+
+
+def test_dashboard_queries_run_on_real_prometheus(scraped):
+    """Every query of the shipped Grafana dashboard parses in Prometheus and, after
+    traffic, returns data: the metric names it uses are the ones the services export."""
+    prom = scraped["prometheus"]
+    with Client(scraped["gateway"].address, timeout=120) as client:
+        for i in range(3):
+            client.generate(PROMPTS[i], max_new_tokens=16, k=3, ssd=True)
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = {
+        t["expr"].replace("$__rate_interval", "5m"): panel["title"]
+        for panel in dashboard["panels"]
+        for t in panel.get("targets", [])
+    }
+    assert len(queries) >= 20
+    # Metrics that only move on failures or under memory pressure have no rate here.
+    quiet = ("request_errors", "failovers", "evictions", "cache_misses")
+    time.sleep(3)  # a scrape after the requests
+    empty = []
+    for expr, title in queries.items():
+        url = prom.url + "/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        with urllib.request.urlopen(url, timeout=10) as r:
+            body = json.load(r)
+        assert body["status"] == "success", (title, expr, body)
+        if not body["data"]["result"] and not any(q in expr for q in quiet):
+            empty.append((title, expr))
+    assert not empty, f"queries with no data: {empty}"
