@@ -45,6 +45,34 @@ def add_stack_arguments(p: argparse.ArgumentParser, port_default: int = 50051) -
         "--ssd", action="store_true", help="gateway default: speculative speculative decoding"
     )
     p.add_argument("--log-dir", help="write each service's log to DIR/<service>.log")
+    p.add_argument(
+        "--otlp-endpoint",
+        help="export every service's traces to this OTLP endpoint, e.g. http://127.0.0.1:4317 "
+        "(Jaeger); sets OTEL_* for each child (default: OTEL_* from this environment)",
+    )
+    p.add_argument(
+        "--otlp-protocol",
+        choices=("grpc", "http/protobuf"),
+        default="grpc",
+        help="OTLP protocol with --otlp-endpoint",
+    )
+    p.add_argument(
+        "--trace-sample-ratio",
+        type=_ratio,
+        default=1.0,
+        help="share of requests traced with --otlp-endpoint (parentbased_traceidratio)",
+    )
+
+
+def _ratio(text: str) -> float:
+    """A share in [0, 1] (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"not a ratio in [0, 1]: {text!r}")
+    return value
 
 
 def _cpu_list(text: str) -> list[int]:
@@ -108,6 +136,23 @@ def add_up_parser(commands) -> argparse.ArgumentParser:
     return p
 
 
+def otel_env(args: argparse.Namespace, service: str) -> dict[str, str]:
+    """The OTEL_* variables of one child under --otlp-endpoint (none without it: the
+    children then inherit whatever OTEL_* this process has)."""
+    endpoint = getattr(args, "otlp_endpoint", None)
+    if not endpoint:
+        return {}
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": args.otlp_protocol,
+        "OTEL_SERVICE_NAME": f"specdec-{service}",
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": str(args.trace_sample_ratio),
+        "OTEL_SDK_DISABLED": "false",
+        "OTEL_TRACES_EXPORTER": "otlp",
+    }
+
+
 class LocalStack:
     """Redis + drafter + verifier + gateway as child processes; a context manager."""
 
@@ -121,7 +166,8 @@ class LocalStack:
 
     def _service(self, name: str, *argv: str, cpus: list[int] | None = None) -> ServiceProcess:
         log_path = str(self.log_dir / f"{name}.log") if self.log_dir else None
-        proc = ServiceProcess.specdec(name, *argv, log_path=log_path, cpus=cpus)
+        env = otel_env(self.args, name)
+        proc = ServiceProcess.specdec(name, *argv, log_path=log_path, cpus=cpus, env=env)
         self.procs.append(proc)
         return proc.start()
 
@@ -186,6 +232,8 @@ class LocalStack:
         self.announce(f"gateway   {self.gateway.address} (pid {self.gateway.proc.pid})")
         if getattr(a, "http_port", 0):
             self.announce(f"openai    http://{a.host}:{a.http_port}/v1")
+        if getattr(a, "otlp_endpoint", None):
+            self.announce(f"traces    {a.otlp_endpoint} ({a.otlp_protocol})")
         return self
 
     def check_alive(self) -> None:

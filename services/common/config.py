@@ -100,6 +100,7 @@ class ReplicaConfig:
     device: str = "cpu"
     host: str = "0.0.0.0"
     port: int = 50051
+    metrics_port: int = 0  # Prometheus /metrics; 0: off
     max_cached_tokens: int = 65536
     max_draft_tokens: int = 16
     max_context: int = 0  # 0: the model's own max_position_embeddings
@@ -118,6 +119,7 @@ class ReplicaConfig:
         add_setting(parser, "--device", "torch device: cpu, cuda or cuda:N", "cpu")
         add_setting(parser, "--host", "address to listen on", "0.0.0.0")
         add_setting(parser, "--port", "gRPC port (0: any free port)", default_port)
+        add_setting(parser, "--metrics-port", "Prometheus /metrics port (0: off)", 0)
         add_setting(parser, "--max-cached-tokens", "KV cache bound over all sessions", 65536)
         add_setting(parser, "--max-draft-tokens", "largest draft length k accepted", 16)
         add_setting(parser, "--max-context", "context limit (0: the model's own)", 0)
@@ -168,6 +170,7 @@ class ReplicaConfig:
             device=device,
             host=parse_value(args, "--host", str),
             port=port,
+            metrics_port=parse_value(args, "--metrics-port", int, port_number),
             max_cached_tokens=parse_value(args, "--max-cached-tokens", int, positive),
             max_draft_tokens=parse_value(args, "--max-draft-tokens", int, positive),
             max_context=parse_value(args, "--max-context", int, non_negative),

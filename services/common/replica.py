@@ -13,8 +13,10 @@ import grpc
 from specdec.common.config import ReplicaConfig
 from specdec.common.errors import InvalidRequest, NotReady
 from specdec.common.logs import setup_logging
+from specdec.common.metrics import start_metrics_server
 from specdec.common.runtime import ModelRuntime, Prefix
 from specdec.common.serving import rpc_errors, serve
+from specdec.common.telemetry import setup_tracing
 from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -101,22 +103,29 @@ def run_replica(
     """`specdec serve drafter|verifier`: config, logging, serve until SIGTERM."""
     config = config_type.from_args(args)
     setup_logging(config.role)
+    tracing = setup_tracing(config.role)
+    if config.metrics_port:
+        start_metrics_server(config.metrics_port, config.host)
     runtime = ModelRuntime(config)
     servicer = make_servicer(runtime)
 
     async def ready() -> None:
         await runtime.run(runtime.load, bounded=False)
 
-    asyncio.run(
-        serve(
-            service_name=service_name,
-            add_servicers=lambda server: add_to_server(servicer, server),
-            reflect=[service_name],
-            host=config.host,
-            port=config.port,
-            ready=ready,
-            grace_seconds=config.grace_seconds,
-            on_stop=runtime.shutdown,
-            on_port=servicer.on_port,
+    try:
+        asyncio.run(
+            serve(
+                service_name=service_name,
+                add_servicers=lambda server: add_to_server(servicer, server),
+                reflect=[service_name],
+                host=config.host,
+                port=config.port,
+                ready=ready,
+                grace_seconds=config.grace_seconds,
+                on_stop=runtime.shutdown,
+                on_port=servicer.on_port,
+            )
         )
-    )
+    finally:
+        if tracing:
+            tracing.shutdown()  # flush the spans of the graceful stop

@@ -12,7 +12,6 @@ validates requests and awaits ``ModelRuntime.run``.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
@@ -38,6 +37,7 @@ from specdec.common.errors import (
     InvalidRequest,
     ReplicaBusy,
 )
+from specdec.common.metrics import ReplicaObserver, note_cache, note_eviction, note_rollback
 from specdec.common.prefix import prefix_hash
 
 log = logging.getLogger(__name__)
@@ -113,6 +113,7 @@ class CacheStore:
                     f"first {prefix_len}"
                 )
             self.truncate(session, prefix_len)
+        note_cache(prefix_len)
         session.last_used = time.monotonic()
         self._sessions.move_to_end(session_id)
         self._make_room(session_id, need)
@@ -125,6 +126,7 @@ class CacheStore:
         if drop > 0:
             session.kv.crop(-drop)
             del session.tokens[length:]
+            note_rollback(drop)
 
     def release(self, session_id: str) -> bool:
         return self._sessions.pop(session_id, None) is not None
@@ -138,6 +140,7 @@ class CacheStore:
                 break
             victim = self._sessions.pop(victim_id)
             total -= len(victim.tokens)
+            note_eviction(len(victim.tokens))
             log.info(
                 "evicted session cache",
                 extra={"session_id": victim_id, "tokens": len(victim.tokens)},
@@ -171,6 +174,7 @@ class ModelRuntime:
         self.chat_template = ""
         self.special_tokens: dict[str, str] = {}  # bos_token, eos_token, ... (chat templates)
         self.store: CacheStore | None = None
+        self.obs = ReplicaObserver(self)  # metrics and spans (specdec.common.metrics)
 
     # -- loading ------------------------------------------------------------------------
 
@@ -230,7 +234,8 @@ class ModelRuntime:
     # -- execution ----------------------------------------------------------------------
 
     async def run(self, fn: Callable[..., T], *args, bounded: bool = True) -> T:
-        """Run fn(*args) on the model thread.
+        """Run fn(*args) on the model thread, in a copy of the caller's context (its trace),
+        counted in the replica's queue metrics.
 
         bounded: a request for the model (Draft, Verify, Speculate). When max_queue of them
         already wait behind the running one, raise ReplicaBusy (RESOURCE_EXHAUSTED) at once
@@ -238,7 +243,7 @@ class ModelRuntime:
         (load, Info, Release) pass bounded=False: never refused, and not counted.
         """
         if not bounded:
-            return await asyncio.wrap_future(self.executor.submit(fn, *args))
+            return await self.obs.run(self.executor, fn, *args)
         limit = self.config.max_queue
         with self._pending_lock:
             if self.pending > limit:
@@ -247,14 +252,9 @@ class ModelRuntime:
                     f"(at most {limit} wait, --max-queue)"
                 )
             self.pending += 1
-        try:
-            future = self.executor.submit(fn, *args)
-        except BaseException:
-            self._finished(None)
-            raise
-        future.add_done_callback(self._finished)
-        # Cancelling the caller cancels the job if it has not started (its count drops then).
-        return await asyncio.wrap_future(future)
+        # The count drops when the job ends on the model thread (or is cancelled before it
+        # started), not when a cancelled caller stops waiting for a job that still runs.
+        return await self.obs.run(self.executor, fn, *args, on_done=self._finished)
 
     def _finished(self, _future) -> None:
         with self._pending_lock:
@@ -321,7 +321,8 @@ class ModelRuntime:
     def forward(self, session: SessionCache, tokens: Sequence[int]) -> torch.Tensor:
         """Append tokens to the session's cache; logits [len(tokens), vocab] fp32."""
         input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, n]
-        out = self.model(input_ids=input_ids, past_key_values=session.kv, use_cache=True)
+        with self.obs.forward(len(tokens), 1, fresh=not session.tokens):
+            out = self.model(input_ids=input_ids, past_key_values=session.kv, use_cache=True)
         session.tokens.extend(tokens)
         return out.logits[0].float()  # [n, vocab]
 

@@ -27,7 +27,7 @@ import grpc
 from specdec.common.errors import SpecdecError, is_busy, is_cache_miss
 from specdec.common.params import sampling_from_proto
 from specdec.common.prefix import prefix_hash
-from specdec.gateway import metrics
+from specdec.gateway import metrics, tracing
 from specdec.gateway.replicas import Fleet, NoReplica, Replica
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
 
@@ -124,6 +124,11 @@ class Speculator:
         self._ready: tuple[int, list[int]] | None = None
 
     async def round(self, ctx: Sequence[int], k: int, remaining: int) -> list[int]:
+        """One speculation round (see _round), timed and traced."""
+        with tracing.round_span(self, k):
+            return await self._round(ctx, k, remaining)
+
+    async def _round(self, ctx: Sequence[int], k: int, remaining: int) -> list[int]:
         """One speculation round after ctx; returns the accepted draft tokens + next token.
 
         remaining: tokens the request may still generate (>= k + 1); with SSD the drafter
@@ -268,13 +273,13 @@ class Speculator:
             n = min(placement.cached, len(ctx) - 1)
             prefix = common_pb2.CachedPrefix(length=n, hash=prefix_hash(ctx[:n]))
             request = build(prefix, [*ctx[n:], *tail])
-            method = getattr(replica.stub, method_name)
             replica.in_flight += 1
             try:
-                return await method(request, timeout=self.rpc_timeout)
+                return await tracing.call(replica, method_name, request, self.rpc_timeout)
             except grpc.aio.AioRpcError as err:
                 if is_cache_miss(err):
                     self.stats.cache_misses += 1
+                    tracing.note_cache_miss(role, replica.address)
                     placement.cached = 0
                     continue
                 if is_busy(err):
@@ -297,6 +302,7 @@ class Speculator:
                     pool.mark_down(replica, err.details() or "unavailable")
                     failed.append(replica)
                     metrics.FAILOVERS.labels(role=role).inc()
+                    tracing.note_failover(role, replica.address, err.details() or "unavailable")
                     placement.replica, placement.cached = None, 0
                     continue
                 raise UpstreamError(replica, err) from None

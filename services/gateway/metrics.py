@@ -49,3 +49,8 @@ ITL = Histogram(
     "Time per output token after the first",
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )
+ROUND_SECONDS = Histogram(
+    PREFIX + "round_seconds",
+    "One speculation round: draft (or SSD hit), verify, and the Speculate it waited for",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)

@@ -7,6 +7,8 @@ import asyncio
 
 from specdec.common.logs import setup_logging
 from specdec.common.serving import rpc_errors, serve, stream_rpc_errors
+from specdec.common.telemetry import setup_tracing
+from specdec.gateway import tracing
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.response import stream_message
 from specdec.gateway.turn import Gateway
@@ -23,23 +25,36 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def Generate(self, request, context) -> gateway_pb2.GenerateResponse:
         # Drain the generator (never return from inside the loop): its cleanup (the
         # session's turn lock, metrics, cache release) must run before the answer leaves.
-        final = None
-        async for event in self.gateway.run(request):
-            final = event.final or final
-        if final is None:
-            raise AssertionError("generation ended without a final response")
+        with tracing.request_span(
+            "Generate", context, request, tracing.served_model(self.gateway.fleet)
+        ) as span:
+            final = None
+            async for event in self.gateway.run(request):
+                final = event.final or final
+            if final is None:
+                raise AssertionError("generation ended without a final response")
+            tracing.finish(span, final, context)
         return final
 
     @stream_rpc_errors
     async def GenerateStream(self, request, context):
-        async for event in self.gateway.run(request):
-            yield stream_message(event.text, event.tokens, event.final)
+        with tracing.request_span(
+            "GenerateStream", context, request, tracing.served_model(self.gateway.fleet)
+        ) as span:
+            async for event in self.gateway.run(request):
+                if event.final is not None:
+                    tracing.finish(span, event.final, context)
+                message = stream_message(event.text, event.tokens, event.final)
+                if event.final is not None:
+                    message.trace_id = event.final.trace_id
+                yield message
 
 
 def main(args: argparse.Namespace) -> None:
     """`specdec serve gateway`: config, logging, metrics, serve until SIGTERM."""
     config = GatewayConfig.from_args(args)
     setup_logging("gateway")
+    telemetry = setup_tracing("gateway")
 
     async def run() -> None:
         gateway = Gateway(config)  # grpc.aio channels bind to the running loop
@@ -73,4 +88,8 @@ def main(args: argparse.Namespace) -> None:
                 await http.stop()
             await gateway.close()
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        if telemetry:
+            telemetry.shutdown()  # flush the spans of the graceful stop

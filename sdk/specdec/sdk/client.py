@@ -17,6 +17,7 @@ import grpc
 import grpc.aio
 
 from specdec.sdk.errors import from_rpc_error
+from specdec.sdk.tracing import trace_metadata
 from specdec.sdk.types import Generation, StreamAssembler, StreamChunk, generation_from_proto
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -182,7 +183,9 @@ class Client(_ClientBase):
         """Generate a completion and return it whole."""
         request = _request(locals())
         try:
-            response = self._stub.Generate(request, timeout=self._deadline(timeout))
+            response = self._stub.Generate(
+                request, timeout=self._deadline(timeout), metadata=trace_metadata()
+            )
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         return generation_from_proto(response)
@@ -217,7 +220,7 @@ class Client(_ClientBase):
         self, request: gateway_pb2.GenerateRequest, timeout: float | None
     ) -> Iterator[StreamChunk]:
         assembler = StreamAssembler()
-        call = self._stub.GenerateStream(request, timeout=timeout)
+        call = self._stub.GenerateStream(request, timeout=timeout, metadata=trace_metadata())
         try:
             for message in call:
                 yield assembler.feed(message)
@@ -285,7 +288,9 @@ class AsyncClient(_ClientBase):
         """Generate a completion and return it whole."""
         request = _request(locals())
         try:
-            response = await self._stub.Generate(request, timeout=self._deadline(timeout))
+            response = await self._stub.Generate(
+                request, timeout=self._deadline(timeout), metadata=trace_metadata()
+            )
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         return generation_from_proto(response)
@@ -320,7 +325,7 @@ class AsyncClient(_ClientBase):
         self, request: gateway_pb2.GenerateRequest, timeout: float | None
     ) -> AsyncIterator[StreamChunk]:
         assembler = StreamAssembler()
-        call = self._stub.GenerateStream(request, timeout=timeout)
+        call = self._stub.GenerateStream(request, timeout=timeout, metadata=trace_metadata())
         try:
             async for message in call:
                 yield assembler.feed(message)

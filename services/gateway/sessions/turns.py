@@ -13,6 +13,7 @@ import uuid
 
 from specdec.gateway.sessions.index import STORE_FAILURES, SessionIndex
 from specdec.gateway.sessions.record import validate_session_id
+from specdec.gateway.tracing import redis_op
 
 # Release / extend a turn lock only if this gateway still holds it (its token).
 _DELETE_IF_OWNER = (
@@ -31,6 +32,7 @@ class TurnLocks:
         self.index = index
         self._held: set[str] = set()  # sessions with a turn in flight in this process
 
+    @redis_op("lock")
     async def lock(self, session_id: str, ttl_seconds: float = 60.0) -> str | None:
         """Claim the session for one turn; a token to unlock with, or None if it is taken."""
         validate_session_id(session_id)
@@ -53,6 +55,7 @@ class TurnLocks:
                     return None
         return token
 
+    @redis_op("lock refresh")
     async def refresh(self, session_id: str, token: str, ttl_seconds: float = 60.0) -> None:
         redis = self.index.redis
         if redis is None:
@@ -64,6 +67,7 @@ class TurnLocks:
         except STORE_FAILURES as e:
             self.index.failed("lock", e)
 
+    @redis_op("unlock")
     async def unlock(self, session_id: str, token: str) -> None:
         self._held.discard(session_id)
         redis = self.index.redis
