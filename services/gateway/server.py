@@ -8,6 +8,7 @@ import asyncio
 from specdec.common.logs import setup_logging
 from specdec.common.serving import rpc_errors, serve, stream_rpc_errors
 from specdec.gateway.config import GatewayConfig
+from specdec.gateway.info import server_info
 from specdec.gateway.response import stream_message
 from specdec.gateway.turn import Gateway
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
@@ -29,6 +30,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if final is None:
             raise AssertionError("generation ended without a final response")
         return final
+
+    @rpc_errors
+    async def GetServerInfo(self, request, context) -> gateway_pb2.GetServerInfoResponse:
+        return server_info(self.gateway)
 
     @stream_rpc_errors
     async def GenerateStream(self, request, context):

@@ -22,7 +22,14 @@ from specdec.sdk.errors import (
     Unimplemented,
     from_rpc_error,
 )
-from specdec.sdk.types import Generation, SpeculationStats, StreamChunk, Timings, Usage
+from specdec.sdk.types import (
+    Generation,
+    ServerInfo,
+    SpeculationStats,
+    StreamChunk,
+    Timings,
+    Usage,
+)
 
 __all__ = [
     "AsyncClient",
@@ -33,6 +40,7 @@ __all__ = [
     "InvalidArgument",
     "NotFound",
     "ResourceExhausted",
+    "ServerInfo",
     "SpecdecError",
     "SpeculationStats",
     "StreamChunk",

@@ -17,7 +17,14 @@ import grpc
 import grpc.aio
 
 from specdec.sdk.errors import from_rpc_error
-from specdec.sdk.types import Generation, StreamAssembler, StreamChunk, generation_from_proto
+from specdec.sdk.types import (
+    Generation,
+    ServerInfo,
+    StreamAssembler,
+    StreamChunk,
+    generation_from_proto,
+    server_info_from_proto,
+)
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 __all__ = [
@@ -227,6 +234,16 @@ class Client(_ClientBase):
         finally:
             call.cancel()  # no-op once the call has finished
 
+    def server_info(self, timeout: float | _Default | None = _CLIENT_DEFAULT) -> ServerInfo:
+        """The model behind the gateway and the limits a request must respect."""
+        try:
+            response = self._stub.GetServerInfo(
+                gateway_pb2.GetServerInfoRequest(), timeout=self._deadline(timeout)
+            )
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        return server_info_from_proto(response)
+
     def close(self) -> None:
         self._channel.close()
 
@@ -329,6 +346,16 @@ class AsyncClient(_ClientBase):
             raise from_rpc_error(e) from None
         finally:
             call.cancel()  # no-op once the call has finished
+
+    async def server_info(self, timeout: float | _Default | None = _CLIENT_DEFAULT) -> ServerInfo:
+        """The model behind the gateway and the limits a request must respect."""
+        try:
+            response = await self._stub.GetServerInfo(
+                gateway_pb2.GetServerInfoRequest(), timeout=self._deadline(timeout)
+            )
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        return server_info_from_proto(response)
 
     async def close(self) -> None:
         await self._channel.close()
