@@ -30,13 +30,21 @@ from specdec.gateway.loop import Placement, Speculator
 from specdec.gateway.replicas import Fleet
 from specdec.gateway.request import Job, Limits, validate
 from specdec.gateway.response import build_response, record_metrics
-from specdec.gateway.sessions import SessionIndex, SessionRecord, TurnLocks
+from specdec.gateway.sessions import (
+    SessionIndex,
+    SessionRecord,
+    TurnLease,
+    TurnLocks,
+)
 from specdec.gateway.text import Completion, TextCodec
 from specdec.v1 import common_pb2, gateway_pb2
 
 log = logging.getLogger(__name__)
 
 TURN_LOCK_SECONDS = 60.0
+# How long a turn waits for its session's previous turn to end before ABORTED: covers a
+# cancelled turn that is still cleaning up (milliseconds), not a turn that is running.
+TURN_LOCK_WAIT_SECONDS = 1.0
 
 
 class Aborted(SpecdecError):
@@ -135,19 +143,19 @@ class Gateway:
             async for event in self._turn(job, None):
                 yield event
             return
-        token = await self.turns.lock(job.session_id, TURN_LOCK_SECONDS)
-        if token is None:
+        lease = await self.turns.lock(job.session_id, TURN_LOCK_SECONDS, TURN_LOCK_WAIT_SECONDS)
+        if lease is None:
             raise Aborted(
                 f"session {job.session_id!r} has a turn in progress; send a session's turns "
                 "one after another"
             )
         try:
-            async for event in self._turn(job, token):
+            async for event in self._turn(job, lease):
                 yield event
         finally:
-            await self.turns.unlock(job.session_id, token)
+            await self.turns.unlock(lease)
 
-    async def _turn(self, job: Job, lock: str | None) -> AsyncIterator[Event]:
+    async def _turn(self, job: Job, lease: TurnLease | None) -> AsyncIterator[Event]:
         started = time.perf_counter()
         record = None
         if job.session_id and not job.reset:
@@ -191,7 +199,6 @@ class Gateway:
         )
         completion = Completion(self.codec, job.max_new_tokens, self.eos_token_ids, job.stop)
         first_at = last_at = None
-        lock_refreshed = started
         try:
             while completion.finish_reason is None:
                 remaining = job.max_new_tokens - len(completion.tokens)
@@ -206,9 +213,11 @@ class Gateway:
                     for _ in tokens:
                         metrics.ITL.observe((now - last_at) / len(tokens))
                 last_at = now
-                if lock and now - lock_refreshed > TURN_LOCK_SECONDS / 3:
-                    await self.turns.refresh(job.session_id, lock, TURN_LOCK_SECONDS)
-                    lock_refreshed = now
+                if lease is not None and lease.lost:
+                    raise Aborted(
+                        f"session {job.session_id!r}: this turn lost its lock (another "
+                        "gateway may have taken the session); stopped without saving it"
+                    )
                 if completion.finish_reason is None and (text or tokens):
                     yield Event(text, tokens)
             response = build_response(
@@ -227,6 +236,7 @@ class Gateway:
                         turns=(record.turns if record else 0) + 1,
                     ),
                     ttl_seconds=job.ttl,
+                    fence=lease.fence if lease else None,
                 )
             yield Event(text, tokens, response)
         finally:
