@@ -49,6 +49,12 @@ class Unavailable(SpecdecError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+def _discard(future: asyncio.Future) -> None:
+    """Retrieve a left-behind call's outcome, so nothing logs 'never retrieved'."""
+    if not future.cancelled():
+        future.exception()
+
+
 @dataclass
 class Placement:
     """Which replica holds a session's KV cache on one side, and how many tokens it holds."""
@@ -121,6 +127,7 @@ class Speculator:
         self.greedy = sampling_from_proto(sampling).greedy
         # SSD hit under greedy: (context length it follows, the prepared draft).
         self._ready: tuple[int, list[int]] | None = None
+        self._without_drafter = False  # the last Draft found no drafter (k = 0 rounds)
 
     async def round(self, ctx: Sequence[int], k: int, remaining: int) -> list[int]:
         """One speculation round after ctx; returns the accepted draft tokens + next token.
@@ -135,17 +142,20 @@ class Speculator:
             draft_tokens = ready[1][:k]
         elif k > 0:
             waited = time.perf_counter()
-            draft = await self._call("Draft", self.drafter, ctx, self._draft_request(k))
+            draft = await self._draft(ctx, k)
             self.stats.drafter_wait_ms += (time.perf_counter() - waited) * 1e3
-            self.drafter.cached = draft.cached_length
-            draft_tokens, draft_probs = draft.draft_tokens, draft.draft_probs
+            if draft is None:
+                k = 0  # no drafter: this round is a plain target step (the same output)
+            else:
+                self.drafter.cached = draft.cached_length
+                draft_tokens, draft_probs = draft.draft_tokens, draft.draft_probs
         speculation = None
-        if self.ssd and k > 0 and remaining >= 3:
-            # Outcome "nothing accepted" leaves remaining - 1 tokens: a round of up to
-            # remaining - 2 drafts; other outcomes truncate the prepared draft.
-            speculation = asyncio.ensure_future(
-                self._speculate(ctx, draft_tokens, min(k, remaining - 2))
-            )
+        # Outcome "nothing accepted" leaves remaining - 1 tokens: a round of up to
+        # remaining - 2 drafts; other outcomes truncate the prepared draft. A branch adds
+        # its next token and k_next drafts after ctx + draft: it must fit the context.
+        k_next = min(k, remaining - 2, self._max_context() - len(ctx) - k - 1)
+        if self.ssd and k > 0 and k_next >= 1:
+            speculation = asyncio.ensure_future(self._speculate(ctx, draft_tokens, k_next))
         verify_sent = time.perf_counter()
         try:
             verdict = await self._call(
@@ -172,11 +182,7 @@ class Speculator:
         self.verifier.cached = verdict.cached_length
         self.stats.record(k, accepted)
         if speculation is not None:
-            branches, spec_sent, spec_done = await speculation
-            self.stats.drafter_wait_ms += max(0.0, spec_done - verified) * 1e3
-            self.stats.ssd_hidden_ms += (
-                max(0.0, min(spec_done, verified) - max(spec_sent, verify_sent)) * 1e3
-            )
+            branches = self._settle(speculation, verify_sent, verified)
             branch = branches.get((accepted, verdict.next_token))
             if branch is None:
                 self.stats.ssd_misses += 1
@@ -199,11 +205,62 @@ class Speculator:
             sampling=self.sampling,
         )
 
+    def _max_context(self) -> int:
+        infos = [r.info.max_context for r in self.fleet.drafters.replicas if r.info is not None]
+        return min(infos, default=0)
+
+    async def _draft(self, ctx: Sequence[int], k: int) -> drafter_pb2.DraftResponse | None:
+        """Draft(k), or None when no drafter can draft: losing the drafter is not losing the
+        service, the round runs at k = 0 (warned once per outage, counted per round).
+        Speculation resumes by itself once the probe brings a drafter back."""
+        try:
+            draft = await self._call("Draft", self.drafter, ctx, self._draft_request(k))
+        except (Unavailable, UpstreamError) as e:
+            metrics.DRAFTER_FALLBACK.inc()
+            self.drafter.replica, self.drafter.cached = None, 0
+            if not self._without_drafter:
+                log.warning("no drafter could draft; continuing at k = 0", extra={"why": str(e)})
+            self._without_drafter = True
+            return None
+        if self._without_drafter:
+            log.info("drafter back; speculation resumes", extra={"replica": self.drafter.address})
+        self._without_drafter = False
+        return draft
+
+    def _settle(
+        self, speculation: asyncio.Future, verify_sent: float, verified: float
+    ) -> dict[tuple[int, int], Sequence[int]]:
+        """The prepared drafts of a Speculate at the verdict, by outcome ({}: a miss).
+
+        Never waits and never raises: a Speculate that failed is a miss (logged, counted);
+        one still running is left behind, its answer discarded (the drafter still stores
+        its branches, so the next Draft can be answered from them without a forward).
+        """
+        if not speculation.done():
+            metrics.SSD_LATE.inc()
+            speculation.add_done_callback(_discard)
+            return {}
+        if speculation.cancelled() or speculation.exception() is not None:
+            err = None if speculation.cancelled() else speculation.exception()
+            metrics.SSD_FAILED.inc()
+            log.info("speculate failed; counted as a miss", extra={"why": str(err)})
+            return {}
+        response, request_bytes, spec_sent, spec_done, replica = speculation.result()
+        if replica is self.drafter.replica:
+            self.drafter.cached = response.cached_length
+        self.stats.ssd_branches += len(response.branches)
+        self.stats.ssd_bytes += request_bytes + response.ByteSize()
+        self.stats.ssd_hidden_ms += (
+            max(0.0, min(spec_done, verified) - max(spec_sent, verify_sent)) * 1e3
+        )
+        return {(b.accepted_count, b.next_token): b.draft_tokens for b in response.branches}
+
     async def _speculate(
         self, ctx: Sequence[int], draft: Sequence[int], k_next: int
-    ) -> tuple[dict[tuple[int, int], Sequence[int]], float, float]:
-        """Speculate(t); returns the prepared drafts by outcome, and when it was sent and
-        answered (perf_counter seconds)."""
+    ) -> tuple[drafter_pb2.SpeculateResponse, int, float, float, Replica | None]:
+        """Speculate(t); returns the response, the request's bytes, when it was sent and
+        answered (perf_counter seconds) and the replica that answered. Changes no state:
+        `_settle` applies it."""
         sent = time.perf_counter()
         request_bytes = 0
 
@@ -223,13 +280,11 @@ class Speculator:
             request_bytes += request.ByteSize()
             return request
 
-        response = await self._call("Speculate", self.drafter, ctx, build, tail=draft)
-        done = time.perf_counter()
-        self.drafter.cached = response.cached_length
-        self.stats.ssd_branches += len(response.branches)
-        self.stats.ssd_bytes += request_bytes + response.ByteSize()
-        branches = {(b.accepted_count, b.next_token): b.draft_tokens for b in response.branches}
-        return branches, sent, done
+        # A copy of the placement: a Speculate that fails over or misses must not move
+        # the Draft / Verify placement under a round in flight.
+        placement = Placement(self.drafter.replica, self.drafter.cached)
+        response = await self._call("Speculate", placement, ctx, build, tail=draft)
+        return response, request_bytes, sent, time.perf_counter(), placement.replica
 
     async def _call(
         self,
@@ -272,9 +327,10 @@ class Speculator:
                     continue
                 if err.code() == grpc.StatusCode.UNAVAILABLE:
                     others = [r for r in pool.up() if r is not replica and r not in failed]
-                    if not others and retries < len(RETRY_BACKOFF):
+                    if not others and retries < len(RETRY_BACKOFF) and role == "verifier":
                         # The only replica left: a blip (a restart, a full queue) must not
                         # fail every request at once. Its cache may survive; a miss says so.
+                        # (Without a drafter a round runs at k = 0 instead of waiting.)
                         await asyncio.sleep(RETRY_BACKOFF[retries])
                         retries += 1
                         continue

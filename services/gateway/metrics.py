@@ -43,3 +43,15 @@ ITL = Histogram(
     "Time per output token after the first",
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )
+# Faults the loop absorbs (none of them fails a request).
+SSD_FAILED = Counter(
+    PREFIX + "ssd_speculate_failed", "Speculate calls that failed (counted as SSD misses)"
+)
+SSD_LATE = Counter(
+    PREFIX + "ssd_speculate_late",
+    "Speculate calls still running at the verdict (left behind, counted as SSD misses)",
+)
+DRAFTER_FALLBACK = Counter(
+    PREFIX + "drafter_fallback_rounds",
+    "Rounds run at k = 0 because no drafter could draft (same output, no speculation)",
+)
