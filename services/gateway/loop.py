@@ -49,10 +49,10 @@ class Unavailable(SpecdecError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
-def _discard(future: asyncio.Future) -> None:
-    """Retrieve a left-behind call's outcome, so nothing logs 'never retrieved'."""
-    if not future.cancelled():
-        future.exception()
+def _succeeded(future: asyncio.Future) -> bool:
+    """Whether a finished call succeeded (retrieving its exception, so nothing logs
+    'never retrieved')."""
+    return not future.cancelled() and future.exception() is None
 
 
 @dataclass
@@ -128,6 +128,7 @@ class Speculator:
         # SSD hit under greedy: (context length it follows, the prepared draft).
         self._ready: tuple[int, list[int]] | None = None
         self._without_drafter = False  # the last Draft found no drafter (k = 0 rounds)
+        self._late = False  # the last round's Speculate was still running at its verdict
 
     async def round(self, ctx: Sequence[int], k: int, remaining: int) -> list[int]:
         """One speculation round after ctx; returns the accepted draft tokens + next token.
@@ -144,6 +145,11 @@ class Speculator:
             waited = time.perf_counter()
             draft = await self._draft(ctx, k)
             self.stats.drafter_wait_ms += (time.perf_counter() - waited) * 1e3
+            if self._late:  # the last round's Speculate answered after its verdict
+                self._late = False
+                prepared = draft is not None and draft.prepared
+                self.stats.ssd_hits += prepared
+                self.stats.ssd_misses += not prepared
             if draft is None:
                 k = 0  # no drafter: this round is a plain target step (the same output)
             else:
@@ -181,8 +187,11 @@ class Speculator:
         accepted = verdict.accepted_count
         self.verifier.cached = verdict.cached_length
         self.stats.record(k, accepted)
+        branches = None
         if speculation is not None:
             branches = self._settle(speculation, verify_sent, verified)
+            self._late = branches is None  # decided by the next Draft's `prepared`
+        if branches is not None:
             branch = branches.get((accepted, verdict.next_token))
             if branch is None:
                 self.stats.ssd_misses += 1
@@ -229,31 +238,41 @@ class Speculator:
 
     def _settle(
         self, speculation: asyncio.Future, verify_sent: float, verified: float
-    ) -> dict[tuple[int, int], Sequence[int]]:
+    ) -> dict[tuple[int, int], Sequence[int]] | None:
         """The prepared drafts of a Speculate at the verdict, by outcome ({}: a miss).
 
-        Never waits and never raises: a Speculate that failed is a miss (logged, counted);
-        one still running is left behind, its answer discarded (the drafter still stores
-        its branches, so the next Draft can be answered from them without a forward).
+        Never waits and never raises: a Speculate that failed is a miss (logged, counted).
+        One still running is left behind (None): its answer only adds to the statistics.
+        The drafter still stores its branches, so the next Draft is answered from them
+        without a forward when the outcome was prepared; that Draft's `prepared` decides
+        whether the round counts as a hit or a miss.
         """
         if not speculation.done():
             metrics.SSD_LATE.inc()
-            speculation.add_done_callback(_discard)
-            return {}
-        if speculation.cancelled() or speculation.exception() is not None:
+            speculation.add_done_callback(
+                lambda f: self._account(f, verify_sent, verified) if _succeeded(f) else None
+            )
+            return None
+        if not _succeeded(speculation):
             err = None if speculation.cancelled() else speculation.exception()
             metrics.SSD_FAILED.inc()
             log.info("speculate failed; counted as a miss", extra={"why": str(err)})
             return {}
-        response, request_bytes, spec_sent, spec_done, replica = speculation.result()
+        response, _, _, _, replica = self._account(speculation, verify_sent, verified)
         if replica is self.drafter.replica:
             self.drafter.cached = response.cached_length
+        return {(b.accepted_count, b.next_token): b.draft_tokens for b in response.branches}
+
+    def _account(self, speculation: asyncio.Future, verify_sent: float, verified: float):
+        """Add a finished Speculate to the statistics (placement untouched); its result."""
+        result = speculation.result()
+        response, request_bytes, spec_sent, spec_done, _ = result
         self.stats.ssd_branches += len(response.branches)
         self.stats.ssd_bytes += request_bytes + response.ByteSize()
         self.stats.ssd_hidden_ms += (
             max(0.0, min(spec_done, verified) - max(spec_sent, verify_sent)) * 1e3
         )
-        return {(b.accepted_count, b.next_token): b.draft_tokens for b in response.branches}
+        return result
 
     async def _speculate(
         self, ctx: Sequence[int], draft: Sequence[int], k_next: int

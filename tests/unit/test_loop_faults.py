@@ -30,11 +30,14 @@ class FakeDrafter:
         self.release = asyncio.Event()
         self.speculate_error = speculate_error
         self.speculate_calls = 0
+        self.prepared = False
 
     async def Draft(self, request, timeout=None):
         k = request.num_draft_tokens
         return drafter_pb2.DraftResponse(
-            draft_tokens=[4, 5][:k], cached_length=request.prefix.length + len(request.new_tokens)
+            draft_tokens=[4, 5][:k],
+            cached_length=request.prefix.length + len(request.new_tokens),
+            prepared=self.prepared,
         )
 
     async def Speculate(self, request, timeout=None):
@@ -73,7 +76,8 @@ async def make(drafter: FakeDrafter, verifier: FakeVerifier, drafter_up: bool = 
     return fleet, spec
 
 
-async def test_a_late_speculate_is_not_awaited():
+@pytest.mark.parametrize("prepared", [False, True])
+async def test_a_late_speculate_is_not_awaited(prepared):
     drafter, verifier = FakeDrafter(), FakeVerifier()
     fleet, spec = await make(drafter, verifier)
     try:
@@ -85,12 +89,18 @@ async def test_a_late_speculate_is_not_awaited():
         assert task.done(), "the round waited for a Speculate after its verdict"
         assert task.result() == [4, 5, 6]
         assert drafter.speculate_calls == 1
-        assert spec.stats.ssd_misses == 1 and spec.stats.ssd_hits == 0
+        assert spec.stats.ssd_misses == spec.stats.ssd_hits == 0  # not known yet
         cached = spec.drafter.cached
         drafter.release.set()  # the left-behind call answers (cached_length 5): ignored
         for _ in range(20):
             await asyncio.sleep(0)
         assert spec.drafter.cached == cached
+        assert spec.stats.ssd_bytes > 0  # but counted in the statistics
+        # The next Draft tells: answered from a prepared branch is a hit, else a miss.
+        drafter.prepared = prepared
+        await spec.round([1, 2, 3, 4, 5, 6], 2, 7)
+        # (plus this round's own Speculate, answered in time with no branches: a miss)
+        assert (spec.stats.ssd_hits, spec.stats.ssd_misses) == (int(prepared), 2 - prepared)
     finally:
         await fleet.close()
 
