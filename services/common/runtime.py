@@ -29,7 +29,7 @@ import torch
 
 from specdec.common.config import ReplicaConfig
 from specdec.common.errors import CACHE_MISS_PREFIX, CacheMiss, CapacityExceeded, InvalidRequest
-from specdec.common.prefix import prefix_hash
+from specdec.common.prefix import PrefixChain
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -44,6 +44,8 @@ class SessionCache:
     tokens: list[int]
     kv: object  # transformers DynamicCache
     last_used: float = field(default_factory=time.monotonic)
+    # Block hashes of tokens' prefixes (cropped with tokens): prefix checks cost O(new).
+    chain: PrefixChain = field(default_factory=PrefixChain)
 
 
 class CacheStore:
@@ -98,7 +100,7 @@ class CacheStore:
                     f"{CACHE_MISS_PREFIX}: session {session_id!r} holds {len(session.tokens)} "
                     f"tokens, request builds on {prefix_len}"
                 )
-            if prefix_hash(session.tokens[:prefix_len]) != prefix_hash_:
+            if session.chain.hash(session.tokens, prefix_len) != prefix_hash_:
                 raise CacheMiss(
                     f"{CACHE_MISS_PREFIX}: session {session_id!r} holds different tokens in its "
                     f"first {prefix_len}"
@@ -116,6 +118,7 @@ class CacheStore:
         if drop > 0:
             session.kv.crop(-drop)
             del session.tokens[length:]
+            session.chain.crop(length)
 
     def release(self, session_id: str) -> bool:
         return self._sessions.pop(session_id, None) is not None

@@ -124,7 +124,7 @@ def speculate(
             session_id,
             Prepared(
                 base_length=base,
-                base_hash=prefix_hash(session.tokens[:base]),
+                base_hash=session.chain.hash(session.tokens, base),
                 draft=draft,
                 params=params,
                 branches={(b.accepted, b.next_token): b for b in branches},
@@ -217,12 +217,24 @@ def take_prepared(
     prepared = store.pop(session_id)
     if prepared is None or prepared.params != params:
         return None
-    full = [*session.tokens, *new_tokens]
+    cached = session.tokens
     base = prepared.base_length
-    a = len(full) - 1 - base
-    if not 0 <= a <= len(prepared.draft) or full[base : base + a] != prepared.draft[:a]:
+    a = len(cached) + len(new_tokens) - 1 - base
+    if not 0 <= a <= len(prepared.draft):
         return None
-    branch = prepared.branches.get((a, full[-1]))
-    if branch is None or len(branch.tokens) < k or prefix_hash(full[:base]) != prepared.base_hash:
+
+    def at(i: int) -> int:  # token i of cached + new_tokens, without copying the context
+        return cached[i] if i < len(cached) else new_tokens[i - len(cached)]
+
+    if [at(i) for i in range(base, base + a)] != prepared.draft[:a]:
+        return None
+    branch = prepared.branches.get((a, new_tokens[-1]))
+    if branch is None or len(branch.tokens) < k:
+        return None
+    if base <= len(cached):
+        base_hash = session.chain.hash(cached, base)
+    else:  # rare: the caller named a shorter prefix than the prepared base
+        base_hash = prefix_hash([*cached, *new_tokens][:base])
+    if base_hash != prepared.base_hash:
         return None
     return branch.tokens[:k], branch.probs[:k]

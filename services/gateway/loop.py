@@ -26,7 +26,7 @@ import grpc
 
 from specdec.common.errors import SpecdecError, is_cache_miss
 from specdec.common.params import sampling_from_proto
-from specdec.common.prefix import prefix_hash
+from specdec.common.prefix import PrefixChain
 from specdec.gateway import metrics
 from specdec.gateway.replicas import Fleet, NoReplica, Replica
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
@@ -129,6 +129,8 @@ class Speculator:
         self._ready: tuple[int, list[int]] | None = None
         self._without_drafter = False  # the last Draft found no drafter (k = 0 rounds)
         self._late = False  # the last round's Speculate was still running at its verdict
+        # Block hashes of the request's context, which only grows: O(new tokens) per call.
+        self._chain = PrefixChain()
 
     async def round(self, ctx: Sequence[int], k: int, remaining: int) -> list[int]:
         """One speculation round after ctx; returns the accepted draft tokens + next token.
@@ -333,7 +335,7 @@ class Speculator:
                     placement.replica, placement.cached = chosen, 0
             replica = placement.replica
             n = min(placement.cached, len(ctx) - 1)
-            prefix = common_pb2.CachedPrefix(length=n, hash=prefix_hash(ctx[:n]))
+            prefix = common_pb2.CachedPrefix(length=n, hash=self._chain.hash(ctx, n))
             request = build(prefix, [*ctx[n:], *tail])
             method = getattr(replica.stub, method_name)
             replica.in_flight += 1
