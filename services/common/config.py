@@ -106,6 +106,7 @@ class ReplicaConfig:
     threads: int = 0  # 0: torch's default
     replica_id: str = ""  # empty: hostname:port, known once the port is bound
     grace_seconds: float = 10.0
+    prefill_chunk: int = 512  # tokens per forward when feeding a long input; 0: one forward
 
     ROLE: ClassVar[str] = ""
 
@@ -125,6 +126,9 @@ class ReplicaConfig:
             parser, "--replica-id", "name reported in Info and logs (default host:port)", ""
         )
         add_setting(parser, "--grace-seconds", "graceful shutdown window on SIGTERM", 10.0)
+        add_setting(
+            parser, "--prefill-chunk", "tokens per forward of a long input (0: all at once)", 512
+        )
         cls.add_role_arguments(parser)
 
     @classmethod
@@ -163,6 +167,7 @@ class ReplicaConfig:
             grace_seconds=parse_value(
                 args, "--grace-seconds", float, lambda v: None if v >= 0 else "must be >= 0"
             ),
+            prefill_chunk=parse_value(args, "--prefill-chunk", int, non_negative),
             **cls.role_settings(args),
         )
 

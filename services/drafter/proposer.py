@@ -48,8 +48,7 @@ def _propose(runtime, branches, session_id, prefix, new_tokens, k, params) -> Dr
     if hit is not None:
         tokens, probs = hit
         return Draft(tokens, probs, len(session.tokens), _ms(started), prepared=True)
-    logits = runtime.forward(session, new_tokens)
-    last = logits[-1]  # [vocab]
+    last = runtime.forward(session, new_tokens, keep=1)[-1]  # [vocab]
     position = prefix.length + len(new_tokens)  # index of d_1 in the sequence
     sampler = Sampler(params, runtime.device)
     tokens: list[int] = []

@@ -114,7 +114,7 @@ def speculate(
         started = time.perf_counter()
         store.pop(session_id)
         session = runtime.store.acquire(session_id, prefix.length, prefix.hash, len(new_tokens))
-        rows = runtime.forward(session, new_tokens)[-(draft_length + 1) :]  # [k+1, vocab]
+        rows = runtime.forward(session, new_tokens, keep=draft_length + 1)  # [k+1, vocab]
         base = len(session.tokens) - draft_length
         draft = session.tokens[base:]
         ranking = rows.softmax(-1) if params.greedy else warp(rows, params)

@@ -114,6 +114,7 @@ class Speculator:
         rpc_timeout: float,
         ssd: bool = False,
         ssd_fan_out: int = 0,
+        deadline: float | None = None,
     ):
         self.fleet = fleet
         self.session = replica_session
@@ -121,6 +122,9 @@ class Speculator:
         self.drafter = drafter
         self.verifier = verifier
         self.rpc_timeout = rpc_timeout
+        # The client's deadline (time.monotonic()), which bounds every call when it is set:
+        # a long prefill may take what the client allows, not a constant it cannot see.
+        self.deadline = deadline
         self.stats = LoopStats()
         self.ssd = ssd
         self.ssd_fan_out = ssd_fan_out
@@ -215,6 +219,13 @@ class Speculator:
             num_draft_tokens=k,
             sampling=self.sampling,
         )
+
+    def _timeout(self) -> float:
+        """Seconds a replica call may take: what is left of the client's deadline, else
+        --rpc-timeout (requests without a deadline)."""
+        if self.deadline is None:
+            return self.rpc_timeout
+        return max(0.001, self.deadline - time.monotonic())
 
     def _max_context(self) -> int:
         infos = [r.info.max_context for r in self.fleet.drafters.replicas if r.info is not None]
@@ -340,7 +351,7 @@ class Speculator:
             method = getattr(replica.stub, method_name)
             replica.in_flight += 1
             try:
-                return await method(request, timeout=self.rpc_timeout)
+                return await method(request, timeout=self._timeout())
             except grpc.aio.AioRpcError as err:
                 if is_cache_miss(err):
                     self.stats.cache_misses += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 
 from specdec.common.logs import setup_logging
 from specdec.common.serving import rpc_errors, serve, stream_rpc_errors
@@ -16,6 +17,12 @@ from specdec.v1 import gateway_pb2, gateway_pb2_grpc
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 
 
+def client_deadline(context) -> float | None:
+    """The call's deadline as time.monotonic(), or None when the client set none."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, gateway: Gateway):
         self.gateway = gateway
@@ -25,7 +32,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         # Drain the generator (never return from inside the loop): its cleanup (the
         # session's turn lock, metrics, cache release) must run before the answer leaves.
         final = None
-        async for event in self.gateway.run(request):
+        async for event in self.gateway.run(request, client_deadline(context)):
             final = event.final or final
         if final is None:
             raise AssertionError("generation ended without a final response")
@@ -37,7 +44,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     @stream_rpc_errors
     async def GenerateStream(self, request, context):
-        async for event in self.gateway.run(request):
+        async for event in self.gateway.run(request, client_deadline(context)):
             yield stream_message(event.text, event.tokens, event.final)
 
 

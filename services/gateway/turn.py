@@ -126,11 +126,17 @@ class Gateway:
         await self.fleet.close()
         await self.sessions.close()
 
-    async def run(self, req: gateway_pb2.GenerateRequest) -> AsyncIterator[Event]:
-        """Validate and run one request; errors are SpecdecError with their status."""
+    async def run(
+        self, req: gateway_pb2.GenerateRequest, deadline: float | None = None
+    ) -> AsyncIterator[Event]:
+        """Validate and run one request; errors are SpecdecError with their status.
+
+        deadline: the client's deadline (time.monotonic()), if it set one; it bounds every
+        replica call of the request instead of --rpc-timeout.
+        """
         metrics.IN_FLIGHT.inc()
         try:
-            async for event in self._run(validate(req, self.limits)):
+            async for event in self._run(validate(req, self.limits), deadline):
                 yield event
         except SpecdecError as e:
             metrics.REQUEST_ERRORS.labels(code=e.code.name).inc()
@@ -138,9 +144,9 @@ class Gateway:
         finally:
             metrics.IN_FLIGHT.dec()
 
-    async def _run(self, job: Job) -> AsyncIterator[Event]:
+    async def _run(self, job: Job, deadline: float | None = None) -> AsyncIterator[Event]:
         if not job.session_id:
-            async for event in self._turn(job, None):
+            async for event in self._turn(job, None, deadline):
                 yield event
             return
         lease = await self.turns.lock(job.session_id, TURN_LOCK_SECONDS, TURN_LOCK_WAIT_SECONDS)
@@ -150,12 +156,14 @@ class Gateway:
                 "one after another"
             )
         try:
-            async for event in self._turn(job, lease):
+            async for event in self._turn(job, lease, deadline):
                 yield event
         finally:
             await self.turns.unlock(lease)
 
-    async def _turn(self, job: Job, lease: TurnLease | None) -> AsyncIterator[Event]:
+    async def _turn(
+        self, job: Job, lease: TurnLease | None, deadline: float | None = None
+    ) -> AsyncIterator[Event]:
         started = time.perf_counter()
         record = None
         if job.session_id and not job.reset:
@@ -196,6 +204,7 @@ class Gateway:
             self.config.rpc_timeout,
             ssd=job.ssd,
             ssd_fan_out=self.config.ssd_fan_out,
+            deadline=deadline,
         )
         completion = Completion(self.codec, job.max_new_tokens, self.eos_token_ids, job.stop)
         first_at = last_at = None

@@ -176,3 +176,17 @@ def test_verifier_killed_mid_stream_with_another_up(
     finally:
         for p in procs:
             p.stop()
+
+
+def test_replica_calls_are_bounded_by_the_clients_deadline(stack, tokenizer, reference):
+    """A gateway whose --rpc-timeout no call could meet (1 ms) still serves a request with
+    a deadline of its own: the client's deadline bounds the calls, not the constant."""
+    g = gateway([stack["drafter"]], [stack["verifier"]], None, "--rpc-timeout", "0.001")
+    try:
+        g.wait_healthy()
+        ids = ids_of(tokenizer, PROMPTS[5]) * 8  # a longer prefill
+        with Client(g.address, timeout=120) as client:
+            got = client.generate(token_ids=ids, max_new_tokens=16, k=2)
+        assert list(got.tokens) == reference(ids, 16)
+    finally:
+        g.stop()
