@@ -7,7 +7,14 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from specdec.common.config import MAX_FAN_OUT, ReplicaConfig, add_setting, parse_value, positive
+from specdec.common.config import (
+    MAX_FAN_OUT,
+    ReplicaConfig,
+    add_setting,
+    non_negative,
+    parse_value,
+    positive,
+)
 
 
 @dataclass(frozen=True)
@@ -15,6 +22,9 @@ class DrafterConfig(ReplicaConfig):
     ssd_fan_out: int = 6  # branches prepared per round unless the request says
     ssd_max_per_outcome: int = 3  # at most this many next tokens per accepted count
     ssd_acceptance_prior: float = 0.7  # ranks outcomes until the request sends its rate
+    # Bound on the batched branch cache of one Speculate (branches x their KV tokens);
+    # 0: unbounded. Fan-out shrinks to fit it, down to no branch (an SSD miss).
+    ssd_max_branch_tokens: int = 65536
 
     ROLE: ClassVar[str] = "drafter"
 
@@ -28,6 +38,13 @@ class DrafterConfig(ReplicaConfig):
             "SSD: acceptance rate that ranks outcomes before a request has its own",
             0.7,
         )
+        add_setting(
+            parser,
+            "--ssd-max-branch-tokens",
+            "SSD: bound on one Speculate's branch caches, in KV tokens over all branches "
+            "(0: unbounded)",
+            65536,
+        )
 
     @classmethod
     def role_settings(cls, args: argparse.Namespace) -> dict[str, Any]:
@@ -39,6 +56,9 @@ class DrafterConfig(ReplicaConfig):
                 "--ssd-acceptance-prior",
                 float,
                 lambda v: None if 0 < v < 1 else "must be in (0, 1)",
+            ),
+            "ssd_max_branch_tokens": parse_value(
+                args, "--ssd-max-branch-tokens", int, non_negative
             ),
         }
 

@@ -107,9 +107,13 @@ def speculate(
     fan_out: int,
     alpha: float,
     max_per_outcome: int,
+    max_branch_tokens: int = 0,
 ) -> Speculation:
     """Prepare next-round drafts for the draft at the end of prefix + new_tokens (model
-    thread). new_tokens holds at least draft_length + 1 tokens."""
+    thread). new_tokens holds at least draft_length + 1 tokens.
+
+    max_branch_tokens (0: unbounded) bounds the batched branch cache, which holds one copy
+    of the session's KV per branch: fan_out shrinks to what fits, down to no branch."""
     with runtime.guarded(session_id):
         started = time.perf_counter()
         store.pop(session_id)
@@ -118,7 +122,10 @@ def speculate(
         base = len(session.tokens) - draft_length
         draft = session.tokens[base:]
         ranking = rows.softmax(-1) if params.greedy else warp(rows, params)
-        keys = rank_outcomes(ranking, draft, alpha, fan_out, max_per_outcome)
+        fan_out = min(
+            fan_out, branch_budget(max_branch_tokens, len(session.tokens), num_draft_tokens)
+        )
+        keys = rank_outcomes(ranking, draft, alpha, fan_out, max_per_outcome) if fan_out else []
         branches = draft_branches(runtime, session, base, keys, num_draft_tokens, params)
         store.put(
             session_id,
@@ -131,6 +138,14 @@ def speculate(
             ),
         )
         return Speculation(branches, len(session.tokens), (time.perf_counter() - started) * 1e3)
+
+
+def branch_budget(max_branch_tokens: int, length: int, steps: int) -> int:
+    """Branches whose batched cache (a copy of `length` + `steps` tokens of KV each) fits
+    max_branch_tokens; unbounded (a large number) when it is 0."""
+    if not max_branch_tokens:
+        return 1 << 30
+    return max_branch_tokens // (length + steps)
 
 
 def rank_outcomes(
