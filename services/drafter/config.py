@@ -25,6 +25,10 @@ class DrafterConfig(ReplicaConfig):
     # Bound on the batched branch cache of one Speculate (branches x their KV tokens);
     # 0: unbounded. Fan-out shrinks to fit it, down to no branch (an SSD miss).
     ssd_max_branch_tokens: int = 65536
+    # Sampling: the proposal is cut to its top entries holding 1 - tail of the mass, at
+    # most this many (0: sent whole, dense fp16 over the vocabulary). Exact either way.
+    draft_probs_max_entries: int = 2048
+    draft_probs_tail: float = 1e-4
 
     ROLE: ClassVar[str] = "drafter"
 
@@ -45,6 +49,18 @@ class DrafterConfig(ReplicaConfig):
             "(0: unbounded)",
             65536,
         )
+        add_setting(
+            parser,
+            "--draft-probs-max-entries",
+            "sampling: most entries of a draft token's distribution (0: the whole vocabulary)",
+            2048,
+        )
+        add_setting(
+            parser,
+            "--draft-probs-tail",
+            "sampling: probability mass a draft distribution may leave out (within the cap)",
+            1e-4,
+        )
 
     @classmethod
     def role_settings(cls, args: argparse.Namespace) -> dict[str, Any]:
@@ -59,6 +75,15 @@ class DrafterConfig(ReplicaConfig):
             ),
             "ssd_max_branch_tokens": parse_value(
                 args, "--ssd-max-branch-tokens", int, non_negative
+            ),
+            "draft_probs_max_entries": parse_value(
+                args, "--draft-probs-max-entries", int, non_negative
+            ),
+            "draft_probs_tail": parse_value(
+                args,
+                "--draft-probs-tail",
+                float,
+                lambda v: None if 0 <= v < 1 else "must be in [0, 1)",
             ),
         }
 

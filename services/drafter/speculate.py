@@ -38,7 +38,7 @@ import torch
 from specdec.common.prefix import prefix_hash
 from specdec.common.runtime import ModelRuntime, Prefix, SessionCache
 from specdec.common.sampling import EncodedProbs, SamplingParams, warp
-from specdec.drafter.sampler import Sampler
+from specdec.drafter.sampler import sampler_for
 
 MAX_PREPARED_SESSIONS = 32
 # Outcome probabilities are ranked with alpha clamped away from 0 and 1, so that every
@@ -197,7 +197,7 @@ def draft_branches(
     mask = (slots[None, :] < base + accepted[:, None]).long()  # [n, L + k]: drop d_{a+1}..
     ids = torch.tensor([[t] for _, t in keys], device=device)  # [n, 1]
     positions = (base + accepted)[:, None]  # [n, 1]: t sits at L + a
-    sampler = Sampler(params, device)
+    sampler = sampler_for(params, runtime)
     branches = [Branch(a, t, [], []) for a, t in keys]
     for step in range(steps):
         mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)
