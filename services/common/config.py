@@ -107,6 +107,7 @@ class ReplicaConfig:
     replica_id: str = ""  # empty: hostname:port, known once the port is bound
     grace_seconds: float = 10.0
     prefill_chunk: int = 512  # tokens per forward when feeding a long input; 0: one forward
+    tls: Any = None  # specdec.common.tls.ServerTls, or None: plaintext
 
     ROLE: ClassVar[str] = ""
 
@@ -129,6 +130,9 @@ class ReplicaConfig:
         add_setting(
             parser, "--prefill-chunk", "tokens per forward of a long input (0: all at once)", 512
         )
+        from specdec.common.tls import add_server_tls_arguments
+
+        add_server_tls_arguments(parser)
         cls.add_role_arguments(parser)
 
     @classmethod
@@ -168,8 +172,15 @@ class ReplicaConfig:
                 args, "--grace-seconds", float, lambda v: None if v >= 0 else "must be >= 0"
             ),
             prefill_chunk=parse_value(args, "--prefill-chunk", int, non_negative),
+            tls=_server_tls(args),
             **cls.role_settings(args),
         )
+
+
+def _server_tls(args: argparse.Namespace):
+    from specdec.common.tls import server_tls_from_args
+
+    return server_tls_from_args(args)
 
 
 def _check_device(value: str) -> str | None:

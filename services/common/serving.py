@@ -183,24 +183,34 @@ async def serve(
     grace_seconds: float,
     on_stop: Callable[[], None] | None = None,
     on_port: Callable[[int], None] | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> None:
     """Run a service until SIGTERM/SIGINT.
 
     The port opens first, with health NOT_SERVING, so an orchestrator sees a live process
     while the model loads; `ready()` then loads it and health turns SERVING.
     """
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[RefuseMalformed()])
+    server = grpc.aio.server(
+        options=CHANNEL_OPTIONS, interceptors=[*interceptors, RefuseMalformed()]
+    )
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_reflection([*reflect, health.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    if credentials is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, credentials)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     for name in ("", service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
-    log.info("listening", extra={"port": bound, "grpc_service": service_name})
+    log.info(
+        "listening", extra={"port": bound, "grpc_service": service_name, "tls": bool(credentials)}
+    )
     if on_port:
         on_port(bound)
 

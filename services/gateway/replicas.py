@@ -46,6 +46,12 @@ class Replica:
         return f"{self.role}@{self.address}"
 
 
+def _channel(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+
+
 def _stub_for(role: str, channel: grpc.aio.Channel):
     if role == "drafter":
         return drafter_pb2_grpc.DrafterServiceStub(channel)
@@ -55,19 +61,19 @@ def _stub_for(role: str, channel: grpc.aio.Channel):
 class ReplicaPool:
     """All replicas of one role, from a static address list."""
 
-    def __init__(self, role: str, addresses: Sequence[str], info_timeout: float = 10.0):
+    def __init__(
+        self,
+        role: str,
+        addresses: Sequence[str],
+        info_timeout: float = 10.0,
+        credentials: grpc.ChannelCredentials | None = None,
+    ):
         if not addresses:
             raise ValueError(f"no {role} address given")
         self.role = role
         self.info_timeout = info_timeout
         self.replicas = [
-            Replica(
-                role,
-                a,
-                ch := grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS),
-                _stub_for(role, ch),
-            )
-            for a in addresses
+            Replica(role, a, ch := _channel(a, credentials), _stub_for(role, ch)) for a in addresses
         ]
 
     def by_address(self, address: str | None) -> Replica | None:
@@ -137,9 +143,14 @@ def check_compatible(replicas: Sequence[Replica]) -> None:
 class Fleet:
     """Drafter and verifier pools together: start-up checks and the recovery probe."""
 
-    def __init__(self, drafters: Sequence[str], verifiers: Sequence[str]):
-        self.drafters = ReplicaPool("drafter", drafters)
-        self.verifiers = ReplicaPool("verifier", verifiers)
+    def __init__(
+        self,
+        drafters: Sequence[str],
+        verifiers: Sequence[str],
+        credentials: grpc.ChannelCredentials | None = None,
+    ):
+        self.drafters = ReplicaPool("drafter", drafters, credentials=credentials)
+        self.verifiers = ReplicaPool("verifier", verifiers, credentials=credentials)
         self._probe: asyncio.Task | None = None
 
     @property

@@ -8,6 +8,7 @@ import time
 
 from specdec.common.logs import setup_logging
 from specdec.common.serving import rpc_errors, serve, stream_rpc_errors
+from specdec.common.tls import BearerTokens
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.info import server_info
 from specdec.gateway.response import stream_message
@@ -74,6 +75,8 @@ def main(args: argparse.Namespace) -> None:
                 port=config.port,
                 ready=ready,
                 grace_seconds=config.grace_seconds,
+                credentials=config.tls.credentials() if config.tls else None,
+                interceptors=[BearerTokens(config.auth_tokens)] if config.auth_tokens else [],
             )
         finally:
             await gateway.close()

@@ -75,7 +75,11 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig):
         self.config = config
-        self.fleet = Fleet(config.drafters, config.verifiers)
+        self.fleet = Fleet(
+            config.drafters,
+            config.verifiers,
+            config.replica_tls.credentials() if config.replica_tls else None,
+        )
         self.sessions = SessionIndex(config.redis_url, default_ttl=config.session_ttl)
         self.turns = TurnLocks(self.sessions)
         self.codec: TextCodec | None = None

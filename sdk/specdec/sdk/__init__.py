@@ -10,7 +10,13 @@
 Imports only grpcio, protobuf, the standard library and the generated ``specdec.v1`` stubs.
 """
 
-from specdec.sdk.client import AsyncClient, Client, build_generate_request
+from specdec.sdk.client import (
+    AsyncClient,
+    Client,
+    build_generate_request,
+    read_token,
+    tls_credentials,
+)
 from specdec.sdk.errors import (
     DeadlineExceeded,
     InternalError,
@@ -50,4 +56,6 @@ __all__ = [
     "Usage",
     "build_generate_request",
     "from_rpc_error",
+    "read_token",
+    "tls_credentials",
 ]
