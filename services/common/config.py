@@ -108,6 +108,8 @@ class ReplicaConfig:
     max_queue: int = 64  # model requests that may wait behind the running one
     replica_id: str = ""  # empty: hostname:port, known once the port is bound
     grace_seconds: float = 10.0
+    prefill_chunk: int = 512  # tokens per forward when feeding a long input; 0: one forward
+    tls: Any = None  # specdec.common.tls.ServerTls, or None: plaintext
 
     ROLE: ClassVar[str] = ""
 
@@ -140,6 +142,12 @@ class ReplicaConfig:
             parser, "--replica-id", "name reported in Info and logs (default host:port)", ""
         )
         add_setting(parser, "--grace-seconds", "graceful shutdown window on SIGTERM", 10.0)
+        add_setting(
+            parser, "--prefill-chunk", "tokens per forward of a long input (0: all at once)", 512
+        )
+        from specdec.common.tls import add_server_tls_arguments
+
+        add_server_tls_arguments(parser)
         cls.add_role_arguments(parser)
 
     @classmethod
@@ -180,8 +188,16 @@ class ReplicaConfig:
             grace_seconds=parse_value(
                 args, "--grace-seconds", float, lambda v: None if v >= 0 else "must be >= 0"
             ),
+            prefill_chunk=parse_value(args, "--prefill-chunk", int, non_negative),
+            tls=_server_tls(args),
             **cls.role_settings(args),
         )
+
+
+def _server_tls(args: argparse.Namespace):
+    from specdec.common.tls import server_tls_from_args
+
+    return server_tls_from_args(args)
 
 
 def _check_device(value: str) -> str | None:

@@ -124,6 +124,7 @@ def run_replica(
                 grace_seconds=config.grace_seconds,
                 on_stop=runtime.shutdown,
                 on_port=servicer.on_port,
+                credentials=config.tls.credentials() if config.tls else None,
             )
         )
     finally:

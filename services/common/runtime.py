@@ -13,6 +13,7 @@ validates requests and awaits ``ModelRuntime.run``.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import threading
@@ -38,7 +39,7 @@ from specdec.common.errors import (
     ReplicaBusy,
 )
 from specdec.common.metrics import ReplicaObserver, note_cache, note_eviction, note_rollback
-from specdec.common.prefix import prefix_hash
+from specdec.common.prefix import PrefixChain
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,6 +54,8 @@ class SessionCache:
     tokens: list[int]
     kv: object  # transformers DynamicCache
     last_used: float = field(default_factory=time.monotonic)
+    # Block hashes of tokens' prefixes (cropped with tokens): prefix checks cost O(new).
+    chain: PrefixChain = field(default_factory=PrefixChain)
 
 
 class CacheStore:
@@ -107,7 +110,7 @@ class CacheStore:
                     f"{CACHE_MISS_PREFIX}: session {session_id!r} holds {len(session.tokens)} "
                     f"tokens, request builds on {prefix_len}"
                 )
-            if prefix_hash(session.tokens[:prefix_len]) != prefix_hash_:
+            if session.chain.hash(session.tokens, prefix_len) != prefix_hash_:
                 raise CacheMiss(
                     f"{CACHE_MISS_PREFIX}: session {session_id!r} holds different tokens in its "
                     f"first {prefix_len}"
@@ -126,6 +129,7 @@ class CacheStore:
         if drop > 0:
             session.kv.crop(-drop)
             del session.tokens[length:]
+            session.chain.crop(length)
             note_rollback(drop)
 
     def release(self, session_id: str) -> bool:
@@ -175,6 +179,7 @@ class ModelRuntime:
         self.special_tokens: dict[str, str] = {}  # bos_token, eos_token, ... (chat templates)
         self.store: CacheStore | None = None
         self.obs = ReplicaObserver(self)  # metrics and spans (specdec.common.metrics)
+        self._keeps_logits = False  # the model's forward takes logits_to_keep
 
     # -- loading ------------------------------------------------------------------------
 
@@ -191,6 +196,7 @@ class ModelRuntime:
         model.to(self.device).eval()
         tokenizer = AutoTokenizer.from_pretrained(cfg.model, **kwargs)
         self.model = model
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_context = int(
             getattr(model.config, "max_position_embeddings", 0) or cfg.max_context or 0
@@ -287,17 +293,22 @@ class ModelRuntime:
     # -- model calls (executor thread only) ---------------------------------------------
 
     def extend(
-        self, session_id: str, prefix: Prefix, new_tokens: Sequence[int], grow_by: int
+        self,
+        session_id: str,
+        prefix: Prefix,
+        new_tokens: Sequence[int],
+        grow_by: int,
+        keep: int | None = None,
     ) -> tuple[SessionCache, torch.Tensor]:
         """Crop the session to `prefix`, run new_tokens through the model.
 
         grow_by: tokens this request may add in total (new tokens + later feeds), reserved
-        in the cache bound. Returns the session and logits [len(new_tokens), vocab] fp32.
-        Call inside `guarded(session_id)`.
+        in the cache bound. Returns the session and the logits of the last `keep` tokens
+        [keep, vocab] fp32 (all of them when None). Call inside `guarded(session_id)`.
         """
         assert self.store is not None
         session = self.store.acquire(session_id, prefix.length, prefix.hash, grow_by)
-        return session, self.forward(session, new_tokens)
+        return session, self.forward(session, new_tokens, keep)
 
     @contextmanager
     def guarded(self, session_id: str):
@@ -318,13 +329,41 @@ class ModelRuntime:
             raise
 
     @torch.inference_mode()
-    def forward(self, session: SessionCache, tokens: Sequence[int]) -> torch.Tensor:
-        """Append tokens to the session's cache; logits [len(tokens), vocab] fp32."""
-        input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, n]
-        with self.obs.forward(len(tokens), 1, fresh=not session.tokens):
-            out = self.model(input_ids=input_ids, past_key_values=session.kv, use_cache=True)
+    def forward(
+        self, session: SessionCache, tokens: Sequence[int], keep: int | None = None
+    ) -> torch.Tensor:
+        """Append tokens to the session's cache; the logits of the last `keep` of them
+        [keep, vocab] fp32 (all when None).
+
+        Only the kept rows are computed (a full-vocabulary row per prompt token is about
+        0.9 MB in bf16 for a 152k vocabulary, plus its fp32 copy). An input longer than
+        --prefill-chunk is fed in chunks of that many tokens, so the activations of a long
+        prompt never exceed one chunk's; the last chunk holds at least the kept rows.
+        """
+        tokens = list(tokens)
+        keep = len(tokens) if keep is None else max(1, min(keep, len(tokens)))
+        fresh = not session.tokens  # a prefill (metrics and spans), in however many chunks
+        chunk = self.config.prefill_chunk
+        start = 0
+        if chunk and len(tokens) > chunk:
+            head = len(tokens) - max(chunk, keep)  # fed before the last forward
+            while start < head:
+                end = min(start + chunk, head)
+                self._forward(session, tokens[start:end], 1, fresh)
+                start = end
+        return self._forward(session, tokens[start:], keep, fresh)
+
+    def _forward(
+        self, session: SessionCache, tokens: list[int], keep: int, fresh: bool
+    ) -> torch.Tensor:
+        input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, n]
+        kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
+        with self.obs.forward(len(tokens), 1, fresh=fresh):
+            out = self.model(
+                input_ids=input_ids, past_key_values=session.kv, use_cache=True, **kwargs
+            )
         session.tokens.extend(tokens)
-        return out.logits[0].float()  # [n, vocab]
+        return out.logits[0, -keep:].float()  # [keep, vocab]
 
     def release(self, session_id: str) -> bool:
         assert self.store is not None

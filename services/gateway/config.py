@@ -16,6 +16,15 @@ from specdec.common.config import (
     port_number,
     positive,
 )
+from specdec.common.tls import (
+    ClientTls,
+    ServerTls,
+    add_replica_tls_arguments,
+    add_server_tls_arguments,
+    read_tokens,
+    replica_tls_from_args,
+    server_tls_from_args,
+)
 from specdec.gateway.discovery import parse_target
 
 
@@ -62,6 +71,9 @@ class GatewayConfig:
     startup_timeout: float = 900.0
     grace_seconds: float = 10.0
     dns_interval: float = 5.0  # seconds between two resolutions of a dns: target
+    tls: ServerTls | None = None  # TLS on the public port (client certificates optional)
+    replica_tls: ClientTls | None = None  # TLS (mTLS with a certificate) to the replicas
+    auth_tokens: frozenset[str] = frozenset()  # bearer tokens; empty: no token check
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,6 +103,14 @@ class GatewayConfig:
             parser, "--startup-timeout", "how long to wait for replicas at start (s)", 900.0
         )
         add_setting(parser, "--grace-seconds", "graceful shutdown window on SIGTERM", 10.0)
+        add_server_tls_arguments(parser)
+        add_replica_tls_arguments(parser)
+        add_setting(
+            parser,
+            "--auth-tokens-file",
+            "file of bearer tokens, one per line (a mounted Secret); empty: no token check",
+            "",
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GatewayConfig:
@@ -116,6 +136,11 @@ class GatewayConfig:
             startup_timeout=parse_value(args, "--startup-timeout", float, seconds),
             grace_seconds=parse_value(args, "--grace-seconds", float, non_negative),
             dns_interval=parse_value(args, "--dns-interval", float, seconds),
+            tls=server_tls_from_args(args),
+            replica_tls=replica_tls_from_args(args),
+            auth_tokens=read_tokens(args.auth_tokens_file)
+            if args.auth_tokens_file
+            else frozenset(),
         )
         if cfg.redis_url and not cfg.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(

@@ -53,6 +53,12 @@ class Replica:
         return f"{self.role}@{self.address}"
 
 
+def _channel(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+
+
 def _stub_for(role: str, channel: grpc.aio.Channel):
     if role == "drafter":
         return drafter_pb2_grpc.DrafterServiceStub(channel)
@@ -69,11 +75,13 @@ class ReplicaPool:
         addresses: Sequence[str],
         info_timeout: float = 10.0,
         dns_interval: float = 5.0,
+        credentials: grpc.ChannelCredentials | None = None,
     ):
         if not addresses:
             raise ValueError(f"no {role} address given")
         self.role = role
         self.info_timeout = info_timeout
+        self.credentials = credentials  # TLS (mTLS with a certificate); None: plaintext
         self.source = ",".join(addresses)
         self.discovery = make_discovery(addresses[0], dns_interval) if len(addresses) == 1 else None
         self.replicas: list[Replica] = []
@@ -87,7 +95,7 @@ class ReplicaPool:
         return self.discovery is not None
 
     def _new(self, address: str) -> Replica:
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channel = _channel(address, self.credentials)
         return Replica(self.role, address, channel, _stub_for(self.role, channel))
 
     def _report(self) -> None:
@@ -188,10 +196,18 @@ class Fleet:
     """Drafter and verifier pools together: start-up checks and the recovery probe."""
 
     def __init__(
-        self, drafters: Sequence[str], verifiers: Sequence[str], dns_interval: float = 5.0
+        self,
+        drafters: Sequence[str],
+        verifiers: Sequence[str],
+        dns_interval: float = 5.0,
+        credentials: grpc.ChannelCredentials | None = None,
     ):
-        self.drafters = ReplicaPool("drafter", drafters, dns_interval=dns_interval)
-        self.verifiers = ReplicaPool("verifier", verifiers, dns_interval=dns_interval)
+        self.drafters = ReplicaPool(
+            "drafter", drafters, dns_interval=dns_interval, credentials=credentials
+        )
+        self.verifiers = ReplicaPool(
+            "verifier", verifiers, dns_interval=dns_interval, credentials=credentials
+        )
         self._probe: asyncio.Task | None = None
         self._discovery: list[asyncio.Task] = []
         # What every replica must match, fixed at start: (vocab size, tokenizer fingerprint),

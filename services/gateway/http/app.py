@@ -297,7 +297,7 @@ class OpenAIServer:
             max_new_tokens=limits.max_new_tokens,
         )
         renderer = api.Renderer(chat=True, model=opts.model)
-        return Generation(self.gateway.run(req, turn), renderer, opts, turn)
+        return Generation(self.gateway.run(req, prompter=turn), renderer, opts, turn)
 
     def app(self) -> Starlette:
         async def http_error(request: Request, exc: HTTPException) -> Response:
