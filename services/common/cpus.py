@@ -96,7 +96,7 @@ def usable_cpus(
         return CpuBudget(
             max(1, math.ceil(quota[0])), f"cgroup quota of {quota[0]:g} CPUs ({quota[1]})"
         )
-    return CpuBudget(max(1, cpus), f"affinity mask of {cpus} CPUs")
+    return CpuBudget(max(1, cpus), f"affinity mask of {cpus} CPU{'' if cpus == 1 else 's'}")
 
 
 def thread_budget(requested: int) -> CpuBudget:

@@ -29,7 +29,7 @@ def test_v2_quota_limits_the_affinity_mask(tmp_path):
 def test_v2_no_limit_uses_the_affinity_mask(tmp_path):
     root, proc = _tree(tmp_path, {"cpu.max": "max 100000\n"})
     assert usable_cpus({0, 1, 2}, root, proc).threads == 3
-    assert usable_cpus({5}, root, proc).source == "affinity mask of 1 CPUs"
+    assert usable_cpus({5}, root, proc).source == "affinity mask of 1 CPU"
 
 
 def test_quota_above_the_mask_keeps_the_mask(tmp_path):

@@ -175,3 +175,126 @@ def test_cli_refuses_what_it_cannot_do(argv, message, capsys):
 
     assert main(["loadtest", "--gateway", "127.0.0.1:9", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+class FakeBackend:
+    """Stands in for the gateway: streams two chunks per request after a short await and
+    records what it was asked, so the scheduler can be checked without a server."""
+
+    name = "fake"
+
+    def __init__(self, fail_every: int = 0):
+        self.calls: list[tuple[str, str, str | None, bool]] = []
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.fail_every = fail_every
+
+    async def _stream(self, text, mode, session_id, first_turn):
+        import asyncio
+
+        from specdec.sdk import ResourceExhausted
+        from specdec.sdk.types import Generation, SpeculationStats, StreamChunk, Timings, Usage
+
+        self.calls.append((text, mode.name, session_id, first_turn))
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(0.001)
+            if self.fail_every and len(self.calls) % self.fail_every == 0:
+                raise ResourceExhausted("replica busy: 3 requests queued for the model")
+            yield StreamChunk("a", (1,))
+            await asyncio.sleep(0.001)
+            final = Generation(
+                "ab",
+                (1, 2),
+                "length",
+                Usage(prompt_tokens=3, completion_tokens=2),
+                Timings(),
+                SpeculationStats(rounds=1, draft_tokens=2, accepted_tokens=1),
+            )
+            yield StreamChunk("b", (2,), final=final)
+        finally:
+            self.in_flight -= 1
+
+    def stream(self, text, mode, settings, seed, session_id, first_turn):
+        return self._stream(text, mode, session_id, first_turn)
+
+    async def close(self):
+        pass
+
+
+def _run(backend, conversations, modes, levels, **kw):
+    import asyncio
+
+    from specdec.sdk.loadtest.runner import LoadTest
+    from specdec.sdk.loadtest.workload import RequestSettings
+
+    test = LoadTest(backend, conversations, modes, levels, RequestSettings(), **kw)
+    return test, asyncio.run(test.run())
+
+
+def test_scheduler_keeps_concurrency_and_budget_and_replays_sessions():
+    from specdec.sdk.loadtest.workload import Conversation
+
+    convs = [Conversation(0, "code", ("p0",)), Conversation(1, "chat", ("t1", "t2", "t3"))]
+    backend = FakeBackend()
+    _, cells = _run(
+        backend,
+        convs,
+        parse_modes("k0,k2"),
+        parse_levels("1,3", None),
+        num_requests=10,
+        duration=None,
+        slices=2,
+    )
+    assert backend.most_in_flight == 3
+    assert [len(c.records) for c in cells] == [10, 10, 10, 10]
+    assert all(
+        r.ok and r.output_tokens == 2 and len(r.itl_s) == 1 for c in cells for r in c.records
+    )
+    # Slice 1 of every level and mode before slice 2; mode order rotates per slice.
+    modes_in_order = [mode for _, mode, _, _ in backend.calls]
+    assert modes_in_order[:5] == ["k0"] * 5 and modes_in_order[5:10] == ["k2"] * 5
+    # A conversation's turns go in order in one session, the first one resetting it.
+    one_user = [(t, s, f) for t, m, s, f in backend.calls[:5]]
+    assert one_user[0] == ("p0", None, True)
+    assert [t for t, _, _ in one_user[1:4]] == ["t1", "t2", "t3"]
+    assert one_user[1][1] == one_user[3][1] and one_user[1][1].startswith("loadtest-")
+    assert [f for _, _, f in one_user[1:4]] == [True, False, False]
+
+
+def test_failed_turn_ends_its_conversation_and_is_counted():
+    from specdec.sdk.loadtest.summary import summarize
+    from specdec.sdk.loadtest.workload import Conversation
+
+    backend = FakeBackend(fail_every=2)
+    _, (cell,) = _run(
+        backend,
+        [Conversation(0, "chat", ("t1", "t2", "t3"))],
+        parse_modes("k2"),
+        parse_levels("1", None),
+        num_requests=6,
+        duration=None,
+    )
+    result = summarize(cell)
+    assert result["completed"] + result["failed"] == 6
+    assert result["errors"] == {"RESOURCE_EXHAUSTED": 3}
+    # Every failure (the second call of each conversation) started a new conversation.
+    assert [r.turn for r in cell.records] == [0, 1, 0, 1, 0, 1]
+
+
+def test_poisson_levels_start_every_request_of_the_budget():
+    from specdec.sdk.loadtest.workload import Conversation
+
+    backend = FakeBackend()
+    _, (cell,) = _run(
+        backend,
+        [Conversation(0, "code", ("p",))],
+        parse_modes("k0"),
+        parse_levels(None, "2000", max_concurrency=2),
+        num_requests=12,
+        duration=None,
+        seed=3,
+    )
+    assert len(cell.records) == 12 and all(r.ok for r in cell.records)
+    assert backend.most_in_flight <= 2

@@ -278,9 +278,12 @@ class LoadTest:
         deadline = None if seconds is None else started + seconds
         budget = {"left": count}
 
+        def expired() -> bool:
+            return deadline is not None and time.perf_counter() >= deadline
+
         def claim() -> bool:
             """Take one request of the slice's budget (False: the slice is done)."""
-            if deadline is not None and time.perf_counter() >= deadline:
+            if expired():
                 return False
             if budget["left"] is not None:
                 if budget["left"] <= 0:
@@ -324,11 +327,11 @@ class LoadTest:
 
             await asyncio.gather(*(user() for _ in range(cell.level.concurrency)))
         else:
-            await self._poisson(cell.level, claim, converse)
+            await self._poisson(cell.level, claim, expired, converse)
         cell.duration_s += time.perf_counter() - started
         self.progress.end_slice()
 
-    async def _poisson(self, level: Level, claim, converse) -> None:
+    async def _poisson(self, level: Level, claim, expired, converse) -> None:
         """Start a conversation at exponential intervals of mean 1/rate (a Poisson process)."""
         assert level.rate is not None
         cap = asyncio.Semaphore(level.max_concurrency) if level.max_concurrency else None
@@ -341,11 +344,16 @@ class LoadTest:
             async with cap:
                 await converse()
 
-        while claim():
+        first = True
+        while claim():  # claimed before the gap: no idle gap after the last arrival
+            if not first:
+                await asyncio.sleep(self.random.expovariate(level.rate))
+                if expired():
+                    break
+            first = False
             task = asyncio.ensure_future(limited())
             tasks.add(task)
             task.add_done_callback(tasks.discard)
-            await asyncio.sleep(self.random.expovariate(level.rate))
         if tasks:
             await asyncio.gather(*tasks)
 
