@@ -5,6 +5,8 @@ replica would answer, or return a canned response; no server runs."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 from grpc.aio import AioRpcError, Metadata
@@ -99,12 +101,13 @@ async def test_a_full_kv_cache_is_not_retried():
 
 
 async def test_busy_drafters_make_speculate_an_ssd_miss():
-    drafter = StubReplica(_error(BUSY))
-    fleet, spec = await _speculator([StubReplica(_error(BUSY))], [drafter])
-    branches, sent, done = await spec._speculate([1, 2, 3], [4, 5], 2)
-    assert branches == {} and done >= sent and drafter.calls == 1
-    full = StubReplica(_error(FULL))
-    fleet.drafters.replicas[0].stub = full
-    with pytest.raises(UpstreamError):  # anything else still fails the request
-        await spec._speculate([1, 2, 3], [4, 5], 2)
-    await fleet.close()
+    """A Speculate refused by busy drafters is an SSD miss at the verdict, never the
+    request's error; so is one that fails for any other reason (a full KV cache here)."""
+    for error in (BUSY, FULL):
+        drafter = StubReplica(_error(error))
+        fleet, spec = await _speculator([StubReplica(_error(BUSY))], [drafter])
+        future = asyncio.ensure_future(spec._speculate([1, 2, 3], [4, 5], 2))
+        await asyncio.wait([future])
+        assert isinstance(future.exception(), UpstreamError) and drafter.calls == 1
+        assert spec._settle(future, 0.0, 0.0) == {}  # the round counts it as a miss
+        await fleet.close()
