@@ -293,6 +293,18 @@ def test_errors(stack, oai):
     status, body = post(stack, "/v1/completions", {"prompt": "x", "frobnicate": True})
     assert status == 400 and "unsupported field(s): frobnicate" in body["error"]["message"]
 
+    # A body over the gRPC message limit is refused from its Content-Length, unread.
+    host, port = stack["http"].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEY}\r\nContent-Length: {1 << 30}\r\n\r\n".encode()
+        )
+        answer = b""
+        while b"bytes" not in answer and (part := s.recv(65536)):
+            answer += part  # the status line and headers, then the body
+    assert answer.startswith(b"HTTP/1.1 413") and b"over 67108864 bytes" in answer, answer
+
     bad_key = openai.OpenAI(base_url=stack["http"] + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as e:
         bad_key.completions.create(model="tiny", prompt="x")

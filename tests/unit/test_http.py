@@ -11,7 +11,7 @@ import pytest
 from specdec.common.errors import CapacityExceeded, InvalidRequest
 from specdec.gateway.http import api
 from specdec.gateway.http.chat import ChatTemplate, ChatTurn, messages_from_json
-from specdec.gateway.http.errors import ModelNotFound, error_body, http_status
+from specdec.gateway.http.errors import BodyTooLarge, ModelNotFound, error_body, http_status
 from specdec.gateway.loop import Unavailable
 from specdec.gateway.sessions import SessionRecord
 from specdec.gateway.text import TextCodec
@@ -243,6 +243,7 @@ def test_error_table_and_shape():
     cases = [
         (InvalidRequest("bad"), 400, "invalid_request_error", "invalid_argument"),
         (ModelNotFound("no"), 404, "not_found_error", "model_not_found"),
+        (BodyTooLarge("big"), 413, "invalid_request_error", "invalid_argument"),
         (Aborted("busy"), 409, "conflict_error", "aborted"),
         (CapacityExceeded("full"), 429, "rate_limit_error", "resource_exhausted"),
         (Unavailable("down"), 503, "service_unavailable_error", "unavailable"),

@@ -28,9 +28,11 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from specdec.common.errors import InvalidRequest, SpecdecError
+from specdec.common.serving import MAX_MESSAGE_BYTES
 from specdec.gateway.http import api
 from specdec.gateway.http.chat import ChatTemplate, ChatTurn
 from specdec.gateway.http.errors import (
+    BodyTooLarge,
     DeadlineExceeded,
     ModelNotFound,
     NotReady,
@@ -225,8 +227,18 @@ class OpenAIServer:
             raise Unauthenticated("missing or wrong API key (Authorization: Bearer <key>)")
 
     async def _body(self, request: Request) -> Any:
+        """The JSON body, read up to the gRPC API's message limit (413 beyond it)."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_MESSAGE_BYTES:
+            raise BodyTooLarge(f"the request body is over {MAX_MESSAGE_BYTES} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_MESSAGE_BYTES:
+                raise BodyTooLarge(f"the request body is over {MAX_MESSAGE_BYTES} bytes")
+            chunks.append(chunk)
         try:
-            return json.loads(await request.body())
+            return json.loads(b"".join(chunks))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
 
@@ -284,7 +296,8 @@ class OpenAIServer:
             self._authorize(request)
             self._ready()
             req, opts, messages = api.chat_request(await self._body(request), self.model)
-            req.prompt = self.chat_template().render(messages, add_generation_prompt=True)
+            template = self.chat_template()
+            req.prompt = await asyncio.to_thread(template.render, messages, True)
         except SpecdecError as e:
             return error_response(e)
         limits = self.gateway.limits
