@@ -9,7 +9,10 @@ prompt exceeds it, which is how RESOURCE_EXHAUSTED (429) is reached.
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -469,3 +472,37 @@ def test_ssd_and_seed_extensions(oai, tokenizer, reference):
         for _ in range(2)
     )  # fmt: skip
     assert ext(a)["token_ids"] == ext(b)["token_ids"]
+
+
+def _loadtest(stack, out, key: str, *argv: str) -> tuple[int, dict | None, str]:
+    env = {**os.environ, "OPENAI_API_KEY": key}
+    run = subprocess.run(
+        [sys.executable, "-m", "specdec", "loadtest", "--api", "openai", "--gateway",
+         stack["http"], "--out", str(out), "--no-progress", *argv],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    path = out / "loadtest.json"
+    return run.returncode, json.loads(path.read_text()) if path.exists() else None, run.stderr
+
+
+def test_loadtest_over_the_openai_api(stack, tmp_path):
+    """`specdec loadtest --api openai`: every response equal to the same request run alone
+    at k = 0 (--check-exact), and failures counted by the gRPC code the error body names."""
+    rc, doc, err = _loadtest(
+        stack, tmp_path / "ok", KEY, "--concurrency", "1,2", "--num-requests", "4",
+        "--max-new-tokens", "8", "--temperature", "0", "--modes", "k0,k3", "--check-exact",
+    )  # fmt: skip
+    assert rc == 0, err
+    assert doc["config"]["api"] == "openai"
+    assert doc["exact"]["checked"] > 0 and doc["exact"]["mismatches"] == 0
+    for r in doc["results"]:
+        assert r["failed"] == 0 and r["completed"] >= 4, r
+        assert r["total_output_tokens"] == 8 * r["completed"]
+    k3 = [r for r in doc["results"] if r["mode"] == "k3"]
+    assert all(r["k"] == 3 for r in k3)
+    rc, doc, err = _loadtest(
+        stack, tmp_path / "bad", "wrong-key", "--concurrency", "1", "--num-requests", "2",
+        "--max-new-tokens", "4",
+    )  # fmt: skip
+    (result,) = doc["results"]
+    assert result["completed"] == 0 and result["errors"] == {"UNAUTHENTICATED": result["failed"]}
