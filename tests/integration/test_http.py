@@ -23,6 +23,7 @@ import pytest
 
 from specdec.sdk import Client
 from specdec.tools.launcher import ServiceProcess
+from specdec.tools.otlpsink import OtlpReceiver
 from specdec.tools.redisproc import RedisProcess
 from tests.conftest import PROMPTS
 
@@ -46,16 +47,32 @@ def replica(role: str, model, *flags: str) -> ServiceProcess:
     ).start()  # fmt: skip
 
 
-def http_gateway(drafter: str, verifier: str, http_port: int, *flags: str) -> ServiceProcess:
+def http_gateway(
+    drafter: str, verifier: str, http_port: int, *flags: str, env: dict | None = None
+) -> ServiceProcess:
     return ServiceProcess.specdec(
         "gateway", "serve", "gateway", "--port", "0", "--host", "127.0.0.1",
         "--drafter", drafter, "--verifier", verifier, "--http-port", str(http_port), *flags,
+        env=env,
     ).start()  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def stack(test_models):
+def receiver():
+    """An OTLP/gRPC receiver on loopback: the gateway exports its traces here."""
+    with OtlpReceiver() as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def stack(test_models, receiver):
     procs = []
+    otel = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_TRACES_SAMPLER": "parentbased_always_on",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }
     with RedisProcess() as redis:
         try:
             d = replica("drafter", test_models.draft_noisy)
@@ -65,7 +82,7 @@ def stack(test_models):
             port = free_port()
             g = http_gateway(
                 d.address, v.address, port, "--redis", redis.url, "--api-key", KEY,
-                "--served-model-name", "tiny",
+                "--served-model-name", "tiny", env=otel,
             )  # fmt: skip
             procs.append(g)
             g.wait_healthy()
@@ -506,3 +523,33 @@ def test_loadtest_over_the_openai_api(stack, tmp_path):
     )  # fmt: skip
     (result,) = doc["results"]
     assert result["completed"] == 0 and result["errors"] == {"UNAUTHENTICATED": result["failed"]}
+
+
+def test_a_request_is_one_trace_under_the_callers_context(oai, receiver):
+    """The HTTP request's SERVER span continues the caller's `traceparent`; the turn's
+    spans (rounds, replica calls) hang under it, and the response names the trace."""
+    trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    got = oai.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "trace me"}], max_tokens=4,
+        temperature=0, extra_body={"k": 2},
+        extra_headers={"traceparent": f"00-{trace_id}-{parent}-01"},
+    )  # fmt: skip
+    assert ext(got)["trace_id"] == trace_id
+
+    def done(spans) -> bool:
+        names = {s.name for s in spans if s.trace_id == trace_id}
+        return {"POST /v1/chat/completions", "speculation round"} <= names
+
+    spans = [s for s in receiver.wait_for(done, timeout=60) if s.trace_id == trace_id]
+    (server,) = [s for s in spans if s.name == "POST /v1/chat/completions"]
+    assert server.kind == "SERVER" and server.parent_id == parent
+    assert server.attributes["http.response.status_code"] == 200
+    assert server.attributes["url.path"] == "/v1/chat/completions"
+    assert server.attributes["gen_ai.usage.output_tokens"] == 4
+    by_id = {s.span_id: s for s in spans}
+    rounds = [s for s in spans if s.name == "speculation round"]
+    for r in rounds:  # every round is a descendant of the request's span
+        up = r
+        while up.parent_id and up.parent_id in by_id:
+            up = by_id[up.parent_id]
+        assert up.span_id == server.span_id

@@ -278,6 +278,7 @@ class Renderer:
     chat: bool
     model: str
     session: dict[str, Any] | None = None  # filled by the route once the turn has run
+    trace_id: str = ""  # the request's trace (tracing on)
     id: str = field(default="")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -296,6 +297,8 @@ class Renderer:
         }
         if self.session is not None:
             ext["session"] = self.session
+        if self.trace_id:
+            ext["trace_id"] = self.trace_id
         return ext
 
     def body(self, final: gateway_pb2.GenerateResponse) -> dict[str, Any]:

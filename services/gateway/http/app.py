@@ -20,6 +20,8 @@ import time
 from typing import Any
 
 import uvicorn
+from opentelemetry import propagate, trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -27,8 +29,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from specdec.common import telemetry
 from specdec.common.errors import InvalidRequest, SpecdecError
 from specdec.common.serving import MAX_MESSAGE_BYTES
+from specdec.gateway import tracing
 from specdec.gateway.http import api
 from specdec.gateway.http.chat import ChatTemplate, ChatTurn
 from specdec.gateway.http.errors import (
@@ -72,8 +76,16 @@ class Generation:
     arrive as an error event followed by `data: [DONE]`.
     """
 
-    def __init__(self, events, renderer: api.Renderer, opts: api.Options, turn: ChatTurn | None):
+    def __init__(
+        self,
+        events,
+        renderer: api.Renderer,
+        opts: api.Options,
+        turn: ChatTurn | None,
+        span: Span | None = None,
+    ):
         self.events = events
+        self.span = span  # the request's SERVER span (tracing on), ended when the answer is
         self.renderer = renderer
         self.opts = opts
         self.turn = turn
@@ -82,6 +94,13 @@ class Generation:
         self.scope: Scope = {"type": "http"}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.span is None:
+            await self._answer(scope, receive, send)
+            return
+        with trace.use_span(self.span, end_on_exit=True):  # the turn's spans hang under it
+            await self._answer(scope, receive, send)
+
+    async def _answer(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.scope = scope
         pump = asyncio.ensure_future(self._pump(send))
         gone = asyncio.ensure_future(_disconnect(receive))
@@ -98,6 +117,9 @@ class Generation:
         with contextlib.suppress(asyncio.CancelledError):
             await pump  # the generation's cleanup (turn lock, metrics) has run
         if gone in done:
+            if self.span is not None:
+                self.span.set_attribute("http.response.status_code", 499)
+                self.span.set_status(Status(StatusCode.ERROR, "client disconnected"))
             log.info(
                 "http client disconnected; generation cancelled",
                 extra={"session_id": self.opts.session_id, "tokens": self.tokens},
@@ -119,6 +141,7 @@ class Generation:
                 if event.final is not None:
                     final = event.final
                     self._note_session(final)
+                    self.renderer.trace_id = tracing.finish(self.span, final, _NoMetadata())
                 if opts.stream:
                     first = not self.started
                     if first:
@@ -161,12 +184,44 @@ class Generation:
         self.renderer.session = session
 
     async def _send_error(self, send: Send, e: BaseException) -> None:
+        if self.span is not None:
+            self.span.set_attribute("http.response.status_code", http_status(e))
+            self.span.set_status(Status(StatusCode.ERROR, f"{type(e).__name__}: {e}"[:500]))
         if not self.started:
             await error_response(e)(self.scope, _no_receive, send)
             self.started = True
             return
         await send({"type": "http.response.body", "body": _sse(error_body(e)), "more_body": True})
         await send({"type": "http.response.body", "body": _sse("[DONE]"), "more_body": False})
+
+
+class _NoMetadata:
+    """tracing.finish sets gRPC trailing metadata; an HTTP answer carries the trace id in
+    its `specdec` extension instead."""
+
+    def set_trailing_metadata(self, metadata) -> None:
+        pass
+
+
+def request_span(request: Request, route: str, req, model: str) -> Span | None:
+    """The SERVER span of one HTTP generation, under the caller's `traceparent` header
+    (None when tracing is off). Started here, made current while the answer runs."""
+    if not telemetry.enabled():
+        return None
+    span = telemetry.tracer.start_span(
+        f"POST {route}",
+        context=propagate.extract(dict(request.headers)),
+        kind=SpanKind.SERVER,
+        attributes={
+            "http.request.method": "POST",
+            "url.path": route,
+            **tracing._request_attributes(req, model),
+        },
+        record_exception=False,
+        set_status_on_exception=False,
+    )
+    span.set_attribute("http.response.status_code", 200)  # replaced by an error's status
+    return span
 
 
 async def _no_receive() -> dict:
@@ -289,7 +344,8 @@ class OpenAIServer:
         except SpecdecError as e:
             return error_response(e)
         renderer = api.Renderer(chat=False, model=opts.model)
-        return Generation(self.gateway.run(req), renderer, opts, None)
+        span = request_span(request, "/v1/completions", req, opts.model)
+        return Generation(self.gateway.run(req), renderer, opts, None, span)
 
     async def chat_completions(self, request: Request) -> Response:
         try:
@@ -310,7 +366,8 @@ class OpenAIServer:
             max_new_tokens=limits.max_new_tokens,
         )
         renderer = api.Renderer(chat=True, model=opts.model)
-        return Generation(self.gateway.run(req, prompter=turn), renderer, opts, turn)
+        span = request_span(request, "/v1/chat/completions", req, opts.model)
+        return Generation(self.gateway.run(req, prompter=turn), renderer, opts, turn, span)
 
     def app(self) -> Starlette:
         async def http_error(request: Request, exc: HTTPException) -> Response:
