@@ -79,14 +79,18 @@ def stack(test_models, receiver):
             v = replica("verifier", test_models.target, "--max-cached-tokens", str(VERIFIER_CACHE))
             procs += [d, v]
             d.wait_healthy(), v.wait_healthy()
-            port = free_port()
+            port, metrics_port = free_port(), free_port()
             g = http_gateway(
                 d.address, v.address, port, "--redis", redis.url, "--api-key", KEY,
-                "--served-model-name", "tiny", env=otel,
+                "--served-model-name", "tiny", "--metrics-port", str(metrics_port), env=otel,
             )  # fmt: skip
             procs.append(g)
             g.wait_healthy()
-            yield {"gateway": g, "http": f"http://127.0.0.1:{port}"}
+            yield {
+                "gateway": g,
+                "http": f"http://127.0.0.1:{port}",
+                "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
+            }
         finally:
             for p in procs:
                 p.stop()
@@ -448,6 +452,7 @@ def test_unary_disconnect_cancels(stack, oai):
     """A non-streamed request whose client goes away is cancelled too."""
     gateway = stack["gateway"]
     before = sum("generation cancelled" in line for line in gateway.lines)
+    gone_before = _answers(stack, "/v1/completions", 499)
     body = json.dumps(
         {"model": "tiny", "prompt": "unary", "max_tokens": 400, "temperature": 0, "k": 0}
     ).encode()
@@ -465,6 +470,7 @@ def test_unary_disconnect_cancels(stack, oai):
         time.sleep(0.2)
     line = [json.loads(x) for x in gateway.lines if "generation cancelled" in x][-1]
     assert line["session_id"] is None and line["tokens"] < 400
+    assert _answers(stack, "/v1/completions", 499) == gone_before + 1  # no answer was sent
     assert (
         oai.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens == 2
     )
@@ -553,3 +559,22 @@ def test_a_request_is_one_trace_under_the_callers_context(oai, receiver):
         while up.parent_id and up.parent_id in by_id:
             up = by_id[up.parent_id]
         assert up.span_id == server.span_id
+
+
+def _answers(stack, path: str, status: int) -> float:
+    """specdec_gateway_http_responses_total{path, status} from the gateway's /metrics."""
+    with urllib.request.urlopen(stack["metrics"], timeout=30) as r:
+        text = r.read().decode()
+    want = f'specdec_gateway_http_responses_total{{path="{path}",status="{status}"}} '
+    lines = [x for x in text.splitlines() if x.startswith(want)]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+def test_answers_are_counted_by_path_and_status(stack, oai):
+    before_ok = _answers(stack, "/v1/completions", 200)
+    before_404 = _answers(stack, "/v1/completions", 404)
+    oai.completions.create(model="tiny", prompt="x", max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert _answers(stack, "/v1/completions", 200) == before_ok + 1
+    assert _answers(stack, "/v1/completions", 404) == before_404 + 1

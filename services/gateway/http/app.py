@@ -22,6 +22,7 @@ from typing import Any
 import uvicorn
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from prometheus_client import Counter
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -47,6 +48,13 @@ from specdec.gateway.http.errors import (
 from specdec.gateway.turn import Gateway
 
 log = logging.getLogger(__name__)
+
+ROUTES = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions")
+HTTP_RESPONSES = Counter(
+    "specdec_gateway_http_responses",
+    "HTTP API answers by path and status (499: the client went away first)",
+    ["path", "status"],
+)
 
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -394,6 +402,32 @@ class OpenAIServer:
         )
 
 
+class CountResponses:
+    """ASGI wrapper: counts every answer in HTTP_RESPONSES by path and status."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        if path not in ROUTES:  # bounded label values
+            path = "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+        status = {"code": 499}
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            HTTP_RESPONSES.labels(path=path, status=str(status["code"])).inc()
+
+
 class _Server(uvicorn.Server):
     """uvicorn without its own signal handlers: the gateway's bootstrap owns SIGTERM."""
 
@@ -405,7 +439,7 @@ class _Server(uvicorn.Server):
 class HttpServer:
     """uvicorn serving the app in the running event loop."""
 
-    def __init__(self, app: Starlette, host: str, port: int, grace_seconds: float):
+    def __init__(self, app, host: str, port: int, grace_seconds: float):
         config = uvicorn.Config(
             app,
             host=host,
@@ -439,7 +473,7 @@ class HttpServer:
 
 async def start_http(gateway: Gateway, config) -> HttpServer:
     """Serve the OpenAI-compatible API on config.http_port (GatewayConfig)."""
-    app = OpenAIServer(gateway, config.served_model_name, config.api_key).app()
+    app = CountResponses(OpenAIServer(gateway, config.served_model_name, config.api_key).app())
     server = HttpServer(app, config.host, config.http_port, config.grace_seconds)
     await server.start()
     return server
