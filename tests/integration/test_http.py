@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API through real processes, with the official `openai` client.
 
 A drafter, a verifier, a real Redis and a gateway serving gRPC and HTTP (--http-port,
---api-key); tiny fp32 models, so greedy output must equal transformers' generate().
+--auth-tokens-file); tiny fp32 models, so greedy output must equal transformers' generate().
 The verifier's KV cache bound (--max-cached-tokens) is set low enough that one long
 prompt exceeds it, which is how RESOURCE_EXHAUSTED (429) is reached.
 """
@@ -13,10 +13,12 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -65,8 +67,10 @@ def receiver():
 
 
 @pytest.fixture(scope="module")
-def stack(test_models, receiver):
+def stack(test_models, receiver, tmp_path_factory):
     procs = []
+    tokens = tmp_path_factory.mktemp("secrets") / "tokens"
+    tokens.write_text(f"# bearer tokens, one per line\n{KEY}\nsk-another\n")
     otel = {
         "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
         "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
@@ -81,7 +85,7 @@ def stack(test_models, receiver):
             d.wait_healthy(), v.wait_healthy()
             port, metrics_port = free_port(), free_port()
             g = http_gateway(
-                d.address, v.address, port, "--redis", redis.url, "--api-key", KEY,
+                d.address, v.address, port, "--redis", redis.url, "--auth-tokens-file", str(tokens),
                 "--served-model-name", "tiny", "--metrics-port", str(metrics_port), env=otel,
             )  # fmt: skip
             procs.append(g)
@@ -105,7 +109,7 @@ def oai(stack):
 
 @pytest.fixture(scope="module")
 def grpc_client(stack):
-    with Client(stack["gateway"].address, timeout=300) as c:
+    with Client(stack["gateway"].address, timeout=300, token=KEY) as c:
         yield c
 
 
@@ -578,3 +582,43 @@ def test_answers_are_counted_by_path_and_status(stack, oai):
         oai.completions.create(model="nope", prompt="x", max_tokens=2)
     assert _answers(stack, "/v1/completions", 200) == before_ok + 1
     assert _answers(stack, "/v1/completions", 404) == before_404 + 1
+
+
+def test_https_with_the_gateways_tls_settings(tmp_path):
+    """--tls-cert/--tls-key (and --tls-client-ca) cover the HTTP port as the gRPC one: a
+    gateway whose replicas never answer still serves /health (503) over TLS only."""
+    import ssl
+
+    from specdec.tools.certs import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    port = free_port()
+    g = http_gateway(
+        "127.0.0.1:9", "127.0.0.1:9", port, "--startup-timeout", "600",
+        "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
+        "--tls-client-ca", str(pki.ca),
+    )  # fmt: skip
+    try:
+        url = f"https://127.0.0.1:{port}/health"
+        trusted = ssl.create_default_context(cafile=str(pki.ca))
+        trusted.load_cert_chain(str(pki.client_cert), str(pki.client_key))
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(url, timeout=30, context=trusted)
+                raise AssertionError("health answered 200 before the replicas did")
+            except urllib.error.HTTPError as e:
+                assert e.code == 503 and "starting" in json.loads(e.read())["error"]["message"]
+                break
+            except urllib.error.URLError:
+                assert time.monotonic() < deadline, g.tail()
+                time.sleep(0.3)
+        no_cert = ssl.create_default_context(cafile=str(pki.ca))
+        with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+            urllib.request.urlopen(url, timeout=30, context=no_cert).read()
+        with pytest.raises((urllib.error.URLError, ConnectionError)):  # no plaintext
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30).read()
+        # The PEM copies uvicorn loaded are gone once it serves.
+        assert not list(Path(tempfile.gettempdir()).glob("specdec-http-*"))
+    finally:
+        g.stop()

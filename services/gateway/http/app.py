@@ -16,7 +16,10 @@ import contextlib
 import hmac
 import json
 import logging
+import tempfile
 import time
+from pathlib import Path
+from ssl import CERT_REQUIRED
 from typing import Any
 
 import uvicorn
@@ -33,6 +36,7 @@ from starlette.types import Receive, Scope, Send
 from specdec.common import telemetry
 from specdec.common.errors import InvalidRequest, SpecdecError
 from specdec.common.serving import MAX_MESSAGE_BYTES
+from specdec.common.tls import ServerTls
 from specdec.gateway import tracing
 from specdec.gateway.http import api
 from specdec.gateway.http.chat import ChatTemplate, ChatTurn
@@ -203,6 +207,12 @@ class Generation:
         await send({"type": "http.response.body", "body": _sse("[DONE]"), "more_body": False})
 
 
+def _deadline(opts: api.Options) -> float | None:
+    """The request's `timeout` as Gateway.run's deadline (time.monotonic()): it bounds every
+    replica call, as a gRPC client's deadline does."""
+    return time.monotonic() + opts.timeout if opts.timeout else None
+
+
 class _NoMetadata:
     """tracing.finish sets gRPC trailing metadata; an HTTP answer carries the trace id in
     its `specdec` extension instead."""
@@ -247,10 +257,12 @@ async def _disconnect(receive: Receive) -> None:
 class OpenAIServer:
     """The routes, over one Gateway."""
 
-    def __init__(self, gateway: Gateway, served_model_name: str = "", api_key: str = ""):
+    def __init__(
+        self, gateway: Gateway, served_model_name: str = "", tokens: frozenset[str] = frozenset()
+    ):
         self.gateway = gateway
         self.served_model_name = served_model_name
-        self.api_key = api_key
+        self.tokens = tuple(t.encode() for t in tokens)  # --auth-tokens-file, as gRPC
         self.created = int(time.time())
         self._chat_template: tuple[str, ChatTemplate] | None = None
 
@@ -280,14 +292,15 @@ class OpenAIServer:
         return self._chat_template[1]
 
     def _authorize(self, request: Request) -> None:
-        if not self.api_key:
+        if not self.tokens:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode()
-        ):
-            raise Unauthenticated("missing or wrong API key (Authorization: Bearer <key>)")
+        given = token.strip().encode()
+        # Every token compared, in constant time each (as the gRPC BearerTokens).
+        matches = [hmac.compare_digest(given, t) for t in self.tokens]
+        if scheme.lower() != "bearer" or not any(matches):
+            raise Unauthenticated("missing or invalid bearer token (Authorization: Bearer <token>)")
 
     async def _body(self, request: Request) -> Any:
         """The JSON body, read up to the gRPC API's message limit (413 beyond it)."""
@@ -353,7 +366,8 @@ class OpenAIServer:
             return error_response(e)
         renderer = api.Renderer(chat=False, model=opts.model)
         span = request_span(request, "/v1/completions", req, opts.model)
-        return Generation(self.gateway.run(req), renderer, opts, None, span)
+        events = self.gateway.run(req, deadline=_deadline(opts))
+        return Generation(events, renderer, opts, None, span)
 
     async def chat_completions(self, request: Request) -> Response:
         try:
@@ -375,7 +389,8 @@ class OpenAIServer:
         )
         renderer = api.Renderer(chat=True, model=opts.model)
         span = request_span(request, "/v1/chat/completions", req, opts.model)
-        return Generation(self.gateway.run(req, prompter=turn), renderer, opts, turn, span)
+        events = self.gateway.run(req, prompter=turn, deadline=_deadline(opts))
+        return Generation(events, renderer, opts, turn, span)
 
     def app(self) -> Starlette:
         async def http_error(request: Request, exc: HTTPException) -> Response:
@@ -437,9 +452,23 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    """uvicorn serving the app in the running event loop."""
+    """uvicorn serving the app in the running event loop; HTTPS with the gateway's TLS
+    settings (--tls-cert/--tls-key, client certificates with --tls-client-ca)."""
 
-    def __init__(self, app, host: str, port: int, grace_seconds: float):
+    def __init__(self, app, host: str, port: int, grace_seconds: float, tls: ServerTls | None):
+        self.pem_dir = tempfile.TemporaryDirectory(prefix="specdec-http-") if tls else None
+        ssl: dict[str, Any] = {}
+        if tls is not None:
+            # uvicorn reads PEM files: the bytes read at start-up go to a private folder
+            # that is removed once the server has loaded them.
+            folder = Path(self.pem_dir.name)
+            for name, data in (("cert.pem", tls.cert), ("key.pem", tls.key)):
+                (folder / name).write_bytes(data)
+            ssl = {"ssl_certfile": str(folder / "cert.pem"), "ssl_keyfile": str(folder / "key.pem")}
+            if tls.client_ca:
+                (folder / "client-ca.pem").write_bytes(tls.client_ca)
+                ssl["ssl_ca_certs"] = str(folder / "client-ca.pem")
+                ssl["ssl_cert_reqs"] = CERT_REQUIRED
         config = uvicorn.Config(
             app,
             host=host,
@@ -448,20 +477,26 @@ class HttpServer:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=max(1, int(grace_seconds)),
+            **ssl,
         )
+        self.scheme = "https" if tls else "http"
         self.server = _Server(config)
         self.task: asyncio.Task | None = None
         self.port = port
 
     async def start(self) -> None:
         self.task = asyncio.ensure_future(self.server.serve())
-        while not self.server.started:
-            if self.task.done():
-                with contextlib.suppress(SystemExit):  # uvicorn exits when it cannot bind
-                    self.task.result()
-                raise OSError(f"cannot serve HTTP on port {self.port}")
-            await asyncio.sleep(0.05)
-        log.info("http serving", extra={"http_port": self.port})
+        try:
+            while not self.server.started:
+                if self.task.done():
+                    with contextlib.suppress(SystemExit):  # uvicorn exits when it cannot bind
+                        self.task.result()
+                    raise OSError(f"cannot serve HTTP on port {self.port}")
+                await asyncio.sleep(0.05)
+        finally:
+            if self.pem_dir is not None:
+                self.pem_dir.cleanup()
+        log.info("http serving", extra={"http_port": self.port, "scheme": self.scheme})
 
     async def stop(self) -> None:
         if self.task is None:
@@ -473,7 +508,7 @@ class HttpServer:
 
 async def start_http(gateway: Gateway, config) -> HttpServer:
     """Serve the OpenAI-compatible API on config.http_port (GatewayConfig)."""
-    app = CountResponses(OpenAIServer(gateway, config.served_model_name, config.api_key).app())
-    server = HttpServer(app, config.host, config.http_port, config.grace_seconds)
+    app = CountResponses(OpenAIServer(gateway, config.served_model_name, config.auth_tokens).app())
+    server = HttpServer(app, config.host, config.http_port, config.grace_seconds, config.tls)
     await server.start()
     return server
