@@ -139,7 +139,7 @@ class Generation:
             return
         err = DeadlineExceeded(
             f"the generation did not finish within timeout={self.opts.timeout}s "
-            f"({self.tokens} tokens generated)"
+            f"(tokens generated: {self.tokens})"
         )
         with contextlib.suppress(OSError):
             await self._send_error(send, err)
