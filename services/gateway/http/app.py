@@ -97,7 +97,7 @@ class Generation:
         span: Span | None = None,
     ):
         self.events = events
-        self.span = span  # the request's SERVER span (tracing on), ended when the answer is
+        self.span = span  # the request's SERVER span (tracing on); ends with the answer
         self.renderer = renderer
         self.opts = opts
         self.turn = turn
