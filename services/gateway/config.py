@@ -60,7 +60,6 @@ class GatewayConfig:
     metrics_port: int = 0
     http_port: int = 0  # the OpenAI-compatible HTTP API (specdec.gateway.http); 0: off
     served_model_name: str = ""  # the HTTP API's model name; "": the verifier's model_id
-    api_key: str = ""  # the HTTP API's bearer token; "": no check
     default_k: int = 4
     ssd: bool = False  # speculative speculative decoding when a request does not say
     ssd_fan_out: int = 0  # branches per round; 0: the drafter's --ssd-fan-out
@@ -92,7 +91,6 @@ class GatewayConfig:
         add_setting(
             parser, "--served-model-name", "HTTP API model name (default: the verifier's)", ""
         )
-        add_setting(parser, "--api-key", "HTTP API bearer token (empty: no check)", "")
         add_setting(parser, "--default-k", "draft length when a request sets none", 4)
         add_setting(parser, "--ssd", "SSD (pre-draft during verification) by default", False)
         add_setting(parser, "--ssd-fan-out", "SSD branches per round (0: the drafter's default)", 0)
@@ -126,7 +124,6 @@ class GatewayConfig:
             metrics_port=parse_value(args, "--metrics-port", int, port_number),
             http_port=parse_value(args, "--http-port", int, port_number),
             served_model_name=parse_value(args, "--served-model-name", str),
-            api_key=parse_value(args, "--api-key", str),
             default_k=parse_value(args, "--default-k", int, non_negative),
             ssd=parse_value(args, "--ssd", boolean),
             ssd_fan_out=parse_value(args, "--ssd-fan-out", int, _fan_out),

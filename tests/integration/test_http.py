@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API through real processes, with the official `openai` client.
 
 A drafter, a verifier, a real Redis and a gateway serving gRPC and HTTP (--http-port,
---api-key); tiny fp32 models, so greedy output must equal transformers' generate().
+--auth-tokens-file); tiny fp32 models, so greedy output must equal transformers' generate().
 The verifier's KV cache bound (--max-cached-tokens) is set low enough that one long
 prompt exceeds it, which is how RESOURCE_EXHAUSTED (429) is reached.
 """
@@ -9,17 +9,23 @@ prompt exceeds it, which is how RESOURCE_EXHAUSTED (429) is reached.
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
 
 from specdec.sdk import Client
 from specdec.tools.launcher import ServiceProcess
+from specdec.tools.otlpsink import OtlpReceiver
 from specdec.tools.redisproc import RedisProcess
 from tests.conftest import PROMPTS
 
@@ -43,30 +49,52 @@ def replica(role: str, model, *flags: str) -> ServiceProcess:
     ).start()  # fmt: skip
 
 
-def http_gateway(drafter: str, verifier: str, http_port: int, *flags: str) -> ServiceProcess:
+def http_gateway(
+    drafter: str, verifier: str, http_port: int, *flags: str, env: dict | None = None
+) -> ServiceProcess:
     return ServiceProcess.specdec(
         "gateway", "serve", "gateway", "--port", "0", "--host", "127.0.0.1",
         "--drafter", drafter, "--verifier", verifier, "--http-port", str(http_port), *flags,
+        env=env,
     ).start()  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def stack(test_models):
+def receiver():
+    """An OTLP/gRPC receiver on loopback: the gateway exports its traces here."""
+    with OtlpReceiver() as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def stack(test_models, receiver, tmp_path_factory):
     procs = []
+    tokens = tmp_path_factory.mktemp("secrets") / "tokens"
+    tokens.write_text(f"# bearer tokens, one per line\n{KEY}\nsk-another\n")
+    otel = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_TRACES_SAMPLER": "parentbased_always_on",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }
     with RedisProcess() as redis:
         try:
             d = replica("drafter", test_models.draft_noisy)
             v = replica("verifier", test_models.target, "--max-cached-tokens", str(VERIFIER_CACHE))
             procs += [d, v]
             d.wait_healthy(), v.wait_healthy()
-            port = free_port()
+            port, metrics_port = free_port(), free_port()
             g = http_gateway(
-                d.address, v.address, port, "--redis", redis.url, "--api-key", KEY,
-                "--served-model-name", "tiny",
+                d.address, v.address, port, "--redis", redis.url, "--auth-tokens-file", str(tokens),
+                "--served-model-name", "tiny", "--metrics-port", str(metrics_port), env=otel,
             )  # fmt: skip
             procs.append(g)
             g.wait_healthy()
-            yield {"gateway": g, "http": f"http://127.0.0.1:{port}"}
+            yield {
+                "gateway": g,
+                "http": f"http://127.0.0.1:{port}",
+                "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
+            }
         finally:
             for p in procs:
                 p.stop()
@@ -81,7 +109,7 @@ def oai(stack):
 
 @pytest.fixture(scope="module")
 def grpc_client(stack):
-    with Client(stack["gateway"].address, timeout=300) as c:
+    with Client(stack["gateway"].address, timeout=300, token=KEY) as c:
         yield c
 
 
@@ -293,6 +321,18 @@ def test_errors(stack, oai):
     status, body = post(stack, "/v1/completions", {"prompt": "x", "frobnicate": True})
     assert status == 400 and "unsupported field(s): frobnicate" in body["error"]["message"]
 
+    # A body over the gRPC message limit is refused from its Content-Length, unread.
+    host, port = stack["http"].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEY}\r\nContent-Length: {1 << 30}\r\n\r\n".encode()
+        )
+        answer = b""
+        while b"bytes" not in answer and (part := s.recv(65536)):
+            answer += part  # the status line and headers, then the body
+    assert answer.startswith(b"HTTP/1.1 413") and b"over 67108864 bytes" in answer, answer
+
     bad_key = openai.OpenAI(base_url=stack["http"] + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as e:
         bad_key.completions.create(model="tiny", prompt="x")
@@ -416,6 +456,7 @@ def test_unary_disconnect_cancels(stack, oai):
     """A non-streamed request whose client goes away is cancelled too."""
     gateway = stack["gateway"]
     before = sum("generation cancelled" in line for line in gateway.lines)
+    gone_before = _answers(stack, "/v1/completions", 499)
     body = json.dumps(
         {"model": "tiny", "prompt": "unary", "max_tokens": 400, "temperature": 0, "k": 0}
     ).encode()
@@ -433,6 +474,7 @@ def test_unary_disconnect_cancels(stack, oai):
         time.sleep(0.2)
     line = [json.loads(x) for x in gateway.lines if "generation cancelled" in x][-1]
     assert line["session_id"] is None and line["tokens"] < 400
+    assert _answers(stack, "/v1/completions", 499) == gone_before + 1  # no answer was sent
     assert (
         oai.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens == 2
     )
@@ -457,3 +499,126 @@ def test_ssd_and_seed_extensions(oai, tokenizer, reference):
         for _ in range(2)
     )  # fmt: skip
     assert ext(a)["token_ids"] == ext(b)["token_ids"]
+
+
+def _loadtest(stack, out, key: str, *argv: str) -> tuple[int, dict | None, str]:
+    env = {**os.environ, "OPENAI_API_KEY": key}
+    run = subprocess.run(
+        [sys.executable, "-m", "specdec", "loadtest", "--api", "openai", "--gateway",
+         stack["http"], "--out", str(out), "--no-progress", *argv],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    path = out / "loadtest.json"
+    return run.returncode, json.loads(path.read_text()) if path.exists() else None, run.stderr
+
+
+def test_loadtest_over_the_openai_api(stack, tmp_path):
+    """`specdec loadtest --api openai`: every response equal to the same request run alone
+    at k = 0 (--check-exact), and failures counted by the gRPC code the error body names."""
+    rc, doc, err = _loadtest(
+        stack, tmp_path / "ok", KEY, "--concurrency", "1,2", "--num-requests", "4",
+        "--max-new-tokens", "8", "--temperature", "0", "--modes", "k0,k3", "--check-exact",
+    )  # fmt: skip
+    assert rc == 0, err
+    assert doc["config"]["api"] == "openai"
+    assert doc["exact"]["checked"] > 0 and doc["exact"]["mismatches"] == 0
+    for r in doc["results"]:
+        assert r["failed"] == 0 and r["completed"] >= 4, r
+        assert r["total_output_tokens"] == 8 * r["completed"]
+    k3 = [r for r in doc["results"] if r["mode"] == "k3"]
+    assert all(r["k"] == 3 for r in k3)
+    rc, doc, err = _loadtest(
+        stack, tmp_path / "bad", "wrong-key", "--concurrency", "1", "--num-requests", "2",
+        "--max-new-tokens", "4",
+    )  # fmt: skip
+    (result,) = doc["results"]
+    assert result["completed"] == 0 and result["errors"] == {"UNAUTHENTICATED": result["failed"]}
+
+
+def test_a_request_is_one_trace_under_the_callers_context(oai, receiver):
+    """The HTTP request's SERVER span continues the caller's `traceparent`; the turn's
+    spans (rounds, replica calls) hang under it, and the response names the trace."""
+    trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    got = oai.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "trace me"}], max_tokens=4,
+        temperature=0, extra_body={"k": 2},
+        extra_headers={"traceparent": f"00-{trace_id}-{parent}-01"},
+    )  # fmt: skip
+    assert ext(got)["trace_id"] == trace_id
+
+    def done(spans) -> bool:
+        names = {s.name for s in spans if s.trace_id == trace_id}
+        return {"POST /v1/chat/completions", "speculation round"} <= names
+
+    spans = [s for s in receiver.wait_for(done, timeout=60) if s.trace_id == trace_id]
+    (server,) = [s for s in spans if s.name == "POST /v1/chat/completions"]
+    assert server.kind == "SERVER" and server.parent_id == parent
+    assert server.attributes["http.response.status_code"] == 200
+    assert server.attributes["url.path"] == "/v1/chat/completions"
+    assert server.attributes["gen_ai.usage.output_tokens"] == 4
+    by_id = {s.span_id: s for s in spans}
+    rounds = [s for s in spans if s.name == "speculation round"]
+    for r in rounds:  # every round is a descendant of the request's span
+        up = r
+        while up.parent_id and up.parent_id in by_id:
+            up = by_id[up.parent_id]
+        assert up.span_id == server.span_id
+
+
+def _answers(stack, path: str, status: int) -> float:
+    """specdec_gateway_http_responses_total{path, status} from the gateway's /metrics."""
+    with urllib.request.urlopen(stack["metrics"], timeout=30) as r:
+        text = r.read().decode()
+    want = f'specdec_gateway_http_responses_total{{path="{path}",status="{status}"}} '
+    lines = [x for x in text.splitlines() if x.startswith(want)]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+def test_answers_are_counted_by_path_and_status(stack, oai):
+    before_ok = _answers(stack, "/v1/completions", 200)
+    before_404 = _answers(stack, "/v1/completions", 404)
+    oai.completions.create(model="tiny", prompt="x", max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert _answers(stack, "/v1/completions", 200) == before_ok + 1
+    assert _answers(stack, "/v1/completions", 404) == before_404 + 1
+
+
+def test_https_with_the_gateways_tls_settings(tmp_path):
+    """--tls-cert/--tls-key (and --tls-client-ca) cover the HTTP port as the gRPC one: a
+    gateway whose replicas never answer still serves /health (503) over TLS only."""
+    import ssl
+
+    from specdec.tools.certs import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    port = free_port()
+    g = http_gateway(
+        "127.0.0.1:9", "127.0.0.1:9", port, "--startup-timeout", "600",
+        "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
+        "--tls-client-ca", str(pki.ca),
+    )  # fmt: skip
+    try:
+        url = f"https://127.0.0.1:{port}/health"
+        trusted = ssl.create_default_context(cafile=str(pki.ca))
+        trusted.load_cert_chain(str(pki.client_cert), str(pki.client_key))
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(url, timeout=30, context=trusted)
+                raise AssertionError("health answered 200 before the replicas did")
+            except urllib.error.HTTPError as e:
+                assert e.code == 503 and "starting" in json.loads(e.read())["error"]["message"]
+                break
+            except urllib.error.URLError:
+                assert time.monotonic() < deadline, g.tail()
+                time.sleep(0.3)
+        no_cert = ssl.create_default_context(cafile=str(pki.ca))
+        with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+            urllib.request.urlopen(url, timeout=30, context=no_cert).read()
+        with pytest.raises((urllib.error.URLError, ConnectionError)):  # no plaintext
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30).read()
+        # The PEM copies uvicorn loaded are gone once it serves.
+        assert not list(Path(tempfile.gettempdir()).glob("specdec-http-*"))
+    finally:
+        g.stop()

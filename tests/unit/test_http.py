@@ -11,7 +11,7 @@ import pytest
 from specdec.common.errors import CapacityExceeded, InvalidRequest
 from specdec.gateway.http import api
 from specdec.gateway.http.chat import ChatTemplate, ChatTurn, messages_from_json
-from specdec.gateway.http.errors import ModelNotFound, error_body, http_status
+from specdec.gateway.http.errors import BodyTooLarge, ModelNotFound, error_body, http_status
 from specdec.gateway.loop import Unavailable
 from specdec.gateway.sessions import SessionRecord
 from specdec.gateway.text import TextCodec
@@ -243,6 +243,7 @@ def test_error_table_and_shape():
     cases = [
         (InvalidRequest("bad"), 400, "invalid_request_error", "invalid_argument"),
         (ModelNotFound("no"), 404, "not_found_error", "model_not_found"),
+        (BodyTooLarge("big"), 413, "invalid_request_error", "invalid_argument"),
         (Aborted("busy"), 409, "conflict_error", "aborted"),
         (CapacityExceeded("full"), 429, "rate_limit_error", "resource_exhausted"),
         (Unavailable("down"), 503, "service_unavailable_error", "unavailable"),
@@ -275,3 +276,30 @@ def test_usage_counts_history_as_cached():
         "total_tokens": 42,
         "prompt_tokens_details": {"cached_tokens": 30},
     }
+
+
+def test_session_reset_extension():
+    req, _ = api.completion_request(
+        {"prompt": "x", "session_id": "s", "session_reset": True}, SERVED
+    )
+    assert req.session.id == "s" and req.session.mode == gateway_pb2.SESSION_MODE_RESET
+    req, _ = api.completion_request({"prompt": "x", "session_id": "s"}, SERVED)
+    assert req.session.mode == gateway_pb2.SESSION_MODE_CONTINUE
+    with pytest.raises(InvalidRequest, match="session_reset must be true or false"):
+        api.completion_request({"prompt": "x", "session_reset": "yes"}, SERVED)
+
+
+def test_loadtest_backend_reads_openai_errors():
+    from specdec.sdk.errors import InvalidArgument, ResourceExhausted, SpecdecError
+    from specdec.sdk.loadtest.openai_api import base_url, error_from
+
+    assert base_url("127.0.0.1:8000") == "http://127.0.0.1:8000/v1"
+    assert base_url("https://h/v1/") == "https://h/v1"
+    e = error_from(400, error_body(InvalidRequest("bad k")))
+    assert isinstance(e, InvalidArgument) and e.details == "bad k"
+    e = error_from(429, error_body(CapacityExceeded("full")))
+    assert isinstance(e, ResourceExhausted)
+    e = error_from(409, {"error": {"message": "busy", "code": "aborted"}})
+    assert e.code == grpc.StatusCode.ABORTED and type(e) is SpecdecError
+    e = error_from(504, "<html>gateway timeout</html>")  # a proxy's page: by status
+    assert e.code == grpc.StatusCode.DEADLINE_EXCEEDED and "HTTP 504" in e.details

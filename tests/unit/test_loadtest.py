@@ -164,7 +164,7 @@ def test_report_table_json_and_png(tmp_path):
             "mode 'adaptive' (speculation that adapts its draft length) is not built yet",
         ),
         (["--modes", "k2", "--k", "2"], "give --modes or --k/--ssd, not both"),
-        (["--api", "openai"], "--api 'openai' is not built (have: grpc)"),
+        (["--api", "rest"], "--api 'rest' is not built (have: grpc, openai)"),
         (["--check-exact", "--temperature", "0.7"], "--check-exact needs greedy decoding"),
         (["--concurrency", "0"], "--concurrency: '0' is not a positive number"),
     ],

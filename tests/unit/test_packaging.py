@@ -57,7 +57,7 @@ def _names(reqs: list[str] | None) -> set[str]:
 def test_distribution_dependencies():
     sdk = requires("specdec-sdk") or []
     assert _names([r for r in sdk if "extra ==" not in r]) == {"grpcio", "protobuf"}
-    assert _names([r for r in sdk if 'extra == "loadtest"' in r]) == {"matplotlib"}
+    assert _names([r for r in sdk if 'extra == "loadtest"' in r]) == {"matplotlib", "httpx"}
     server = requires("specdec-server") or []
     gateway = [r for r in server if 'extra == "gateway"' in r]
     replica = [r for r in server if 'extra == "replica"' in r]

@@ -5,8 +5,9 @@ A thin translation: JSON types and OpenAI's field names are checked here; every 
 by specdec.gateway.request.validate, the same code the gRPC API runs.
 
 Speculation settings are extension fields of the body, as vLLM accepts extra fields:
-`k` (draft length; 0 = no speculation), `ssd` (bool), `session_id`, and `timeout`
-(seconds for the whole generation; past it the answer is 504). Responses carry the
+`k` (draft length; 0 = no speculation), `ssd` (bool), `session_id`, `session_reset`
+(bool: forget the session's history first) and `timeout` (seconds for the whole
+generation; past it the answer is 504). Responses carry the
 speculation statistics, timings, the token ids and, for a session, what happened to it
 under the extension key `specdec`.
 """
@@ -52,6 +53,7 @@ COMMON_FIELDS = {
     "k",
     "ssd",
     "session_id",
+    "session_reset",
     "timeout",
 }
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
@@ -193,6 +195,8 @@ def _common(body: dict, req: gateway_pb2.GenerateRequest, served: str) -> Option
             raise InvalidRequest("session_id must be a non-empty string")
         req.session.id = session_id
         opts.session_id = session_id
+    if _bool(body, "session_reset"):  # forget the session's history first (validated as gRPC)
+        req.session.mode = gateway_pb2.SESSION_MODE_RESET
     timeout = _number(body, "timeout")
     if timeout is not None:
         if not timeout > 0:
@@ -274,6 +278,7 @@ class Renderer:
     chat: bool
     model: str
     session: dict[str, Any] | None = None  # filled by the route once the turn has run
+    trace_id: str = ""  # the request's trace (tracing on)
     id: str = field(default="")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -292,6 +297,8 @@ class Renderer:
         }
         if self.session is not None:
             ext["session"] = self.session
+        if self.trace_id:
+            ext["trace_id"] = self.trace_id
         return ext
 
     def body(self, final: gateway_pb2.GenerateResponse) -> dict[str, Any]:

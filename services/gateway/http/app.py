@@ -16,10 +16,16 @@ import contextlib
 import hmac
 import json
 import logging
+import tempfile
 import time
+from pathlib import Path
+from ssl import CERT_REQUIRED
 from typing import Any
 
 import uvicorn
+from opentelemetry import propagate, trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from prometheus_client import Counter
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -27,10 +33,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from specdec.common import telemetry
 from specdec.common.errors import InvalidRequest, SpecdecError
+from specdec.common.serving import MAX_MESSAGE_BYTES
+from specdec.common.tls import ServerTls
+from specdec.gateway import tracing
 from specdec.gateway.http import api
 from specdec.gateway.http.chat import ChatTemplate, ChatTurn
 from specdec.gateway.http.errors import (
+    BodyTooLarge,
     DeadlineExceeded,
     ModelNotFound,
     NotReady,
@@ -41,6 +52,13 @@ from specdec.gateway.http.errors import (
 from specdec.gateway.turn import Gateway
 
 log = logging.getLogger(__name__)
+
+ROUTES = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions")
+HTTP_RESPONSES = Counter(
+    "specdec_gateway_http_responses",
+    "HTTP API answers by path and status (499: the client went away first)",
+    ["path", "status"],
+)
 
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -70,8 +88,16 @@ class Generation:
     arrive as an error event followed by `data: [DONE]`.
     """
 
-    def __init__(self, events, renderer: api.Renderer, opts: api.Options, turn: ChatTurn | None):
+    def __init__(
+        self,
+        events,
+        renderer: api.Renderer,
+        opts: api.Options,
+        turn: ChatTurn | None,
+        span: Span | None = None,
+    ):
         self.events = events
+        self.span = span  # the request's SERVER span (tracing on); ends with the answer
         self.renderer = renderer
         self.opts = opts
         self.turn = turn
@@ -80,6 +106,13 @@ class Generation:
         self.scope: Scope = {"type": "http"}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.span is None:
+            await self._answer(scope, receive, send)
+            return
+        with trace.use_span(self.span, end_on_exit=True):  # the turn's spans hang under it
+            await self._answer(scope, receive, send)
+
+    async def _answer(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.scope = scope
         pump = asyncio.ensure_future(self._pump(send))
         gone = asyncio.ensure_future(_disconnect(receive))
@@ -96,6 +129,9 @@ class Generation:
         with contextlib.suppress(asyncio.CancelledError):
             await pump  # the generation's cleanup (turn lock, metrics) has run
         if gone in done:
+            if self.span is not None:
+                self.span.set_attribute("http.response.status_code", 499)
+                self.span.set_status(Status(StatusCode.ERROR, "client disconnected"))
             log.info(
                 "http client disconnected; generation cancelled",
                 extra={"session_id": self.opts.session_id, "tokens": self.tokens},
@@ -103,7 +139,7 @@ class Generation:
             return
         err = DeadlineExceeded(
             f"the generation did not finish within timeout={self.opts.timeout}s "
-            f"({self.tokens} tokens generated)"
+            f"(tokens generated: {self.tokens})"
         )
         with contextlib.suppress(OSError):
             await self._send_error(send, err)
@@ -117,6 +153,7 @@ class Generation:
                 if event.final is not None:
                     final = event.final
                     self._note_session(final)
+                    self.renderer.trace_id = tracing.finish(self.span, final, _NoMetadata())
                 if opts.stream:
                     first = not self.started
                     if first:
@@ -159,12 +196,50 @@ class Generation:
         self.renderer.session = session
 
     async def _send_error(self, send: Send, e: BaseException) -> None:
+        if self.span is not None:
+            self.span.set_attribute("http.response.status_code", http_status(e))
+            self.span.set_status(Status(StatusCode.ERROR, f"{type(e).__name__}: {e}"[:500]))
         if not self.started:
             await error_response(e)(self.scope, _no_receive, send)
             self.started = True
             return
         await send({"type": "http.response.body", "body": _sse(error_body(e)), "more_body": True})
         await send({"type": "http.response.body", "body": _sse("[DONE]"), "more_body": False})
+
+
+def _deadline(opts: api.Options) -> float | None:
+    """The request's `timeout` as Gateway.run's deadline (time.monotonic()): it bounds every
+    replica call, as a gRPC client's deadline does."""
+    return time.monotonic() + opts.timeout if opts.timeout else None
+
+
+class _NoMetadata:
+    """tracing.finish sets gRPC trailing metadata; an HTTP answer carries the trace id in
+    its `specdec` extension instead."""
+
+    def set_trailing_metadata(self, metadata) -> None:
+        pass
+
+
+def request_span(request: Request, route: str, req, model: str) -> Span | None:
+    """The SERVER span of one HTTP generation, under the caller's `traceparent` header
+    (None when tracing is off). Started here, made current while the answer runs."""
+    if not telemetry.enabled():
+        return None
+    span = telemetry.tracer.start_span(
+        f"POST {route}",
+        context=propagate.extract(dict(request.headers)),
+        kind=SpanKind.SERVER,
+        attributes={
+            "http.request.method": "POST",
+            "url.path": route,
+            **tracing._request_attributes(req, model),
+        },
+        record_exception=False,
+        set_status_on_exception=False,
+    )
+    span.set_attribute("http.response.status_code", 200)  # replaced by an error's status
+    return span
 
 
 async def _no_receive() -> dict:
@@ -182,10 +257,12 @@ async def _disconnect(receive: Receive) -> None:
 class OpenAIServer:
     """The routes, over one Gateway."""
 
-    def __init__(self, gateway: Gateway, served_model_name: str = "", api_key: str = ""):
+    def __init__(
+        self, gateway: Gateway, served_model_name: str = "", tokens: frozenset[str] = frozenset()
+    ):
         self.gateway = gateway
         self.served_model_name = served_model_name
-        self.api_key = api_key
+        self.tokens = tuple(t.encode() for t in tokens)  # --auth-tokens-file, as gRPC
         self.created = int(time.time())
         self._chat_template: tuple[str, ChatTemplate] | None = None
 
@@ -215,18 +292,29 @@ class OpenAIServer:
         return self._chat_template[1]
 
     def _authorize(self, request: Request) -> None:
-        if not self.api_key:
+        if not self.tokens:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode()
-        ):
-            raise Unauthenticated("missing or wrong API key (Authorization: Bearer <key>)")
+        given = token.strip().encode()
+        # Every token compared, in constant time each (as the gRPC BearerTokens).
+        matches = [hmac.compare_digest(given, t) for t in self.tokens]
+        if scheme.lower() != "bearer" or not any(matches):
+            raise Unauthenticated("missing or invalid bearer token (Authorization: Bearer <token>)")
 
     async def _body(self, request: Request) -> Any:
+        """The JSON body, read up to the gRPC API's message limit (413 beyond it)."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_MESSAGE_BYTES:
+            raise BodyTooLarge(f"the request body is over {MAX_MESSAGE_BYTES} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_MESSAGE_BYTES:
+                raise BodyTooLarge(f"the request body is over {MAX_MESSAGE_BYTES} bytes")
+            chunks.append(chunk)
         try:
-            return json.loads(await request.body())
+            return json.loads(b"".join(chunks))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
 
@@ -277,14 +365,17 @@ class OpenAIServer:
         except SpecdecError as e:
             return error_response(e)
         renderer = api.Renderer(chat=False, model=opts.model)
-        return Generation(self.gateway.run(req), renderer, opts, None)
+        span = request_span(request, "/v1/completions", req, opts.model)
+        events = self.gateway.run(req, deadline=_deadline(opts))
+        return Generation(events, renderer, opts, None, span)
 
     async def chat_completions(self, request: Request) -> Response:
         try:
             self._authorize(request)
             self._ready()
             req, opts, messages = api.chat_request(await self._body(request), self.model)
-            req.prompt = self.chat_template().render(messages, add_generation_prompt=True)
+            template = self.chat_template()
+            req.prompt = await asyncio.to_thread(template.render, messages, True)
         except SpecdecError as e:
             return error_response(e)
         limits = self.gateway.limits
@@ -297,7 +388,9 @@ class OpenAIServer:
             max_new_tokens=limits.max_new_tokens,
         )
         renderer = api.Renderer(chat=True, model=opts.model)
-        return Generation(self.gateway.run(req, prompter=turn), renderer, opts, turn)
+        span = request_span(request, "/v1/chat/completions", req, opts.model)
+        events = self.gateway.run(req, prompter=turn, deadline=_deadline(opts))
+        return Generation(events, renderer, opts, turn, span)
 
     def app(self) -> Starlette:
         async def http_error(request: Request, exc: HTTPException) -> Response:
@@ -324,6 +417,32 @@ class OpenAIServer:
         )
 
 
+class CountResponses:
+    """ASGI wrapper: counts every answer in HTTP_RESPONSES by path and status."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        if path not in ROUTES:  # bounded label values
+            path = "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+        status = {"code": 499}
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            HTTP_RESPONSES.labels(path=path, status=str(status["code"])).inc()
+
+
 class _Server(uvicorn.Server):
     """uvicorn without its own signal handlers: the gateway's bootstrap owns SIGTERM."""
 
@@ -333,9 +452,23 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    """uvicorn serving the app in the running event loop."""
+    """uvicorn serving the app in the running event loop; HTTPS with the gateway's TLS
+    settings (--tls-cert/--tls-key, client certificates with --tls-client-ca)."""
 
-    def __init__(self, app: Starlette, host: str, port: int, grace_seconds: float):
+    def __init__(self, app, host: str, port: int, grace_seconds: float, tls: ServerTls | None):
+        self.pem_dir = tempfile.TemporaryDirectory(prefix="specdec-http-") if tls else None
+        ssl: dict[str, Any] = {}
+        if tls is not None:
+            # uvicorn reads PEM files: the bytes read at start-up go to a private folder
+            # that is removed once the server has loaded them.
+            folder = Path(self.pem_dir.name)
+            for name, data in (("cert.pem", tls.cert), ("key.pem", tls.key)):
+                (folder / name).write_bytes(data)
+            ssl = {"ssl_certfile": str(folder / "cert.pem"), "ssl_keyfile": str(folder / "key.pem")}
+            if tls.client_ca:
+                (folder / "client-ca.pem").write_bytes(tls.client_ca)
+                ssl["ssl_ca_certs"] = str(folder / "client-ca.pem")
+                ssl["ssl_cert_reqs"] = CERT_REQUIRED
         config = uvicorn.Config(
             app,
             host=host,
@@ -344,20 +477,26 @@ class HttpServer:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=max(1, int(grace_seconds)),
+            **ssl,
         )
+        self.scheme = "https" if tls else "http"
         self.server = _Server(config)
         self.task: asyncio.Task | None = None
         self.port = port
 
     async def start(self) -> None:
         self.task = asyncio.ensure_future(self.server.serve())
-        while not self.server.started:
-            if self.task.done():
-                with contextlib.suppress(SystemExit):  # uvicorn exits when it cannot bind
-                    self.task.result()
-                raise OSError(f"cannot serve HTTP on port {self.port}")
-            await asyncio.sleep(0.05)
-        log.info("http serving", extra={"http_port": self.port})
+        try:
+            while not self.server.started:
+                if self.task.done():
+                    with contextlib.suppress(SystemExit):  # uvicorn exits when it cannot bind
+                        self.task.result()
+                    raise OSError(f"cannot serve HTTP on port {self.port}")
+                await asyncio.sleep(0.05)
+        finally:
+            if self.pem_dir is not None:
+                self.pem_dir.cleanup()
+        log.info("http serving", extra={"http_port": self.port, "scheme": self.scheme})
 
     async def stop(self) -> None:
         if self.task is None:
@@ -369,7 +508,7 @@ class HttpServer:
 
 async def start_http(gateway: Gateway, config) -> HttpServer:
     """Serve the OpenAI-compatible API on config.http_port (GatewayConfig)."""
-    app = OpenAIServer(gateway, config.served_model_name, config.api_key).app()
-    server = HttpServer(app, config.host, config.http_port, config.grace_seconds)
+    app = CountResponses(OpenAIServer(gateway, config.served_model_name, config.auth_tokens).app())
+    server = HttpServer(app, config.host, config.http_port, config.grace_seconds, config.tls)
     await server.start()
     return server

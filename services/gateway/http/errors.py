@@ -30,6 +30,7 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
 ERROR_TYPE: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
+    413: "invalid_request_error",
     403: "permission_error",
     404: "not_found_error",
     409: "conflict_error",
@@ -51,6 +52,14 @@ class Unauthenticated(SpecdecError):
     error_code = "invalid_api_key"
 
 
+class BodyTooLarge(SpecdecError):
+    """A request body beyond the gateway's message limit (gRPC's own answer would be
+    RESOURCE_EXHAUSTED, which means backpressure here, hence the explicit status)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    http_status = 413
+
+
 class DeadlineExceeded(SpecdecError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
@@ -62,7 +71,7 @@ class NotReady(SpecdecError):
 def http_status(e: BaseException) -> int:
     """The HTTP status of an error (500 for anything that is not a SpecdecError)."""
     if isinstance(e, SpecdecError):
-        return HTTP_STATUS.get(e.code, 500)
+        return getattr(e, "http_status", None) or HTTP_STATUS.get(e.code, 500)
     return 500
 
 

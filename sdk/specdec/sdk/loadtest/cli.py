@@ -26,7 +26,12 @@ def add_loadtest_parser(commands) -> argparse.ArgumentParser:
         description=__doc__.splitlines()[0],
     )
     p.add_argument("--gateway", default="127.0.0.1:50051", help="gateway address host:port")
-    p.add_argument("--api", default="grpc", help="API to load: grpc (the gateway's gRPC API)")
+    p.add_argument(
+        "--api",
+        default="grpc",
+        help="API to load: grpc (the gateway's gRPC API) or openai (its OpenAI-compatible "
+        "HTTP API: --gateway is then the HTTP HOST:PORT or URL, OPENAI_API_KEY its token)",
+    )
     load = p.add_mutually_exclusive_group()
     load.add_argument(
         "--concurrency", help="concurrent users per level, e.g. 1,2,4,8,16 (default 1)"

@@ -109,9 +109,17 @@ class GrpcBackend:
         await self.client.close()
 
 
-#: --api choices: name -> factory(address, timeout); another API (an OpenAI-compatible one,
-#: say) adds its Backend here.
-BACKENDS: dict[str, Callable[[str, float], Backend]] = {"grpc": GrpcBackend}
+def _openai_backend(address: str, timeout: float) -> Backend:
+    from specdec.sdk.loadtest.openai_api import OpenAIBackend
+
+    return OpenAIBackend(address, timeout)
+
+
+#: --api choices: name -> factory(address, timeout).
+BACKENDS: dict[str, Callable[[str, float], Backend]] = {
+    "grpc": GrpcBackend,
+    "openai": _openai_backend,  # the gateway's OpenAI-compatible HTTP API (--http-port)
+}
 
 
 async def run_request(
