@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import urllib.request
 
 import pytest
@@ -285,17 +286,23 @@ def test_sdk_raises_invalid_argument(client):
 def test_concurrent_turns_of_one_session_are_refused(stack, tokenizer):
     """A turn in flight on gateway A: a second turn of that session on B is ABORTED."""
     ids = ids_of(tokenizer, PROMPTS[0])
+    verifier = stack["verifier"].proc
     with Client(stack["a"].address) as a, Client(stack["b"].address) as b:
-        # 400 target steps (k = 0): the turn runs for a long while after its first chunk,
-        # whatever the machine's load, and holds the session all that time.
         first = a.stream(token_ids=ids, max_new_tokens=400, k=0, session_id="busy")
         chunks = [next(first)]
-        with pytest.raises(SpecdecError) as err:
-            b.generate(token_ids=[5], max_new_tokens=2, session_id="busy")
-        assert err.value.code.name == "ABORTED" and "in progress" in err.value.details
-        with pytest.raises(SpecdecError) as err:  # the same gateway refuses it too
-            a.generate(token_ids=[5], max_new_tokens=2, session_id="busy")
-        assert err.value.code.name == "ABORTED"
+        # Freeze the verifier: the turn's next Verify hangs, so the turn holds the session
+        # for as long as the checks below take, whatever the machine's speed (a second
+        # turn waits up to a second for the session before it is refused).
+        verifier.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(SpecdecError) as err:
+                b.generate(token_ids=[5], max_new_tokens=2, session_id="busy")
+            assert err.value.code.name == "ABORTED" and "in progress" in err.value.details
+            with pytest.raises(SpecdecError) as err:  # the same gateway refuses it too
+                a.generate(token_ids=[5], max_new_tokens=2, session_id="busy")
+            assert err.value.code.name == "ABORTED"
+        finally:
+            verifier.send_signal(signal.SIGCONT)
         chunks += list(first)
         assert chunks[-1].final is not None
         # The lock is gone once the turn ends: the next turn runs, on either gateway.
