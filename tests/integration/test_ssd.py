@@ -54,7 +54,10 @@ def check_stats(s, ssd: bool) -> None:
         return
     speculated = s.ssd_hits + s.ssd_misses
     assert 0 < speculated <= s.rounds  # not the rounds that leave no room for another
-    assert s.ssd_branches >= speculated and s.ssd_bytes > 0
+    # ssd_branches counts the branches of Speculates answered before their verdict; a
+    # late one is cancelled (and decided by the next Draft's `prepared`), so no lower
+    # bound here: on these tiny models Speculate is often slower than Verify.
+    assert s.ssd_bytes > 0
     assert s.ssd_hidden_ms > 0
 
 
@@ -102,7 +105,7 @@ def test_ssd_miss_path(ssd_stack, tokenizer, reference):
             assert list(got.tokens) == reference(ids, N)
             s = got.stats
             check_stats(s, True)
-            assert s.ssd_branches == s.ssd_hits + s.ssd_misses  # fan-out 1
+            assert s.ssd_branches <= s.ssd_hits + s.ssd_misses  # fan-out 1
             misses += s.ssd_misses
         assert misses > 0
 
