@@ -46,7 +46,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     @stream_rpc_errors
     async def GenerateStream(self, request, context):
         async for event in self.gateway.run(request, client_deadline(context)):
-            yield stream_message(event.text, event.tokens, event.final)
+            yield stream_message(
+                event.text, event.tokens, event.final, event.time_to_first_token_ms
+            )
 
 
 def main(args: argparse.Namespace) -> None:
