@@ -218,3 +218,27 @@ def test_redis_restarted_mid_turn(stack, tokenizer, reference):
     finally:
         g.stop()
         server.stop()
+
+
+def test_gateway_killed_between_turns(stack, redis_server, tokenizer, reference):
+    """SIGKILL (no graceful stop) after a turn: another gateway continues the session."""
+    d, v = stack["drafter"], stack["verifier"]
+    p1 = ids_of(tokenizer, PROMPTS[0])
+    p2 = tokenizer(" return", add_special_tokens=False).input_ids
+    g = gateway([d], [v], redis_server.url)
+    try:
+        g.wait_healthy()
+        with Client(g.address, timeout=120) as c:
+            t1 = c.generate(token_ids=p1, max_new_tokens=10, k=4, session_id="killed", ssd=True)
+    finally:
+        g.kill()
+    g2 = gateway([d], [v], redis_server.url)
+    try:
+        g2.wait_healthy()
+        with Client(g2.address, timeout=120) as c:
+            t2 = c.generate(token_ids=p2, max_new_tokens=10, k=4, session_id="killed", ssd=True)
+    finally:
+        g2.stop()
+    assert list(t1.tokens) == reference(p1, 10)
+    assert list(t2.tokens) == reference([*p1, *t1.tokens, *p2], 10)
+    assert t2.usage.history_tokens == len(p1) + 10
