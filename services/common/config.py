@@ -100,10 +100,12 @@ class ReplicaConfig:
     device: str = "cpu"
     host: str = "0.0.0.0"
     port: int = 50051
+    metrics_port: int = 0  # Prometheus /metrics; 0: off
     max_cached_tokens: int = 65536
     max_draft_tokens: int = 16
     max_context: int = 0  # 0: the model's own max_position_embeddings
-    threads: int = 0  # 0: torch's default
+    threads: int = 0  # 0: the CPUs this process may use (affinity mask, cgroup quota)
+    max_queue: int = 64  # model requests that may wait behind the running one
     replica_id: str = ""  # empty: hostname:port, known once the port is bound
     grace_seconds: float = 10.0
     prefill_chunk: int = 512  # tokens per forward when feeding a long input; 0: one forward
@@ -119,10 +121,23 @@ class ReplicaConfig:
         add_setting(parser, "--device", "torch device: cpu, cuda or cuda:N", "cpu")
         add_setting(parser, "--host", "address to listen on", "0.0.0.0")
         add_setting(parser, "--port", "gRPC port (0: any free port)", default_port)
+        add_setting(parser, "--metrics-port", "Prometheus /metrics port (0: off)", 0)
         add_setting(parser, "--max-cached-tokens", "KV cache bound over all sessions", 65536)
         add_setting(parser, "--max-draft-tokens", "largest draft length k accepted", 16)
         add_setting(parser, "--max-context", "context limit (0: the model's own)", 0)
-        add_setting(parser, "--threads", "torch CPU threads (0: torch's default)", 0)
+        add_setting(
+            parser,
+            "--threads",
+            "torch CPU threads (0: the CPUs this process may use: affinity mask, cgroup quota)",
+            0,
+        )
+        add_setting(
+            parser,
+            "--max-queue",
+            "model requests that may wait behind the running one; more are refused with "
+            "RESOURCE_EXHAUSTED (replica busy) so the gateway tries another replica",
+            64,
+        )
         add_setting(
             parser, "--replica-id", "name reported in Info and logs (default host:port)", ""
         )
@@ -163,10 +178,12 @@ class ReplicaConfig:
             device=device,
             host=parse_value(args, "--host", str),
             port=port,
+            metrics_port=parse_value(args, "--metrics-port", int, port_number),
             max_cached_tokens=parse_value(args, "--max-cached-tokens", int, positive),
             max_draft_tokens=parse_value(args, "--max-draft-tokens", int, positive),
             max_context=parse_value(args, "--max-context", int, non_negative),
             threads=parse_value(args, "--threads", int, non_negative),
+            max_queue=parse_value(args, "--max-queue", int, non_negative),
             replica_id=args.replica_id or "",
             grace_seconds=parse_value(
                 args, "--grace-seconds", float, lambda v: None if v >= 0 else "must be >= 0"

@@ -13,8 +13,10 @@ import grpc
 from specdec.common.config import ReplicaConfig
 from specdec.common.errors import InvalidRequest, NotReady
 from specdec.common.logs import setup_logging
+from specdec.common.metrics import start_metrics_server
 from specdec.common.runtime import ModelRuntime, Prefix
 from specdec.common.serving import rpc_errors, serve
+from specdec.common.telemetry import setup_tracing
 from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -55,7 +57,7 @@ class ReplicaServicer:
         rt = self.ready_runtime()
         cfg = rt.config
         cached_tokens, cached_sessions = await rt.run(
-            lambda: (rt.store.cached_tokens, len(rt.store))
+            lambda: (rt.store.cached_tokens, len(rt.store)), bounded=False
         )
         info = common_pb2.ModelInfo(
             role=_ROLES[cfg.role],
@@ -73,6 +75,7 @@ class ReplicaServicer:
             replica_id=self.replica_id,
             chat_template=rt.chat_template,
             bos_token_id=rt.bos_token_id,
+            special_tokens=rt.special_tokens,
         )
         if request.include_tokenizer:
             info.tokenizer_json_zlib = rt.tokenizer_json
@@ -86,7 +89,7 @@ class ReplicaServicer:
     async def Release(self, request: common_pb2.ReleaseRequest, context):
         check_session_id(request.session_id)
         rt = self.ready_runtime()
-        released = await rt.run(self.release, request.session_id)
+        released = await rt.run(self.release, request.session_id, bounded=False)
         return common_pb2.ReleaseResponse(released=released)
 
 
@@ -100,23 +103,30 @@ def run_replica(
     """`specdec serve drafter|verifier`: config, logging, serve until SIGTERM."""
     config = config_type.from_args(args)
     setup_logging(config.role)
+    tracing = setup_tracing(config.role)
+    if config.metrics_port:
+        start_metrics_server(config.metrics_port, config.host)
     runtime = ModelRuntime(config)
     servicer = make_servicer(runtime)
 
     async def ready() -> None:
-        await runtime.run(runtime.load)
+        await runtime.run(runtime.load, bounded=False)
 
-    asyncio.run(
-        serve(
-            service_name=service_name,
-            add_servicers=lambda server: add_to_server(servicer, server),
-            reflect=[service_name],
-            host=config.host,
-            port=config.port,
-            ready=ready,
-            grace_seconds=config.grace_seconds,
-            on_stop=runtime.shutdown,
-            on_port=servicer.on_port,
-            credentials=config.tls.credentials() if config.tls else None,
+    try:
+        asyncio.run(
+            serve(
+                service_name=service_name,
+                add_servicers=lambda server: add_to_server(servicer, server),
+                reflect=[service_name],
+                host=config.host,
+                port=config.port,
+                ready=ready,
+                grace_seconds=config.grace_seconds,
+                on_stop=runtime.shutdown,
+                on_port=servicer.on_port,
+                credentials=config.tls.credentials() if config.tls else None,
+            )
         )
-    )
+    finally:
+        if tracing:
+            tracing.shutdown()  # flush the spans of the graceful stop

@@ -12,11 +12,11 @@ validates requests and awaits ``ModelRuntime.run``.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import inspect
 import json
 import logging
+import threading
 import time
 import zlib
 from collections import OrderedDict
@@ -29,7 +29,16 @@ from typing import TypeVar
 import torch
 
 from specdec.common.config import ReplicaConfig
-from specdec.common.errors import CACHE_MISS_PREFIX, CacheMiss, CapacityExceeded, InvalidRequest
+from specdec.common.cpus import thread_budget
+from specdec.common.errors import (
+    BUSY_PREFIX,
+    CACHE_MISS_PREFIX,
+    CacheMiss,
+    CapacityExceeded,
+    InvalidRequest,
+    ReplicaBusy,
+)
+from specdec.common.metrics import ReplicaObserver, note_cache, note_eviction, note_rollback
 from specdec.common.prefix import PrefixChain
 
 log = logging.getLogger(__name__)
@@ -107,6 +116,7 @@ class CacheStore:
                     f"first {prefix_len}"
                 )
             self.truncate(session, prefix_len)
+        note_cache(prefix_len)
         session.last_used = time.monotonic()
         self._sessions.move_to_end(session_id)
         self._make_room(session_id, need)
@@ -120,6 +130,7 @@ class CacheStore:
             session.kv.crop(-drop)
             del session.tokens[length:]
             session.chain.crop(length)
+            note_rollback(drop)
 
     def release(self, session_id: str) -> bool:
         return self._sessions.pop(session_id, None) is not None
@@ -133,6 +144,7 @@ class CacheStore:
                 break
             victim = self._sessions.pop(victim_id)
             total -= len(victim.tokens)
+            note_eviction(len(victim.tokens))
             log.info(
                 "evicted session cache",
                 extra={"session_id": victim_id, "tokens": len(victim.tokens)},
@@ -151,6 +163,10 @@ class ModelRuntime:
     def __init__(self, config: ReplicaConfig):
         self.config = config
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{config.role}-model")
+        # Model requests submitted and not finished (the running one included), and the
+        # lock that guards the count: bounded by config.max_queue (backpressure, `run`).
+        self.pending = 0
+        self._pending_lock = threading.Lock()
         self.model = None
         self.device = torch.device(config.device)
         self.vocab_size = 0
@@ -160,7 +176,9 @@ class ModelRuntime:
         self.tokenizer_json = b""
         self.tokenizer_fingerprint = ""
         self.chat_template = ""
+        self.special_tokens: dict[str, str] = {}  # bos_token, eos_token, ... (chat templates)
         self.store: CacheStore | None = None
+        self.obs = ReplicaObserver(self)  # metrics and spans (specdec.common.metrics)
         self._keeps_logits = False  # the model's forward takes logits_to_keep
 
     # -- loading ------------------------------------------------------------------------
@@ -170,8 +188,7 @@ class ModelRuntime:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         cfg = self.config
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        _set_threads(cfg.threads)
         started = time.monotonic()
         kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
         dtype = "auto" if cfg.dtype == "auto" else _DTYPES[cfg.dtype]
@@ -193,6 +210,7 @@ class ModelRuntime:
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.bos_token_id = -1 if tokenizer.bos_token_id is None else int(tokenizer.bos_token_id)
         self.chat_template = tokenizer.chat_template or ""
+        self.special_tokens = {k: str(v) for k, v in tokenizer.special_tokens_map.items()}
         canonical = _canonical_tokenizer_json(tokenizer)
         self.tokenizer_json = zlib.compress(canonical, 6)
         self.tokenizer_fingerprint = hashlib.sha256(canonical).hexdigest()
@@ -221,9 +239,32 @@ class ModelRuntime:
 
     # -- execution ----------------------------------------------------------------------
 
-    async def run(self, fn: Callable[..., T], *args) -> T:
-        """Run fn(*args) on the model thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+    async def run(self, fn: Callable[..., T], *args, bounded: bool = True) -> T:
+        """Run fn(*args) on the model thread, in a copy of the caller's context (its trace),
+        counted in the replica's queue metrics.
+
+        bounded: a request for the model (Draft, Verify, Speculate). When max_queue of them
+        already wait behind the running one, raise ReplicaBusy (RESOURCE_EXHAUSTED) at once
+        instead of queueing: the gateway tries a less loaded replica. Housekeeping calls
+        (load, Info, Release) pass bounded=False: never refused, and not counted.
+        """
+        if not bounded:
+            return await self.obs.run(self.executor, fn, *args)
+        limit = self.config.max_queue
+        with self._pending_lock:
+            if self.pending > limit:
+                raise ReplicaBusy(
+                    f"{BUSY_PREFIX}: {self.pending - 1} requests queued for the model "
+                    f"(at most {limit} wait, --max-queue)"
+                )
+            self.pending += 1
+        # The count drops when the job ends on the model thread (or is cancelled before it
+        # started), not when a cancelled caller stops waiting for a job that still runs.
+        return await self.obs.run(self.executor, fn, *args, on_done=self._finished)
+
+    def _finished(self, _future) -> None:
+        with self._pending_lock:
+            self.pending -= 1
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -301,26 +342,49 @@ class ModelRuntime:
         """
         tokens = list(tokens)
         keep = len(tokens) if keep is None else max(1, min(keep, len(tokens)))
+        fresh = not session.tokens  # a prefill (metrics and spans), in however many chunks
         chunk = self.config.prefill_chunk
         start = 0
         if chunk and len(tokens) > chunk:
             head = len(tokens) - max(chunk, keep)  # fed before the last forward
             while start < head:
                 end = min(start + chunk, head)
-                self._forward(session, tokens[start:end], 1)
+                self._forward(session, tokens[start:end], 1, fresh)
                 start = end
-        return self._forward(session, tokens[start:], keep)
+        return self._forward(session, tokens[start:], keep, fresh)
 
-    def _forward(self, session: SessionCache, tokens: list[int], keep: int) -> torch.Tensor:
+    def _forward(
+        self, session: SessionCache, tokens: list[int], keep: int, fresh: bool
+    ) -> torch.Tensor:
         input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, n]
         kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
-        out = self.model(input_ids=input_ids, past_key_values=session.kv, use_cache=True, **kwargs)
+        with self.obs.forward(len(tokens), 1, fresh=fresh):
+            out = self.model(
+                input_ids=input_ids, past_key_values=session.kv, use_cache=True, **kwargs
+            )
         session.tokens.extend(tokens)
         return out.logits[0, -keep:].float()  # [keep, vocab]
 
     def release(self, session_id: str) -> bool:
         assert self.store is not None
         return self.store.release(session_id)
+
+
+def _set_threads(requested: int) -> None:
+    """Size torch's intra-op pool to the CPUs this replica may use (--threads wins), and keep
+    the inter-op pool small: forwards run one at a time on the model thread."""
+    budget = thread_budget(requested)
+    torch.set_num_threads(budget.threads)
+    interop = min(2, budget.threads)
+    try:
+        torch.set_num_interop_threads(interop)
+    except RuntimeError as e:  # only possible once per process, before parallel work
+        log.warning("inter-op threads not set", extra={"why": str(e)})
+        interop = torch.get_num_interop_threads()
+    log.info(
+        "torch threads",
+        extra={"threads": budget.threads, "interop_threads": interop, "source": budget.source},
+    )
 
 
 def _eos_ids(model, tokenizer) -> list[int]:

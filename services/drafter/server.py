@@ -8,6 +8,7 @@ import math
 from specdec.common.config import MAX_FAN_OUT
 from specdec.common.convert import encoded_to_proto, prefix_from_proto
 from specdec.common.errors import InvalidRequest
+from specdec.common.metrics import observed_rpc
 from specdec.common.params import sampling_from_proto
 from specdec.common.replica import ReplicaServicer, run_replica
 from specdec.common.runtime import ModelRuntime
@@ -35,6 +36,7 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             raise InvalidRequest(f"num_draft_tokens must be in [1, {limit}], got {k}")
         return k
 
+    @observed_rpc(SERVICE_NAME)
     @rpc_errors
     async def Draft(self, request: drafter_pb2.DraftRequest, context) -> drafter_pb2.DraftResponse:
         rt = self.ready_runtime()
@@ -46,6 +48,8 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
         draft = await rt.run(
             propose, rt, self.branches, request.session_id, prefix, new_tokens, k, params
         )
+        if draft.prepared:
+            rt.obs.ssd_served()
         return drafter_pb2.DraftResponse(
             draft_tokens=draft.tokens,
             draft_probs=[encoded_to_proto(e) for e in draft.probs],
@@ -54,6 +58,7 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             prepared=draft.prepared,
         )
 
+    @observed_rpc(SERVICE_NAME)
     @rpc_errors
     async def Speculate(
         self, request: drafter_pb2.SpeculateRequest, context
@@ -99,6 +104,7 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             cfg.ssd_max_per_outcome,
             cfg.ssd_max_branch_tokens,
         )
+        rt.obs.ssd_prepared(len(result.branches))
         return drafter_pb2.SpeculateResponse(
             branches=[
                 drafter_pb2.SpeculatedBranch(

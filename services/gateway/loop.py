@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specdec.common.errors import SpecdecError, is_cache_miss
+from specdec.common.errors import SpecdecError, is_busy, is_cache_miss
 from specdec.common.params import sampling_from_proto
 from specdec.common.prefix import PrefixChain
-from specdec.gateway import metrics
+from specdec.gateway import metrics, tracing
 from specdec.gateway.replicas import Fleet, NoReplica, Replica
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
 
@@ -43,6 +43,7 @@ class UpstreamError(SpecdecError):
     def __init__(self, replica: Replica, err: grpc.RpcError):
         super().__init__(f"{replica!r}: {err.details()}")
         self.code = err.code()
+        self.busy = is_busy(err)  # every replica of the role refused: queues full
 
 
 class Unavailable(SpecdecError):
@@ -137,6 +138,11 @@ class Speculator:
         self._chain = PrefixChain()
 
     async def round(self, ctx: Sequence[int], k: int, remaining: int) -> list[int]:
+        """One speculation round (see _round), timed and traced."""
+        with tracing.round_span(self, k):
+            return await self._round(ctx, k, remaining)
+
+    async def _round(self, ctx: Sequence[int], k: int, remaining: int) -> list[int]:
         """One speculation round after ctx; returns the accepted draft tokens + next token.
 
         remaining: tokens the request may still generate (>= k + 1); with SSD the drafter
@@ -343,11 +349,12 @@ class Speculator:
         role = "verifier" if method_name == "Verify" else "drafter"
         pool = self.fleet.pool(role)
         failed: list[Replica] = []
+        busy: list[Replica] = []  # answered "replica busy" (backpressure): up, but full
         retries = 0
-        for _ in range(2 * len(pool.replicas) + 2 + len(RETRY_BACKOFF)):
+        for _ in range(3 * len(pool.replicas) + 2 + len(RETRY_BACKOFF)):
             if placement.replica is None or not placement.replica.up:
                 try:
-                    chosen = pool.pick(preferred=placement.address, exclude=failed)
+                    chosen = pool.pick(preferred=placement.address, exclude=[*failed, *busy])
                 except NoReplica as e:
                     raise Unavailable(str(e)) from None
                 if chosen is not placement.replica:
@@ -356,14 +363,23 @@ class Speculator:
             n = min(placement.cached, len(ctx) - 1)
             prefix = common_pb2.CachedPrefix(length=n, hash=self._chain.hash(ctx, n))
             request = build(prefix, [*ctx[n:], *tail])
-            method = getattr(replica.stub, method_name)
             replica.in_flight += 1
             try:
-                return await method(request, timeout=self._timeout())
+                return await tracing.call(replica, method_name, request, self._timeout())
             except grpc.aio.AioRpcError as err:
                 if is_cache_miss(err):
                     self.stats.cache_misses += 1
+                    tracing.note_cache_miss(role, replica.address)
                     placement.cached = 0
+                    continue
+                if is_busy(err):
+                    # Full queue: another replica of the pool (cache lost there), never
+                    # marked down; when every one is full the client gets RESOURCE_EXHAUSTED.
+                    busy.append(replica)
+                    metrics.BUSY_REDIRECTS.labels(role=role).inc()
+                    if not [r for r in pool.up() if r not in failed and r not in busy]:
+                        raise UpstreamError(replica, err) from None
+                    placement.replica, placement.cached = None, 0
                     continue
                 if err.code() == grpc.StatusCode.UNAVAILABLE:
                     others = [r for r in pool.up() if r is not replica and r not in failed]
@@ -377,6 +393,7 @@ class Speculator:
                     pool.mark_down(replica, err.details() or "unavailable")
                     failed.append(replica)
                     metrics.FAILOVERS.labels(role=role).inc()
+                    tracing.note_failover(role, replica.address, err.details() or "unavailable")
                     placement.replica, placement.cached = None, 0
                     continue
                 raise UpstreamError(replica, err) from None

@@ -8,7 +8,9 @@ import time
 
 from specdec.common.logs import setup_logging
 from specdec.common.serving import rpc_errors, serve, stream_rpc_errors
+from specdec.common.telemetry import setup_tracing
 from specdec.common.tls import BearerTokens
+from specdec.gateway import tracing
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.info import server_info
 from specdec.gateway.response import stream_message
@@ -32,11 +34,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def Generate(self, request, context) -> gateway_pb2.GenerateResponse:
         # Drain the generator (never return from inside the loop): its cleanup (the
         # session's turn lock, metrics, cache release) must run before the answer leaves.
-        final = None
-        async for event in self.gateway.run(request, client_deadline(context)):
-            final = event.final or final
-        if final is None:
-            raise AssertionError("generation ended without a final response")
+        with tracing.request_span(
+            "Generate", context, request, tracing.served_model(self.gateway.fleet)
+        ) as span:
+            final = None
+            async for event in self.gateway.run(request, deadline=client_deadline(context)):
+                final = event.final or final
+            if final is None:
+                raise AssertionError("generation ended without a final response")
+            tracing.finish(span, final, context)
         return final
 
     @rpc_errors
@@ -45,16 +51,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     @stream_rpc_errors
     async def GenerateStream(self, request, context):
-        async for event in self.gateway.run(request, client_deadline(context)):
-            yield stream_message(
-                event.text, event.tokens, event.final, event.time_to_first_token_ms
-            )
+        with tracing.request_span(
+            "GenerateStream", context, request, tracing.served_model(self.gateway.fleet)
+        ) as span:
+            async for event in self.gateway.run(request, deadline=client_deadline(context)):
+                if event.final is not None:
+                    tracing.finish(span, event.final, context)
+                message = stream_message(
+                    event.text, event.tokens, event.final, event.time_to_first_token_ms
+                )
+                if event.final is not None:
+                    message.trace_id = event.final.trace_id
+                yield message
 
 
 def main(args: argparse.Namespace) -> None:
     """`specdec serve gateway`: config, logging, metrics, serve until SIGTERM."""
     config = GatewayConfig.from_args(args)
     setup_logging("gateway")
+    telemetry = setup_tracing("gateway")
 
     async def run() -> None:
         gateway = Gateway(config)  # grpc.aio channels bind to the running loop
@@ -66,7 +81,12 @@ def main(args: argparse.Namespace) -> None:
                 start_http_server(config.metrics_port)
             await gateway.start()
 
+        http = None
         try:
+            if config.http_port:
+                from specdec.gateway.http.app import start_http
+
+                http = await start_http(gateway, config)  # answers 503 until ready
             await serve(
                 service_name=SERVICE_NAME,
                 add_servicers=lambda server: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
@@ -81,6 +101,12 @@ def main(args: argparse.Namespace) -> None:
                 interceptors=[BearerTokens(config.auth_tokens)] if config.auth_tokens else [],
             )
         finally:
+            if http is not None:
+                await http.stop()
             await gateway.close()
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        if telemetry:
+            telemetry.shutdown()  # flush the spans of the graceful stop

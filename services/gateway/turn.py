@@ -15,10 +15,11 @@ specdec.gateway.server translates; an HTTP front can call the same `run`). A tur
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -45,6 +46,15 @@ TURN_LOCK_SECONDS = 60.0
 # How long a turn waits for its session's previous turn to end before ABORTED: covers a
 # cancelled turn that is still cleaning up (milliseconds), not a turn that is running.
 TURN_LOCK_WAIT_SECONDS = 1.0
+
+
+# Builds a turn's prompt ids from the session's record, inside the turn lock: returns the
+# record to continue (None: start the session afresh), the prompt ids and, when the request
+# left max_new_tokens to it, the max_new_tokens that fits (the HTTP chat API,
+# specdec.gateway.http.chat).
+Prompter = Callable[
+    [SessionRecord | None], Awaitable[tuple[SessionRecord | None, list[int], int | None]]
+]
 
 
 class Aborted(SpecdecError):
@@ -84,7 +94,8 @@ class Gateway:
         self.fleet = Fleet(
             config.drafters,
             config.verifiers,
-            config.replica_tls.credentials() if config.replica_tls else None,
+            dns_interval=config.dns_interval,
+            credentials=config.replica_tls.credentials() if config.replica_tls else None,
         )
         self.sessions = SessionIndex(config.redis_url, default_ttl=config.session_ttl)
         self.turns = TurnLocks(self.sessions)
@@ -137,16 +148,21 @@ class Gateway:
         await self.sessions.close()
 
     async def run(
-        self, req: gateway_pb2.GenerateRequest, deadline: float | None = None
+        self,
+        req: gateway_pb2.GenerateRequest,
+        *,
+        prompter: Prompter | None = None,
+        deadline: float | None = None,
     ) -> AsyncIterator[Event]:
         """Validate and run one request; errors are SpecdecError with their status.
 
+        prompter: when given, replaces the tokenization of the prompt (see Prompter).
         deadline: the client's deadline (time.monotonic()), if it set one; it bounds every
         replica call of the request instead of --rpc-timeout.
         """
         metrics.IN_FLIGHT.inc()
         try:
-            async for event in self._run(validate(req, self.limits), deadline):
+            async for event in self._run(validate(req, self.limits), prompter, deadline):
                 yield event
         except SpecdecError as e:
             metrics.REQUEST_ERRORS.labels(code=e.code.name).inc()
@@ -154,9 +170,11 @@ class Gateway:
         finally:
             metrics.IN_FLIGHT.dec()
 
-    async def _run(self, job: Job, deadline: float | None = None) -> AsyncIterator[Event]:
+    async def _run(
+        self, job: Job, prompter: Prompter | None, deadline: float | None
+    ) -> AsyncIterator[Event]:
         if not job.session_id:
-            async for event in self._turn(job, None, deadline):
+            async for event in self._turn(job, None, prompter, deadline):
                 yield event
             return
         lease = await self.turns.lock(job.session_id, TURN_LOCK_SECONDS, TURN_LOCK_WAIT_SECONDS)
@@ -166,20 +184,29 @@ class Gateway:
                 "one after another"
             )
         try:
-            async for event in self._turn(job, lease, deadline):
+            async for event in self._turn(job, lease, prompter, deadline):
                 yield event
         finally:
             await self.turns.unlock(lease)
 
     async def _turn(
-        self, job: Job, lease: TurnLease | None, deadline: float | None = None
+        self,
+        job: Job,
+        lease: TurnLease | None,
+        prompter: Prompter | None = None,
+        deadline: float | None = None,
     ) -> AsyncIterator[Event]:
         started = time.perf_counter()
         record = None
         if job.session_id and not job.reset:
             record = await self.sessions.get(job.session_id)
         history = record.tokens if record else []
-        if isinstance(job.prompt, str):
+        if prompter is not None:
+            record, prompt_ids, max_new_tokens = await prompter(record)
+            history = record.tokens if record else []
+            if max_new_tokens is not None:
+                job = dataclasses.replace(job, max_new_tokens=max_new_tokens)
+        elif isinstance(job.prompt, str):
             # A new conversation gets the tokenizer's special tokens (BOS), as
             # `tokenizer(prompt)` would; a continuation appends the text alone.
             prompt_ids = await asyncio.to_thread(self.codec.encode, job.prompt, not history)

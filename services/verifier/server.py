@@ -6,6 +6,7 @@ import argparse
 
 from specdec.common.convert import decode_draft_probs, prefix_from_proto
 from specdec.common.errors import InvalidRequest
+from specdec.common.metrics import observed_rpc
 from specdec.common.params import sampling_from_proto
 from specdec.common.replica import ReplicaServicer, run_replica
 from specdec.common.serving import rpc_errors
@@ -17,6 +18,7 @@ SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_
 
 
 class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceServicer):
+    @observed_rpc(SERVICE_NAME)
     @rpc_errors
     async def Verify(
         self, request: verifier_pb2.VerifyRequest, context
@@ -44,6 +46,7 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
         verdict = await rt.run(
             verify, rt, request.session_id, prefix, new_tokens, draft_tokens, draft_probs, params
         )
+        rt.obs.verified(k, verdict.accepted)
         return verifier_pb2.VerifyResponse(
             accepted_count=verdict.accepted,
             next_token=verdict.next_token,

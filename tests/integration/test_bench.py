@@ -51,3 +51,27 @@ def test_demo_on_tiny_models(tmp_path):
     table = {r[0]: r for r in rows if r and r[0] in ("code", "prose", "chat")}
     assert set(table) == {"code", "prose", "chat"}
     assert all(r[-1] == "yes" for r in table.values())
+
+
+def test_bench_tracing_overhead_on_tiny_models(tmp_path):
+    """`--tracing`: every stack mode also runs on a traced twin stack, interleaved; every
+    traced request's trace reaches the receiver and the overhead is reported."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "specdec", "bench", "--tiny", str(tmp_path / "models")]
+    cmd += ["--quick", "--max-new-tokens", "12", "--k", "2", "--ssd-k", "2", "--tracing"]
+    done = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((out / "results.json").read_text())
+    modes = result["modes"]
+    assert {"k=0 traced", "k=2 traced", "ssd k=2 traced"} <= set(modes)
+    for name in ("k=0", "k=2", "ssd k=2"):
+        traced, plain = modes[f"{name} traced"], modes[name]
+        assert traced["traced"] and not plain["traced"]
+        assert traced["exact"] and traced["tokens"] == plain["tokens"]
+        assert traced["untraced_seconds"] == plain["seconds"]
+        expected = plain["tokens_per_second"] / traced["tokens_per_second"] - 1
+        assert traced["tracing_slowdown"] == pytest.approx(expected, abs=1e-3)
+    meta = result["meta"]["tracing"]
+    assert meta["traced_requests"] == 3 * 3  # three prompts, three traced modes
+    assert meta["spans_received"] > meta["traced_requests"] * 5  # rounds, calls, forwards
+    assert "Tracing overhead" in (out / "results.md").read_text()

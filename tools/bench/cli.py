@@ -24,6 +24,7 @@ Output: a markdown table on stdout, and ``results.json``, ``results.md`` and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -31,6 +32,7 @@ import platform
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specdec.tools.bench.hf import HFRunner, tie_break
 from specdec.tools.bench.modes import (
@@ -43,9 +45,13 @@ from specdec.tools.bench.modes import (
     load_prompts,
     pick_quick,
     run_stack_mode,
+    untraced_name,
 )
 from specdec.tools.bench.report import report
 from specdec.tools.bench.stats import mode_tps, summarize
+
+if TYPE_CHECKING:
+    from specdec.tools.otlpsink import OtlpReceiver
 
 
 def machine() -> dict:
@@ -83,6 +89,13 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
         "--pin",
         action="store_true",
         help="drafter on CPU 0, verifier on CPU 1, one thread each (needs 2 CPUs)",
+    )
+    p.add_argument(
+        "--tracing",
+        action="store_true",
+        help="also run every stack mode on a second stack that traces every request "
+        "(sampling 1.0, OTLP/gRPC to a receiver in this process), interleaved with the "
+        "untraced one: the tracing overhead (the replicas' memory twice)",
     )
     p.add_argument("--out", default="bench-results", help="folder for JSON, markdown and PNG")
     p.add_argument(
@@ -127,7 +140,7 @@ def run_bench(args: argparse.Namespace) -> int:
         prompts, n = pick_quick(prompts), min(n, QUICK_TOKENS)
     if args.num_prompts:
         prompts = prompts[: args.num_prompts]
-    modes = build_modes(_ints(args.k), _ints(args.ssd_k))
+    modes = build_modes(_ints(args.k), _ints(args.ssd_k), tracing=args.tracing)
     max_k = max((m.k or 0 for m in modes), default=0)
     args.default_k = max(args.default_k, max_k)
 
@@ -136,14 +149,28 @@ def run_bench(args: argparse.Namespace) -> int:
     encoded = [hf.encode(p) for p in prompts]
     runs = {m.name: ModeRun(m) for m in modes}
     try:
-        with LocalStack(args, announce=print) as stack, Client(stack.gateway.address) as client:
+        with contextlib.ExitStack() as resources:
+            stack = resources.enter_context(LocalStack(args, announce=print))
+            clients = {False: resources.enter_context(Client(stack.gateway.address))}
+            if args.tracing:
+                from specdec.tools.otlpsink import OtlpReceiver
+
+                receiver = resources.enter_context(OtlpReceiver())
+                traced_args = argparse.Namespace(**vars(args))
+                traced_args.otlp_endpoint = receiver.endpoint
+                traced_args.otlp_protocol, traced_args.trace_sample_ratio = "grpc", 1.0
+                traced_args.log_dir = args.log_dir and str(Path(args.log_dir) / "traced")
+                traced = resources.enter_context(
+                    LocalStack(traced_args, announce=lambda line: print("traced", line))
+                )
+                clients[True] = resources.enter_context(Client(traced.gateway.address))
             print("warming up every mode ...", flush=True)
             for m in modes:
-                _sample(hf, client, m, encoded[0], 4)
+                _sample(hf, clients, m, encoded[0], 4)
             for i, ids in enumerate(encoded):
                 order = modes[i % len(modes) :] + modes[: i % len(modes)]
                 for m in order:
-                    sample = _sample(hf, client, m, ids, n)
+                    sample = _sample(hf, clients, m, ids, n)
                     runs[m.name].samples.append(sample)
                     print(
                         f"prompt {i + 1}/{len(encoded)} ({prompts[i].kind:<5}) {m.name:<9} "
@@ -157,6 +184,16 @@ def run_bench(args: argparse.Namespace) -> int:
     d, t = runs["draft"], runs["target"]
     cost_ratio = mode_tps(t) / mode_tps(d)
     rows = summarize(runs, cost_ratio)
+    tracing_meta = None
+    if args.tracing:
+        tracing_meta = check_traced(runs, receiver)
+        for name, row in rows.items():
+            if row["traced"]:
+                twin = rows[untraced_name(name)]
+                row["untraced_seconds"] = twin["seconds"]
+                row["tracing_slowdown"] = round(
+                    twin["tokens_per_second"] / row["tokens_per_second"] - 1, 4
+                )
     for name, row in rows.items():
         if row.get("exact") is False:
             row["tie_breaks"] = [
@@ -181,6 +218,7 @@ def run_bench(args: argparse.Namespace) -> int:
             "prompt_kinds": [p.kind for p in prompts],
             "max_new_tokens": n,
             "cost_ratio": round(cost_ratio, 4),
+            "tracing": tracing_meta,
         },
         "modes": rows,
     }
@@ -190,7 +228,29 @@ def run_bench(args: argparse.Namespace) -> int:
     return report(out)
 
 
-def _sample(hf: HFRunner, client, mode: Mode, ids: list[int], n: int) -> Sample:
+def _sample(hf: HFRunner, clients: dict, mode: Mode, ids: list[int], n: int) -> Sample:
     if mode.engine == "hf":
         return hf.run(mode, ids, n)
-    return run_stack_mode(client, mode, ids, n)
+    return run_stack_mode(clients[mode.traced], mode, ids, n)
+
+
+def check_traced(runs: dict[str, ModeRun], receiver: OtlpReceiver, wait: float = 30) -> dict:
+    """Every traced request must have its trace in the receiver (else the overhead figure
+    would measure nothing); untraced ones must have none. Returns what was received."""
+    traced = [s for r in runs.values() if r.mode.traced for s in r.samples]
+    untraced = [s for r in runs.values() if r.mode.engine == "stack" and not r.mode.traced
+                for s in r.samples]  # fmt: skip
+    if any(s.trace_id for s in untraced):
+        raise RuntimeError("an untraced stack answered with a trace id")
+    wanted = {s.trace_id for s in traced}
+    if "" in wanted:
+        raise RuntimeError("a traced request came back without a trace id")
+    receiver.wait_for(lambda spans: wanted <= {x.trace_id for x in spans}, timeout=wait)
+    spans = receiver.spans()
+    return {
+        "traced_requests": len(traced),
+        "spans_received": len(spans),
+        "spans_per_request": round(len(spans) / len(wanted), 1),
+        "sampler": "parentbased_traceidratio 1.0",
+        "exporter": "otlp grpc, batch span processor, receiver in the bench process",
+    }

@@ -27,6 +27,7 @@ class Mode:
     k: int | None = None  # stack: draft length
     ssd: bool = False
     contender: bool = True  # False: measured for the cost ratio only
+    traced: bool = False  # stack: the twin stack that exports every span (--tracing)
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Sample:
     seconds: float
     ttft_ms: float
     stats: dict | None = None  # stack modes: the response's speculation stats
+    trace_id: str = ""  # stack modes: the gateway's trace id ('' when not traced)
 
 
 @dataclass
@@ -47,7 +49,7 @@ def load_prompts(path: str | None) -> list[Prompt]:
     if path:
         text = Path(path).read_text()
     else:
-        text = resources.files("specdec.tools.benchdata").joinpath("prompts.jsonl").read_text()
+        text = resources.files("specdec.sdk.loadtest").joinpath("prompts.jsonl").read_text()
     prompts = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -67,12 +69,24 @@ def pick_quick(prompts: list[Prompt]) -> list[Prompt]:
     return list(seen.values())[:QUICK_PROMPTS]
 
 
-def build_modes(ks: list[int], ssd_ks: list[int]) -> list[Mode]:
+def build_modes(ks: list[int], ssd_ks: list[int], tracing: bool = False) -> list[Mode]:
+    """Every mode; with `tracing`, each stack mode also runs as '<mode> traced' on a
+    second stack that exports every span (sampling 1.0) over OTLP."""
     modes = [Mode("target", "hf"), Mode("k=0", "stack", k=0)]
     modes += [Mode(f"k={k}", "stack", k=k) for k in ks if k > 0]
     modes += [Mode(f"ssd k={k}", "stack", k=k, ssd=True) for k in ssd_ks]
+    if tracing:
+        modes += [
+            dataclasses.replace(m, name=f"{m.name} traced", traced=True)
+            for m in modes
+            if m.engine == "stack"
+        ]
     modes += [Mode("assisted", "hf"), Mode("draft", "hf", contender=False)]
     return modes
+
+
+def untraced_name(mode_name: str) -> str:
+    return mode_name.removesuffix(" traced")
 
 
 def run_stack_mode(client, mode: Mode, ids: list[int], n: int) -> Sample:
@@ -83,4 +97,4 @@ def run_stack_mode(client, mode: Mode, ids: list[int], n: int) -> Sample:
         **dataclasses.asdict(g.stats),
         "accepted_per_position": list(g.stats.accepted_per_position),
     }
-    return Sample(list(g.tokens), seconds, g.timings.time_to_first_token_ms, stats)
+    return Sample(list(g.tokens), seconds, g.timings.time_to_first_token_ms, stats, g.trace_id)

@@ -39,7 +39,21 @@ def markdown(rows: dict[str, dict], cost_ratio: float | None) -> str:
             f"vs target alone {rows['target']['tokens_per_second']:.2f} tok/s). "
             "bound = tokens per round / (c k + 1).\n"
         )
-    return head + "\n".join(lines) + "\n" + tail
+    return head + "\n".join(lines) + "\n" + tail + tracing_overhead(rows)
+
+
+def tracing_overhead(rows: dict[str, dict]) -> str:
+    """The slowdown of each traced mode against its untraced twin (--tracing)."""
+    traced = [(n, r) for n, r in rows.items() if r.get("traced")]
+    if not traced:
+        return ""
+    parts = [f"{n.removesuffix(' traced')} {r['tracing_slowdown']:+.1%}" for n, r in traced]
+    overall = sum(r["seconds"] for _, r in traced) / sum(r["untraced_seconds"] for _, r in traced)
+    return (
+        "\nTracing overhead (sampling 1.0, every span exported over OTLP/gRPC to a receiver "
+        f"on loopback; slowdown in tokens/s against the same mode untraced): {', '.join(parts)}; "
+        f"all traced modes together {overall - 1:+.1%}.\n"
+    )
 
 
 def _identical(row: dict) -> str:
@@ -57,6 +71,7 @@ def chart(rows: dict[str, dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    rows = {n: r for n, r in rows.items() if not r.get("traced")}  # same speed, same k
     spec = sorted((r["k"], r) for r in rows.values() if r["engine"] == "stack" and not r["ssd"])
     ks = [k for k, _ in spec]
     ax.plot(ks, [r["speedup_vs_target"] for _, r in spec], "o-", label="speculative (stack)")

@@ -18,6 +18,7 @@ def summarize(runs: dict[str, ModeRun], cost_ratio: float | None) -> dict[str, d
             "k": run.mode.k,
             "ssd": run.mode.ssd,
             "contender": run.mode.contender,
+            "traced": run.mode.traced,
             "tokens": sum(len(s.tokens) for s in run.samples),
             "seconds": round(sum(s.seconds for s in run.samples), 3),
             "tokens_per_second": round(tps, 3),

@@ -140,6 +140,8 @@ def _summary(gen: Generation, wall_s: float) -> str:
     ]
     if gen.session_id:
         parts.append(f"session={gen.session_id}")
+    if gen.trace_id:
+        parts.append(f"trace={gen.trace_id}")
     return "[" + ", ".join(parts) + "]"
 
 

@@ -17,6 +17,7 @@ import grpc
 import grpc.aio
 
 from specdec.sdk.errors import from_rpc_error
+from specdec.sdk.tracing import trace_metadata
 from specdec.sdk.types import (
     Generation,
     ServerInfo,
@@ -178,6 +179,11 @@ class _ClientBase:
     def _deadline(self, timeout: float | _Default | None) -> float | None:
         return self.timeout if timeout is _CLIENT_DEFAULT else timeout
 
+    def _call_metadata(self) -> tuple[tuple[str, str], ...] | None:
+        """A call's metadata: the bearer token, if any, and the caller's trace context."""
+        metadata = (*(self._metadata or ()), *(trace_metadata() or ()))
+        return metadata or None
+
 
 class Client(_ClientBase):
     """Blocking client for the gateway. Thread-safe; use as a context manager or ``close()``.
@@ -226,7 +232,7 @@ class Client(_ClientBase):
         request = _request(locals())
         try:
             response = self._stub.Generate(
-                request, timeout=self._deadline(timeout), metadata=self._metadata
+                request, timeout=self._deadline(timeout), metadata=self._call_metadata()
             )
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
@@ -262,7 +268,7 @@ class Client(_ClientBase):
         self, request: gateway_pb2.GenerateRequest, timeout: float | None
     ) -> Iterator[StreamChunk]:
         assembler = StreamAssembler()
-        call = self._stub.GenerateStream(request, timeout=timeout, metadata=self._metadata)
+        call = self._stub.GenerateStream(request, timeout=timeout, metadata=self._call_metadata())
         try:
             for message in call:
                 yield assembler.feed(message)
@@ -278,7 +284,7 @@ class Client(_ClientBase):
             response = self._stub.GetServerInfo(
                 gateway_pb2.GetServerInfoRequest(),
                 timeout=self._deadline(timeout),
-                metadata=self._metadata,
+                metadata=self._call_metadata(),
             )
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
@@ -344,7 +350,7 @@ class AsyncClient(_ClientBase):
         request = _request(locals())
         try:
             response = await self._stub.Generate(
-                request, timeout=self._deadline(timeout), metadata=self._metadata
+                request, timeout=self._deadline(timeout), metadata=self._call_metadata()
             )
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
@@ -380,7 +386,7 @@ class AsyncClient(_ClientBase):
         self, request: gateway_pb2.GenerateRequest, timeout: float | None
     ) -> AsyncIterator[StreamChunk]:
         assembler = StreamAssembler()
-        call = self._stub.GenerateStream(request, timeout=timeout, metadata=self._metadata)
+        call = self._stub.GenerateStream(request, timeout=timeout, metadata=self._call_metadata())
         try:
             async for message in call:
                 yield assembler.feed(message)
@@ -396,7 +402,7 @@ class AsyncClient(_ClientBase):
             response = await self._stub.GetServerInfo(
                 gateway_pb2.GetServerInfoRequest(),
                 timeout=self._deadline(timeout),
-                metadata=self._metadata,
+                metadata=self._call_metadata(),
             )
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None

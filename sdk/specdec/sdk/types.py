@@ -96,6 +96,9 @@ class Generation:
     stats: SpeculationStats
     #: The session continued (or created); "" for a one-off request.
     session_id: str = ""
+    #: The gateway's trace id of this request (32 hex digits, to look up in Jaeger); ""
+    #: when the gateway does not trace or did not sample it.
+    trace_id: str = ""
 
     @property
     def tokens_per_second(self) -> float:
@@ -126,6 +129,7 @@ class Generation:
                 "ssd_hit_rate": s.ssd_hit_rate,
             },
             "session_id": self.session_id,
+            "trace_id": self.trace_id,
         }
 
 
@@ -206,6 +210,7 @@ def _generation(
         timings=timings_from_proto(msg.timings),
         stats=speculation_stats_from_proto(msg.stats),
         session_id=msg.session_id,
+        trace_id=msg.trace_id,
     )
 
 

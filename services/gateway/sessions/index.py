@@ -35,6 +35,7 @@ from specdec.gateway.sessions.record import (
     encode_record,
     validate_session_id,
 )
+from specdec.gateway.tracing import redis_failed, redis_op
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,7 @@ class SessionIndex:
     def key(self, session_id: str) -> str:
         return self.key_prefix + validate_session_id(session_id)
 
+    @redis_op("get")
     async def get(self, session_id: str) -> SessionRecord | None:
         """The session's record, or None. Falls back to the local copy if Redis fails."""
         key = self.key(session_id)
@@ -183,6 +185,7 @@ class SessionIndex:
         self.local.put(remote, expires_in, dirty=False)
         return remote.copy()
 
+    @redis_op("put")
     async def put(
         self,
         record: SessionRecord,
@@ -217,6 +220,7 @@ class SessionIndex:
         self.succeeded()
         self.local.put(record, ttl, dirty=False)
 
+    @redis_op("delete")
     async def delete(self, session_id: str) -> None:
         """Forget the session (locally at once; in Redis if it is reachable)."""
         key = self.key(session_id)
@@ -230,6 +234,7 @@ class SessionIndex:
             return
         self.succeeded()
 
+    @redis_op("ping")
     async def ping(self) -> bool:
         """True if Redis answers; False without Redis or when it is unreachable."""
         if self.redis is None:
@@ -264,6 +269,7 @@ class SessionIndex:
     # -- health accounting (shared with the turn locks) -------------------------------------
 
     def failed(self, op: str, error: BaseException) -> None:
+        redis_failed(error)
         STORE_ERRORS.labels(op=op).inc()
         STORE_UP.set(0)
         self._available = False

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from specdec.gateway.sessions.index import STORE_FAILURES, SessionIndex
 from specdec.gateway.sessions.record import validate_session_id
+from specdec.gateway.tracing import redis_op
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class TurnLocks:
         self._held: set[str] = set()  # sessions with a turn in flight in this process
         self._cleanup: set[asyncio.Task] = set()
 
+    @redis_op("lock")
     async def lock(
         self, session_id: str, ttl_seconds: float = 60.0, wait_seconds: float = 0.0
     ) -> TurnLease | None:
@@ -118,6 +120,7 @@ class TurnLocks:
             return None
         return lease
 
+    @redis_op("lock refresh")
     async def refresh(self, lease: TurnLease) -> bool:
         """Extend the Redis lock; False (and the lease marked lost) if another holds it."""
         redis = self.index.redis
@@ -140,6 +143,7 @@ class TurnLocks:
             )
         return bool(kept)
 
+    @redis_op("unlock")
     async def unlock(self, lease: TurnLease) -> None:
         """End the turn: stop the keep-alive and drop the lock, even if the caller is being
         cancelled (the Redis delete runs to completion in a task of its own)."""

@@ -1,0 +1,234 @@
+"""The gateway's spans: the request, its rounds, every replica call, every Redis operation.
+
+One trace per request (under the caller's context when its metadata carries
+``traceparent``):
+
+    specdec.v1.GatewayService/Generate          SERVER  tokens, k, SSD, finish reason, rates
+      redis get / lock / put ...                CLIENT  db.* (session reads and writes)
+      speculation round                         INTERNAL k, accepted, next-token kind, SSD hit
+        specdec.v1.DrafterService/Draft         CLIENT  rpc.*, server.address; traceparent sent
+        specdec.v1.DrafterService/Speculate     CLIENT
+        specdec.v1.VerifierService/Verify       CLIENT  (a cache miss or a failover shows as a
+                                                         failed attempt, then the resend)
+
+The replicas' SERVER spans (specdec.common.metrics.observed_rpc) hang under these CLIENT
+spans. With tracing off (no OTLP endpoint) every helper here is a flag check; the round
+latency histogram is recorded either way.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import grpc
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from specdec.common import telemetry
+from specdec.common.errors import SpecdecError, is_cache_miss
+from specdec.gateway import metrics
+from specdec.v1 import drafter_pb2, gateway_pb2, verifier_pb2
+
+GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+SERVICES = {
+    "drafter": drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name,
+    "verifier": verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name,
+}
+TRACE_ID_METADATA = "specdec-trace-id"
+FINISH_NAMES = {v: k for k, v in gateway_pb2.FinishReason.items()}
+
+
+def served_model(fleet) -> str:
+    """The target model's id (a verifier's Info), '' before start-up."""
+    info = fleet.verifiers.replicas[0].info
+    return info.model_id if info is not None else ""
+
+
+def _request_attributes(request: gateway_pb2.GenerateRequest, model: str) -> dict[str, Any]:
+    attributes: dict[str, Any] = {
+        "gen_ai.operation.name": "text_completion",
+        "gen_ai.request.max_tokens": request.max_new_tokens,
+        "gen_ai.request.temperature": request.sampling.temperature,
+    }
+    if model:
+        attributes["gen_ai.request.model"] = model
+    if request.sampling.top_p:
+        attributes["gen_ai.request.top_p"] = request.sampling.top_p
+    if request.sampling.top_k:
+        attributes["gen_ai.request.top_k"] = request.sampling.top_k
+    if request.HasField("session") and request.session.id:
+        attributes["gen_ai.conversation.id"] = request.session.id
+    return attributes
+
+
+@contextmanager
+def request_span(
+    method: str, context, request: gateway_pb2.GenerateRequest, model: str = ""
+) -> Iterator[Any]:
+    """The SERVER span of a Generate / GenerateStream call; None when tracing is off.
+
+    An error leaving the block sets the span's status and rpc.grpc.status_code."""
+    attributes = _request_attributes(request, model) if telemetry.enabled() else None
+    with telemetry.server_span(GATEWAY_SERVICE, method, context, attributes) as span:
+        try:
+            yield span
+        except SpecdecError as e:
+            telemetry.set_grpc_status(span, e.code, str(e))
+            raise
+        except BaseException as e:
+            if span is not None and not isinstance(e, GeneratorExit):
+                span.set_status(Status(StatusCode.ERROR, f"{type(e).__name__}: {e}"[:500]))
+            raise
+
+
+def finish(span, final: gateway_pb2.GenerateResponse, context) -> str:
+    """Put the request's figures on its span, its trace id in the final response and in
+    the trailing metadata; returns the trace id ('' when not traced)."""
+    trace_id = telemetry.trace_id_hex(span)
+    if span is None:
+        return trace_id
+    s, u = final.stats, final.usage
+    speculated = s.ssd_hits + s.ssd_misses
+    span.set_attributes(
+        {
+            "gen_ai.usage.input_tokens": u.prompt_tokens,
+            "gen_ai.usage.output_tokens": u.completion_tokens,
+            "gen_ai.response.finish_reasons": [
+                FINISH_NAMES.get(final.finish_reason, "").removeprefix("FINISH_REASON_").lower()
+            ],
+            "specdec.history_tokens": u.history_tokens,
+            "specdec.k": s.num_draft_tokens,
+            "specdec.ssd": s.ssd,
+            "specdec.rounds": s.rounds,
+            "specdec.draft_tokens": s.draft_tokens,
+            "specdec.accepted_tokens": s.accepted_tokens,
+            "specdec.acceptance_rate": s.acceptance_rate,
+            "specdec.mean_accepted_length": s.mean_accepted_length,
+            "specdec.ssd_hits": s.ssd_hits,
+            "specdec.ssd_misses": s.ssd_misses,
+            "specdec.ssd_hit_rate": s.ssd_hits / speculated if speculated else 0.0,
+            "specdec.cache_misses": s.cache_misses,
+            "specdec.time_to_first_token_ms": final.timings.time_to_first_token_ms,
+        }
+    )
+    telemetry.set_grpc_status(span, grpc.StatusCode.OK)
+    if trace_id:
+        final.trace_id = trace_id
+        context.set_trailing_metadata(((TRACE_ID_METADATA, trace_id),))
+    return trace_id
+
+
+@contextmanager
+def round_span(spec, k: int) -> Iterator[None]:
+    """Around one speculation round of `spec` (a loop.Speculator) drafting k tokens: the
+    round latency histogram, and a span with what the round did (from its stats)."""
+    s = spec.stats
+    started = time.perf_counter()
+    if not telemetry.enabled():
+        yield
+        metrics.ROUND_SECONDS.observe(time.perf_counter() - started)
+        return
+    before = (s.accepted_tokens, s.ssd_hits, s.ssd_misses, s.drafter_wait_ms, s.cache_misses)
+    with telemetry.tracer.start_as_current_span(
+        "speculation round",
+        attributes={"specdec.round.index": s.rounds, "specdec.round.k": k},
+    ) as span:
+        yield
+        metrics.ROUND_SECONDS.observe(time.perf_counter() - started)
+        accepted = s.accepted_tokens - before[0]
+        ssd = "off"
+        if s.ssd_hits > before[1]:
+            ssd = "hit"
+        elif s.ssd_misses > before[2]:
+            ssd = "miss"
+        span.set_attributes(
+            {
+                "specdec.round.accepted": accepted,
+                # The verifier's rule: all k accepted -> a bonus token, else a recovered one.
+                "specdec.round.next_token_kind": "bonus" if accepted == k else "recovered",
+                "specdec.round.ssd": ssd,
+                "specdec.round.drafter_wait_ms": round(s.drafter_wait_ms - before[3], 3),
+                "specdec.round.cache_misses": s.cache_misses - before[4],
+            }
+        )
+
+
+async def call(replica, method_name: str, request, timeout: float):
+    """replica.stub.<method_name>(request) as a CLIENT span, with the trace context sent
+    as ``traceparent`` metadata. Errors are raised unchanged (recorded on the span)."""
+    method = getattr(replica.stub, method_name)
+    if not telemetry.enabled():
+        return await method(request, timeout=timeout)
+    service = SERVICES[replica.role]
+    host, _, port = replica.address.rpartition(":")
+    with telemetry.tracer.start_as_current_span(
+        f"{service}/{method_name}",
+        kind=SpanKind.CLIENT,
+        attributes={
+            **telemetry.rpc_attributes(service, method_name),
+            "server.address": host,
+            "server.port": int(port) if port.isdigit() else 0,
+        },
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        try:
+            response = await method(
+                request, timeout=timeout, metadata=telemetry.outgoing_metadata()
+            )
+        except grpc.aio.AioRpcError as err:
+            telemetry.set_grpc_status(span, err.code(), err.details() or "")
+            if is_cache_miss(err):
+                span.set_attribute("specdec.cache_miss", True)
+            raise
+        telemetry.set_grpc_status(span, grpc.StatusCode.OK)
+        return response
+
+
+def note_cache_miss(role: str, address: str) -> None:
+    telemetry.event("cache miss", specdec__role=role, specdec__replica=address)
+
+
+def note_failover(role: str, address: str, why: str) -> None:
+    telemetry.event("failover", specdec__role=role, specdec__replica=address, specdec__why=why)
+
+
+def redis_op(operation: str):
+    """A CLIENT span `redis <operation>` around a SessionIndex / TurnLocks method (only
+    when Redis is configured); `redis_failed` marks it when the store fails."""
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        async def wrapper(self, *args, **kwargs):
+            index = getattr(self, "index", self)
+            redis = getattr(index, "redis", None)
+            if not telemetry.enabled() or redis is None:
+                return await fn(self, *args, **kwargs)
+            kw = redis.connection_pool.connection_kwargs
+            attributes = {
+                "db.system.name": "redis",
+                "db.system": "redis",
+                "db.operation.name": operation,
+            }
+            if kw.get("host"):
+                attributes["server.address"] = str(kw["host"])
+                attributes["server.port"] = int(kw.get("port") or 6379)
+            with telemetry.tracer.start_as_current_span(
+                f"redis {operation}", kind=SpanKind.CLIENT, attributes=attributes
+            ):
+                return await fn(self, *args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+def redis_failed(error: BaseException) -> None:
+    """The store failed inside a redis span (the caller falls back to its local copy)."""
+    span = telemetry.current_span()
+    if span is not None:
+        span.record_exception(error)
+        span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"[:500]))
