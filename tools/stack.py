@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
 from specdec.common.cpus import usable_cpus
+from specdec.tools.certs import Pki, make_pki
 from specdec.tools.launcher import ServiceFailed, ServiceProcess
 from specdec.tools.redisproc import RedisProcess
 
@@ -132,6 +135,11 @@ def add_up_parser(commands) -> argparse.ArgumentParser:
     p.add_argument(
         "--http-port", type=int, default=0, help="gateway's OpenAI-compatible HTTP port (0: off)"
     )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="a throwaway CA for this stack: TLS on the gateway, mTLS between it and the replicas",
+    )
     p.set_defaults(func=run_up)
     return p
 
@@ -163,6 +171,24 @@ class LocalStack:
         self.redis: RedisProcess | None = None
         self.procs: list[ServiceProcess] = []
         self.gateway: ServiceProcess | None = None
+        self.pki: Pki | None = None  # with --tls: the throwaway CA and its certificates
+        self._pki_dir: str | None = None
+
+    def _tls_flags(self, client_ca: bool) -> list[str]:
+        if self.pki is None:
+            return []
+        flags = ["--tls-cert", str(self.pki.server_cert), "--tls-key", str(self.pki.server_key)]
+        return [*flags, "--tls-client-ca", str(self.pki.ca)] if client_ca else flags
+
+    def _client_credentials(self):
+        if self.pki is None:
+            return None
+        import grpc
+
+        p = self.pki
+        return grpc.ssl_channel_credentials(
+            p.ca.read_bytes(), p.client_key.read_bytes(), p.client_cert.read_bytes()
+        )
 
     def _service(self, name: str, *argv: str, cpus: list[int] | None = None) -> ServiceProcess:
         log_path = str(self.log_dir / f"{name}.log") if self.log_dir else None
@@ -179,12 +205,17 @@ class LocalStack:
         argv += ["--dtype", a.dtype, "--device", a.device, "--threads", str(threads)]
         if gguf:
             argv += ["--gguf-file", gguf]
+        argv += self._tls_flags(client_ca=True)  # only the gateway's certificate gets in
         return self._service(role, *argv, cpus=cpus)
 
     def start(self) -> LocalStack:
         a = self.args
         if self.log_dir:
             self.log_dir.mkdir(parents=True, exist_ok=True)
+        if getattr(a, "tls", False):
+            self._pki_dir = tempfile.mkdtemp(prefix="specdec-pki-")
+            self.pki = make_pki(Path(self._pki_dir))
+            self.announce(f"tls       throwaway CA {self.pki.ca}")
         redis_url = os.environ.get("REDIS_URL")
         if not redis_url:
             self.redis = RedisProcess().start()
@@ -206,7 +237,7 @@ class LocalStack:
         )
         self.announce("loading models ...")
         for p in (drafter, verifier):
-            p.wait_healthy(timeout=1800)
+            p.wait_healthy(timeout=1800, credentials=self._client_credentials())
             self.announce(f"{p.name:<9} {p.address} (pid {p.proc.pid})")
         self.gateway = self._service(
             "gateway",
@@ -227,14 +258,23 @@ class LocalStack:
             "--ssd",
             "true" if getattr(a, "ssd", False) else "false",
             *(["--http-port", str(a.http_port)] if getattr(a, "http_port", 0) else []),
+            *self._tls_flags(client_ca=False),
+            *self._replica_tls_flags(),
         )
-        self.gateway.wait_healthy(timeout=300)
+        self.gateway.wait_healthy(timeout=300, credentials=self._client_credentials())
         self.announce(f"gateway   {self.gateway.address} (pid {self.gateway.proc.pid})")
         if getattr(a, "http_port", 0):
             self.announce(f"openai    http://{a.host}:{a.http_port}/v1")
         if getattr(a, "otlp_endpoint", None):
             self.announce(f"traces    {a.otlp_endpoint} ({a.otlp_protocol})")
         return self
+
+    def _replica_tls_flags(self) -> list[str]:
+        if self.pki is None:
+            return []
+        p = self.pki
+        return ["--replica-ca", str(p.ca), "--replica-cert", str(p.client_cert),
+                "--replica-key", str(p.client_key)]  # fmt: skip
 
     def check_alive(self) -> None:
         dead = [p for p in self.procs if not p.alive()]
@@ -246,6 +286,8 @@ class LocalStack:
             p.stop()
         if self.redis:
             self.redis.stop()
+        if self._pki_dir:
+            shutil.rmtree(self._pki_dir, ignore_errors=True)
 
     def __enter__(self) -> LocalStack:
         try:
@@ -272,7 +314,11 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         with LocalStack(args, announce=say) as stack:
             loading = False
-            say(f"ready: specdec generate --gateway {stack.gateway.address} --prompt 'def fib(n):'")
+            tls = f" --tls-ca {stack.pki.ca}" if stack.pki else ""
+            say(
+                f"ready: specdec generate --gateway {stack.gateway.address}{tls} "
+                "--prompt 'def fib(n):'"
+            )
             while not stop.wait(0.5):
                 stack.check_alive()
             say("stopping ...")

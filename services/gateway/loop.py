@@ -203,6 +203,8 @@ class Speculator:
         if speculation is not None:
             branches = self._settle(speculation, verify_sent, verified)
             self._late = branches is None  # decided by the next Draft's `prepared`
+            if self._late:
+                await asyncio.sleep(0)  # the cancel leaves before the next drafter call
         if branches is not None:
             branch = branches.get((accepted, verdict.next_token))
             if branch is None:
@@ -261,16 +263,21 @@ class Speculator:
         """The prepared drafts of a Speculate at the verdict, by outcome ({}: a miss).
 
         Never waits and never raises: a Speculate that failed is a miss (logged, counted).
-        One still running is left behind (None): its answer only adds to the statistics.
-        The drafter still stores its branches, so the next Draft is answered from them
-        without a forward when the outcome was prepared; that Draft's `prepared` decides
-        whether the round counts as a hit or a miss.
+        One still running is cancelled (None). If the drafter had started it, it still
+        stores its branches, so the next Draft is answered from them without a forward
+        when the outcome was prepared; that Draft's `prepared` decides whether the round
+        counts as a hit or a miss.
         """
         if not speculation.done():
+            # Cancelled, not awaited. The cancel reaches the drafter before the next Draft
+            # (one connection, frames in order): a Speculate its model thread has started
+            # finishes and stores its branches, and that Draft queues behind it; one not
+            # started yet never runs, so it cannot overwrite the cache after that Draft.
             metrics.SSD_LATE.inc()
-            speculation.add_done_callback(
-                lambda f: self._account(f, verify_sent, verified) if _succeeded(f) else None
-            )
+            speculation.cancel()
+            # The drafter worked on it through the whole verification (hidden time); its
+            # branches are not known here (ssd_branches counts answered Speculates).
+            self.stats.ssd_hidden_ms += (verified - verify_sent) * 1e3
             return None
         if not _succeeded(speculation):
             err = None if speculation.cancelled() else speculation.exception()
@@ -283,11 +290,11 @@ class Speculator:
         return {(b.accepted_count, b.next_token): b.draft_tokens for b in response.branches}
 
     def _account(self, speculation: asyncio.Future, verify_sent: float, verified: float):
-        """Add a finished Speculate to the statistics (placement untouched); its result."""
+        """Add a finished Speculate to the statistics; its result."""
         result = speculation.result()
-        response, request_bytes, spec_sent, spec_done, _ = result
+        response, _, spec_sent, spec_done, _ = result
         self.stats.ssd_branches += len(response.branches)
-        self.stats.ssd_bytes += request_bytes + response.ByteSize()
+        self.stats.ssd_bytes += response.ByteSize()  # its requests counted when sent
         self.stats.ssd_hidden_ms += (
             max(0.0, min(spec_done, verified) - max(spec_sent, verify_sent)) * 1e3
         )
@@ -316,6 +323,7 @@ class Speculator:
                 acceptance_rate=self.stats.acceptance_rate if self.stats.draft_tokens else None,
             )
             request_bytes += request.ByteSize()
+            self.stats.ssd_bytes += request.ByteSize()
             return request
 
         # A copy of the placement: a Speculate that fails over or misses must not move

@@ -60,7 +60,7 @@ SSD_FAILED = Counter(
 )
 SSD_LATE = Counter(
     PREFIX + "ssd_speculate_late",
-    "Speculate calls still running at the verdict (left behind, counted as SSD misses)",
+    "Speculate calls still running at the verdict (cancelled, not awaited)",
 )
 DRAFTER_FALLBACK = Counter(
     PREFIX + "drafter_fallback_rounds",

@@ -62,10 +62,16 @@ def build_response(
 
 
 def stream_message(
-    text: str, tokens: list[int], final: gateway_pb2.GenerateResponse | None
+    text: str,
+    tokens: list[int],
+    final: gateway_pb2.GenerateResponse | None,
+    time_to_first_token_ms: float | None = None,
 ) -> gateway_pb2.GenerateStreamResponse:
-    """One GenerateStream message: a delta, and on the last one the final fields."""
+    """One GenerateStream message: a delta, and on the last one the final fields; the
+    first delta also carries the time to first token."""
     msg = gateway_pb2.GenerateStreamResponse(text=text, token_ids=tokens)
+    if time_to_first_token_ms is not None:
+        msg.timings.time_to_first_token_ms = time_to_first_token_ms
     if final is not None:
         msg.finish_reason = final.finish_reason
         msg.usage.CopyFrom(final.usage)

@@ -57,7 +57,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             async for event in self.gateway.run(request, deadline=client_deadline(context)):
                 if event.final is not None:
                     tracing.finish(span, event.final, context)
-                message = stream_message(event.text, event.tokens, event.final)
+                message = stream_message(
+                    event.text, event.tokens, event.final, event.time_to_first_token_ms
+                )
                 if event.final is not None:
                     message.trace_id = event.final.trace_id
                 yield message

@@ -68,6 +68,12 @@ class Event:
     text: str
     tokens: list[int]
     final: gateway_pb2.GenerateResponse | None = None
+    # On the first delta only: ms from the request's arrival to its first token (progress).
+    time_to_first_token_ms: float | None = None
+
+
+def _ms(seconds: float) -> float:
+    return seconds * 1e3
 
 
 def replica_session_id(session_id: str | None) -> str:
@@ -239,6 +245,7 @@ class Gateway:
         )
         completion = Completion(self.codec, job.max_new_tokens, self.eos_token_ids, job.stop)
         first_at = last_at = None
+        reported_first = False
         try:
             while completion.finish_reason is None:
                 remaining = job.max_new_tokens - len(completion.tokens)
@@ -259,7 +266,9 @@ class Gateway:
                         "gateway may have taken the session); stopped without saving it"
                     )
                 if completion.finish_reason is None and (text or tokens):
-                    yield Event(text, tokens)
+                    ttft = None if reported_first else _ms(first_at - started)
+                    reported_first = True
+                    yield Event(text, tokens, time_to_first_token_ms=ttft)
             response = build_response(
                 job, prompt_ids, len(history), completion, spec.stats, started, first_at
             )

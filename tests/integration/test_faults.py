@@ -190,3 +190,55 @@ def test_replica_calls_are_bounded_by_the_clients_deadline(stack, tokenizer, ref
         assert list(got.tokens) == reference(ids, 16)
     finally:
         g.stop()
+
+
+def test_redis_restarted_mid_turn(stack, tokenizer, reference):
+    """Redis restarts (losing everything) while a turn streams: the turn completes exactly,
+    takes its lost lock back, writes its history, and the next turn continues from it."""
+    server = RedisProcess().start()
+    g = gateway([stack["drafter"]], [stack["verifier"]], server.url)
+    try:
+        g.wait_healthy()
+        ids = ids_of(tokenizer, PROMPTS[1])
+        with Client(g.address, timeout=120) as client:
+            first = client.generate(token_ids=ids, max_new_tokens=8, session_id="rr", k=2)
+            follow = tokenizer(" and", add_special_tokens=False).input_ids
+            stream = client.stream(token_ids=follow, max_new_tokens=200, session_id="rr", k=0)
+            chunks = [next(stream)]
+            server.stop()
+            server.start()  # the same port, empty
+            chunks += list(stream)
+            second = chunks[-1].final
+            assert second is not None
+            ctx = [*ids, *first.tokens, *follow]
+            assert list(second.tokens) == reference(ctx, 200)
+            third = client.generate(token_ids=follow, max_new_tokens=4, session_id="rr", k=2)
+        assert third.usage.history_tokens == len(ctx) + 200
+        assert list(third.tokens) == reference([*ctx, *second.tokens, *follow], 4)
+    finally:
+        g.stop()
+        server.stop()
+
+
+def test_gateway_killed_between_turns(stack, redis_server, tokenizer, reference):
+    """SIGKILL (no graceful stop) after a turn: another gateway continues the session."""
+    d, v = stack["drafter"], stack["verifier"]
+    p1 = ids_of(tokenizer, PROMPTS[0])
+    p2 = tokenizer(" return", add_special_tokens=False).input_ids
+    g = gateway([d], [v], redis_server.url)
+    try:
+        g.wait_healthy()
+        with Client(g.address, timeout=120) as c:
+            t1 = c.generate(token_ids=p1, max_new_tokens=10, k=4, session_id="killed", ssd=True)
+    finally:
+        g.kill()
+    g2 = gateway([d], [v], redis_server.url)
+    try:
+        g2.wait_healthy()
+        with Client(g2.address, timeout=120) as c:
+            t2 = c.generate(token_ids=p2, max_new_tokens=10, k=4, session_id="killed", ssd=True)
+    finally:
+        g2.stop()
+    assert list(t1.tokens) == reference(p1, 10)
+    assert list(t2.tokens) == reference([*p1, *t1.tokens, *p2], 10)
+    assert t2.usage.history_tokens == len(p1) + 10

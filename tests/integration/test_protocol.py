@@ -179,7 +179,9 @@ def test_stream_fields_as_documented(stack, tokenizer):
     """GenerateStreamResponse: deltas first, everything else on the last message only."""
     ids = tokenizer(PROMPTS[1]).input_ids
     request = gateway_pb2.GenerateRequest(
-        prompt_token_ids=gateway_pb2.TokenIds(ids=ids), max_new_tokens=12
+        prompt_token_ids=gateway_pb2.TokenIds(ids=ids),
+        max_new_tokens=12,
+        speculation=gateway_pb2.SpeculationParams(num_draft_tokens=4),
     )
     with grpc.insecure_channel(stack["gateway"].address) as channel:
         from specdec.v1 import gateway_pb2_grpc
@@ -188,11 +190,18 @@ def test_stream_fields_as_documented(stack, tokenizer):
         messages = list(stub.GenerateStream(request, timeout=60))
         whole = stub.Generate(request, timeout=60)
     *deltas, last = messages
-    for m in deltas:
+    assert deltas, "12 tokens at k = 4 take several rounds"
+    assert deltas[0].timings.time_to_first_token_ms > 0  # progress: the first token is out
+    for i, m in enumerate(deltas):
         assert m.text or m.token_ids
         assert not m.HasField("usage") and not m.HasField("stats")
+        assert m.HasField("timings") == (i == 0)
         assert m.finish_reason == gateway_pb2.FINISH_REASON_UNSPECIFIED
     assert last.finish_reason != gateway_pb2.FINISH_REASON_UNSPECIFIED
     assert last.HasField("usage") and last.HasField("stats") and last.HasField("timings")
     assert [t for m in messages for t in m.token_ids] == list(whole.token_ids)
     assert "".join(m.text for m in messages) == whole.text
+    with Client(stack["gateway"].address, timeout=60) as client:
+        chunks = list(client.stream(token_ids=ids, max_new_tokens=12, k=4))
+    assert chunks[0].time_to_first_token_ms and chunks[0].time_to_first_token_ms > 0
+    assert all(c.time_to_first_token_ms is None for c in chunks[1:])

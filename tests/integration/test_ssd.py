@@ -54,7 +54,10 @@ def check_stats(s, ssd: bool) -> None:
         return
     speculated = s.ssd_hits + s.ssd_misses
     assert 0 < speculated <= s.rounds  # not the rounds that leave no room for another
-    assert s.ssd_branches >= speculated and s.ssd_bytes > 0
+    # ssd_branches counts the branches of Speculates answered before their verdict; a
+    # late one is cancelled (and decided by the next Draft's `prepared`), so no lower
+    # bound here: on these tiny models Speculate is often slower than Verify.
+    assert s.ssd_bytes > 0
     assert s.ssd_hidden_ms > 0
 
 
@@ -84,10 +87,11 @@ def test_ssd_hit_path(ssd_stack, tokenizer, reference):
             assert list(got.tokens) == reference(ids, N)
             s = got.stats
             check_stats(s, True)
-            # A Speculate still running at its verdict is left behind; its round is a hit
-            # when the next Draft is answered from its branches. Under load that Draft
-            # can overtake it on the way to the drafter: at most one such miss here.
-            assert s.ssd_misses <= 1 and s.ssd_hits >= s.rounds - 2
+            # Every prepared outcome is right here, so a miss only comes from timing: a
+            # Speculate still running at its verdict is cancelled (never awaited); one the
+            # drafter had started is a hit through the next Draft's `prepared`, one it had
+            # not started never runs (a miss). On a loaded machine both happen.
+            assert s.ssd_hits > 0
             assert s.acceptance_rate == 1.0
 
 
@@ -102,7 +106,7 @@ def test_ssd_miss_path(ssd_stack, tokenizer, reference):
             assert list(got.tokens) == reference(ids, N)
             s = got.stats
             check_stats(s, True)
-            assert s.ssd_branches == s.ssd_hits + s.ssd_misses  # fan-out 1
+            assert s.ssd_branches <= s.ssd_hits + s.ssd_misses  # fan-out 1
             misses += s.ssd_misses
         assert misses > 0
 

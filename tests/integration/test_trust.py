@@ -134,3 +134,33 @@ def test_replicas_refuse_a_gateway_without_their_client_certificate(stack, pki):
     with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as err:
         verifier_pb2_grpc.VerifierServiceStub(channel).Info(common_pb2.InfoRequest(), timeout=10)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_up_tls_makes_a_throwaway_ca(test_models, tokenizer, reference):
+    """`specdec up --tls`: TLS on the gateway, mTLS to the replicas, one throwaway CA."""
+    import argparse
+
+    from specdec.tools.stack import LocalStack, add_up_parser
+
+    parser = argparse.ArgumentParser()
+    add_up_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        ["up", "--draft-model", str(test_models.draft_noisy), "--target-model",
+         str(test_models.target), "--port", "0", "--tls", "--draft-threads", "1",
+         "--target-threads", "1"]
+    )  # fmt: skip
+    with LocalStack(args) as stack:
+        ca = str(stack.pki.ca)
+        ids = tokenizer(PROMPTS[3]).input_ids
+        got = generate(stack.gateway.address, tls_credentials(ca), None, ids)
+        assert list(got.tokens) == reference(ids, 8)
+        with pytest.raises(SpecdecError):  # plaintext is refused
+            generate(stack.gateway.address, None, None, ids)
+        with grpc.insecure_channel(stack.procs[0].address) as channel:  # so is the drafter's
+            from specdec.v1 import common_pb2, drafter_pb2_grpc
+
+            with pytest.raises(grpc.RpcError):
+                drafter_pb2_grpc.DrafterServiceStub(channel).Info(
+                    common_pb2.InfoRequest(), timeout=10
+                )
+    assert not stack.pki.ca.exists()  # removed with the stack

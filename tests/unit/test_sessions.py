@@ -532,3 +532,30 @@ async def test_fenced_write_refuses_a_gateway_that_lost_its_lock(server, raw):
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_lock_held_by_nobody_is_taken_back(server, raw):
+    """Redis lost the lock (it restarted, or the lock lapsed) and nobody took it: the
+    keep-alive and the fenced write take it back, unless a newer turn was written."""
+    a, b = SessionIndex(server.url), SessionIndex(server.url)
+    la, lb = TurnLocks(a), TurnLocks(b)
+    try:
+        lease = await la.lock("r", ttl_seconds=30)
+        raw.delete("specdec:session-lock:r")
+        assert await la.refresh(lease) and not lease.lost  # taken back
+        assert raw.get("specdec:session-lock:r") == lease.token.encode()
+        assert await lb.lock("r") is None
+        raw.delete("specdec:session-lock:r")
+        await a.put(record("r", n=4, turns=3), fence=lease.fence)  # taken back by the write
+        assert raw.get("specdec:session-lock:r") == lease.token.encode()
+        raw.delete("specdec:session-lock:r")
+        newer = await lb.lock("r", ttl_seconds=30)  # another turn runs and ends
+        await b.put(record("r", n=9, turns=4), fence=newer.fence)
+        await lb.unlock(newer)
+        with pytest.raises(LockLost):  # a newer turn was written: refused
+            await a.put(record("r", n=5, turns=4), fence=lease.fence)
+        got = await b.get("r")
+        assert got is not None and len(got.tokens) == 9
+    finally:
+        await a.close()
+        await b.close()

@@ -144,6 +144,8 @@ class StreamChunk:
     text: str
     tokens: tuple[int, ...]
     final: Generation | None = None
+    #: On the first chunk with tokens: ms from the request's arrival to its first token.
+    time_to_first_token_ms: float | None = None
 
 
 def _f32(x: float) -> float:
@@ -236,9 +238,12 @@ class StreamAssembler:
         text, tokens = msg.text, tuple(msg.token_ids)
         self._text.append(text)
         self._tokens.extend(tokens)
+        ttft = None
         if msg.finish_reason != gateway_pb2.FINISH_REASON_UNSPECIFIED:
             self.final = _generation(msg, "".join(self._text), tuple(self._tokens))
-        return StreamChunk(text=text, tokens=tokens, final=self.final)
+        elif msg.HasField("timings"):
+            ttft = _f32(msg.timings.time_to_first_token_ms)
+        return StreamChunk(text=text, tokens=tokens, final=self.final, time_to_first_token_ms=ttft)
 
     def finish(self) -> Generation:
         """Call when the stream ended normally: the final generation, or InternalError."""

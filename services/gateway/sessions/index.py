@@ -64,13 +64,22 @@ class LockLost(SpecdecError):
     code = grpc.StatusCode.ABORTED
 
 
-# Write the record only while the turn lock (KEYS[2]) holds the writer's token (ARGV[1]):
-# the fence that keeps a gateway which lost its lock from overwriting a newer turn.
-# ARGV[2] is the TTL in seconds, ARGV[3..] the record's field / value pairs.
+# Write the record (KEYS[1]) only while the turn lock (KEYS[2]) holds the writer's token
+# (ARGV[1]): the fence that keeps a gateway which lost its lock from overwriting a newer
+# turn. A lock that is gone (it lapsed, or Redis restarted and lost it) held by nobody is
+# taken back (PX ARGV[3]) if no newer turn was written meanwhile: the stored record's
+# turn count is below this record's (ARGV[4]). ARGV[2] is the record's TTL in seconds,
+# ARGV[5..] its field / value pairs.
 _PUT_IF_LOCKED = """
-if redis.call('get', KEYS[2]) ~= ARGV[1] then return 0 end
+local holder = redis.call('get', KEYS[2])
+if holder and holder ~= ARGV[1] then return 0 end
+if not holder then
+  local stored = tonumber(redis.call('hget', KEYS[1], 'turns') or '0')
+  if stored >= tonumber(ARGV[4]) then return 0 end
+  redis.call('set', KEYS[2], ARGV[1], 'PX', ARGV[3])
+end
 redis.call('del', KEYS[1])
-redis.call('hset', KEYS[1], unpack(ARGV, 3))
+redis.call('hset', KEYS[1], unpack(ARGV, 5))
 redis.call('expire', KEYS[1], ARGV[2])
 return 1
 """
@@ -181,13 +190,14 @@ class SessionIndex:
         self,
         record: SessionRecord,
         ttl_seconds: int | None = None,
-        fence: tuple[str, str] | None = None,
+        fence: tuple[str, str, int] | None = None,
     ) -> None:
         """Store the record (replacing any previous one), set ``updated_at`` and the TTL.
 
-        fence: (turn lock key, token). Redis then takes the write only while that lock
-        holds that token, atomically; otherwise LockLost and nothing is written. With
-        Redis unreachable the local copy takes it (this process's lock is the fence).
+        fence: (turn lock key, token, lock TTL in ms). Redis then takes the write only
+        while that lock holds that token, or holds nothing and no newer turn was written
+        (the lock is taken back), atomically; otherwise LockLost and nothing is written.
+        With Redis unreachable the local copy takes it (this process's lock is the fence).
         """
         key = self.key(record.session_id)
         ttl = self.default_ttl if ttl_seconds is None else int(ttl_seconds)
@@ -290,12 +300,15 @@ class SessionIndex:
             await pipe.execute()
 
     async def _write_fenced(
-        self, key: str, fields: dict[str, bytes | str], ttl: int, fence: tuple[str, str]
+        self, key: str, fields: dict[str, bytes | str], ttl: int, fence: tuple[str, str, int]
     ) -> None:
         assert self.redis is not None
-        lock_key, token = fence
+        lock_key, token, lock_ms = fence
         flat = [x for pair in fields.items() for x in pair]
-        written = await self.redis.eval(_PUT_IF_LOCKED, 2, key, lock_key, token, ttl, *flat)
+        turns = fields["turns"]
+        written = await self.redis.eval(
+            _PUT_IF_LOCKED, 2, key, lock_key, token, ttl, lock_ms, turns, *flat
+        )
         if not written:
             self.succeeded()
             raise LockLost(

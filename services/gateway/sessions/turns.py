@@ -15,7 +15,9 @@ session at the same time. The Redis lock expires by itself if its gateway dies.
   for longer than the TTL, and another gateway took it) marks the lease lost.
 - **Fenced.** The session write names the lease (`fence`): the Redis write happens in one
   script only if the lock still holds the lease's token, so a gateway that lost its lock
-  cannot overwrite a newer turn.
+  cannot overwrite a newer turn. A lock held by nobody (it lapsed, or Redis restarted and
+  lost it) is taken back by the keep-alive, or by the write if no newer turn was written
+  meanwhile (the record's turn count), so a Redis restart mid-turn costs nothing.
 
 Release and refresh only act for the holder's token. With Redis unreachable only this
 process's lock holds.
@@ -39,10 +41,14 @@ log = logging.getLogger(__name__)
 _DELETE_IF_OWNER = (
     "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 )
-_REFRESH_IF_OWNER = (
-    "if redis.call('get', KEYS[1]) == ARGV[1] then "
-    "return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
-)
+# Extend the lock if this turn holds it; take it back if nobody does (it lapsed, or Redis
+# restarted): no other turn can have started without it. 0: another turn holds it.
+_REFRESH_IF_OWNER = """
+local holder = redis.call('get', KEYS[1])
+if holder == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
+if not holder then return redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2]) and 1 or 0 end
+return 0
+"""
 
 # Pause between two tries of a busy session's lock (seconds).
 _RETRY_INTERVAL = 0.02
@@ -60,9 +66,9 @@ class TurnLease:
     _keepalive: asyncio.Task | None = field(default=None, repr=False)
 
     @property
-    def fence(self) -> tuple[str, str]:
-        """(lock key, token): what a fenced session write checks in Redis."""
-        return self.key, self.token
+    def fence(self) -> tuple[str, str, int]:
+        """(lock key, token, TTL in ms): what a fenced session write checks in Redis."""
+        return self.key, self.token, int(self.ttl_seconds * 1000)
 
 
 class TurnLocks:
