@@ -134,6 +134,8 @@ class Speculator:
         self._ready: tuple[int, list[int]] | None = None
         self._without_drafter = False  # the last Draft found no drafter (k = 0 rounds)
         self._late = False  # the last round's Speculate was still running at its verdict
+        self.round_ssd: str = "off"  # what SSD did in the last round (see _round)
+        self.round_late_outcome: str | None = None
         # Block hashes of the request's context, which only grows: O(new tokens) per call.
         self._chain = PrefixChain()
 
@@ -150,6 +152,10 @@ class Speculator:
         """
         draft_tokens: Sequence[int] = ()
         draft_probs: Sequence[common_pb2.DraftDistribution] = ()
+        # What SSD did this round (for its span): "off" (no Speculate), "hit", "miss", or
+        # "late" (still running at the verdict: the next round's Draft decides it, and
+        # that round reports the outcome in round_late_outcome).
+        self.round_ssd, self.round_late_outcome = "off", None
         ready, self._ready = self._ready, None
         if k > 0 and ready is not None and ready[0] == len(ctx):
             draft_tokens = ready[1][:k]
@@ -162,6 +168,7 @@ class Speculator:
                 prepared = draft is not None and draft.prepared
                 self.stats.ssd_hits += prepared
                 self.stats.ssd_misses += not prepared
+                self.round_late_outcome = "hit" if prepared else "miss"
             if draft is None:
                 k = 0  # no drafter: this round is a plain target step (the same output)
             else:
@@ -204,13 +211,16 @@ class Speculator:
             branches = self._settle(speculation, verify_sent, verified)
             self._late = branches is None  # decided by the next Draft's `prepared`
             if self._late:
+                self.round_ssd = "late"
                 await asyncio.sleep(0)  # the cancel leaves before the next drafter call
         if branches is not None:
             branch = branches.get((accepted, verdict.next_token))
             if branch is None:
                 self.stats.ssd_misses += 1
+                self.round_ssd = "miss"
             else:
                 self.stats.ssd_hits += 1
+                self.round_ssd = "hit"
                 if self.greedy:  # the next draft is on hand; sampling fetches it from
                     # the drafter, with its distributions (a Draft without a forward)
                     self._ready = (len(ctx) + accepted + 1, list(branch))

@@ -131,7 +131,7 @@ def round_span(spec, k: int) -> Iterator[None]:
         yield
         metrics.ROUND_SECONDS.observe(time.perf_counter() - started)
         return
-    before = (s.accepted_tokens, s.ssd_hits, s.ssd_misses, s.drafter_wait_ms, s.cache_misses)
+    before = (s.accepted_tokens, s.drafter_wait_ms, s.cache_misses)
     with telemetry.tracer.start_as_current_span(
         "speculation round",
         attributes={"specdec.round.index": s.rounds, "specdec.round.k": k},
@@ -139,21 +139,18 @@ def round_span(spec, k: int) -> Iterator[None]:
         yield
         metrics.ROUND_SECONDS.observe(time.perf_counter() - started)
         accepted = s.accepted_tokens - before[0]
-        ssd = "off"
-        if s.ssd_hits > before[1]:
-            ssd = "hit"
-        elif s.ssd_misses > before[2]:
-            ssd = "miss"
-        span.set_attributes(
-            {
-                "specdec.round.accepted": accepted,
-                # The verifier's rule: all k accepted -> a bonus token, else a recovered one.
-                "specdec.round.next_token_kind": "bonus" if accepted == k else "recovered",
-                "specdec.round.ssd": ssd,
-                "specdec.round.drafter_wait_ms": round(s.drafter_wait_ms - before[3], 3),
-                "specdec.round.cache_misses": s.cache_misses - before[4],
-            }
-        )
+        attributes = {
+            "specdec.round.accepted": accepted,
+            # The verifier's rule: all k accepted -> a bonus token, else a recovered one.
+            "specdec.round.next_token_kind": "bonus" if accepted == k else "recovered",
+            # off (no Speculate) | hit | miss | late (decided by the next round's Draft)
+            "specdec.round.ssd": spec.round_ssd,
+            "specdec.round.drafter_wait_ms": round(s.drafter_wait_ms - before[1], 3),
+            "specdec.round.cache_misses": s.cache_misses - before[2],
+        }
+        if spec.round_late_outcome is not None:  # the previous round's late Speculate
+            attributes["specdec.round.ssd_late_outcome"] = spec.round_late_outcome
+        span.set_attributes(attributes)
 
 
 async def call(replica, method_name: str, request, timeout: float):
