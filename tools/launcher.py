@@ -91,8 +91,11 @@ class ServiceProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def wait_healthy(self, timeout: float = 120.0) -> ServiceProcess:
-        """Block until grpc.health.v1 answers SERVING (raises ServiceFailed otherwise)."""
+    def wait_healthy(
+        self, timeout: float = 120.0, credentials: grpc.ChannelCredentials | None = None
+    ) -> ServiceProcess:
+        """Block until grpc.health.v1 answers SERVING (raises ServiceFailed otherwise);
+        credentials: for a service that serves TLS."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         deadline = time.monotonic() + timeout
@@ -100,7 +103,12 @@ class ServiceProcess:
             self._check_running()
             if time.monotonic() > deadline:
                 raise ServiceFailed(f"{self.name} never reported its port:\n{self.tail()}")
-        with grpc.insecure_channel(self.address) as channel:
+        channel = (
+            grpc.insecure_channel(self.address)
+            if credentials is None
+            else grpc.secure_channel(self.address, credentials)
+        )
+        with channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
                 self._check_running()

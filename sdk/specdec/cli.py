@@ -1,7 +1,7 @@
 """The `specdec` command line. Torch-free at import: model code loads only when served.
 
-This module ships with the SDK (specdec-sdk) and owns `specdec generate`. The server
-distribution (specdec-server) adds `serve`, `up`, `demo`, `models` and `bench` through the
+This module ships with the SDK (specdec-sdk) and owns `specdec generate` and `specdec
+loadtest`. The server distribution (specdec-server) adds `serve`, `up`, `demo`, `models` and `bench` through the
 "specdec.commands" entry point group; without it, those commands say what to install.
 """
 
@@ -23,10 +23,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _build() -> tuple[argparse.ArgumentParser, set[str]]:
     """The parser, and the names of the commands it has."""
     from specdec.sdk.cli_generate import add_generate_parser
+    from specdec.sdk.loadtest.cli import add_loadtest_parser
 
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(commands)
+    add_loadtest_parser(commands)
     for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
         ep.load()(commands)
     return parser, set(commands.choices)

@@ -104,9 +104,12 @@ class ReplicaConfig:
     max_cached_tokens: int = 65536
     max_draft_tokens: int = 16
     max_context: int = 0  # 0: the model's own max_position_embeddings
-    threads: int = 0  # 0: torch's default
+    threads: int = 0  # 0: the CPUs this process may use (affinity mask, cgroup quota)
+    max_queue: int = 64  # model requests that may wait behind the running one
     replica_id: str = ""  # empty: hostname:port, known once the port is bound
     grace_seconds: float = 10.0
+    prefill_chunk: int = 512  # tokens per forward when feeding a long input; 0: one forward
+    tls: Any = None  # specdec.common.tls.ServerTls, or None: plaintext
 
     ROLE: ClassVar[str] = ""
 
@@ -122,11 +125,29 @@ class ReplicaConfig:
         add_setting(parser, "--max-cached-tokens", "KV cache bound over all sessions", 65536)
         add_setting(parser, "--max-draft-tokens", "largest draft length k accepted", 16)
         add_setting(parser, "--max-context", "context limit (0: the model's own)", 0)
-        add_setting(parser, "--threads", "torch CPU threads (0: torch's default)", 0)
+        add_setting(
+            parser,
+            "--threads",
+            "torch CPU threads (0: the CPUs this process may use: affinity mask, cgroup quota)",
+            0,
+        )
+        add_setting(
+            parser,
+            "--max-queue",
+            "model requests that may wait behind the running one; more are refused with "
+            "RESOURCE_EXHAUSTED (replica busy) so the gateway tries another replica",
+            64,
+        )
         add_setting(
             parser, "--replica-id", "name reported in Info and logs (default host:port)", ""
         )
         add_setting(parser, "--grace-seconds", "graceful shutdown window on SIGTERM", 10.0)
+        add_setting(
+            parser, "--prefill-chunk", "tokens per forward of a long input (0: all at once)", 512
+        )
+        from specdec.common.tls import add_server_tls_arguments
+
+        add_server_tls_arguments(parser)
         cls.add_role_arguments(parser)
 
     @classmethod
@@ -162,12 +183,21 @@ class ReplicaConfig:
             max_draft_tokens=parse_value(args, "--max-draft-tokens", int, positive),
             max_context=parse_value(args, "--max-context", int, non_negative),
             threads=parse_value(args, "--threads", int, non_negative),
+            max_queue=parse_value(args, "--max-queue", int, non_negative),
             replica_id=args.replica_id or "",
             grace_seconds=parse_value(
                 args, "--grace-seconds", float, lambda v: None if v >= 0 else "must be >= 0"
             ),
+            prefill_chunk=parse_value(args, "--prefill-chunk", int, non_negative),
+            tls=_server_tls(args),
             **cls.role_settings(args),
         )
+
+
+def _server_tls(args: argparse.Namespace):
+    from specdec.common.tls import server_tls_from_args
+
+    return server_tls_from_args(args)
 
 
 def _check_device(value: str) -> str | None:

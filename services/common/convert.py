@@ -34,7 +34,7 @@ def encoded_from_proto(msg: common_pb2.DraftDistribution) -> EncodedProbs:
     kind = msg.WhichOneof("probs")
     if kind == "sparse":
         return EncodedProbs(
-            token_ids=torch.tensor(list(msg.sparse.token_ids), dtype=torch.int32),
+            token_ids=torch.tensor(list(msg.sparse.token_ids), dtype=torch.int64),
             probs=torch.tensor(list(msg.sparse.probs), dtype=torch.float32),
         )
     if kind == "dense":

@@ -29,6 +29,14 @@ class CapacityExceeded(SpecdecError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class ReplicaBusy(SpecdecError):
+    """Backpressure: --max-queue requests already wait for this replica's model; try
+    another replica or later. The message starts with BUSY_PREFIX (CapacityExceeded shares
+    the status code and means the KV cache bound, which no retry fixes)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class NotReady(SpecdecError):
     """The model is still loading."""
 
@@ -38,10 +46,19 @@ class NotReady(SpecdecError):
 # Message prefix of every cache-miss status, so clients can tell it from other
 # FAILED_PRECONDITION answers.
 CACHE_MISS_PREFIX = "cache miss"
+# Message prefix of every ReplicaBusy status.
+BUSY_PREFIX = "replica busy"
 
 
 def is_cache_miss(err: grpc.RpcError) -> bool:
     """True when a client-side RpcError is a replica's cache-miss answer."""
     return err.code() == grpc.StatusCode.FAILED_PRECONDITION and (err.details() or "").startswith(
         CACHE_MISS_PREFIX
+    )
+
+
+def is_busy(err: grpc.RpcError) -> bool:
+    """True when a client-side RpcError is a replica's backpressure answer (ReplicaBusy)."""
+    return err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (err.details() or "").startswith(
+        BUSY_PREFIX
     )

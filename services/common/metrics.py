@@ -171,9 +171,12 @@ class ReplicaObserver:
         self.metrics = ReplicaMetrics.for_role(runtime.config.role)
         self.metrics.max_cached_tokens.set(runtime.config.max_cached_tokens)
 
-    async def run(self, executor, fn: Callable[..., T], *args) -> T:
+    async def run(
+        self, executor, fn: Callable[..., T], *args, on_done: Callable | None = None
+    ) -> T:
         """fn(*args) on the model thread, in a copy of the caller's context, counted in
-        the queue until the thread picks it up."""
+        the queue until the thread picks it up. on_done(future) runs once the job has ended
+        or was cancelled before it started (also when it could not be submitted)."""
         m = self.metrics
         context = contextvars.copy_context()
         queued = time.perf_counter()
@@ -192,9 +195,13 @@ class ReplicaObserver:
             future = executor.submit(job)
         except BaseException:
             m.waiting.dec()
+            if on_done is not None:
+                on_done(None)
             raise
         # A job cancelled before it started (its caller gave up) leaves the queue too.
         future.add_done_callback(lambda _: None if started else m.waiting.dec())
+        if on_done is not None:
+            future.add_done_callback(on_done)
         return await asyncio.wrap_future(future)
 
     def _job(self, fn: Callable[..., T], args: tuple, waited: float) -> T:

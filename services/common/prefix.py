@@ -1,23 +1,75 @@
 """Prefix identity shared by the gateway and the replicas (torch-free).
 
-Every Draft / Verify names the cached prefix it builds on by (length, hash). The hash is
-blake2b-64 over the tokens as little-endian int32, so both sides compute it from their own
-copy of the tokens and a replica can tell, cheaply and for certain, whether its cache holds
-the prefix the caller means.
+Every Draft / Speculate / Verify names the cached prefix it builds on by (length, hash), so
+both sides compute the hash from their own copy of the tokens and a replica can tell,
+cheaply and for certain, whether its cache holds the prefix the caller means.
+
+The hash is chained over fixed blocks, so that it costs O(new tokens) per call instead of
+O(context): with the tokens as little-endian int32,
+
+    chain_0     = 0
+    chain_{i+1} = blake2b-64(chain_i as 8 bytes LE || block_i)   (block_i = tokens[256 i : 256 (i + 1)])
+    hash(n)     = blake2b-64(chain_m as 8 bytes LE || tokens[256 m : n]),  m = n // 256
+
+A `PrefixChain` keeps chain_0..chain_m for one sequence that grows at its end and is
+cropped (the gateway's context; a replica's session cache): a call hashes at most the
+blocks completed since the last call plus a tail of under 256 tokens.
 """
 
 from __future__ import annotations
 
 import hashlib
+import sys
 from array import array
 from collections.abc import Sequence
 
-_LITTLE = array("i").itemsize == 4 and __import__("sys").byteorder == "little"
+BLOCK = 256
+
+_LITTLE = array("i").itemsize == 4 and sys.byteorder == "little"
 
 
-def prefix_hash(tokens: Sequence[int]) -> int:
-    """blake2b-64 of tokens (int32, little-endian), as an unsigned 64-bit integer."""
+def _digest(chain: int, tokens: Sequence[int]) -> int:
     buf = array("i", tokens)
     if not _LITTLE:
         buf.byteswap()
-    return int.from_bytes(hashlib.blake2b(buf.tobytes(), digest_size=8).digest(), "little")
+    h = hashlib.blake2b(chain.to_bytes(8, "little"), digest_size=8)
+    h.update(buf.tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+class PrefixChain:
+    """Block hashes of one sequence's prefix, extended on demand.
+
+    The caller owns the tokens and tells the chain when tokens before the end change
+    (`crop`); appending needs no call.
+    """
+
+    __slots__ = ("_chain",)
+
+    def __init__(self) -> None:
+        self._chain: list[int] = [0]  # _chain[i]: hash of the first i blocks
+
+    def hash(self, tokens: Sequence[int], n: int) -> int:
+        """prefix_hash(tokens[:n]), in O(n - blocks already chained)."""
+        if not 0 <= n <= len(tokens):
+            raise ValueError(f"prefix of {n} tokens out of a sequence of {len(tokens)}")
+        m = n // BLOCK
+        chain = self._chain
+        while len(chain) <= m:
+            i = len(chain) - 1
+            chain.append(_digest(chain[i], tokens[i * BLOCK : (i + 1) * BLOCK]))
+        return _digest(chain[m], tokens[m * BLOCK : n])
+
+    def crop(self, n: int) -> None:
+        """Tokens from position n on changed (or were dropped): forget blocks past n."""
+        del self._chain[n // BLOCK + 1 :]
+
+    @property
+    def blocks(self) -> int:
+        """Full blocks chained so far."""
+        return len(self._chain) - 1
+
+
+def prefix_hash(tokens: Sequence[int]) -> int:
+    """The prefix hash of all of tokens, as an unsigned 64-bit integer (O(len(tokens)))."""
+    return PrefixChain().hash(tokens, len(tokens))

@@ -57,7 +57,7 @@ class ReplicaServicer:
         rt = self.ready_runtime()
         cfg = rt.config
         cached_tokens, cached_sessions = await rt.run(
-            lambda: (rt.store.cached_tokens, len(rt.store))
+            lambda: (rt.store.cached_tokens, len(rt.store)), bounded=False
         )
         info = common_pb2.ModelInfo(
             role=_ROLES[cfg.role],
@@ -75,6 +75,7 @@ class ReplicaServicer:
             replica_id=self.replica_id,
             chat_template=rt.chat_template,
             bos_token_id=rt.bos_token_id,
+            special_tokens=rt.special_tokens,
         )
         if request.include_tokenizer:
             info.tokenizer_json_zlib = rt.tokenizer_json
@@ -88,7 +89,7 @@ class ReplicaServicer:
     async def Release(self, request: common_pb2.ReleaseRequest, context):
         check_session_id(request.session_id)
         rt = self.ready_runtime()
-        released = await rt.run(self.release, request.session_id)
+        released = await rt.run(self.release, request.session_id, bounded=False)
         return common_pb2.ReleaseResponse(released=released)
 
 
@@ -109,7 +110,7 @@ def run_replica(
     servicer = make_servicer(runtime)
 
     async def ready() -> None:
-        await runtime.run(runtime.load)
+        await runtime.run(runtime.load, bounded=False)
 
     try:
         asyncio.run(
@@ -123,6 +124,7 @@ def run_replica(
                 grace_seconds=config.grace_seconds,
                 on_stop=runtime.shutdown,
                 on_port=servicer.on_port,
+                credentials=config.tls.credentials() if config.tls else None,
             )
         )
     finally:

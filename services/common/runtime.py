@@ -13,8 +13,10 @@ validates requests and awaits ``ModelRuntime.run``.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
+import threading
 import time
 import zlib
 from collections import OrderedDict
@@ -27,9 +29,17 @@ from typing import TypeVar
 import torch
 
 from specdec.common.config import ReplicaConfig
-from specdec.common.errors import CACHE_MISS_PREFIX, CacheMiss, CapacityExceeded, InvalidRequest
+from specdec.common.cpus import thread_budget
+from specdec.common.errors import (
+    BUSY_PREFIX,
+    CACHE_MISS_PREFIX,
+    CacheMiss,
+    CapacityExceeded,
+    InvalidRequest,
+    ReplicaBusy,
+)
 from specdec.common.metrics import ReplicaObserver, note_cache, note_eviction, note_rollback
-from specdec.common.prefix import prefix_hash
+from specdec.common.prefix import PrefixChain
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -44,6 +54,8 @@ class SessionCache:
     tokens: list[int]
     kv: object  # transformers DynamicCache
     last_used: float = field(default_factory=time.monotonic)
+    # Block hashes of tokens' prefixes (cropped with tokens): prefix checks cost O(new).
+    chain: PrefixChain = field(default_factory=PrefixChain)
 
 
 class CacheStore:
@@ -98,7 +110,7 @@ class CacheStore:
                     f"{CACHE_MISS_PREFIX}: session {session_id!r} holds {len(session.tokens)} "
                     f"tokens, request builds on {prefix_len}"
                 )
-            if prefix_hash(session.tokens[:prefix_len]) != prefix_hash_:
+            if session.chain.hash(session.tokens, prefix_len) != prefix_hash_:
                 raise CacheMiss(
                     f"{CACHE_MISS_PREFIX}: session {session_id!r} holds different tokens in its "
                     f"first {prefix_len}"
@@ -117,6 +129,7 @@ class CacheStore:
         if drop > 0:
             session.kv.crop(-drop)
             del session.tokens[length:]
+            session.chain.crop(length)
             note_rollback(drop)
 
     def release(self, session_id: str) -> bool:
@@ -150,6 +163,10 @@ class ModelRuntime:
     def __init__(self, config: ReplicaConfig):
         self.config = config
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{config.role}-model")
+        # Model requests submitted and not finished (the running one included), and the
+        # lock that guards the count: bounded by config.max_queue (backpressure, `run`).
+        self.pending = 0
+        self._pending_lock = threading.Lock()
         self.model = None
         self.device = torch.device(config.device)
         self.vocab_size = 0
@@ -159,8 +176,10 @@ class ModelRuntime:
         self.tokenizer_json = b""
         self.tokenizer_fingerprint = ""
         self.chat_template = ""
+        self.special_tokens: dict[str, str] = {}  # bos_token, eos_token, ... (chat templates)
         self.store: CacheStore | None = None
         self.obs = ReplicaObserver(self)  # metrics and spans (specdec.common.metrics)
+        self._keeps_logits = False  # the model's forward takes logits_to_keep
 
     # -- loading ------------------------------------------------------------------------
 
@@ -169,8 +188,7 @@ class ModelRuntime:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         cfg = self.config
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        _set_threads(cfg.threads)
         started = time.monotonic()
         kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
         dtype = "auto" if cfg.dtype == "auto" else _DTYPES[cfg.dtype]
@@ -178,6 +196,7 @@ class ModelRuntime:
         model.to(self.device).eval()
         tokenizer = AutoTokenizer.from_pretrained(cfg.model, **kwargs)
         self.model = model
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_context = int(
             getattr(model.config, "max_position_embeddings", 0) or cfg.max_context or 0
@@ -191,6 +210,7 @@ class ModelRuntime:
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.bos_token_id = -1 if tokenizer.bos_token_id is None else int(tokenizer.bos_token_id)
         self.chat_template = tokenizer.chat_template or ""
+        self.special_tokens = {k: str(v) for k, v in tokenizer.special_tokens_map.items()}
         canonical = _canonical_tokenizer_json(tokenizer)
         self.tokenizer_json = zlib.compress(canonical, 6)
         self.tokenizer_fingerprint = hashlib.sha256(canonical).hexdigest()
@@ -219,9 +239,32 @@ class ModelRuntime:
 
     # -- execution ----------------------------------------------------------------------
 
-    async def run(self, fn: Callable[..., T], *args) -> T:
-        """Run fn(*args) on the model thread (in a copy of the caller's context)."""
-        return await self.obs.run(self.executor, fn, *args)
+    async def run(self, fn: Callable[..., T], *args, bounded: bool = True) -> T:
+        """Run fn(*args) on the model thread, in a copy of the caller's context (its trace),
+        counted in the replica's queue metrics.
+
+        bounded: a request for the model (Draft, Verify, Speculate). When max_queue of them
+        already wait behind the running one, raise ReplicaBusy (RESOURCE_EXHAUSTED) at once
+        instead of queueing: the gateway tries a less loaded replica. Housekeeping calls
+        (load, Info, Release) pass bounded=False: never refused, and not counted.
+        """
+        if not bounded:
+            return await self.obs.run(self.executor, fn, *args)
+        limit = self.config.max_queue
+        with self._pending_lock:
+            if self.pending > limit:
+                raise ReplicaBusy(
+                    f"{BUSY_PREFIX}: {self.pending - 1} requests queued for the model "
+                    f"(at most {limit} wait, --max-queue)"
+                )
+            self.pending += 1
+        # The count drops when the job ends on the model thread (or is cancelled before it
+        # started), not when a cancelled caller stops waiting for a job that still runs.
+        return await self.obs.run(self.executor, fn, *args, on_done=self._finished)
+
+    def _finished(self, _future) -> None:
+        with self._pending_lock:
+            self.pending -= 1
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -250,17 +293,22 @@ class ModelRuntime:
     # -- model calls (executor thread only) ---------------------------------------------
 
     def extend(
-        self, session_id: str, prefix: Prefix, new_tokens: Sequence[int], grow_by: int
+        self,
+        session_id: str,
+        prefix: Prefix,
+        new_tokens: Sequence[int],
+        grow_by: int,
+        keep: int | None = None,
     ) -> tuple[SessionCache, torch.Tensor]:
         """Crop the session to `prefix`, run new_tokens through the model.
 
         grow_by: tokens this request may add in total (new tokens + later feeds), reserved
-        in the cache bound. Returns the session and logits [len(new_tokens), vocab] fp32.
-        Call inside `guarded(session_id)`.
+        in the cache bound. Returns the session and the logits of the last `keep` tokens
+        [keep, vocab] fp32 (all of them when None). Call inside `guarded(session_id)`.
         """
         assert self.store is not None
         session = self.store.acquire(session_id, prefix.length, prefix.hash, grow_by)
-        return session, self.forward(session, new_tokens)
+        return session, self.forward(session, new_tokens, keep)
 
     @contextmanager
     def guarded(self, session_id: str):
@@ -281,17 +329,62 @@ class ModelRuntime:
             raise
 
     @torch.inference_mode()
-    def forward(self, session: SessionCache, tokens: Sequence[int]) -> torch.Tensor:
-        """Append tokens to the session's cache; logits [len(tokens), vocab] fp32."""
-        input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, n]
-        with self.obs.forward(len(tokens), 1, fresh=not session.tokens):
-            out = self.model(input_ids=input_ids, past_key_values=session.kv, use_cache=True)
+    def forward(
+        self, session: SessionCache, tokens: Sequence[int], keep: int | None = None
+    ) -> torch.Tensor:
+        """Append tokens to the session's cache; the logits of the last `keep` of them
+        [keep, vocab] fp32 (all when None).
+
+        Only the kept rows are computed (a full-vocabulary row per prompt token is about
+        0.9 MB in bf16 for a 152k vocabulary, plus its fp32 copy). An input longer than
+        --prefill-chunk is fed in chunks of that many tokens, so the activations of a long
+        prompt never exceed one chunk's; the last chunk holds at least the kept rows.
+        """
+        tokens = list(tokens)
+        keep = len(tokens) if keep is None else max(1, min(keep, len(tokens)))
+        fresh = not session.tokens  # a prefill (metrics and spans), in however many chunks
+        chunk = self.config.prefill_chunk
+        start = 0
+        if chunk and len(tokens) > chunk:
+            head = len(tokens) - max(chunk, keep)  # fed before the last forward
+            while start < head:
+                end = min(start + chunk, head)
+                self._forward(session, tokens[start:end], 1, fresh)
+                start = end
+        return self._forward(session, tokens[start:], keep, fresh)
+
+    def _forward(
+        self, session: SessionCache, tokens: list[int], keep: int, fresh: bool
+    ) -> torch.Tensor:
+        input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, n]
+        kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
+        with self.obs.forward(len(tokens), 1, fresh=fresh):
+            out = self.model(
+                input_ids=input_ids, past_key_values=session.kv, use_cache=True, **kwargs
+            )
         session.tokens.extend(tokens)
-        return out.logits[0].float()  # [n, vocab]
+        return out.logits[0, -keep:].float()  # [keep, vocab]
 
     def release(self, session_id: str) -> bool:
         assert self.store is not None
         return self.store.release(session_id)
+
+
+def _set_threads(requested: int) -> None:
+    """Size torch's intra-op pool to the CPUs this replica may use (--threads wins), and keep
+    the inter-op pool small: forwards run one at a time on the model thread."""
+    budget = thread_budget(requested)
+    torch.set_num_threads(budget.threads)
+    interop = min(2, budget.threads)
+    try:
+        torch.set_num_interop_threads(interop)
+    except RuntimeError as e:  # only possible once per process, before parallel work
+        log.warning("inter-op threads not set", extra={"why": str(e)})
+        interop = torch.get_num_interop_threads()
+    log.info(
+        "torch threads",
+        extra={"threads": budget.threads, "interop_threads": interop, "source": budget.source},
+    )
 
 
 def _eos_ids(model, tokenizer) -> list[int]:

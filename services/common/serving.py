@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from specdec.common.errors import SpecdecError
 
@@ -28,6 +29,82 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+
+
+class _Malformed:
+    """What a request deserializer returns for bytes that do not parse (see RefuseMalformed)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _tolerant(deserialize: Callable[[bytes], object]) -> Callable[[bytes], object]:
+    def parse(raw: bytes) -> object:
+        try:
+            return deserialize(raw)
+        except Exception as e:  # DecodeError, or anything a parser raises on garbage
+            return _Malformed(e)
+
+    return parse
+
+
+async def _refuse(context: grpc.aio.ServicerContext, method: str, bad: _Malformed):
+    log.info("malformed request", extra={"method": method, "why": str(bad.error)})
+    await context.abort(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"request bytes do not parse as the request message of {method}: {bad.error}",
+    )
+
+
+class RefuseMalformed(grpc.aio.ServerInterceptor):
+    """Malformed request bytes get INVALID_ARGUMENT, with one log line and no traceback.
+
+    grpc.aio answers a request deserializer that raises with UNKNOWN and logs a traceback
+    per request. This wraps each unary-request handler's deserializer so that it never
+    raises (it returns a _Malformed marker instead) and its behavior so that the marker is
+    refused before any servicer code runs. Streaming-request methods (only reflection's)
+    are left as they are.
+    """
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        method = handler_call_details.method
+        if handler.response_streaming:
+            behavior = handler.unary_stream
+            if inspect.isasyncgenfunction(behavior):
+
+                async def unary_stream(request, context):
+                    if isinstance(request, _Malformed):
+                        await _refuse(context, method, request)
+                    async for item in behavior(request, context):
+                        yield item
+
+            else:
+
+                async def unary_stream(request, context):
+                    if isinstance(request, _Malformed):
+                        await _refuse(context, method, request)
+                    return await behavior(request, context)
+
+            return handler._replace(
+                request_deserializer=_tolerant(handler.request_deserializer),
+                unary_stream=unary_stream,
+            )
+        behavior = handler.unary_unary
+
+        async def unary_unary(request, context):
+            if isinstance(request, _Malformed):
+                await _refuse(context, method, request)
+            return await behavior(request, context)
+
+        return handler._replace(
+            request_deserializer=_tolerant(handler.request_deserializer),
+            unary_unary=unary_unary,
+        )
 
 
 async def _abort(context: grpc.aio.ServicerContext, method_name: str, e: Exception):
@@ -71,6 +148,30 @@ def stream_rpc_errors(method):
     return wrapper
 
 
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def enable_reflection(service_names: Sequence[str], server: grpc.aio.Server) -> None:
+    """Server reflection, v1alpha and v1.
+
+    grpcio-reflection serves only grpc.reflection.v1alpha. v1's messages are the same as
+    v1alpha's field for field (only the proto package differs), so the v1 service is the
+    same servicer registered under the v1 method name with v1alpha's (de)serializers.
+    """
+    names = [*service_names, reflection.SERVICE_NAME, REFLECTION_V1]
+    servicer = reflection.aio.ReflectionServicer(names)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    alpha = reflection_pb2.ServerReflectionRequest
+    v1 = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=alpha.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": v1}),)
+    )
+
+
 async def serve(
     *,
     service_name: str,
@@ -82,26 +183,34 @@ async def serve(
     grace_seconds: float,
     on_stop: Callable[[], None] | None = None,
     on_port: Callable[[int], None] | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> None:
     """Run a service until SIGTERM/SIGINT.
 
     The port opens first, with health NOT_SERVING, so an orchestrator sees a live process
     while the model loads; `ready()` then loads it and health turns SERVING.
     """
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(
+        options=CHANNEL_OPTIONS, interceptors=[*interceptors, RefuseMalformed()]
+    )
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [*reflect, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-    )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    enable_reflection([*reflect, health.SERVICE_NAME], server)
+    address = f"{host}:{port}"
+    if credentials is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, credentials)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     for name in ("", service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
-    log.info("listening", extra={"port": bound, "grpc_service": service_name})
+    log.info(
+        "listening", extra={"port": bound, "grpc_service": service_name, "tls": bool(credentials)}
+    )
     if on_port:
         on_port(bound)
 

@@ -7,7 +7,14 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from specdec.common.config import MAX_FAN_OUT, ReplicaConfig, add_setting, parse_value, positive
+from specdec.common.config import (
+    MAX_FAN_OUT,
+    ReplicaConfig,
+    add_setting,
+    non_negative,
+    parse_value,
+    positive,
+)
 
 
 @dataclass(frozen=True)
@@ -15,6 +22,13 @@ class DrafterConfig(ReplicaConfig):
     ssd_fan_out: int = 6  # branches prepared per round unless the request says
     ssd_max_per_outcome: int = 3  # at most this many next tokens per accepted count
     ssd_acceptance_prior: float = 0.7  # ranks outcomes until the request sends its rate
+    # Bound on the batched branch cache of one Speculate (branches x their KV tokens);
+    # 0: unbounded. Fan-out shrinks to fit it, down to no branch (an SSD miss).
+    ssd_max_branch_tokens: int = 65536
+    # Sampling: the proposal is cut to its top entries holding 1 - tail of the mass, at
+    # most this many (0: sent whole, dense fp16 over the vocabulary). Exact either way.
+    draft_probs_max_entries: int = 2048
+    draft_probs_tail: float = 1e-4
 
     ROLE: ClassVar[str] = "drafter"
 
@@ -28,6 +42,25 @@ class DrafterConfig(ReplicaConfig):
             "SSD: acceptance rate that ranks outcomes before a request has its own",
             0.7,
         )
+        add_setting(
+            parser,
+            "--ssd-max-branch-tokens",
+            "SSD: bound on one Speculate's branch caches, in KV tokens over all branches "
+            "(0: unbounded)",
+            65536,
+        )
+        add_setting(
+            parser,
+            "--draft-probs-max-entries",
+            "sampling: most entries of a draft token's distribution (0: the whole vocabulary)",
+            2048,
+        )
+        add_setting(
+            parser,
+            "--draft-probs-tail",
+            "sampling: probability mass a draft distribution may leave out (within the cap)",
+            1e-4,
+        )
 
     @classmethod
     def role_settings(cls, args: argparse.Namespace) -> dict[str, Any]:
@@ -39,6 +72,18 @@ class DrafterConfig(ReplicaConfig):
                 "--ssd-acceptance-prior",
                 float,
                 lambda v: None if 0 < v < 1 else "must be in (0, 1)",
+            ),
+            "ssd_max_branch_tokens": parse_value(
+                args, "--ssd-max-branch-tokens", int, non_negative
+            ),
+            "draft_probs_max_entries": parse_value(
+                args, "--draft-probs-max-entries", int, non_negative
+            ),
+            "draft_probs_tail": parse_value(
+                args,
+                "--draft-probs-tail",
+                float,
+                lambda v: None if 0 <= v < 1 else "must be in [0, 1)",
             ),
         }
 

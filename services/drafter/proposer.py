@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from specdec.common.runtime import ModelRuntime, Prefix
 from specdec.common.sampling import EncodedProbs, SamplingParams
-from specdec.drafter.sampler import Sampler
+from specdec.drafter.sampler import sampler_for
 from specdec.drafter.speculate import BranchStore, take_prepared
 
 
@@ -48,10 +48,9 @@ def _propose(runtime, branches, session_id, prefix, new_tokens, k, params) -> Dr
     if hit is not None:
         tokens, probs = hit
         return Draft(tokens, probs, len(session.tokens), _ms(started), prepared=True)
-    logits = runtime.forward(session, new_tokens)
-    last = logits[-1]  # [vocab]
+    last = runtime.forward(session, new_tokens, keep=1)[-1]  # [vocab]
     position = prefix.length + len(new_tokens)  # index of d_1 in the sequence
-    sampler = Sampler(params, runtime.device)
+    sampler = sampler_for(params, runtime)
     tokens: list[int] = []
     encoded: list[EncodedProbs] = []
     for i in range(k):

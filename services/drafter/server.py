@@ -102,6 +102,7 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             fan_out,
             alpha,
             cfg.ssd_max_per_outcome,
+            cfg.ssd_max_branch_tokens,
         )
         rt.obs.ssd_prepared(len(result.branches))
         return drafter_pb2.SpeculateResponse(

@@ -38,7 +38,7 @@ import torch
 from specdec.common.prefix import prefix_hash
 from specdec.common.runtime import ModelRuntime, Prefix, SessionCache
 from specdec.common.sampling import EncodedProbs, SamplingParams, warp
-from specdec.drafter.sampler import Sampler
+from specdec.drafter.sampler import sampler_for
 
 MAX_PREPARED_SESSIONS = 32
 # Outcome probabilities are ranked with alpha clamped away from 0 and 1, so that every
@@ -107,30 +107,45 @@ def speculate(
     fan_out: int,
     alpha: float,
     max_per_outcome: int,
+    max_branch_tokens: int = 0,
 ) -> Speculation:
     """Prepare next-round drafts for the draft at the end of prefix + new_tokens (model
-    thread). new_tokens holds at least draft_length + 1 tokens."""
+    thread). new_tokens holds at least draft_length + 1 tokens.
+
+    max_branch_tokens (0: unbounded) bounds the batched branch cache, which holds one copy
+    of the session's KV per branch: fan_out shrinks to what fits, down to no branch."""
     with runtime.guarded(session_id):
         started = time.perf_counter()
         store.pop(session_id)
         session = runtime.store.acquire(session_id, prefix.length, prefix.hash, len(new_tokens))
-        rows = runtime.forward(session, new_tokens)[-(draft_length + 1) :]  # [k+1, vocab]
+        rows = runtime.forward(session, new_tokens, keep=draft_length + 1)  # [k+1, vocab]
         base = len(session.tokens) - draft_length
         draft = session.tokens[base:]
         ranking = rows.softmax(-1) if params.greedy else warp(rows, params)
-        keys = rank_outcomes(ranking, draft, alpha, fan_out, max_per_outcome)
+        fan_out = min(
+            fan_out, branch_budget(max_branch_tokens, len(session.tokens), num_draft_tokens)
+        )
+        keys = rank_outcomes(ranking, draft, alpha, fan_out, max_per_outcome) if fan_out else []
         branches = draft_branches(runtime, session, base, keys, num_draft_tokens, params)
         store.put(
             session_id,
             Prepared(
                 base_length=base,
-                base_hash=prefix_hash(session.tokens[:base]),
+                base_hash=session.chain.hash(session.tokens, base),
                 draft=draft,
                 params=params,
                 branches={(b.accepted, b.next_token): b for b in branches},
             ),
         )
         return Speculation(branches, len(session.tokens), (time.perf_counter() - started) * 1e3)
+
+
+def branch_budget(max_branch_tokens: int, length: int, steps: int) -> int:
+    """Branches whose batched cache (a copy of `length` + `steps` tokens of KV each) fits
+    max_branch_tokens; unbounded (a large number) when it is 0."""
+    if not max_branch_tokens:
+        return 1 << 30
+    return max_branch_tokens // (length + steps)
 
 
 def rank_outcomes(
@@ -182,7 +197,7 @@ def draft_branches(
     mask = (slots[None, :] < base + accepted[:, None]).long()  # [n, L + k]: drop d_{a+1}..
     ids = torch.tensor([[t] for _, t in keys], device=device)  # [n, 1]
     positions = (base + accepted)[:, None]  # [n, 1]: t sits at L + a
-    sampler = Sampler(params, device)
+    sampler = sampler_for(params, runtime)
     branches = [Branch(a, t, [], []) for a, t in keys]
     for step in range(steps):
         mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)
@@ -218,12 +233,24 @@ def take_prepared(
     prepared = store.pop(session_id)
     if prepared is None or prepared.params != params:
         return None
-    full = [*session.tokens, *new_tokens]
+    cached = session.tokens
     base = prepared.base_length
-    a = len(full) - 1 - base
-    if not 0 <= a <= len(prepared.draft) or full[base : base + a] != prepared.draft[:a]:
+    a = len(cached) + len(new_tokens) - 1 - base
+    if not 0 <= a <= len(prepared.draft):
         return None
-    branch = prepared.branches.get((a, full[-1]))
-    if branch is None or len(branch.tokens) < k or prefix_hash(full[:base]) != prepared.base_hash:
+
+    def at(i: int) -> int:  # token i of cached + new_tokens, without copying the context
+        return cached[i] if i < len(cached) else new_tokens[i - len(cached)]
+
+    if [at(i) for i in range(base, base + a)] != prepared.draft[:a]:
+        return None
+    branch = prepared.branches.get((a, new_tokens[-1]))
+    if branch is None or len(branch.tokens) < k:
+        return None
+    if base <= len(cached):
+        base_hash = session.chain.hash(cached, base)
+    else:  # rare: the caller named a shorter prefix than the prepared base
+        base_hash = prefix_hash([*cached, *new_tokens][:base])
+    if base_hash != prepared.base_hash:
         return None
     return branch.tokens[:k], branch.probs[:k]

@@ -16,6 +16,16 @@ from specdec.common.config import (
     port_number,
     positive,
 )
+from specdec.common.tls import (
+    ClientTls,
+    ServerTls,
+    add_replica_tls_arguments,
+    add_server_tls_arguments,
+    read_tokens,
+    replica_tls_from_args,
+    server_tls_from_args,
+)
+from specdec.gateway.discovery import parse_target
 
 
 def _fan_out(value: int) -> str | None:
@@ -23,6 +33,9 @@ def _fan_out(value: int) -> str | None:
 
 
 def address_list(raw: str) -> tuple[str, ...]:
+    """HOST:PORT[,HOST:PORT...], or one dns:/k8s: discovery target (see discovery.py)."""
+    if parse_target(raw) is not None:  # raises ValueError when malformed
+        return (raw.strip(),)
     addresses = tuple(a.strip() for a in raw.split(",") if a.strip())
     for a in addresses:
         host, _, port = a.rpartition(":")
@@ -45,6 +58,8 @@ class GatewayConfig:
     host: str = "0.0.0.0"
     port: int = 50051
     metrics_port: int = 0
+    http_port: int = 0  # the OpenAI-compatible HTTP API (specdec.gateway.http); 0: off
+    served_model_name: str = ""  # the HTTP API's model name; "": the verifier's model_id
     default_k: int = 4
     ssd: bool = False  # speculative speculative decoding when a request does not say
     ssd_fan_out: int = 0  # branches per round; 0: the drafter's --ssd-fan-out
@@ -54,15 +69,28 @@ class GatewayConfig:
     rpc_timeout: float = 120.0
     startup_timeout: float = 900.0
     grace_seconds: float = 10.0
+    dns_interval: float = 5.0  # seconds between two resolutions of a dns: target
+    tls: ServerTls | None = None  # TLS on the public port (client certificates optional)
+    replica_tls: ClientTls | None = None  # TLS (mTLS with a certificate) to the replicas
+    auth_tokens: frozenset[str] = frozenset()  # bearer tokens; empty: no token check
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        add_setting(parser, "--drafter", "drafter replicas, HOST:PORT[,HOST:PORT...]")
-        add_setting(parser, "--verifier", "verifier replicas, HOST:PORT[,HOST:PORT...]")
+        where = (
+            "HOST:PORT[,HOST:PORT...], dns:[//DNS_SERVER:PORT/]NAME:PORT or "
+            "k8s:[NAMESPACE/]SERVICE:PORT"
+        )
+        add_setting(parser, "--drafter", f"drafter replicas: {where}")
+        add_setting(parser, "--verifier", f"verifier replicas: {where}")
+        add_setting(parser, "--dns-interval", "seconds between two DNS resolutions (dns:)", 5.0)
         add_setting(parser, "--redis", "Redis URL for sessions (empty: in-process only)", "")
         add_setting(parser, "--host", "address to listen on", "0.0.0.0")
         add_setting(parser, "--port", "gRPC port (0: any free port)", 50051)
         add_setting(parser, "--metrics-port", "Prometheus /metrics port (0: off)", 0)
+        add_setting(parser, "--http-port", "OpenAI-compatible HTTP API port (0: off)", 0)
+        add_setting(
+            parser, "--served-model-name", "HTTP API model name (default: the verifier's)", ""
+        )
         add_setting(parser, "--default-k", "draft length when a request sets none", 4)
         add_setting(parser, "--ssd", "SSD (pre-draft during verification) by default", False)
         add_setting(parser, "--ssd-fan-out", "SSD branches per round (0: the drafter's default)", 0)
@@ -73,6 +101,14 @@ class GatewayConfig:
             parser, "--startup-timeout", "how long to wait for replicas at start (s)", 900.0
         )
         add_setting(parser, "--grace-seconds", "graceful shutdown window on SIGTERM", 10.0)
+        add_server_tls_arguments(parser)
+        add_replica_tls_arguments(parser)
+        add_setting(
+            parser,
+            "--auth-tokens-file",
+            "file of bearer tokens, one per line (a mounted Secret); empty: no token check",
+            "",
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GatewayConfig:
@@ -86,6 +122,8 @@ class GatewayConfig:
             host=parse_value(args, "--host", str),
             port=parse_value(args, "--port", int, port_number),
             metrics_port=parse_value(args, "--metrics-port", int, port_number),
+            http_port=parse_value(args, "--http-port", int, port_number),
+            served_model_name=parse_value(args, "--served-model-name", str),
             default_k=parse_value(args, "--default-k", int, non_negative),
             ssd=parse_value(args, "--ssd", boolean),
             ssd_fan_out=parse_value(args, "--ssd-fan-out", int, _fan_out),
@@ -94,6 +132,12 @@ class GatewayConfig:
             rpc_timeout=parse_value(args, "--rpc-timeout", float, seconds),
             startup_timeout=parse_value(args, "--startup-timeout", float, seconds),
             grace_seconds=parse_value(args, "--grace-seconds", float, non_negative),
+            dns_interval=parse_value(args, "--dns-interval", float, seconds),
+            tls=server_tls_from_args(args),
+            replica_tls=replica_tls_from_args(args),
+            auth_tokens=read_tokens(args.auth_tokens_file)
+            if args.auth_tokens_file
+            else frozenset(),
         )
         if cfg.redis_url and not cfg.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specdec.common.errors import SpecdecError, is_cache_miss
+from specdec.common.errors import SpecdecError, is_busy, is_cache_miss
 from specdec.common.params import sampling_from_proto
-from specdec.common.prefix import prefix_hash
+from specdec.common.prefix import PrefixChain
 from specdec.gateway import metrics, tracing
 from specdec.gateway.replicas import Fleet, NoReplica, Replica
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
@@ -43,10 +43,17 @@ class UpstreamError(SpecdecError):
     def __init__(self, replica: Replica, err: grpc.RpcError):
         super().__init__(f"{replica!r}: {err.details()}")
         self.code = err.code()
+        self.busy = is_busy(err)  # every replica of the role refused: queues full
 
 
 class Unavailable(SpecdecError):
     code = grpc.StatusCode.UNAVAILABLE
+
+
+def _succeeded(future: asyncio.Future) -> bool:
+    """Whether a finished call succeeded (retrieving its exception, so nothing logs
+    'never retrieved')."""
+    return not future.cancelled() and future.exception() is None
 
 
 @dataclass
@@ -108,6 +115,7 @@ class Speculator:
         rpc_timeout: float,
         ssd: bool = False,
         ssd_fan_out: int = 0,
+        deadline: float | None = None,
     ):
         self.fleet = fleet
         self.session = replica_session
@@ -115,12 +123,19 @@ class Speculator:
         self.drafter = drafter
         self.verifier = verifier
         self.rpc_timeout = rpc_timeout
+        # The client's deadline (time.monotonic()), which bounds every call when it is set:
+        # a long prefill may take what the client allows, not a constant it cannot see.
+        self.deadline = deadline
         self.stats = LoopStats()
         self.ssd = ssd
         self.ssd_fan_out = ssd_fan_out
         self.greedy = sampling_from_proto(sampling).greedy
         # SSD hit under greedy: (context length it follows, the prepared draft).
         self._ready: tuple[int, list[int]] | None = None
+        self._without_drafter = False  # the last Draft found no drafter (k = 0 rounds)
+        self._late = False  # the last round's Speculate was still running at its verdict
+        # Block hashes of the request's context, which only grows: O(new tokens) per call.
+        self._chain = PrefixChain()
 
     async def round(self, ctx: Sequence[int], k: int, remaining: int) -> list[int]:
         """One speculation round (see _round), timed and traced."""
@@ -140,17 +155,25 @@ class Speculator:
             draft_tokens = ready[1][:k]
         elif k > 0:
             waited = time.perf_counter()
-            draft = await self._call("Draft", self.drafter, ctx, self._draft_request(k))
+            draft = await self._draft(ctx, k)
             self.stats.drafter_wait_ms += (time.perf_counter() - waited) * 1e3
-            self.drafter.cached = draft.cached_length
-            draft_tokens, draft_probs = draft.draft_tokens, draft.draft_probs
+            if self._late:  # the last round's Speculate answered after its verdict
+                self._late = False
+                prepared = draft is not None and draft.prepared
+                self.stats.ssd_hits += prepared
+                self.stats.ssd_misses += not prepared
+            if draft is None:
+                k = 0  # no drafter: this round is a plain target step (the same output)
+            else:
+                self.drafter.cached = draft.cached_length
+                draft_tokens, draft_probs = draft.draft_tokens, draft.draft_probs
         speculation = None
-        if self.ssd and k > 0 and remaining >= 3:
-            # Outcome "nothing accepted" leaves remaining - 1 tokens: a round of up to
-            # remaining - 2 drafts; other outcomes truncate the prepared draft.
-            speculation = asyncio.ensure_future(
-                self._speculate(ctx, draft_tokens, min(k, remaining - 2))
-            )
+        # Outcome "nothing accepted" leaves remaining - 1 tokens: a round of up to
+        # remaining - 2 drafts; other outcomes truncate the prepared draft. A branch adds
+        # its next token and k_next drafts after ctx + draft: it must fit the context.
+        k_next = min(k, remaining - 2, self._max_context() - len(ctx) - k - 1)
+        if self.ssd and k > 0 and k_next >= 1:
+            speculation = asyncio.ensure_future(self._speculate(ctx, draft_tokens, k_next))
         verify_sent = time.perf_counter()
         try:
             verdict = await self._call(
@@ -176,12 +199,11 @@ class Speculator:
         accepted = verdict.accepted_count
         self.verifier.cached = verdict.cached_length
         self.stats.record(k, accepted)
+        branches = None
         if speculation is not None:
-            branches, spec_sent, spec_done = await speculation
-            self.stats.drafter_wait_ms += max(0.0, spec_done - verified) * 1e3
-            self.stats.ssd_hidden_ms += (
-                max(0.0, min(spec_done, verified) - max(spec_sent, verify_sent)) * 1e3
-            )
+            branches = self._settle(speculation, verify_sent, verified)
+            self._late = branches is None  # decided by the next Draft's `prepared`
+        if branches is not None:
             branch = branches.get((accepted, verdict.next_token))
             if branch is None:
                 self.stats.ssd_misses += 1
@@ -204,11 +226,79 @@ class Speculator:
             sampling=self.sampling,
         )
 
+    def _timeout(self) -> float:
+        """Seconds a replica call may take: what is left of the client's deadline, else
+        --rpc-timeout (requests without a deadline)."""
+        if self.deadline is None:
+            return self.rpc_timeout
+        return max(0.001, self.deadline - time.monotonic())
+
+    def _max_context(self) -> int:
+        infos = [r.info.max_context for r in self.fleet.drafters.replicas if r.info is not None]
+        return min(infos, default=0)
+
+    async def _draft(self, ctx: Sequence[int], k: int) -> drafter_pb2.DraftResponse | None:
+        """Draft(k), or None when no drafter can draft: losing the drafter is not losing the
+        service, the round runs at k = 0 (warned once per outage, counted per round).
+        Speculation resumes by itself once the probe brings a drafter back."""
+        try:
+            draft = await self._call("Draft", self.drafter, ctx, self._draft_request(k))
+        except (Unavailable, UpstreamError) as e:
+            metrics.DRAFTER_FALLBACK.inc()
+            self.drafter.replica, self.drafter.cached = None, 0
+            if not self._without_drafter:
+                log.warning("no drafter could draft; continuing at k = 0", extra={"why": str(e)})
+            self._without_drafter = True
+            return None
+        if self._without_drafter:
+            log.info("drafter back; speculation resumes", extra={"replica": self.drafter.address})
+        self._without_drafter = False
+        return draft
+
+    def _settle(
+        self, speculation: asyncio.Future, verify_sent: float, verified: float
+    ) -> dict[tuple[int, int], Sequence[int]] | None:
+        """The prepared drafts of a Speculate at the verdict, by outcome ({}: a miss).
+
+        Never waits and never raises: a Speculate that failed is a miss (logged, counted).
+        One still running is left behind (None): its answer only adds to the statistics.
+        The drafter still stores its branches, so the next Draft is answered from them
+        without a forward when the outcome was prepared; that Draft's `prepared` decides
+        whether the round counts as a hit or a miss.
+        """
+        if not speculation.done():
+            metrics.SSD_LATE.inc()
+            speculation.add_done_callback(
+                lambda f: self._account(f, verify_sent, verified) if _succeeded(f) else None
+            )
+            return None
+        if not _succeeded(speculation):
+            err = None if speculation.cancelled() else speculation.exception()
+            metrics.SSD_FAILED.inc()
+            log.info("speculate failed; counted as a miss", extra={"why": str(err)})
+            return {}
+        response, _, _, _, replica = self._account(speculation, verify_sent, verified)
+        if replica is self.drafter.replica:
+            self.drafter.cached = response.cached_length
+        return {(b.accepted_count, b.next_token): b.draft_tokens for b in response.branches}
+
+    def _account(self, speculation: asyncio.Future, verify_sent: float, verified: float):
+        """Add a finished Speculate to the statistics (placement untouched); its result."""
+        result = speculation.result()
+        response, request_bytes, spec_sent, spec_done, _ = result
+        self.stats.ssd_branches += len(response.branches)
+        self.stats.ssd_bytes += request_bytes + response.ByteSize()
+        self.stats.ssd_hidden_ms += (
+            max(0.0, min(spec_done, verified) - max(spec_sent, verify_sent)) * 1e3
+        )
+        return result
+
     async def _speculate(
         self, ctx: Sequence[int], draft: Sequence[int], k_next: int
-    ) -> tuple[dict[tuple[int, int], Sequence[int]], float, float]:
-        """Speculate(t); returns the prepared drafts by outcome, and when it was sent and
-        answered (perf_counter seconds)."""
+    ) -> tuple[drafter_pb2.SpeculateResponse, int, float, float, Replica | None]:
+        """Speculate(t); returns the response, the request's bytes, when it was sent and
+        answered (perf_counter seconds) and the replica that answered. Changes no state:
+        `_settle` applies it."""
         sent = time.perf_counter()
         request_bytes = 0
 
@@ -228,13 +318,11 @@ class Speculator:
             request_bytes += request.ByteSize()
             return request
 
-        response = await self._call("Speculate", self.drafter, ctx, build, tail=draft)
-        done = time.perf_counter()
-        self.drafter.cached = response.cached_length
-        self.stats.ssd_branches += len(response.branches)
-        self.stats.ssd_bytes += request_bytes + response.ByteSize()
-        branches = {(b.accepted_count, b.next_token): b.draft_tokens for b in response.branches}
-        return branches, sent, done
+        # A copy of the placement: a Speculate that fails over or misses must not move
+        # the Draft / Verify placement under a round in flight.
+        placement = Placement(self.drafter.replica, self.drafter.cached)
+        response = await self._call("Speculate", placement, ctx, build, tail=draft)
+        return response, request_bytes, sent, time.perf_counter(), placement.replica
 
     async def _call(
         self,
@@ -253,33 +341,44 @@ class Speculator:
         role = "verifier" if method_name == "Verify" else "drafter"
         pool = self.fleet.pool(role)
         failed: list[Replica] = []
+        busy: list[Replica] = []  # answered "replica busy" (backpressure): up, but full
         retries = 0
-        for _ in range(2 * len(pool.replicas) + 2 + len(RETRY_BACKOFF)):
+        for _ in range(3 * len(pool.replicas) + 2 + len(RETRY_BACKOFF)):
             if placement.replica is None or not placement.replica.up:
                 try:
-                    chosen = pool.pick(preferred=placement.address, exclude=failed)
+                    chosen = pool.pick(preferred=placement.address, exclude=[*failed, *busy])
                 except NoReplica as e:
                     raise Unavailable(str(e)) from None
                 if chosen is not placement.replica:
                     placement.replica, placement.cached = chosen, 0
             replica = placement.replica
             n = min(placement.cached, len(ctx) - 1)
-            prefix = common_pb2.CachedPrefix(length=n, hash=prefix_hash(ctx[:n]))
+            prefix = common_pb2.CachedPrefix(length=n, hash=self._chain.hash(ctx, n))
             request = build(prefix, [*ctx[n:], *tail])
             replica.in_flight += 1
             try:
-                return await tracing.call(replica, method_name, request, self.rpc_timeout)
+                return await tracing.call(replica, method_name, request, self._timeout())
             except grpc.aio.AioRpcError as err:
                 if is_cache_miss(err):
                     self.stats.cache_misses += 1
                     tracing.note_cache_miss(role, replica.address)
                     placement.cached = 0
                     continue
+                if is_busy(err):
+                    # Full queue: another replica of the pool (cache lost there), never
+                    # marked down; when every one is full the client gets RESOURCE_EXHAUSTED.
+                    busy.append(replica)
+                    metrics.BUSY_REDIRECTS.labels(role=role).inc()
+                    if not [r for r in pool.up() if r not in failed and r not in busy]:
+                        raise UpstreamError(replica, err) from None
+                    placement.replica, placement.cached = None, 0
+                    continue
                 if err.code() == grpc.StatusCode.UNAVAILABLE:
                     others = [r for r in pool.up() if r is not replica and r not in failed]
-                    if not others and retries < len(RETRY_BACKOFF):
+                    if not others and retries < len(RETRY_BACKOFF) and role == "verifier":
                         # The only replica left: a blip (a restart, a full queue) must not
                         # fail every request at once. Its cache may survive; a miss says so.
+                        # (Without a drafter a round runs at k = 0 instead of waiting.)
                         await asyncio.sleep(RETRY_BACKOFF[retries])
                         retries += 1
                         continue

@@ -33,6 +33,12 @@ DRAFTER_WAIT = Counter(
     PREFIX + "drafter_wait_seconds", "Time the speculation loop spent waiting for a drafter"
 )
 FAILOVERS = Counter(PREFIX + "replica_failovers", "Calls moved to another replica", ["role"])
+REPLICAS = Gauge(PREFIX + "replicas", "Replicas this gateway knows, by state", ["role", "state"])
+BUSY_REDIRECTS = Counter(
+    PREFIX + "replica_busy_redirects",
+    "Calls moved to another replica because one answered busy (full queue)",
+    ["role"],
+)
 TTFT = Histogram(
     PREFIX + "time_to_first_token_seconds",
     "Time to first token",
@@ -47,4 +53,16 @@ ROUND_SECONDS = Histogram(
     PREFIX + "round_seconds",
     "One speculation round: draft (or SSD hit), verify, and the Speculate it waited for",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+# Faults the loop absorbs (none of them fails a request).
+SSD_FAILED = Counter(
+    PREFIX + "ssd_speculate_failed", "Speculate calls that failed (counted as SSD misses)"
+)
+SSD_LATE = Counter(
+    PREFIX + "ssd_speculate_late",
+    "Speculate calls still running at the verdict (left behind, counted as SSD misses)",
+)
+DRAFTER_FALLBACK = Counter(
+    PREFIX + "drafter_fallback_rounds",
+    "Rounds run at k = 0 because no drafter could draft (same output, no speculation)",
 )

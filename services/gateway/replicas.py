@@ -4,6 +4,11 @@ Routing (DESIGN §3): a session goes to the replica that holds its KV cache if t
 is up, else to the least loaded one (fewest requests in flight from this gateway). A replica
 whose call fails with UNAVAILABLE is taken out; a background probe puts it back once its
 health check answers SERVING and its Info still matches the pool.
+
+Membership is static (the addresses given) or discovered (discovery.py: DNS records or
+Kubernetes EndpointSlices). A discovered replica joins like one coming back: once its health
+check and Info pass; one that leaves is taken out at once, and its channel closes when its
+calls in flight are done.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.common.serving import CHANNEL_OPTIONS
+from specdec.gateway import metrics
+from specdec.gateway.discovery import make_discovery
 from specdec.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -46,6 +53,12 @@ class Replica:
         return f"{self.role}@{self.address}"
 
 
+def _channel(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+
+
 def _stub_for(role: str, channel: grpc.aio.Channel):
     if role == "drafter":
         return drafter_pb2_grpc.DrafterServiceStub(channel)
@@ -53,22 +66,63 @@ def _stub_for(role: str, channel: grpc.aio.Channel):
 
 
 class ReplicaPool:
-    """All replicas of one role, from a static address list."""
+    """All replicas of one role: a static address list, or a discovered one when
+    `addresses` is a single dns:/k8s: target (see discovery.py)."""
 
-    def __init__(self, role: str, addresses: Sequence[str], info_timeout: float = 10.0):
+    def __init__(
+        self,
+        role: str,
+        addresses: Sequence[str],
+        info_timeout: float = 10.0,
+        dns_interval: float = 5.0,
+        credentials: grpc.ChannelCredentials | None = None,
+    ):
         if not addresses:
             raise ValueError(f"no {role} address given")
         self.role = role
         self.info_timeout = info_timeout
-        self.replicas = [
-            Replica(
-                role,
-                a,
-                ch := grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS),
-                _stub_for(role, ch),
-            )
-            for a in addresses
-        ]
+        self.credentials = credentials  # TLS (mTLS with a certificate); None: plaintext
+        self.source = ",".join(addresses)
+        self.discovery = make_discovery(addresses[0], dns_interval) if len(addresses) == 1 else None
+        self.replicas: list[Replica] = []
+        self._closing: set[asyncio.Task] = set()
+        if self.discovery is None:
+            self.replicas = [self._new(a) for a in addresses]
+        self._report()
+
+    @property
+    def dynamic(self) -> bool:
+        return self.discovery is not None
+
+    def _new(self, address: str) -> Replica:
+        channel = _channel(address, self.credentials)
+        return Replica(self.role, address, channel, _stub_for(self.role, channel))
+
+    def _report(self) -> None:
+        up = sum(r.up for r in self.replicas)
+        metrics.REPLICAS.labels(role=self.role, state="up").set(up)
+        metrics.REPLICAS.labels(role=self.role, state="down").set(len(self.replicas) - up)
+
+    def set_addresses(self, addresses: frozenset[str]) -> None:
+        """Discovery's current set: new addresses join (down until the probe admits them),
+        addresses that left are taken out now."""
+        known = {r.address for r in self.replicas}
+        for r in [r for r in self.replicas if r.address not in addresses]:
+            self.mark_down(r, "left the discovered set")
+            self.replicas.remove(r)
+            task = asyncio.ensure_future(self._close_when_idle(r))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        for a in sorted(addresses - known):
+            self.replicas.append(self._new(a))
+            log.info("replica discovered", extra={"replica": a, "role": self.role})
+        self._report()
+
+    @staticmethod
+    async def _close_when_idle(replica: Replica, poll: float = 0.5) -> None:
+        while replica.in_flight:  # its calls finish or fail over first
+            await asyncio.sleep(poll)
+        await replica.channel.close()
 
     def by_address(self, address: str | None) -> Replica | None:
         return next((r for r in self.replicas if r.address == address), None)
@@ -81,7 +135,8 @@ class ReplicaPool:
         candidates = [r for r in self.replicas if r.up and r not in exclude]
         if not candidates:
             raise NoReplica(
-                f"no {self.role} replica is available ({len(self.replicas)} configured)"
+                f"no {self.role} replica is available ({len(self.replicas)} known from "
+                f"{self.source})"
             )
         for r in candidates:
             if r.address == preferred:
@@ -95,6 +150,7 @@ class ReplicaPool:
                 extra={"replica": replica.address, "role": self.role, "why": why},
             )
         replica.up = False
+        self._report()
 
     async def fetch_info(
         self, replica: Replica, include_tokenizer: bool = False
@@ -113,6 +169,8 @@ class ReplicaPool:
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
     async def close(self) -> None:
+        for task in list(self._closing):
+            task.cancel()
         await asyncio.gather(*(r.channel.close() for r in self.replicas))
 
 
@@ -137,72 +195,134 @@ def check_compatible(replicas: Sequence[Replica]) -> None:
 class Fleet:
     """Drafter and verifier pools together: start-up checks and the recovery probe."""
 
-    def __init__(self, drafters: Sequence[str], verifiers: Sequence[str]):
-        self.drafters = ReplicaPool("drafter", drafters)
-        self.verifiers = ReplicaPool("verifier", verifiers)
+    def __init__(
+        self,
+        drafters: Sequence[str],
+        verifiers: Sequence[str],
+        dns_interval: float = 5.0,
+        credentials: grpc.ChannelCredentials | None = None,
+    ):
+        self.drafters = ReplicaPool(
+            "drafter", drafters, dns_interval=dns_interval, credentials=credentials
+        )
+        self.verifiers = ReplicaPool(
+            "verifier", verifiers, dns_interval=dns_interval, credentials=credentials
+        )
         self._probe: asyncio.Task | None = None
+        self._discovery: list[asyncio.Task] = []
+        # What every replica must match, fixed at start: (vocab size, tokenizer fingerprint),
+        # and the smallest context and draft length the gateway's limits were taken from.
+        self.reference: common_pb2.ModelInfo | None = None
+        self.min_context = 0
+        self.min_draft_tokens = 0
+
+    @property
+    def members(self) -> list[Replica]:
+        """Every replica known now, admitted or not."""
+        return [*self.drafters.replicas, *self.verifiers.replicas]
 
     @property
     def all(self) -> list[Replica]:
-        return [*self.drafters.replicas, *self.verifiers.replicas]
+        """The replicas admitted at least once (their Info is known)."""
+        return [r for r in self.members if r.info is not None]
 
     def pool(self, role: str) -> ReplicaPool:
         return self.drafters if role == "drafter" else self.verifiers
 
+    def _waiting_for(self) -> list[str]:
+        """What start-up still waits for: every replica of a static pool, one replica of a
+        discovered pool."""
+        waiting = []
+        for pool in (self.drafters, self.verifiers):
+            if pool.dynamic:
+                if not pool.up():
+                    known = ", ".join(r.address for r in pool.replicas) or "none found yet"
+                    waiting.append(f"a {pool.role} from {pool.source} ({known})")
+            else:
+                waiting += [repr(r) for r in pool.replicas if not r.up]
+        return waiting
+
     async def connect(self, timeout: float) -> common_pb2.ModelInfo:
-        """Wait until every replica answers Info, check they agree; returns a verifier's
-        Info with the tokenizer. Raises IncompatibleReplicas or TimeoutError."""
+        """Start discovery; wait until every static replica, and one replica of each
+        discovered pool, answers Info; check they agree; returns a verifier's Info with the
+        tokenizer. Raises IncompatibleReplicas or TimeoutError."""
+        for pool in (self.drafters, self.verifiers):
+            if pool.discovery is not None:
+                self._discovery.append(
+                    asyncio.ensure_future(pool.discovery.run(pool.set_addresses))
+                )
         deadline = time.monotonic() + timeout
-        pending = list(self.all)
-        while pending:
-            for r in list(pending):
-                if not await self.pool(r.role).healthy(r):
+        while waiting := self._waiting_for():
+            for r in self.members:
+                if r.up:
+                    continue
+                pool = self.pool(r.role)
+                if not await pool.healthy(r):
                     continue
                 try:
-                    r.info = await self.pool(r.role).fetch_info(r)
+                    r.info = await pool.fetch_info(r)
                 except grpc.RpcError as e:
                     log.info("replica not ready", extra={"replica": r.address, "why": e.details()})
                     continue
                 r.up = True
-                pending.remove(r)
-            if pending:
+                pool._report()
+            if self._waiting_for():
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"replicas not serving after {timeout:.0f}s: "
-                        + ", ".join(repr(r) for r in pending)
+                        f"replicas not serving after {timeout:.0f}s: " + ", ".join(waiting)
                     )
                 await asyncio.sleep(0.5)
-        check_compatible(self.all)
-        return await self.verifiers.fetch_info(self.verifiers.replicas[0], include_tokenizer=True)
+        admitted = [r for r in self.members if r.up]
+        check_compatible(admitted)
+        self.reference = admitted[0].info
+        self.min_context = min(r.info.max_context for r in admitted)
+        self.min_draft_tokens = min(r.info.max_draft_tokens for r in admitted)
+        return await self.verifiers.fetch_info(self.verifiers.up()[0], include_tokenizer=True)
 
     def start_probe(self, interval: float = 2.0) -> None:
         self._probe = asyncio.ensure_future(self._probe_loop(interval))
 
+    def refusal(self, info: common_pb2.ModelInfo) -> str | None:
+        """Why a replica with this Info may not serve (None: it may)."""
+        reference = self.reference
+        if (info.vocab_size, info.tokenizer_fingerprint) != (
+            reference.vocab_size,
+            reference.tokenizer_fingerprint,
+        ):
+            return "another vocabulary or tokenizer"
+        if info.max_context < self.min_context:
+            return f"a context of {info.max_context} tokens, below {self.min_context}"
+        if info.max_draft_tokens < self.min_draft_tokens:
+            return f"max_draft_tokens {info.max_draft_tokens}, below {self.min_draft_tokens}"
+        return None
+
     async def _probe_loop(self, interval: float) -> None:
-        reference = self.all[0].info
         while True:
             await asyncio.sleep(interval)
-            for r in self.all:
+            for r in self.members:
                 if r.up or not await self.pool(r.role).healthy(r):
                     continue
                 try:
                     info = await self.pool(r.role).fetch_info(r)
                 except grpc.RpcError:
                     continue
-                if (info.vocab_size, info.tokenizer_fingerprint) != (
-                    reference.vocab_size,
-                    reference.tokenizer_fingerprint,
-                ):
+                why = self.refusal(info)
+                if why:
                     log.error(
-                        "replica came back with another model; kept out",
-                        extra={"replica": r.address},
+                        "replica has another model; kept out",
+                        extra={"replica": r.address, "role": r.role, "why": why},
                     )
                     continue
+                if r not in self.pool(r.role).replicas:  # left while we asked
+                    continue
                 r.info, r.up = info, True
-                log.info("replica back in", extra={"replica": r.address, "role": r.role})
+                self.pool(r.role)._report()
+                log.info("replica in", extra={"replica": r.address, "role": r.role})
 
     async def close(self) -> None:
         if self._probe:
             self._probe.cancel()
+        for task in self._discovery:
+            task.cancel()
         await self.drafters.close()
         await self.verifiers.close()

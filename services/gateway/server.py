@@ -4,17 +4,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 
 from specdec.common.logs import setup_logging
 from specdec.common.serving import rpc_errors, serve, stream_rpc_errors
 from specdec.common.telemetry import setup_tracing
+from specdec.common.tls import BearerTokens
 from specdec.gateway import tracing
 from specdec.gateway.config import GatewayConfig
+from specdec.gateway.info import server_info
 from specdec.gateway.response import stream_message
 from specdec.gateway.turn import Gateway
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+
+
+def client_deadline(context) -> float | None:
+    """The call's deadline as time.monotonic(), or None when the client set none."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
@@ -29,19 +38,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             "Generate", context, request, tracing.served_model(self.gateway.fleet)
         ) as span:
             final = None
-            async for event in self.gateway.run(request):
+            async for event in self.gateway.run(request, deadline=client_deadline(context)):
                 final = event.final or final
             if final is None:
                 raise AssertionError("generation ended without a final response")
             tracing.finish(span, final, context)
         return final
 
+    @rpc_errors
+    async def GetServerInfo(self, request, context) -> gateway_pb2.GetServerInfoResponse:
+        return server_info(self.gateway)
+
     @stream_rpc_errors
     async def GenerateStream(self, request, context):
         with tracing.request_span(
             "GenerateStream", context, request, tracing.served_model(self.gateway.fleet)
         ) as span:
-            async for event in self.gateway.run(request):
+            async for event in self.gateway.run(request, deadline=client_deadline(context)):
                 if event.final is not None:
                     tracing.finish(span, event.final, context)
                 message = stream_message(event.text, event.tokens, event.final)
@@ -66,7 +79,12 @@ def main(args: argparse.Namespace) -> None:
                 start_http_server(config.metrics_port)
             await gateway.start()
 
+        http = None
         try:
+            if config.http_port:
+                from specdec.gateway.http.app import start_http
+
+                http = await start_http(gateway, config)  # answers 503 until ready
             await serve(
                 service_name=SERVICE_NAME,
                 add_servicers=lambda server: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
@@ -77,8 +95,12 @@ def main(args: argparse.Namespace) -> None:
                 port=config.port,
                 ready=ready,
                 grace_seconds=config.grace_seconds,
+                credentials=config.tls.credentials() if config.tls else None,
+                interceptors=[BearerTokens(config.auth_tokens)] if config.auth_tokens else [],
             )
         finally:
+            if http is not None:
+                await http.stop()
             await gateway.close()
 
     try:

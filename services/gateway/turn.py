@@ -15,10 +15,11 @@ specdec.gateway.server translates; an HTTP front can call the same `run`). A tur
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -30,13 +31,30 @@ from specdec.gateway.loop import Placement, Speculator
 from specdec.gateway.replicas import Fleet
 from specdec.gateway.request import Job, Limits, validate
 from specdec.gateway.response import build_response, record_metrics
-from specdec.gateway.sessions import SessionIndex, SessionRecord, TurnLocks
+from specdec.gateway.sessions import (
+    SessionIndex,
+    SessionRecord,
+    TurnLease,
+    TurnLocks,
+)
 from specdec.gateway.text import Completion, TextCodec
 from specdec.v1 import common_pb2, gateway_pb2
 
 log = logging.getLogger(__name__)
 
 TURN_LOCK_SECONDS = 60.0
+# How long a turn waits for its session's previous turn to end before ABORTED: covers a
+# cancelled turn that is still cleaning up (milliseconds), not a turn that is running.
+TURN_LOCK_WAIT_SECONDS = 1.0
+
+
+# Builds a turn's prompt ids from the session's record, inside the turn lock: returns the
+# record to continue (None: start the session afresh), the prompt ids and, when the request
+# left max_new_tokens to it, the max_new_tokens that fits (the HTTP chat API,
+# specdec.gateway.http.chat).
+Prompter = Callable[
+    [SessionRecord | None], Awaitable[tuple[SessionRecord | None, list[int], int | None]]
+]
 
 
 class Aborted(SpecdecError):
@@ -67,7 +85,12 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig):
         self.config = config
-        self.fleet = Fleet(config.drafters, config.verifiers)
+        self.fleet = Fleet(
+            config.drafters,
+            config.verifiers,
+            dns_interval=config.dns_interval,
+            credentials=config.replica_tls.credentials() if config.replica_tls else None,
+        )
         self.sessions = SessionIndex(config.redis_url, default_ttl=config.session_ttl)
         self.turns = TurnLocks(self.sessions)
         self.codec: TextCodec | None = None
@@ -118,11 +141,22 @@ class Gateway:
         await self.fleet.close()
         await self.sessions.close()
 
-    async def run(self, req: gateway_pb2.GenerateRequest) -> AsyncIterator[Event]:
-        """Validate and run one request; errors are SpecdecError with their status."""
+    async def run(
+        self,
+        req: gateway_pb2.GenerateRequest,
+        *,
+        prompter: Prompter | None = None,
+        deadline: float | None = None,
+    ) -> AsyncIterator[Event]:
+        """Validate and run one request; errors are SpecdecError with their status.
+
+        prompter: when given, replaces the tokenization of the prompt (see Prompter).
+        deadline: the client's deadline (time.monotonic()), if it set one; it bounds every
+        replica call of the request instead of --rpc-timeout.
+        """
         metrics.IN_FLIGHT.inc()
         try:
-            async for event in self._run(validate(req, self.limits)):
+            async for event in self._run(validate(req, self.limits), prompter, deadline):
                 yield event
         except SpecdecError as e:
             metrics.REQUEST_ERRORS.labels(code=e.code.name).inc()
@@ -130,30 +164,43 @@ class Gateway:
         finally:
             metrics.IN_FLIGHT.dec()
 
-    async def _run(self, job: Job) -> AsyncIterator[Event]:
+    async def _run(
+        self, job: Job, prompter: Prompter | None, deadline: float | None
+    ) -> AsyncIterator[Event]:
         if not job.session_id:
-            async for event in self._turn(job, None):
+            async for event in self._turn(job, None, prompter, deadline):
                 yield event
             return
-        token = await self.turns.lock(job.session_id, TURN_LOCK_SECONDS)
-        if token is None:
+        lease = await self.turns.lock(job.session_id, TURN_LOCK_SECONDS, TURN_LOCK_WAIT_SECONDS)
+        if lease is None:
             raise Aborted(
                 f"session {job.session_id!r} has a turn in progress; send a session's turns "
                 "one after another"
             )
         try:
-            async for event in self._turn(job, token):
+            async for event in self._turn(job, lease, prompter, deadline):
                 yield event
         finally:
-            await self.turns.unlock(job.session_id, token)
+            await self.turns.unlock(lease)
 
-    async def _turn(self, job: Job, lock: str | None) -> AsyncIterator[Event]:
+    async def _turn(
+        self,
+        job: Job,
+        lease: TurnLease | None,
+        prompter: Prompter | None = None,
+        deadline: float | None = None,
+    ) -> AsyncIterator[Event]:
         started = time.perf_counter()
         record = None
         if job.session_id and not job.reset:
             record = await self.sessions.get(job.session_id)
         history = record.tokens if record else []
-        if isinstance(job.prompt, str):
+        if prompter is not None:
+            record, prompt_ids, max_new_tokens = await prompter(record)
+            history = record.tokens if record else []
+            if max_new_tokens is not None:
+                job = dataclasses.replace(job, max_new_tokens=max_new_tokens)
+        elif isinstance(job.prompt, str):
             # A new conversation gets the tokenizer's special tokens (BOS), as
             # `tokenizer(prompt)` would; a continuation appends the text alone.
             prompt_ids = await asyncio.to_thread(self.codec.encode, job.prompt, not history)
@@ -188,10 +235,10 @@ class Gateway:
             self.config.rpc_timeout,
             ssd=job.ssd,
             ssd_fan_out=self.config.ssd_fan_out,
+            deadline=deadline,
         )
         completion = Completion(self.codec, job.max_new_tokens, self.eos_token_ids, job.stop)
         first_at = last_at = None
-        lock_refreshed = started
         try:
             while completion.finish_reason is None:
                 remaining = job.max_new_tokens - len(completion.tokens)
@@ -206,9 +253,11 @@ class Gateway:
                     for _ in tokens:
                         metrics.ITL.observe((now - last_at) / len(tokens))
                 last_at = now
-                if lock and now - lock_refreshed > TURN_LOCK_SECONDS / 3:
-                    await self.turns.refresh(job.session_id, lock, TURN_LOCK_SECONDS)
-                    lock_refreshed = now
+                if lease is not None and lease.lost:
+                    raise Aborted(
+                        f"session {job.session_id!r}: this turn lost its lock (another "
+                        "gateway may have taken the session); stopped without saving it"
+                    )
                 if completion.finish_reason is None and (text or tokens):
                     yield Event(text, tokens)
             response = build_response(
@@ -227,6 +276,7 @@ class Gateway:
                         turns=(record.turns if record else 0) + 1,
                     ),
                     ttl_seconds=job.ttl,
+                    fence=lease.fence if lease else None,
                 )
             yield Event(text, tokens, response)
         finally:

@@ -44,10 +44,9 @@ def verify(
 def _verify(runtime, session_id, prefix, new_tokens, draft_tokens, draft_probs, params) -> Verdict:
     started = time.perf_counter()
     k = len(draft_tokens)
-    session, logits = runtime.extend(
-        session_id, prefix, [*new_tokens, *draft_tokens], len(new_tokens) + k
-    )
-    target_logits = logits[-(k + 1) :]  # [k+1, vocab]
+    session, target_logits = runtime.extend(
+        session_id, prefix, [*new_tokens, *draft_tokens], len(new_tokens) + k, keep=k + 1
+    )  # target_logits: [k+1, vocab]
     drafts = torch.tensor([list(draft_tokens)], dtype=torch.long)  # [1, k]
     if params.greedy:
         accepted, next_token = rejection_sample(drafts, None, target_logits[None], None, True)

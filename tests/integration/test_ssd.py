@@ -84,7 +84,10 @@ def test_ssd_hit_path(ssd_stack, tokenizer, reference):
             assert list(got.tokens) == reference(ids, N)
             s = got.stats
             check_stats(s, True)
-            assert s.ssd_misses == 0 and s.ssd_hits >= s.rounds - 1
+            # A Speculate still running at its verdict is left behind; its round is a hit
+            # when the next Draft is answered from its branches. Under load that Draft
+            # can overtake it on the way to the drafter: at most one such miss here.
+            assert s.ssd_misses <= 1 and s.ssd_hits >= s.rounds - 2
             assert s.acceptance_rate == 1.0
 
 

@@ -24,20 +24,24 @@ def _fresh_modules(code: str) -> set[str]:
 
 def test_sdk_imports_neither_torch_nor_transformers():
     mods = _fresh_modules(
-        "import specdec.sdk, specdec.sdk.client, specdec.sdk.cli_generate, specdec.v1.gateway_pb2"
+        "import specdec.sdk, specdec.sdk.client, specdec.sdk.cli_generate, specdec.v1.gateway_pb2\n"
+        "import specdec.sdk.loadtest.cli, specdec.sdk.loadtest.runner, "
+        "specdec.sdk.loadtest.summary, specdec.sdk.loadtest.report"
     )
     assert "specdec" in mods
-    assert not {"torch", "transformers", "tokenizers", "redis"} & mods
+    # matplotlib only when the loadtest draws its PNG (the optional extra [loadtest]).
+    assert not {"torch", "transformers", "tokenizers", "redis", "matplotlib", "numpy"} & mods
 
 
 def test_gateway_and_cli_import_no_torch():
     mods = _fresh_modules(
         "import specdec.gateway.server, specdec.gateway.turn, specdec.gateway.loop, "
-        "specdec.gateway.sessions, specdec.gateway.replicas, specdec.tools.launcher\n"
+        "specdec.gateway.sessions, specdec.gateway.replicas, specdec.tools.launcher, "
+        "specdec.gateway.http.app\n"
         "from specdec.cli import build_parser\n"
         "build_parser().parse_args(['serve', 'gateway', '--drafter', 'h:1', '--verifier', 'h:2'])"
     )
-    assert "specdec" in mods and "grpc" in mods
+    assert "specdec" in mods and "grpc" in mods and "uvicorn" in mods
     assert "torch" not in mods and "transformers" not in mods
 
 
@@ -51,8 +55,9 @@ def _names(reqs: list[str] | None) -> set[str]:
 
 
 def test_distribution_dependencies():
-    sdk = requires("specdec-sdk")
-    assert _names(sdk) == {"grpcio", "protobuf"}
+    sdk = requires("specdec-sdk") or []
+    assert _names([r for r in sdk if "extra ==" not in r]) == {"grpcio", "protobuf"}
+    assert _names([r for r in sdk if 'extra == "loadtest"' in r]) == {"matplotlib", "httpx"}
     server = requires("specdec-server") or []
     gateway = [r for r in server if 'extra == "gateway"' in r]
     replica = [r for r in server if 'extra == "replica"' in r]
@@ -77,6 +82,8 @@ def test_sdk_wheel_carries_only_the_client(sdk_wheel):
     code = [n for n in names if n.endswith((".py", ".pyi", ".jsonl"))]
     assert "specdec/sdk/client.py" in code and "specdec/v1/gateway_pb2.py" in code
     assert "specdec/cli.py" in code
+    # `specdec loadtest` and its prompt set (which `specdec bench` reads too).
+    assert {"specdec/sdk/loadtest/cli.py", "specdec/sdk/loadtest/prompts.jsonl"} <= set(code)
     assert not [n for n in code if not n.startswith(("specdec/sdk/", "specdec/v1/"))
                 and n not in ("specdec/cli.py", "specdec/__main__.py")]  # fmt: skip
     assert not any(part in n for n in names for part in ("bench", "demo", "tools/", "gateway/"))

@@ -12,7 +12,7 @@ import pytest
 import redis
 from prometheus_client import REGISTRY
 
-from specdec.gateway.sessions import SessionIndex, SessionRecord, TurnLocks
+from specdec.gateway.sessions import LockLost, SessionIndex, SessionRecord, TurnLease, TurnLocks
 from specdec.tools.redisproc import RedisProcess, redis_server_binary
 
 PREFIX = "specdec:session:"
@@ -413,20 +413,22 @@ async def test_turn_lock_spans_gateway_replicas(server, raw):
     a, b = SessionIndex(server.url), SessionIndex(server.url)
     la, lb = TurnLocks(a), TurnLocks(b)
     try:
-        token = await la.lock("t", ttl_seconds=30)
-        assert token is not None
+        lease = await la.lock("t", ttl_seconds=30)
+        assert lease is not None
         assert await la.lock("t") is None  # same gateway
         assert await lb.lock("t") is None  # another gateway, through Redis
         assert 0 < raw.pttl("specdec:session-lock:t") <= 30_000
         assert raw.exists("specdec:session:t") == 0  # the lock is not a session record
-        await lb.unlock("t", "not-the-owner")  # only the holder can release it
+        # Only the holder can release it.
+        await lb.unlock(TurnLease("t", "not-the-owner", lease.key, 30))
         assert await lb.lock("t") is None
-        await la.refresh("t", token, ttl_seconds=60)
+        lease.ttl_seconds = 60
+        assert await la.refresh(lease)
         assert raw.pttl("specdec:session-lock:t") > 30_000
-        await la.unlock("t", token)
-        token_b = await lb.lock("t")
-        assert token_b is not None
-        await lb.unlock("t", token_b)
+        await la.unlock(lease)
+        lease_b = await lb.lock("t")
+        assert lease_b is not None
+        await lb.unlock(lease_b)
     finally:
         await a.close()
         await b.close()
@@ -437,7 +439,7 @@ async def test_turn_lock_expires_if_its_gateway_dies(server):
     la, lb = TurnLocks(a), TurnLocks(b)
     try:
         assert await la.lock("gone", ttl_seconds=0.3) is not None
-        await a.close()  # the gateway dies without unlocking
+        await a.close()  # the gateway dies without unlocking (its keep-alive stops)
         await asyncio.sleep(0.6)
         assert await lb.lock("gone") is not None
     finally:
@@ -449,9 +451,84 @@ async def test_turn_lock_without_redis_is_local(server):
     locks = TurnLocks(index)
     try:
         server.stop()
-        token = await locks.lock("x")
-        assert token is not None and await locks.lock("x") is None
-        await locks.unlock("x", token)
+        lease = await locks.lock("x")
+        assert lease is not None and await locks.lock("x") is None
+        await locks.unlock(lease)
         assert await locks.lock("x") is not None
     finally:
         await index.close()
+
+
+async def test_turn_lock_is_kept_alive_for_the_whole_turn(server, raw):
+    """A turn longer than the TTL, with nobody refreshing by hand, keeps its lock."""
+    a, b = SessionIndex(server.url), SessionIndex(server.url)
+    la, lb = TurnLocks(a), TurnLocks(b)
+    try:
+        lease = await la.lock("long", ttl_seconds=0.3)
+        assert lease is not None
+        await asyncio.sleep(1.2)  # four TTLs of a slow round / a slow stream reader
+        assert await lb.lock("long") is None
+        assert not lease.lost
+        await la.unlock(lease)
+        assert raw.exists("specdec:session-lock:long") == 0
+        assert await lb.lock("long") is not None
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_turn_lock_acquisition_is_cancel_safe(server, raw):
+    """Cancelled while its SET is in flight, a lock attempt leaves nothing held."""
+    index = SessionIndex(server.url, op_timeout=5.0)
+    locks = TurnLocks(index)
+    try:
+        raw.execute_command("CLIENT", "PAUSE", "400", "WRITE")  # the SET waits in Redis
+        attempt = asyncio.ensure_future(locks.lock("c", ttl_seconds=30))
+        await asyncio.sleep(0.1)
+        assert not attempt.done()
+        attempt.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await attempt
+        await asyncio.sleep(0.6)  # the pause ends; the SET lands, the cleanup deletes it
+        assert raw.exists("specdec:session-lock:c") == 0
+        lease = await locks.lock("c", ttl_seconds=30)  # neither this process nor Redis holds it
+        assert lease is not None
+        await locks.unlock(lease)
+    finally:
+        await index.close()
+
+
+async def test_turn_lock_waits_for_a_turn_that_is_ending(server):
+    a, b = SessionIndex(server.url), SessionIndex(server.url)
+    la, lb = TurnLocks(a), TurnLocks(b)
+    try:
+        lease = await la.lock("w", ttl_seconds=30)
+        asyncio.get_running_loop().call_later(0.2, lambda: asyncio.ensure_future(la.unlock(lease)))
+        assert await lb.lock("w", wait_seconds=0.05) is None  # still held: busy
+        got = await lb.lock("w", wait_seconds=2.0)  # held, then released while waiting
+        assert got is not None
+        await lb.unlock(got)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_fenced_write_refuses_a_gateway_that_lost_its_lock(server, raw):
+    a, b = SessionIndex(server.url), SessionIndex(server.url)
+    la, lb = TurnLocks(a), TurnLocks(b)
+    try:
+        old = await la.lock("f", ttl_seconds=30)
+        raw.delete("specdec:session-lock:f")  # the lock lapses (Redis saw no refresh)
+        new = await lb.lock("f", ttl_seconds=30)  # another gateway runs a newer turn
+        assert new is not None
+        await b.put(record("f", n=7), fence=new.fence)
+        with pytest.raises(LockLost) as err:
+            await a.put(record("f", n=3), fence=old.fence)
+        assert err.value.code.name == "ABORTED"
+        got = await SessionIndex(server.url).get("f")
+        assert got is not None and len(got.tokens) == 7  # the newer turn's history stands
+        assert not await la.refresh(old) and old.lost  # the keep-alive notices it too
+        await lb.unlock(new)
+    finally:
+        await a.close()
+        await b.close()

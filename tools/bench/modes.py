@@ -49,7 +49,7 @@ def load_prompts(path: str | None) -> list[Prompt]:
     if path:
         text = Path(path).read_text()
     else:
-        text = resources.files("specdec.tools.benchdata").joinpath("prompts.jsonl").read_text()
+        text = resources.files("specdec.sdk.loadtest").joinpath("prompts.jsonl").read_text()
     prompts = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():

@@ -10,7 +10,13 @@
 Imports only grpcio, protobuf, the standard library and the generated ``specdec.v1`` stubs.
 """
 
-from specdec.sdk.client import AsyncClient, Client, build_generate_request
+from specdec.sdk.client import (
+    AsyncClient,
+    Client,
+    build_generate_request,
+    read_token,
+    tls_credentials,
+)
 from specdec.sdk.errors import (
     DeadlineExceeded,
     InternalError,
@@ -22,7 +28,14 @@ from specdec.sdk.errors import (
     Unimplemented,
     from_rpc_error,
 )
-from specdec.sdk.types import Generation, SpeculationStats, StreamChunk, Timings, Usage
+from specdec.sdk.types import (
+    Generation,
+    ServerInfo,
+    SpeculationStats,
+    StreamChunk,
+    Timings,
+    Usage,
+)
 
 __all__ = [
     "AsyncClient",
@@ -33,6 +46,7 @@ __all__ = [
     "InvalidArgument",
     "NotFound",
     "ResourceExhausted",
+    "ServerInfo",
     "SpecdecError",
     "SpeculationStats",
     "StreamChunk",
@@ -42,4 +56,6 @@ __all__ = [
     "Usage",
     "build_generate_request",
     "from_rpc_error",
+    "read_token",
+    "tls_credentials",
 ]

@@ -9,7 +9,13 @@ import sys
 import time
 from typing import Any
 
-from specdec.sdk.client import DEFAULT_TIMEOUT, Client, build_generate_request
+from specdec.sdk.client import (
+    DEFAULT_TIMEOUT,
+    Client,
+    build_generate_request,
+    read_token,
+    tls_credentials,
+)
 from specdec.sdk.errors import SpecdecError
 from specdec.sdk.types import Generation
 
@@ -53,6 +59,20 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="ADDR",
         default=None,
         help=f"gateway host:port (default: $SPECDEC_GATEWAY, else {DEFAULT_GATEWAY})",
+    )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="connect with TLS (implied by --tls-ca / --tls-cert)",
+    )
+    p.add_argument("--tls-ca", metavar="PEM", help="CA to trust (default: the system's roots)")
+    p.add_argument("--tls-cert", metavar="PEM", help="client certificate, for mTLS")
+    p.add_argument("--tls-key", metavar="PEM", help="client private key, for mTLS")
+    p.add_argument(
+        "--token-file",
+        metavar="FILE",
+        default=os.environ.get("SPECDEC_TOKEN_FILE"),
+        help="file holding a bearer token (default: $SPECDEC_TOKEN_FILE); never a token itself",
     )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", metavar="TEXT", help="prompt text ('-': read stdin)")
@@ -152,7 +172,15 @@ def run_generate(args: argparse.Namespace) -> int:
         return 2
     timeout = DEFAULT_TIMEOUT if args.timeout is None else args.timeout
     try:
-        with Client(gateway, timeout=timeout) as client:
+        credentials = None
+        if args.tls or args.tls_ca or args.tls_cert or args.tls_key:
+            credentials = tls_credentials(args.tls_ca, args.tls_cert, args.tls_key)
+        token = read_token(args.token_file) if args.token_file else None
+    except (OSError, ValueError) as e:
+        print(f"specdec: invalid arguments: {e}", file=sys.stderr)
+        return 2
+    try:
+        with Client(gateway, timeout=timeout, credentials=credentials, token=token) as client:
             if args.json:
                 gen = client.generate(prompt, **request)
                 print(json.dumps(gen.to_dict(), ensure_ascii=False))

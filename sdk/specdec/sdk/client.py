@@ -18,7 +18,14 @@ import grpc.aio
 
 from specdec.sdk.errors import from_rpc_error
 from specdec.sdk.tracing import trace_metadata
-from specdec.sdk.types import Generation, StreamAssembler, StreamChunk, generation_from_proto
+from specdec.sdk.types import (
+    Generation,
+    ServerInfo,
+    StreamAssembler,
+    StreamChunk,
+    generation_from_proto,
+    server_info_from_proto,
+)
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 __all__ = [
@@ -28,6 +35,8 @@ __all__ = [
     "Client",
     "build_generate_request",
     "channel_options",
+    "read_token",
+    "tls_credentials",
 ]
 
 #: Default per-call deadline in seconds.
@@ -128,14 +137,52 @@ def _request(arguments: dict[str, Any]) -> gateway_pb2.GenerateRequest:
     return build_generate_request(**params)
 
 
+def tls_credentials(
+    ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None
+) -> grpc.ChannelCredentials:
+    """TLS channel credentials from PEM files: the CA to trust (None: the system's roots)
+    and, for a gateway that asks for client certificates, this client's cert and key."""
+    if bool(cert_file) != bool(key_file):
+        raise ValueError("cert_file and key_file go together")
+
+    def read(path: str | None) -> bytes | None:
+        if not path:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    return grpc.ssl_channel_credentials(
+        root_certificates=read(ca_file),
+        private_key=read(key_file),
+        certificate_chain=read(cert_file),
+    )
+
+
+def read_token(path: str) -> str:
+    """A bearer token from a file (its first non-empty line): tokens never go in a command
+    line, where `ps` shows them."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                return line.strip()
+    raise ValueError(f"{path} holds no token")
+
+
 class _ClientBase:
-    def __init__(self, timeout: float | None) -> None:
+    def __init__(self, timeout: float | None, token: str | None = None) -> None:
         if timeout is not None and timeout <= 0:
             raise ValueError("timeout must be > 0 seconds, or None for no deadline")
         self.timeout = timeout
+        # Sent with every call when the gateway checks bearer tokens.
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
 
     def _deadline(self, timeout: float | _Default | None) -> float | None:
         return self.timeout if timeout is _CLIENT_DEFAULT else timeout
+
+    def _call_metadata(self) -> tuple[tuple[str, str], ...] | None:
+        """A call's metadata: the bearer token, if any, and the caller's trace context."""
+        metadata = (*(self._metadata or ()), *(trace_metadata() or ()))
+        return metadata or None
 
 
 class Client(_ClientBase):
@@ -152,8 +199,9 @@ class Client(_ClientBase):
         channel_options: Sequence[tuple[str, Any]] | None = None,
         *,
         credentials: grpc.ChannelCredentials | None = None,
+        token: str | None = None,
     ) -> None:
-        super().__init__(timeout)
+        super().__init__(timeout, token)
         self.address = address
         options = _channel_options(channel_options)
         if credentials is None:
@@ -184,7 +232,7 @@ class Client(_ClientBase):
         request = _request(locals())
         try:
             response = self._stub.Generate(
-                request, timeout=self._deadline(timeout), metadata=trace_metadata()
+                request, timeout=self._deadline(timeout), metadata=self._call_metadata()
             )
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
@@ -220,7 +268,7 @@ class Client(_ClientBase):
         self, request: gateway_pb2.GenerateRequest, timeout: float | None
     ) -> Iterator[StreamChunk]:
         assembler = StreamAssembler()
-        call = self._stub.GenerateStream(request, timeout=timeout, metadata=trace_metadata())
+        call = self._stub.GenerateStream(request, timeout=timeout, metadata=self._call_metadata())
         try:
             for message in call:
                 yield assembler.feed(message)
@@ -229,6 +277,18 @@ class Client(_ClientBase):
             raise from_rpc_error(e) from None
         finally:
             call.cancel()  # no-op once the call has finished
+
+    def server_info(self, timeout: float | _Default | None = _CLIENT_DEFAULT) -> ServerInfo:
+        """The model behind the gateway and the limits a request must respect."""
+        try:
+            response = self._stub.GetServerInfo(
+                gateway_pb2.GetServerInfoRequest(),
+                timeout=self._deadline(timeout),
+                metadata=self._call_metadata(),
+            )
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        return server_info_from_proto(response)
 
     def close(self) -> None:
         self._channel.close()
@@ -257,8 +317,9 @@ class AsyncClient(_ClientBase):
         channel_options: Sequence[tuple[str, Any]] | None = None,
         *,
         credentials: grpc.ChannelCredentials | None = None,
+        token: str | None = None,
     ) -> None:
-        super().__init__(timeout)
+        super().__init__(timeout, token)
         self.address = address
         options = _channel_options(channel_options)
         if credentials is None:
@@ -289,7 +350,7 @@ class AsyncClient(_ClientBase):
         request = _request(locals())
         try:
             response = await self._stub.Generate(
-                request, timeout=self._deadline(timeout), metadata=trace_metadata()
+                request, timeout=self._deadline(timeout), metadata=self._call_metadata()
             )
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
@@ -325,7 +386,7 @@ class AsyncClient(_ClientBase):
         self, request: gateway_pb2.GenerateRequest, timeout: float | None
     ) -> AsyncIterator[StreamChunk]:
         assembler = StreamAssembler()
-        call = self._stub.GenerateStream(request, timeout=timeout, metadata=trace_metadata())
+        call = self._stub.GenerateStream(request, timeout=timeout, metadata=self._call_metadata())
         try:
             async for message in call:
                 yield assembler.feed(message)
@@ -334,6 +395,18 @@ class AsyncClient(_ClientBase):
             raise from_rpc_error(e) from None
         finally:
             call.cancel()  # no-op once the call has finished
+
+    async def server_info(self, timeout: float | _Default | None = _CLIENT_DEFAULT) -> ServerInfo:
+        """The model behind the gateway and the limits a request must respect."""
+        try:
+            response = await self._stub.GetServerInfo(
+                gateway_pb2.GetServerInfoRequest(),
+                timeout=self._deadline(timeout),
+                metadata=self._call_metadata(),
+            )
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        return server_info_from_proto(response)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -12,6 +12,7 @@ from specdec.v1 import gateway_pb2
 
 __all__ = [
     "Generation",
+    "ServerInfo",
     "SpeculationStats",
     "StreamAssembler",
     "StreamChunk",
@@ -19,6 +20,7 @@ __all__ = [
     "Usage",
     "finish_reason_from_proto",
     "generation_from_proto",
+    "server_info_from_proto",
     "speculation_stats_from_proto",
     "timings_from_proto",
     "usage_from_proto",
@@ -243,3 +245,50 @@ class StreamAssembler:
         if self.final is None:
             raise InternalError("gateway stream ended without a final message")
         return self.final
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """The model behind a gateway and the limits of a request (``Client.server_info()``)."""
+
+    model_id: str
+    draft_model_id: str
+    #: Valid token ids are 0..vocab_size-1.
+    vocab_size: int
+    #: Tokens of history + prompt + max_new_tokens a request may reach.
+    max_context: int
+    max_k: int
+    default_k: int
+    default_ssd: bool
+    max_new_tokens: int
+    max_stop_strings: int
+    max_stop_chars: int
+    max_session_id_chars: int
+    default_session_ttl_seconds: int
+    max_session_ttl_seconds: int
+    #: sha256 of the tokenizer's canonical JSON.
+    tokenizer_fingerprint: str
+    eos_token_ids: tuple[int, ...]
+    #: -1 when the tokenizer has none.
+    bos_token_id: int
+
+
+def server_info_from_proto(msg: gateway_pb2.GetServerInfoResponse) -> ServerInfo:
+    return ServerInfo(
+        model_id=msg.model_id,
+        draft_model_id=msg.draft_model_id,
+        vocab_size=msg.vocab_size,
+        max_context=msg.max_context,
+        max_k=msg.max_num_draft_tokens,
+        default_k=msg.default_num_draft_tokens,
+        default_ssd=msg.default_ssd,
+        max_new_tokens=msg.max_new_tokens,
+        max_stop_strings=msg.max_stop_strings,
+        max_stop_chars=msg.max_stop_chars,
+        max_session_id_chars=msg.max_session_id_chars,
+        default_session_ttl_seconds=msg.default_session_ttl_seconds,
+        max_session_ttl_seconds=msg.max_session_ttl_seconds,
+        tokenizer_fingerprint=msg.tokenizer_fingerprint,
+        eos_token_ids=tuple(msg.eos_token_ids),
+        bos_token_id=msg.bos_token_id,
+    )

@@ -28,6 +28,19 @@ if _version_not_supported:
 class GatewayServiceStub:
     """The public API: runs the speculation loop against drafter and verifier
     replicas and returns exactly what the target model alone would produce.
+
+    Status codes a client should expect:
+    INVALID_ARGUMENT    malformed bytes, or a request outside the limits below or in
+    GetServerInfoResponse (the message names the field)
+    ABORTED             the session already has a turn in flight (one turn at a time per
+    session); send the next turn when the previous one has ended
+    UNAVAILABLE         no verifier replica can serve (the request may be retried), or
+    the gateway is still starting / stopping
+    DEADLINE_EXCEEDED   the client's own deadline passed
+    RESOURCE_EXHAUSTED  a replica's KV cache bound cannot hold the request
+    CANCELLED           the client cancelled
+    UNAUTHENTICATED     a bearer token is required and missing or wrong (when enabled)
+    INTERNAL and UNKNOWN are bugs and never expected.
     """
 
     def __init__(self, channel):
@@ -46,15 +59,34 @@ class GatewayServiceStub:
                 request_serializer=specdec_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_gateway__pb2.GenerateStreamResponse.FromString,
                 _registered_method=True)
+        self.GetServerInfo = channel.unary_unary(
+                '/specdec.v1.GatewayService/GetServerInfo',
+                request_serializer=specdec_dot_v1_dot_gateway__pb2.GetServerInfoRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_gateway__pb2.GetServerInfoResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServiceServicer:
     """The public API: runs the speculation loop against drafter and verifier
     replicas and returns exactly what the target model alone would produce.
+
+    Status codes a client should expect:
+    INVALID_ARGUMENT    malformed bytes, or a request outside the limits below or in
+    GetServerInfoResponse (the message names the field)
+    ABORTED             the session already has a turn in flight (one turn at a time per
+    session); send the next turn when the previous one has ended
+    UNAVAILABLE         no verifier replica can serve (the request may be retried), or
+    the gateway is still starting / stopping
+    DEADLINE_EXCEEDED   the client's own deadline passed
+    RESOURCE_EXHAUSTED  a replica's KV cache bound cannot hold the request
+    CANCELLED           the client cancelled
+    UNAUTHENTICATED     a bearer token is required and missing or wrong (when enabled)
+    INTERNAL and UNKNOWN are bugs and never expected.
     """
 
     def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Generate a completion and return it whole.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -62,6 +94,13 @@ class GatewayServiceServicer:
     def GenerateStream(self, request, context):
         """Same as Generate, streamed: text deltas as they are verified, then one
         final message with the finish reason, usage, timings and statistics.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetServerInfo(self, request, context):
+        """The model behind the gateway and the limits a request must respect.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -80,6 +119,11 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     request_deserializer=specdec_dot_v1_dot_gateway__pb2.GenerateRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_gateway__pb2.GenerateStreamResponse.SerializeToString,
             ),
+            'GetServerInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServerInfo,
+                    request_deserializer=specdec_dot_v1_dot_gateway__pb2.GetServerInfoRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_gateway__pb2.GetServerInfoResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'specdec.v1.GatewayService', rpc_method_handlers)
@@ -91,6 +135,19 @@ def add_GatewayServiceServicer_to_server(servicer, server):
 class GatewayService:
     """The public API: runs the speculation loop against drafter and verifier
     replicas and returns exactly what the target model alone would produce.
+
+    Status codes a client should expect:
+    INVALID_ARGUMENT    malformed bytes, or a request outside the limits below or in
+    GetServerInfoResponse (the message names the field)
+    ABORTED             the session already has a turn in flight (one turn at a time per
+    session); send the next turn when the previous one has ended
+    UNAVAILABLE         no verifier replica can serve (the request may be retried), or
+    the gateway is still starting / stopping
+    DEADLINE_EXCEEDED   the client's own deadline passed
+    RESOURCE_EXHAUSTED  a replica's KV cache bound cannot hold the request
+    CANCELLED           the client cancelled
+    UNAUTHENTICATED     a bearer token is required and missing or wrong (when enabled)
+    INTERNAL and UNKNOWN are bugs and never expected.
     """
 
     @staticmethod
@@ -137,6 +194,33 @@ class GatewayService:
             '/specdec.v1.GatewayService/GenerateStream',
             specdec_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
             specdec_dot_v1_dot_gateway__pb2.GenerateStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetServerInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.GatewayService/GetServerInfo',
+            specdec_dot_v1_dot_gateway__pb2.GetServerInfoRequest.SerializeToString,
+            specdec_dot_v1_dot_gateway__pb2.GetServerInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

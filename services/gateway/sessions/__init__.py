@@ -6,14 +6,16 @@
 - ``turns``: TurnLocks, one turn at a time per session across gateway replicas.
 """
 
-from specdec.gateway.sessions.index import SessionIndex
+from specdec.gateway.sessions.index import LockLost, SessionIndex
 from specdec.gateway.sessions.record import MAX_SESSION_ID_LEN, SessionRecord, validate_session_id
-from specdec.gateway.sessions.turns import TurnLocks
+from specdec.gateway.sessions.turns import TurnLease, TurnLocks
 
 __all__ = [
     "MAX_SESSION_ID_LEN",
+    "LockLost",
     "SessionIndex",
     "SessionRecord",
+    "TurnLease",
     "TurnLocks",
     "validate_session_id",
 ]

@@ -20,12 +20,14 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import grpc
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from specdec.common.errors import SpecdecError
 from specdec.gateway.sessions.local import LocalCopy, LocalEntry
 from specdec.gateway.sessions.record import (
     SessionRecord,
@@ -54,6 +56,24 @@ for _op in OPS:
 
 # Errors that mean "the store is unavailable or misbehaving": degrade, never raise.
 STORE_FAILURES: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
+
+
+class LockLost(SpecdecError):
+    """A fenced write found the session's turn lock held by another token (or by none)."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+# Write the record only while the turn lock (KEYS[2]) holds the writer's token (ARGV[1]):
+# the fence that keeps a gateway which lost its lock from overwriting a newer turn.
+# ARGV[2] is the TTL in seconds, ARGV[3..] the record's field / value pairs.
+_PUT_IF_LOCKED = """
+if redis.call('get', KEYS[2]) ~= ARGV[1] then return 0 end
+redis.call('del', KEYS[1])
+redis.call('hset', KEYS[1], unpack(ARGV, 3))
+redis.call('expire', KEYS[1], ARGV[2])
+return 1
+"""
 
 
 @dataclass
@@ -157,8 +177,18 @@ class SessionIndex:
         return remote.copy()
 
     @redis_op("put")
-    async def put(self, record: SessionRecord, ttl_seconds: int | None = None) -> None:
-        """Store the record (replacing any previous one), set ``updated_at`` and the TTL."""
+    async def put(
+        self,
+        record: SessionRecord,
+        ttl_seconds: int | None = None,
+        fence: tuple[str, str] | None = None,
+    ) -> None:
+        """Store the record (replacing any previous one), set ``updated_at`` and the TTL.
+
+        fence: (turn lock key, token). Redis then takes the write only while that lock
+        holds that token, atomically; otherwise LockLost and nothing is written. With
+        Redis unreachable the local copy takes it (this process's lock is the fence).
+        """
         key = self.key(record.session_id)
         ttl = self.default_ttl if ttl_seconds is None else int(ttl_seconds)
         if ttl <= 0:
@@ -169,7 +199,10 @@ class SessionIndex:
             self.local.put(record, ttl, dirty=False)
             return
         try:
-            await self._write(key, fields, ttl)
+            if fence is None:
+                await self._write(key, fields, ttl)
+            else:
+                await self._write_fenced(key, fields, ttl, fence)
         except STORE_FAILURES as e:
             self.failed("put", e)
             self.local.put(record, ttl, dirty=True)
@@ -255,6 +288,20 @@ class SessionIndex:
             pipe.hset(key, mapping=fields)
             pipe.expire(key, ttl)
             await pipe.execute()
+
+    async def _write_fenced(
+        self, key: str, fields: dict[str, bytes | str], ttl: int, fence: tuple[str, str]
+    ) -> None:
+        assert self.redis is not None
+        lock_key, token = fence
+        flat = [x for pair in fields.items() for x in pair]
+        written = await self.redis.eval(_PUT_IF_LOCKED, 2, key, lock_key, token, ttl, *flat)
+        if not written:
+            self.succeeded()
+            raise LockLost(
+                f"session {key[len(self.key_prefix) :]!r}: this turn lost its lock (it lapsed "
+                "and another turn may have run); its history was not saved"
+            )
 
     async def _write_back(self, key: str, entry: LocalEntry) -> None:
         remaining = max(1, round(entry.expires_at - time.monotonic()))

@@ -1,0 +1,195 @@
+{{/* Names */}}
+{{- define "specdec.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "specdec.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The object name of a role: fullname-role */}}
+{{- define "specdec.roleName" -}}
+{{- printf "%s-%s" (include "specdec.fullname" .root) .role }}
+{{- end }}
+
+{{- define "specdec.serviceAccountName" -}}
+{{- default (printf "%s-gateway" (include "specdec.fullname" .)) .Values.serviceAccount.name }}
+{{- end }}
+
+{{/* Labels: specdec.labels (dict root role) */}}
+{{- define "specdec.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "specdec.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .role }}
+{{- end }}
+
+{{- define "specdec.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: specdec
+{{ include "specdec.selectorLabels" . }}
+{{- with .root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* metadata: name, namespace, labels (dict root role [name]) */}}
+{{- define "specdec.metadata" -}}
+name: {{ default (include "specdec.roleName" .) .name }}
+namespace: {{ .root.Release.Namespace }}
+labels:
+  {{- include "specdec.labels" . | nindent 2 }}
+{{- end }}
+
+{{/* image reference of an image block (dict root image) */}}
+{{- define "specdec.image" -}}
+{{- if .image.digest -}}
+{{ .image.repository }}@{{ .image.digest }}
+{{- else -}}
+{{ .image.repository }}:{{ default .root.Chart.AppVersion .image.tag }}
+{{- end }}
+{{- end }}
+
+{{- define "specdec.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: {{ .Values.security.runAsUser }}
+runAsGroup: {{ .Values.security.runAsGroup }}
+fsGroup: {{ .Values.security.fsGroup }}
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{- define "specdec.containerSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: {{ .Values.security.runAsUser }}
+runAsGroup: {{ .Values.security.runAsGroup }}
+allowPrivilegeEscalation: false
+privileged: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: [ALL]
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{/* The Redis URL the gateway uses when the built-in Redis runs */}}
+{{- define "specdec.redisURL" -}}
+redis://{{ include "specdec.roleName" (dict "root" . "role" "redis") }}.{{ .Release.Namespace }}.svc:{{ .Values.redis.port }}/0
+{{- end }}
+
+{{/* OTEL_* variables of a service (dict root role) */}}
+{{- define "specdec.otelEnv" -}}
+{{- $t := .root.Values.tracing }}
+- name: OTEL_SERVICE_NAME
+  value: {{ printf "specdec-%s" .role | quote }}
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: {{ printf "service.namespace=%s,service.instance.id=$(POD_NAME)" .root.Release.Namespace | quote }}
+{{- if $t.enabled }}
+- name: OTEL_SDK_DISABLED
+  value: "false"
+- name: OTEL_TRACES_EXPORTER
+  value: otlp
+- name: OTEL_EXPORTER_OTLP_PROTOCOL
+  value: grpc
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ include "specdec.otlpEndpoint" .root | quote }}
+- name: OTEL_TRACES_SAMPLER
+  value: parentbased_traceidratio
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ $t.samplingRatio | toString | quote }}
+{{- else }}
+- name: OTEL_SDK_DISABLED
+  value: "true"
+{{- end }}
+{{- end }}
+
+{{- define "specdec.otlpEndpoint" -}}
+{{- if .Values.tracing.otlpEndpoint -}}
+{{ .Values.tracing.otlpEndpoint }}
+{{- else if .Values.tracing.jaeger.enabled -}}
+http://{{ include "specdec.roleName" (dict "root" . "role" "jaeger") }}.{{ .Release.Namespace }}.svc:4317
+{{- else -}}
+{{ fail "tracing.enabled needs tracing.otlpEndpoint or tracing.jaeger.enabled" }}
+{{- end }}
+{{- end }}
+
+{{/* SPECDEC_* settings from a map, sorted */}}
+{{- define "specdec.settingsEnv" -}}
+{{- range $k, $v := . }}
+{{- if not (hasPrefix "SPECDEC_" $k) }}
+{{- fail (printf "settings key %q must start with SPECDEC_" $k) }}
+{{- end }}
+- name: {{ $k }}
+  value: {{ $v | toString | quote }}
+{{- end }}
+{{- end }}
+
+{{/* topologySpreadConstraints with this role's labelSelector filled in (dict root role list) */}}
+{{- define "specdec.topologySpread" -}}
+{{- $ctx := . }}
+{{- $out := list }}
+{{- range .list }}
+{{- $c := deepCopy . }}
+{{- if not $c.labelSelector }}
+{{- $_ := set $c "labelSelector" (dict "matchLabels" (include "specdec.selectorLabels" $ctx | fromYaml)) }}
+{{- end }}
+{{- $out = append $out $c }}
+{{- end }}
+{{- toYaml $out }}
+{{- end }}
+
+{{/* The 'grpc' probes of a container (dict port cfg) */}}
+{{- define "specdec.probes" -}}
+startupProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: {{ .cfg.startupProbe.periodSeconds }}
+  failureThreshold: {{ .cfg.startupProbe.failureThreshold }}
+  timeoutSeconds: 5
+readinessProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: {{ .cfg.readinessProbe.periodSeconds }}
+  failureThreshold: {{ .cfg.readinessProbe.failureThreshold }}
+  timeoutSeconds: 5
+livenessProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: {{ .cfg.livenessProbe.periodSeconds }}
+  failureThreshold: {{ .cfg.livenessProbe.failureThreshold }}
+  timeoutSeconds: 5
+{{- end }}
+
+{{- define "specdec.checkGrace" -}}
+{{- if le (int .cfg.terminationGracePeriodSeconds) (int .cfg.graceSeconds) }}
+{{- fail (printf "%s.terminationGracePeriodSeconds (%v) must exceed %s.graceSeconds (%v)" .role .cfg.terminationGracePeriodSeconds .role .cfg.graceSeconds) }}
+{{- end }}
+{{- end }}
+
+{{/* The gateway's --drafter / --verifier value for discovery.mode (dict root role) */}}
+{{- define "specdec.discoveryTarget" -}}
+{{- $d := .root.Values.discovery }}
+{{- $svc := include "specdec.roleName" . }}
+{{- $port := (index .root.Values .role).port }}
+{{- if eq $d.mode "k8s" -}}
+k8s:{{ .root.Release.Namespace }}/{{ $svc }}:{{ $port }}
+{{- else if eq $d.mode "dns" -}}
+dns:{{ $svc }}.{{ .root.Release.Namespace }}.svc.{{ .root.Values.clusterDomain }}:{{ $port }}
+{{- else -}}
+{{- $list := ternary $d.staticDrafters $d.staticVerifiers (eq .role "drafter") }}
+{{- if not $list }}
+{{- fail (printf "discovery.mode static needs discovery.static%ss" (title .role)) }}
+{{- end }}
+{{- join "," $list }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,203 @@
+{{/* The Deployment of a drafter or verifier pool (dict root role) */}}
+{{- define "specdec.replicaDeployment" -}}
+{{- $root := .root }}
+{{- $role := .role }}
+{{- $cfg := index $root.Values $role }}
+{{- $m := $root.Values.models }}
+{{- include "specdec.checkGrace" (dict "cfg" $cfg "role" $role) }}
+{{- if not (has $m.source (list "install" "pvc" "hostPath" "hub")) }}
+{{- fail (printf "models.source must be install, pvc, hostPath or hub, not %q" $m.source) }}
+{{- end }}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  {{- include "specdec.metadata" . | nindent 2 }}
+spec:
+  {{- if not $cfg.keda.enabled }}
+  replicas: {{ $cfg.replicas }}
+  {{- end }}
+  revisionHistoryLimit: 5
+  selector:
+    matchLabels:
+      {{- include "specdec.selectorLabels" . | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "specdec.labels" . | nindent 8 }}
+      {{- with $cfg.podAnnotations }}
+      annotations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+    spec:
+      automountServiceAccountToken: false
+      enableServiceLinks: false
+      terminationGracePeriodSeconds: {{ $cfg.terminationGracePeriodSeconds }}
+      securityContext:
+        {{- include "specdec.podSecurityContext" $root | nindent 8 }}
+      {{- with $root.Values.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $cfg.priorityClassName }}
+      priorityClassName: {{ . }}
+      {{- end }}
+      {{- with $cfg.runtimeClassName }}
+      runtimeClassName: {{ . }}
+      {{- end }}
+      {{- with $cfg.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $cfg.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $cfg.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $cfg.topologySpreadConstraints }}
+      topologySpreadConstraints:
+        {{- include "specdec.topologySpread" (dict "root" $root "role" $role "list" .) | nindent 8 }}
+      {{- end }}
+      {{- if eq $m.source "install" }}
+      initContainers:
+        - name: models
+          image: {{ include "specdec.image" (dict "root" $root "image" $cfg.image) }}
+          imagePullPolicy: {{ $cfg.image.pullPolicy }}
+          command: [specdec, models, install, {{ $cfg.model.name | quote }}{{ range $m.install.extraArgs }}, {{ . | quote }}{{ end }}]
+          env:
+            - name: SPECDEC_MODELS_DIR
+              value: {{ $m.mountPath | quote }}
+            - name: HOME
+              value: /tmp
+          securityContext:
+            {{- include "specdec.containerSecurityContext" $root | nindent 12 }}
+          resources:
+            {{- toYaml $m.install.resources | nindent 12 }}
+          volumeMounts:
+            - name: models
+              mountPath: {{ $m.mountPath }}
+            - name: tmp
+              mountPath: /tmp
+      {{- end }}
+      containers:
+        - name: {{ $role }}
+          image: {{ include "specdec.image" (dict "root" $root "image" $cfg.image) }}
+          imagePullPolicy: {{ $cfg.image.pullPolicy }}
+          command: [specdec]
+          args:
+            - serve
+            - {{ $role }}
+            {{- range $cfg.args }}
+            - {{ . | quote }}
+            {{- end }}
+          ports:
+            - name: grpc
+              containerPort: {{ $cfg.port }}
+              protocol: TCP
+            {{- if $cfg.metricsPort }}
+            - name: metrics
+              containerPort: {{ $cfg.metricsPort }}
+              protocol: TCP
+            {{- end }}
+          env:
+            - name: POD_NAME
+              valueFrom:
+                fieldRef:
+                  fieldPath: metadata.name
+            - name: SPECDEC_MODEL
+              {{- if eq $m.source "install" }}
+              value: {{ printf "%s/%s/model" $m.mountPath $cfg.model.name | quote }}
+              {{- else if eq $m.source "hub" }}
+              value: {{ $cfg.model.name | quote }}
+              {{- else }}
+              value: {{ printf "%s/%s" $m.mountPath $cfg.model.name | quote }}
+              {{- end }}
+            {{- with $cfg.model.ggufFile }}
+            - name: SPECDEC_GGUF_FILE
+              value: {{ . | quote }}
+            {{- end }}
+            - name: SPECDEC_DEVICE
+              value: {{ $cfg.device | quote }}
+            - name: SPECDEC_DTYPE
+              value: {{ $cfg.dtype | quote }}
+            - name: SPECDEC_HOST
+              value: "0.0.0.0"
+            - name: SPECDEC_PORT
+              value: {{ $cfg.port | quote }}
+            - name: SPECDEC_REPLICA_ID
+              value: "$(POD_NAME)"
+            - name: SPECDEC_GRACE_SECONDS
+              value: {{ $cfg.graceSeconds | quote }}
+            {{- if $cfg.metricsPort }}
+            - name: SPECDEC_METRICS_PORT
+              value: {{ $cfg.metricsPort | quote }}
+            {{- end }}
+            - name: HOME
+              value: /tmp
+            {{- if eq $m.source "hub" }}
+            - name: HF_HOME
+              value: /hf-cache
+            {{- end }}
+            {{- with $cfg.settings }}
+            {{- include "specdec.settingsEnv" . | nindent 12 }}
+            {{- end }}
+            {{- include "specdec.otelEnv" (dict "root" $root "role" $role) | nindent 12 }}
+            {{- with $cfg.env }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          {{- include "specdec.probes" (dict "port" $cfg.port "cfg" $cfg) | nindent 10 }}
+          securityContext:
+            {{- include "specdec.containerSecurityContext" $root | nindent 12 }}
+          resources:
+            {{- $res := deepCopy $cfg.resources }}
+            {{- if gt (int $cfg.gpus) 0 }}
+            {{- $limits := default dict $res.limits }}
+            {{- $_ := set $limits $root.Values.gpuResource (int $cfg.gpus) }}
+            {{- $_ := set $res "limits" $limits }}
+            {{- $requests := default dict $res.requests }}
+            {{- $_ := set $requests $root.Values.gpuResource (int $cfg.gpus) }}
+            {{- $_ := set $res "requests" $requests }}
+            {{- end }}
+            {{- toYaml $res | nindent 12 }}
+          volumeMounts:
+            - name: tmp
+              mountPath: /tmp
+            - name: dshm
+              mountPath: /dev/shm
+            {{- if eq $m.source "hub" }}
+            - name: hf-cache
+              mountPath: /hf-cache
+            {{- else }}
+            - name: models
+              mountPath: {{ $m.mountPath }}
+              readOnly: true
+            {{- end }}
+      volumes:
+        - name: tmp
+          emptyDir: {}
+        - name: dshm
+          emptyDir:
+            medium: Memory
+            sizeLimit: {{ $cfg.shmSize }}
+        {{- if eq $m.source "install" }}
+        - name: models
+          emptyDir:
+            sizeLimit: {{ $m.install.sizeLimit }}
+        {{- else if eq $m.source "pvc" }}
+        - name: models
+          persistentVolumeClaim:
+            claimName: {{ default (include "specdec.roleName" (dict "root" $root "role" "models")) $m.pvc.existingClaim }}
+            readOnly: true
+        {{- else if eq $m.source "hostPath" }}
+        - name: models
+          hostPath:
+            path: {{ $m.hostPath.path }}
+            type: Directory
+        {{- else }}
+        - name: hf-cache
+          emptyDir:
+            sizeLimit: {{ $m.hub.cacheSizeLimit }}
+        {{- end }}
+{{- end }}

@@ -1,0 +1,107 @@
+"""Per (level, mode) metrics, named as vLLM's ``benchmark_serving`` names them where it has
+a name: request_throughput, output_throughput, total_token_throughput, completed, failed,
+and mean_/median_/p90_/p99_ of ttft_ms, tpot_ms, itl_ms and e2el_ms."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+from specdec.sdk.loadtest.runner import Cell, RequestRecord
+
+LATENCIES = ("ttft", "tpot", "itl", "e2el")
+STATS = (("mean", None), ("median", 50.0), ("p90", 90.0), ("p99", 99.0))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default method)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _latency_fields(name: str, values_s: Sequence[float]) -> dict[str, float]:
+    ms = [v * 1e3 for v in values_s]
+    out = {}
+    for stat, q in STATS:
+        value = (sum(ms) / len(ms) if ms else 0.0) if q is None else percentile(ms, q)
+        out[f"{stat}_{name}_ms"] = value
+    return out
+
+
+def summarize(
+    cell: Cell, references: Mapping[tuple[int, int], tuple[int, ...]] | None = None
+) -> dict:
+    """The metrics of one cell; with references, the exactness counters too."""
+    ok: list[RequestRecord] = [r for r in cell.records if r.ok]
+    failed = [r for r in cell.records if not r.ok]
+    duration = cell.duration_s
+    input_tokens = sum(r.prompt_tokens for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    rounds = sum(r.rounds for r in ok)
+    drafted = sum(r.draft_tokens for r in ok)
+    accepted = sum(r.accepted_tokens for r in ok)
+    ssd = sum(r.ssd_hits + r.ssd_misses for r in ok)
+    result: dict = {
+        "level": cell.level.label,
+        **cell.level.to_dict(),
+        "mode": cell.mode.name,
+        "k": cell.mode.k,
+        "ssd": cell.mode.ssd,
+        "completed": len(ok),
+        "failed": len(failed),
+        "duration": duration,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        "output_throughput": output_tokens / duration if duration > 0 else 0.0,
+        "total_token_throughput": (input_tokens + output_tokens) / duration
+        if duration > 0
+        else 0.0,
+    }
+    samples = {
+        "ttft": [r.ttft_s for r in ok if r.output_tokens > 0],
+        # Time per output token after the first, per request with more than one.
+        "tpot": [(r.e2el_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
+        "itl": [gap for r in ok for gap in r.itl_s],
+        "e2el": [r.e2el_s for r in ok],
+    }
+    for name in LATENCIES:
+        result.update(_latency_fields(name, samples[name]))
+    result.update(
+        {
+            # Accepted draft tokens / draft tokens; tokens per verification round
+            # (accepted + 1); SSD rounds whose outcome had a prepared draft.
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "tokens_per_round": (accepted + rounds) / rounds if rounds else 0.0,
+            "ssd_hit_rate": sum(r.ssd_hits for r in ok) / ssd if ssd else 0.0,
+            "errors": dict(sorted(Counter(r.error for r in failed).items())),
+        }
+    )
+    if references is not None:
+        checked = [r for r in ok if (r.conversation, r.turn) in references]
+        differ = [r for r in checked if r.tokens != references[(r.conversation, r.turn)]]
+        result["exact_checked"] = len(checked)
+        result["exact_mismatches"] = len(differ)
+        result["exact_mismatch_examples"] = [
+            {
+                "conversation": r.conversation,
+                "turn": r.turn,
+                "first_difference": _first_difference(
+                    r.tokens, references[(r.conversation, r.turn)]
+                ),
+            }
+            for r in differ[:5]
+        ]
+    return result
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))

@@ -1,0 +1,198 @@
+"""What a load test sends: conversations (prompts), modes, load levels and request settings."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+#: Modes the issue names that later work adds; asking for one fails with this explanation.
+NOT_BUILT = {
+    "adaptive": "mode 'adaptive' (speculation that adapts its draft length) is not built yet",
+}
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One entry of the prompt set: a plain prompt is a conversation of one turn.
+
+    A multi-turn conversation is replayed turn by turn in one gateway session: each user
+    turn is one request, and the model's own answers stand in for any assistant turns.
+    """
+
+    index: int
+    kind: str
+    turns: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How every request of a mode asks for speculation: k None = the gateway's default."""
+
+    name: str
+    k: int | None = None
+    ssd: bool | None = None
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "k": self.k, "ssd": self.ssd}
+
+
+@dataclass(frozen=True)
+class Level:
+    """A load level: a fixed number of concurrent users, or a Poisson arrival rate."""
+
+    concurrency: int | None = None
+    rate: float | None = None  # requests (conversations) per second
+    max_concurrency: int | None = None  # rate levels: cap on conversations in flight
+
+    @property
+    def label(self) -> str:
+        if self.concurrency is not None:
+            return f"c={self.concurrency}"
+        return f"rate={self.rate:g}/s"
+
+    @property
+    def value(self) -> float:
+        return float(self.concurrency if self.concurrency is not None else self.rate)
+
+    def to_dict(self) -> dict:
+        return {
+            "label": self.label,
+            "concurrency": self.concurrency,
+            "request_rate": self.rate,
+            "max_concurrency": self.max_concurrency,
+        }
+
+
+@dataclass(frozen=True)
+class RequestSettings:
+    """What every request carries besides its text and its mode."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None  # base seed: conversation i uses seed + i
+    stop: tuple[str, ...] = ()
+    timeout: float = 300.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def seed_for(self, conversation: Conversation) -> int | None:
+        return None if self.seed is None else self.seed + conversation.index
+
+
+def shipped_prompts_text() -> str:
+    """The shipped mixed set: 4 code, 4 prose and 4 chat prompts (also `specdec bench`'s)."""
+    return resources.files("specdec.sdk.loadtest").joinpath("prompts.jsonl").read_text()
+
+
+def load_conversations(path: str | None = None, limit: int | None = None) -> list[Conversation]:
+    """Conversations from a JSONL file (default: the shipped set).
+
+    Each line holds one of: ``"prompt": str`` (one turn), ``"turns": [str, ...]`` (user
+    turns), or ``"messages": [{"role", "content"}, ...]`` (its user messages are the turns;
+    the text is sent as is, without a chat template). ``"kind"`` labels it (optional).
+    """
+    name = path or "prompts.jsonl"
+    text = Path(path).read_text() if path else shipped_prompts_text()
+    conversations: list[Conversation] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name}:{n}: not JSON: {e}") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{name}:{n}: expected a JSON object")
+        given = [key for key in ("prompt", "turns", "messages") if key in row]
+        if len(given) != 1:
+            raise ValueError(f"{name}:{n}: give exactly one of prompt, turns or messages")
+        if "prompt" in row:
+            turns = [row["prompt"]]
+        elif "turns" in row:
+            turns = row["turns"]
+        else:
+            messages = row["messages"]
+            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+                raise ValueError(f"{name}:{n}: messages must be a list of objects")
+            turns = [m.get("content") for m in messages if m.get("role") == "user"]
+        if not turns or not all(isinstance(t, str) and t for t in turns):
+            raise ValueError(f"{name}:{n}: every turn must be a non-empty string")
+        conversations.append(
+            Conversation(len(conversations), str(row.get("kind", "other")), tuple(turns))
+        )
+        if limit is not None and len(conversations) >= limit:
+            break
+    if not conversations:
+        raise ValueError(f"{name}: no prompts")
+    return conversations
+
+
+def parse_modes(text: str) -> list[Mode]:
+    """'k0,k2,ssd2' -> modes. kN: draft length N (k0: no speculation); ssdN: speculative
+    speculative decoding with draft length N; default: the gateway's own settings."""
+    modes: list[Mode] = []
+    for raw in text.split(","):
+        name = raw.strip()
+        if not name:
+            continue
+        if name in NOT_BUILT:
+            raise ValueError(NOT_BUILT[name])
+        if m := re.fullmatch(r"k(\d+)", name):
+            mode = Mode(name, k=int(m.group(1)), ssd=False)
+        elif m := re.fullmatch(r"ssd(\d+)", name):
+            if int(m.group(1)) < 1:
+                raise ValueError(f"mode {name!r}: SSD needs a draft length of at least 1")
+            mode = Mode(name, k=int(m.group(1)), ssd=True)
+        elif name == "default":
+            mode = Mode(name)
+        else:
+            raise ValueError(
+                f"unknown mode {name!r}: use kN (draft length N; k0 = no speculation), "
+                "ssdN (SSD with draft length N) or default (the gateway's settings)"
+            )
+        if any(existing.name == name for existing in modes):
+            raise ValueError(f"mode {name!r} is given twice")
+        modes.append(mode)
+    if not modes:
+        raise ValueError("no mode given")
+    return modes
+
+
+def parse_levels(
+    concurrency: str | None, rate: str | None, max_concurrency: int | None = None
+) -> list[Level]:
+    """--concurrency 1,2,4 or --rate 0.5,2 (requests/s) -> levels, in the order given."""
+    if (concurrency is None) == (rate is None):
+        raise ValueError("give one of --concurrency or --rate")
+    levels: list[Level] = []
+    for part in (concurrency or rate or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            if concurrency is not None:
+                value = int(part)
+                if value < 1:
+                    raise ValueError
+                levels.append(Level(concurrency=value))
+            else:
+                value = float(part)
+                if not value > 0 or value == float("inf"):
+                    raise ValueError
+                levels.append(Level(rate=value, max_concurrency=max_concurrency))
+        except ValueError:
+            what = "--concurrency" if concurrency is not None else "--rate"
+            raise ValueError(f"{what}: {part!r} is not a positive number") from None
+    if not levels:
+        raise ValueError("no load level given")
+    labels = [level.label for level in levels]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"a load level is given twice: {', '.join(labels)}")
+    return levels

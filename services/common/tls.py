@@ -1,0 +1,171 @@
+"""Trust: TLS on a service's port (optionally requiring client certificates), TLS from the
+gateway to its replicas (mTLS when it presents a certificate), and bearer tokens on the
+gateway (torch-free; read once at start-up).
+
+Secrets are only ever read from files (a mounted Secret), never from flag values, which
+show in `ps`: flags and SPECDEC_* variables name paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from specdec.common.config import ConfigError, add_setting, env_name
+
+log = logging.getLogger(__name__)
+
+# Methods a caller may use without a token: orchestrators' health checks.
+UNAUTHENTICATED_METHODS = ("/grpc.health.v1.Health/",)
+
+
+def _read(setting: str, path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{setting} / {env_name(setting)}: cannot read {path!r}: {e}") from None
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    """PEM bytes of a server's certificate chain and key, and of the CA its clients'
+    certificates must chain to (None: clients need no certificate)."""
+
+    cert: bytes
+    key: bytes
+    client_ca: bytes | None = None
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials(
+            [(self.key, self.cert)],
+            root_certificates=self.client_ca,
+            require_client_auth=self.client_ca is not None,
+        )
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """PEM bytes of the CA a client trusts, and of its own certificate and key (mTLS)."""
+
+    ca: bytes | None = None
+    cert: bytes | None = None
+    key: bytes | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
+        )
+
+
+def add_server_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    add_setting(parser, "--tls-cert", "PEM certificate chain of this server (TLS on its port)", "")
+    add_setting(parser, "--tls-key", "PEM private key of --tls-cert", "")
+    add_setting(
+        parser, "--tls-client-ca", "PEM CA that clients' certificates must chain to (mTLS)", ""
+    )
+
+
+def server_tls_from_args(args: argparse.Namespace) -> ServerTls | None:
+    """The server's TLS settings, None without --tls-cert (ConfigError when incomplete)."""
+    cert, key, client_ca = args.tls_cert, args.tls_key, args.tls_client_ca
+    if not cert and not key:
+        if client_ca:
+            raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if not (cert and key):
+        raise ConfigError("--tls-cert and --tls-key go together")
+    return ServerTls(
+        cert=_read("--tls-cert", cert),
+        key=_read("--tls-key", key),
+        client_ca=_read("--tls-client-ca", client_ca) if client_ca else None,
+    )
+
+
+def add_replica_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    add_setting(parser, "--replica-ca", "PEM CA that the replicas' certificates chain to", "")
+    add_setting(parser, "--replica-cert", "PEM certificate the gateway shows replicas (mTLS)", "")
+    add_setting(parser, "--replica-key", "PEM private key of --replica-cert", "")
+
+
+def replica_tls_from_args(args: argparse.Namespace) -> ClientTls | None:
+    """How the gateway reaches its replicas: None (plaintext) without --replica-ca."""
+    ca, cert, key = args.replica_ca, args.replica_cert, args.replica_key
+    if not ca:
+        if cert or key:
+            raise ConfigError("--replica-cert / --replica-key need --replica-ca")
+        return None
+    if bool(cert) != bool(key):
+        raise ConfigError("--replica-cert and --replica-key go together")
+    return ClientTls(
+        ca=_read("--replica-ca", ca),
+        cert=_read("--replica-cert", cert) if cert else None,
+        key=_read("--replica-key", key) if key else None,
+    )
+
+
+def read_tokens(path: str) -> frozenset[str]:
+    """Bearer tokens from a file, one per line (blank lines and '#' comments skipped)."""
+    lines = _read("--auth-tokens-file", path).decode().splitlines()
+    tokens = frozenset(t.strip() for t in lines if t.strip() and not t.lstrip().startswith("#"))
+    if not tokens:
+        raise ConfigError(
+            f"--auth-tokens-file / {env_name('--auth-tokens-file')}: {path!r} holds no token"
+        )
+    return tokens
+
+
+class BearerTokens(grpc.aio.ServerInterceptor):
+    """UNAUTHENTICATED unless the call's `authorization` metadata is `Bearer <token>` with
+    one of the configured tokens (compared in constant time). Health checks are exempt."""
+
+    def __init__(self, tokens: Iterable[str]):
+        self._tokens = tuple(t.encode() for t in tokens)
+
+    def _allowed(self, metadata) -> bool:
+        for key, value in metadata or ():
+            if key.lower() != "authorization":
+                continue
+            text = value.decode() if isinstance(value, bytes) else value
+            scheme, _, token = text.partition(" ")
+            if scheme.lower() != "bearer":
+                return False
+            given = token.strip().encode()
+            return any(hmac.compare_digest(given, t) for t in self._tokens)
+        return False
+
+    async def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        if method.startswith(UNAUTHENTICATED_METHODS) or self._allowed(
+            handler_call_details.invocation_metadata
+        ):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        return _refusing(handler)
+
+
+def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same shape that answers UNAUTHENTICATED."""
+    message = "missing or invalid bearer token (metadata 'authorization: Bearer <token>')"
+
+    async def unary(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def streaming(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - makes this an async generator
+
+    if handler.request_streaming and handler.response_streaming:
+        return handler._replace(stream_stream=streaming)
+    if handler.request_streaming:
+        return handler._replace(stream_unary=unary)
+    if handler.response_streaming:
+        return handler._replace(unary_stream=streaming)
+    return handler._replace(unary_unary=unary)

@@ -1,0 +1,514 @@
+"""The gateway's OpenAI-compatible HTTP API: a Starlette app served by uvicorn in the
+gateway's own event loop, next to grpc.aio, so every request calls `Gateway.run` directly.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
+GET /v1/models/{model}, GET /health. Each generation is one `Gateway.run` (validation, the
+turn lock, the loop and the session write are the gRPC path's own); this module only
+translates (specdec.gateway.http.api), streams server-sent events, enforces the request's
+`timeout` and cancels the generation when the client goes away: cancelling the turn's
+generator runs its cleanup, so the session's turn lock is released at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+from ssl import CERT_REQUIRED
+from typing import Any
+
+import uvicorn
+from opentelemetry import propagate, trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from prometheus_client import Counter
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from specdec.common import telemetry
+from specdec.common.errors import InvalidRequest, SpecdecError
+from specdec.common.serving import MAX_MESSAGE_BYTES
+from specdec.common.tls import ServerTls
+from specdec.gateway import tracing
+from specdec.gateway.http import api
+from specdec.gateway.http.chat import ChatTemplate, ChatTurn
+from specdec.gateway.http.errors import (
+    BodyTooLarge,
+    DeadlineExceeded,
+    ModelNotFound,
+    NotReady,
+    Unauthenticated,
+    error_body,
+    http_status,
+)
+from specdec.gateway.turn import Gateway
+
+log = logging.getLogger(__name__)
+
+ROUTES = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions")
+HTTP_RESPONSES = Counter(
+    "specdec_gateway_http_responses",
+    "HTTP API answers by path and status (499: the client went away first)",
+    ["path", "status"],
+)
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+def error_response(e: BaseException) -> JSONResponse:
+    return JSONResponse(error_body(e), status_code=http_status(e))
+
+
+def _sse(obj: Any) -> bytes:
+    data = (
+        obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    )
+    return f"data: {data}\n\n".encode()
+
+
+class Generation:
+    """An ASGI response that runs one generation: unary JSON or a stream of events.
+
+    Three things race: the generation (`_pump`), the client going away (`_disconnect`)
+    and the request's timeout. A client that disconnects cancels the generation; a
+    timeout cancels it and answers 504 (an error event when the stream has started).
+    Errors before the first event get their own HTTP status; later ones (streams only)
+    arrive as an error event followed by `data: [DONE]`.
+    """
+
+    def __init__(
+        self,
+        events,
+        renderer: api.Renderer,
+        opts: api.Options,
+        turn: ChatTurn | None,
+        span: Span | None = None,
+    ):
+        self.events = events
+        self.span = span  # the request's SERVER span (tracing on); ends with the answer
+        self.renderer = renderer
+        self.opts = opts
+        self.turn = turn
+        self.started = False  # response headers sent
+        self.tokens = 0
+        self.scope: Scope = {"type": "http"}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.span is None:
+            await self._answer(scope, receive, send)
+            return
+        with trace.use_span(self.span, end_on_exit=True):  # the turn's spans hang under it
+            await self._answer(scope, receive, send)
+
+    async def _answer(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.scope = scope
+        pump = asyncio.ensure_future(self._pump(send))
+        gone = asyncio.ensure_future(_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait(
+                {pump, gone}, timeout=self.opts.timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for task in (pump, gone):
+                task.cancel()
+        if pump in done:
+            pump.result()
+            return
+        with contextlib.suppress(asyncio.CancelledError):
+            await pump  # the generation's cleanup (turn lock, metrics) has run
+        if gone in done:
+            if self.span is not None:
+                self.span.set_attribute("http.response.status_code", 499)
+                self.span.set_status(Status(StatusCode.ERROR, "client disconnected"))
+            log.info(
+                "http client disconnected; generation cancelled",
+                extra={"session_id": self.opts.session_id, "tokens": self.tokens},
+            )
+            return
+        err = DeadlineExceeded(
+            f"the generation did not finish within timeout={self.opts.timeout}s "
+            f"(tokens generated: {self.tokens})"
+        )
+        with contextlib.suppress(OSError):
+            await self._send_error(send, err)
+
+    async def _pump(self, send: Send) -> None:
+        r, opts = self.renderer, self.opts
+        final = None
+        try:
+            async for event in self.events:
+                self.tokens += len(event.tokens)
+                if event.final is not None:
+                    final = event.final
+                    self._note_session(final)
+                    self.renderer.trace_id = tracing.finish(self.span, final, _NoMetadata())
+                if opts.stream:
+                    first = not self.started
+                    if first:
+                        await send(
+                            {"type": "http.response.start", "status": 200, "headers": SSE_HEADERS}
+                        )
+                        self.started = True
+                    for chunk in r.chunks(
+                        event.text, event.tokens, event.final, first, opts.include_usage
+                    ):
+                        await send(
+                            {"type": "http.response.body", "body": _sse(chunk), "more_body": True}
+                        )
+            if final is None:
+                raise AssertionError("generation ended without a final response")
+            if opts.stream:
+                await send(
+                    {"type": "http.response.body", "body": _sse("[DONE]"), "more_body": False}
+                )
+            else:
+                await JSONResponse(r.body(final))(self.scope, _no_receive, send)
+        except SpecdecError as e:
+            await self._send_error(send, e)
+        except Exception as e:
+            log.exception("unexpected error in an HTTP generation", exc_info=e)
+            await self._send_error(send, e)
+        finally:
+            await self.events.aclose()
+
+    def _note_session(self, final) -> None:
+        if not self.opts.session_id:
+            return
+        session: dict[str, Any] = {
+            "id": self.opts.session_id,
+            "history_tokens": final.usage.history_tokens,
+        }
+        if self.turn is not None:
+            session["continued"] = self.turn.continued
+            session["restarted"] = self.turn.restarted
+        self.renderer.session = session
+
+    async def _send_error(self, send: Send, e: BaseException) -> None:
+        if self.span is not None:
+            self.span.set_attribute("http.response.status_code", http_status(e))
+            self.span.set_status(Status(StatusCode.ERROR, f"{type(e).__name__}: {e}"[:500]))
+        if not self.started:
+            await error_response(e)(self.scope, _no_receive, send)
+            self.started = True
+            return
+        await send({"type": "http.response.body", "body": _sse(error_body(e)), "more_body": True})
+        await send({"type": "http.response.body", "body": _sse("[DONE]"), "more_body": False})
+
+
+def _deadline(opts: api.Options) -> float | None:
+    """The request's `timeout` as Gateway.run's deadline (time.monotonic()): it bounds every
+    replica call, as a gRPC client's deadline does."""
+    return time.monotonic() + opts.timeout if opts.timeout else None
+
+
+class _NoMetadata:
+    """tracing.finish sets gRPC trailing metadata; an HTTP answer carries the trace id in
+    its `specdec` extension instead."""
+
+    def set_trailing_metadata(self, metadata) -> None:
+        pass
+
+
+def request_span(request: Request, route: str, req, model: str) -> Span | None:
+    """The SERVER span of one HTTP generation, under the caller's `traceparent` header
+    (None when tracing is off). Started here, made current while the answer runs."""
+    if not telemetry.enabled():
+        return None
+    span = telemetry.tracer.start_span(
+        f"POST {route}",
+        context=propagate.extract(dict(request.headers)),
+        kind=SpanKind.SERVER,
+        attributes={
+            "http.request.method": "POST",
+            "url.path": route,
+            **tracing._request_attributes(req, model),
+        },
+        record_exception=False,
+        set_status_on_exception=False,
+    )
+    span.set_attribute("http.response.status_code", 200)  # replaced by an error's status
+    return span
+
+
+async def _no_receive() -> dict:
+    raise AssertionError("a response does not read the request")
+
+
+async def _disconnect(receive: Receive) -> None:
+    """Returns when the client has gone (the request body is already read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class OpenAIServer:
+    """The routes, over one Gateway."""
+
+    def __init__(
+        self, gateway: Gateway, served_model_name: str = "", tokens: frozenset[str] = frozenset()
+    ):
+        self.gateway = gateway
+        self.served_model_name = served_model_name
+        self.tokens = tuple(t.encode() for t in tokens)  # --auth-tokens-file, as gRPC
+        self.created = int(time.time())
+        self._chat_template: tuple[str, ChatTemplate] | None = None
+
+    # -- state ---------------------------------------------------------------------------
+
+    def _ready(self) -> None:
+        if self.gateway.limits is None or self.gateway.codec is None:
+            raise NotReady("the gateway is starting: its replicas have not all answered yet")
+
+    def _verifier_info(self):
+        for replica in self.gateway.fleet.verifiers.replicas:
+            if replica.info is not None:
+                return replica.info
+        raise NotReady("no verifier has answered Info yet")
+
+    @property
+    def model(self) -> str:
+        return self.served_model_name or self._verifier_info().model_id
+
+    def chat_template(self) -> ChatTemplate:
+        info = self._verifier_info()
+        if self._chat_template is None or self._chat_template[0] != info.chat_template:
+            self._chat_template = (
+                info.chat_template,
+                ChatTemplate(info.chat_template, dict(info.special_tokens)),
+            )
+        return self._chat_template[1]
+
+    def _authorize(self, request: Request) -> None:
+        if not self.tokens:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        given = token.strip().encode()
+        # Every token compared, in constant time each (as the gRPC BearerTokens).
+        matches = [hmac.compare_digest(given, t) for t in self.tokens]
+        if scheme.lower() != "bearer" or not any(matches):
+            raise Unauthenticated("missing or invalid bearer token (Authorization: Bearer <token>)")
+
+    async def _body(self, request: Request) -> Any:
+        """The JSON body, read up to the gRPC API's message limit (413 beyond it)."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_MESSAGE_BYTES:
+            raise BodyTooLarge(f"the request body is over {MAX_MESSAGE_BYTES} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_MESSAGE_BYTES:
+                raise BodyTooLarge(f"the request body is over {MAX_MESSAGE_BYTES} bytes")
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
+
+    # -- routes --------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        try:
+            self._ready()
+        except SpecdecError as e:
+            return error_response(e)
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            self._ready()
+            return JSONResponse({"object": "list", "data": [self._model_card()]})
+        except SpecdecError as e:
+            return error_response(e)
+
+    async def model_card(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            self._ready()
+            name = request.path_params["model"]
+            if name != self.model:
+                raise ModelNotFound(
+                    f"the model {name!r} does not exist; this server serves {self.model!r}"
+                )
+            return JSONResponse(self._model_card())
+        except SpecdecError as e:
+            return error_response(e)
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.model,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "specdec",
+            "max_model_len": self.gateway.limits.max_context,
+        }
+
+    async def completions(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            self._ready()
+            req, opts = api.completion_request(await self._body(request), self.model)
+        except SpecdecError as e:
+            return error_response(e)
+        renderer = api.Renderer(chat=False, model=opts.model)
+        span = request_span(request, "/v1/completions", req, opts.model)
+        events = self.gateway.run(req, deadline=_deadline(opts))
+        return Generation(events, renderer, opts, None, span)
+
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            self._ready()
+            req, opts, messages = api.chat_request(await self._body(request), self.model)
+            template = self.chat_template()
+            req.prompt = await asyncio.to_thread(template.render, messages, True)
+        except SpecdecError as e:
+            return error_response(e)
+        limits = self.gateway.limits
+        turn = ChatTurn(
+            self.gateway.codec,
+            req.prompt,
+            opts.session_id,
+            fill_context=not opts.max_tokens_given,
+            max_context=limits.max_context,
+            max_new_tokens=limits.max_new_tokens,
+        )
+        renderer = api.Renderer(chat=True, model=opts.model)
+        span = request_span(request, "/v1/chat/completions", req, opts.model)
+        events = self.gateway.run(req, prompter=turn, deadline=_deadline(opts))
+        return Generation(events, renderer, opts, turn, span)
+
+    def app(self) -> Starlette:
+        async def http_error(request: Request, exc: HTTPException) -> Response:
+            status = exc.status_code
+            body = {
+                "error": {
+                    "message": f"{request.method} {request.url.path}: {exc.detail}",
+                    "type": "not_found_error" if status == 404 else "invalid_request_error",
+                    "param": None,
+                    "code": str(status),
+                }
+            }
+            return JSONResponse(body, status_code=status)
+
+        return Starlette(
+            routes=[
+                Route("/health", self.health, methods=["GET"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self.model_card, methods=["GET"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            ],
+            exception_handlers={HTTPException: http_error},
+        )
+
+
+class CountResponses:
+    """ASGI wrapper: counts every answer in HTTP_RESPONSES by path and status."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        if path not in ROUTES:  # bounded label values
+            path = "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+        status = {"code": 499}
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            HTTP_RESPONSES.labels(path=path, status=str(status["code"])).inc()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers: the gateway's bootstrap owns SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class HttpServer:
+    """uvicorn serving the app in the running event loop; HTTPS with the gateway's TLS
+    settings (--tls-cert/--tls-key, client certificates with --tls-client-ca)."""
+
+    def __init__(self, app, host: str, port: int, grace_seconds: float, tls: ServerTls | None):
+        self.pem_dir = tempfile.TemporaryDirectory(prefix="specdec-http-") if tls else None
+        ssl: dict[str, Any] = {}
+        if tls is not None:
+            # uvicorn reads PEM files: the bytes read at start-up go to a private folder
+            # that is removed once the server has loaded them.
+            folder = Path(self.pem_dir.name)
+            for name, data in (("cert.pem", tls.cert), ("key.pem", tls.key)):
+                (folder / name).write_bytes(data)
+            ssl = {"ssl_certfile": str(folder / "cert.pem"), "ssl_keyfile": str(folder / "key.pem")}
+            if tls.client_ca:
+                (folder / "client-ca.pem").write_bytes(tls.client_ca)
+                ssl["ssl_ca_certs"] = str(folder / "client-ca.pem")
+                ssl["ssl_cert_reqs"] = CERT_REQUIRED
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=max(1, int(grace_seconds)),
+            **ssl,
+        )
+        self.scheme = "https" if tls else "http"
+        self.server = _Server(config)
+        self.task: asyncio.Task | None = None
+        self.port = port
+
+    async def start(self) -> None:
+        self.task = asyncio.ensure_future(self.server.serve())
+        try:
+            while not self.server.started:
+                if self.task.done():
+                    with contextlib.suppress(SystemExit):  # uvicorn exits when it cannot bind
+                        self.task.result()
+                    raise OSError(f"cannot serve HTTP on port {self.port}")
+                await asyncio.sleep(0.05)
+        finally:
+            if self.pem_dir is not None:
+                self.pem_dir.cleanup()
+        log.info("http serving", extra={"http_port": self.port, "scheme": self.scheme})
+
+    async def stop(self) -> None:
+        if self.task is None:
+            return
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError, SystemExit):
+            await self.task
+
+
+async def start_http(gateway: Gateway, config) -> HttpServer:
+    """Serve the OpenAI-compatible API on config.http_port (GatewayConfig)."""
+    app = CountResponses(OpenAIServer(gateway, config.served_model_name, config.auth_tokens).app())
+    server = HttpServer(app, config.host, config.http_port, config.grace_seconds, config.tls)
+    await server.start()
+    return server

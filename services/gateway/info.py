@@ -1,0 +1,40 @@
+"""GetServerInfo: the model behind the gateway and the limits a request must respect."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from specdec.common.errors import NotReady
+from specdec.gateway import request
+from specdec.v1 import gateway_pb2
+
+if TYPE_CHECKING:
+    from specdec.gateway.turn import Gateway
+
+
+def server_info(gateway: Gateway) -> gateway_pb2.GetServerInfoResponse:
+    """What a client needs to build valid requests (NotReady until the replicas answered)."""
+    limits, codec = gateway.limits, gateway.codec
+    if limits is None or codec is None:
+        raise NotReady("the gateway is still connecting to its replicas")
+    fleet = gateway.fleet
+    verifier = next(r.info for r in fleet.verifiers.replicas if r.info is not None)
+    drafter = next((r.info for r in fleet.drafters.replicas if r.info is not None), None)
+    return gateway_pb2.GetServerInfoResponse(
+        model_id=verifier.model_id,
+        draft_model_id=drafter.model_id if drafter else "",
+        vocab_size=limits.vocab_size,
+        max_context=limits.max_context,
+        max_num_draft_tokens=limits.max_k,
+        default_num_draft_tokens=limits.default_k,
+        default_ssd=limits.default_ssd,
+        max_new_tokens=limits.max_new_tokens,
+        max_stop_strings=request.MAX_STOP_STRINGS,
+        max_stop_chars=request.MAX_STOP_CHARS,
+        max_session_id_chars=request.MAX_SESSION_ID_CHARS,
+        default_session_ttl_seconds=limits.default_ttl,
+        max_session_ttl_seconds=limits.max_session_ttl,
+        tokenizer_fingerprint=codec.fingerprint,
+        eos_token_ids=sorted(gateway.eos_token_ids),
+        bos_token_id=verifier.bos_token_id,
+    )

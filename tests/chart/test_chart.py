@@ -1,0 +1,361 @@
+"""The Helm chart, rendered by real Helm: lint, schema, Kubernetes validation, placement."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+import helm_python
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.chart.render import (
+    CHART,
+    CRD_KINDS,
+    EXAMPLES,
+    KUBE_VERSION,
+    container,
+    env_of,
+    find,
+    objects,
+    render,
+    role_name,
+    values_sets,
+)
+
+SETS = values_sets()
+
+
+def test_four_examples_ship():
+    assert {p.stem for p in EXAMPLES} >= {"cpu-dev", "gpu-pools", "external-redis", "tracing"}
+
+
+@pytest.mark.parametrize("set_name", sorted(SETS))
+def test_helm_lint_strict(set_name):
+    report = helm_python.lint(
+        str(CHART), SETS[set_name], strict=True, kube_version=f"v{KUBE_VERSION}"
+    )
+    assert report["errors"] == []
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # warnings and errors
+    assert problems == []
+
+
+@pytest.mark.parametrize("set_name", sorted(SETS))
+def test_every_object_validates(set_name):
+    objs = objects(SETS[set_name])
+    kinds = {o["kind"] for o in objs}
+    assert {"Deployment", "Service", "NetworkPolicy"} <= kinds
+    for obj in objs:
+        where = f"{set_name}: {obj['kind']}/{obj['metadata']['name']}"
+        assert obj["metadata"]["namespace"] == "specdec", where
+        if obj["kind"] in CRD_KINDS:
+            # No schema ships for CRDs; the rendered object must still be one
+            # kubernetes-validate recognises as unknown, not a typo of a core kind.
+            with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+                kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+            continue
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+
+
+def test_crd_objects_point_at_rendered_objects():
+    objs = objects(SETS["gpu-pools"])
+    for role in ("drafter", "verifier"):
+        so = find(objs, "ScaledObject", role_name(role))
+        assert so["apiVersion"] == "keda.sh/v1alpha1"
+        target = so["spec"]["scaleTargetRef"]
+        assert find(objs, target["kind"], target["name"])
+        assert "replicas" not in find(objs, "Deployment", role_name(role))["spec"]
+        (trigger,) = so["spec"]["triggers"]
+        assert trigger["type"] == "prometheus" and trigger["metadata"]["query"]
+    route = find(objs, "GRPCRoute", role_name("gateway"))
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    (backend,) = route["spec"]["rules"][0]["backendRefs"]
+    svc = find(objs, "Service", backend["name"])
+    assert backend["port"] in [p["port"] for p in svc["spec"]["ports"]]
+
+
+def test_gpu_pools_place_drafter_and_verifier_apart():
+    values = SETS["gpu-pools"]
+    objs = objects(values)
+    pods = {
+        role: find(objs, "Deployment", role_name(role))["spec"]["template"]["spec"]
+        for role in ("drafter", "verifier")
+    }
+    d, v = pods["drafter"], pods["verifier"]
+    assert d["nodeSelector"] and v["nodeSelector"]
+    assert d["nodeSelector"] != v["nodeSelector"]
+    assert d["nodeSelector"] == values["drafter"]["nodeSelector"]
+    assert v["nodeSelector"] == values["verifier"]["nodeSelector"]
+    # each tolerates its own pool's taint and not the other's
+    pool_key = next(iter(d["nodeSelector"]))
+    d_pools = {t.get("value") for t in d["tolerations"] if t["key"] == pool_key}
+    v_pools = {t.get("value") for t in v["tolerations"] if t["key"] == pool_key}
+    assert d_pools == {d["nodeSelector"][pool_key]}
+    assert v_pools == {v["nodeSelector"][pool_key]}
+    gpu = values["gpuResource"]
+    for role, spec in pods.items():
+        res = container({"spec": {"template": {"spec": spec}}}, role)["resources"]
+        want = values[role]["gpus"]
+        assert want >= 1
+        assert res["limits"][gpu] == want and res["requests"][gpu] == want, role
+        assert spec["runtimeClassName"] == "nvidia"
+        selector = find(objs, "Deployment", role_name(role))["spec"]["selector"]
+        (spread,) = spec["topologySpreadConstraints"]
+        assert spread["labelSelector"] == selector  # filled in with this role's pods
+
+
+@pytest.mark.parametrize("gpu", ["amd.com/gpu", "nvidia.com/mig-1g.10gb"])
+def test_gpu_resource_name_and_count_are_values(gpu):
+    objs = objects({"gpuResource": gpu, "drafter": {"gpus": 2}, "verifier": {"gpus": 1}})
+    for role, n in (("drafter", 2), ("verifier", 1)):
+        res = container(find(objs, "Deployment", role_name(role)), role)["resources"]
+        assert res["limits"][gpu] == n and res["requests"][gpu] == n
+        assert "nvidia.com/gpu" not in res["limits"]
+
+
+def test_cpu_dev_requests_no_gpu():
+    objs = objects(SETS["cpu-dev"])
+    for role in ("drafter", "verifier"):
+        c = container(find(objs, "Deployment", role_name(role)), role)
+        assert not [k for k in c["resources"]["limits"] if "gpu" in k]
+        assert env_of(c)["SPECDEC_DEVICE"] == "cpu"
+
+
+@pytest.mark.parametrize("set_name", sorted(SETS))
+def test_pods_are_locked_down(set_name):
+    for obj in objects(SETS[set_name]):
+        if obj["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        spec = obj["spec"]["template"]["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert spec["automountServiceAccountToken"] is False
+        for c in [*spec.get("initContainers", []), *spec["containers"]]:
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True, c["name"]
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            assert sc["allowPrivilegeEscalation"] is False
+            assert sc["runAsUser"] >= 10000
+            assert c["resources"]["limits"] and c["resources"]["requests"]
+
+
+@pytest.mark.parametrize("role", ["drafter", "verifier", "gateway"])
+def test_probes_shm_and_termination_window(role):
+    objs = objects()
+    dep = find(objs, "Deployment", role_name(role))
+    spec = dep["spec"]["template"]["spec"]
+    c = container(dep, role)
+    port = c["ports"][0]["containerPort"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"] == {"port": port}, probe
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # model loading
+    shm = next(v for v in spec["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert any(m["mountPath"] == "/dev/shm" for m in c["volumeMounts"])
+    grace = float(env_of(c)["SPECDEC_GRACE_SECONDS"])
+    assert spec["terminationGracePeriodSeconds"] > grace
+
+
+def test_services_headless_for_replicas():
+    objs = objects()
+    for role in ("drafter", "verifier"):
+        svc = find(objs, "Service", role_name(role))
+        assert svc["spec"]["clusterIP"] == "None"
+        assert svc["spec"]["publishNotReadyAddresses"] is False
+    gw = find(objs, "Service", role_name("gateway"))
+    assert gw["spec"].get("clusterIP") != "None"
+    assert find(objs, "HorizontalPodAutoscaler", role_name("gateway"))
+    for role in ("drafter", "verifier", "gateway"):
+        assert find(objs, "PodDisruptionBudget", role_name(role))
+
+
+def test_only_the_gateway_reaches_replicas_and_redis():
+    objs = objects()
+    gateway_labels = find(objs, "Deployment", role_name("gateway"))["spec"]["selector"][
+        "matchLabels"
+    ]
+    for role in ("drafter", "verifier", "redis"):
+        pol = find(objs, "NetworkPolicy", role_name(role))
+        assert pol["spec"]["policyTypes"] == ["Ingress"]
+        (rule,) = pol["spec"]["ingress"]
+        assert rule["from"] == [{"podSelector": {"matchLabels": gateway_labels}}]
+
+
+def test_discovery_rbac_and_token_only_for_k8s_mode():
+    objs = objects()
+    role = find(objs, "Role", role_name("gateway"))
+    (rule,) = role["rules"]
+    assert rule == {
+        "apiGroups": ["discovery.k8s.io"],
+        "resources": ["endpointslices"],
+        "verbs": ["get", "list", "watch"],
+    }
+    binding = find(objs, "RoleBinding", role_name("gateway"))
+    sa = find(objs, "ServiceAccount", binding["subjects"][0]["name"])
+    gw = find(objs, "Deployment", role_name("gateway"))
+    assert gw["spec"]["template"]["spec"]["serviceAccountName"] == sa["metadata"]["name"]
+    env = env_of(container(gw, "gateway"))
+    assert env["SPECDEC_DRAFTER"] == f"k8s:specdec/{role_name('drafter')}:50061"
+    assert env["SPECDEC_VERIFIER"] == f"k8s:specdec/{role_name('verifier')}:50062"
+    mounts = container(gw, "gateway")["volumeMounts"]
+    assert any(m["mountPath"] == "/var/run/secrets/kubernetes.io/serviceaccount" for m in mounts)
+
+    dns = objects({"discovery": {"mode": "dns"}})
+    assert not [o for o in dns if o["kind"] in ("Role", "RoleBinding")]
+    gw = find(dns, "Deployment", role_name("gateway"))
+    env = env_of(container(gw, "gateway"))
+    assert env["SPECDEC_DRAFTER"] == (f"dns:{role_name('drafter')}.specdec.svc.cluster.local:50061")
+    assert all(
+        "serviceaccount" not in m["mountPath"] for m in container(gw, "gateway")["volumeMounts"]
+    )
+
+
+def test_external_redis_url_comes_from_the_secret():
+    objs = objects(SETS["external-redis"])
+    assert not [o for o in objs if o["metadata"]["name"] == role_name("redis")]
+    gw = container(find(objs, "Deployment", role_name("gateway")), "gateway")
+    (redis,) = [e for e in gw["env"] if e["name"] == "SPECDEC_REDIS"]
+    assert redis["valueFrom"]["secretKeyRef"] == {"name": "specdec-redis", "key": "url"}
+
+
+def test_builtin_redis_is_persistent():
+    objs = objects()
+    sts = find(objs, "StatefulSet", role_name("redis"))
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "data"
+    assert "--appendonly" in container(sts, "redis")["args"]
+    gw = container(find(objs, "Deployment", role_name("gateway")), "gateway")
+    assert env_of(gw)["SPECDEC_REDIS"] == f"redis://{role_name('redis')}.specdec.svc:6379/0"
+
+
+def test_tracing_sets_otel_env_and_jaeger():
+    objs = objects(SETS["tracing"])
+    endpoint = f"http://{role_name('jaeger')}.specdec.svc:4317"
+    for role in ("drafter", "verifier", "gateway"):
+        env = env_of(container(find(objs, "Deployment", role_name(role)), role))
+        assert env["OTEL_SDK_DISABLED"] == "false"
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == endpoint
+        assert float(env["OTEL_TRACES_SAMPLER_ARG"]) == 1.0
+        assert env["OTEL_SERVICE_NAME"] == f"specdec-{role}"
+    assert find(objs, "Deployment", role_name("jaeger"))
+    assert find(objs, "Service", role_name("jaeger"))
+    off = env_of(container(find(objects(), "Deployment", role_name("gateway")), "gateway"))
+    assert off["OTEL_SDK_DISABLED"] == "true" and "OTEL_EXPORTER_OTLP_ENDPOINT" not in off
+
+
+@pytest.mark.parametrize(
+    ("source", "model_env", "volume_kind"),
+    [
+        ("install", "/models/qwen2.5-coder-0.5b-instruct/model", "emptyDir"),
+        ("pvc", "/models/qwen2.5-coder-0.5b-instruct", "persistentVolumeClaim"),
+        ("hostPath", "/models/qwen2.5-coder-0.5b-instruct", "hostPath"),
+        ("hub", "qwen2.5-coder-0.5b-instruct", None),
+    ],
+)
+def test_model_sources(source, model_env, volume_kind):
+    objs = objects({"models": {"source": source}})
+    dep = find(objs, "Deployment", role_name("drafter"))
+    spec = dep["spec"]["template"]["spec"]
+    assert env_of(container(dep, "drafter"))["SPECDEC_MODEL"] == model_env
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    if volume_kind:
+        assert volume_kind in volumes["models"]
+    else:
+        assert "models" not in volumes and "hf-cache" in volumes
+    inits = spec.get("initContainers", [])
+    if source == "install":
+        (init,) = inits
+        assert init["command"] == ["specdec", "models", "install", "qwen2.5-coder-0.5b-instruct"]
+        assert env_of(init)["SPECDEC_MODELS_DIR"] == "/models"
+    else:
+        assert inits == []
+    pvcs = [o for o in objs if o["kind"] == "PersistentVolumeClaim"]
+    assert len(pvcs) == (source == "pvc")
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"discovery": {"mode": "consul"}}, "/discovery/mode"),
+        ({"drafter": {"replicas": -1}}, "/drafter/replicas"),
+        ({"verifier": {"settings": {"MAX_CONTEXT": "4"}}}, "SPECDEC_"),
+        ({"gateway": {"tpyo": 1}}, "tpyo"),
+        ({"tracing": {"enabled": True}}, "tracing.otlpEndpoint"),
+        ({"gateway": {"graceSeconds": 30}}, "gateway.terminationGracePeriodSeconds"),
+        ({"redis": {"enabled": False}}, "redis.external.secretName"),
+        ({"discovery": {"mode": "static"}}, "discovery.staticDrafters"),
+        ({"gateway": {"grpcRoute": {"enabled": True}}}, "gateway.grpcRoute.parentRefs"),
+    ],
+)
+def test_bad_values_fail_naming_the_setting(values, message):
+    with pytest.raises(helm_python.HelmError, match=re.escape(message)):
+        render(values)
+
+
+def test_every_value_is_documented_and_in_the_schema():
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    schema = helm_python.Chart.load(str(CHART)).schema
+    undocumented = []
+    stack: list[tuple[int, str]] = []
+    for i, line in enumerate(lines):
+        m = re.match(r"^( *)([A-Za-z][\w.-]*):(.*)$", line)
+        if not m:
+            continue
+        indent, key, rest = len(m.group(1)), m.group(2), m.group(3).strip()
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = [k for _, k in stack] + [key]
+        node = schema
+        for k in path:
+            props = node.get("properties")
+            if props is None:  # a free-form map (resources, nodeSelector, ...)
+                break
+            assert k in props, f"values.yaml {'.'.join(path)} is not in values.schema.json"
+            node = props[k]
+        else:
+            if rest != "" or node.get("type") != "object" or "properties" not in node:
+                # a leaf: the comment block above it must hold a `# --` line
+                j = i - 1
+                while j >= 0 and lines[j].strip().startswith("#") and "# --" not in lines[j]:
+                    j -= 1
+                if j < 0 or "# --" not in lines[j]:
+                    undocumented.append(".".join(path))
+        if rest == "":
+            stack.append((indent, key))
+    assert undocumented == []
+
+
+def test_notes_say_how_to_call_the_gateway():
+    notes = render()["specdec/templates/NOTES.txt"]
+    assert f"{role_name('gateway')}.specdec.svc:50051" in notes
+    assert "port-forward" in notes
+    (line,) = [x.strip() for x in notes.splitlines() if "specdec generate" in x]
+    from specdec.cli import build_parser
+
+    args = build_parser().parse_args(shlex.split(line)[1:])  # the command as printed parses
+    assert args.gateway == "127.0.0.1:50051" and args.prompt
+
+
+def test_examples_are_valid_yaml_objects():
+    for path in EXAMPLES:
+        assert isinstance(yaml.safe_load(path.read_text()), dict), path.name
+
+
+def test_gateway_http_port_is_exposed_when_set():
+    """gateway.httpPort: the container port, --http-port, the Service, the NetworkPolicy."""
+    gw = role_name("gateway")
+    objs = objects({"gateway": {"httpPort": 8000}})
+    c = container(find(objs, "Deployment", gw), "gateway")
+    assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in c["ports"]
+    assert env_of(c)["SPECDEC_HTTP_PORT"] == "8000"
+    ports = {p["name"]: p for p in find(objs, "Service", gw)["spec"]["ports"]}
+    assert ports["http"]["port"] == 8000 and ports["http"]["targetPort"] == "http"
+    ingress = find(objs, "NetworkPolicy", gw)["spec"]["ingress"]
+    assert {"port": 8000, "protocol": "TCP"} in ingress[0]["ports"]
+    off = objects({})
+    c = container(find(off, "Deployment", gw), "gateway")
+    assert env_of(c)["SPECDEC_HTTP_PORT"] == "0"
+    assert "http" not in [p["name"] for p in c["ports"]]
+    assert "http" not in [p["name"] for p in find(off, "Service", gw)["spec"]["ports"]]

@@ -1,0 +1,192 @@
+"""Faults during traffic through real processes on loopback, greedy output checked against
+generate(): cancelled turns, SSD at the context limit, a drafter or a verifier killed
+mid-stream (issue 11, items 2-4)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from specdec.gateway.sessions import SessionIndex
+from specdec.sdk import Client
+from specdec.tools.launcher import ServiceProcess
+from specdec.tools.redisproc import RedisProcess
+from tests.conftest import PROMPTS
+from tests.integration.test_gateway import gateway, replica
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    with RedisProcess() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def stack(test_models, redis_server):
+    """One drafter, one verifier, one gateway on a real Redis."""
+    procs = []
+    try:
+        d = replica("drafter", test_models.draft_noisy)
+        v = replica("verifier", test_models.target)
+        procs += [d, v]
+        d.wait_healthy(), v.wait_healthy()
+        g = gateway([d], [v], redis_server.url)
+        procs.append(g)
+        g.wait_healthy()
+        yield {"drafter": d, "verifier": v, "gateway": g}
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def ids_of(tokenizer, text: str) -> list[int]:
+    return tokenizer(text).input_ids
+
+
+def test_turn_right_after_a_cancel_is_not_aborted(stack, tokenizer):
+    """The other-language client saw ABORTED 9 times in 9: the cancelled turn was still
+    releasing its lock. The cancelled turn keeps nothing in the history."""
+    with Client(stack["gateway"].address, timeout=120) as client:
+        first = client.generate(
+            token_ids=ids_of(tokenizer, PROMPTS[0]), max_new_tokens=8, session_id="cancel-1", k=0
+        )
+        history = first.usage.prompt_tokens + first.usage.completion_tokens
+        for _ in range(9):
+            stream = client.stream(" and", max_new_tokens=400, session_id="cancel-1", k=0)
+            next(stream)  # the turn is running
+            stream.close()  # cancels the call
+            got = client.generate(" then", max_new_tokens=4, session_id="cancel-1", k=0)
+            assert got.usage.history_tokens == history  # the cancelled turn left nothing
+            history += got.usage.prompt_tokens + got.usage.completion_tokens
+
+
+def test_ssd_at_the_context_limit_never_fails(stack, tokenizer, reference):
+    """Near the end of the context a Speculate cannot fit its branches; the request, which
+    the gateway accepted, must still complete exactly (the Speculate is skipped or a miss)."""
+    base = ids_of(tokenizer, PROMPTS[2])
+    n = 24
+    prompt = (base * 200)[: 512 - n]  # prompt + max_new_tokens == the tiny models' 512
+    with Client(stack["gateway"].address, timeout=120) as client:
+        got = client.generate(token_ids=prompt, max_new_tokens=n, k=4, ssd=True)
+    assert list(got.tokens) == reference(prompt, n)
+    assert got.stats.ssd_hits + got.stats.ssd_misses > 0
+
+
+def wait_until(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("ssd", [False, True])
+def test_drafter_killed_mid_stream(test_models, redis_server, tokenizer, reference, ssd):
+    """Losing the drafter is not losing the service: the stream completes at k = 0 with
+    the same output, and speculation resumes when a drafter is back on the address."""
+    d = replica("drafter", test_models.draft_noisy)
+    v = replica("verifier", test_models.target)
+    procs = [d, v]
+    try:
+        d.wait_healthy(), v.wait_healthy()
+        g = gateway([d], [v], redis_server.url)
+        procs.append(g)
+        g.wait_healthy()
+        ids = ids_of(tokenizer, PROMPTS[3])
+        n = 300
+        with Client(g.address, timeout=120) as client:
+            stream = client.stream(token_ids=ids, max_new_tokens=n, k=2, ssd=ssd)
+            chunks = [next(stream)]
+            port = d.port
+            d.kill()
+            chunks += list(stream)
+            final = chunks[-1].final
+            assert final is not None
+            assert list(final.tokens) == reference(ids, n)
+            assert final.stats.rounds > 0
+            # A drafter comes back on the same address: the probe puts it back in.
+            back = ServiceProcess.specdec(
+                "drafter",
+                "serve",
+                "drafter",
+                "--model",
+                str(test_models.draft_noisy),
+                "--port",
+                str(port),
+                "--host",
+                "127.0.0.1",
+                "--threads",
+                "1",
+            ).start()
+            procs.append(back)
+            back.wait_healthy()
+
+            def speculating() -> bool:
+                got = client.generate(token_ids=ids, max_new_tokens=8, k=2, ssd=ssd)
+                assert list(got.tokens) == reference(ids, 8)
+                return got.stats.draft_tokens > 0
+
+            wait_until(speculating)
+        assert "no drafter could draft" in g.tail(400)  # the fallback did happen
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_verifier_killed_mid_stream_with_another_up(
+    test_models, redis_server, tokenizer, reference
+):
+    d = replica("drafter", test_models.draft_noisy)
+    va = replica("verifier", test_models.target)
+    vb = replica("verifier", test_models.target)
+    procs = [d, va, vb]
+    try:
+        for p in procs:
+            p.wait_healthy()
+        g = gateway([d], [va, vb], redis_server.url)
+        procs.append(g)
+        g.wait_healthy()
+        ids = ids_of(tokenizer, PROMPTS[4])
+        with Client(g.address, timeout=120) as client:
+            first = client.generate(token_ids=ids, max_new_tokens=16, k=2, session_id="v-kill")
+            assert list(first.tokens) == reference(ids, 16)
+
+            async def placed() -> str:
+                index = SessionIndex(redis_server.url)
+                try:
+                    record = await index.get("v-kill")
+                    return record.verifier
+                finally:
+                    await index.close()
+
+            holder = {va.address: va, vb.address: vb}[asyncio.run(placed())]
+            follow = tokenizer(" and then", add_special_tokens=False).input_ids
+            stream = client.stream(token_ids=follow, max_new_tokens=120, k=2, session_id="v-kill")
+            chunks = [next(stream)]
+            holder.kill()
+            chunks += list(stream)
+            final = chunks[-1].final
+            assert final is not None
+            ctx = [*ids, *first.tokens, *follow]
+            assert list(final.tokens) == reference(ctx, 120)
+            assert "replica taken out" in g.tail(400)  # it did fail over
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_replica_calls_are_bounded_by_the_clients_deadline(stack, tokenizer, reference):
+    """A gateway whose --rpc-timeout no call could meet (1 ms) still serves a request with
+    a deadline of its own: the client's deadline bounds the calls, not the constant."""
+    g = gateway([stack["drafter"]], [stack["verifier"]], None, "--rpc-timeout", "0.001")
+    try:
+        g.wait_healthy()
+        ids = ids_of(tokenizer, PROMPTS[5]) * 8  # a longer prefill
+        with Client(g.address, timeout=120) as client:
+            got = client.generate(token_ids=ids, max_new_tokens=16, k=2)
+        assert list(got.tokens) == reference(ids, 16)
+    finally:
+        g.stop()

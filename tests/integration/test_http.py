@@ -1,0 +1,624 @@
+"""The OpenAI-compatible HTTP API through real processes, with the official `openai` client.
+
+A drafter, a verifier, a real Redis and a gateway serving gRPC and HTTP (--http-port,
+--auth-tokens-file); tiny fp32 models, so greedy output must equal transformers' generate().
+The verifier's KV cache bound (--max-cached-tokens) is set low enough that one long
+prompt exceeds it, which is how RESOURCE_EXHAUSTED (429) is reached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from specdec.sdk import Client
+from specdec.tools.launcher import ServiceProcess
+from specdec.tools.otlpsink import OtlpReceiver
+from specdec.tools.redisproc import RedisProcess
+from tests.conftest import PROMPTS
+
+pytestmark = pytest.mark.integration
+
+N = 16  # new tokens per exactness check
+KEY = "sk-test-key"
+VERIFIER_CACHE = 320  # tokens the verifier may cache over all sessions
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def replica(role: str, model, *flags: str) -> ServiceProcess:
+    return ServiceProcess.specdec(
+        role, "serve", role, "--model", str(model), "--port", "0", "--host", "127.0.0.1",
+        "--threads", "1", *flags,
+    ).start()  # fmt: skip
+
+
+def http_gateway(
+    drafter: str, verifier: str, http_port: int, *flags: str, env: dict | None = None
+) -> ServiceProcess:
+    return ServiceProcess.specdec(
+        "gateway", "serve", "gateway", "--port", "0", "--host", "127.0.0.1",
+        "--drafter", drafter, "--verifier", verifier, "--http-port", str(http_port), *flags,
+        env=env,
+    ).start()  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    """An OTLP/gRPC receiver on loopback: the gateway exports its traces here."""
+    with OtlpReceiver() as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def stack(test_models, receiver, tmp_path_factory):
+    procs = []
+    tokens = tmp_path_factory.mktemp("secrets") / "tokens"
+    tokens.write_text(f"# bearer tokens, one per line\n{KEY}\nsk-another\n")
+    otel = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_TRACES_SAMPLER": "parentbased_always_on",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }
+    with RedisProcess() as redis:
+        try:
+            d = replica("drafter", test_models.draft_noisy)
+            v = replica("verifier", test_models.target, "--max-cached-tokens", str(VERIFIER_CACHE))
+            procs += [d, v]
+            d.wait_healthy(), v.wait_healthy()
+            port, metrics_port = free_port(), free_port()
+            g = http_gateway(
+                d.address, v.address, port, "--redis", redis.url, "--auth-tokens-file", str(tokens),
+                "--served-model-name", "tiny", "--metrics-port", str(metrics_port), env=otel,
+            )  # fmt: skip
+            procs.append(g)
+            g.wait_healthy()
+            yield {
+                "gateway": g,
+                "http": f"http://127.0.0.1:{port}",
+                "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
+            }
+        finally:
+            for p in procs:
+                p.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(stack):
+    client = openai.OpenAI(base_url=stack["http"] + "/v1", api_key=KEY, max_retries=0, timeout=300)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def grpc_client(stack):
+    with Client(stack["gateway"].address, timeout=300, token=KEY) as c:
+        yield c
+
+
+def ext(obj) -> dict:
+    """The `specdec` extension of a response or chunk."""
+    return obj.model_extra["specdec"]
+
+
+def streamed_ids(chunks) -> list[int]:
+    """The token ids a stream carried (the role and usage chunks carry none)."""
+    return [
+        t for c in chunks for t in (c.model_extra or {}).get("specdec", {}).get("token_ids", [])
+    ]
+
+
+def chat_ids(tokenizer, messages) -> list[int]:
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+
+
+def post(stack, path: str, body, key: str | None = KEY) -> tuple[int, dict]:
+    """A raw HTTP POST (for the cases the client would not send); returns status, JSON."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(stack["http"] + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_models_and_health(stack, oai):
+    assert [m.id for m in oai.models.list().data] == ["tiny"]
+    assert oai.models.retrieve("tiny").id == "tiny"
+    with urllib.request.urlopen(stack["http"] + "/health", timeout=30) as r:
+        assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_completion_equals_generate(oai, tokenizer, reference, k):
+    for text in PROMPTS[:2]:
+        ids = tokenizer(text).input_ids
+        expected = reference(ids, N)
+        got = oai.completions.create(
+            model="tiny", prompt=text, max_tokens=N, temperature=0, extra_body={"k": k}
+        )
+        assert ext(got)["token_ids"] == expected, f"k={k} prompt={text!r}"
+        assert got.choices[0].text == tokenizer.decode(expected)
+        assert got.choices[0].finish_reason == "length"
+        assert ext(got)["stats"]["num_draft_tokens"] == k
+        chunks = list(
+            oai.completions.create(
+                model="tiny", prompt=text, max_tokens=N, temperature=0, stream=True,
+                extra_body={"k": k},
+            )
+        )  # fmt: skip
+        assert streamed_ids(chunks) == expected
+        assert "".join(c.choices[0].text for c in chunks) == got.choices[0].text
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert len(chunks) > 2  # it really streamed
+
+
+def test_chat_equals_generate_with_the_template(oai, tokenizer, reference):
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Write a loop in Python."},
+    ]
+    ids = chat_ids(tokenizer, messages)
+    expected = reference(ids, N)
+    got = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=N, temperature=0)
+    assert ext(got)["token_ids"] == expected
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
+    assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == N
+    stream = oai.chat.completions.create(
+        model="tiny", messages=messages, max_completion_tokens=N, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert streamed_ids(chunks) == expected
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == got.choices[0].message.content
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == len(ids) + N
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stop_sequences(oai):
+    full = oai.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=N, temperature=0)
+    text = full.choices[0].text
+    stop = text[6:9]
+    assert stop, text
+    cut = text.index(stop)
+    for stream in (False, True):
+        resp = oai.completions.create(
+            model="tiny", prompt=PROMPTS[2], max_tokens=N, temperature=0, stop=[stop, "\x00"],
+            stream=stream,
+        )  # fmt: skip
+        if stream:
+            chunks = list(resp)
+            got = "".join(c.choices[0].text for c in chunks)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            got, finish = resp.choices[0].text, resp.choices[0].finish_reason
+        assert (got, finish) == (text[:cut], "stop")
+    chat = oai.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=N, temperature=0
+    )
+    content = chat.choices[0].message.content
+    stop = content[4:7]
+    stopped = oai.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=N, temperature=0,
+        stop=stop,
+    )  # fmt: skip
+    assert stopped.choices[0].message.content == content[: content.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_usage_equals_grpc(oai, grpc_client):
+    http = oai.completions.create(
+        model="tiny", prompt=PROMPTS[3], max_tokens=N, temperature=0, extra_body={"k": 2}
+    )
+    native = grpc_client.generate(PROMPTS[3], max_new_tokens=N, k=2, temperature=0.0)
+    assert http.usage.prompt_tokens == native.usage.prompt_tokens
+    assert http.usage.completion_tokens == native.usage.completion_tokens
+    assert http.usage.total_tokens == native.usage.prompt_tokens + native.usage.completion_tokens
+    assert ext(http)["token_ids"] == list(native.tokens)
+    assert http.choices[0].text == native.text
+
+
+def _two_turns(oai, tokenizer, reference, session: str):
+    """Turn 1 of a chat session, then turn 2 extending it; returns the second's input."""
+    first = [{"role": "user", "content": "Tell me about foxes."}]
+    one = oai.chat.completions.create(
+        model="tiny", messages=first, max_tokens=N, temperature=0,
+        extra_body={"session_id": session, "k": 3},
+    )  # fmt: skip
+    ids = chat_ids(tokenizer, first)
+    assert ext(one)["token_ids"] == reference(ids, N)
+    assert ext(one)["session"] == {
+        "id": session, "history_tokens": 0, "continued": False, "restarted": None,
+    }  # fmt: skip
+    history = ids + ext(one)["token_ids"]
+    second = [
+        *first,
+        {"role": "assistant", "content": one.choices[0].message.content},
+        {"role": "user", "content": "And about owls?"},
+    ]
+    # The new tokens: the rendered chat after the history's own text, tokenized alone.
+    rendered = tokenizer.apply_chat_template(second, add_generation_prompt=True, tokenize=False)
+    history_text = tokenizer.decode(history, skip_special_tokens=False)
+    assert rendered.startswith(history_text)
+    new = tokenizer(rendered[len(history_text) :], add_special_tokens=False).input_ids
+    return second, history, new
+
+
+def test_chat_session_two_turns_reuse_the_cache(oai, tokenizer, reference):
+    second, history, new = _two_turns(oai, tokenizer, reference, "http-chat-1")
+    two = oai.chat.completions.create(
+        model="tiny", messages=second, max_tokens=N, temperature=0,
+        extra_body={"session_id": "http-chat-1", "k": 3},
+    )  # fmt: skip
+    assert ext(two)["token_ids"] == reference(history + new, N)
+    assert ext(two)["session"]["continued"] is True
+    assert ext(two)["session"]["history_tokens"] == len(history)
+    assert ext(two)["stats"]["cache_misses"] == 0
+    assert two.usage.prompt_tokens_details.cached_tokens == len(history)
+    assert two.usage.prompt_tokens == len(history) + len(new)
+    # Another conversation under the same id starts afresh and says so.
+    other = [{"role": "user", "content": "Something else entirely."}]
+    three = oai.chat.completions.create(
+        model="tiny", messages=other, max_tokens=4, temperature=0,
+        extra_body={"session_id": "http-chat-1"},
+    )  # fmt: skip
+    assert ext(three)["session"]["continued"] is False
+    assert "do not extend session 'http-chat-1'" in ext(three)["session"]["restarted"]
+    assert ext(three)["token_ids"] == reference(chat_ids(tokenizer, other), 4)
+
+
+def _error(exc_info) -> dict:
+    """The error object of an openai.APIStatusError (the client unwraps "error")."""
+    body = exc_info.value.body
+    return body.get("error", body)
+
+
+def test_errors(stack, oai):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="tiny", prompt="x", max_tokens=4, temperature=-1)
+    assert e.value.status_code == 400
+    assert "temperature must be a finite number >= 0" in _error(e)["message"]
+    assert _error(e)["type"] == "invalid_request_error" and _error(e)["code"] == "invalid_argument"
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        oai.completions.create(model="tiny", prompt="x", n=2)
+    with pytest.raises(
+        openai.BadRequestError, match=r"max_new_tokens must be in \[1, 4096\], got 0"
+    ):
+        oai.completions.create(model="tiny", prompt="x", max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="num_draft_tokens must be in"):
+        oai.completions.create(model="tiny", prompt="x", extra_body={"k": 999})
+    with pytest.raises(openai.BadRequestError, match="context is 512 tokens"):
+        oai.completions.create(model="tiny", prompt="x", max_tokens=4000)
+    status, body = post(stack, "/v1/completions", b"{not json")
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = post(stack, "/v1/completions", {"prompt": "x", "frobnicate": True})
+    assert status == 400 and "unsupported field(s): frobnicate" in body["error"]["message"]
+
+    # A body over the gRPC message limit is refused from its Content-Length, unread.
+    host, port = stack["http"].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEY}\r\nContent-Length: {1 << 30}\r\n\r\n".encode()
+        )
+        answer = b""
+        while b"bytes" not in answer and (part := s.recv(65536)):
+            answer += part  # the status line and headers, then the body
+    assert answer.startswith(b"HTTP/1.1 413") and b"over 67108864 bytes" in answer, answer
+
+    bad_key = openai.OpenAI(base_url=stack["http"] + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad_key.completions.create(model="tiny", prompt="x")
+    assert e.value.status_code == 401 and _error(e)["code"] == "invalid_api_key"
+    status, body = post(stack, "/v1/chat/completions", {"messages": []}, key=None)
+    assert status == 401 and body["error"]["type"] == "authentication_error"
+
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 404 and _error(e)["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("gpt-4o")
+
+    # A prompt beyond the verifier's KV cache bound: RESOURCE_EXHAUSTED -> 429.
+    with pytest.raises(openai.RateLimitError) as e:
+        oai.completions.create(
+            model="tiny", prompt=[5] * (VERIFIER_CACHE + 20), max_tokens=2, temperature=0
+        )
+    assert e.value.status_code == 429 and _error(e)["code"] == "resource_exhausted"
+    assert _error(e)["type"] == "rate_limit_error"
+
+    # A deadline that cannot be met: 504 (unary); a stream that has started ends with the
+    # same error as an event (the openai client raises it while iterating).
+    with pytest.raises(openai.InternalServerError) as e:
+        oai.completions.create(
+            model="tiny", prompt="x", max_tokens=200, temperature=0,
+            extra_body={"timeout": 0.01, "k": 0},
+        )  # fmt: skip
+    assert e.value.status_code == 504 and _error(e)["type"] == "timeout_error"
+    assert "did not finish within timeout=0.01s" in _error(e)["message"]
+    with pytest.raises(openai.APIError, match=r"did not finish within timeout=0.01s"):
+        for _ in oai.completions.create(
+            model="tiny", prompt="x", max_tokens=200, temperature=0, stream=True,
+            extra_body={"timeout": 0.01, "k": 0},
+        ):  # fmt: skip
+            pass
+    # The gateway still serves.
+    assert (
+        oai.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens == 2
+    )
+
+
+def test_not_ready_is_503():
+    """A gateway whose replicas never answer: HTTP is up, every generation is 503."""
+    port = free_port()
+    g = http_gateway("127.0.0.1:9", "127.0.0.1:9", port, "--startup-timeout", "600")
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                client.completions.create(model="m", prompt="x")
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline, g.tail()
+                time.sleep(0.3)
+                continue
+            except openai.InternalServerError as e:
+                assert e.status_code == 503
+                assert "the gateway is starting" in e.body["message"]
+                assert e.body["type"] == "service_unavailable_error"
+                break
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30)
+            raise AssertionError("health answered 200 before the replicas did")
+        except urllib.error.HTTPError as e:
+            assert e.code == 503
+    finally:
+        g.stop()
+
+
+def test_disconnect_cancels_and_the_session_stays_usable(stack, oai, tokenizer, reference):
+    session = "http-chat-cut"
+    second, history, new = _two_turns(oai, tokenizer, reference, session)
+    long_turn = oai.chat.completions.create(
+        model="tiny", messages=second, max_tokens=400, temperature=0, stream=True,
+        extra_body={"session_id": session, "k": 0},
+    )  # fmt: skip
+    chunks = iter(long_turn)
+    next(chunks), next(chunks)  # the role chunk and the first tokens: the turn is running
+    # Its turn lock is held: a second turn of the session is refused meanwhile.
+    with pytest.raises(openai.ConflictError) as e:
+        oai.chat.completions.create(
+            model="tiny", messages=second, max_tokens=2, extra_body={"session_id": session}
+        )
+    assert e.value.status_code == 409 and "has a turn in progress" in _error(e)["message"]
+    long_turn.close()  # the client goes away mid-stream
+    gateway = stack["gateway"]
+    deadline = time.monotonic() + 120
+    while not any("generation cancelled" in line for line in gateway.lines):
+        assert time.monotonic() < deadline, gateway.tail()
+        time.sleep(0.2)
+    line = next(json.loads(x) for x in gateway.lines if "generation cancelled" in x)
+    assert line["session_id"] == session and line["tokens"] < 400
+    # The gateway still serves, and the session continues from its last finished turn.
+    again = oai.chat.completions.create(
+        model="tiny", messages=second, max_tokens=N, temperature=0,
+        extra_body={"session_id": session, "k": 3},
+    )  # fmt: skip
+    assert ext(again)["session"]["continued"] is True
+    assert ext(again)["token_ids"] == reference(history + new, N)
+
+
+def test_concurrent_requests(oai, tokenizer, reference):
+    """Several HTTP generations at once share the event loop with gRPC and stay exact."""
+    results: dict[int, list[int]] = {}
+
+    def one(i: int) -> None:
+        got = oai.completions.create(model="tiny", prompt=PROMPTS[i], max_tokens=8, temperature=0)
+        results[i] = ext(got)["token_ids"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(4):
+        assert results[i] == reference(tokenizer(PROMPTS[i]).input_ids, 8)
+
+
+def test_unary_disconnect_cancels(stack, oai):
+    """A non-streamed request whose client goes away is cancelled too."""
+    gateway = stack["gateway"]
+    before = sum("generation cancelled" in line for line in gateway.lines)
+    gone_before = _answers(stack, "/v1/completions", 499)
+    body = json.dumps(
+        {"model": "tiny", "prompt": "unary", "max_tokens": 400, "temperature": 0, "k": 0}
+    ).encode()
+    host, port = stack["http"].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        time.sleep(1.0)  # the generation is under way (400 tokens at k = 0 take longer)
+    deadline = time.monotonic() + 120
+    while sum("generation cancelled" in line for line in gateway.lines) == before:
+        assert time.monotonic() < deadline, gateway.tail()
+        time.sleep(0.2)
+    line = [json.loads(x) for x in gateway.lines if "generation cancelled" in x][-1]
+    assert line["session_id"] is None and line["tokens"] < 400
+    assert _answers(stack, "/v1/completions", 499) == gone_before + 1  # no answer was sent
+    assert (
+        oai.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens == 2
+    )
+
+
+def test_ssd_and_seed_extensions(oai, tokenizer, reference):
+    ids = tokenizer(PROMPTS[4]).input_ids
+    got = oai.completions.create(
+        model="tiny", prompt=PROMPTS[4], max_tokens=N, temperature=0,
+        extra_body={"k": 2, "ssd": True},
+    )  # fmt: skip
+    stats = ext(got)["stats"]
+    assert ext(got)["token_ids"] == reference(ids, N)
+    assert stats["ssd"] is True and stats["num_draft_tokens"] == 2
+    assert stats["ssd_hits"] + stats["ssd_misses"] > 0
+    # Sampling with a seed is reproducible through the HTTP API as through gRPC.
+    a, b = (
+        oai.completions.create(
+            model="tiny", prompt=PROMPTS[4], max_tokens=N, temperature=1.0, seed=7,
+            extra_body={"k": 3, "top_k": 50},
+        )
+        for _ in range(2)
+    )  # fmt: skip
+    assert ext(a)["token_ids"] == ext(b)["token_ids"]
+
+
+def _loadtest(stack, out, key: str, *argv: str) -> tuple[int, dict | None, str]:
+    env = {**os.environ, "OPENAI_API_KEY": key}
+    run = subprocess.run(
+        [sys.executable, "-m", "specdec", "loadtest", "--api", "openai", "--gateway",
+         stack["http"], "--out", str(out), "--no-progress", *argv],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    path = out / "loadtest.json"
+    return run.returncode, json.loads(path.read_text()) if path.exists() else None, run.stderr
+
+
+def test_loadtest_over_the_openai_api(stack, tmp_path):
+    """`specdec loadtest --api openai`: every response equal to the same request run alone
+    at k = 0 (--check-exact), and failures counted by the gRPC code the error body names."""
+    rc, doc, err = _loadtest(
+        stack, tmp_path / "ok", KEY, "--concurrency", "1,2", "--num-requests", "4",
+        "--max-new-tokens", "8", "--temperature", "0", "--modes", "k0,k3", "--check-exact",
+    )  # fmt: skip
+    assert rc == 0, err
+    assert doc["config"]["api"] == "openai"
+    assert doc["exact"]["checked"] > 0 and doc["exact"]["mismatches"] == 0
+    for r in doc["results"]:
+        assert r["failed"] == 0 and r["completed"] >= 4, r
+        assert r["total_output_tokens"] == 8 * r["completed"]
+    k3 = [r for r in doc["results"] if r["mode"] == "k3"]
+    assert all(r["k"] == 3 for r in k3)
+    rc, doc, err = _loadtest(
+        stack, tmp_path / "bad", "wrong-key", "--concurrency", "1", "--num-requests", "2",
+        "--max-new-tokens", "4",
+    )  # fmt: skip
+    (result,) = doc["results"]
+    assert result["completed"] == 0 and result["errors"] == {"UNAUTHENTICATED": result["failed"]}
+
+
+def test_a_request_is_one_trace_under_the_callers_context(oai, receiver):
+    """The HTTP request's SERVER span continues the caller's `traceparent`; the turn's
+    spans (rounds, replica calls) hang under it, and the response names the trace."""
+    trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    got = oai.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "trace me"}], max_tokens=4,
+        temperature=0, extra_body={"k": 2},
+        extra_headers={"traceparent": f"00-{trace_id}-{parent}-01"},
+    )  # fmt: skip
+    assert ext(got)["trace_id"] == trace_id
+
+    def done(spans) -> bool:
+        names = {s.name for s in spans if s.trace_id == trace_id}
+        return {"POST /v1/chat/completions", "speculation round"} <= names
+
+    spans = [s for s in receiver.wait_for(done, timeout=60) if s.trace_id == trace_id]
+    (server,) = [s for s in spans if s.name == "POST /v1/chat/completions"]
+    assert server.kind == "SERVER" and server.parent_id == parent
+    assert server.attributes["http.response.status_code"] == 200
+    assert server.attributes["url.path"] == "/v1/chat/completions"
+    assert server.attributes["gen_ai.usage.output_tokens"] == 4
+    by_id = {s.span_id: s for s in spans}
+    rounds = [s for s in spans if s.name == "speculation round"]
+    for r in rounds:  # every round is a descendant of the request's span
+        up = r
+        while up.parent_id and up.parent_id in by_id:
+            up = by_id[up.parent_id]
+        assert up.span_id == server.span_id
+
+
+def _answers(stack, path: str, status: int) -> float:
+    """specdec_gateway_http_responses_total{path, status} from the gateway's /metrics."""
+    with urllib.request.urlopen(stack["metrics"], timeout=30) as r:
+        text = r.read().decode()
+    want = f'specdec_gateway_http_responses_total{{path="{path}",status="{status}"}} '
+    lines = [x for x in text.splitlines() if x.startswith(want)]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+def test_answers_are_counted_by_path_and_status(stack, oai):
+    before_ok = _answers(stack, "/v1/completions", 200)
+    before_404 = _answers(stack, "/v1/completions", 404)
+    oai.completions.create(model="tiny", prompt="x", max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert _answers(stack, "/v1/completions", 200) == before_ok + 1
+    assert _answers(stack, "/v1/completions", 404) == before_404 + 1
+
+
+def test_https_with_the_gateways_tls_settings(tmp_path):
+    """--tls-cert/--tls-key (and --tls-client-ca) cover the HTTP port as the gRPC one: a
+    gateway whose replicas never answer still serves /health (503) over TLS only."""
+    import ssl
+
+    from specdec.tools.certs import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    port = free_port()
+    g = http_gateway(
+        "127.0.0.1:9", "127.0.0.1:9", port, "--startup-timeout", "600",
+        "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
+        "--tls-client-ca", str(pki.ca),
+    )  # fmt: skip
+    try:
+        url = f"https://127.0.0.1:{port}/health"
+        trusted = ssl.create_default_context(cafile=str(pki.ca))
+        trusted.load_cert_chain(str(pki.client_cert), str(pki.client_key))
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(url, timeout=30, context=trusted)
+                raise AssertionError("health answered 200 before the replicas did")
+            except urllib.error.HTTPError as e:
+                assert e.code == 503 and "starting" in json.loads(e.read())["error"]["message"]
+                break
+            except urllib.error.URLError:
+                assert time.monotonic() < deadline, g.tail()
+                time.sleep(0.3)
+        no_cert = ssl.create_default_context(cafile=str(pki.ca))
+        with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+            urllib.request.urlopen(url, timeout=30, context=no_cert).read()
+        with pytest.raises((urllib.error.URLError, ConnectionError)):  # no plaintext
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30).read()
+        # The PEM copies uvicorn loaded are gone once it serves.
+        assert not list(Path(tempfile.gettempdir()).glob("specdec-http-*"))
+    finally:
+        g.stop()
