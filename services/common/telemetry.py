@@ -239,10 +239,14 @@ def outgoing_metadata() -> tuple[tuple[str, str], ...] | None:
     return tuple(carrier.items()) or None
 
 
-def incoming_context(servicer_context) -> otel_context.Context | None:
-    """The caller's trace context from a grpc servicer context's metadata."""
-    metadata = servicer_context.invocation_metadata() or ()
-    carrier = {key: value for key, value in metadata if isinstance(value, str)}
+def incoming_context(source) -> otel_context.Context | None:
+    """The caller's trace context from a grpc servicer context's metadata, or from a
+    mapping of (lower-case) HTTP headers; None when it carries no ``traceparent``."""
+    if isinstance(source, Mapping):
+        carrier = {str(k).lower(): v for k, v in source.items() if isinstance(v, str)}
+    else:
+        metadata = source.invocation_metadata() or ()
+        carrier = {key: value for key, value in metadata if isinstance(value, str)}
     if "traceparent" not in carrier:
         return None
     return propagate.extract(carrier)
@@ -260,7 +264,8 @@ def rpc_attributes(service: str, method: str) -> dict[str, Any]:
 def server_span(
     service: str, method: str, servicer_context, attributes: Mapping[str, Any] | None = None
 ) -> Iterator[Span | None]:
-    """A SERVER span `<service>/<method>` under the caller's context; None when off."""
+    """A SERVER span `<service>/<method>` under the caller's context (a grpc servicer
+    context, or a mapping of HTTP headers); None when off."""
     if not _enabled:
         yield None
         return

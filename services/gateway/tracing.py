@@ -70,7 +70,9 @@ def request_span(
 ) -> Iterator[Any]:
     """The SERVER span of a Generate / GenerateStream call; None when tracing is off.
 
-    An error leaving the block sets the span's status and rpc.grpc.status_code."""
+    `context` is the grpc servicer context, or for another front (HTTP) a mapping of its
+    request headers (``traceparent``). An error leaving the block sets the span's status
+    and rpc.grpc.status_code. Every round and replica call of the turn hangs under it."""
     attributes = _request_attributes(request, model) if telemetry.enabled() else None
     with telemetry.server_span(GATEWAY_SERVICE, method, context, attributes) as span:
         try:
@@ -117,7 +119,8 @@ def finish(span, final: gateway_pb2.GenerateResponse, context) -> str:
     telemetry.set_grpc_status(span, grpc.StatusCode.OK)
     if trace_id:
         final.trace_id = trace_id
-        context.set_trailing_metadata(((TRACE_ID_METADATA, trace_id),))
+        if hasattr(context, "set_trailing_metadata"):  # gRPC (an HTTP front sets a header)
+            context.set_trailing_metadata(((TRACE_ID_METADATA, trace_id),))
     return trace_id
 
 

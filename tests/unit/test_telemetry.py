@@ -239,3 +239,21 @@ def test_sdk_forwards_the_callers_trace_context():
     assert version == "00" and int(flags, 16) & 1  # sampled
     assert trace_id == format_trace_id(ctx.trace_id) and parent_id == format_span_id(ctx.span_id)
     assert outside.trace_id == inside.trace_id == "ab" * 16
+
+
+def test_incoming_context_from_grpc_metadata_or_http_headers():
+    from opentelemetry import trace
+
+    from specdec.common.telemetry import incoming_context
+
+    header = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+    class Servicer:
+        def invocation_metadata(self):
+            return (("traceparent", header), ("bin-bin", b"\x00"))
+
+    for source in (Servicer(), {"Traceparent": header, "Content-Type": "application/json"}):
+        span = trace.get_current_span(incoming_context(source)).get_span_context()
+        assert trace.format_trace_id(span.trace_id) == "0af7651916cd43dd8448eb211c80319c"
+        assert trace.format_span_id(span.span_id) == "b7ad6b7169203331"
+    assert incoming_context({"content-type": "application/json"}) is None
