@@ -84,6 +84,7 @@ wheels() {
         die "$PYTHON is Python $host, the image runs $target: its wheels would not fit"
     "$PYTHON" docker/fill_wheels.py docker/wheels "$target" \
         "setuptools>=77" "torch==$TORCH_VERSION+$TORCH_VARIANT" ./sdk ".[replica]"
+    touch docker/wheels/.filled
     echo "images: docker/wheels/ holds $(find docker/wheels -name '*.whl' | wc -l) wheels" \
         "($(du -sh docker/wheels | cut -f1)) for Python $target, in $((SECONDS - start)) s"
 }
@@ -112,7 +113,11 @@ build() {
     done
     if [ "$b" = buildah ]; then
         buildah_ inspect --type image "$LOCAL_BASE" >/dev/null 2>&1 || base
-        [ -n "$(find docker/wheels -name '*.whl' -print -quit)" ] || wheels
+        # (re)fill docker/wheels/ when the dependencies changed since it was filled
+        local stamp=docker/wheels/.filled
+        if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ sdk/pyproject.toml -nt "$stamp" ]; then
+            wheels
+        fi
     fi
     for role in "$@"; do
         local tag="$IMAGE_PREFIX-$role:$IMAGE_TAG" start=$SECONDS

@@ -4,6 +4,9 @@ models mounted read-only at /models, checked against transformers' generate().""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 
 from specdec.sdk import Client
@@ -43,6 +46,15 @@ def test_replica_image_has_cpu_torch(replica_image):
     assert "SPECDEC_MODEL" in r.stdout and "SPECDEC_DEVICE" in r.stdout
 
 
+def readable_copy(model: Path, dest: Path) -> Path:
+    """The model folder as a deployment would ship it: readable by the images' uid 10001
+    (the test models' weights are 0600, root's, which that uid cannot open)."""
+    shutil.copytree(model, dest)
+    for p in [dest, *dest.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    return dest
+
+
 def run_replica(image, role: str, model) -> ServiceProcess:
     settings = {"SPECDEC_HOST": "127.0.0.1", "SPECDEC_PORT": "0", "SPECDEC_THREADS": "1"}
     argv = image.read_only_argv(
@@ -52,12 +64,14 @@ def run_replica(image, role: str, model) -> ServiceProcess:
 
 
 def test_stack_from_images_equals_generate(
-    drafter_image, verifier_image, gateway_image, test_models, tokenizer, reference
+    drafter_image, verifier_image, gateway_image, test_models, tokenizer, reference, tmp_path
 ):
     procs = []
     try:
-        d = run_replica(drafter_image, "drafter", test_models.draft_noisy)
-        v = run_replica(verifier_image, "verifier", test_models.target)
+        draft = readable_copy(test_models.draft_noisy, tmp_path / "draft")
+        target = readable_copy(test_models.target, tmp_path / "target")
+        d = run_replica(drafter_image, "drafter", draft)
+        v = run_replica(verifier_image, "verifier", target)
         procs += [d, v]
         d.wait_healthy(timeout=300), v.wait_healthy(timeout=300)
         for image, proc in ((drafter_image, d), (verifier_image, v)):
