@@ -4,9 +4,12 @@ VENV      ?= .venv
 VPY       := $(VENV)/bin/python
 TORCH_VER ?= 2.13.0
 PROTOS    := $(wildcard protos/specdec/v1/*.proto)
+# checkov (chart tests) pins packages the project's own tools conflict with: its own venv.
+CHECKOV_VENV ?= .venv-checkov
+CHECKOV_VER  ?= 3.3.30
 
 .PHONY: install dist models demo demo-tiny bench bench-quick up proto proto-check lint lint-proto format test test-unit test-integration clean \
-        chart-test base-image wheels images image-test lint-docker
+        chart-test system-deps base-image wheels images image-test lint-docker
 
 # Create .venv/ with the project and its dev tools. torch goes first so that
 # transformers does not pull a multi-GB CUDA build.
@@ -73,9 +76,19 @@ format: install
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-# (tests/chart runs in `make chart-test`, which also installs checkov)
-test: install
-	$(VPY) -m pytest -q --ignore=tests/chart
+# Every test: unit, integration (real processes on loopback), and the chart's (checkov in its
+# own virtualenv). Needs a `prometheus` binary (`make system-deps`). The image tests in
+# tests/images skip here and run in `make image-test`, which builds the images first.
+test: install $(CHECKOV_VENV)/.installed
+	CHECKOV=$(abspath $(CHECKOV_VENV))/bin/checkov $(VPY) -m pytest -q
+
+# Debian packages the tests and image builds use: a real Prometheus server (the metrics
+# test), buildah and debootstrap (images without a Docker engine). Needs root.
+system-deps:
+	@missing=$$(for p in prometheus buildah debootstrap; do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	else echo "system packages present: prometheus buildah debootstrap"; fi
 
 test-unit: install
 	$(VPY) -m pytest -q tests/unit
@@ -117,8 +130,6 @@ clean:
 # examples, Kubernetes schema validation, checkov, placement and discovery tests, and the
 # rendered Deployments booted as local processes. checkov gets its own virtualenv (its pins
 # conflict with the project's).
-CHECKOV_VENV ?= .venv-checkov
-CHECKOV_VER  ?= 3.3.30
 $(CHECKOV_VENV)/.installed:
 	test -x $(CHECKOV_VENV)/bin/python || $(PY) -m venv $(CHECKOV_VENV)
 	$(CHECKOV_VENV)/bin/python -m pip install -q checkov==$(CHECKOV_VER)
