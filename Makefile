@@ -83,12 +83,13 @@ test: install $(CHECKOV_VENV)/.installed
 	CHECKOV=$(abspath $(CHECKOV_VENV))/bin/checkov $(VPY) -m pytest -q
 
 # Debian packages the tests and image builds use: a real Prometheus server (the metrics
-# test), buildah and debootstrap (images without a Docker engine). Needs root.
+# test), openssl (TLS tests, `specdec up --tls`), buildah and debootstrap (images without a
+# Docker engine). Needs root.
 system-deps:
-	@missing=$$(for p in prometheus buildah debootstrap; do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	@missing=$$(for p in prometheus buildah debootstrap openssl; do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
-	else echo "system packages present: prometheus buildah debootstrap"; fi
+	else echo "system packages present: prometheus buildah debootstrap openssl"; fi
 
 test-unit: install
 	$(VPY) -m pytest -q tests/unit
