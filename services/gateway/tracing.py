@@ -142,17 +142,21 @@ def round_span(spec, k: int) -> Iterator[None]:
         yield
         metrics.ROUND_SECONDS.observe(time.perf_counter() - started)
         accepted = s.accepted_tokens - before[0]
-        ssd = "off"
-        if s.ssd_hits > before[1]:
-            ssd = "hit"
-        elif s.ssd_misses > before[2]:
-            ssd = "miss"
+        hits, misses = s.ssd_hits - before[1], s.ssd_misses - before[2]
+        # What SSD settled in this round: hit / miss; "late" when this round's Speculate
+        # answered after its verdict (the next round's Draft settles it); "off" otherwise.
+        # A round after a late one can settle two (the late one and its own).
+        ssd = "hit" if hits else "miss" if misses else "off"
+        if ssd == "off" and getattr(spec, "_late", False):
+            ssd = "late"
         span.set_attributes(
             {
                 "specdec.round.accepted": accepted,
                 # The verifier's rule: all k accepted -> a bonus token, else a recovered one.
                 "specdec.round.next_token_kind": "bonus" if accepted == k else "recovered",
                 "specdec.round.ssd": ssd,
+                "specdec.round.ssd_hits": hits,
+                "specdec.round.ssd_misses": misses,
                 "specdec.round.drafter_wait_ms": round(s.drafter_wait_ms - before[3], 3),
                 "specdec.round.cache_misses": s.cache_misses - before[4],
             }

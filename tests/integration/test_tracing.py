@@ -204,10 +204,13 @@ def check_trace(spans: list[ReceivedSpan], gen, *, app_span_id: str | None = Non
             "specdec.round.drafter_wait_ms",
         } <= set(ra)
         assert ra["specdec.round.next_token_kind"] in ("bonus", "recovered")
-        assert ra["specdec.round.ssd"] in (("hit", "miss") if gen.stats.ssd else ("off",))
+        assert ra["specdec.round.ssd"] in (
+            ("hit", "miss", "late", "off") if gen.stats.ssd else ("off",)
+        )
     assert sum(r.attributes["specdec.round.accepted"] for r in rounds) == gen.stats.accepted_tokens
-    ssd = Counter(r.attributes["specdec.round.ssd"] for r in rounds)
-    assert ssd["hit"] == gen.stats.ssd_hits and ssd["miss"] == gen.stats.ssd_misses
+    hits = sum(r.attributes["specdec.round.ssd_hits"] for r in rounds)
+    misses = sum(r.attributes["specdec.round.ssd_misses"] for r in rounds)
+    assert hits == gen.stats.ssd_hits and misses == gen.stats.ssd_misses
     assert sum(r.attributes["specdec.round.cache_misses"] for r in rounds) == gen.stats.cache_misses
     return {"request": request, "rounds": rounds, "clients": clients, "servers": servers}
 
@@ -242,7 +245,10 @@ def test_one_trace_across_app_gateway_drafter_verifier(traced, receiver, tokeniz
     )
     methods = Counter(s.attributes["rpc.method"] for s in parts["servers"])
     assert methods["Verify"] == gen.stats.rounds  # no cache miss, no failover
-    assert methods["Speculate"] == gen.stats.ssd_hits + gen.stats.ssd_misses
+    settled = gen.stats.ssd_hits + gen.stats.ssd_misses
+    # Each Speculate is settled as a hit or a miss, but one that answered after the last
+    # round's verdict never is.
+    assert settled <= methods["Speculate"] <= settled + 1
     assert gen.stats.ssd_hits > 0
     forwards = [s for s in spans if s.name.startswith("forward ")]
     kinds = Counter(s.attributes["specdec.forward.kind"] for s in forwards)
