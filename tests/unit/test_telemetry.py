@@ -257,3 +257,17 @@ def test_incoming_context_from_grpc_metadata_or_http_headers():
         assert trace.format_trace_id(span.trace_id) == "0af7651916cd43dd8448eb211c80319c"
         assert trace.format_span_id(span.span_id) == "b7ad6b7169203331"
     assert incoming_context({"content-type": "application/json"}) is None
+
+
+def test_served_model_with_no_verifier_or_no_info_yet():
+    from types import SimpleNamespace
+
+    from specdec.gateway.tracing import served_model
+
+    def fleet(*infos):
+        replicas = [SimpleNamespace(info=i) for i in infos]
+        return SimpleNamespace(verifiers=SimpleNamespace(replicas=replicas))
+
+    assert served_model(fleet()) == ""  # discovery lists no verifier right now
+    assert served_model(fleet(None)) == ""  # not connected yet
+    assert served_model(fleet(None, SimpleNamespace(model_id="target"))) == "target"
