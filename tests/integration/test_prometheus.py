@@ -217,23 +217,25 @@ def test_prometheus_scrapes_every_service(scraped, tokenizer):
     got = prom.wait_for(expected)
     wrong = {q: (got[q], v) for q, v in expected.items() if got[q] != pytest.approx(v)}
     assert not wrong, f"query: (prometheus, expected): {wrong}"
-    # The drafter prepared every SSD branch of the responses. It may have prepared more: a
-    # Speculate still running at its verdict is cancelled or left behind, and one that the
-    # drafter finishes anyway is in no response's statistics (the gateway counts those
-    # late ones; a request's last Speculate may also end after its response was built).
+    # Every SSD round sent one Speculate. One that answered before its verdict is a hit or
+    # a miss there; one still running at its verdict (`late`, counted by the gateway) is
+    # cancelled, and the next round's Draft settles it as a hit or a miss. The drafter
+    # answers OK the ones that finished, so its count is within `late` of the rounds the
+    # responses settled; it prepared the responses' branches, and a late one it finished
+    # anyway added up to one fan-out more.
     late = prom.query("specdec_gateway_ssd_speculate_late_total") or 0
-    ssd_requests = sum(g.stats.ssd for g in gens)
     speculated = total("ssd_hits") + total("ssd_misses")
-    speculates = prom.query('specdec_drafter_requests_total{method="Speculate",code="OK"}')
-    assert speculated <= speculates <= speculated + late + ssd_requests
+    speculates = prom.query('specdec_drafter_requests_total{method="Speculate",code="OK"}') or 0
+    assert speculated - late <= speculates <= speculated + late
     prepared = prom.query("specdec_drafter_ssd_branches_prepared_total")
     fan_out = 6  # the drafter's default --ssd-fan-out
-    extra = speculates - speculated
-    assert total("ssd_branches") <= prepared <= total("ssd_branches") + fan_out * extra
+    assert total("ssd_branches") <= prepared <= total("ssd_branches") + fan_out * late
     # A hit is served by the next round's Draft; a hit on the last round that leaves room
     # for no further draft is never asked for (at most one per request).
     served = prom.query("specdec_drafter_ssd_branches_served_total")
-    assert session.stats.ssd_hits - 1 <= served <= session.stats.ssd_hits
+    # Greedy requests take a hit's draft from the Speculate answer itself, unless that
+    # answer came late and the next Draft was served from the drafter's branches.
+    assert session.stats.ssd_hits - 1 <= served <= total("ssd_hits")
     # Every target was scraped successfully.
     for job in ("gateway", "drafter", "verifier"):
         assert prom.query(f'up{{job="{job}"}}') == 1

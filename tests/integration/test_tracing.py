@@ -173,6 +173,11 @@ def check_trace(spans: list[ReceivedSpan], gen, *, app_span_id: str | None = Non
         assert parent.attributes["rpc.service"] == server.attributes["rpc.service"]
         assert server.attributes["rpc.system"] == "grpc"
         assert server.attributes["gen_ai.request.model"]
+        if server.attributes.get("rpc.grpc.status_code") == 1:
+            # CANCELLED: a Speculate still running at its verdict, which the gateway
+            # cancels; one cancelled before the model thread took it did no cache work.
+            assert server.attributes["rpc.method"] == "Speculate"
+            continue
         assert server.attributes["specdec.cache.result"] in ("hit", "fresh", "miss")
         forwards = [s for s in spans if s.parent_id == server.span_id]
         if server.attributes["specdec.cache.result"] == "miss":
@@ -254,8 +259,15 @@ def test_one_trace_across_app_gateway_drafter_verifier(traced, receiver, tokeniz
         app_span_id=format_span_id(context.span_id),
     )
     methods = Counter(s.attributes["rpc.method"] for s in parts["servers"])
-    assert methods["Verify"] == gen.stats.rounds  # no cache miss, no failover
-    assert methods["Speculate"] == gen.stats.ssd_hits + gen.stats.ssd_misses
+    calls = Counter(s.attributes["rpc.method"] for s in parts["clients"])
+    assert methods["Verify"] == calls["Verify"] == gen.stats.rounds  # no miss, no failover
+    # One Speculate per SSD round. Each is settled as a hit or a miss, at its verdict or,
+    # when it was still running then (and cancelled), by the next round's Draft: only the
+    # last round's can stay open. A cancelled one may never reach the drafter.
+    ssd_rounds = sum(r.attributes["specdec.round.ssd"] != "off" for r in parts["rounds"])
+    settled = gen.stats.ssd_hits + gen.stats.ssd_misses
+    assert calls["Speculate"] == ssd_rounds and settled <= ssd_rounds <= settled + 1
+    assert methods["Speculate"] <= calls["Speculate"]
     assert gen.stats.ssd_hits > 0
     forwards = [s for s in spans if s.name.startswith("forward ")]
     kinds = Counter(s.attributes["specdec.forward.kind"] for s in forwards)
