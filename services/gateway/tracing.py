@@ -42,9 +42,9 @@ FINISH_NAMES = {v: k for k, v in gateway_pb2.FinishReason.items()}
 
 
 def served_model(fleet) -> str:
-    """The target model's id (a verifier's Info), '' before start-up."""
-    info = fleet.verifiers.replicas[0].info
-    return info.model_id if info is not None else ""
+    """The target model's id (a verifier's Info); '' while no verifier has answered Info
+    (before start-up, or while discovery lists none)."""
+    return next((r.info.model_id for r in fleet.verifiers.replicas if r.info is not None), "")
 
 
 def _request_attributes(request: gateway_pb2.GenerateRequest, model: str) -> dict[str, Any]:
