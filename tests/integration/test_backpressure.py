@@ -13,31 +13,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.common.prefix import prefix_hash
 from specdec.sdk import AsyncClient, ResourceExhausted
-from specdec.tools.launcher import ServiceProcess
 from specdec.tools.redisproc import free_port
 from specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from tests.conftest import PROMPTS
+from tests.integration.test_gateway import gateway, replica
 
 pytestmark = pytest.mark.integration
 
 FLOOD = 16  # concurrent requests
-
-
-def replica(role: str, model, *flags: str) -> ServiceProcess:
-    return ServiceProcess.specdec(
-        role,
-        *("serve", role, "--model", str(model), "--port", "0", "--host", "127.0.0.1"),
-        *("--threads", "1", *flags),
-    ).start()
-
-
-def gateway(drafter, verifiers, *flags: str) -> ServiceProcess:
-    return ServiceProcess.specdec(
-        "gateway",
-        *("serve", "gateway", "--port", "0", "--host", "127.0.0.1"),
-        *("--drafter", drafter.address, "--verifier", ",".join(v.address for v in verifiers)),
-        *flags,
-    ).start()
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +113,11 @@ def _metric(port: int, name: str) -> float:
 def test_gateway_moves_the_excess_to_another_replica(replicas, tokenizer, reference):
     port = free_port()
     g = gateway(
-        replicas["drafter"], [replicas["small"], replicas["roomy"]], "--metrics-port", str(port)
+        [replicas["drafter"]],
+        [replicas["small"], replicas["roomy"]],
+        None,
+        "--metrics-port",
+        str(port),
     )
     try:
         g.wait_healthy()
@@ -147,7 +134,7 @@ def test_gateway_moves_the_excess_to_another_replica(replicas, tokenizer, refere
 
 
 def test_every_replica_full_is_resource_exhausted(replicas, tokenizer, reference):
-    g = gateway(replicas["drafter"], [replicas["small"]])
+    g = gateway([replicas["drafter"]], [replicas["small"]])
     try:
         g.wait_healthy()
         prompts = _prompts(tokenizer)

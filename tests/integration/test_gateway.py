@@ -19,7 +19,9 @@ pytestmark = pytest.mark.integration
 N = 32  # new tokens per exactness check
 
 
-def replica(role: str, model, *flags: str) -> ServiceProcess:
+def replica(role: str, model, *flags: str, env: dict[str, str] | None = None) -> ServiceProcess:
+    """A drafter or verifier on a free loopback port, one torch thread (shared by the
+    integration tests)."""
     return ServiceProcess.specdec(
         role,
         "serve",
@@ -33,10 +35,18 @@ def replica(role: str, model, *flags: str) -> ServiceProcess:
         "--threads",
         "1",
         *flags,
+        env=env,
     ).start()
 
 
-def gateway(drafters, verifiers, redis_url: str | None = None, *flags: str) -> ServiceProcess:
+def gateway(
+    drafters,
+    verifiers,
+    redis_url: str | None = None,
+    *flags: str,
+    env: dict[str, str] | None = None,
+) -> ServiceProcess:
+    """A gateway over the given replica processes on a free loopback port."""
     args = [
         "serve",
         "gateway",
@@ -52,7 +62,7 @@ def gateway(drafters, verifiers, redis_url: str | None = None, *flags: str) -> S
     ]
     if redis_url:
         args += ["--redis", redis_url]
-    return ServiceProcess.specdec("gateway", *args).start()
+    return ServiceProcess.specdec("gateway", *args, env=env).start()
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from specdec.tools.launcher import ServiceProcess
 from specdec.tools.otlpsink import OtlpReceiver
 from specdec.tools.redisproc import RedisProcess
 from tests.conftest import PROMPTS
+from tests.integration.test_gateway import replica
 
 pytestmark = pytest.mark.integration
 
@@ -40,13 +41,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def replica(role: str, model, *flags: str) -> ServiceProcess:
-    return ServiceProcess.specdec(
-        role, "serve", role, "--model", str(model), "--port", "0", "--host", "127.0.0.1",
-        "--threads", "1", *flags,
-    ).start()  # fmt: skip
 
 
 def http_gateway(

@@ -19,12 +19,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import format_span_id, format_trace_id
 
 from specdec.sdk import Client
-from specdec.tools.launcher import ServiceProcess
 from specdec.tools.otlpsink import OtlpReceiver, ReceivedSpan, render_tree
 from specdec.tools.redisproc import RedisProcess
 from specdec.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 from tests.conftest import PROMPTS
-from tests.integration.test_gateway import _get_record
+from tests.integration.test_gateway import _get_record, gateway, replica
 
 pytestmark = pytest.mark.integration
 
@@ -41,43 +40,6 @@ def otel_env(receiver: OtlpReceiver, delay_ms: int = 100) -> dict[str, str]:
     }
 
 
-def replica(role: str, model, env: dict[str, str], *flags: str) -> ServiceProcess:
-    return ServiceProcess.specdec(
-        role,
-        "serve",
-        role,
-        "--model",
-        str(model),
-        "--port",
-        "0",
-        "--host",
-        "127.0.0.1",
-        "--threads",
-        "1",
-        *flags,
-        env=env,
-    ).start()
-
-
-def gateway(drafters, verifiers, redis_url: str, env: dict[str, str]) -> ServiceProcess:
-    return ServiceProcess.specdec(
-        "gateway",
-        "serve",
-        "gateway",
-        "--port",
-        "0",
-        "--host",
-        "127.0.0.1",
-        "--drafter",
-        ",".join(p.address for p in drafters),
-        "--verifier",
-        ",".join(p.address for p in verifiers),
-        "--redis",
-        redis_url,
-        env=env,
-    ).start()
-
-
 @pytest.fixture(scope="module")
 def receiver():
     with OtlpReceiver() as r:
@@ -91,13 +53,13 @@ def traced(test_models, receiver):
     procs = []
     with RedisProcess() as redis:
         try:
-            d = replica("drafter", test_models.draft_noisy, env)
-            v1 = replica("verifier", test_models.target, env)
-            v2 = replica("verifier", test_models.target, env)
+            d = replica("drafter", test_models.draft_noisy, env=env)
+            v1 = replica("verifier", test_models.target, env=env)
+            v2 = replica("verifier", test_models.target, env=env)
             procs += [d, v1, v2]
             for p in procs:
                 p.wait_healthy()
-            g = gateway([d], [v1, v2], redis.url, env)
+            g = gateway([d], [v1, v2], redis.url, env=env)
             procs.append(g)
             g.wait_healthy()
             yield {"drafter": d, "verifiers": [v1, v2], "gateway": g, "redis": redis}
@@ -411,7 +373,7 @@ def test_failover_mid_generation_in_the_trace(traced, receiver, tokenizer, refer
 def test_spans_are_flushed_on_sigterm(test_models, receiver):
     """A verifier with a one-minute export delay: its span can only arrive through the
     flush of its graceful stop (SIGTERM)."""
-    v = replica("verifier", test_models.target, otel_env(receiver, delay_ms=60_000))
+    v = replica("verifier", test_models.target, env=otel_env(receiver, delay_ms=60_000))
     try:
         v.wait_healthy()
         from specdec.common.prefix import prefix_hash
