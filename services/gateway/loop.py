@@ -79,6 +79,8 @@ class LoopStats:
     ssd_hits: int = 0
     ssd_misses: int = 0
     ssd_branches: int = 0
+    ssd_speculates: int = 0  # Speculates sent
+    ssd_late: int = 0  # of them, still running at their verdict (cancelled)
     ssd_hidden_ms: float = 0.0  # Speculate time that overlapped a verification
     ssd_bytes: int = 0  # Speculate requests + responses
     drafter_wait_ms: float = 0.0  # gateway blocked on the drafter
@@ -181,6 +183,7 @@ class Speculator:
         k_next = min(k, remaining - 2, self._max_context() - len(ctx) - k - 1)
         if self.ssd and k > 0 and k_next >= 1:
             speculation = asyncio.ensure_future(self._speculate(ctx, draft_tokens, k_next))
+            self.stats.ssd_speculates += 1
         verify_sent = time.perf_counter()
         try:
             verdict = await self._call(
@@ -284,6 +287,7 @@ class Speculator:
             # finishes and stores its branches, and that Draft queues behind it; one not
             # started yet never runs, so it cannot overwrite the cache after that Draft.
             metrics.SSD_LATE.inc()
+            self.stats.ssd_late += 1
             speculation.cancel()
             # The drafter worked on it through the whole verification (hidden time); its
             # branches are not known here (ssd_branches counts answered Speculates).

@@ -52,6 +52,8 @@ def build_response(
             ssd_hits=stats.ssd_hits,
             ssd_misses=stats.ssd_misses,
             ssd_branches=stats.ssd_branches,
+            ssd_late=stats.ssd_late,
+            ssd_speculates=stats.ssd_speculates,
             ssd_hidden_ms=stats.ssd_hidden_ms,
             drafter_wait_ms=stats.drafter_wait_ms,
             ssd_bytes=stats.ssd_bytes,

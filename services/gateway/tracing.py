@@ -112,6 +112,7 @@ def finish(span, final: gateway_pb2.GenerateResponse, context) -> str:
             "specdec.ssd_hits": s.ssd_hits,
             "specdec.ssd_misses": s.ssd_misses,
             "specdec.ssd_hit_rate": s.ssd_hits / speculated if speculated else 0.0,
+            "specdec.ssd_late": s.ssd_late,
             "specdec.cache_misses": s.cache_misses,
             "specdec.time_to_first_token_ms": final.timings.time_to_first_token_ms,
         }

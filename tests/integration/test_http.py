@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -86,6 +87,7 @@ def stack(test_models, receiver, tmp_path_factory):
             g.wait_healthy()
             yield {
                 "gateway": g,
+                "verifier": v,
                 "http": f"http://127.0.0.1:{port}",
                 "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
             }
@@ -406,18 +408,26 @@ def test_disconnect_cancels_and_the_session_stays_usable(stack, oai, tokenizer, 
     )  # fmt: skip
     chunks = iter(long_turn)
     next(chunks), next(chunks)  # the role chunk and the first tokens: the turn is running
-    # Its turn lock is held: a second turn of the session is refused meanwhile.
-    with pytest.raises(openai.ConflictError) as e:
-        oai.chat.completions.create(
-            model="tiny", messages=second, max_tokens=2, extra_body={"session_id": session}
-        )
-    assert e.value.status_code == 409 and "has a turn in progress" in _error(e)["message"]
-    long_turn.close()  # the client goes away mid-stream
-    gateway = stack["gateway"]
-    deadline = time.monotonic() + 120
-    while not any("generation cancelled" in line for line in gateway.lines):
-        assert time.monotonic() < deadline, gateway.tail()
-        time.sleep(0.2)
+    # A stalled verifier holds the turn open however fast the machine is (400 tokens of a
+    # tiny model take about a second, less than the turn lock's wait): SIGSTOP is what a
+    # verifier stuck in a long forward looks like to the gateway.
+    verifier = stack["verifier"].proc
+    verifier.send_signal(signal.SIGSTOP)
+    try:
+        # Its turn lock is held: a second turn of the session is refused meanwhile.
+        with pytest.raises(openai.ConflictError) as e:
+            oai.chat.completions.create(
+                model="tiny", messages=second, max_tokens=2, extra_body={"session_id": session}
+            )
+        assert e.value.status_code == 409 and "has a turn in progress" in _error(e)["message"]
+        long_turn.close()  # the client goes away mid-stream
+        gateway = stack["gateway"]
+        deadline = time.monotonic() + 120
+        while not any("generation cancelled" in line for line in gateway.lines):
+            assert time.monotonic() < deadline, gateway.tail()
+            time.sleep(0.2)
+    finally:
+        verifier.send_signal(signal.SIGCONT)
     line = next(json.loads(x) for x in gateway.lines if "generation cancelled" in x)
     assert line["session_id"] == session and line["tokens"] < 400
     # The gateway still serves, and the session continues from its last finished turn.

@@ -71,8 +71,12 @@ def summarize(runs: dict[str, ModeRun], cost_ratio: float | None) -> dict[str, d
             if run.mode.ssd:
                 hits, misses = _total(stats, "ssd_hits"), _total(stats, "ssd_misses")
                 speculated = hits + misses
+                sent = _total(stats, "ssd_speculates")
                 row |= {
                     "ssd_hit_rate": round(hits / speculated, 4) if speculated else 0.0,
+                    # Speculates still running at the verdict: their branches are not
+                    # counted in ssd_branches_per_round (the gateway never sees them).
+                    "ssd_late_rate": round(_total(stats, "ssd_late") / sent, 4) if sent else 0.0,
                     "ssd_branches_per_round": round(_total(stats, "ssd_branches") / rounds, 2),
                     "ssd_hidden_ms_per_round": round(_total(stats, "ssd_hidden_ms") / rounds, 1),
                     "ssd_bytes_per_round": round(_total(stats, "ssd_bytes") / rounds),

@@ -74,6 +74,11 @@ class SpeculationStats:
     drafter_wait_ms: float = 0.0
     #: SSD: bytes of Speculate requests and responses.
     ssd_bytes: int = 0
+    #: SSD: Speculates still running at their verdict (cancelled; their branches are not
+    #: in ssd_branches, though a later Draft may still be served from them).
+    ssd_late: int = 0
+    #: SSD: Speculates sent (answered before their verdict, late, or failed).
+    ssd_speculates: int = 0
 
     @property
     def ssd_hit_rate(self) -> float:
@@ -194,6 +199,8 @@ def speculation_stats_from_proto(msg: gateway_pb2.SpeculationStats) -> Speculati
         ssd_hidden_ms=msg.ssd_hidden_ms,
         drafter_wait_ms=msg.drafter_wait_ms,
         ssd_bytes=msg.ssd_bytes,
+        ssd_late=msg.ssd_late,
+        ssd_speculates=msg.ssd_speculates,
     )
 
 
