@@ -41,8 +41,11 @@ def _signed(directory: Path, name: str, ca: str, extensions: str) -> tuple[Path,
     return directory / f"{name}.pem", directory / f"{name}.key"
 
 
-def make_pki(directory: Path, name: str = "ca") -> Pki:
-    """A CA named `name` and a server and a client certificate signed by it."""
+def make_pki(
+    directory: Path, name: str = "ca", server_names: str = "IP:127.0.0.1,DNS:localhost"
+) -> Pki:
+    """A CA named `name` and a server (for `server_names`, subjectAltName syntax) and a
+    client certificate signed by it."""
     directory.mkdir(parents=True, exist_ok=True)
     _openssl("req", "-x509", *_KEY, "-keyout", f"{name}.key", "-out", f"{name}.pem",
              "-days", "3", "-subj", f"/CN=specdec-throwaway-{name}", cwd=directory)  # fmt: skip
@@ -50,7 +53,7 @@ def make_pki(directory: Path, name: str = "ca") -> Pki:
         directory,
         f"{name}-server",
         name,
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth",
+        f"subjectAltName={server_names}\nextendedKeyUsage=serverAuth",
     )
     client = _signed(directory, f"{name}-client", name, "extendedKeyUsage=clientAuth")
     return Pki(directory / f"{name}.pem", *server, *client)

@@ -92,10 +92,14 @@ class ServiceProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def wait_healthy(
-        self, timeout: float = 120.0, credentials: grpc.ChannelCredentials | None = None
+        self,
+        timeout: float = 120.0,
+        credentials: grpc.ChannelCredentials | None = None,
+        options: tuple = (),
     ) -> ServiceProcess:
         """Block until grpc.health.v1 answers SERVING (raises ServiceFailed otherwise);
-        credentials: for a service that serves TLS."""
+        credentials: for a service that serves TLS; options: channel options (such as the
+        name to check in its certificate)."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         deadline = time.monotonic() + timeout
@@ -104,9 +108,9 @@ class ServiceProcess:
             if time.monotonic() > deadline:
                 raise ServiceFailed(f"{self.name} never reported its port:\n{self.tail()}")
         channel = (
-            grpc.insecure_channel(self.address)
+            grpc.insecure_channel(self.address, options=options)
             if credentials is None
-            else grpc.secure_channel(self.address, credentials)
+            else grpc.secure_channel(self.address, credentials, options=options)
         )
         with channel:
             stub = health_pb2_grpc.HealthStub(channel)

@@ -125,6 +125,7 @@ def run_replica(
                 on_stop=runtime.shutdown,
                 on_port=servicer.on_port,
                 credentials=config.tls.credentials() if config.tls else None,
+                health_port=config.tls.health_port if config.tls else 0,
             )
         )
     finally:

@@ -185,11 +185,14 @@ async def serve(
     on_port: Callable[[int], None] | None = None,
     credentials: grpc.ServerCredentials | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    health_port: int = 0,
 ) -> None:
     """Run a service until SIGTERM/SIGINT.
 
     The port opens first, with health NOT_SERVING, so an orchestrator sees a live process
     while the model loads; `ready()` then loads it and health turns SERVING.
+    health_port: also serve the same health status, and nothing else, in plaintext on
+    this port (probes that cannot speak the main port's TLS).
     """
     server = grpc.aio.server(
         options=CHANNEL_OPTIONS, interceptors=[*interceptors, RefuseMalformed()]
@@ -205,11 +208,25 @@ async def serve(
         bound = server.add_secure_port(address, credentials)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
+    servers = [server]
+    if health_port:
+        probe_server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, probe_server)
+        if probe_server.add_insecure_port(f"{host}:{health_port}") == 0:
+            raise OSError(f"cannot listen on {host}:{health_port} (--health-port)")
+        servers.append(probe_server)
     for name in ("", service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.start()
+    for s in servers:
+        await s.start()
     log.info(
-        "listening", extra={"port": bound, "grpc_service": service_name, "tls": bool(credentials)}
+        "listening",
+        extra={
+            "port": bound,
+            "grpc_service": service_name,
+            "tls": bool(credentials),
+            "health_port": health_port or None,
+        },
     )
     if on_port:
         on_port(bound)
@@ -234,7 +251,7 @@ async def serve(
         log.info("stopping", extra={"grace_seconds": grace_seconds})
     finally:
         await health_servicer.enter_graceful_shutdown()
-        await server.stop(grace_seconds)
+        await asyncio.gather(*(s.stop(grace_seconds) for s in servers))
         if on_stop:
             on_stop()
         log.info("stopped")

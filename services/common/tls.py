@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 
-from specdec.common.config import ConfigError, add_setting, env_name
+from specdec.common.config import ConfigError, add_setting, env_name, parse_value, port_number
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,9 @@ class ServerTls:
     cert: bytes
     key: bytes
     client_ca: bytes | None = None
+    # A second, plaintext port that serves grpc.health.v1 only (0: none): for orchestrators
+    # whose probes cannot speak TLS, such as the kubelet's gRPC probe.
+    health_port: int = 0
 
     def credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials(
@@ -56,6 +59,7 @@ class ClientTls:
     ca: bytes | None = None
     cert: bytes | None = None
     key: bytes | None = None
+    server_name: str = ""  # checked in the server's certificate instead of the address's host
 
     def credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(
@@ -69,14 +73,27 @@ def add_server_tls_arguments(parser: argparse.ArgumentParser) -> None:
     add_setting(
         parser, "--tls-client-ca", "PEM CA that clients' certificates must chain to (mTLS)", ""
     )
+    add_setting(
+        parser,
+        "--health-port",
+        "with TLS: a plaintext port that serves only grpc.health.v1, for probes that cannot "
+        "speak TLS (the kubelet's gRPC probe); 0: none",
+        0,
+    )
 
 
 def server_tls_from_args(args: argparse.Namespace) -> ServerTls | None:
     """The server's TLS settings, None without --tls-cert (ConfigError when incomplete)."""
     cert, key, client_ca = args.tls_cert, args.tls_key, args.tls_client_ca
+    health_port = parse_value(args, "--health-port", int, port_number)
     if not cert and not key:
         if client_ca:
             raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+        if health_port:
+            raise ConfigError(
+                "--health-port is a plaintext health port beside a TLS port; without "
+                "--tls-cert the service's own port answers health checks"
+            )
         return None
     if not (cert and key):
         raise ConfigError("--tls-cert and --tls-key go together")
@@ -84,6 +101,7 @@ def server_tls_from_args(args: argparse.Namespace) -> ServerTls | None:
         cert=_read("--tls-cert", cert),
         key=_read("--tls-key", key),
         client_ca=_read("--tls-client-ca", client_ca) if client_ca else None,
+        health_port=health_port,
     )
 
 
@@ -91,14 +109,23 @@ def add_replica_tls_arguments(parser: argparse.ArgumentParser) -> None:
     add_setting(parser, "--replica-ca", "PEM CA that the replicas' certificates chain to", "")
     add_setting(parser, "--replica-cert", "PEM certificate the gateway shows replicas (mTLS)", "")
     add_setting(parser, "--replica-key", "PEM private key of --replica-cert", "")
+    add_setting(
+        parser,
+        "--replica-server-name",
+        "name to check in the replicas' certificates instead of each address's host (one "
+        "certificate per pool when discovery yields pod IPs); empty: the address's host",
+        "",
+    )
 
 
 def replica_tls_from_args(args: argparse.Namespace) -> ClientTls | None:
     """How the gateway reaches its replicas: None (plaintext) without --replica-ca."""
     ca, cert, key = args.replica_ca, args.replica_cert, args.replica_key
     if not ca:
-        if cert or key:
-            raise ConfigError("--replica-cert / --replica-key need --replica-ca")
+        if cert or key or args.replica_server_name:
+            raise ConfigError(
+                "--replica-cert / --replica-key / --replica-server-name need --replica-ca"
+            )
         return None
     if bool(cert) != bool(key):
         raise ConfigError("--replica-cert and --replica-key go together")
@@ -106,6 +133,7 @@ def replica_tls_from_args(args: argparse.Namespace) -> ClientTls | None:
         ca=_read("--replica-ca", ca),
         cert=_read("--replica-cert", cert) if cert else None,
         key=_read("--replica-key", key) if key else None,
+        server_name=args.replica_server_name,
     )
 
 

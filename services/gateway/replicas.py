@@ -53,10 +53,17 @@ class Replica:
         return f"{self.role}@{self.address}"
 
 
-def _channel(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
+def _channel(
+    address: str, credentials: grpc.ChannelCredentials | None, server_name: str = ""
+) -> grpc.aio.Channel:
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-    return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+    # server_name: the name the replicas' certificates carry when the address is a pod IP
+    # from discovery (one certificate for a whole pool, not one per pod address).
+    options = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", server_name)]
+    return grpc.aio.secure_channel(
+        address, credentials, options=options if server_name else CHANNEL_OPTIONS
+    )
 
 
 def _stub_for(role: str, channel: grpc.aio.Channel):
@@ -76,12 +83,14 @@ class ReplicaPool:
         info_timeout: float = 10.0,
         dns_interval: float = 5.0,
         credentials: grpc.ChannelCredentials | None = None,
+        server_name: str = "",
     ):
         if not addresses:
             raise ValueError(f"no {role} address given")
         self.role = role
         self.info_timeout = info_timeout
         self.credentials = credentials  # TLS (mTLS with a certificate); None: plaintext
+        self.server_name = server_name  # name checked in the replicas' certificates
         self.source = ",".join(addresses)
         self.discovery = make_discovery(addresses[0], dns_interval) if len(addresses) == 1 else None
         self.replicas: list[Replica] = []
@@ -95,7 +104,7 @@ class ReplicaPool:
         return self.discovery is not None
 
     def _new(self, address: str) -> Replica:
-        channel = _channel(address, self.credentials)
+        channel = _channel(address, self.credentials, self.server_name)
         return Replica(self.role, address, channel, _stub_for(self.role, channel))
 
     def _report(self) -> None:
@@ -201,13 +210,11 @@ class Fleet:
         verifiers: Sequence[str],
         dns_interval: float = 5.0,
         credentials: grpc.ChannelCredentials | None = None,
+        server_name: str = "",
     ):
-        self.drafters = ReplicaPool(
-            "drafter", drafters, dns_interval=dns_interval, credentials=credentials
-        )
-        self.verifiers = ReplicaPool(
-            "verifier", verifiers, dns_interval=dns_interval, credentials=credentials
-        )
+        tls = {"credentials": credentials, "server_name": server_name}
+        self.drafters = ReplicaPool("drafter", drafters, dns_interval=dns_interval, **tls)
+        self.verifiers = ReplicaPool("verifier", verifiers, dns_interval=dns_interval, **tls)
         self._probe: asyncio.Task | None = None
         self._discovery: list[asyncio.Task] = []
         # What every replica must match, fixed at start: (vocab size, tokenizer fingerprint),

@@ -98,6 +98,7 @@ def main(args: argparse.Namespace) -> None:
                 ready=ready,
                 grace_seconds=config.grace_seconds,
                 credentials=config.tls.credentials() if config.tls else None,
+                health_port=config.tls.health_port if config.tls else 0,
                 interceptors=[BearerTokens(config.auth_tokens)] if config.auth_tokens else [],
             )
         finally:

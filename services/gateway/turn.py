@@ -96,6 +96,7 @@ class Gateway:
             config.verifiers,
             dns_interval=config.dns_interval,
             credentials=config.replica_tls.credentials() if config.replica_tls else None,
+            server_name=config.replica_tls.server_name if config.replica_tls else "",
         )
         self.sessions = SessionIndex(config.redis_url, default_ttl=config.session_ttl)
         self.turns = TurnLocks(self.sessions)

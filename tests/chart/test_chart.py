@@ -287,6 +287,8 @@ def test_model_sources(source, model_env, volume_kind):
         ({"redis": {"enabled": False}}, "redis.external.secretName"),
         ({"discovery": {"mode": "static"}}, "discovery.staticDrafters"),
         ({"gateway": {"grpcRoute": {"enabled": True}}}, "gateway.grpcRoute.parentRefs"),
+        ({"tls": {"replicas": {"secretName": "r"}}}, "tls.replicas.serverName"),
+        ({"tls": {"healthPort": 0}}, "/tls/healthPort"),
     ],
 )
 def test_bad_values_fail_naming_the_setting(values, message):
@@ -359,3 +361,92 @@ def test_gateway_http_port_is_exposed_when_set():
     assert env_of(c)["SPECDEC_HTTP_PORT"] == "0"
     assert "http" not in [p["name"] for p in c["ports"]]
     assert "http" not in [p["name"] for p in find(off, "Service", gw)["spec"]["ports"]]
+
+
+TRUST = {
+    "tls": {
+        "gateway": {"secretName": "gw-tls", "requireClientCert": True},
+        "replicas": {"secretName": "replica-tls", "serverName": "replicas.specdec.svc"},
+        "healthPort": 8181,
+    },
+    "auth": {"tokensSecretName": "gw-tokens", "tokensSecretKey": "tokens.txt"},
+}
+
+
+def _mounted(dep: dict, c: dict, path: str) -> tuple[str, str]:
+    """(Secret name, key) of the file at `path` in container c of Deployment dep."""
+    mount = next(m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+    assert mount["readOnly"] is True, path
+    volume = next(
+        v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]
+    )
+    secret = volume["secret"]
+    assert secret["defaultMode"] == 0o440, path  # the pod's group (fsGroup) only
+    name = path.removeprefix(mount["mountPath"] + "/")
+    for item in secret.get("items", []):
+        if item["path"] == name:
+            return secret["secretName"], item["key"]
+    return secret["secretName"], name
+
+
+def test_tls_and_tokens_are_mounted_from_secrets():
+    objs = objects(TRUST)
+    for obj in objs:  # what the cluster would accept
+        if obj["kind"] not in CRD_KINDS:
+            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+    gw = find(objs, "Deployment", role_name("gateway"))
+    c = container(gw, "gateway")
+    env = env_of(c)
+    files = {
+        "SPECDEC_TLS_CERT": ("gw-tls", "tls.crt"),
+        "SPECDEC_TLS_KEY": ("gw-tls", "tls.key"),
+        "SPECDEC_TLS_CLIENT_CA": ("gw-tls", "ca.crt"),
+        "SPECDEC_REPLICA_CA": ("replica-tls", "ca.crt"),
+        "SPECDEC_REPLICA_CERT": ("replica-tls", "tls.crt"),
+        "SPECDEC_REPLICA_KEY": ("replica-tls", "tls.key"),
+        "SPECDEC_AUTH_TOKENS_FILE": ("gw-tokens", "tokens.txt"),
+    }
+    for name, where in files.items():
+        assert _mounted(gw, c, env[name]) == where, name
+    assert env["SPECDEC_REPLICA_SERVER_NAME"] == "replicas.specdec.svc"
+    for role in ("drafter", "verifier"):
+        dep = find(objs, "Deployment", role_name(role))
+        rc = container(dep, role)
+        renv = env_of(rc)
+        for name, key in (("SPECDEC_TLS_CERT", "tls.crt"), ("SPECDEC_TLS_KEY", "tls.key"),
+                          ("SPECDEC_TLS_CLIENT_CA", "ca.crt")):  # fmt: skip
+            assert _mounted(dep, rc, renv[name]) == ("replica-tls", key), (role, name)
+        client_side = {"SPECDEC_REPLICA_CA", "SPECDEC_REPLICA_CERT", "SPECDEC_AUTH_TOKENS_FILE"}
+        assert not client_side & set(renv), role
+    # The kubelet's gRPC probes cannot speak TLS: every TLS port has a plaintext health port.
+    for role in ("drafter", "verifier", "gateway"):
+        dep = find(objs, "Deployment", role_name(role))
+        rc = container(dep, role)
+        assert env_of(rc)["SPECDEC_HEALTH_PORT"] == "8181", role
+        assert {"name": "health", "containerPort": 8181, "protocol": "TCP"} in rc["ports"]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert rc[probe]["grpc"] == {"port": 8181}, (role, probe)
+    # Nothing secret is written into the manifests themselves.
+    text = "\n".join(render(TRUST).values())
+    assert "BEGIN" not in text and "Bearer" not in text
+
+
+def test_no_trust_settings_by_default():
+    for dep in (o for o in objects() if o["kind"] == "Deployment"):
+        for c in dep["spec"]["template"]["spec"]["containers"]:
+            env = env_of(c)
+            assert not {k for k in env if "TLS" in k or "REPLICA_C" in k or "AUTH" in k}, c["name"]
+            assert "SPECDEC_HEALTH_PORT" not in env
+
+
+@pytest.mark.parametrize(("cpu", "threads"), [("2", "2"), ("500m", "1"), ("3500m", "3"), (6, "6")])
+def test_replica_threads_follow_the_cpu_request(cpu, threads):
+    values = {role: {"resources": {"requests": {"cpu": cpu}}} for role in ("drafter", "verifier")}
+    objs = objects(values)
+    for role in ("drafter", "verifier"):
+        c = container(find(objs, "Deployment", role_name(role)), role)
+        assert env_of(c)["SPECDEC_THREADS"] == threads, role
+    # An explicit setting wins, once.
+    values["drafter"]["settings"] = {"SPECDEC_THREADS": "5"}
+    c = container(find(objects(values), "Deployment", role_name("drafter")), "drafter")
+    assert [e["value"] for e in c["env"] if e["name"] == "SPECDEC_THREADS"] == ["5"]

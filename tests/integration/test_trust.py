@@ -31,16 +31,28 @@ def server_flags(p, client_ca=True) -> list[str]:
     return [*flags, "--tls-client-ca", str(p.ca)] if client_ca else flags
 
 
+def client_credentials(p):
+    """Channel credentials that trust CA p and show its client certificate."""
+    return tls_credentials(str(p.ca), str(p.client_cert), str(p.client_key))
+
+
+def replica_pair(test_models, p) -> tuple:
+    """A drafter and a verifier serving p's server certificate, requiring p's clients."""
+    return (
+        replica("drafter", test_models.draft_noisy, *server_flags(p)),
+        replica("verifier", test_models.target, *server_flags(p)),
+    )
+
+
 @pytest.fixture(scope="module")
 def stack(test_models, pki):
     """Replicas that require client certificates of the good CA; a gateway that shows one,
     serves TLS requiring client certificates, and checks bearer tokens."""
     good = pki["good"]
-    mtls = tls_credentials(str(good.ca), str(good.client_cert), str(good.client_key))
+    mtls = client_credentials(good)
     procs = []
     try:
-        d = replica("drafter", test_models.draft_noisy, *server_flags(good))
-        v = replica("verifier", test_models.target, *server_flags(good))
+        d, v = replica_pair(test_models, good)
         procs += [d, v]
         d.wait_healthy(credentials=mtls), v.wait_healthy(credentials=mtls)
         g = gateway(
@@ -164,3 +176,79 @@ def test_up_tls_makes_a_throwaway_ca(test_models, tokenizer, reference):
                     common_pb2.InfoRequest(), timeout=10
                 )
     assert not stack.pki.ca.exists()  # removed with the stack
+
+
+def test_health_port_is_plaintext_health_only(test_models, pki):
+    """--health-port: the kubelet's gRPC probe cannot speak TLS, so a TLS replica can also
+    answer health checks, and nothing else, in plaintext on a second port."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from specdec.tools.redisproc import free_port
+    from specdec.v1 import common_pb2, verifier_pb2_grpc
+
+    good = pki["good"]
+    port = free_port()
+    v = replica("verifier", test_models.target, *server_flags(good), "--health-port", str(port))
+    try:
+        mtls = client_credentials(good)
+        v.wait_healthy(credentials=mtls)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="specdec.v1.VerifierService"), timeout=10
+            )
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as err:  # the model is not behind this port
+                verifier_pb2_grpc.VerifierServiceStub(channel).Info(
+                    common_pb2.InfoRequest(), timeout=10
+                )
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        with grpc.insecure_channel(v.address) as channel, pytest.raises(grpc.RpcError) as err:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # the main port stays TLS only
+    finally:
+        v.stop()
+
+
+def test_replica_server_name_checks_one_name_for_a_pool(
+    test_models, tmp_path, tokenizer, reference
+):
+    """Replicas found by discovery are pod IPs; their certificate names the pool
+    (`--replica-server-name`), not each address. Without the name the gateway's TLS check
+    of 127.0.0.1 fails against such a certificate; with it the turn runs, exactly."""
+    from specdec.v1 import common_pb2, verifier_pb2_grpc
+
+    named = make_pki(tmp_path, "pool", server_names="DNS:verifier.specdec.test")
+    creds = client_credentials(named)
+    procs = []
+    try:
+        d, v = replica_pair(test_models, named)
+        procs += [d, v]
+        override = (("grpc.ssl_target_name_override", "verifier.specdec.test"),)
+        d.wait_healthy(credentials=creds, options=override)
+        v.wait_healthy(credentials=creds, options=override)
+        with grpc.secure_channel(v.address, creds, options=override) as channel:
+            info = verifier_pb2_grpc.VerifierServiceStub(channel).Info(
+                common_pb2.InfoRequest(), timeout=120, wait_for_ready=True
+            )
+            assert info.vocab_size > 0
+        with grpc.secure_channel(v.address, creds) as channel, pytest.raises(grpc.RpcError) as err:
+            verifier_pb2_grpc.VerifierServiceStub(channel).Info(
+                common_pb2.InfoRequest(), timeout=10
+            )  # 127.0.0.1 is not in the certificate
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        g = gateway(
+            [d], [v], None,
+            "--replica-ca", str(named.ca), "--replica-cert", str(named.client_cert),
+            "--replica-key", str(named.client_key),
+            "--replica-server-name", "verifier.specdec.test",
+        )  # fmt: skip
+        procs.append(g)
+        g.wait_healthy()
+        ids = tokenizer(PROMPTS[3]).input_ids
+        with Client(g.address, timeout=60) as client:
+            assert list(client.generate(token_ids=ids, max_new_tokens=8, k=2).tokens) == reference(
+                ids, 8
+            )
+    finally:
+        for p in procs:
+            p.stop()

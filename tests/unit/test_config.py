@@ -42,6 +42,11 @@ def test_environment_variables(monkeypatch):
         (("--model", "m", "--max-cached-tokens", "0"), "--max-cached-tokens"),
         (("--model", "m", "--max-draft-tokens", "-1"), "--max-draft-tokens"),
         (("--model", "m", "--gguf-file", "/no/such/file.gguf"), "--gguf-file"),
+        (("--model", "m", "--health-port", "9000"), "--health-port"),  # without TLS
+        (
+            ("--model", "m", "--tls-cert", "c", "--tls-key", "k", "--health-port", "-1"),
+            "--health-port",
+        ),
     ],
 )
 def test_bad_values_name_the_setting(argv, names):
@@ -86,3 +91,12 @@ def test_cli_exits_with_the_message():
     )
     assert result.returncode == 2
     assert "--dtype" in result.stderr and "fp7" in result.stderr
+
+
+def test_replica_server_name_needs_the_replica_ca():
+    from specdec.gateway.config import GatewayConfig
+
+    base = ["serve", "gateway", "--drafter", "h:1", "--verifier", "h:2"]
+    args = build_parser().parse_args([*base, "--replica-server-name", "replicas.example"])
+    with pytest.raises(ConfigError, match="--replica-server-name"):
+        GatewayConfig.from_args(args)

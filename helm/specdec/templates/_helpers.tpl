@@ -193,3 +193,121 @@ dns:{{ $svc }}.{{ .root.Release.Namespace }}.svc.{{ .root.Values.clusterDomain }
 {{- join "," $list }}
 {{- end }}
 {{- end }}
+
+{{/* "true" when this role's port serves TLS (dict root role), else empty */}}
+{{- define "specdec.servesTls" -}}
+{{- if eq .role "gateway" }}{{ if .root.Values.tls.gateway.secretName }}true{{ end }}
+{{- else if .root.Values.tls.replicas.secretName }}true{{ end }}
+{{- end }}
+
+{{/* The port the kubelet's gRPC probes use: the plaintext health port beside TLS (dict root role port) */}}
+{{- define "specdec.probePort" -}}
+{{- if include "specdec.servesTls" . }}{{ .root.Values.tls.healthPort }}{{ else }}{{ .port }}{{ end }}
+{{- end }}
+
+{{/* SPECDEC_THREADS from the CPU request (whole cores, at least 1), unless settings name it (dict cfg) */}}
+{{- define "specdec.threadsEnv" -}}
+{{- $cpu := toString (dig "requests" "cpu" "" (default dict .cfg.resources)) }}
+{{- if and $cpu (not (hasKey (default dict .cfg.settings) "SPECDEC_THREADS")) }}
+{{- $threads := 1 }}
+{{- if hasSuffix "m" $cpu }}
+{{- $threads = div (atoi (trimSuffix "m" $cpu)) 1000 }}
+{{- else }}
+{{- $threads = int (floor (float64 $cpu)) }}
+{{- end }}
+- name: SPECDEC_THREADS
+  value: {{ max 1 $threads | quote }}
+{{- end }}
+{{- end }}
+
+{{/* TLS and token settings of a role: environment entries naming mounted files (dict root role) */}}
+{{- define "specdec.trustEnv" -}}
+{{- $t := .root.Values.tls }}
+{{- if eq .role "gateway" }}
+{{- if $t.gateway.secretName }}
+- name: SPECDEC_TLS_CERT
+  value: /etc/specdec/tls/tls.crt
+- name: SPECDEC_TLS_KEY
+  value: /etc/specdec/tls/tls.key
+{{- if $t.gateway.requireClientCert }}
+- name: SPECDEC_TLS_CLIENT_CA
+  value: /etc/specdec/tls/ca.crt
+{{- end }}
+{{- end }}
+{{- if $t.replicas.secretName }}
+- name: SPECDEC_REPLICA_CA
+  value: /etc/specdec/replica-tls/ca.crt
+- name: SPECDEC_REPLICA_CERT
+  value: /etc/specdec/replica-tls/tls.crt
+- name: SPECDEC_REPLICA_KEY
+  value: /etc/specdec/replica-tls/tls.key
+- name: SPECDEC_REPLICA_SERVER_NAME
+  value: {{ required "tls.replicas.serverName is required with tls.replicas.secretName: the DNS name in the replicas' certificate" $t.replicas.serverName | quote }}
+{{- end }}
+{{- if .root.Values.auth.tokensSecretName }}
+- name: SPECDEC_AUTH_TOKENS_FILE
+  value: /etc/specdec/auth/tokens
+{{- end }}
+{{- else if $t.replicas.secretName }}
+- name: SPECDEC_TLS_CERT
+  value: /etc/specdec/tls/tls.crt
+- name: SPECDEC_TLS_KEY
+  value: /etc/specdec/tls/tls.key
+- name: SPECDEC_TLS_CLIENT_CA
+  value: /etc/specdec/tls/ca.crt
+{{- end }}
+{{- if include "specdec.servesTls" . }}
+- name: SPECDEC_HEALTH_PORT
+  value: {{ $t.healthPort | quote }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret mounts of a role (dict root role) */}}
+{{- define "specdec.trustMounts" -}}
+{{- $t := .root.Values.tls }}
+{{- if include "specdec.servesTls" . }}
+- name: tls
+  mountPath: /etc/specdec/tls
+  readOnly: true
+{{- end }}
+{{- if eq .role "gateway" }}
+{{- if $t.replicas.secretName }}
+- name: replica-tls
+  mountPath: /etc/specdec/replica-tls
+  readOnly: true
+{{- end }}
+{{- if .root.Values.auth.tokensSecretName }}
+- name: auth
+  mountPath: /etc/specdec/auth
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret volumes of a role, readable by the pod's group only (0440) (dict root role) */}}
+{{- define "specdec.trustVolumes" -}}
+{{- $t := .root.Values.tls }}
+{{- if include "specdec.servesTls" . }}
+- name: tls
+  secret:
+    secretName: {{ ternary $t.gateway.secretName $t.replicas.secretName (eq .role "gateway") }}
+    defaultMode: 288
+{{- end }}
+{{- if eq .role "gateway" }}
+{{- if $t.replicas.secretName }}
+- name: replica-tls
+  secret:
+    secretName: {{ default $t.replicas.secretName $t.replicas.clientSecretName }}
+    defaultMode: 288
+{{- end }}
+{{- with .root.Values.auth.tokensSecretName }}
+- name: auth
+  secret:
+    secretName: {{ . }}
+    defaultMode: 288
+    items:
+      - key: {{ $.root.Values.auth.tokensSecretKey }}
+        path: tokens
+{{- end }}
+{{- end }}
+{{- end }}

@@ -101,6 +101,11 @@ spec:
               containerPort: {{ $cfg.metricsPort }}
               protocol: TCP
             {{- end }}
+            {{- if include "specdec.servesTls" . }}
+            - name: health
+              containerPort: {{ $root.Values.tls.healthPort }}
+              protocol: TCP
+            {{- end }}
           env:
             - name: POD_NAME
               valueFrom:
@@ -140,6 +145,8 @@ spec:
             - name: HF_HOME
               value: /hf-cache
             {{- end }}
+            {{- include "specdec.threadsEnv" (dict "cfg" $cfg) | nindent 12 }}
+            {{- include "specdec.trustEnv" . | nindent 12 }}
             {{- with $cfg.settings }}
             {{- include "specdec.settingsEnv" . | nindent 12 }}
             {{- end }}
@@ -147,7 +154,7 @@ spec:
             {{- with $cfg.env }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
-          {{- include "specdec.probes" (dict "port" $cfg.port "cfg" $cfg) | nindent 10 }}
+          {{- include "specdec.probes" (dict "port" (include "specdec.probePort" (dict "root" $root "role" $role "port" $cfg.port)) "cfg" $cfg) | nindent 10 }}
           securityContext:
             {{- include "specdec.containerSecurityContext" $root | nindent 12 }}
           resources:
@@ -166,6 +173,7 @@ spec:
               mountPath: /tmp
             - name: dshm
               mountPath: /dev/shm
+            {{- include "specdec.trustMounts" . | nindent 12 }}
             {{- if eq $m.source "hub" }}
             - name: hf-cache
               mountPath: /hf-cache
@@ -181,6 +189,7 @@ spec:
           emptyDir:
             medium: Memory
             sizeLimit: {{ $cfg.shmSize }}
+        {{- include "specdec.trustVolumes" . | nindent 8 }}
         {{- if eq $m.source "install" }}
         - name: models
           emptyDir:
