@@ -93,9 +93,10 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
     p.add_argument(
         "--tracing",
         action="store_true",
-        help="also run every stack mode on a second stack that traces every request "
-        "(sampling 1.0, OTLP/gRPC to a receiver in this process), interleaved with the "
-        "untraced one: the tracing overhead (the replicas' memory twice)",
+        help="also run every stack mode traced: the stack exports sampled spans (OTLP/gRPC "
+        "to a receiver in this process) and each request's traceparent is sampled for the "
+        "'<mode> traced' rows and not for their twins, interleaved on the same processes: "
+        "the tracing overhead",
     )
     p.add_argument("--out", default="bench-results", help="folder for JSON, markdown and PNG")
     p.add_argument(
@@ -150,27 +151,25 @@ def run_bench(args: argparse.Namespace) -> int:
     runs = {m.name: ModeRun(m) for m in modes}
     try:
         with contextlib.ExitStack() as resources:
-            stack = resources.enter_context(LocalStack(args, announce=print))
-            clients = {False: resources.enter_context(Client(stack.gateway.address))}
             if args.tracing:
+                # One stack that exports every sampled span: each request's traceparent
+                # says whether it is sampled, so traced and untraced requests run on the
+                # same processes and differ only in recording and exporting spans.
                 from specdec.tools.otlpsink import OtlpReceiver
 
                 receiver = resources.enter_context(OtlpReceiver())
-                traced_args = argparse.Namespace(**vars(args))
-                traced_args.otlp_endpoint = receiver.endpoint
-                traced_args.otlp_protocol, traced_args.trace_sample_ratio = "grpc", 1.0
-                traced_args.log_dir = args.log_dir and str(Path(args.log_dir) / "traced")
-                traced = resources.enter_context(
-                    LocalStack(traced_args, announce=lambda line: print("traced", line))
-                )
-                clients[True] = resources.enter_context(Client(traced.gateway.address))
+                args.otlp_endpoint = receiver.endpoint
+                args.otlp_protocol, args.trace_sample_ratio = "grpc", 1.0
+            stack = resources.enter_context(LocalStack(args, announce=print))
+            client = resources.enter_context(Client(stack.gateway.address))
+            parents: dict[str, list[str]] = {}  # mode -> trace ids it sent
             print("warming up every mode ...", flush=True)
             for m in modes:
-                _sample(hf, clients, m, encoded[0], 4)
+                _sample(hf, client, m, encoded[0], 4, {})
             for i, ids in enumerate(encoded):
                 order = modes[i % len(modes) :] + modes[: i % len(modes)]
                 for m in order:
-                    sample = _sample(hf, clients, m, ids, n)
+                    sample = _sample(hf, client, m, ids, n, parents)
                     runs[m.name].samples.append(sample)
                     print(
                         f"prompt {i + 1}/{len(encoded)} ({prompts[i].kind:<5}) {m.name:<9} "
@@ -186,7 +185,7 @@ def run_bench(args: argparse.Namespace) -> int:
     rows = summarize(runs, cost_ratio)
     tracing_meta = None
     if args.tracing:
-        tracing_meta = check_traced(runs, receiver)
+        tracing_meta = check_traced(runs, parents, receiver)
         for name, row in rows.items():
             if row["traced"]:
                 twin = rows[untraced_name(name)]
@@ -228,29 +227,61 @@ def run_bench(args: argparse.Namespace) -> int:
     return report(out)
 
 
-def _sample(hf: HFRunner, clients: dict, mode: Mode, ids: list[int], n: int) -> Sample:
+def _sample(
+    hf: HFRunner, client, mode: Mode, ids: list[int], n: int, parents: dict[str, list[str]]
+) -> Sample:
     if mode.engine == "hf":
         return hf.run(mode, ids, n)
-    return run_stack_mode(clients[mode.traced], mode, ids, n)
+    with _parent(mode, parents):
+        return run_stack_mode(client, mode, ids, n)
 
 
-def check_traced(runs: dict[str, ModeRun], receiver: OtlpReceiver, wait: float = 30) -> dict:
+@contextlib.contextmanager
+def _parent(mode: Mode, parents: dict[str, list[str]]):
+    """Under --tracing every stack request carries a traceparent (the SDK sends the
+    caller's context): sampled for '<mode> traced', not sampled for its twin, so the
+    services' parent-based sampler records and exports the one and drops the other."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+    ids = RandomIdGenerator()
+    context = trace.SpanContext(
+        ids.generate_trace_id(),
+        ids.generate_span_id(),
+        is_remote=False,
+        trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED if mode.traced else 0),
+    )
+    parents.setdefault(mode.name, []).append(trace.format_trace_id(context.trace_id))
+    with trace.use_span(trace.NonRecordingSpan(context)):
+        yield
+
+
+def check_traced(
+    runs: dict[str, ModeRun],
+    parents: dict[str, list[str]],
+    receiver: OtlpReceiver,
+    wait: float = 30,
+) -> dict:
     """Every traced request must have its trace in the receiver (else the overhead figure
-    would measure nothing); untraced ones must have none. Returns what was received."""
+    would measure nothing), and no untraced one may have any span there (else the baseline
+    would pay for tracing too). Returns what was received."""
     traced = [s for r in runs.values() if r.mode.traced for s in r.samples]
-    untraced = [s for r in runs.values() if r.mode.engine == "stack" and not r.mode.traced
-                for s in r.samples]  # fmt: skip
-    if any(s.trace_id for s in untraced):
-        raise RuntimeError("an untraced stack answered with a trace id")
+    sent_untraced = {t for name, ts in parents.items() if not runs[name].mode.traced for t in ts}
     wanted = {s.trace_id for s in traced}
     if "" in wanted:
         raise RuntimeError("a traced request came back without a trace id")
+    if wanted - {t for name, ts in parents.items() if runs[name].mode.traced for t in ts}:
+        raise RuntimeError("a traced request was answered under a trace it did not send")
     receiver.wait_for(lambda spans: wanted <= {x.trace_id for x in spans}, timeout=wait)
     spans = receiver.spans()
+    leaked = sent_untraced & {x.trace_id for x in spans}
+    if leaked:
+        raise RuntimeError(f"{len(leaked)} untraced requests left spans in the receiver")
     return {
         "traced_requests": len(traced),
+        "untraced_requests": len(sent_untraced),
         "spans_received": len(spans),
         "spans_per_request": round(len(spans) / len(wanted), 1),
-        "sampler": "parentbased_traceidratio 1.0",
+        "sampler": "parentbased_traceidratio 1.0; each request's traceparent decides",
         "exporter": "otlp grpc, batch span processor, receiver in the bench process",
     }

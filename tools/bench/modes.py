@@ -27,7 +27,7 @@ class Mode:
     k: int | None = None  # stack: draft length
     ssd: bool = False
     contender: bool = True  # False: measured for the cost ratio only
-    traced: bool = False  # stack: the twin stack that exports every span (--tracing)
+    traced: bool = False  # stack: its requests are sampled, its twin's are not (--tracing)
 
 
 @dataclass
