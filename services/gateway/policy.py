@@ -38,7 +38,9 @@ fill every forward, so each extra draft token costs about what a decoding step c
 forward goes to tokens that are certain. In between g rises linearly with L up to
 `saturation_queue`. Once the load falls, g falls and k grows again: the load is measured
 by every Verify, at k = 0 too. Before anything is measured the policy drafts k_max (the
-fixed behaviour), so the first rounds measure the drafter.
+fixed behaviour), so the first rounds measure the drafter. Acceptance and drafter time
+are only measured by drafting, so after `probe_interval` rounds in a row at k = 0 one
+round drafts a single token to refresh them.
 
 With SSD the policy also sizes each Speculate: a Speculate feeds the draft, then drafts
 k_next tokens for f branches in batched steps, which takes about
@@ -49,12 +51,16 @@ verdict comes. A Speculate still running at its verdict (late) counts as having 
 longer than that Verify; after `late_limit` late Speculates in a row at fan-out 1, SSD
 pauses for `pause_rounds` rounds (no Speculate, h = 0 in T(k)) and then tries again.
 
-Why changing k is exact: every round is an ordinary speculation round (DESIGN §2), whose
-output has the target's distribution for any draft length, including k = 0 (the target
-alone), and the choice of k uses only what earlier rounds produced, never the random draws
-of this round. Under greedy decoding the output is the target's argmax sequence whatever k
-is; with a seed, the random numbers are indexed by position, not by round, so the same
-seed gives the same tokens for any sequence of k.
+Why changing k is exact: every round is an ordinary speculation round (DESIGN §2): given
+the tokens so far, the tokens it appends follow the target's distribution for any draft
+length fixed before the round, k = 0 (the target alone) included. The policy fixes k
+before the round from what earlier rounds produced (verdicts and timings), never from
+this round's random draws, so by induction over rounds the whole sequence follows the
+target's distribution: a k chosen from the past is like a stopping rule, which cannot
+bias what the rule of each round guarantees. Under greedy decoding every round appends
+the target's argmax tokens whatever k is, so the output is generate()'s token for token.
+(A seeded sampled output is reproducible for a given sequence of k, not across k: the
+drafter's and the verifier's draws at a position differ between k = 0 and k > 0.)
 """
 
 from __future__ import annotations
@@ -98,6 +104,7 @@ class PolicyParams:
     branch_cost: float = 0.15  # extra time of each further branch in a batched step
     late_limit: int = 3  # late Speculates in a row at fan-out 1 before SSD pauses
     pause_rounds: int = 16  # rounds without Speculate before SSD is tried again
+    probe_interval: int = 32  # rounds in a row at k = 0 before one round drafts 1 token
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -163,6 +170,7 @@ class AdaptivePolicy:
         self.step = _Ema(self.p.smoothing)  # s: seconds of one Speculate step, one branch
         self.late_in_row = 0
         self.paused = 0  # rounds left without Speculate
+        self.k0_in_row = 0  # rounds in a row the policy chose k = 0
         self._verify_s: float | None = None  # the last Verify's time (a late Speculate's floor)
 
     # -- the model -------------------------------------------------------------------------
@@ -213,6 +221,13 @@ class AdaptivePolicy:
             r = self.rate(k)
             if r > best_rate * (1.0 + 1e-9):
                 best, best_rate = k, r
+        if best == 0:
+            self.k0_in_row += 1
+            if self.k0_in_row > self.p.probe_interval:
+                self.k0_in_row = 0
+                return 1  # a probe: acceptance and drafter time are measured by drafting
+        else:
+            self.k0_in_row = 0
         return best
 
     def choose_fan_out(self, k: int, k_next: int) -> int | None:

@@ -174,3 +174,11 @@ def test_late_speculates_shrink_the_fan_out_then_pause_ssd_and_retry():
     # An answered Speculate in time resets the count of late ones.
     policy.observe_speculate(1, 2, 0.05)
     assert policy.late_in_row == 0
+
+
+def test_probes_with_one_token_after_a_long_run_at_k0():
+    params = PolicyParams(probe_interval=5)
+    policy = AdaptivePolicy(ssd=False, max_fan_out=1, params=params)
+    rounds(policy, 12, k=4, accepted=0, verify_s=0.30, draft_s=0.40)
+    ks = [policy.choose_k(4) for _ in range(12)]
+    assert ks == [0] * 5 + [1] + [0] * 5 + [1]
