@@ -4,18 +4,18 @@ within a request), sampled output keeps the target's distribution, bad values ar
 
 from __future__ import annotations
 
-import asyncio
 import math
+from contextlib import ExitStack
 
 import grpc
 import pytest
 
-from specdec.sdk import AsyncClient, Client
+from specdec.sdk import Client
 from specdec.sdk.client import build_generate_request
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.conftest import PROMPTS
 from tests.integration.test_gateway import gateway, replica
-from tests.integration.test_ssd import exact_sequence_probs
+from tests.integration.test_ssd import check_distribution, exact_sequence_probs, sample_top2
 
 pytestmark = pytest.mark.integration
 
@@ -27,29 +27,30 @@ def adaptive_stack(test_models):
     """One verifier (the target); gateways over the noisy draft (realistic acceptance) with
     the adaptive policy as default, with and without SSD, one with the fixed default, and
     gateways over an unrelated small draft (acceptance near 0)."""
-    procs = []
-    try:
-        verifier = replica("verifier", test_models.target)
-        noisy = replica("drafter", test_models.draft_noisy)
-        small = replica("drafter", test_models.draft_small)
-        procs += [verifier, noisy, small]
-        for p in procs:
-            p.wait_healthy()
+    with ExitStack() as running:
+
+        def started(*procs):  # stopped when the module's tests are done, last first
+            for p in procs:
+                running.callback(p.stop)
+            for p in procs:
+                p.wait_healthy()
+            return procs
+
+        verifier, noisy, small = started(
+            replica("verifier", test_models.target),
+            replica("drafter", test_models.draft_noisy),
+            replica("drafter", test_models.draft_small),
+        )
         adaptive = ("--k-policy", "adaptive")
-        gws = {
-            "adaptive": gateway([noisy], [verifier], None, *adaptive),
-            "adaptive-ssd": gateway([noisy], [verifier], None, *adaptive, "--ssd", "true"),
-            "fixed": gateway([noisy], [verifier], None),
-            "small": gateway([small], [verifier], None, *adaptive),
-            "small-ssd": gateway([small], [verifier], None, *adaptive, "--ssd", "true"),
+        flags = {
+            "adaptive": (noisy, *adaptive),
+            "adaptive-ssd": (noisy, *adaptive, "--ssd", "true"),
+            "fixed": (noisy,),
+            "small": (small, *adaptive),
+            "small-ssd": (small, *adaptive, "--ssd", "true"),
         }
-        procs += gws.values()
-        for g in gws.values():
-            g.wait_healthy()
-        yield {name: g.address for name, g in gws.items()}
-    finally:
-        for p in procs:
-            p.stop()
+        gws = started(*(gateway([d], [verifier], None, *rest) for d, *rest in flags.values()))
+        yield {name: g.address for name, g in zip(flags, gws, strict=True)}
 
 
 def check_policy_stats(s, k_max: int) -> None:
@@ -139,31 +140,10 @@ def test_adaptive_sampling_distribution(adaptive_stack, tokenizer, target_model)
     """
     ids = tokenizer(PROMPTS[0]).input_ids
     exact = exact_sequence_probs(target_model, ids, steps=4, top_k=2)
-    samples = 1200
-
-    async def draw():
-        async with AsyncClient(adaptive_stack["adaptive-ssd"], timeout=120) as client:
-            sem = asyncio.Semaphore(8)
-
-            async def one():
-                async with sem:
-                    return await client.generate(
-                        token_ids=ids, max_new_tokens=4, k=3, temperature=1.0, top_k=2
-                    )
-
-            return await asyncio.gather(*(one() for _ in range(samples)))
-
-    results = asyncio.run(draw())
+    results = sample_top2(adaptive_stack["adaptive-ssd"], ids, 1200, k=3)
     for r in results:
         check_policy_stats(r.stats, 3)
     policy_k0 = sum(r.stats.policy_k0_rounds for r in results)
     changed = sum(1 for r in results if r.stats.rounds_by_k[3] and r.stats.policy_k0_rounds)
     assert policy_k0 > 0 and changed > 0, (policy_k0, changed)
-    counts = {s: 0 for s in exact}
-    for r in results:
-        seq = tuple(r.tokens)
-        assert seq in counts, f"{seq} is impossible under top-k 2"
-        counts[seq] += 1
-    for s, p in exact.items():
-        sigma = math.sqrt(samples * p * (1 - p))
-        assert abs(counts[s] - samples * p) <= 5 * sigma + 1, (s, counts[s], samples * p)
+    check_distribution(exact, [tuple(r.tokens) for r in results])
