@@ -201,7 +201,9 @@ class Speculator:
                 prepared = draft is not None and draft.prepared
                 self.stats.ssd_hits += prepared
                 self.stats.ssd_misses += not prepared
-                self.policy.observe_ssd(prepared)
+                # Hidden drafting only: this Draft waited for the late Speculate, so even
+                # a prepared draft was on the critical path (a miss for the policy's h).
+                self.policy.observe_ssd(False)
                 self.round_late_outcome = "hit" if prepared else "miss"
             if draft is None:
                 k = 0  # no drafter: this round is a plain target step (the same output)

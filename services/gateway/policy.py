@@ -12,8 +12,10 @@ the k in [0, k_max] that maximises the expected tokens per second of this reques
     V(k) = v (1 + g k)                   Verify: v is the measured time of a round without a
                                          draft; each draft token adds g of it
     D(k) = k d (1 - h)                   Draft: d is the measured drafter time per draft
-                                         token; h the SSD hit rate (a hit drafts nothing on
-                                         the critical path), 0 without SSD
+                                         token; h the share of SSD rounds whose drafting was
+                                         hidden (a hit on a Speculate answered in time; one
+                                         that was late made the next Draft wait, so it
+                                         counts as a miss here), 0 without SSD
     k* = argmax_k E(k) / T(k)            ties go to the smaller k
 
 What is measured (per request, exponential moving averages; nothing is shared between
