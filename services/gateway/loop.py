@@ -161,6 +161,7 @@ class Speculator:
         self._without_drafter = False  # the last Draft found no drafter (k = 0 rounds)
         self._late = False  # the last round's Speculate was still running at its verdict
         self._spec_shape = (0, 0)  # (fan-out, k_next) of the Speculate in flight
+        self.round_k = 0  # the draft length the last round used (the policy's choice)
         self.round_ssd: str = "off"  # what SSD did in the last round (see _round)
         self.round_late_outcome: str | None = None
         # Block hashes of the request's context, which only grows: O(new tokens) per call.
@@ -254,6 +255,7 @@ class Speculator:
         accepted = verdict.accepted_count
         self.verifier.cached = verdict.cached_length
         self.stats.record(k, accepted)
+        self.round_k = k  # what this round drafted (its span's specdec.round.k)
         self.stats.queue_sum += verdict.queue_depth
         self.policy.observe_verify(k, accepted, verified - verify_sent, verdict.queue_depth)
         branches = None
