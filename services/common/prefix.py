@@ -49,16 +49,33 @@ class PrefixChain:
     def __init__(self) -> None:
         self._chain: list[int] = [0]  # _chain[i]: hash of the first i blocks
 
-    def hash(self, tokens: Sequence[int], n: int) -> int:
-        """prefix_hash(tokens[:n]), in O(n - blocks already chained)."""
-        if not 0 <= n <= len(tokens):
-            raise ValueError(f"prefix of {n} tokens out of a sequence of {len(tokens)}")
+    def hash(self, tokens: Sequence[int], n: int, tail: Sequence[int] = ()) -> int:
+        """prefix_hash((tokens + tail)[:n]), in O(n - blocks already chained).
+
+        tail: tokens that follow `tokens` for this call only (a draft): blocks that reach
+        into it are hashed but never kept, so the chain stays the chain of `tokens`.
+        """
+        if not 0 <= n <= len(tokens) + len(tail):
+            raise ValueError(f"prefix of {n} tokens out of a sequence of {len(tokens) + len(tail)}")
         m = n // BLOCK
+        kept = min(m, len(tokens) // BLOCK)  # blocks made of `tokens` alone
         chain = self._chain
-        while len(chain) <= m:
+        while len(chain) <= kept:
             i = len(chain) - 1
             chain.append(_digest(chain[i], tokens[i * BLOCK : (i + 1) * BLOCK]))
-        return _digest(chain[m], tokens[m * BLOCK : n])
+        if n <= len(tokens):
+            return _digest(chain[m], tokens[m * BLOCK : n])
+
+        def part(start: int, end: int) -> list[int]:  # (tokens + tail)[start:end]
+            return [
+                *tokens[start:end],
+                *tail[max(0, start - len(tokens)) : max(0, end - len(tokens))],
+            ]
+
+        value = chain[kept]
+        for i in range(kept, m):
+            value = _digest(value, part(i * BLOCK, (i + 1) * BLOCK))
+        return _digest(value, part(m * BLOCK, n))
 
     def crop(self, n: int) -> None:
         """Tokens from position n on changed (or were dropped): forget blocks past n."""

@@ -6,10 +6,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from specdec.common.runtime import ModelRuntime, Prefix
 from specdec.common.sampling import EncodedProbs, SamplingParams
 from specdec.drafter.sampler import sampler_for
-from specdec.drafter.speculate import BranchStore, take_prepared
+from specdec.drafter.speculate import BranchStore, DraftRows, take_prepared
 
 
 @dataclass
@@ -35,7 +37,8 @@ def propose(
     If Speculate prepared a draft for exactly this sequence it is returned without a
     forward and the cache stays at the prefix. Otherwise the cache ends holding
     prefix + new_tokens + d_1..d_{k-1}: d_k is only fed if it is accepted, in the next
-    request's new tokens.
+    request's new tokens (or by the Speculate that follows, which then reuses the logits
+    kept here instead of feeding d_1..d_{k-1} again).
     """
     with runtime.guarded(session_id):
         return _propose(runtime, branches, session_id, prefix, new_tokens, k, params)
@@ -43,6 +46,7 @@ def propose(
 
 def _propose(runtime, branches, session_id, prefix, new_tokens, k, params) -> Draft:
     started = time.perf_counter()
+    branches.pop_rows(session_id)
     session = runtime.store.acquire(session_id, prefix.length, prefix.hash, len(new_tokens) + k - 1)
     hit = take_prepared(branches, session_id, session, new_tokens, k, params)
     if hit is not None:
@@ -53,13 +57,20 @@ def _propose(runtime, branches, session_id, prefix, new_tokens, k, params) -> Dr
     sampler = sampler_for(params, runtime)
     tokens: list[int] = []
     encoded: list[EncodedProbs] = []
+    rows: list[torch.Tensor] = []  # [vocab] logits each token was drawn from
     for i in range(k):
+        rows.append(last)
         token, enc = sampler.draw(last, position + i)
         tokens.append(token)
         if enc is not None:
             encoded.append(enc)
         if i < k - 1:
             last = runtime.forward(session, [token])[-1]
+    n = len(session.tokens)
+    branches.put_rows(
+        session_id,
+        DraftRows(position, n, session.chain.hash(session.tokens, n), torch.stack(rows)),
+    )
     return Draft(tokens, encoded, len(session.tokens), _ms(started))
 
 

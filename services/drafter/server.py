@@ -27,7 +27,7 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
         self.branches = BranchStore()  # SSD: prepared next-round drafts (model thread only)
 
     def release(self, session_id: str) -> bool:
-        self.branches.pop(session_id)
+        self.branches.forget(session_id)
         return super().release(session_id)
 
     def _draft_length(self, k: int) -> int:
@@ -72,10 +72,11 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
                 f"draft_length must be in [1, {cfg.max_draft_tokens}], got {draft_length}"
             )
         new_tokens = list(request.new_tokens)
-        if len(new_tokens) < draft_length + 1:
+        prefix = prefix_from_proto(request.prefix)
+        if prefix.length + len(new_tokens) < draft_length + 1:
             raise InvalidRequest(
-                f"new_tokens must hold the draft and the token before it: at least "
-                f"{draft_length + 1} tokens, got {len(new_tokens)}"
+                f"the sequence must hold the draft and the token before it: at least "
+                f"{draft_length + 1} tokens, got {prefix.length + len(new_tokens)}"
             )
         fan_out = request.fan_out or cfg.ssd_fan_out
         if fan_out > MAX_FAN_OUT:
@@ -86,7 +87,6 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             if not (math.isfinite(alpha) and 0.0 <= alpha <= 1.0):
                 raise InvalidRequest(f"acceptance_rate must be in [0, 1], got {alpha}")
         params = sampling_from_proto(request.sampling)
-        prefix = prefix_from_proto(request.prefix)
         # A branch adds its next token and k_next drafts after the sequence.
         self.check_extent(request.session_id, prefix, new_tokens, k_next + 1)
         result = await rt.run(

@@ -14,7 +14,12 @@ branch (a, t) scores P(a) q(t | a); the `fan_out` best are drafted, at most
 
 How they are drafted. One forward feeds the request's new tokens (which end with the
 draft) into the session's cache, which then holds x + d_1..d_k and gives the drafter's
-distribution at every draft position. Every branch (a, t) shares x + d_1..d_a: the cache is
+distribution at every draft position. After a Draft on this replica the cache already
+holds x + d_1..d_{k-1}, and the Draft kept the logits it drew d_1..d_k from (`DraftRows`):
+the gateway then names that longer prefix and sends d_k alone, and only d_k is fed (the
+distributions of the earlier positions are the Draft's). Without those rows (the Draft
+was answered from a branch, or they were dropped) the cache is rolled back to x and the
+draft fed again from the session's own tokens: slower, the same result. Every branch (a, t) shares x + d_1..d_a: the cache is
 expanded to one row per branch (a view, not a copy), the slots of d_{a+1}..d_k are masked
 out of that row's attention, and t is fed at its true position L + a. Each of the
 num_draft_tokens steps is then one batched forward over all branches. The batched cache is
@@ -65,8 +70,24 @@ class Prepared:
     branches: dict[tuple[int, int], Branch]
 
 
+@dataclass
+class DraftRows:
+    """The logits a Draft drew its tokens from, kept for the Speculate that follows it.
+
+    rows[i] is the drafter's distribution of the token at position start + i (after the
+    first start + i tokens), i = 0..k-1; the Draft left the session's cache at `length`
+    tokens (start + k - 1) whose prefix hash is `hash`.
+    """
+
+    start: int
+    length: int
+    hash: int
+    rows: torch.Tensor  # [k, vocab] fp32 logits
+
+
 class BranchStore:
-    """Prepared branches by session, newest last, bounded to MAX_PREPARED_SESSIONS.
+    """Prepared branches by session, newest last, bounded to MAX_PREPARED_SESSIONS; and
+    the logits of each session's last Draft (`DraftRows`), bounded the same way.
 
     Drafter state only; like the KV caches, used from the model thread only.
     """
@@ -74,15 +95,31 @@ class BranchStore:
     def __init__(self, max_sessions: int = MAX_PREPARED_SESSIONS):
         self.max_sessions = max_sessions
         self._by_session: OrderedDict[str, Prepared] = OrderedDict()
+        self._rows: OrderedDict[str, DraftRows] = OrderedDict()
+        self.refed_tokens = 0  # cached draft tokens fed again for want of DraftRows
+
+    @staticmethod
+    def _put(store: OrderedDict, session_id: str, value, bound: int) -> None:
+        store[session_id] = value
+        store.move_to_end(session_id)
+        while len(store) > bound:
+            store.popitem(last=False)
 
     def put(self, session_id: str, prepared: Prepared) -> None:
-        self._by_session[session_id] = prepared
-        self._by_session.move_to_end(session_id)
-        while len(self._by_session) > self.max_sessions:
-            self._by_session.popitem(last=False)
+        self._put(self._by_session, session_id, prepared, self.max_sessions)
 
     def pop(self, session_id: str) -> Prepared | None:
         return self._by_session.pop(session_id, None)
+
+    def put_rows(self, session_id: str, rows: DraftRows) -> None:
+        self._put(self._rows, session_id, rows, self.max_sessions)
+
+    def pop_rows(self, session_id: str) -> DraftRows | None:
+        return self._rows.pop(session_id, None)
+
+    def forget(self, session_id: str) -> None:
+        self._by_session.pop(session_id, None)
+        self._rows.pop(session_id, None)
 
     def __len__(self) -> int:
         return len(self._by_session)
@@ -110,15 +147,18 @@ def speculate(
     max_branch_tokens: int = 0,
 ) -> Speculation:
     """Prepare next-round drafts for the draft at the end of prefix + new_tokens (model
-    thread). new_tokens holds at least draft_length + 1 tokens.
+    thread). prefix + new_tokens holds at least draft_length + 1 tokens; new_tokens may
+    start inside the draft when the session's last Draft cached its beginning (see the
+    module docstring).
 
     max_branch_tokens (0: unbounded) bounds the batched branch cache, which holds one copy
     of the session's KV per branch: fan_out shrinks to what fits, down to no branch."""
     with runtime.guarded(session_id):
         started = time.perf_counter()
         store.pop(session_id)
+        memo = store.pop_rows(session_id)
         session = runtime.store.acquire(session_id, prefix.length, prefix.hash, len(new_tokens))
-        rows = runtime.forward(session, new_tokens, keep=draft_length + 1)  # [k+1, vocab]
+        rows = draft_rows(runtime, store, session, memo, prefix, new_tokens, draft_length)
         base = len(session.tokens) - draft_length
         draft = session.tokens[base:]
         ranking = rows.softmax(-1) if params.greedy else warp(rows, params)
@@ -138,6 +178,40 @@ def speculate(
             ),
         )
         return Speculation(branches, len(session.tokens), (time.perf_counter() - started) * 1e3)
+
+
+def draft_rows(
+    runtime: ModelRuntime,
+    store: BranchStore,
+    session: SessionCache,
+    memo: DraftRows | None,
+    prefix: Prefix,
+    new_tokens: Sequence[int],
+    draft_length: int,
+) -> torch.Tensor:
+    """Feed new_tokens; the drafter's logits at every draft position and after the draft
+    [k+1, vocab]: row a is the distribution of the token after d_1..d_a.
+
+    The session holds the prefix. Rows for positions the prefix already covers come from
+    the Draft that cached them (memo); without it the cache rolls back to the token before
+    the draft and those tokens are fed again.
+    """
+    cached = len(session.tokens)
+    base = cached + len(new_tokens) - draft_length  # the position of d_1
+    if cached < base:  # the prefix ends before the draft: feed it all (the usual path)
+        return runtime.forward(session, new_tokens, keep=draft_length + 1)
+    # The Draft's rows hold if it left the cache exactly at this prefix and began no later.
+    if (
+        memo is not None
+        and (memo.length, memo.hash) == (cached, prefix.hash)
+        and memo.start <= base
+    ):
+        fresh = runtime.forward(session, new_tokens, keep=len(new_tokens))  # [new, vocab]
+        return torch.cat([memo.rows[base - memo.start :], fresh])
+    tokens = [*session.tokens[base - 1 :], *new_tokens]
+    store.refed_tokens += cached - (base - 1)
+    runtime.store.truncate(session, base - 1)
+    return runtime.forward(session, tokens, keep=draft_length + 1)
 
 
 def branch_budget(max_branch_tokens: int, length: int, steps: int) -> int:

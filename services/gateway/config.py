@@ -26,6 +26,7 @@ from specdec.common.tls import (
     server_tls_from_args,
 )
 from specdec.gateway.discovery import parse_target
+from specdec.gateway.policy import FIXED, parse_policy
 
 
 def _fan_out(value: int) -> str | None:
@@ -63,6 +64,7 @@ class GatewayConfig:
     default_k: int = 4
     ssd: bool = False  # speculative speculative decoding when a request does not say
     ssd_fan_out: int = 0  # branches per round; 0: the drafter's --ssd-fan-out
+    k_policy: int = FIXED  # gateway_pb2.KPolicy when a request does not say
     max_new_tokens: int = 4096
     session_ttl: int = 3600
     max_session_ttl: int = 30 * 24 * 3600
@@ -94,6 +96,13 @@ class GatewayConfig:
         add_setting(parser, "--default-k", "draft length when a request sets none", 4)
         add_setting(parser, "--ssd", "SSD (pre-draft during verification) by default", False)
         add_setting(parser, "--ssd-fan-out", "SSD branches per round (0: the drafter's default)", 0)
+        add_setting(
+            parser,
+            "--k-policy",
+            "draft length per round when a request does not say: fixed (its k) or adaptive "
+            "(its k is an upper bound; k and the SSD fan-out follow acceptance and load)",
+            "fixed",
+        )
         add_setting(parser, "--max-new-tokens", "largest max_new_tokens a request may ask", 4096)
         add_setting(parser, "--session-ttl", "seconds an idle session is kept", 3600)
         add_setting(parser, "--rpc-timeout", "deadline of each drafter/verifier call (s)", 120.0)
@@ -127,6 +136,7 @@ class GatewayConfig:
             default_k=parse_value(args, "--default-k", int, non_negative),
             ssd=parse_value(args, "--ssd", boolean),
             ssd_fan_out=parse_value(args, "--ssd-fan-out", int, _fan_out),
+            k_policy=parse_value(args, "--k-policy", parse_policy),
             max_new_tokens=parse_value(args, "--max-new-tokens", int, positive),
             session_ttl=parse_value(args, "--session-ttl", int, positive),
             rpc_timeout=parse_value(args, "--rpc-timeout", float, seconds),

@@ -28,6 +28,7 @@ from specdec.common.errors import SpecdecError, is_busy, is_cache_miss
 from specdec.common.params import sampling_from_proto
 from specdec.common.prefix import PrefixChain
 from specdec.gateway import metrics, tracing
+from specdec.gateway.policy import ADAPTIVE, FixedPolicy, Policy
 from specdec.gateway.replicas import Fleet, NoReplica, Replica
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
 
@@ -84,9 +85,17 @@ class LoopStats:
     ssd_hidden_ms: float = 0.0  # Speculate time that overlapped a verification
     ssd_bytes: int = 0  # Speculate requests + responses
     drafter_wait_ms: float = 0.0  # gateway blocked on the drafter
+    rounds_by_k: list[int] = field(default_factory=list)  # [k]: rounds that drafted k
+    policy_k0_rounds: int = 0  # rounds the adaptive policy chose k = 0
+    fan_out_sum: int = 0  # fan-outs asked for, over the Speculates sent
+    ssd_paused_rounds: int = 0  # rounds with a draft whose Speculate the policy held back
+    queue_sum: int = 0  # verifier queue depths reported, over the rounds
 
     def record(self, k: int, accepted: int) -> None:
         self.rounds += 1
+        if len(self.rounds_by_k) <= k:
+            self.rounds_by_k.extend([0] * (k + 1 - len(self.rounds_by_k)))
+        self.rounds_by_k[k] += 1
         self.drafts += k > 0
         self.draft_tokens += k
         self.accepted_tokens += accepted
@@ -103,6 +112,18 @@ class LoopStats:
     def mean_accepted_length(self) -> float:
         return (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else 0.0
 
+    @property
+    def mean_k(self) -> float:
+        return self.draft_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def mean_fan_out(self) -> float:
+        return self.fan_out_sum / self.ssd_speculates if self.ssd_speculates else 0.0
+
+    @property
+    def mean_verifier_queue(self) -> float:
+        return self.queue_sum / self.rounds if self.rounds else 0.0
+
 
 class Speculator:
     """Runs rounds for one request against the fleet."""
@@ -118,6 +139,7 @@ class Speculator:
         ssd: bool = False,
         ssd_fan_out: int = 0,
         deadline: float | None = None,
+        policy: Policy | None = None,
     ):
         self.fleet = fleet
         self.session = replica_session
@@ -131,18 +153,26 @@ class Speculator:
         self.stats = LoopStats()
         self.ssd = ssd
         self.ssd_fan_out = ssd_fan_out
+        # Picks each round's k and each Speculate's fan-out (policy.py); fixed: as asked.
+        self.policy: Policy = policy if policy is not None else FixedPolicy(ssd_fan_out)
         self.greedy = sampling_from_proto(sampling).greedy
         # SSD hit under greedy: (context length it follows, the prepared draft).
         self._ready: tuple[int, list[int]] | None = None
         self._without_drafter = False  # the last Draft found no drafter (k = 0 rounds)
         self._late = False  # the last round's Speculate was still running at its verdict
+        self._spec_shape = (0, 0)  # (fan-out, k_next) of the Speculate in flight
+        self.round_k = 0  # the draft length the last round used (the policy's choice)
         self.round_ssd: str = "off"  # what SSD did in the last round (see _round)
         self.round_late_outcome: str | None = None
         # Block hashes of the request's context, which only grows: O(new tokens) per call.
         self._chain = PrefixChain()
 
-    async def round(self, ctx: Sequence[int], k: int, remaining: int) -> list[int]:
-        """One speculation round (see _round), timed and traced."""
+    async def round(self, ctx: Sequence[int], k_max: int, remaining: int) -> list[int]:
+        """One speculation round (see _round) of at most k_max drafts, timed and traced;
+        the policy picks its k (the request's k under the fixed policy)."""
+        k = self.policy.choose_k(k_max)
+        if k == 0 and k_max > 0 and self.policy.kind == ADAPTIVE:
+            self.stats.policy_k0_rounds += 1
         with tracing.round_span(self, k):
             return await self._round(ctx, k, remaining)
 
@@ -161,29 +191,45 @@ class Speculator:
         ready, self._ready = self._ready, None
         if k > 0 and ready is not None and ready[0] == len(ctx):
             draft_tokens = ready[1][:k]
+            k = len(draft_tokens)
         elif k > 0:
             waited = time.perf_counter()
             draft = await self._draft(ctx, k)
-            self.stats.drafter_wait_ms += (time.perf_counter() - waited) * 1e3
+            drafted = time.perf_counter() - waited
+            self.stats.drafter_wait_ms += drafted * 1e3
             if self._late:  # the last round's Speculate answered after its verdict
                 self._late = False
                 prepared = draft is not None and draft.prepared
                 self.stats.ssd_hits += prepared
                 self.stats.ssd_misses += not prepared
+                # Hidden drafting only: this Draft waited for the late Speculate, so even
+                # a prepared draft was on the critical path (a miss for the policy's h).
+                self.policy.observe_ssd(False)
                 self.round_late_outcome = "hit" if prepared else "miss"
             if draft is None:
                 k = 0  # no drafter: this round is a plain target step (the same output)
             else:
+                if not draft.prepared:  # a prepared draft ran no model: no drafting time
+                    self.policy.observe_draft(k, drafted)
                 self.drafter.cached = draft.cached_length
                 draft_tokens, draft_probs = draft.draft_tokens, draft.draft_probs
         speculation = None
+        fan_out: int | None = 0
         # Outcome "nothing accepted" leaves remaining - 1 tokens: a round of up to
         # remaining - 2 drafts; other outcomes truncate the prepared draft. A branch adds
         # its next token and k_next drafts after ctx + draft: it must fit the context.
         k_next = min(k, remaining - 2, self._max_context() - len(ctx) - k - 1)
         if self.ssd and k > 0 and k_next >= 1:
-            speculation = asyncio.ensure_future(self._speculate(ctx, draft_tokens, k_next))
-            self.stats.ssd_speculates += 1
+            fan_out = self.policy.choose_fan_out(k, k_next)
+            if fan_out is None:  # the policy paused SSD: Speculate keeps arriving late
+                self.stats.ssd_paused_rounds += 1
+            else:
+                speculation = asyncio.ensure_future(
+                    self._speculate(ctx, draft_tokens, k_next, fan_out)
+                )
+                self._spec_shape = (fan_out, k_next)
+                self.stats.ssd_speculates += 1
+                self.stats.fan_out_sum += fan_out
         verify_sent = time.perf_counter()
         try:
             verdict = await self._call(
@@ -209,15 +255,20 @@ class Speculator:
         accepted = verdict.accepted_count
         self.verifier.cached = verdict.cached_length
         self.stats.record(k, accepted)
+        self.round_k = k  # what this round drafted (its span's specdec.round.k)
+        self.stats.queue_sum += verdict.queue_depth
+        self.policy.observe_verify(k, accepted, verified - verify_sent, verdict.queue_depth)
         branches = None
         if speculation is not None:
             branches = self._settle(speculation, verify_sent, verified)
             self._late = branches is None  # decided by the next Draft's `prepared`
             if self._late:
                 self.round_ssd = "late"
+                self.policy.observe_speculate(fan_out or 0, k_next, None)
                 await asyncio.sleep(0)  # the cancel leaves before the next drafter call
         if branches is not None:
             branch = branches.get((accepted, verdict.next_token))
+            self.policy.observe_ssd(branch is not None)
             if branch is None:
                 self.stats.ssd_misses += 1
                 self.round_ssd = "miss"
@@ -298,7 +349,10 @@ class Speculator:
             metrics.SSD_FAILED.inc()
             log.info("speculate failed; counted as a miss", extra={"why": str(err)})
             return {}
-        response, _, _, _, replica = self._account(speculation, verify_sent, verified)
+        response, _, spec_sent, spec_done, replica = self._account(
+            speculation, verify_sent, verified
+        )
+        self.policy.observe_speculate(*self._spec_shape, spec_done - spec_sent)
         if replica is self.drafter.replica:
             self.drafter.cached = response.cached_length
         return {(b.accepted_count, b.next_token): b.draft_tokens for b in response.branches}
@@ -315,9 +369,9 @@ class Speculator:
         return result
 
     async def _speculate(
-        self, ctx: Sequence[int], draft: Sequence[int], k_next: int
+        self, ctx: Sequence[int], draft: Sequence[int], k_next: int, fan_out: int
     ) -> tuple[drafter_pb2.SpeculateResponse, int, float, float, Replica | None]:
-        """Speculate(t); returns the response, the request's bytes, when it was sent and
+        """Speculate(t) for fan_out branches (0: the drafter's default); returns the response, the request's bytes, when it was sent and
         answered (perf_counter seconds) and the replica that answered. Changes no state:
         `_settle` applies it."""
         sent = time.perf_counter()
@@ -332,7 +386,7 @@ class Speculator:
                 draft_length=len(draft),
                 num_draft_tokens=k_next,
                 sampling=self.sampling,
-                fan_out=self.ssd_fan_out,
+                fan_out=fan_out,
                 # The request's own rate once it has one; until then the drafter's prior.
                 acceptance_rate=self.stats.acceptance_rate if self.stats.draft_tokens else None,
             )
@@ -357,8 +411,10 @@ class Speculator:
         """Send build(prefix, new_tokens) to the placement's replica, recovering from cache
         misses (resend everything) and unavailable replicas (another replica, everything).
 
-        The prefix is at most ctx minus its last token (every call carries at least one
-        new token); new_tokens is the rest of ctx followed by `tail`.
+        The prefix is at most ctx + tail minus its last token (every call carries at least
+        one new token); new_tokens is the rest of ctx + tail. Only Speculate has a tail (the
+        draft): after a Draft the drafter caches ctx + d_1..d_{k-1}, so it then gets d_k
+        alone instead of tokens it already holds.
         """
         role = "verifier" if method_name == "Verify" else "drafter"
         pool = self.fleet.pool(role)
@@ -374,9 +430,9 @@ class Speculator:
                 if chosen is not placement.replica:
                     placement.replica, placement.cached = chosen, 0
             replica = placement.replica
-            n = min(placement.cached, len(ctx) - 1)
-            prefix = common_pb2.CachedPrefix(length=n, hash=self._chain.hash(ctx, n))
-            request = build(prefix, [*ctx[n:], *tail])
+            n = min(placement.cached, len(ctx) + len(tail) - 1)
+            prefix = common_pb2.CachedPrefix(length=n, hash=self._chain.hash(ctx, n, tail))
+            request = build(prefix, [*ctx[n:], *tail[max(0, n - len(ctx)) :]])
             replica.in_flight += 1
             try:
                 return await tracing.call(replica, method_name, request, self._timeout())

@@ -32,6 +32,23 @@ SSD_BYTES = Counter(PREFIX + "ssd_bytes", "Bytes of Speculate requests and respo
 DRAFTER_WAIT = Counter(
     PREFIX + "drafter_wait_seconds", "Time the speculation loop spent waiting for a drafter"
 )
+# Adaptive speculation (k_policy): mean k = sum(k * rounds{k}) / sum(rounds{k}); mean
+# fan-out = ssd_fan_out / ssd_speculates.
+ROUNDS_BY_K = Counter(
+    PREFIX + "spec_decode_rounds_by_k",
+    "Speculation rounds by the draft length they used, and the request's k policy",
+    ["k_policy", "k"],
+)
+POLICY_K0_ROUNDS = Counter(
+    PREFIX + "adaptive_k0_rounds",
+    "Rounds the adaptive policy ran without a draft (verifier saturated or drafts not paying)",
+)
+SSD_SPECULATES = Counter(PREFIX + "ssd_speculates", "Speculate calls sent")
+SSD_FAN_OUT = Counter(PREFIX + "ssd_fan_out", "Branches asked for, summed over Speculates sent")
+SSD_PAUSED_ROUNDS = Counter(
+    PREFIX + "ssd_paused_rounds",
+    "Rounds whose Speculate the adaptive policy held back (late even at fan-out 1)",
+)
 FAILOVERS = Counter(PREFIX + "replica_failovers", "Calls moved to another replica", ["role"])
 REPLICAS = Gauge(PREFIX + "replicas", "Replicas this gateway knows, by state", ["role", "state"])
 BUSY_REDIRECTS = Counter(

@@ -30,6 +30,7 @@ class Limits:
     max_k: int  # the replicas' largest draft length
     default_k: int
     default_ssd: bool
+    default_k_policy: int  # gateway_pb2.KPolicy: FIXED or ADAPTIVE
     max_new_tokens: int
     default_ttl: int  # seconds
     max_session_ttl: int  # seconds
@@ -46,8 +47,9 @@ class Job:
     session_id: str | None
     reset: bool
     ttl: int
-    k: int
+    k: int  # the draft length; an upper bound under the adaptive policy
     ssd: bool
+    k_policy: int = gateway_pb2.K_POLICY_FIXED  # FIXED or ADAPTIVE, never UNSPECIFIED
 
 
 def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
@@ -100,6 +102,12 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
     if not 0 <= k <= limits.max_k:
         raise InvalidRequest(f"num_draft_tokens must be in [0, {limits.max_k}], got {k}")
     ssd = spec.ssd if spec.HasField("ssd") else limits.default_ssd
+    k_policy = spec.k_policy or limits.default_k_policy
+    if k_policy not in (gateway_pb2.K_POLICY_FIXED, gateway_pb2.K_POLICY_ADAPTIVE):
+        raise InvalidRequest(
+            f"speculation.k_policy must be K_POLICY_UNSPECIFIED, K_POLICY_FIXED or "
+            f"K_POLICY_ADAPTIVE, got {spec.k_policy}"
+        )
     return Job(
         prompt=prompt,
         max_new_tokens=req.max_new_tokens,
@@ -110,4 +118,5 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
         ttl=session.ttl_seconds or limits.default_ttl,
         k=k,
         ssd=ssd and k > 0,
+        k_policy=k_policy,
     )

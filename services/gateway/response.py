@@ -6,6 +6,7 @@ import time
 
 from specdec.gateway import metrics
 from specdec.gateway.loop import LoopStats
+from specdec.gateway.policy import policy_name
 from specdec.gateway.request import Job
 from specdec.gateway.text import Completion
 from specdec.v1 import gateway_pb2
@@ -58,6 +59,13 @@ def build_response(
             drafter_wait_ms=stats.drafter_wait_ms,
             ssd_bytes=stats.ssd_bytes,
             cache_misses=stats.cache_misses,
+            k_policy=job.k_policy,
+            rounds_by_k=stats.rounds_by_k,
+            mean_k=stats.mean_k,
+            policy_k0_rounds=stats.policy_k0_rounds,
+            mean_fan_out=stats.mean_fan_out,
+            ssd_paused_rounds=stats.ssd_paused_rounds,
+            mean_verifier_queue=stats.mean_verifier_queue,
         ),
         session_id=job.session_id or "",
     )
@@ -83,7 +91,7 @@ def stream_message(
     return msg
 
 
-def record_metrics(stats: LoopStats, completion: Completion) -> None:
+def record_metrics(job: Job, stats: LoopStats, completion: Completion) -> None:
     """Add a turn's figures to the gateway's Prometheus counters (finished or not)."""
     s = stats
     if completion.finish_reason:
@@ -101,3 +109,11 @@ def record_metrics(stats: LoopStats, completion: Completion) -> None:
     metrics.SSD_HIDDEN.inc(s.ssd_hidden_ms / 1e3)
     metrics.SSD_BYTES.inc(s.ssd_bytes)
     metrics.DRAFTER_WAIT.inc(s.drafter_wait_ms / 1e3)
+    policy = policy_name(job.k_policy)
+    for k, n in enumerate(s.rounds_by_k):
+        if n:
+            metrics.ROUNDS_BY_K.labels(k_policy=policy, k=str(k)).inc(n)
+    metrics.POLICY_K0_ROUNDS.inc(s.policy_k0_rounds)
+    metrics.SSD_FAN_OUT.inc(s.fan_out_sum)
+    metrics.SSD_SPECULATES.inc(s.ssd_speculates)
+    metrics.SSD_PAUSED_ROUNDS.inc(s.ssd_paused_rounds)

@@ -143,7 +143,9 @@ def round_span(spec, k: int) -> Iterator[None]:
         yield
         metrics.ROUND_SECONDS.observe(time.perf_counter() - started)
         accepted = s.accepted_tokens - before[0]
+        k = spec.round_k  # the policy's choice, less when no drafter could draft
         attributes = {
+            "specdec.round.k": k,
             "specdec.round.accepted": accepted,
             # The verifier's rule: all k accepted -> a bonus token, else a recovered one.
             "specdec.round.next_token_kind": "bonus" if accepted == k else "recovered",

@@ -28,6 +28,7 @@ from specdec.common.errors import InvalidRequest, SpecdecError
 from specdec.gateway import metrics
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.loop import Placement, Speculator
+from specdec.gateway.policy import ADAPTIVE_MAX_FAN_OUT, make_policy
 from specdec.gateway.replicas import Fleet
 from specdec.gateway.request import Job, Limits, validate
 from specdec.gateway.response import build_response, record_metrics
@@ -123,6 +124,7 @@ class Gateway:
             max_k=max_k,
             default_k=default_k,
             default_ssd=self.config.ssd,
+            default_k_policy=self.config.k_policy,
             max_new_tokens=self.config.max_new_tokens,
             default_ttl=self.config.session_ttl,
             max_session_ttl=self.config.max_session_ttl,
@@ -243,6 +245,12 @@ class Gateway:
             ssd=job.ssd,
             ssd_fan_out=self.config.ssd_fan_out,
             deadline=deadline,
+            policy=make_policy(
+                job.k_policy,
+                job.ssd,
+                self.config.ssd_fan_out,
+                self.config.ssd_fan_out or ADAPTIVE_MAX_FAN_OUT,
+            ),
         )
         completion = Completion(self.codec, job.max_new_tokens, self.eos_token_ids, job.stop)
         first_at = last_at = None
@@ -290,7 +298,7 @@ class Gateway:
                 )
             yield Event(text, tokens, response)
         finally:
-            record_metrics(spec.stats, completion)
+            record_metrics(job, spec.stats, completion)
             if not job.session_id:
                 self._release_later(replica_session, drafter, verifier)
 

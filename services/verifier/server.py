@@ -43,6 +43,7 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
                     "tokens (sampling needs one per draft token)"
                 )
             draft_probs = decode_draft_probs(request.draft_probs, rt.vocab_size)  # [k, vocab]
+        queue_depth = rt.pending  # the load this call waits behind (itself not counted yet)
         verdict = await rt.run(
             verify, rt, request.session_id, prefix, new_tokens, draft_tokens, draft_probs, params
         )
@@ -57,6 +58,7 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
             ),
             cached_length=verdict.cached_length,
             forward_ms=verdict.forward_ms,
+            queue_depth=queue_depth,
         )
 
 

@@ -191,6 +191,13 @@ def test_prometheus_scrapes_every_service(scraped, tokenizer):
         "specdec_gateway_ssd_misses_total": total("ssd_misses"),
         "specdec_gateway_ssd_branches_total": total("ssd_branches"),
         "specdec_gateway_replica_cache_misses_total": 0,
+        # the k each round used (fixed policy here: the request's k but near the end)
+        'sum(specdec_gateway_spec_decode_rounds_by_k_total{k_policy="fixed"})': total("rounds"),
+        'specdec_gateway_spec_decode_rounds_by_k_total{k_policy="fixed",k="4"}': sum(
+            g.stats.rounds_by_k[4] for g in gens if len(g.stats.rounds_by_k) > 4
+        ),
+        "specdec_gateway_adaptive_k0_rounds_total": 0,
+        "specdec_gateway_ssd_speculates_total": total("ssd_speculates"),
         "sum(specdec_gateway_round_seconds_count)": total("rounds"),
         "sum(specdec_gateway_requests_total)": len(gens),
         # the verifier saw every round once

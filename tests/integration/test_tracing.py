@@ -177,6 +177,11 @@ def check_trace(spans: list[ReceivedSpan], gen, *, app_span_id: str | None = Non
             ("hit", "miss", "late", "off") if gen.stats.ssd else ("off",)
         )
     assert sum(r.attributes["specdec.round.accepted"] for r in rounds) == gen.stats.accepted_tokens
+    # Each round's span carries the k it drafted (the policy's choice under k_policy
+    # adaptive): together, the response's rounds_by_k.
+    by_k = Counter(r.attributes["specdec.round.k"] for r in rounds)
+    assert [by_k[k] for k in range(len(gen.stats.rounds_by_k))] == list(gen.stats.rounds_by_k)
+    assert by_k.total() == sum(gen.stats.rounds_by_k)
     ssd = Counter(r.attributes["specdec.round.ssd"] for r in rounds)
     resolved = Counter(
         r.attributes["specdec.round.ssd_late_outcome"]
@@ -247,10 +252,12 @@ def test_trace_id_without_caller_context_and_in_stream(traced, receiver, tokeniz
     with Client(traced["gateway"].address, timeout=120) as client:
         unary = client.generate(token_ids=ids, max_new_tokens=16, k=2)
         chunks = list(client.stream(token_ids=ids, max_new_tokens=16, k=2))
+        # k per round chosen by the policy: the round spans say which (check_trace)
+        adaptive = client.generate(token_ids=ids, max_new_tokens=16, k=4, k_policy="adaptive")
     final = chunks[-1].final
     assert len(unary.trace_id) == 32 and len(final.trace_id) == 32
     assert unary.trace_id != final.trace_id
-    for gen in (unary, final):
+    for gen in (unary, final, adaptive):
         spans = receiver.wait_for(complete(gen.trace_id, gen.stats.rounds))
         trace = [s for s in spans if s.trace_id == gen.trace_id]
         parts = check_trace(trace, gen)

@@ -165,6 +165,7 @@ def test_completion_request_translation():
             "stream_options": {"include_usage": True},
             "k": 2,
             "ssd": True,
+            "k_policy": "adaptive",
             "session_id": "abc",
             "timeout": 1.5,
             "echo": False,
@@ -177,12 +178,14 @@ def test_completion_request_translation():
     assert req.sampling.top_k == 0 and req.sampling.seed == 3
     assert list(req.stop) == ["\n"] and req.session.id == "abc"
     assert req.speculation.num_draft_tokens == 2 and req.speculation.ssd
+    assert req.speculation.k_policy == gateway_pb2.K_POLICY_ADAPTIVE
     assert opts.stream and opts.include_usage and opts.timeout == 1.5 and opts.session_id == "abc"
     req, opts = api.completion_request({"prompt": [1, 2, 3]}, SERVED)
     assert list(req.prompt_token_ids.ids) == [1, 2, 3]
     assert req.max_new_tokens == api.DEFAULT_COMPLETION_TOKENS
     assert req.sampling.temperature == api.DEFAULT_TEMPERATURE
     assert not req.speculation.HasField("num_draft_tokens") and not opts.stream
+    assert req.speculation.k_policy == gateway_pb2.K_POLICY_UNSPECIFIED  # the gateway's default
 
 
 @pytest.mark.parametrize(
@@ -203,6 +206,8 @@ def test_completion_request_translation():
         ({"prompt": "x", "stop": [1]}, "stop must be"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "only allowed with stream"),
         ({"prompt": "x", "ssd": "yes"}, "ssd must be true or false"),
+        ({"prompt": "x", "k_policy": "auto"}, "k_policy must be one of fixed, adaptive"),
+        ({"prompt": "x", "k_policy": 2}, 'k_policy must be "fixed" or "adaptive"'),
         ({"prompt": "x", "session_id": ""}, "session_id"),
         ({"prompt": "x", "timeout": 0}, "timeout"),
     ],

@@ -19,15 +19,17 @@ from specdec.sdk.loadtest.workload import (
 
 
 def test_modes():
-    modes = parse_modes("k0,k2,ssd2,default")
-    assert [(m.name, m.k, m.ssd) for m in modes] == [
-        ("k0", 0, False),
-        ("k2", 2, False),
-        ("ssd2", 2, True),
-        ("default", None, None),
+    modes = parse_modes("k0,k2,ssd2,adaptive,adaptive2,default")
+    assert [(m.name, m.k, m.ssd, m.k_policy) for m in modes] == [
+        ("k0", 0, False, "fixed"),
+        ("k2", 2, False, "fixed"),
+        ("ssd2", 2, True, "fixed"),
+        ("adaptive", 4, True, "adaptive"),  # the upper bound: 4 unless named
+        ("adaptive2", 2, True, "adaptive"),
+        ("default", None, None, None),
     ]
-    with pytest.raises(ValueError, match=r"'adaptive'.*not built yet"):
-        parse_modes("k0,adaptive")
+    with pytest.raises(ValueError, match="upper bound of at least 1"):
+        parse_modes("adaptive0")
     with pytest.raises(ValueError, match="unknown mode 'k-1'"):
         parse_modes("k-1")
     with pytest.raises(ValueError, match="at least 1"):
@@ -160,8 +162,8 @@ def test_report_table_json_and_png(tmp_path):
     ("argv", "message"),
     [
         (
-            ["--modes", "k0,adaptive"],
-            "mode 'adaptive' (speculation that adapts its draft length) is not built yet",
+            ["--modes", "k0,adaptive0"],
+            "mode 'adaptive0': adaptive needs an upper bound of at least 1",
         ),
         (["--modes", "k2", "--k", "2"], "give --modes or --k/--ssd, not both"),
         (["--api", "rest"], "--api 'rest' is not built (have: grpc, openai)"),

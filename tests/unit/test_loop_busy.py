@@ -106,7 +106,7 @@ async def test_busy_drafters_make_speculate_an_ssd_miss():
     for error in (BUSY, FULL):
         drafter = StubReplica(_error(error))
         fleet, spec = await _speculator([StubReplica(_error(BUSY))], [drafter])
-        future = asyncio.ensure_future(spec._speculate([1, 2, 3], [4, 5], 2))
+        future = asyncio.ensure_future(spec._speculate([1, 2, 3], [4, 5], 2, 0))
         await asyncio.wait([future])
         assert isinstance(future.exception(), UpstreamError) and drafter.calls == 1
         assert spec._settle(future, 0.0, 0.0) == {}  # the round counts it as a miss

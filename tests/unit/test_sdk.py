@@ -179,11 +179,21 @@ STATS = {
     "ssd_hidden_ms": 150.0,
     "drafter_wait_ms": 20.0,
     "ssd_bytes": 300,
+    "ssd_late": 1,
+    "ssd_speculates": 3,
+    "rounds_by_k": [0, 0, 0, 0, 3],
+    "mean_k": 4.0,
+    "policy_k0_rounds": 0,
+    "mean_fan_out": 4.5,
+    "ssd_paused_rounds": 0,
+    "mean_verifier_queue": 1.5,
 }
 
 
 def _stats(**overrides) -> gateway_pb2.SpeculationStats:
-    return gateway_pb2.SpeculationStats(**{**STATS, **overrides})
+    return gateway_pb2.SpeculationStats(
+        **{**STATS, "k_policy": gateway_pb2.K_POLICY_ADAPTIVE, **overrides}
+    )
 
 
 def test_generation_from_proto():
@@ -257,7 +267,7 @@ def test_to_dict_is_json_serialisable():
     assert d["usage"] == {"prompt_tokens": 1, "completion_tokens": 2, "history_tokens": 0}
     assert d["timings"] == {"time_to_first_token_ms": 0.0, "total_ms": 0.0}
     assert d["session_id"] == "s"
-    assert d["stats"] == {**STATS, "ssd_hit_rate": 2 / 3}
+    assert d["stats"] == {**STATS, "k_policy": "adaptive", "ssd_hit_rate": 2 / 3}
 
 
 def test_stream_assembler_concatenates_deltas():

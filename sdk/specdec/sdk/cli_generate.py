@@ -104,6 +104,13 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="speculative speculative decoding on/off (default: the server's)",
     )
+    p.add_argument(
+        "--k-policy",
+        choices=("fixed", "adaptive"),
+        default=None,
+        help="fixed: every round drafts --k; adaptive: --k is an upper bound and the gateway "
+        "picks each round's k from acceptance and load (default: the server's)",
+    )
     p.add_argument("--session", metavar="ID", default=None, help="continue this session")
     p.add_argument(
         "--reset-session", action="store_true", help="forget the session's earlier history"
@@ -164,6 +171,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "session_ttl_seconds": args.session_ttl,
         "k": args.k,
         "ssd": args.ssd,
+        "k_policy": args.k_policy,
     }
     try:  # reject bad arguments before connecting
         build_generate_request(prompt, **request)

@@ -43,6 +43,8 @@ __all__ = [
 DEFAULT_TIMEOUT = 300.0
 #: Send / receive message size limit of the client channel.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+#: ``k_policy`` values: how the gateway picks each round's draft length.
+K_POLICIES = {"fixed": gateway_pb2.K_POLICY_FIXED, "adaptive": gateway_pb2.K_POLICY_ADAPTIVE}
 
 
 class _Default(enum.Enum):
@@ -79,12 +81,17 @@ def build_generate_request(
     session_ttl_seconds: int = 0,
     k: int | None = None,
     ssd: bool | None = None,
+    k_policy: str | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """The ``GenerateRequest`` for these arguments (``ValueError`` / ``TypeError`` if invalid).
 
-    Exactly one of ``prompt`` / ``token_ids``. ``seed``, ``k`` and ``ssd`` left as None stay
-    unset in the message (server defaults); no ``session_id`` means a one-off request.
+    Exactly one of ``prompt`` / ``token_ids``. ``seed``, ``k``, ``ssd`` and ``k_policy``
+    left as None stay unset in the message (server defaults); no ``session_id`` means a
+    one-off request. ``k_policy``: ``"fixed"`` (every round drafts ``k``) or ``"adaptive"``
+    (``k`` is an upper bound; the gateway picks each round's k from acceptance and load).
     """
+    if k_policy is not None and k_policy not in K_POLICIES:
+        raise ValueError(f"k_policy must be one of {', '.join(K_POLICIES)}, got {k_policy!r}")
     if (prompt is None) == (token_ids is None):
         raise ValueError("give exactly one of prompt or token_ids")
     if isinstance(stop, str):  # a lone string is one stop sequence, not its characters
@@ -124,6 +131,8 @@ def build_generate_request(
         )
     if k is not None or ssd is not None:
         request.speculation.CopyFrom(gateway_pb2.SpeculationParams(num_draft_tokens=k, ssd=ssd))
+    if k_policy is not None:
+        request.speculation.k_policy = K_POLICIES[k_policy]
     return request
 
 
@@ -226,6 +235,7 @@ class Client(_ClientBase):
         session_ttl_seconds: int = 0,
         k: int | None = None,
         ssd: bool | None = None,
+        k_policy: str | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> Generation:
         """Generate a completion and return it whole."""
@@ -254,6 +264,7 @@ class Client(_ClientBase):
         session_ttl_seconds: int = 0,
         k: int | None = None,
         ssd: bool | None = None,
+        k_policy: str | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> Iterator[StreamChunk]:
         """Generate a completion chunk by chunk; the last chunk has ``final`` set.
@@ -344,6 +355,7 @@ class AsyncClient(_ClientBase):
         session_ttl_seconds: int = 0,
         k: int | None = None,
         ssd: bool | None = None,
+        k_policy: str | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> Generation:
         """Generate a completion and return it whole."""
@@ -372,6 +384,7 @@ class AsyncClient(_ClientBase):
         session_ttl_seconds: int = 0,
         k: int | None = None,
         ssd: bool | None = None,
+        k_policy: str | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> AsyncIterator[StreamChunk]:
         """Generate chunk by chunk (``async for``); the last chunk has ``final`` set.

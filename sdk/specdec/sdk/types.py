@@ -79,6 +79,21 @@ class SpeculationStats:
     ssd_late: int = 0
     #: SSD: Speculates sent (answered before their verdict, late, or failed).
     ssd_speculates: int = 0
+    #: "fixed" or "adaptive": how each round's k was picked (num_draft_tokens is then the
+    #: upper bound); "" from a server that does not say.
+    k_policy: str = ""
+    #: rounds_by_k[k]: rounds that drafted k tokens (index 0: rounds without a draft).
+    rounds_by_k: tuple[int, ...] = ()
+    #: Mean draft length over the rounds.
+    mean_k: float = 0.0
+    #: Rounds the adaptive policy ran at k = 0 by its own choice.
+    policy_k0_rounds: int = 0
+    #: SSD: mean fan-out asked for per Speculate sent (0 for the drafter's default).
+    mean_fan_out: float = 0.0
+    #: SSD: rounds whose Speculate the adaptive policy held back (late even at fan-out 1).
+    ssd_paused_rounds: int = 0
+    #: Mean queue depth the verifier reported per round (its load).
+    mean_verifier_queue: float = 0.0
 
     @property
     def ssd_hit_rate(self) -> float:
@@ -131,6 +146,7 @@ class Generation:
             "stats": {
                 **dataclasses.asdict(s),
                 "accepted_per_position": list(s.accepted_per_position),
+                "rounds_by_k": list(s.rounds_by_k),
                 "ssd_hit_rate": s.ssd_hit_rate,
             },
             "session_id": self.session_id,
@@ -201,7 +217,17 @@ def speculation_stats_from_proto(msg: gateway_pb2.SpeculationStats) -> Speculati
         ssd_bytes=msg.ssd_bytes,
         ssd_late=msg.ssd_late,
         ssd_speculates=msg.ssd_speculates,
+        k_policy=_K_POLICY_NAMES.get(msg.k_policy, ""),
+        rounds_by_k=tuple(msg.rounds_by_k),
+        mean_k=_f32(msg.mean_k),
+        policy_k0_rounds=msg.policy_k0_rounds,
+        mean_fan_out=_f32(msg.mean_fan_out),
+        ssd_paused_rounds=msg.ssd_paused_rounds,
+        mean_verifier_queue=_f32(msg.mean_verifier_queue),
     )
+
+
+_K_POLICY_NAMES = {gateway_pb2.K_POLICY_FIXED: "fixed", gateway_pb2.K_POLICY_ADAPTIVE: "adaptive"}
 
 
 def _generation(

@@ -13,6 +13,12 @@ class SessionMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SESSION_MODE_CONTINUE: _ClassVar[SessionMode]
     SESSION_MODE_RESET: _ClassVar[SessionMode]
 
+class KPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    K_POLICY_UNSPECIFIED: _ClassVar[KPolicy]
+    K_POLICY_FIXED: _ClassVar[KPolicy]
+    K_POLICY_ADAPTIVE: _ClassVar[KPolicy]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -21,6 +27,9 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
 SESSION_MODE_CONTINUE: SessionMode
 SESSION_MODE_RESET: SessionMode
+K_POLICY_UNSPECIFIED: KPolicy
+K_POLICY_FIXED: KPolicy
+K_POLICY_ADAPTIVE: KPolicy
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS: FinishReason
@@ -61,12 +70,14 @@ class SessionOptions(_message.Message):
     def __init__(self, id: _Optional[str] = ..., mode: _Optional[_Union[SessionMode, str]] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("num_draft_tokens", "ssd")
+    __slots__ = ("num_draft_tokens", "ssd", "k_policy")
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SSD_FIELD_NUMBER: _ClassVar[int]
+    K_POLICY_FIELD_NUMBER: _ClassVar[int]
     num_draft_tokens: int
     ssd: bool
-    def __init__(self, num_draft_tokens: _Optional[int] = ..., ssd: _Optional[bool] = ...) -> None: ...
+    k_policy: KPolicy
+    def __init__(self, num_draft_tokens: _Optional[int] = ..., ssd: _Optional[bool] = ..., k_policy: _Optional[_Union[KPolicy, str]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "history_tokens")
@@ -87,7 +98,7 @@ class Timings(_message.Message):
     def __init__(self, time_to_first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "num_draft_tokens", "ssd", "ssd_hits", "ssd_misses", "cache_misses", "ssd_branches", "ssd_hidden_ms", "drafter_wait_ms", "ssd_bytes", "ssd_late", "ssd_speculates")
+    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "num_draft_tokens", "ssd", "ssd_hits", "ssd_misses", "cache_misses", "ssd_branches", "ssd_hidden_ms", "drafter_wait_ms", "ssd_bytes", "ssd_late", "ssd_speculates", "k_policy", "rounds_by_k", "mean_k", "policy_k0_rounds", "mean_fan_out", "ssd_paused_rounds", "mean_verifier_queue")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +116,13 @@ class SpeculationStats(_message.Message):
     SSD_BYTES_FIELD_NUMBER: _ClassVar[int]
     SSD_LATE_FIELD_NUMBER: _ClassVar[int]
     SSD_SPECULATES_FIELD_NUMBER: _ClassVar[int]
+    K_POLICY_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_BY_K_FIELD_NUMBER: _ClassVar[int]
+    MEAN_K_FIELD_NUMBER: _ClassVar[int]
+    POLICY_K0_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_FAN_OUT_FIELD_NUMBER: _ClassVar[int]
+    SSD_PAUSED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_VERIFIER_QUEUE_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens: int
     accepted_tokens: int
@@ -122,7 +140,14 @@ class SpeculationStats(_message.Message):
     ssd_bytes: int
     ssd_late: int
     ssd_speculates: int
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., ssd: _Optional[bool] = ..., ssd_hits: _Optional[int] = ..., ssd_misses: _Optional[int] = ..., cache_misses: _Optional[int] = ..., ssd_branches: _Optional[int] = ..., ssd_hidden_ms: _Optional[float] = ..., drafter_wait_ms: _Optional[float] = ..., ssd_bytes: _Optional[int] = ..., ssd_late: _Optional[int] = ..., ssd_speculates: _Optional[int] = ...) -> None: ...
+    k_policy: KPolicy
+    rounds_by_k: _containers.RepeatedScalarFieldContainer[int]
+    mean_k: float
+    policy_k0_rounds: int
+    mean_fan_out: float
+    ssd_paused_rounds: int
+    mean_verifier_queue: float
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., ssd: _Optional[bool] = ..., ssd_hits: _Optional[int] = ..., ssd_misses: _Optional[int] = ..., cache_misses: _Optional[int] = ..., ssd_branches: _Optional[int] = ..., ssd_hidden_ms: _Optional[float] = ..., drafter_wait_ms: _Optional[float] = ..., ssd_bytes: _Optional[int] = ..., ssd_late: _Optional[int] = ..., ssd_speculates: _Optional[int] = ..., k_policy: _Optional[_Union[KPolicy, str]] = ..., rounds_by_k: _Optional[_Iterable[int]] = ..., mean_k: _Optional[float] = ..., policy_k0_rounds: _Optional[int] = ..., mean_fan_out: _Optional[float] = ..., ssd_paused_rounds: _Optional[int] = ..., mean_verifier_queue: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "usage", "timings", "stats", "session_id", "trace_id")

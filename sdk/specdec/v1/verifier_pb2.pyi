@@ -34,15 +34,17 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prefix: _Optional[_Union[_common_pb2.CachedPrefix, _Mapping]] = ..., new_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted_count", "next_token", "next_token_kind", "cached_length", "forward_ms")
+    __slots__ = ("accepted_count", "next_token", "next_token_kind", "cached_length", "forward_ms", "queue_depth")
     ACCEPTED_COUNT_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_KIND_FIELD_NUMBER: _ClassVar[int]
     CACHED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     accepted_count: int
     next_token: int
     next_token_kind: NextTokenKind
     cached_length: int
     forward_ms: float
-    def __init__(self, accepted_count: _Optional[int] = ..., next_token: _Optional[int] = ..., next_token_kind: _Optional[_Union[NextTokenKind, str]] = ..., cached_length: _Optional[int] = ..., forward_ms: _Optional[float] = ...) -> None: ...
+    queue_depth: int
+    def __init__(self, accepted_count: _Optional[int] = ..., next_token: _Optional[int] = ..., next_token_kind: _Optional[_Union[NextTokenKind, str]] = ..., cached_length: _Optional[int] = ..., forward_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ...) -> None: ...

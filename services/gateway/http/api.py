@@ -5,7 +5,8 @@ A thin translation: JSON types and OpenAI's field names are checked here; every 
 by specdec.gateway.request.validate, the same code the gRPC API runs.
 
 Speculation settings are extension fields of the body, as vLLM accepts extra fields:
-`k` (draft length; 0 = no speculation), `ssd` (bool), `session_id`, `session_reset`
+`k` (draft length; 0 = no speculation), `ssd` (bool), `k_policy` ("fixed" or "adaptive":
+`k` is then an upper bound per round), `session_id`, `session_reset`
 (bool: forget the session's history first) and `timeout` (seconds for the whole
 generation; past it the answer is 504). Responses carry the
 speculation statistics, timings, the token ids and, for a session, what happened to it
@@ -22,6 +23,7 @@ from typing import Any
 
 from specdec.common.errors import InvalidRequest
 from specdec.gateway.http.errors import ModelNotFound
+from specdec.gateway.policy import parse_policy
 from specdec.v1 import common_pb2, gateway_pb2
 
 EXTENSION = "specdec"
@@ -52,6 +54,7 @@ COMMON_FIELDS = {
     # extensions
     "k",
     "ssd",
+    "k_policy",
     "session_id",
     "session_reset",
     "timeout",
@@ -189,6 +192,14 @@ def _common(body: dict, req: gateway_pb2.GenerateRequest, served: str) -> Option
     ssd = _bool(body, "ssd")
     if ssd is not None:
         req.speculation.ssd = ssd
+    k_policy = body.get("k_policy")
+    if k_policy is not None:
+        if not isinstance(k_policy, str):
+            raise InvalidRequest('k_policy must be "fixed" or "adaptive"')
+        try:
+            req.speculation.k_policy = parse_policy(k_policy)
+        except ValueError as e:
+            raise InvalidRequest(f"k_policy {e}") from None
     session_id = body.get("session_id")
     if session_id is not None:
         if not isinstance(session_id, str) or not session_id:

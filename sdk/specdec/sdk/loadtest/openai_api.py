@@ -136,6 +136,8 @@ class OpenAIBackend:
             body["k"] = mode.k
         if mode.ssd is not None:
             body["ssd"] = mode.ssd
+        if mode.k_policy is not None:
+            body["k_policy"] = mode.k_policy
         try:
             async for chunk in self._stream(body):
                 yield chunk

@@ -103,6 +103,7 @@ class GrpcBackend:
             reset_session=bool(session_id) and first_turn,
             k=mode.k,
             ssd=mode.ssd,
+            k_policy=mode.k_policy,
         )
 
     async def close(self) -> None:

@@ -52,6 +52,7 @@ def summarize(
         "mode": cell.mode.name,
         "k": cell.mode.k,
         "ssd": cell.mode.ssd,
+        "k_policy": cell.mode.k_policy,
         "completed": len(ok),
         "failed": len(failed),
         "duration": duration,
@@ -78,6 +79,8 @@ def summarize(
             # (accepted + 1); SSD rounds whose outcome had a prepared draft.
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "tokens_per_round": (accepted + rounds) / rounds if rounds else 0.0,
+            # Draft tokens per round: the k the rounds used (adaptive modes choose it).
+            "mean_k": drafted / rounds if rounds else 0.0,
             "ssd_hit_rate": sum(r.ssd_hits for r in ok) / ssd if ssd else 0.0,
             "errors": dict(sorted(Counter(r.error for r in failed).items())),
         }

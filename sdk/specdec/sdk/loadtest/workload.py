@@ -8,10 +8,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-#: Modes the issue names that later work adds; asking for one fails with this explanation.
-NOT_BUILT = {
-    "adaptive": "mode 'adaptive' (speculation that adapts its draft length) is not built yet",
-}
+#: Upper bound on k of the mode `adaptive` (the same as `adaptive4`).
+ADAPTIVE_DEFAULT_K = 4
 
 
 @dataclass(frozen=True)
@@ -32,11 +30,12 @@ class Mode:
     """How every request of a mode asks for speculation: k None = the gateway's default."""
 
     name: str
-    k: int | None = None
+    k: int | None = None  # under k_policy "adaptive": the upper bound
     ssd: bool | None = None
+    k_policy: str | None = None  # "fixed" / "adaptive"; None: the gateway's default
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "k": self.k, "ssd": self.ssd}
+        return {"name": self.name, "k": self.k, "ssd": self.ssd, "k_policy": self.k_policy}
 
 
 @dataclass(frozen=True)
@@ -136,26 +135,32 @@ def load_conversations(path: str | None = None, limit: int | None = None) -> lis
 
 def parse_modes(text: str) -> list[Mode]:
     """'k0,k2,ssd2' -> modes. kN: draft length N (k0: no speculation); ssdN: speculative
-    speculative decoding with draft length N; default: the gateway's own settings."""
+    speculative decoding with draft length N; adaptiveN: k_policy adaptive with SSD and k
+    at most N (`adaptive`: N = 4); default: the gateway's own settings. The fixed modes
+    ask for k_policy fixed, so a gateway started with --k-policy adaptive runs them as named."""
     modes: list[Mode] = []
     for raw in text.split(","):
         name = raw.strip()
         if not name:
             continue
-        if name in NOT_BUILT:
-            raise ValueError(NOT_BUILT[name])
         if m := re.fullmatch(r"k(\d+)", name):
-            mode = Mode(name, k=int(m.group(1)), ssd=False)
+            mode = Mode(name, k=int(m.group(1)), ssd=False, k_policy="fixed")
         elif m := re.fullmatch(r"ssd(\d+)", name):
             if int(m.group(1)) < 1:
                 raise ValueError(f"mode {name!r}: SSD needs a draft length of at least 1")
-            mode = Mode(name, k=int(m.group(1)), ssd=True)
+            mode = Mode(name, k=int(m.group(1)), ssd=True, k_policy="fixed")
+        elif m := re.fullmatch(r"adaptive(\d*)", name):
+            k = int(m.group(1)) if m.group(1) else ADAPTIVE_DEFAULT_K
+            if k < 1:
+                raise ValueError(f"mode {name!r}: adaptive needs an upper bound of at least 1")
+            mode = Mode(name, k=k, ssd=True, k_policy="adaptive")
         elif name == "default":
             mode = Mode(name)
         else:
             raise ValueError(
                 f"unknown mode {name!r}: use kN (draft length N; k0 = no speculation), "
-                "ssdN (SSD with draft length N) or default (the gateway's settings)"
+                "ssdN (SSD with draft length N), adaptiveN (adaptive k up to N, with SSD; "
+                "adaptive: N = 4) or default (the gateway's settings)"
             )
         if any(existing.name == name for existing in modes):
             raise ValueError(f"mode {name!r} is given twice")

@@ -1,0 +1,184 @@
+"""The adaptive k policy (specdec.gateway.policy) as a pure object: measurements in,
+decisions out, no processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.gateway.policy import (
+    ADAPTIVE,
+    FIXED,
+    AdaptivePolicy,
+    FixedPolicy,
+    PolicyParams,
+    expected_tokens,
+    make_policy,
+    parse_policy,
+)
+
+
+def rounds(policy: AdaptivePolicy, n: int, *, k: int, accepted: int, verify_s: float,
+           draft_s: float, queue: int = 0) -> None:  # fmt: skip
+    """n rounds of k drafts: each Draft took draft_s, each Verify verify_s."""
+    for _ in range(n):
+        if k:
+            policy.observe_draft(k, draft_s)
+        policy.observe_verify(k, accepted, verify_s, queue)
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(1.0, 3) == 4.0
+    assert expected_tokens(0.0, 4) == 1.0
+
+
+def test_parse_policy():
+    assert parse_policy("fixed") == FIXED and parse_policy(" Adaptive ") == ADAPTIVE
+    with pytest.raises(ValueError, match="must be one of fixed, adaptive, got 'auto'"):
+        parse_policy("auto")
+
+
+def test_fixed_policy_keeps_the_request_k_and_fan_out():
+    policy = make_policy(FIXED, ssd=True, fan_out=3, max_fan_out=6)
+    assert isinstance(policy, FixedPolicy)
+    policy.observe_verify(4, 0, 10.0, 50)  # nothing it sees changes it
+    assert [policy.choose_k(k) for k in (0, 2, 4)] == [0, 2, 4]
+    assert policy.choose_fan_out(4, 4) == 3
+
+
+def test_drafts_the_upper_bound_until_measured():
+    policy = AdaptivePolicy(ssd=True, max_fan_out=6)
+    assert policy.choose_k(4) == 4
+    assert policy.choose_fan_out(4, 4) == 6
+    assert policy.choose_k(0) == 0
+
+
+def test_acceptance_estimate_is_per_token_with_a_prior():
+    policy = AdaptivePolicy(ssd=False, max_fan_out=1, params=PolicyParams(prior_weight=0))
+    policy.observe_verify(4, 2, 0.1, 0)  # accepted d1, d2, rejected d3
+    policy.observe_verify(4, 4, 0.1, 0)  # all accepted: no rejection
+    assert policy.acceptance == pytest.approx(6 / 7)
+    with_prior = AdaptivePolicy(ssd=False, max_fan_out=1)
+    assert with_prior.acceptance == pytest.approx(PolicyParams().prior_acceptance)
+
+
+def test_good_acceptance_and_a_cheap_drafter_draft_long():
+    """Acceptance 0.9, drafting 10% of a step per token, idle verifier: k grows to the bound."""
+    policy = AdaptivePolicy(ssd=False, max_fan_out=1)
+    rounds(policy, 10, k=4, accepted=4, verify_s=0.30, draft_s=0.12)
+    rounds(policy, 1, k=4, accepted=3, verify_s=0.30, draft_s=0.12)
+    assert policy.acceptance > 0.85
+    assert policy.choose_k(4) == 4
+    assert policy.choose_k(2) == 2  # never above the request's bound
+
+
+def test_poor_acceptance_turns_speculation_off():
+    """Every first draft token rejected: drafting only costs, so k = 0."""
+    policy = AdaptivePolicy(ssd=False, max_fan_out=1)
+    rounds(policy, 12, k=4, accepted=0, verify_s=0.30, draft_s=0.40)
+    assert policy.acceptance < 0.3
+    assert policy.choose_k(4) == 0
+
+
+def test_the_model_picks_the_argmax_of_expected_tokens_per_second():
+    policy = AdaptivePolicy(ssd=False, max_fan_out=1)
+    rounds(policy, 20, k=2, accepted=1, verify_s=0.33, draft_s=0.24)
+    k = policy.choose_k(6)
+    rates = [policy.rate(j) for j in range(7)]
+    assert rates[k] == max(rates)
+    assert 0 < k < 6  # an interior optimum: acceptance ~0.5 with a drafter at 0.37 of a step
+
+
+def test_saturated_verifier_shrinks_k_to_zero_and_headroom_grows_it_back():
+    policy = AdaptivePolicy(ssd=False, max_fan_out=1)
+    rounds(policy, 10, k=4, accepted=3, verify_s=0.30, draft_s=0.12)
+    idle_k = policy.choose_k(4)
+    assert idle_k >= 3
+    # The verifier reports a queue of 8 other requests: every extra token costs a step.
+    ks = []
+    for _ in range(10):
+        k = policy.choose_k(4)
+        ks.append(k)
+        rounds(policy, 1, k=k, accepted=min(k, 3), verify_s=2.4, draft_s=0.12, queue=8)
+    assert policy.token_cost == pytest.approx(1.0, abs=0.05)
+    assert ks[-1] == 0 and ks == sorted(ks, reverse=True)
+    # Load gone: measured at k = 0 too, so k comes back.
+    for _ in range(15):
+        k = policy.choose_k(4)
+        rounds(policy, 1, k=k, accepted=min(k, 3), verify_s=0.30, draft_s=0.12, queue=0)
+    assert policy.choose_k(4) == idle_k
+
+
+def test_partial_load_gives_an_intermediate_k():
+    idle = AdaptivePolicy(ssd=False, max_fan_out=1)
+    loaded = AdaptivePolicy(ssd=False, max_fan_out=1)
+    for policy, queue in ((idle, 0), (loaded, 2)):
+        rounds(policy, 20, k=4, accepted=3, verify_s=0.3, draft_s=0.05, queue=queue)
+    assert 0 < loaded.choose_k(8) < idle.choose_k(8)
+
+
+def test_ssd_hits_hide_drafting_so_k_is_larger():
+    plain = AdaptivePolicy(ssd=False, max_fan_out=6)
+    ssd = AdaptivePolicy(ssd=True, max_fan_out=6)
+    for policy in (plain, ssd):
+        rounds(policy, 20, k=3, accepted=2, verify_s=0.3, draft_s=0.15)
+    for _ in range(10):
+        ssd.observe_ssd(True)
+    assert ssd.hit_rate > 0.95
+    assert ssd.choose_k(8) > plain.choose_k(8)
+
+
+def test_fan_out_fits_the_speculate_inside_the_verify():
+    params = PolicyParams()
+    policy = AdaptivePolicy(ssd=True, max_fan_out=6, params=params)
+    rounds(policy, 5, k=2, accepted=2, verify_s=0.40, draft_s=0.1)
+    # A Speculate of 3 branches x 2 steps took 0.36 s: one step of one branch is
+    # 0.36 / (3 x 1.3) = 0.092 s.
+    for _ in range(5):
+        policy.observe_speculate(3, 2, 0.36)
+    f = policy.choose_fan_out(2, 2)
+    step = policy.step.value
+    budget = params.fit_margin * policy.verify.value * (1 + policy.token_cost * 2)
+
+    def cost(fan_out: int) -> float:
+        return step * 3 * (1 + params.branch_cost * (fan_out - 1))
+
+    assert 1 <= f < 6
+    assert cost(f) <= budget < cost(f + 1)
+    # Longer branches take longer: fewer of them fit.
+    assert policy.choose_fan_out(2, 4) < f
+
+
+def test_late_speculates_shrink_the_fan_out_then_pause_ssd_and_retry():
+    params = PolicyParams(late_limit=3, pause_rounds=5)
+    policy = AdaptivePolicy(ssd=True, max_fan_out=6, params=params)
+    rounds(policy, 3, k=2, accepted=2, verify_s=0.2, draft_s=0.1)
+    fan_outs = []
+    for _ in range(20):
+        f = policy.choose_fan_out(2, 2)
+        if f is None:
+            break
+        fan_outs.append(f)
+        policy.observe_verify(2, 2, 0.2, 0)
+        policy.observe_speculate(f, 2, None)  # still running at the verdict
+    assert fan_outs[0] == 6 and fan_outs[-1] == 1
+    assert fan_outs == sorted(fan_outs, reverse=True)
+    assert fan_outs[-params.late_limit :] == [1] * params.late_limit
+    # Paused: no Speculate for pause_rounds rounds (the None above was the first of them),
+    # and no hidden drafting counted meanwhile.
+    assert policy.hit_rate == 0.0
+    paused = [policy.choose_fan_out(2, 2) for _ in range(params.pause_rounds - 1)]
+    assert paused == [None] * (params.pause_rounds - 1)
+    assert policy.choose_fan_out(2, 2) == 1  # then it tries again
+    # An answered Speculate in time resets the count of late ones.
+    policy.observe_speculate(1, 2, 0.05)
+    assert policy.late_in_row == 0
+
+
+def test_probes_with_one_token_after_a_long_run_at_k0():
+    params = PolicyParams(probe_interval=5)
+    policy = AdaptivePolicy(ssd=False, max_fan_out=1, params=params)
+    rounds(policy, 12, k=4, accepted=0, verify_s=0.30, draft_s=0.40)
+    ks = [policy.choose_k(4) for _ in range(12)]
+    assert ks == [0] * 5 + [1] + [0] * 5 + [1]
