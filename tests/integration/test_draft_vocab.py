@@ -5,7 +5,6 @@ excludes tokens the target chooses (so some of its drafts can never be right).""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import math
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import pytest
 from specdec.sdk import AsyncClient, Client
 from tests.conftest import PROMPTS
 from tests.integration.test_gateway import gateway, replica
-from tests.integration.test_ssd import exact_sequence_probs
+from tests.integration.test_ssd import check_sequence_counts, exact_sequence_probs
 
 pytestmark = pytest.mark.integration
 
@@ -37,29 +36,64 @@ def excluded(tokenizer, reference, test_models):
 EOS = {0, 1, 2}  # never excluded (the tokenizer's specials: kept by the drafter anyway)
 
 
+def sampled_prompt(tokenizer) -> list[int]:
+    return tokenizer(PROMPTS[0]).input_ids
+
+
 @pytest.fixture(scope="module")
-def stack(test_models, tmp_path_factory, excluded):
+def exact(tokenizer, target_model):
+    """The target's exact distribution of 4-token continuations under top-k 2."""
+    probs = exact_sequence_probs(target_model, sampled_prompt(tokenizer), steps=4, top_k=2)
+    assert len(probs) == 16 and math.isclose(sum(probs.values()), 1.0, rel_tol=1e-5)
+    return probs
+
+
+@pytest.fixture(scope="module")
+def sampling_excluded(exact):
+    """The tokens of the likeliest continuation: the sampling drafter never proposes them."""
+    return set(max(exact, key=exact.get)) - EOS
+
+
+def ranking_without(folder, vocab_size: int, excluded: set[int]) -> str:
+    path = folder / f"ranking-{len(excluded)}-{min(excluded)}.txt"
+    ids = [t for t in range(vocab_size) if t not in excluded]
+    path.write_text("# all but the excluded tokens\n" + "\n".join(map(str, ids)) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def stack(test_models, tmp_path_factory, excluded, sampling_excluded):
     """One verifier; drafters: the target itself with a ranking file that leaves out
     `excluded` (every other draft is right), the noisy draft with --draft-vocab SMALL_N set
-    through its environment variable; a gateway over each."""
-    ranking = tmp_path_factory.mktemp("vocab") / "ranking.txt"
-    ids = [t for t in range(test_models.vocab_size) if t not in excluded]
-    ranking.write_text("# all but the excluded tokens\n" + "\n".join(map(str, ids)) + "\n")
+    through its environment variable, and the noisy draft without `sampling_excluded`; a
+    gateway over each (the last with SSD, one branch per round)."""
+    folder = tmp_path_factory.mktemp("vocab")
     procs = []
     try:
         verifier = replica("verifier", test_models.target)
-        same = replica("drafter", test_models.target, "--draft-vocab-file", str(ranking))
+        same = replica(
+            "drafter",
+            test_models.target,
+            "--draft-vocab-file",
+            ranking_without(folder, test_models.vocab_size, excluded),
+        )
         noisy = replica(
             "drafter", test_models.draft_noisy, env={"SPECDEC_DRAFT_VOCAB": str(SMALL_N)}
         )
-        procs += [verifier, same, noisy]
+        sampler = replica(
+            "drafter",
+            test_models.draft_noisy,
+            "--draft-vocab-file",
+            ranking_without(folder, test_models.vocab_size, sampling_excluded),
+        )
+        procs += [verifier, same, noisy, sampler]
         for p in procs:
             p.wait_healthy()
         gws = {
             "same": gateway([same], [verifier]),
             "noisy": gateway([noisy], [verifier]),
-            "noisy-ssd-1": gateway(
-                [noisy], [verifier], None, "--ssd", "true", "--ssd-fan-out", "1"
+            "sampler-ssd-1": gateway(
+                [sampler], [verifier], None, "--ssd", "true", "--ssd-fan-out", "1"
             ),
         }
         procs += gws.values()
@@ -100,53 +134,35 @@ def test_greedy_equals_generate_with_a_reduced_vocabulary(
         assert drafted > 0 and rejected > 0
 
 
-def test_sampling_distribution_with_a_reduced_vocabulary(stack, tokenizer, target_model):
+def test_sampling_distribution_with_a_reduced_vocabulary(
+    stack, tokenizer, exact, sampling_excluded
+):
     """Sampled sequences follow the target's distribution: every one of the 16 possible
     4-token sequences (top-k 2) within 5 sigma, through a drafter whose subset leaves out
-    tokens of those sequences (they come only from the verifier's residual), with SSD on
-    (one branch per round, so both SSD paths carry rounds)."""
-    ids = tokenizer(PROMPTS[0]).input_ids
-    exact = exact_sequence_probs(target_model, ids, steps=4, top_k=2)
-    assert len(exact) == 16 and math.isclose(sum(exact.values()), 1.0, rel_tol=1e-5)
-    outside = {t for s in exact for t in s if t >= SMALL_N and t not in EOS}
-    assert outside, "the subset must leave out some of the target's possible tokens"
+    the tokens of the likeliest sequence (they come only from the verifier's residual),
+    with SSD on (one branch per round and k = 1, so both SSD paths carry rounds)."""
+    ids = sampled_prompt(tokenizer)
+    assert sampling_excluded, "the subset must leave out some of the target's possible tokens"
     samples = 1200
 
     async def draw() -> list:
-        async with AsyncClient(stack["noisy-ssd-1"], timeout=120) as client:
+        async with AsyncClient(stack["sampler-ssd-1"], timeout=120) as client:
             sem = asyncio.Semaphore(8)
 
             async def one():
                 async with sem:
                     return await client.generate(
-                        token_ids=ids, max_new_tokens=4, k=2, temperature=1.0, top_k=2
+                        token_ids=ids, max_new_tokens=4, k=1, temperature=1.0, top_k=2
                     )
 
             return await asyncio.gather(*(one() for _ in range(samples)))
 
     results = asyncio.run(draw())
-    assert sum(r.stats.ssd_hits for r in results) > 50
-    assert sum(r.stats.ssd_misses for r in results) > 50
-    counts = {s: 0 for s in exact}
-    for r in results:
-        s = tuple(r.tokens)
-        assert s in counts, f"{s} is impossible under top-k 2"
-        counts[s] += 1
-    assert sum(c for s, c in counts.items() if outside & set(s)) > 0
-    for s, p in exact.items():
-        sigma = math.sqrt(samples * p * (1 - p))
-        assert abs(counts[s] - samples * p) <= 5 * sigma + 1, (s, counts[s], samples * p)
-    # The test can fail: a distribution that differs by 0.1 in one cell is caught.
-    biased = dict(exact)
-    a, b = itertools.islice(sorted(exact, key=exact.get, reverse=True), 2)
-    shift = min(0.1, biased[b])
-    biased[a] += shift
-    biased[b] -= shift
-    assert any(
-        abs(counts[s] - samples * p) > 5 * math.sqrt(samples * p * (1 - p)) + 1
-        for s, p in biased.items()
-        if 0 < p < 1
-    )
+    assert sum(r.stats.ssd_hits for r in results) > 100
+    assert sum(r.stats.ssd_misses for r in results) > 100
+    counts = check_sequence_counts([tuple(r.tokens) for r in results], exact)
+    # The excluded tokens were sampled (only the residual could produce them).
+    assert sum(c for s, c in counts.items() if sampling_excluded & set(s)) > samples / 10
 
 
 @pytest.mark.parametrize(

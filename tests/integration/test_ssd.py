@@ -173,6 +173,14 @@ def test_ssd_sampling_distribution(ssd_stack, tokenizer, target_model):
 
     seqs, hits, misses = asyncio.run(draw())
     assert hits > 100 and misses > 100  # both SSD paths carried the sampled rounds
+    check_sequence_counts(seqs, exact)
+
+
+def check_sequence_counts(seqs: list[tuple[int, ...]], exact: dict) -> dict:
+    """Sampled sequences against their exact probabilities: each count within 5 sigma, and
+    the same check fails for a distribution that differs by 0.1 in one cell (the negative
+    control). Returns the counts."""
+    samples = len(seqs)
     counts = {s: 0 for s in exact}
     for s in seqs:
         assert s in counts, f"{s} is impossible under top-k 2"
@@ -191,3 +199,4 @@ def test_ssd_sampling_distribution(ssd_stack, tokenizer, target_model):
         for s, p in biased.items()
         if 0 < p < 1
     )
+    return counts

@@ -142,7 +142,16 @@ def phase_accept(args) -> None:
     import transformers
 
     corpus = Path(args.corpus or Path(transformers.__file__).parent)
-    rankings = {"id-order": list(range(vocab)), "corpus": corpus_ranking(tokenizer, corpus)}
+    saved = args.out / "ranking-corpus.txt"
+    if saved.exists():  # counted by an earlier run
+        from specdec.drafter.vocab import read_ranking
+
+        counted = read_ranking(str(saved))
+    else:
+        counted = corpus_ranking(tokenizer, corpus)
+    seen = set(counted)  # tokens the corpus never holds follow in id order
+    counted += [t for t in range(vocab) if t not in seen]
+    rankings = {"id-order": list(range(vocab)), "corpus": counted}
     for name, ranking in rankings.items():
         (args.out / f"ranking-{name}.txt").write_text(
             f"# {name} ranking of {draft}\n" + "\n".join(map(str, ranking)) + "\n"
