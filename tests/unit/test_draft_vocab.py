@@ -191,3 +191,18 @@ def test_values_beyond_the_vocabulary_fail_the_load(tmp_path, test_models, kw, c
     rt = DrafterRuntime(drafter_config(test_models.draft_small, **kw))
     with pytest.raises(ConfigError, match=message):
         rt.load()
+
+
+def test_acceptance_accounting_of_the_draftvocab_bench():
+    """The bench's greedy rounds under teacher forcing (specdec.tools.bench.draftvocab):
+    a round accepts the run of matching drafts, at most k, shorter near the end as the
+    gateway's min(k, remaining - 1)."""
+    from specdec.tools.bench.draftvocab import simulate
+
+    T, F = True, False
+    # j=0: 2 accepted + bonus; j=3: k = min(2, 2): 2 accepted + bonus.
+    assert simulate([T, T, F, T, T, T], 2) == (2, 4, 4)
+    # j=0: rejected at once; j=1: k = min(2, 1) = 1, accepted + bonus.
+    assert simulate([F, T, F], 2) == (2, 3, 1)
+    # The last token alone: a round without drafts.
+    assert simulate([F, F], 4) == (2, 1, 0)

@@ -226,25 +226,27 @@ def phase_speed(args) -> None:
     ratios: dict[str, list[float]] = {name: [] for name in heads if name != "full"}
     order = list(heads)
     for rep in range(args.reps):
-        medians = {}
-        for name in order[rep % len(order) :] + order[: rep % len(order)]:
+        # One session per variant; the variants take turns step by step (the order
+        # rotating), so a change in the machine's load hits them alike.
+        sessions, last, steps = {}, {}, {name: [] for name in heads}
+        for name in order:
             rt.head = heads[name]
-            session = rt.store.acquire(f"s-{rep}-{name}", 0, 0, len(prompt) + args.steps)
-            last = rt.forward(session, prompt, keep=1)[-1]
-            steps = []
-            for _ in range(args.steps):
-                token = int(last.argmax())
+            sessions[name] = rt.store.acquire(f"{rep}-{name}", 0, 0, len(prompt) + args.steps)
+            last[name] = rt.forward(sessions[name], prompt, keep=1)[-1]
+        for step in range(args.steps):
+            shift = step % len(order)
+            for name in order[shift:] + order[:shift]:
+                rt.head = heads[name]
+                token = int(last[name].argmax())
                 started = time.perf_counter()
-                last = rt.forward(session, [token])[-1]
-                steps.append(time.perf_counter() - started)
-            rt.release(f"s-{rep}-{name}")
-            medians[name] = statistics.median(steps) * 1e3
-            times[name].append(medians[name])
+                last[name] = rt.forward(sessions[name], [token])[-1]
+                steps[name].append(time.perf_counter() - started)
+        for name in order:
+            rt.release(f"{rep}-{name}")
+            times[name].append(statistics.median(steps[name]) * 1e3)
         for name in ratios:
-            ratios[name].append(medians[name] / medians["full"])
-        print(
-            f"rep {rep + 1}: " + " ".join(f"{n}={m:.1f}ms" for n, m in medians.items()), flush=True
-        )
+            ratios[name].append(times[name][-1] / times["full"][-1])
+        print(f"rep {rep + 1}: " + " ".join(f"{n}={times[n][-1]:.1f}ms" for n in order), flush=True)
     summary = {
         name: {
             "median_step_ms": statistics.median(times[name]),
@@ -275,7 +277,7 @@ def main() -> None:
     p.add_argument("--ns", default=",".join(map(str, DEFAULT_NS)), help="subset sizes")
     p.add_argument("--corpus", help="accept: folder of .py files to count (default: transformers)")
     p.add_argument("--reps", type=int, default=6, help="speed: alternations")
-    p.add_argument("--steps", type=int, default=32, help="speed: decoding steps per timing")
+    p.add_argument("--steps", type=int, default=32, help="speed: decoding steps per rep")
     args = p.parse_args()
     args.ns = [int(x) for x in args.ns.split(",") if x.strip()]
     args.out.mkdir(parents=True, exist_ok=True)
