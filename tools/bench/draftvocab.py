@@ -201,7 +201,6 @@ def phase_accept(args) -> None:
 def phase_speed(args) -> None:
     import torch
 
-    from specdec.common.config import ReplicaConfig  # noqa: F401
     from specdec.drafter.config import DrafterConfig
     from specdec.drafter.vocab import DrafterRuntime, ReducedHead, subset_ids
 
