@@ -99,6 +99,7 @@ def run_replica(
     service_name: str,
     make_servicer: Callable[[ModelRuntime], ReplicaServicer],
     add_to_server: Callable[[ReplicaServicer, grpc.aio.Server], None],
+    runtime_type: type[ModelRuntime] = ModelRuntime,
 ) -> None:
     """`specdec serve drafter|verifier`: config, logging, serve until SIGTERM."""
     config = config_type.from_args(args)
@@ -106,7 +107,7 @@ def run_replica(
     tracing = setup_tracing(config.role)
     if config.metrics_port:
         start_metrics_server(config.metrics_port, config.host)
-    runtime = ModelRuntime(config)
+    runtime = runtime_type(config)
     servicer = make_servicer(runtime)
 
     async def ready() -> None:

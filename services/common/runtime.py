@@ -180,6 +180,10 @@ class ModelRuntime:
         self.store: CacheStore | None = None
         self.obs = ReplicaObserver(self)  # metrics and spans (specdec.common.metrics)
         self._keeps_logits = False  # the model's forward takes logits_to_keep
+        # The drafter's reduced output layer (specdec.drafter.vocab.ReducedHead): hidden
+        # states [..., hidden] -> fp32 logits [..., vocab], -inf outside its subset. None:
+        # the model's own output layer (the verifier always).
+        self.head: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     # -- loading ------------------------------------------------------------------------
 
@@ -357,13 +361,26 @@ class ModelRuntime:
         self, session: SessionCache, tokens: list[int], keep: int, fresh: bool
     ) -> torch.Tensor:
         input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, n]
-        kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
         with self.obs.forward(len(tokens), 1, fresh=fresh):
-            out = self.model(
-                input_ids=input_ids, past_key_values=session.kv, use_cache=True, **kwargs
-            )
+            logits = self.model_logits(keep, input_ids=input_ids, past_key_values=session.kv)
         session.tokens.extend(tokens)
-        return out.logits[0, -keep:].float()  # [keep, vocab]
+        return logits[0].float()  # [keep, vocab]
+
+    def model_logits(self, keep: int, **inputs) -> torch.Tensor:
+        """One forward of the model over `inputs` (input_ids [batch, n], past_key_values,
+        optionally attention_mask and position_ids), updating the cache it is given; the
+        logits of the last `keep` positions [batch, keep, vocab].
+
+        Only those rows are computed: the model's own output layer with logits_to_keep, or,
+        with the drafter's reduced head, the base model's last hidden states [batch, keep,
+        hidden] times the head's rows (fp32, -inf outside its subset).
+        """
+        if self.head is None:
+            kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
+            return self.model(**inputs, use_cache=True, **kwargs).logits[:, -keep:]
+        base = self.model.get_decoder()
+        hidden = base(**inputs, use_cache=True).last_hidden_state[:, -keep:]  # [b, keep, hidden]
+        return self.head(hidden)  # [b, keep, vocab]
 
     def release(self, session_id: str) -> bool:
         assert self.store is not None

@@ -29,6 +29,10 @@ class DrafterConfig(ReplicaConfig):
     # most this many (0: sent whole, dense fp16 over the vocabulary). Exact either way.
     draft_probs_max_entries: int = 2048
     draft_probs_tail: float = 1e-4
+    # Reduced draft vocabulary (specdec.drafter.vocab): the output layer over N tokens, the
+    # first N of draft_vocab_file's ranking or the N smallest ids. 0 and "": the whole one.
+    draft_vocab: int = 0
+    draft_vocab_file: str = ""
 
     ROLE: ClassVar[str] = "drafter"
 
@@ -61,6 +65,21 @@ class DrafterConfig(ReplicaConfig):
             "sampling: probability mass a draft distribution may leave out (within the cap)",
             1e-4,
         )
+        add_setting(
+            parser,
+            "--draft-vocab",
+            "the drafter's output layer over this many tokens only: the smallest ids (BPE merge "
+            "order), or the first of --draft-vocab-file; EOS always kept (0: the whole "
+            "vocabulary, or all of the file)",
+            0,
+        )
+        add_setting(
+            parser,
+            "--draft-vocab-file",
+            "a saved draft vocabulary: token ids, whitespace-separated, most frequent first, "
+            "'#' comments",
+            "",
+        )
 
     @classmethod
     def role_settings(cls, args: argparse.Namespace) -> dict[str, Any]:
@@ -85,7 +104,18 @@ class DrafterConfig(ReplicaConfig):
                 float,
                 lambda v: None if 0 <= v < 1 else "must be in [0, 1)",
             ),
+            "draft_vocab": parse_value(args, "--draft-vocab", int, non_negative),
+            "draft_vocab_file": _vocab_file(args.draft_vocab_file or ""),
         }
+
+
+def _vocab_file(path: str) -> str:
+    """The ranking file, read once here so a bad one fails before the model loads."""
+    if path:
+        from specdec.drafter.vocab import read_ranking
+
+        read_ranking(path)
+    return path
 
 
 def _fan_out(value: int) -> str | None:

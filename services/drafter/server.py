@@ -16,6 +16,7 @@ from specdec.common.serving import rpc_errors
 from specdec.drafter.config import DrafterConfig
 from specdec.drafter.proposer import propose
 from specdec.drafter.speculate import BranchStore, speculate
+from specdec.drafter.vocab import DrafterRuntime
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name
@@ -126,4 +127,5 @@ def main(args: argparse.Namespace) -> None:
         lambda servicer, server: drafter_pb2_grpc.add_DrafterServiceServicer_to_server(
             servicer, server
         ),
+        runtime_type=DrafterRuntime,
     )

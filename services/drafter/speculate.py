@@ -276,13 +276,13 @@ def draft_branches(
     for step in range(steps):
         mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)
         with runtime.obs.forward(n, n):
-            logits = runtime.model(
+            logits = runtime.model_logits(
+                1,
                 input_ids=ids,
                 attention_mask=mask,
                 position_ids=positions,
                 past_key_values=cache,
-                use_cache=True,
-            ).logits[:, -1]  # [n, vocab]
+            )[:, -1]  # [n, vocab]
         for row, branch in enumerate(branches):
             token, enc = sampler.draw(logits[row].float(), int(positions[row]) + 1)
             branch.tokens.append(token)

@@ -164,8 +164,10 @@ def sample_top2(address: str, ids: list[int], samples: int, k: int, **options) -
     return asyncio.run(draw())
 
 
-def check_distribution(exact: dict, seqs: list[tuple[int, ...]]) -> dict:
-    """Every sequence possible and every count within 5 sigma of exact; the counts."""
+def check_sequence_counts(seqs: list[tuple[int, ...]], exact: dict) -> dict:
+    """Sampled sequences against their exact probabilities: each count within 5 sigma, and
+    the same check fails for a distribution that differs by 0.1 in one cell (the negative
+    control). Returns the counts."""
     samples = len(seqs)
     counts = {s: 0 for s in exact}
     for s in seqs:
@@ -174,23 +176,6 @@ def check_distribution(exact: dict, seqs: list[tuple[int, ...]]) -> dict:
     for s, p in exact.items():
         sigma = math.sqrt(samples * p * (1 - p))
         assert abs(counts[s] - samples * p) <= 5 * sigma + 1, (s, counts[s], samples * p)
-    return counts
-
-
-def test_ssd_sampling_distribution(ssd_stack, tokenizer, target_model):
-    """Sampled sequences through the stack with SSD on follow the target's distribution:
-    every one of the 16 possible 4-token sequences (top-k 2) within 5 sigma."""
-    ids = tokenizer(PROMPTS[0]).input_ids
-    exact = exact_sequence_probs(target_model, ids, steps=4, top_k=2)
-    assert len(exact) == 16 and math.isclose(sum(exact.values()), 1.0, rel_tol=1e-5)
-    samples = 1200
-    # One branch per round: with top-k 2 and k = 1 a wider fan-out covers every outcome
-    # and would never miss.
-    results = sample_top2(ssd_stack["noisy-1"], ids, samples, k=1)
-    hits = sum(r.stats.ssd_hits for r in results)
-    misses = sum(r.stats.ssd_misses for r in results)
-    assert hits > 100 and misses > 100  # both SSD paths carried the sampled rounds
-    counts = check_distribution(exact, [tuple(r.tokens) for r in results])
     # The test can fail: a distribution that differs by 0.1 in one cell is caught.
     biased = dict(exact)
     a, b = itertools.islice(sorted(exact, key=exact.get, reverse=True), 2)
@@ -202,3 +187,19 @@ def test_ssd_sampling_distribution(ssd_stack, tokenizer, target_model):
         for s, p in biased.items()
         if 0 < p < 1
     )
+    return counts
+
+
+def test_ssd_sampling_distribution(ssd_stack, tokenizer, target_model):
+    """Sampled sequences through the stack with SSD on follow the target's distribution:
+    every one of the 16 possible 4-token sequences (top-k 2) within 5 sigma."""
+    ids = tokenizer(PROMPTS[0]).input_ids
+    exact = exact_sequence_probs(target_model, ids, steps=4, top_k=2)
+    assert len(exact) == 16 and math.isclose(sum(exact.values()), 1.0, rel_tol=1e-5)
+    # One branch per round: with top-k 2 and k = 1 a wider fan-out covers every outcome
+    # and would never miss.
+    results = sample_top2(ssd_stack["noisy-1"], ids, 1200, k=1)
+    hits = sum(r.stats.ssd_hits for r in results)
+    misses = sum(r.stats.ssd_misses for r in results)
+    assert hits > 100 and misses > 100  # both SSD paths carried the sampled rounds
+    check_sequence_counts([tuple(r.tokens) for r in results], exact)
