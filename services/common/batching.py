@@ -41,7 +41,9 @@ forward's logits (a plain function is a job without forwards). Whenever the mode
 the loop admits waiting jobs (oldest first, up to --max-batch-size in flight, one job per
 session at a time so a session's jobs never interleave), runs each to its next forward
 request, and runs one forward over the pending requests that fit --max-batch-size rows and
---max-batch-tokens padded tokens (rows x longest input), oldest first. Nothing waits for a
+--max-batch-tokens padded tokens (rows x longest input), oldest first, skipping a request
+that would make padding more than half the forward (short steps and long prefill chunks
+run in separate forwards). Nothing waits for a
 batch to fill: an idle model runs whatever is pending, alone if it is alone (continuous
 batching, no timer). A Draft's k steps are k successive requests, so the drafting sessions
 step in lock-step and leave the batch when done; a job that fails (cache miss, capacity,
@@ -230,19 +232,23 @@ class Scheduler:
 
     def _select(self, active: list[_Task]) -> list[_Task]:
         """The oldest pending requests that fit max_batch_size rows and max_batch_tokens
-        padded tokens (rows x longest input); the oldest always runs."""
+        padded tokens (rows x longest input), and of which at least half the padded tokens
+        are real (a one-token step does not ride along a 512-token prefill chunk, padded to
+        512, nor the reverse; it takes the next forward); the oldest always runs."""
         batch: list[_Task] = []
-        longest = 0
+        longest = real = 0
         for task in active:
             n = len(task.request.tokens)
             wider = max(longest, n)
+            padded = (len(batch) + 1) * wider
             if batch and (
                 len(batch) >= self.max_batch_size
-                or (len(batch) + 1) * wider > self.max_batch_tokens
+                or padded > self.max_batch_tokens
+                or 2 * (real + n) < padded
             ):
                 continue
             batch.append(task)
-            longest = wider
+            longest, real = wider, real + n
         return batch
 
 

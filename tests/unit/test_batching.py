@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from specdec.common.batching import ForwardRequest, Scheduler
+from specdec.common.batching import ForwardRequest, Scheduler, _Task
 from specdec.common.errors import CacheMiss
 from specdec.common.prefix import prefix_hash
 from specdec.common.runtime import ModelRuntime, Prefix
@@ -201,6 +201,33 @@ async def test_limits_bound_each_forward(test_models):
         assert seen == [[40], [40]]
     finally:
         rt.shutdown()
+
+
+def test_selection_keeps_padding_below_half():
+    """Oldest first; a request joins while rows x longest fits and at least half the padded
+    tokens are real: one-token steps do not ride along a long prefill chunk."""
+    scheduler = Scheduler("unit-select", max_batch_size=8, max_batch_tokens=2048)
+    try:
+
+        def tasks(*lengths):
+            out = []
+            for i, n in enumerate(lengths):
+                task = _Task(i, lambda: None, None, None)
+                task.request = ForwardRequest(None, [1] * n, 1, False)
+                out.append(task)
+            return out
+
+        def lengths(batch):
+            return [len(t.request.tokens) for t in batch]
+
+        assert lengths(scheduler._select(tasks(512, 1, 4, 1))) == [512, 1]  # 513 of 1024 real
+        assert lengths(scheduler._select(tasks(512, 500, 1, 2))) == [512, 500, 1]
+        assert lengths(scheduler._select(tasks(1, 4, 512, 1, 3))) == [1, 4, 1, 3]
+        assert lengths(scheduler._select(tasks(1, 512, 1))) == [1, 512]  # 513 of 1024 real
+        assert lengths(scheduler._select(tasks(*[4] * 10))) == [4] * 8  # max_batch_size
+        assert lengths(scheduler._select(tasks(512, 500, 510, 505, 300))) == [512, 500, 510, 505]
+    finally:
+        scheduler.shutdown()
 
 
 async def test_batch_size_one_runs_one_job_at_a_time(test_models):
