@@ -20,6 +20,11 @@ out of that row's attention, and t is fed at its true position L + a. Each of th
 num_draft_tokens steps is then one batched forward over all branches. The batched cache is
 dropped at the end; the session's own cache only gained the draft.
 
+Batching across sessions (specdec.common.batching): `speculate` is a model-thread job whose
+first forward (feeding the draft) is batched with other sessions' forwards; the branch
+steps then run at once on the model thread, one batched forward over this session's
+branches each (branches of several sessions do not share a forward yet).
+
 The prepared branches (tokens and, under sampling, the distributions they were drawn from)
 stay on the replica in a BranchStore, for the MAX_PREPARED_SESSIONS most recent sessions
 (they serve one round; under sampling a branch holds k dense distributions). A Draft for
@@ -30,11 +35,12 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from specdec.common.batching import ForwardRequest
 from specdec.common.prefix import prefix_hash
 from specdec.common.runtime import ModelRuntime, Prefix, SessionCache
 from specdec.common.sampling import EncodedProbs, SamplingParams, warp
@@ -108,9 +114,10 @@ def speculate(
     alpha: float,
     max_per_outcome: int,
     max_branch_tokens: int = 0,
-) -> Speculation:
-    """Prepare next-round drafts for the draft at the end of prefix + new_tokens (model
-    thread). new_tokens holds at least draft_length + 1 tokens.
+) -> Generator[ForwardRequest, torch.Tensor, Speculation]:
+    """Prepare next-round drafts for the draft at the end of prefix + new_tokens (a job for
+    the model thread, `ModelRuntime.run`). new_tokens holds at least draft_length + 1
+    tokens.
 
     max_branch_tokens (0: unbounded) bounds the batched branch cache, which holds one copy
     of the session's KV per branch: fan_out shrinks to what fits, down to no branch."""
@@ -118,7 +125,9 @@ def speculate(
         started = time.perf_counter()
         store.pop(session_id)
         session = runtime.store.acquire(session_id, prefix.length, prefix.hash, len(new_tokens))
-        rows = runtime.forward(session, new_tokens, keep=draft_length + 1)  # [k+1, vocab]
+        rows = yield from runtime.forward_steps(
+            session, new_tokens, keep=draft_length + 1
+        )  # [k+1, vocab]
         base = len(session.tokens) - draft_length
         draft = session.tokens[base:]
         ranking = rows.softmax(-1) if params.greedy else warp(rows, params)
