@@ -117,16 +117,25 @@ async def _held(rt):
     return gate, task
 
 
-async def test_concurrent_verifies_run_as_one_forward_and_equal_unbatched(runtime):
-    vocab = runtime.vocab_size
-    jobs = [(f"v{i}", _seq(100 + i, 4 + 3 * i, vocab), _seq(200 + i, 3, vocab)) for i in range(6)]
-    gate, hold = await _held(runtime)  # every Verify is queued before the model is free
-    before = _sessions_hist(runtime)
-    pending = asyncio.ensure_future(_verify_all(runtime, jobs))
+async def _queued_together(rt, jobs, other=None):
+    """Verify every job (and await `other`, a coroutine), all queued while the model thread
+    is held, so that they meet in the queue; the results (exceptions returned)."""
+    gate, hold = await _held(rt)
+    other = asyncio.ensure_future(other) if other is not None else None
+    pending = asyncio.ensure_future(_verify_all(rt, jobs))
     await asyncio.sleep(0.1)
     gate.set()
     await hold
-    batched = await pending
+    if other is not None:
+        await asyncio.wait([other])
+    return await pending, other
+
+
+async def test_concurrent_verifies_run_as_one_forward_and_equal_unbatched(runtime):
+    vocab = runtime.vocab_size
+    jobs = [(f"v{i}", _seq(100 + i, 4 + 3 * i, vocab), _seq(200 + i, 3, vocab)) for i in range(6)]
+    before = _sessions_hist(runtime)
+    batched, _ = await _queued_together(runtime, jobs)
     after = _sessions_hist(runtime)
     assert after[0] - before[0] == 1 and after[1] - before[1] == 6  # one forward of 6
     for sid, _, _ in jobs:
@@ -141,27 +150,20 @@ async def test_concurrent_verifies_run_as_one_forward_and_equal_unbatched(runtim
 async def test_a_cache_miss_fails_alone(runtime):
     vocab = runtime.vocab_size
     jobs = [(f"m{i}", _seq(300 + i, 5 + i, vocab), _seq(400 + i, 2, vocab)) for i in range(3)]
-    gate, hold = await _held(runtime)
-    miss = asyncio.ensure_future(
-        runtime.run(
-            verify,
-            runtime,
-            "m-missing",
-            p(jobs[0][1], 3),
-            jobs[0][1][3:],
-            [],
-            None,
-            SamplingParams(temperature=0.0),
-            session="m-missing",
-        )
+    missing = runtime.run(
+        verify,
+        runtime,
+        "m-missing",
+        p(jobs[0][1], 3),
+        jobs[0][1][3:],
+        [],
+        None,
+        SamplingParams(temperature=0.0),
+        session="m-missing",
     )
-    pending = asyncio.ensure_future(_verify_all(runtime, jobs))
-    await asyncio.sleep(0.1)
-    gate.set()
-    await hold
+    results, miss = await _queued_together(runtime, jobs, missing)
     with pytest.raises(CacheMiss):
-        await miss
-    results = await pending
+        miss.result()
     for (sid, toks, _), verdict in zip(jobs, results, strict=True):
         assert not isinstance(verdict, BaseException), verdict
         assert runtime.store.tokens(sid)[: len(toks)] == toks
@@ -181,23 +183,15 @@ async def test_limits_bound_each_forward(test_models):
             return run_batch(requests)
 
         rt.scheduler.run_batch = recording
-        gate, hold = await _held(rt)
-        pending = asyncio.ensure_future(_verify_all(rt, jobs))
-        await asyncio.sleep(0.1)
-        gate.set()
-        await hold
-        assert all(not isinstance(r, BaseException) for r in await pending)
+        results, _ = await _queued_together(rt, jobs)
+        assert all(not isinstance(r, BaseException) for r in results)
         assert max(len(b) for b in seen) == 2  # --max-batch-size
         assert all(len(b) * max(b) <= 64 for b in seen if len(b) > 1)  # --max-batch-tokens
         seen.clear()
         # 40 new tokens a row: two rows (80 padded tokens) exceed 64, so each runs alone.
         long = [(f"t{i}", _seq(700 + i, 38, vocab), _seq(800 + i, 2, vocab)) for i in range(2)]
-        gate, hold = await _held(rt)
-        pending = asyncio.ensure_future(_verify_all(rt, long))
-        await asyncio.sleep(0.1)
-        gate.set()
-        await hold
-        assert all(not isinstance(r, BaseException) for r in await pending)
+        results, _ = await _queued_together(rt, long)
+        assert all(not isinstance(r, BaseException) for r in results)
         assert seen == [[40], [40]]
     finally:
         rt.shutdown()
