@@ -360,7 +360,12 @@ class ModelRuntime:
         try:
             request = next(job)
             while True:
-                request = job.send(self._forward(request))
+                try:
+                    logits = self._forward(request)
+                except BaseException as e:  # the job sees its forward fail (guarded)
+                    request = job.throw(e)
+                    continue
+                request = job.send(logits)
         except StopIteration as stop:
             return stop.value
 

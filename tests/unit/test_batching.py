@@ -290,3 +290,15 @@ def test_config_flags(monkeypatch):
     assert (cfg.max_batch_size, cfg.max_batch_tokens) == (1, 512)
     with pytest.raises(ConfigError, match="--max-batch-size"):
         VerifierConfig.from_args(argparse.Namespace(**{**vars(args), "max_batch_size": "0"}))
+
+
+def test_a_failed_forward_drops_the_session_of_a_job(runtime):
+    """A job's forward that fails reaches the job (driven here, or by the scheduler), whose
+    guarded block drops the session: the next request misses."""
+    toks = _seq(42, 8, runtime.vocab_size)
+    runtime.drive(verify(*_verify_args(runtime, "f", toks, [])))
+    assert "f" in runtime.store
+    bad = verify(runtime, "f", p(toks, 8), [runtime.vocab_size + 5], [], None, SamplingParams())
+    with pytest.raises(IndexError):
+        runtime.drive(bad)
+    assert "f" not in runtime.store
