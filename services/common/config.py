@@ -109,6 +109,10 @@ class ReplicaConfig:
     replica_id: str = ""  # empty: hostname:port, known once the port is bound
     grace_seconds: float = 10.0
     prefill_chunk: int = 512  # tokens per forward when feeding a long input; 0: one forward
+    # Batching across sessions (specdec.common.batching): sessions per forward (1: none) and
+    # padded tokens per forward (rows x longest input).
+    max_batch_size: int = 16
+    max_batch_tokens: int = 2048
     tls: Any = None  # specdec.common.tls.ServerTls, or None: plaintext
 
     ROLE: ClassVar[str] = ""
@@ -144,6 +148,18 @@ class ReplicaConfig:
         add_setting(parser, "--grace-seconds", "graceful shutdown window on SIGTERM", 10.0)
         add_setting(
             parser, "--prefill-chunk", "tokens per forward of a long input (0: all at once)", 512
+        )
+        add_setting(
+            parser,
+            "--max-batch-size",
+            "sessions whose forwards run as one batched forward (1: one session at a time)",
+            16,
+        )
+        add_setting(
+            parser,
+            "--max-batch-tokens",
+            "bound on one batched forward: rows x the longest row's new tokens",
+            2048,
         )
         from specdec.common.tls import add_server_tls_arguments
 
@@ -189,6 +205,8 @@ class ReplicaConfig:
                 args, "--grace-seconds", float, lambda v: None if v >= 0 else "must be >= 0"
             ),
             prefill_chunk=parse_value(args, "--prefill-chunk", int, non_negative),
+            max_batch_size=parse_value(args, "--max-batch-size", int, positive),
+            max_batch_tokens=parse_value(args, "--max-batch-tokens", int, positive),
             tls=_server_tls(args),
             **cls.role_settings(args),
         )

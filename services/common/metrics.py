@@ -11,8 +11,10 @@ Every name is ``specdec_<role>_...`` and follows vLLM's where one exists
   model thread (depth and time waited), cache misses, the cache gauges after each job
   (sessions, tokens, the bound, usage), and the job's cache figures on the server span;
 - `ReplicaObserver.forward` (around every model forward): latency, tokens fed and batch
-  size by kind (``prefill``: a forward into an empty cache; ``verify``; ``draft_step``;
-  ``speculate``), and a child span per forward;
+  size (rows) by kind (``prefill``: a forward into an empty cache; ``verify``;
+  ``draft_step``; ``speculate``), sessions per forward (batching across sessions,
+  specdec.common.batching), and a child span per forward (in the context of the batch's
+  oldest job; the others count the forward through `ReplicaObserver.member`);
 - `note_cache`, `note_rollback`, `note_eviction` (called by the cache store): whether a
   job reused the session's cache, how many cached tokens it rolled back, evictions.
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import inspect
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -47,6 +50,7 @@ FORWARD_KINDS = {"Verify": "verify", "Draft": "draft_step", "Speculate": "specul
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+SESSION_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 class ReplicaMetrics:
@@ -84,6 +88,11 @@ class ReplicaMetrics:
         )
         self.forward_batch = Histogram(
             p + "model_forward_batch_size", "Rows per forward", ["kind"], buckets=BATCH_BUCKETS
+        )
+        self.forward_sessions = Histogram(
+            p + "model_forward_sessions",
+            "Sessions per model forward (batching across sessions; 1: unbatched)",
+            buckets=SESSION_BUCKETS,
         )
         self.cached_sessions = Gauge(p + "cached_sessions", "Sessions with a KV cache here")
         self.cached_tokens = Gauge(p + "cached_tokens", "Tokens held in KV caches")
@@ -172,27 +181,34 @@ class ReplicaObserver:
         self.metrics.max_cached_tokens.set(runtime.config.max_cached_tokens)
 
     async def run(
-        self, executor, fn: Callable[..., T], *args, on_done: Callable | None = None
+        self,
+        scheduler,
+        fn: Callable[..., T],
+        *args,
+        on_done: Callable | None = None,
+        key: str | None = None,
     ) -> T:
-        """fn(*args) on the model thread, in a copy of the caller's context, counted in
-        the queue until the thread picks it up. on_done(future) runs once the job has ended
-        or was cancelled before it started (also when it could not be submitted)."""
+        """fn(*args) on the model thread (a specdec.common.batching.Scheduler), in a copy of
+        the caller's context, counted in the queue until the thread picks it up. fn may be
+        a job (a generator of forward requests). key: the session (one job at a time each).
+        on_done(future) runs once the job has ended or was cancelled before it started (also
+        when it could not be submitted)."""
         m = self.metrics
         context = contextvars.copy_context()
         queued = time.perf_counter()
         started = False
 
-        def job() -> T:
+        def job():
             nonlocal started
             started = True
             waited = time.perf_counter() - queued
             m.waiting.dec()
             m.queue_seconds.observe(waited)
-            return context.run(self._job, fn, args, waited)
+            return self._job(fn, args, waited)
 
         m.waiting.inc()
         try:
-            future = executor.submit(job)
+            future = scheduler.submit(job, key=key, context=context)
         except BaseException:
             m.waiting.dec()
             if on_done is not None:
@@ -204,12 +220,17 @@ class ReplicaObserver:
             future.add_done_callback(on_done)
         return await asyncio.wrap_future(future)
 
-    def _job(self, fn: Callable[..., T], args: tuple, waited: float) -> T:
+    def _job(self, fn: Callable[..., T], args: tuple, waited: float):
+        """The job as a generator: its forward requests pass through (model thread, in the
+        caller's context)."""
         m = self.metrics
         job = ModelJob(_OPERATION.get(), m)
         _JOB.set(job)
         try:
-            return fn(*args)
+            result = fn(*args)
+            if inspect.isgenerator(result):
+                result = yield from result
+            return result
         except CacheMiss:
             job.cache = "miss"
             m.cache_misses.inc()
@@ -236,8 +257,11 @@ class ReplicaObserver:
         m.kv_usage.set(tokens / store.max_cached_tokens)
 
     @contextmanager
-    def forward(self, tokens: int, batch: int = 1, fresh: bool = False) -> Iterator[None]:
-        """Around one model forward of `tokens` tokens over `batch` rows (model thread)."""
+    def forward(
+        self, tokens: int, batch: int = 1, fresh: bool = False, sessions: int = 1
+    ) -> Iterator[None]:
+        """Around one model forward of `tokens` tokens over `batch` rows of `sessions`
+        sessions (model thread)."""
         job = _JOB.get()
         kind = "prefill" if fresh else FORWARD_KINDS.get(job.operation if job else "", "other")
         started = time.perf_counter()
@@ -247,6 +271,7 @@ class ReplicaObserver:
                 "specdec.forward.kind": kind,
                 "specdec.forward.tokens": tokens,
                 "specdec.forward.batch_size": batch,
+                "specdec.forward.sessions": sessions,
             }
             if job is not None:
                 attributes["specdec.cache.result"] = job.cache
@@ -264,10 +289,20 @@ class ReplicaObserver:
             m.forward_seconds.labels(kind=kind).observe(seconds)
             m.forward_tokens.labels(kind=kind).observe(tokens)
             m.forward_batch.labels(kind=kind).observe(batch)
+            m.forward_sessions.observe(sessions)
             if job is not None:
                 job.forwards += 1
                 job.tokens_fed += tokens
                 job.max_batch = max(job.max_batch, batch)
+
+    def member(self, tokens: int, batch: int) -> None:
+        """This job fed `tokens` tokens into a batched forward of `batch` sessions that
+        another job's context observed (model thread)."""
+        job = _JOB.get()
+        if job is not None:
+            job.forwards += 1
+            job.tokens_fed += tokens
+            job.max_batch = max(job.max_batch, batch)
 
     # -- role-specific counts (event loop) --------------------------------------------------
 

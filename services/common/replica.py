@@ -89,7 +89,9 @@ class ReplicaServicer:
     async def Release(self, request: common_pb2.ReleaseRequest, context):
         check_session_id(request.session_id)
         rt = self.ready_runtime()
-        released = await rt.run(self.release, request.session_id, bounded=False)
+        released = await rt.run(
+            self.release, request.session_id, bounded=False, session=request.session_id
+        )
         return common_pb2.ReleaseResponse(released=released)
 
 

@@ -5,9 +5,11 @@ GGUF file), keeps one KV cache per session with the tokens it covers, rolls reje
 positions back, bounds the total cached tokens with least-recently-used eviction, and runs
 every forward in one dedicated thread so the event loop never blocks.
 
-Threading rule: everything that touches the model or a ``SessionCache`` runs on
-``ModelRuntime.executor`` (one worker), so sessions need no locks; the event loop only
-validates requests and awaits ``ModelRuntime.run``.
+Threading rule: everything that touches the model or a ``SessionCache`` runs on the model
+thread (``ModelRuntime.scheduler``, specdec.common.batching), so sessions need no locks;
+the event loop only validates requests and awaits ``ModelRuntime.run``. A model call is a
+job that yields its forwards (`forward_steps`); the scheduler batches the forwards of
+concurrent jobs of different sessions into one (see specdec.common.batching).
 """
 
 from __future__ import annotations
@@ -20,14 +22,20 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
 
+from specdec.common.batching import (
+    ForwardRequest,
+    Scheduler,
+    batch_inputs,
+    pad_caches,
+    write_back,
+)
 from specdec.common.config import ReplicaConfig
 from specdec.common.cpus import thread_budget
 from specdec.common.errors import (
@@ -158,11 +166,17 @@ class Prefix:
 
 
 class ModelRuntime:
-    """A causal LM with per-session KV caches, driven from one executor thread."""
+    """A causal LM with per-session KV caches, driven from one model thread."""
 
     def __init__(self, config: ReplicaConfig):
         self.config = config
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{config.role}-model")
+        self.scheduler = Scheduler(
+            f"{config.role}-model",
+            config.max_batch_size,
+            config.max_batch_tokens,
+            run_batch=self._run_batch,
+            note_member=self._note_member,
+        )
         # Model requests submitted and not finished (the running one included), and the
         # lock that guards the count: bounded by config.max_queue (backpressure, `run`).
         self.pending = 0
@@ -188,7 +202,7 @@ class ModelRuntime:
     # -- loading ------------------------------------------------------------------------
 
     def load(self) -> None:
-        """Load model and tokenizer (blocking; call on the executor)."""
+        """Load model and tokenizer (blocking; call on the model thread)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         cfg = self.config
@@ -219,6 +233,8 @@ class ModelRuntime:
         self.tokenizer_json = zlib.compress(canonical, 6)
         self.tokenizer_fingerprint = hashlib.sha256(canonical).hexdigest()
         _check_rollback(self._new_cache(), cfg.model)
+        if cfg.max_batch_size > 1:
+            _check_batchable(model, cfg.model)
         self.store = CacheStore(cfg.max_cached_tokens, self._new_cache)
         log.info(
             "model loaded",
@@ -243,9 +259,13 @@ class ModelRuntime:
 
     # -- execution ----------------------------------------------------------------------
 
-    async def run(self, fn: Callable[..., T], *args, bounded: bool = True) -> T:
+    async def run(
+        self, fn: Callable[..., T], *args, bounded: bool = True, session: str | None = None
+    ) -> T:
         """Run fn(*args) on the model thread, in a copy of the caller's context (its trace),
-        counted in the replica's queue metrics.
+        counted in the replica's queue metrics. fn may be a job (a generator yielding
+        ForwardRequests, see `forward_steps`): its forwards are batched with other jobs'.
+        session: the session the call works on; its calls run one at a time, in order.
 
         bounded: a request for the model (Draft, Verify, Speculate). When max_queue of them
         already wait behind the running one, raise ReplicaBusy (RESOURCE_EXHAUSTED) at once
@@ -253,7 +273,7 @@ class ModelRuntime:
         (load, Info, Release) pass bounded=False: never refused, and not counted.
         """
         if not bounded:
-            return await self.obs.run(self.executor, fn, *args)
+            return await self.obs.run(self.scheduler, fn, *args, key=session)
         limit = self.config.max_queue
         with self._pending_lock:
             if self.pending > limit:
@@ -264,14 +284,14 @@ class ModelRuntime:
             self.pending += 1
         # The count drops when the job ends on the model thread (or is cancelled before it
         # started), not when a cancelled caller stops waiting for a job that still runs.
-        return await self.obs.run(self.executor, fn, *args, on_done=self._finished)
+        return await self.obs.run(self.scheduler, fn, *args, on_done=self._finished, key=session)
 
     def _finished(self, _future) -> None:
         with self._pending_lock:
             self.pending -= 1
 
     def shutdown(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.scheduler.shutdown()
 
     # -- validation (event loop, cheap) -------------------------------------------------
 
@@ -294,7 +314,7 @@ class ModelRuntime:
                 f"+ draft {extra}) exceeds the model's context of {self.max_context}"
             )
 
-    # -- model calls (executor thread only) ---------------------------------------------
+    # -- model calls (model thread only) ------------------------------------------------
 
     def extend(
         self,
@@ -332,12 +352,33 @@ class ModelRuntime:
             self.store.release(session_id)
             raise
 
-    @torch.inference_mode()
     def forward(
         self, session: SessionCache, tokens: Sequence[int], keep: int | None = None
     ) -> torch.Tensor:
+        """`forward_steps` run here and now, unbatched (model thread)."""
+        return self.drive(self.forward_steps(session, tokens, keep))
+
+    def drive(self, job: Generator[ForwardRequest, torch.Tensor, T]) -> T:
+        """Run a job here and now, each forward unbatched (the model thread, or a tool
+        that owns the runtime)."""
+        try:
+            request = next(job)
+            while True:
+                try:
+                    logits = self._forward(request)
+                except BaseException as e:  # the job sees its forward fail (guarded)
+                    request = job.throw(e)
+                    continue
+                request = job.send(logits)
+        except StopIteration as stop:
+            return stop.value
+
+    def forward_steps(
+        self, session: SessionCache, tokens: Sequence[int], keep: int | None = None
+    ) -> Generator[ForwardRequest, torch.Tensor, torch.Tensor]:
         """Append tokens to the session's cache; the logits of the last `keep` of them
-        [keep, vocab] fp32 (all when None).
+        [keep, vocab] fp32 (all when None). A job's forwards: `yield from` it in a job
+        run by `run` (batched with other sessions'), or call `forward`.
 
         Only the kept rows are computed (a full-vocabulary row per prompt token is about
         0.9 MB in bf16 for a 152k vocabulary, plus its fp32 copy). An input longer than
@@ -353,15 +394,22 @@ class ModelRuntime:
             head = len(tokens) - max(chunk, keep)  # fed before the last forward
             while start < head:
                 end = min(start + chunk, head)
-                self._forward(session, tokens[start:end], 1, fresh)
+                yield ForwardRequest(session, tokens[start:end], 1, fresh)
                 start = end
-        return self._forward(session, tokens[start:], keep, fresh)
+        return (yield ForwardRequest(session, tokens[start:], keep, fresh))
 
-    def _forward(
-        self, session: SessionCache, tokens: list[int], keep: int, fresh: bool
-    ) -> torch.Tensor:
+    def _run_batch(self, requests: list[ForwardRequest]) -> list[torch.Tensor]:
+        """One forward over the requests (the scheduler's run_batch)."""
+        if len(requests) == 1:
+            return [self._forward(requests[0])]
+        return self._forward_batch(requests)
+
+    @torch.inference_mode()
+    def _forward(self, request: ForwardRequest) -> torch.Tensor:
+        """One session's forward on its own cache (no padding, no copy)."""
+        session, tokens, keep = request.session, request.tokens, request.keep
         input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, n]
-        with self.obs.forward(len(tokens), 1, fresh=fresh):
+        with self.obs.forward(len(tokens), 1, fresh=request.fresh):
             logits = self.model_logits(keep, input_ids=input_ids, past_key_values=session.kv)
         session.tokens.extend(tokens)
         return logits[0].float()  # [keep, vocab]
@@ -381,6 +429,43 @@ class ModelRuntime:
         base = self.model.get_decoder()
         hidden = base(**inputs, use_cache=True).last_hidden_state[:, -keep:]  # [b, keep, hidden]
         return self.head(hidden)  # [b, keep, vocab]
+
+    @torch.inference_mode()
+    def _forward_batch(self, requests: list[ForwardRequest]) -> list[torch.Tensor]:
+        """One forward over several sessions' caches, padded (specdec.common.batching)."""
+        caches = [r.session.kv for r in requests]
+        lengths = [len(r.session.tokens) for r in requests]
+        news = [len(r.tokens) for r in requests]
+        input_ids, mask, positions = batch_inputs(
+            [r.tokens for r in requests], lengths, self.device
+        )  # [B, N], [B, L + N], [B, N]
+        cache = pad_caches(caches, lengths, self.model.config)
+        fresh = all(r.fresh for r in requests)
+        with self.obs.forward(sum(news), len(requests), fresh, sessions=len(requests)):
+            hidden = self.model.get_decoder()(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+            ).last_hidden_state  # [B, N, hidden]
+            kept = torch.cat(
+                [
+                    hidden[i, n - r.keep : n]
+                    for i, (r, n) in enumerate(zip(requests, news, strict=True))
+                ]
+            )  # [sum keep, hidden]
+            # the drafter's reduced head, if any, else the model's own output layer
+            head = self.head or self.model.get_output_embeddings()
+            logits = head(kept).float()  # [sum keep, vocab]
+        write_back(cache, caches, max(lengths), news)
+        for r in requests:
+            r.session.tokens.extend(r.tokens)
+        return list(logits.split([r.keep for r in requests]))
+
+    def _note_member(self, request: ForwardRequest, batch: int) -> None:
+        """A job's share of a batched forward observed in another job's context."""
+        self.obs.member(len(request.tokens), batch)
 
     def release(self, session_id: str) -> bool:
         assert self.store is not None
@@ -428,6 +513,23 @@ def _check_rollback(cache, model: str) -> None:
             f"{model} has cache layers that cannot be cropped (recurrent or linear "
             "attention); speculative decoding needs to roll back rejected tokens"
         )
+
+
+def _check_batchable(model, name: str) -> None:
+    """Batched forwards run the model's decoder, then its output head on the kept rows:
+    refuse models whose causal-LM head does more than that."""
+    if getattr(model.config, "final_logit_softcapping", None):
+        raise ValueError(
+            f"{name} caps its logits (final_logit_softcapping); batching across sessions "
+            "does not apply that; run it with --max-batch-size 1"
+        )
+    try:
+        model.get_decoder()
+    except (AttributeError, ValueError) as e:
+        raise ValueError(
+            f"{name}: cannot find the decoder of {type(model).__name__} ({e}); batching "
+            "across sessions needs it; run it with --max-batch-size 1"
+        ) from None
 
 
 def _canonical_tokenizer_json(tokenizer) -> bytes:

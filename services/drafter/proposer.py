@@ -1,13 +1,17 @@
-"""The drafter's domain logic: propose k tokens and the distributions they came from."""
+"""The drafter's domain logic: propose k tokens and the distributions they came from.
+
+`propose` is a model-thread job (specdec.common.batching): each of its k forwards is batched
+with the forwards of other sessions drafting at the same time (lock-step)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from specdec.common.batching import ForwardRequest
 from specdec.common.runtime import ModelRuntime, Prefix
 from specdec.common.sampling import EncodedProbs, SamplingParams
 from specdec.drafter.sampler import sampler_for
@@ -31,8 +35,9 @@ def propose(
     new_tokens: Sequence[int],
     k: int,
     params: SamplingParams,
-) -> Draft:
-    """Draft k tokens after prefix + new_tokens (runs on the model thread).
+) -> Generator[ForwardRequest, torch.Tensor, Draft]:
+    """Draft k tokens after prefix + new_tokens (a job for the model thread,
+    `ModelRuntime.run`).
 
     If Speculate prepared a draft for exactly this sequence it is returned without a
     forward and the cache stays at the prefix. Otherwise the cache ends holding
@@ -41,10 +46,10 @@ def propose(
     kept here instead of feeding d_1..d_{k-1} again).
     """
     with runtime.guarded(session_id):
-        return _propose(runtime, branches, session_id, prefix, new_tokens, k, params)
+        return (yield from _propose(runtime, branches, session_id, prefix, new_tokens, k, params))
 
 
-def _propose(runtime, branches, session_id, prefix, new_tokens, k, params) -> Draft:
+def _propose(runtime, branches, session_id, prefix, new_tokens, k, params):
     started = time.perf_counter()
     branches.pop_rows(session_id)
     session = runtime.store.acquire(session_id, prefix.length, prefix.hash, len(new_tokens) + k - 1)
@@ -52,7 +57,7 @@ def _propose(runtime, branches, session_id, prefix, new_tokens, k, params) -> Dr
     if hit is not None:
         tokens, probs = hit
         return Draft(tokens, probs, len(session.tokens), _ms(started), prepared=True)
-    last = runtime.forward(session, new_tokens, keep=1)[-1]  # [vocab]
+    last = (yield from runtime.forward_steps(session, new_tokens, keep=1))[-1]  # [vocab]
     position = prefix.length + len(new_tokens)  # index of d_1 in the sequence
     sampler = sampler_for(params, runtime)
     tokens: list[int] = []
@@ -65,7 +70,7 @@ def _propose(runtime, branches, session_id, prefix, new_tokens, k, params) -> Dr
         if enc is not None:
             encoded.append(enc)
         if i < k - 1:
-            last = runtime.forward(session, [token])[-1]
+            last = (yield from runtime.forward_steps(session, [token]))[-1]
     n = len(session.tokens)
     branches.put_rows(
         session_id,

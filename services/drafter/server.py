@@ -47,7 +47,15 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
         new_tokens = list(request.new_tokens)
         self.check_extent(request.session_id, prefix, new_tokens, k)
         draft = await rt.run(
-            propose, rt, self.branches, request.session_id, prefix, new_tokens, k, params
+            propose,
+            rt,
+            self.branches,
+            request.session_id,
+            prefix,
+            new_tokens,
+            k,
+            params,
+            session=request.session_id,
         )
         if draft.prepared:
             rt.obs.ssd_served()
@@ -104,6 +112,7 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             alpha,
             cfg.ssd_max_per_outcome,
             cfg.ssd_max_branch_tokens,
+            session=request.session_id,
         )
         rt.obs.ssd_prepared(len(result.branches))
         return drafter_pb2.SpeculateResponse(

@@ -25,6 +25,11 @@ out of that row's attention, and t is fed at its true position L + a. Each of th
 num_draft_tokens steps is then one batched forward over all branches. The batched cache is
 dropped at the end; the session's own cache only gained the draft.
 
+Batching across sessions (specdec.common.batching): `speculate` is a model-thread job whose
+first forward (feeding the draft) is batched with other sessions' forwards; the branch
+steps then run at once on the model thread, one batched forward over this session's
+branches each (branches of several sessions do not share a forward yet).
+
 The prepared branches (tokens and, under sampling, the distributions they were drawn from)
 stay on the replica in a BranchStore, for the MAX_PREPARED_SESSIONS most recent sessions
 (they serve one round; under sampling a branch holds k dense distributions). A Draft for
@@ -35,11 +40,12 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from specdec.common.batching import ForwardRequest
 from specdec.common.prefix import prefix_hash
 from specdec.common.runtime import ModelRuntime, Prefix, SessionCache
 from specdec.common.sampling import EncodedProbs, SamplingParams, warp
@@ -145,11 +151,11 @@ def speculate(
     alpha: float,
     max_per_outcome: int,
     max_branch_tokens: int = 0,
-) -> Speculation:
-    """Prepare next-round drafts for the draft at the end of prefix + new_tokens (model
-    thread). prefix + new_tokens holds at least draft_length + 1 tokens; new_tokens may
-    start inside the draft when the session's last Draft cached its beginning (see the
-    module docstring).
+) -> Generator[ForwardRequest, torch.Tensor, Speculation]:
+    """Prepare next-round drafts for the draft at the end of prefix + new_tokens (a job for
+    the model thread, `ModelRuntime.run`). prefix + new_tokens holds at least draft_length
+    + 1 tokens; new_tokens may start inside the draft when the session's last Draft cached
+    its beginning (see the module docstring).
 
     max_branch_tokens (0: unbounded) bounds the batched branch cache, which holds one copy
     of the session's KV per branch: fan_out shrinks to what fits, down to no branch."""
@@ -158,7 +164,9 @@ def speculate(
         store.pop(session_id)
         memo = store.pop_rows(session_id)
         session = runtime.store.acquire(session_id, prefix.length, prefix.hash, len(new_tokens))
-        rows = draft_rows(runtime, store, session, memo, prefix, new_tokens, draft_length)
+        rows = yield from draft_rows(
+            runtime, store, session, memo, prefix, new_tokens, draft_length
+        )  # [k+1, vocab]
         base = len(session.tokens) - draft_length
         draft = session.tokens[base:]
         ranking = rows.softmax(-1) if params.greedy else warp(rows, params)
@@ -188,9 +196,9 @@ def draft_rows(
     prefix: Prefix,
     new_tokens: Sequence[int],
     draft_length: int,
-) -> torch.Tensor:
-    """Feed new_tokens; the drafter's logits at every draft position and after the draft
-    [k+1, vocab]: row a is the distribution of the token after d_1..d_a.
+) -> Generator[ForwardRequest, torch.Tensor, torch.Tensor]:
+    """Feed new_tokens (the job's forwards); the drafter's logits at every draft position
+    and after the draft [k+1, vocab]: row a is the distribution of the token after d_1..d_a.
 
     The session holds the prefix. Rows for positions the prefix already covers come from
     the Draft that cached them (memo); without it the cache rolls back to the token before
@@ -199,19 +207,21 @@ def draft_rows(
     cached = len(session.tokens)
     base = cached + len(new_tokens) - draft_length  # the position of d_1
     if cached < base:  # the prefix ends before the draft: feed it all (the usual path)
-        return runtime.forward(session, new_tokens, keep=draft_length + 1)
+        return (yield from runtime.forward_steps(session, new_tokens, keep=draft_length + 1))
     # The Draft's rows hold if it left the cache exactly at this prefix and began no later.
     if (
         memo is not None
         and (memo.length, memo.hash) == (cached, prefix.hash)
         and memo.start <= base
     ):
-        fresh = runtime.forward(session, new_tokens, keep=len(new_tokens))  # [new, vocab]
+        fresh = yield from runtime.forward_steps(
+            session, new_tokens, keep=len(new_tokens)
+        )  # [new, vocab]
         return torch.cat([memo.rows[base - memo.start :], fresh])
     tokens = [*session.tokens[base - 1 :], *new_tokens]
     store.refed_tokens += cached - (base - 1)
     runtime.store.truncate(session, base - 1)
-    return runtime.forward(session, tokens, keep=draft_length + 1)
+    return (yield from runtime.forward_steps(session, tokens, keep=draft_length + 1))
 
 
 def branch_budget(max_branch_tokens: int, length: int, steps: int) -> int:

@@ -1,13 +1,17 @@
-"""The verifier's domain logic: one target forward over new tokens + draft, then the rule."""
+"""The verifier's domain logic: one target forward over new tokens + draft, then the rule.
+
+`verify` is a model-thread job (specdec.common.batching): its forward is batched with the
+forwards of other sessions' Verify calls waiting at the same time."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from specdec.common.batching import ForwardRequest
 from specdec.common.runtime import ModelRuntime, Prefix
 from specdec.common.sampling import SamplingParams, make_generator, rejection_sample, warp
 
@@ -32,21 +36,27 @@ def verify(
     draft_tokens: Sequence[int],
     draft_probs: torch.Tensor | None,
     params: SamplingParams,
-) -> Verdict:
+) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
     """Score draft_tokens [k] (sampled from draft_probs [k, vocab]) after prefix + new_tokens.
 
-    Runs on the model thread. The cache ends holding prefix + new_tokens + accepted drafts.
+    A job for the model thread (`ModelRuntime.run`). The cache ends holding prefix +
+    new_tokens + accepted drafts.
     """
     with runtime.guarded(session_id):
-        return _verify(runtime, session_id, prefix, new_tokens, draft_tokens, draft_probs, params)
+        return (
+            yield from _verify(
+                runtime, session_id, prefix, new_tokens, draft_tokens, draft_probs, params
+            )
+        )
 
 
-def _verify(runtime, session_id, prefix, new_tokens, draft_tokens, draft_probs, params) -> Verdict:
+def _verify(runtime, session_id, prefix, new_tokens, draft_tokens, draft_probs, params):
     started = time.perf_counter()
     k = len(draft_tokens)
-    session, target_logits = runtime.extend(
-        session_id, prefix, [*new_tokens, *draft_tokens], len(new_tokens) + k, keep=k + 1
-    )  # target_logits: [k+1, vocab]
+    session = runtime.store.acquire(session_id, prefix.length, prefix.hash, len(new_tokens) + k)
+    target_logits = yield from runtime.forward_steps(
+        session, [*new_tokens, *draft_tokens], keep=k + 1
+    )  # [k+1, vocab]
     drafts = torch.tensor([list(draft_tokens)], dtype=torch.long)  # [1, k]
     if params.greedy:
         accepted, next_token = rejection_sample(drafts, None, target_logits[None], None, True)

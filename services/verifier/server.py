@@ -45,7 +45,15 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
             draft_probs = decode_draft_probs(request.draft_probs, rt.vocab_size)  # [k, vocab]
         queue_depth = rt.pending  # the load this call waits behind (itself not counted yet)
         verdict = await rt.run(
-            verify, rt, request.session_id, prefix, new_tokens, draft_tokens, draft_probs, params
+            verify,
+            rt,
+            request.session_id,
+            prefix,
+            new_tokens,
+            draft_tokens,
+            draft_probs,
+            params,
+            session=request.session_id,
         )
         rt.obs.verified(k, verdict.accepted)
         return verifier_pb2.VerifyResponse(

@@ -29,19 +29,21 @@ def test_branch_budget():
 @pytest.mark.parametrize("budget, most", [(0, 6), (2 * (40 + 3), 2), (40, 0)])
 def test_speculate_fans_out_within_the_budget(drafter, budget, most):
     tokens = list(range(10, 50))  # 37 context tokens + a draft of 3: 40 in the session
-    result = speculate(
-        drafter,
-        BranchStore(),
-        f"s/{budget}",
-        Prefix(0, 0),
-        tokens,
-        3,
-        3,
-        SamplingParams(),
-        6,
-        0.7,
-        3,
-        budget,
+    result = drafter.drive(
+        speculate(
+            drafter,
+            BranchStore(),
+            f"s/{budget}",
+            Prefix(0, 0),
+            tokens,
+            3,
+            3,
+            SamplingParams(),
+            6,
+            0.7,
+            3,
+            budget,
+        )
     )
     assert result.cached_length == 40
     if most:

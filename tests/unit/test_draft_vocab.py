@@ -96,7 +96,7 @@ def test_every_drafter_path_keeps_to_the_subset(test_models, tmp_path, max_entri
     branches = BranchStore()
     for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=3)):
         sid = f"s-{params.greedy}"
-        d = propose(rt, branches, sid, Prefix(0, 0), PROMPT, 4, params)
+        d = rt.drive(propose(rt, branches, sid, Prefix(0, 0), PROMPT, 4, params))
         assert all(mask[t] for t in d.tokens), d.tokens
         for enc in d.probs:  # sampling: what was sampled from, over full-vocabulary ids
             probs = decode_probs(enc, rt.vocab_size)  # [vocab]
@@ -107,18 +107,20 @@ def test_every_drafter_path_keeps_to_the_subset(test_models, tmp_path, max_entri
         # SSD: the batched branch forwards draw from the subset too. Speculate on the draft
         # just made: the cache is cropped to the prompt less its last token.
         base = PROMPT[:-1]
-        spec = speculate(
-            rt,
-            branches,
-            sid,
-            Prefix(len(base), prefix_hash(base)),
-            [PROMPT[-1], *d.tokens],
-            len(d.tokens),
-            3,
-            params,
-            6,
-            0.5,
-            3,
+        spec = rt.drive(
+            speculate(
+                rt,
+                branches,
+                sid,
+                Prefix(len(base), prefix_hash(base)),
+                [PROMPT[-1], *d.tokens],
+                len(d.tokens),
+                3,
+                params,
+                6,
+                0.5,
+                3,
+            )
         )
         assert spec.branches
         for b in spec.branches:

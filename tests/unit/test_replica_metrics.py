@@ -1,16 +1,17 @@
-"""The replica's queue, miss and cache accounting (specdec.common.metrics), on a real
-one-worker executor; the runtime is a stand-in holding only what the observer reads."""
+"""The replica's queue, miss and cache accounting (specdec.common.metrics), on the real
+model-thread scheduler (specdec.common.batching, plain calls: no model); the runtime is a
+stand-in holding only what the observer reads."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
 from prometheus_client import REGISTRY
 
+from specdec.common.batching import Scheduler
 from specdec.common.errors import CacheMiss
 from specdec.common.metrics import ReplicaObserver, note_cache, note_eviction, note_rollback
 
@@ -39,7 +40,7 @@ def observer():
 
 
 async def test_queue_depth_counts_waiting_and_cancelled_jobs(observer):
-    executor = ThreadPoolExecutor(max_workers=1)
+    executor = Scheduler("unit-model", max_batch_size=16, max_batch_tokens=2048)
     release, started = threading.Event(), threading.Event()
 
     def blocking() -> str:
@@ -68,7 +69,7 @@ async def test_queue_depth_counts_waiting_and_cancelled_jobs(observer):
 
 
 async def test_misses_rollbacks_evictions_and_forwards(observer):
-    executor = ThreadPoolExecutor(max_workers=1)
+    executor = Scheduler("unit-model", max_batch_size=16, max_batch_tokens=2048)
     misses = value("specdec_unitreplica_cache_misses_total")
 
     def miss():

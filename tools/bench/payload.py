@@ -52,7 +52,9 @@ def main() -> None:
             sizes, counts = [], []
             for i, text in enumerate(prompts):
                 sid = f"s/{label}{k}/{i}"
-                d = propose(rt, BranchStore(), sid, Prefix(0, 0), tok(text).input_ids, k, params)
+                d = rt.drive(
+                    propose(rt, BranchStore(), sid, Prefix(0, 0), tok(text).input_ids, k, params)
+                )
                 response = drafter_pb2.DraftResponse(
                     draft_tokens=d.tokens, draft_probs=[encoded_to_proto(e) for e in d.probs]
                 )
