@@ -15,6 +15,7 @@ from specdec.common.config import (
     parse_value,
     positive,
 )
+from specdec.common.quantize import QUANTIZE_MODES, check_quantize
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class DrafterConfig(ReplicaConfig):
     # most this many (0: sent whole, dense fp16 over the vocabulary). Exact either way.
     draft_probs_max_entries: int = 2048
     draft_probs_tail: float = 1e-4
+    # Weight quantization of the draft model (specdec.common.quantize): "none" or "int8".
+    quantize: str = "none"
 
     ROLE: ClassVar[str] = "drafter"
 
@@ -61,6 +64,13 @@ class DrafterConfig(ReplicaConfig):
             "sampling: probability mass a draft distribution may leave out (within the cap)",
             1e-4,
         )
+        add_setting(
+            parser,
+            "--quantize",
+            f"weights of the draft model, one of {', '.join(QUANTIZE_MODES)} "
+            "(int8: int8 matmuls with float32 activations; needs --dtype float32)",
+            "none",
+        )
 
     @classmethod
     def role_settings(cls, args: argparse.Namespace) -> dict[str, Any]:
@@ -84,6 +94,12 @@ class DrafterConfig(ReplicaConfig):
                 "--draft-probs-tail",
                 float,
                 lambda v: None if 0 <= v < 1 else "must be in [0, 1)",
+            ),
+            "quantize": parse_value(
+                args,
+                "--quantize",
+                str,
+                lambda v: check_quantize(v, str(args.dtype), str(args.device)),
             ),
         }
 
