@@ -8,7 +8,7 @@ import pytest
 from specdec.sdk import Client
 from specdec.tools.launcher import ServiceFailed
 from tests.conftest import PROMPTS
-from tests.integration.test_gateway import gateway, replica
+from tests.integration.test_gateway import replica, small_stack
 
 pytestmark = pytest.mark.integration
 
@@ -18,19 +18,8 @@ N = 32
 @pytest.fixture(scope="module")
 def int8_stack(test_models):
     """An int8 drafter (the noisy draft) and a float32 verifier behind one gateway."""
-    procs = []
-    try:
-        drafter = replica("drafter", test_models.draft_noisy, "--quantize", "int8")
-        verifier = replica("verifier", test_models.target)
-        procs += [drafter, verifier]
-        drafter.wait_healthy(), verifier.wait_healthy()
-        gw = gateway([drafter], [verifier])
-        procs.append(gw)
-        gw.wait_healthy()
-        yield {"drafter": drafter, "gateway": gw}
-    finally:
-        for p in procs:
-            p.stop()
+    with small_stack(test_models.draft_noisy, test_models.target, "--quantize", "int8") as procs:
+        yield procs
 
 
 @pytest.mark.parametrize("ssd", [False, True])
