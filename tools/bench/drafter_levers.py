@@ -2,6 +2,7 @@
 core and one thread (the pinned drafter's hardware); the target stays bfloat16.
 
     python -m specdec.tools.bench.drafter_levers steps  [--reps 5] [--steps 16] [--levers ...]
+                                                        [--variants bf16,fp32,int8] [--context 128]
     python -m specdec.tools.bench.drafter_levers accept [--tokens 64] [--k 2,4] [--reps 5]
 
 ``steps``: per-token decoding step of the drafter with a KV cache (a prompt's worth of
@@ -109,10 +110,12 @@ def _spread(values: list[float]) -> dict:
 
 def steps_command(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
-    context = [(i * 7919) % 150000 for i in range(CONTEXT)]
+    context = [(i * 7919) % 150000 for i in range(args.context)]
     steppers = []
-    for variant in ("bf16", "fp32", "int8"):
+    for variant in args.variants:
         steppers.append(Stepper(variant, load(DRAFT, variant).model))
+    if steppers[0].name != "bf16":
+        raise SystemExit("steps: the first variant must be bf16 (the others are timed against it)")
     bf16 = steppers[0].model
     for lever in args.levers:
         if lever == "static":
@@ -147,7 +150,7 @@ def steps_command(args: argparse.Namespace) -> dict:
             row["vs_bf16"] = round(row["median_ms"] / base, 3)
             row["warmup_s"] = s.compile_s
             rows.append(row)
-    return {"command": "steps", "context": CONTEXT, "steps": args.steps, "rows": rows}
+    return {"command": "steps", "context": args.context, "steps": args.steps, "rows": rows}
 
 
 def _prompts(tokenizer) -> list[list[int]]:
@@ -271,6 +274,8 @@ def main() -> None:
     s.add_argument("--steps", type=int, default=16)
     s.add_argument("--batches", type=lambda t: [int(x) for x in t.split(",")], default=[1, 6])
     s.add_argument("--levers", type=lambda t: [x for x in t.split(",") if x], default=[])
+    s.add_argument("--variants", type=lambda t: t.split(","), default=["bf16", "fp32", "int8"])
+    s.add_argument("--context", type=int, default=CONTEXT)
     a = sub.add_parser("accept")
     a.add_argument("--tokens", type=int, default=64)
     a.add_argument("--k", type=lambda t: [int(x) for x in t.split(",")], default=[2, 4])
