@@ -44,12 +44,13 @@ demo-tiny: install
 	$(VENV)/bin/specdec demo --tiny .cache/tiny-models
 
 # The benchmark on the pretrained pair, drafter and verifier pinned to one core each:
-# 12 prompts x 128 tokens, every mode interleaved (about an hour on 2 cores).
-BENCH_ARGS ?= --pin
+# 12 prompts x 128 tokens, every mode interleaved, for the drafter as it is (bf16) and with
+# int8 weights (--quantize int8), one after the other (about an hour each on 2 cores).
+BENCH_ARGS ?= --pin --drafters bf16,int8
 bench: models
 	$(VENV)/bin/specdec bench $(BENCH_ARGS) --out bench-results/full
 
-# A smoke run of the same (3 prompts x 32 tokens, under 10 minutes).
+# A smoke run of the same (3 prompts x 32 tokens, under 10 minutes per drafter variant).
 bench-quick: models
 	$(VENV)/bin/specdec bench $(BENCH_ARGS) --quick --out bench-results/quick
 

@@ -171,6 +171,8 @@ class LocalStack:
         self.redis: RedisProcess | None = None
         self.procs: list[ServiceProcess] = []
         self.gateway: ServiceProcess | None = None
+        self.drafter: ServiceProcess | None = None
+        self.verifier: ServiceProcess | None = None
         self.pki: Pki | None = None  # with --tls: the throwaway CA and its certificates
         self._pki_dir: str | None = None
 
@@ -205,6 +207,8 @@ class LocalStack:
         argv += ["--dtype", a.dtype, "--device", a.device, "--threads", str(threads)]
         if gguf:
             argv += ["--gguf-file", gguf]
+        if role == "drafter":  # a drafter variant's own flags (specdec bench --drafters)
+            argv += list(getattr(a, "drafter_flags", ()))
         argv += self._tls_flags(client_ca=True)  # only the gateway's certificate gets in
         return self._service(role, *argv, cpus=cpus)
 
@@ -235,6 +239,7 @@ class LocalStack:
         verifier = self._replica(
             "verifier", a.target_model, a.target_gguf_file, target_threads, a.target_cpus
         )
+        self.drafter, self.verifier = drafter, verifier
         self.announce("loading models ...")
         for p in (drafter, verifier):
             p.wait_healthy(timeout=1800, credentials=self._client_credentials())

@@ -48,6 +48,7 @@ from specdec.common.errors import (
 )
 from specdec.common.metrics import ReplicaObserver, note_cache, note_eviction, note_rollback
 from specdec.common.prefix import PrefixChain
+from specdec.common.quantize import quantize_model
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -191,6 +192,7 @@ class ModelRuntime:
         self.tokenizer_fingerprint = ""
         self.chat_template = ""
         self.special_tokens: dict[str, str] = {}  # bos_token, eos_token, ... (chat templates)
+        self.quantize = "none"  # the drafter's --quantize, as applied to the loaded model
         self.store: CacheStore | None = None
         self.obs = ReplicaObserver(self)  # metrics and spans (specdec.common.metrics)
         self._keeps_logits = False  # the model's forward takes logits_to_keep
@@ -213,9 +215,14 @@ class ModelRuntime:
         model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, **kwargs)
         model.to(self.device).eval()
         tokenizer = AutoTokenizer.from_pretrained(cfg.model, **kwargs)
+        # The output head's rows, read before quantization turns its weight into packed int8.
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        # Only a DrafterConfig has `quantize` (--quantize): the verifier's model stays as
+        # loaded, so the target's distributions are the model's own.
+        self.quantize = getattr(cfg, "quantize", "none")
+        model = quantize_model(model, self.quantize)
         self.model = model
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_context = int(
             getattr(model.config, "max_position_embeddings", 0) or cfg.max_context or 0
         )
@@ -241,6 +248,7 @@ class ModelRuntime:
             extra={
                 "model": cfg.model,
                 "dtype": str(model.dtype),
+                "quantize": self.quantize,
                 "device": str(self.device),
                 "vocab_size": self.vocab_size,
                 "max_context": self.max_context,

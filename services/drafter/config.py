@@ -9,12 +9,14 @@ from typing import Any, ClassVar
 
 from specdec.common.config import (
     MAX_FAN_OUT,
+    ConfigError,
     ReplicaConfig,
     add_setting,
     non_negative,
     parse_value,
     positive,
 )
+from specdec.common.quantize import QUANTIZE_MODES, check_quantize
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,8 @@ class DrafterConfig(ReplicaConfig):
     # first N of draft_vocab_file's ranking or the N smallest ids. 0 and "": the whole one.
     draft_vocab: int = 0
     draft_vocab_file: str = ""
+    # Weight quantization of the draft model (specdec.common.quantize): "none" or "int8".
+    quantize: str = "none"
 
     ROLE: ClassVar[str] = "drafter"
 
@@ -80,9 +84,28 @@ class DrafterConfig(ReplicaConfig):
             "'#' comments",
             "",
         )
+        add_setting(
+            parser,
+            "--quantize",
+            f"weights of the draft model, one of {', '.join(QUANTIZE_MODES)} "
+            "(int8: int8 matmuls with float32 activations; needs --dtype float32)",
+            "none",
+        )
 
     @classmethod
     def role_settings(cls, args: argparse.Namespace) -> dict[str, Any]:
+        settings = cls._settings(args)
+        if settings["quantize"] != "none" and (
+            settings["draft_vocab"] or settings["draft_vocab_file"]
+        ):
+            raise ConfigError(
+                "--draft-vocab / --draft-vocab-file with --quantize is not built yet: the "
+                "reduced head slices the rows of a float output layer, and int8 packs it"
+            )
+        return settings
+
+    @classmethod
+    def _settings(cls, args: argparse.Namespace) -> dict[str, Any]:
         return {
             "ssd_fan_out": parse_value(args, "--ssd-fan-out", int, _fan_out),
             "ssd_max_per_outcome": parse_value(args, "--ssd-max-per-outcome", int, positive),
@@ -106,6 +129,12 @@ class DrafterConfig(ReplicaConfig):
             ),
             "draft_vocab": parse_value(args, "--draft-vocab", int, non_negative),
             "draft_vocab_file": _vocab_file(args.draft_vocab_file or ""),
+            "quantize": parse_value(
+                args,
+                "--quantize",
+                str,
+                lambda v: check_quantize(v, str(args.dtype), str(args.device)),
+            ),
         }
 
 

@@ -11,26 +11,54 @@ pytestmark = pytest.mark.integration
 
 
 def test_bench_quick_on_tiny_models(tmp_path):
+    """Two drafter variants (--drafters bf16,int8), each on its own stack: every row of
+    each, and each variant's cost ratio beside its acceptance."""
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "specdec", "bench", "--tiny", str(tmp_path / "models")]
     cmd += ["--quick", "--max-new-tokens", "12", "--k", "2,3", "--ssd-k", "2", "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [*cmd, "--drafters", "bf16,int8"], capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((out / "results.json").read_text())
     modes = result["modes"]
-    assert set(modes) == {"target", "k=0", "k=2", "k=3", "ssd k=2", "assisted", "draft"}
+    shared = {"target", "k=0", "assisted", "draft"}
+    bf16 = {"k=2", "k=3", "ssd k=2", "draft [bf16]"}
+    int8 = {"target [int8]", "k=2 [int8]", "k=3 [int8]", "ssd k=2 [int8]", "draft [int8]"}
+    assert set(modes) == shared | bf16 | int8
     assert result["meta"]["prompt_kinds"] == ["code", "prose", "chat"]
-    assert "exact" not in modes["draft"]  # measured for the cost ratio, not a contender
+    for name in ("draft", "draft [bf16]", "draft [int8]"):  # cost ratios, not contenders
+        assert "exact" not in modes[name]
     for name, row in modes.items():
         assert row.get("exact", True), name
         assert row["tokens"] == 3 * 12, name  # tiny greedy models never emit EOS
         assert row["tokens_per_second"] > 0
-    for name in ("k=2", "k=3", "ssd k=2"):
+    drafters = result["meta"]["drafters"]
+    assert list(drafters) == ["bf16", "int8"]
+    assert drafters["int8"]["flags"] == ["--quantize", "int8", "--dtype", "float32"]
+    for variant, target in (("bf16", "target"), ("int8", "target [int8]")):
+        d = drafters[variant]
+        alone = modes[f"draft [{variant}]"]
+        assert d["baseline"] == target == alone["baseline"]
+        # c = the target's time per token / ... the drafter's, both measured in this run
+        expected = modes[target]["tokens_per_second"] / alone["tokens_per_second"]
+        assert d["cost_ratio"] == pytest.approx(expected, rel=1e-2) and d["cost_ratio"] > 0
+        assert alone["cost_ratio"] == d["cost_ratio"]
+    for name in ("k=2", "k=3", "ssd k=2", "k=2 [int8]", "k=3 [int8]", "ssd k=2 [int8]"):
         row = modes[name]
+        variant = "int8" if "[int8]" in name else "bf16"
+        assert row["drafter"] == variant
+        assert row["baseline"] == ("target [int8]" if variant == "int8" else "target")
+        assert row["cost_ratio"] == drafters[variant]["cost_ratio"]
         assert len(row["accepted_per_position"]) == row["k"]
         assert 0 < row["acceptance_rate"] <= 1
-        assert row["bound_speedup"] > 0
+        mean = row["mean_accepted_length"]
+        assert row["bound_speedup"] == pytest.approx(
+            mean / (row["cost_ratio"] * row["k"] + 1), rel=1e-2
+        )
         assert row["round_ms"] > 0 and row["drafter_wait_ms_per_round"] >= 0
+    assert modes["target [int8]"]["speedup_vs_target"] == 1.0
+    assert modes["k=2 [int8]"]["speedup_vs_k0"] is None  # k=0 ran on the first stack only
     ssd = modes["ssd k=2"]
     assert ssd["ssd"] and 0 < ssd["ssd_hit_rate"] <= 1 and 0 <= ssd["ssd_late_rate"] <= 1
     # Branches are counted from the Speculates answered before their verdict: none when
@@ -39,7 +67,12 @@ def test_bench_quick_on_tiny_models(tmp_path):
     assert ssd["ssd_hidden_ms_per_round"] > 0 and ssd["ssd_bytes_per_round"] > 0
     assert modes["target"]["speedup_vs_target"] == 1.0
     assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| k=2 |" in (out / "results.md").read_text()
+    table = (out / "results.md").read_text()
+    assert "| k=2 |" in table and "| k=2 [int8] |" in table
+    assert (
+        f"| int8 | --quantize int8 --dtype float32 | {drafters['int8']['cost_ratio']:.3f} |"
+        in table
+    )
 
 
 def test_demo_on_tiny_models(tmp_path):

@@ -14,7 +14,7 @@ from specdec.sdk import Client
 from specdec.tools.launcher import ServiceProcess
 from specdec.tools.redisproc import RedisProcess
 from tests.conftest import PROMPTS
-from tests.integration.test_gateway import gateway, replica
+from tests.integration.test_gateway import gateway, replica, small_stack
 
 pytestmark = pytest.mark.integration
 
@@ -28,19 +28,8 @@ def redis_server():
 @pytest.fixture(scope="module")
 def stack(test_models, redis_server):
     """One drafter, one verifier, one gateway on a real Redis."""
-    procs = []
-    try:
-        d = replica("drafter", test_models.draft_noisy)
-        v = replica("verifier", test_models.target)
-        procs += [d, v]
-        d.wait_healthy(), v.wait_healthy()
-        g = gateway([d], [v], redis_server.url)
-        procs.append(g)
-        g.wait_healthy()
-        yield {"drafter": d, "verifier": v, "gateway": g}
-    finally:
-        for p in procs:
-            p.stop()
+    with small_stack(test_models.draft_noisy, test_models.target, redis_url=redis_server.url) as p:
+        yield p
 
 
 def ids_of(tokenizer, text: str) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import urllib.request
 
@@ -63,6 +64,25 @@ def gateway(
     if redis_url:
         args += ["--redis", redis_url]
     return ServiceProcess.specdec("gateway", *args, env=env).start()
+
+
+@contextlib.contextmanager
+def small_stack(draft_model, target_model, *drafter_flags: str, redis_url: str | None = None):
+    """One drafter (with drafter_flags), one verifier and a gateway over them (on Redis at
+    redis_url if given), healthy; yields {"drafter", "verifier", "gateway"}, stops all after."""
+    procs = []
+    try:
+        d = replica("drafter", draft_model, *drafter_flags)
+        v = replica("verifier", target_model)
+        procs += [d, v]
+        d.wait_healthy(), v.wait_healthy()
+        g = gateway([d], [v], redis_url)
+        procs.append(g)
+        g.wait_healthy()
+        yield {"drafter": d, "verifier": v, "gateway": g}
+    finally:
+        for p in procs:
+            p.stop()
 
 
 @pytest.fixture(scope="module")

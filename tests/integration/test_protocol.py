@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 from specdec.sdk import Client, InvalidArgument
 from specdec.v1 import common_pb2, gateway_pb2
 from tests.conftest import PROMPTS
-from tests.integration.test_gateway import gateway, replica
+from tests.integration.test_gateway import small_stack
 
 pytestmark = pytest.mark.integration
 
@@ -24,19 +24,8 @@ MALFORMED = [b"\x0a\xff\xff\xff\x0f", b"\xff\xff\xff", b"\x12\x05ab"]
 
 @pytest.fixture(scope="module")
 def stack(test_models):
-    procs = []
-    try:
-        d = replica("drafter", test_models.draft_noisy)
-        v = replica("verifier", test_models.target)
-        procs += [d, v]
-        d.wait_healthy(), v.wait_healthy()
-        g = gateway([d], [v])
-        procs.append(g)
-        g.wait_healthy()
-        yield {"drafter": d, "verifier": v, "gateway": g}
-    finally:
-        for p in procs:
-            p.stop()
+    with small_stack(test_models.draft_noisy, test_models.target) as procs:
+        yield procs
 
 
 def varint(n: int) -> bytes:

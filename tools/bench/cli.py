@@ -10,6 +10,15 @@ from prompt to prompt, so drift of the machine hits all modes alike):
   assisted    transformers assisted generation with the same pair, in one process
   draft       the draft alone with ``generate``: not a contender, it measures the cost
               ratio c = draft time per token / target time per token
+  draft [D]   the drafter variant D alone through its drafter service (one greedy Draft of
+              the whole length): D's cost ratio c, used for the bound of D's rows
+
+``--drafters`` names drafter variants (modes.DRAFTERS: a name and the drafter flags that make
+it, e.g. ``int8`` = ``--quantize int8``). They run one after another, each on a stack of its
+own (one drafter in memory at a time, on the drafter's CPU), each with its stack modes and
+its drafter alone interleaved with the target alone, its baseline (``target [D]`` after the
+first). The first variant's run also measures k=0, assisted and the draft in-process. Rows of
+a variant other than the default (bf16) are named ``k=2 [D]``.
 
 Greedy decoding throughout, so every mode must reproduce the baseline's tokens; each row
 says whether it did. ``--pin`` gives the drafter and the verifier one CPU and one thread
@@ -36,19 +45,24 @@ from typing import TYPE_CHECKING
 
 from specdec.tools.bench.hf import HFRunner, tie_break
 from specdec.tools.bench.modes import (
+    DEFAULT_DRAFTER,
+    DRAFTERS,
     QUICK_PROMPTS,
     QUICK_TOKENS,
     Mode,
     ModeRun,
+    Prompt,
     Sample,
     build_modes,
     load_prompts,
+    parse_drafters,
     pick_quick,
+    run_drafter_alone,
     run_stack_mode,
     untraced_name,
 )
 from specdec.tools.bench.report import report
-from specdec.tools.bench.stats import mode_tps, summarize
+from specdec.tools.bench.stats import cost_ratios, mode_tps, summarize
 
 if TYPE_CHECKING:
     from specdec.tools.otlpsink import OtlpReceiver
@@ -80,6 +94,12 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, help="use the first N prompts")
     p.add_argument("--k", default="2,3,4", help="draft lengths of the speculation rows")
     p.add_argument("--ssd-k", default="2,3,4", help="draft lengths of the SSD rows (empty: none)")
+    p.add_argument(
+        "--drafters",
+        default=DEFAULT_DRAFTER,
+        help="drafter variants, comma-separated, each run on its own stack one after another "
+        f"with its rows named 'k=2 [name]' (known: {', '.join(DRAFTERS)})",
+    )
     p.add_argument(
         "--quick",
         action="store_true",
@@ -119,11 +139,15 @@ def _ints(text: str) -> list[int]:
 def run_bench(args: argparse.Namespace) -> int:
     if args.report:
         return report(Path(args.report))
-    from specdec.sdk import Client
     from specdec.tools.demo import resolve_models
     from specdec.tools.launcher import ServiceFailed
-    from specdec.tools.stack import LocalStack, pin_roles
+    from specdec.tools.stack import pin_roles
 
+    try:
+        drafters = parse_drafters(args.drafters)
+    except ValueError as e:
+        print(f"specdec bench: {e}", file=sys.stderr)
+        return 2
     problem = resolve_models(args, "bench")
     if problem:
         print(problem, file=sys.stderr)
@@ -141,48 +165,33 @@ def run_bench(args: argparse.Namespace) -> int:
         prompts, n = pick_quick(prompts), min(n, QUICK_TOKENS)
     if args.num_prompts:
         prompts = prompts[: args.num_prompts]
-    modes = build_modes(_ints(args.k), _ints(args.ssd_k), tracing=args.tracing)
-    max_k = max((m.k or 0 for m in modes), default=0)
+    ks, ssd_ks = _ints(args.k), _ints(args.ssd_k)
+    phases = [
+        (d, build_modes(ks, ssd_ks, tracing=args.tracing and i == 0, drafter=d, shared=i == 0))
+        for i, d in enumerate(drafters)
+    ]
+    max_k = max((m.k or 0 for _, modes in phases for m in modes), default=0)
     args.default_k = max(args.default_k, max_k)
 
     print(f"loading {args.target_model} and {args.draft_model} ({args.dtype}) ...", flush=True)
     hf = HFRunner(args.target_model, args.draft_model, args.dtype, pinned)
     encoded = [hf.encode(p) for p in prompts]
-    runs = {m.name: ModeRun(m) for m in modes}
+    runs = {m.name: ModeRun(m) for _, modes in phases for m in modes}
+    receiver = None
+    parents: dict[str, list[str]] = {}  # --tracing: mode -> the trace ids it sent
     try:
-        with contextlib.ExitStack() as resources:
-            if args.tracing:
-                # One stack that exports every sampled span: each request's traceparent
-                # says whether it is sampled, so traced and untraced requests run on the
-                # same processes and differ only in recording and exporting spans.
-                from specdec.tools.otlpsink import OtlpReceiver
-
-                receiver = resources.enter_context(OtlpReceiver())
-                args.otlp_endpoint = receiver.endpoint
-                args.otlp_protocol, args.trace_sample_ratio = "grpc", 1.0
-            stack = resources.enter_context(LocalStack(args, announce=print))
-            client = resources.enter_context(Client(stack.gateway.address))
-            parents: dict[str, list[str]] = {}  # mode -> trace ids it sent
-            print("warming up every mode ...", flush=True)
-            for m in modes:
-                _sample(hf, client, m, encoded[0], 4, {})
-            for i, ids in enumerate(encoded):
-                order = modes[i % len(modes) :] + modes[: i % len(modes)]
-                for m in order:
-                    sample = _sample(hf, client, m, ids, n, parents)
-                    runs[m.name].samples.append(sample)
-                    print(
-                        f"prompt {i + 1}/{len(encoded)} ({prompts[i].kind:<5}) {m.name:<9} "
-                        f"{len(sample.tokens) / sample.seconds:6.2f} tok/s",
-                        flush=True,
-                    )
+        for i, (drafter, modes) in enumerate(phases):
+            receiver = (
+                _run_variant(args, hf, prompts, encoded, n, drafter, modes, runs, i == 0, parents)
+                or receiver
+            )
     except ServiceFailed as e:
         print(f"specdec bench: {e}", file=sys.stderr)
         return 1
 
-    d, t = runs["draft"], runs["target"]
-    cost_ratio = mode_tps(t) / mode_tps(d)
-    rows = summarize(runs, cost_ratio)
+    c_hf = mode_tps(runs["target"]) / mode_tps(runs["draft"])
+    ratios = cost_ratios(runs)
+    rows = summarize(runs, ratios)
     tracing_meta = None
     if args.tracing:
         tracing_meta = check_traced(runs, parents, receiver)
@@ -195,8 +204,9 @@ def run_bench(args: argparse.Namespace) -> int:
                 )
     for name, row in rows.items():
         if row.get("exact") is False:
+            base = runs[row["baseline"]]
             row["tie_breaks"] = [
-                tie_break(hf, encoded[i], t.samples[i].tokens, runs[name].samples[i].tokens)
+                tie_break(hf, encoded[i], base.samples[i].tokens, runs[name].samples[i].tokens)
                 for i in row["mismatched_prompts"]
             ]
     import torch
@@ -216,7 +226,22 @@ def run_bench(args: argparse.Namespace) -> int:
             "prompts": len(prompts),
             "prompt_kinds": [p.kind for p in prompts],
             "max_new_tokens": n,
-            "cost_ratio": round(cost_ratio, 4),
+            # The draft alone in-process (`generate`) against the target alone: c as the
+            # bench has always measured it, for the default model in --dtype.
+            "cost_ratio": round(c_hf, 4),
+            # Per drafter variant, through its drafter service: the c of its rows' bound.
+            "drafters": {
+                d: {
+                    "flags": list(DRAFTERS[d]),
+                    "cost_ratio": round(ratios[d], 4),
+                    "draft_tokens_per_second": rows[f"draft [{d}]"]["tokens_per_second"],
+                    "baseline": rows[f"draft [{d}]"]["baseline"],
+                    "target_tokens_per_second": rows[rows[f"draft [{d}]"]["baseline"]][
+                        "tokens_per_second"
+                    ],
+                }
+                for d in drafters
+            },
             "tracing": tracing_meta,
         },
         "modes": rows,
@@ -227,11 +252,74 @@ def run_bench(args: argparse.Namespace) -> int:
     return report(out)
 
 
+def _run_variant(
+    args: argparse.Namespace,
+    hf: HFRunner,
+    prompts: list[Prompt],
+    encoded: list[list[int]],
+    n: int,
+    drafter: str,
+    modes: list[Mode],
+    runs: dict[str, ModeRun],
+    first: bool,
+    parents: dict[str, list[str]],
+) -> OtlpReceiver | None:
+    """Every prompt through every mode of one drafter variant, on a stack of its own (its
+    drafter flags added, --max-draft-tokens raised for the drafter-alone Draft of n tokens);
+    the stack stops before the next variant's starts. Returns the OTLP receiver when this
+    run has traced modes: the stack then exports sampled spans, and each request's
+    traceparent says whether it is sampled (parents: the trace ids each mode sent), so
+    traced and untraced requests run on the same processes and differ only in recording
+    and exporting spans."""
+    from specdec.sdk import Client
+    from specdec.tools.stack import LocalStack
+
+    variant = argparse.Namespace(**vars(args))
+    variant.drafter_flags = [*DRAFTERS[drafter], "--max-draft-tokens", str(max(16, n))]
+    if args.log_dir and not first:
+        variant.log_dir = str(Path(args.log_dir) / drafter)
+    receiver = None
+    print(f"drafter variant {drafter}: {' '.join(DRAFTERS[drafter]) or 'as loaded'}", flush=True)
+    with contextlib.ExitStack() as resources:
+        if any(m.traced for m in modes):
+            from specdec.tools.otlpsink import OtlpReceiver
+
+            receiver = resources.enter_context(OtlpReceiver())
+            variant.otlp_endpoint = receiver.endpoint
+            variant.otlp_protocol, variant.trace_sample_ratio = "grpc", 1.0
+        stack = resources.enter_context(LocalStack(variant, announce=print))
+        client = resources.enter_context(Client(stack.gateway.address))
+        print("warming up every mode ...", flush=True)
+        for m in modes:
+            _sample(hf, client, stack, m, encoded[0], 4, {})
+        for i, ids in enumerate(encoded):
+            order = modes[i % len(modes) :] + modes[: i % len(modes)]
+            for m in order:
+                sample = _sample(hf, client, stack, m, ids, n, parents)
+                runs[m.name].samples.append(sample)
+                print(
+                    f"prompt {i + 1}/{len(encoded)} ({prompts[i].kind:<5}) {m.name:<14} "
+                    f"{len(sample.tokens) / sample.seconds:6.2f} tok/s",
+                    flush=True,
+                )
+    return receiver
+
+
 def _sample(
-    hf: HFRunner, client, mode: Mode, ids: list[int], n: int, parents: dict[str, list[str]]
+    hf: HFRunner,
+    client,
+    stack,
+    mode: Mode,
+    ids: list[int],
+    n: int,
+    parents: dict[str, list[str]],
 ) -> Sample:
     if mode.engine == "hf":
         return hf.run(mode, ids, n)
+    if mode.engine == "drafter":
+        return run_drafter_alone(stack.drafter.address, ids, n, "r/bench-draft-alone")
+    if not stack.args.otlp_endpoint:
+        return run_stack_mode(client, mode, ids, n)
     with _parent(mode, parents):
         return run_stack_mode(client, mode, ids, n)
 
@@ -266,11 +354,12 @@ def check_traced(
     would measure nothing), and no untraced one may have any span there (else the baseline
     would pay for tracing too). Returns what was received."""
     traced = [s for r in runs.values() if r.mode.traced for s in r.samples]
+    sent_traced = {t for name, ts in parents.items() if runs[name].mode.traced for t in ts}
     sent_untraced = {t for name, ts in parents.items() if not runs[name].mode.traced for t in ts}
     wanted = {s.trace_id for s in traced}
     if "" in wanted:
         raise RuntimeError("a traced request came back without a trace id")
-    if wanted - {t for name, ts in parents.items() if runs[name].mode.traced for t in ts}:
+    if wanted - sent_traced:
         raise RuntimeError("a traced request was answered under a trace it did not send")
     receiver.wait_for(lambda spans: wanted <= {x.trace_id for x in spans}, timeout=wait)
     spans = receiver.spans()

@@ -12,6 +12,16 @@ from pathlib import Path
 QUICK_PROMPTS = 3  # one of each kind
 QUICK_TOKENS = 32
 
+# Drafter variants of `--drafters`: a name and the drafter flags that make it (appended to
+# the drafter's command line, after the stack's own --dtype, so a variant may override it).
+# A variant runs on its own stack with its own drafter on the drafter's CPU; its rows are
+# named "k=2 [name]" (the default variant's keep their plain names).
+DRAFTERS: dict[str, tuple[str, ...]] = {
+    "bf16": (),  # today's drafter: the model in the stack's --dtype (bfloat16 in the bench)
+    "int8": ("--quantize", "int8", "--dtype", "float32"),  # int8 weights, fp32 activations
+}
+DEFAULT_DRAFTER = "bf16"
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -28,6 +38,8 @@ class Mode:
     ssd: bool = False
     contender: bool = True  # False: measured for the cost ratio only
     traced: bool = False  # stack: its requests are sampled, its twin's are not (--tracing)
+    drafter: str = DEFAULT_DRAFTER  # the --drafters variant whose stack runs it
+    baseline: str = "target"  # the mode this one's speed and tokens are compared with
 
 
 @dataclass
@@ -69,19 +81,60 @@ def pick_quick(prompts: list[Prompt]) -> list[Prompt]:
     return list(seen.values())[:QUICK_PROMPTS]
 
 
-def build_modes(ks: list[int], ssd_ks: list[int], tracing: bool = False) -> list[Mode]:
-    """Every mode; with `tracing`, each stack mode also runs as '<mode> traced' on a
-    second stack that exports every span (sampling 1.0) over OTLP."""
-    modes = [Mode("target", "hf"), Mode("k=0", "stack", k=0)]
-    modes += [Mode(f"k={k}", "stack", k=k) for k in ks if k > 0]
-    modes += [Mode(f"ssd k={k}", "stack", k=k, ssd=True) for k in ssd_ks]
+def parse_drafters(text: str) -> list[str]:
+    """'bf16,int8' -> the variant names, each known to DRAFTERS and named once."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in names if x not in DRAFTERS]
+    if not names or unknown:
+        what = f"unknown variant {unknown[0]!r}" if unknown else "no variant named"
+        raise ValueError(f"--drafters: {what}; known: {', '.join(DRAFTERS)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--drafters names a variant twice: {text!r}")
+    return names
+
+
+def variant_name(base: str, drafter: str) -> str:
+    """A stack mode's row name on a drafter variant: 'k=2 [int8]' ('k=2' for the default)."""
+    return base if drafter == DEFAULT_DRAFTER else f"{base} [{drafter}]"
+
+
+def build_modes(
+    ks: list[int],
+    ssd_ks: list[int],
+    tracing: bool = False,
+    drafter: str = DEFAULT_DRAFTER,
+    shared: bool = True,
+) -> list[Mode]:
+    """Every mode of one drafter variant's stack; with `tracing`, each stack mode also runs
+    as '<mode> traced' on a second stack that exports every span (sampling 1.0) over OTLP.
+
+    shared: the first variant's run, which also measures what no drafter changes: k = 0,
+    assisted generation and the draft alone in-process. Every variant runs the target
+    alone (its baseline, interleaved with its modes) and its drafter alone through the
+    drafter service (`draft [name]`, for its cost ratio)."""
+    target = "target" if shared else f"target [{drafter}]"
+    modes = [Mode(target, "hf", drafter=drafter, baseline=target)]
+    if shared:
+        modes.append(Mode("k=0", "stack", k=0, drafter=drafter))
+    name = lambda base: variant_name(base, drafter)  # noqa: E731
+    modes += [
+        Mode(name(f"k={k}"), "stack", k=k, drafter=drafter, baseline=target) for k in ks if k > 0
+    ]
+    modes += [
+        Mode(name(f"ssd k={k}"), "stack", k=k, ssd=True, drafter=drafter, baseline=target)
+        for k in ssd_ks
+    ]
     if tracing:
         modes += [
             dataclasses.replace(m, name=f"{m.name} traced", traced=True)
             for m in modes
             if m.engine == "stack"
         ]
-    modes += [Mode("assisted", "hf"), Mode("draft", "hf", contender=False)]
+    if shared:
+        modes += [Mode("assisted", "hf"), Mode("draft", "hf", contender=False)]
+    modes.append(
+        Mode(f"draft [{drafter}]", "drafter", contender=False, drafter=drafter, baseline=target)
+    )
     return modes
 
 
@@ -98,3 +151,32 @@ def run_stack_mode(client, mode: Mode, ids: list[int], n: int) -> Sample:
         "accepted_per_position": list(g.stats.accepted_per_position),
     }
     return Sample(list(g.tokens), seconds, g.timings.time_to_first_token_ms, stats, g.trace_id)
+
+
+def run_drafter_alone(address: str, ids: list[int], n: int, session: str) -> Sample:
+    """The drafter alone, through its service: one greedy Draft of n tokens after the prompt
+    (a prefill, then n - 1 one-token steps on its KV cache), the session released after.
+    What `generate` of the draft alone measures in-process, for any drafter variant."""
+    import grpc
+
+    from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = drafter_pb2_grpc.DrafterServiceStub(channel)
+        request = drafter_pb2.DraftRequest(
+            session_id=session,
+            prefix=common_pb2.CachedPrefix(length=0, hash=0),
+            new_tokens=ids,
+            num_draft_tokens=n,
+            sampling=common_pb2.SamplingParams(temperature=0.0),
+        )
+        started = time.perf_counter()
+        reply = stub.Draft(request, timeout=3600)
+        seconds = time.perf_counter() - started
+        stub.Release(common_pb2.ReleaseRequest(session_id=session), timeout=60)
+    if len(reply.draft_tokens) != n:
+        raise RuntimeError(f"the drafter drafted {len(reply.draft_tokens)} tokens, asked for {n}")
+    # The whole draft comes in one response: its first token arrives with the last.
+    return Sample(
+        list(reply.draft_tokens), seconds, seconds * 1e3, {"forward_ms": reply.forward_ms}
+    )

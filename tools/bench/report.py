@@ -6,13 +6,16 @@ import json
 from pathlib import Path
 
 from specdec.tools.bench.hf import NEAR_TIE_ULPS, near_ties_only
+from specdec.tools.bench.modes import DEFAULT_DRAFTER
 
 
-def markdown(rows: dict[str, dict], cost_ratio: float | None) -> str:
+def markdown(
+    rows: dict[str, dict], cost_ratio: float | None, drafters: dict[str, dict] | None = None
+) -> str:
     head = (
-        "| mode | tok/s | TTFT ms | speedup vs target | vs k=0 | accept | tokens/round "
+        "| mode | tok/s | TTFT ms | speedup vs target | vs k=0 | accept | c | tokens/round "
         "| accepted per position | bound | SSD hits | identical |\n"
-        "|---|--:|--:|--:|--:|--:|--:|---|--:|--:|---|\n"
+        "|---|--:|--:|--:|--:|--:|--:|--:|---|--:|--:|---|\n"
     )
     lines = []
     for name, r in rows.items():
@@ -26,7 +29,8 @@ def markdown(rows: dict[str, dict], cost_ratio: float | None) -> str:
         lines.append(
             f"| {name} | {r['tokens_per_second']:.2f} | {r['ttft_ms']:.0f} | "
             f"{r['speedup_vs_target']:.2f}x | {f('speedup_vs_k0', '{:.2f}x')} | "
-            f"{f('acceptance_rate', '{:.0%}')} | {f('mean_accepted_length')} | "
+            f"{f('acceptance_rate', '{:.0%}')} | {f('cost_ratio', '{:.3f}')} | "
+            f"{f('mean_accepted_length')} | "
             f"{' '.join(map(str, r.get('accepted_per_position', [])))} | "
             f"{f('bound_speedup', '{:.2f}x')} | {f('ssd_hit_rate', '{:.0%}')} | "
             f"{_identical(r)} |"
@@ -39,7 +43,29 @@ def markdown(rows: dict[str, dict], cost_ratio: float | None) -> str:
             f"vs target alone {rows['target']['tokens_per_second']:.2f} tok/s). "
             "bound = tokens per round / (c k + 1).\n"
         )
-    return head + "\n".join(lines) + "\n" + tail + tracing_overhead(rows)
+    return head + "\n".join(lines) + "\n" + tail + drafter_table(drafters) + tracing_overhead(rows)
+
+
+AS_LOADED = "(the stack's --dtype)"  # a variant with no flags of its own
+
+
+def drafter_table(drafters: dict[str, dict] | None) -> str:
+    """Per drafter variant (--drafters): its flags and its cost ratio c, from its drafter
+    alone through the service against the target alone interleaved with it."""
+    if not drafters:
+        return ""
+    lines = [
+        f"| {name} | {' '.join(d['flags']) or AS_LOADED} | {d['cost_ratio']:.3f} | "
+        f"{d['draft_tokens_per_second']:.2f} | {d['target_tokens_per_second']:.2f} |"
+        for name, d in drafters.items()
+    ]
+    return (
+        "\nDrafter variants: c = time per token of the drafter alone (one greedy Draft of the "
+        "whole length through its service, on the drafter's CPU) / the target alone's; the "
+        "c column above and each row's bound use its variant's c.\n\n"
+        "| drafter | flags | c | drafter alone tok/s | target alone tok/s |\n"
+        "|---|---|--:|--:|--:|\n" + "\n".join(lines) + "\n"
+    )
 
 
 def tracing_overhead(rows: dict[str, dict]) -> str:
@@ -72,18 +98,35 @@ def chart(rows: dict[str, dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     rows = {n: r for n, r in rows.items() if not r.get("traced")}  # same speed, same k
-    spec = sorted((r["k"], r) for r in rows.values() if r["engine"] == "stack" and not r["ssd"])
-    ks = [k for k, _ in spec]
-    ax.plot(ks, [r["speedup_vs_target"] for _, r in spec], "o-", label="speculative (stack)")
-    bound = [(k, r["bound_speedup"]) for k, r in spec if "bound_speedup" in r]
-    if bound:
-        ax.plot(*zip(*bound, strict=True), "x--", color="gray", label="bound E/(ck+1)")
-    ssd = sorted((r["k"], r["speedup_vs_target"]) for r in rows.values() if r["ssd"])
-    if ssd:
-        ax.plot(*zip(*ssd, strict=True), "s", color="C3", label="SSD (stack)")
+    stack = [r for r in rows.values() if r["engine"] == "stack"]
+    drafters = list(dict.fromkeys(r.get("drafter", DEFAULT_DRAFTER) for r in stack))
+    ks: set[int] = set()
+    for i, drafter in enumerate(drafters):
+        mine = [r for r in stack if r.get("drafter", DEFAULT_DRAFTER) == drafter]
+        label = "" if len(drafters) == 1 else f" [{drafter}]"
+        spec = sorted((r["k"], r["speedup_vs_target"], r) for r in mine if not r["ssd"])
+        ks |= {k for k, _, _ in spec}
+        color = "C0" if i == 0 else f"C{i + 3}"
+        if spec:
+            ax.plot(
+                [k for k, _, _ in spec],
+                [s for _, s, _ in spec],
+                "o-",
+                color=color,
+                label=f"speculative (stack){label}",
+            )
+        bound = [(k, r["bound_speedup"]) for k, _, r in spec if "bound_speedup" in r]
+        if bound:
+            ax.plot(*zip(*bound, strict=True), "x--", color=color, alpha=0.5,
+                    label=f"bound E/(ck+1){label}")  # fmt: skip
+        ssd = sorted((r["k"], r["speedup_vs_target"]) for r in mine if r["ssd"])
+        if ssd:
+            ks |= {k for k, _ in ssd}
+            marker_color = "C3" if i == 0 else color
+            ax.plot(*zip(*ssd, strict=True), "s", color=marker_color, label=f"SSD (stack){label}")
     ax.axhline(1.0, color="black", lw=0.8, label="target alone")
     ax.axhline(rows["assisted"]["speedup_vs_target"], color="C2", ls=":", label="HF assisted")
-    ax.set_xticks(ks)
+    ax.set_xticks(sorted(ks))
     ax.set_xlabel("draft length k")
     ax.set_ylabel("speedup over target alone (tokens/s)")
     ax.legend()
@@ -98,7 +141,7 @@ def report(out: Path) -> int:
     exit status 1 if a mode differs from the baseline other than at near-ties."""
     result = json.loads((out / "results.json").read_text())
     rows, meta = result["modes"], result["meta"]
-    table = markdown(rows, meta["cost_ratio"])
+    table = markdown(rows, meta["cost_ratio"], meta.get("drafters"))
     (out / "results.md").write_text(table)
     chart(rows, out / "speedup.png")
     print("\n" + table)

@@ -5,27 +5,45 @@ from __future__ import annotations
 from specdec.tools.bench.modes import ModeRun
 
 
-def summarize(runs: dict[str, ModeRun], cost_ratio: float | None) -> dict[str, dict]:
-    """Per mode: throughput, TTFT, acceptance, exactness, speedups, and the bound."""
-    base = runs["target"]
-    base_tps = mode_tps(base)
-    k0_tps = mode_tps(runs["k=0"]) if "k=0" in runs else None
+def cost_ratios(runs: dict[str, ModeRun]) -> dict[str, float]:
+    """Per drafter variant: c = the variant's time per token drafting alone through its
+    drafter service (`draft [name]`) / the target's alone (that variant's baseline)."""
+    return {
+        run.mode.drafter: mode_tps(runs[run.mode.baseline]) / mode_tps(run)
+        for run in runs.values()
+        if run.mode.engine == "drafter"
+    }
+
+
+def summarize(runs: dict[str, ModeRun], cost_ratio: dict[str, float] | None) -> dict[str, dict]:
+    """Per mode: throughput, TTFT, acceptance, exactness, speedups, and the bound.
+
+    Each mode is compared with its own baseline (the target alone, interleaved with it on
+    the same drafter variant's stack); cost_ratio: c per drafter variant (cost_ratios)."""
+    k0 = runs.get("k=0")
     out = {}
     for name, run in runs.items():
+        base = runs[run.mode.baseline]
         tps = mode_tps(run)
+        same_run = k0 is not None and k0.mode.baseline == run.mode.baseline
         row: dict = {
             "engine": run.mode.engine,
             "k": run.mode.k,
             "ssd": run.mode.ssd,
             "contender": run.mode.contender,
             "traced": run.mode.traced,
+            "drafter": run.mode.drafter,
+            "baseline": run.mode.baseline,
             "tokens": sum(len(s.tokens) for s in run.samples),
             "seconds": round(sum(s.seconds for s in run.samples), 3),
             "tokens_per_second": round(tps, 3),
             "ttft_ms": round(sum(s.ttft_ms for s in run.samples) / len(run.samples), 1),
-            "speedup_vs_target": round(tps / base_tps, 3),
-            "speedup_vs_k0": round(tps / k0_tps, 3) if k0_tps else None,
+            "speedup_vs_target": round(tps / mode_tps(base), 3),
+            "speedup_vs_k0": round(tps / mode_tps(k0), 3) if same_run else None,
         }
+        c = (cost_ratio or {}).get(run.mode.drafter)
+        if run.mode.engine == "drafter" and c is not None:
+            row["cost_ratio"] = round(c, 4)
         row["per_prompt"] = [
             {
                 "tokens": len(s.tokens),
@@ -60,11 +78,13 @@ def summarize(runs: dict[str, ModeRun], cost_ratio: float | None) -> dict[str, d
                 "rounds": rounds,
                 "cache_misses": sum(s["cache_misses"] for s in stats),
             }
-            if cost_ratio is not None:
+            if c is not None:
                 # Leviathan et al.: speedup <= E / (c k + 1) with E = (1 - a^(k+1)) / (1 - a)
-                # the expected tokens per round; E is measured here, so is c.
+                # the expected tokens per round; E is measured here, so is c (this
+                # drafter variant's).
+                row["cost_ratio"] = round(c, 4)
                 row["acceptance_alpha"] = round(_alpha(mean_len, run.mode.k), 4)
-                row["bound_speedup"] = round(mean_len / (cost_ratio * run.mode.k + 1), 3)
+                row["bound_speedup"] = round(mean_len / (c * run.mode.k + 1), 3)
             # Where a round's time goes, per round (gateway's view).
             row["round_ms"] = round(row["seconds"] * 1e3 / rounds, 1)
             row["drafter_wait_ms_per_round"] = round(_total(stats, "drafter_wait_ms") / rounds, 1)
