@@ -46,7 +46,7 @@ demo-tiny: install
 # The benchmark on the pretrained pair, drafter and verifier pinned to one core each:
 # 12 prompts x 128 tokens, every mode interleaved, for the drafter as it is (bf16) and with
 # int8 weights (--quantize int8), one after the other (about an hour each on 2 cores).
-BENCH_ARGS ?= --pin --drafters bf16,int8
+BENCH_ARGS ?= --pin --drafters bf16,int8,vocab32k
 bench: models
 	$(VENV)/bin/specdec bench $(BENCH_ARGS) --out bench-results/full
 

@@ -19,6 +19,7 @@ QUICK_TOKENS = 32
 DRAFTERS: dict[str, tuple[str, ...]] = {
     "bf16": (),  # today's drafter: the model in the stack's --dtype (bfloat16 in the bench)
     "int8": ("--quantize", "int8", "--dtype", "float32"),  # int8 weights, fp32 activations
+    "vocab32k": ("--draft-vocab", "32768"),  # the output layer over the 32,768 smallest ids
 }
 DEFAULT_DRAFTER = "bf16"
 
