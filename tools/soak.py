@@ -139,7 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-model", help="draft model (default: the tiny noisy draft)")
     p.add_argument("--target-model", help="target model (default: the tiny target)")
     p.add_argument("--duration", type=float, default=600.0, help="seconds of load")
-    p.add_argument("--warmup", type=float, default=120.0, help="seconds before the reference")
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=300.0,
+        help="seconds before the reference (the replicas' KV caches fill to their bound first)",
+    )
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--cancel-share", type=float, default=0.3, help="share of streams left early")
     p.add_argument("--max-new-tokens", type=int, default=48)
