@@ -36,6 +36,8 @@ import warnings
 
 import torch
 
+from specdec.tools.bench.draftvocab import simulate
+
 DRAFT = "qwen2.5-coder-0.5b-instruct"
 TARGET = "qwen2.5-coder-1.5b-instruct"
 CONTEXT = 128  # tokens of context before the timed steps (about a shipped prompt)
@@ -195,18 +197,7 @@ def replay(draft, prompt: list[int], target_out: list[int], k: int) -> tuple[int
     ids = torch.tensor([prompt + target_out[:-1]])  # [1, len(prompt) + n - 1]
     logits = draft(input_ids=ids, logits_to_keep=len(target_out)).logits[0]  # [n, vocab]
     hit = (logits.argmax(-1) == torch.tensor(target_out)).tolist()  # [n]
-    n = len(target_out)
-    produced = rounds = drafted = accepted = 0
-    while produced < n:
-        k_round = min(k, n - produced - 1)  # the gateway leaves room for the target's token
-        a = 0
-        while a < k_round and hit[produced + a]:
-            a += 1
-        rounds += 1
-        drafted += k_round
-        accepted += a
-        produced += a + 1
-    return rounds, drafted, accepted
+    return simulate(hit, k)
 
 
 def accept_command(args: argparse.Namespace) -> dict:
