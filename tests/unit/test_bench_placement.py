@@ -1,0 +1,39 @@
+"""Where the bench's in-process anchors run under --pin (no models loaded)."""
+
+from specdec.tools.bench.hf import HFRunner
+from specdec.tools.bench.modes import build_modes
+
+
+def runner(pinned):
+    hf = HFRunner.__new__(HFRunner)  # placement needs no model
+    hf.pinned, hf.default_threads = pinned, 7
+    return hf
+
+
+def test_every_target_alone_gets_the_verifiers_cpu_and_one_thread():
+    """A later drafter variant's baseline ('target [int8]') is the target alone as much as
+    the first variant's 'target': both get the verifier's CPU and one thread. (It used to
+    fall through to assisted generation's two CPUs and two threads, which made a later
+    variant's target twice as fast as the first's and its speed-ups half what they were.)"""
+    hf = runner((0, 1))
+    modes = [
+        m
+        for i, d in enumerate(["bf16", "int8", "vocab32k"])
+        for m in build_modes([2], [2], drafter=d, shared=i == 0)
+        if m.engine == "hf"
+    ]
+    placed = {m.name: hf._placement(m) for m in modes}
+    assert placed == {
+        "target": ({1}, 1),
+        "target [int8]": ({1}, 1),
+        "target [vocab32k]": ({1}, 1),
+        "draft": ({0}, 1),
+        "assisted": ({0, 1}, 2),
+    }
+
+
+def test_unpinned_runs_everything_with_the_default_threads():
+    hf = runner(None)
+    for m in build_modes([2], [2], drafter="int8", shared=False):
+        if m.engine == "hf":
+            assert hf._placement(m) == (None, 7)
