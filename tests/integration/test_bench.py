@@ -77,12 +77,15 @@ def test_bench_quick_on_tiny_models(tmp_path):
 
 def test_demo_on_tiny_models(tmp_path):
     """`specdec demo --tiny`: the stack streams every prompt and k=0, speculation and SSD
-    agree token for token (float32: any difference fails the command)."""
+    agree token for token (float32: any difference fails the command), with the int8
+    drafter it runs by default."""
     cmd = [sys.executable, "-m", "specdec", "demo", "--tiny", str(tmp_path / "models")]
     done = subprocess.run(
         [*cmd, "--max-new-tokens", "10"], capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # The best drafter variant by default, and it says so.
+    assert "drafter variant int8: --quantize int8 --dtype float32" in done.stdout
     rows = [line.split() for line in done.stdout.splitlines()]
     table = {r[0]: r for r in rows if r and r[0] in ("code", "prose", "chat")}
     assert set(table) == {"code", "prose", "chat"}
