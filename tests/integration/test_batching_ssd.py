@@ -11,13 +11,12 @@ import math
 import pytest
 
 from tests.conftest import PROMPTS
-from tests.integration.test_batching import _generate_all, prompts, scrape
+from tests.integration.test_batching import N, _generate_all, prompts, scrape
 from tests.integration.test_gateway import _free_port, gateway, replica
 from tests.integration.test_ssd import check_sequence_counts, exact_sequence_probs, sample_top2
 
 pytestmark = pytest.mark.integration
 
-N = 24  # new tokens per session
 SESSIONS = 8
 ROWS = 16  # the drafter's --max-batch-size
 
