@@ -8,48 +8,69 @@ block-based (paged) cache would avoid the copy, but needs attention kernels that
 blocks, which plain ``transformers`` on CPU does not have; the padded batch uses the model's
 own forward unchanged.
 
-How a forward of B sessions is laid out (cache lengths l_i, inputs of n_i tokens,
-L = max l_i, N = max n_i):
+How a forward of B rows is laid out. A session's request is one row; an SSD branch step (a
+`BranchStep` of a `BranchGroup`, specdec.drafter.speculate) is one row per branch, each
+over the same session's cache. Row i has c_i cached slots (a session's l_i; a branch row's
+session slots l plus the f tokens it was fed so far) and n_i inputs (a branch row: 1);
+L = max c_i, N = max n_i:
 
 - keys/values of every layer: [B, heads, L, dim], row i left-padded with zeros to L (its
-  l_i cached slots at the end);
+  c_i cached slots at the end: a branch row holds a copy of its session's l slots, then its
+  own f);
 - input_ids [B, N]: row i's tokens, right-padded (pad id 0);
 - attention_mask [B, L + N]: 1 on row i's cached slots and on its n_i real inputs, 0 on the
-  left pads and the right pads. The model's causal mask then lets a real query see exactly
-  its own cache and the inputs before it (a right pad comes after every real input, so no
-  real query sees it; every query sees at least itself, so no row is fully masked);
-- position_ids [B, N]: l_i + j for input j of row i (the true position, as unbatched);
+  left pads and the right pads; a branch row (a, t) also has 0 on the session's slots of
+  d_{a+1}..d_k (the draft tokens its outcome rejected). The model's causal mask then lets
+  a real query see exactly its own cache and the inputs before it (a right pad comes after
+  every real input, so no real query sees it; every query sees at least itself, so no row
+  is fully masked);
+- position_ids [B, N]: the true position of input j of row i, as unbatched (l_i + j; a
+  branch row's base + a + f);
 - after the forward, row i's new keys/values are slots [L, L + n_i) of the batch cache,
-  appended to its session's cache; its logits are the last `keep` of its real inputs,
+  appended to its session's cache (a branch row's to its group's own slots, never to the
+  session's); its logits are the last `keep` of its real inputs (a branch row's one),
   computed through the output head only for those rows.
 
 A masked slot gets zero attention weight, so a row's result equals its unbatched forward up
-to floating-point reduction order (tests/unit/test_batching.py checks fp32 tolerance;
-the integration tests check greedy output equals ``generate()`` token for token).
+to floating-point reduction order (tests/unit/test_batching.py and
+tests/unit/test_branch_batching.py check fp32 tolerance; the integration tests check greedy
+output equals ``generate()`` token for token).
 
 Memory cost: during a batched forward the padded copy of the batch's KV, B x (L + N) slots
 per layer (keys and values), exists next to the sessions' own caches, and the model's
 concatenation of the new slots briefly doubles one layer of it. For the Qwen2.5-Coder 1.5B
 target in bfloat16 (28 layers, 2 KV heads of 128) a slot costs 28 KB: 8 sessions at 2,048
-tokens is about 460 MB, freed when the forward returns. A batch of one runs today's
-unbatched forward on the session's own cache: no copy.
+tokens is about 460 MB, freed when the forward returns. A batch of one session's request
+runs today's unbatched forward on the session's own cache: no copy. A branch group costs
+one row per branch: a Speculate of fan-out 6 on a session of 2,048 tokens puts 6 x (2,048 +
+f + 1) slots into each of its forwards, about 150 MB on the Qwen2.5-Coder 0.5B drafter in
+bfloat16 (24 layers, 2 KV heads of 64: 12 KB a slot), and two such sessions' branch steps
+in one forward twice that; a short session's rows padded to a long one's L cost rows x L.
+Between its forwards a group keeps only its rows' own slots (fan-out x steps), so the
+copies exist during a forward only, where before batching a Speculate held its fan-out
+copies for the whole call. --ssd-max-branch-tokens bounds each Speculate's rows (fan-out
+x (l + steps)) as before; --max-batch-size bounds the rows of a forward.
 
 The scheduler. The model thread runs one loop. A model call (Draft, Verify, Speculate,
 Info, ...) is a *job*: a generator that validates and acquires its session's cache on the
-model thread, then yields a `ForwardRequest` for every forward it needs and receives that
-forward's logits (a plain function is a job without forwards). Whenever the model is free,
-the loop admits waiting jobs (oldest first, up to --max-batch-size in flight, one job per
-session at a time so a session's jobs never interleave), runs each to its next forward
-request, and runs one forward over the pending requests that fit --max-batch-size rows and
+model thread, then yields a request (`ForwardRequest`, or a `BranchStep` for SSD branches)
+for every forward it needs and receives that forward's logits (a plain function is a job
+without forwards). Whenever the model is free, the loop admits waiting jobs (oldest first,
+up to --max-batch-size in flight, one job per session at a time so a session's jobs never
+interleave), runs each to its next forward request, and runs one forward over the pending
+requests that fit --max-batch-size rows (a branch step counts one row per branch) and
 --max-batch-tokens padded tokens (rows x longest input), oldest first, skipping a request
 that would make padding more than half the forward (short steps and long prefill chunks
-run in separate forwards). Nothing waits for a
-batch to fill: an idle model runs whatever is pending, alone if it is alone (continuous
-batching, no timer). A Draft's k steps are k successive requests, so the drafting sessions
-step in lock-step and leave the batch when done; a job that fails (cache miss, capacity,
-bad input) fails alone, before it joins a forward. A forward that raises fails the jobs in
-it (each drops its session cache, as unbatched). --max-batch-size 1 runs one job at a time
-to completion: the behaviour before batching.
+run in separate forwards). The oldest request always runs, alone if it does not fit with
+another (a branch group wider than --max-batch-size too), so none starves. Nothing waits
+for a batch to fill: an idle model runs whatever is pending, alone if it is alone
+(continuous batching, no timer). A Draft's k steps are k successive requests, and so are
+a Speculate's branch steps, so the drafting sessions and the branches of several sessions'
+Speculates step in lock-step and leave the batch when done; a job that fails (cache miss,
+capacity, bad input) fails alone, before it joins a forward. A forward that raises fails
+the jobs in it (each drops its session cache, as unbatched). --max-batch-size 1 runs one
+job at a time to completion: the behaviour before batching (a branch group alone runs the
+model's own forward over its rows, as it did).
 """
 
 from __future__ import annotations
@@ -72,16 +93,68 @@ log = logging.getLogger(__name__)
 @dataclass
 class ForwardRequest:
     """One session's share of a forward: feed `tokens` after its cache, return the logits
-    of the last `keep` of them [keep, vocab] fp32."""
+    of the last `keep` of them [keep, vocab] fp32. One row of the batch."""
 
     session: Any  # specdec.common.runtime.SessionCache
     tokens: list[int]
     keep: int
     fresh: bool  # part of a prefill (metrics)
 
+    @property
+    def rows(self) -> int:
+        return 1
 
-# A job yields ForwardRequests, receives their logits, and returns its result.
-Job = Generator[ForwardRequest, torch.Tensor, Any]
+    @property
+    def width(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class BranchGroup:
+    """Rows drafted side by side over one session's cache (SSD branches,
+    specdec.drafter.speculate): row i sees the first visible[i] slots of the session's
+    cache, then the tokens fed to it so far (its own keys/values, kept here). The session's
+    cache is read, never changed: its job is in flight, so no other job touches it."""
+
+    session: Any  # specdec.common.runtime.SessionCache
+    visible: list[int]  # [rows]
+    keys: list[torch.Tensor] = field(default_factory=list)  # per layer [rows, heads, fed, dim]
+    values: list[torch.Tensor] = field(default_factory=list)  # per layer [rows, heads, fed, dim]
+    fed: int = 0  # tokens fed to every row
+
+    def positions(self) -> list[int]:
+        """The position of each row's next token: its visible slots + the fed ones."""
+        return [v + self.fed for v in self.visible]
+
+
+@dataclass
+class BranchStep:
+    """Feed one token to every row of a BranchGroup; return each row's logits after it
+    [rows, vocab] fp32. As many rows of the batch as the group has."""
+
+    group: BranchGroup
+    tokens: list[int]  # [rows]
+    fresh: bool = False  # never a prefill (metrics)
+
+    @property
+    def session(self) -> Any:
+        return self.group.session
+
+    @property
+    def rows(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def width(self) -> int:
+        return 1
+
+
+# What a job may ask of a forward.
+Request = ForwardRequest | BranchStep
+REQUEST_TYPES = (ForwardRequest, BranchStep)
+
+# A job yields requests, receives their logits, and returns its result.
+Job = Generator[Request, torch.Tensor, Any]
 
 
 @dataclass
@@ -92,7 +165,7 @@ class _Task:
     context: contextvars.Context
     future: Future = field(default_factory=Future)
     job: Job | None = None
-    request: ForwardRequest | None = None
+    request: Request | None = None
 
 
 class Scheduler:
@@ -108,8 +181,8 @@ class Scheduler:
         name: str,
         max_batch_size: int,
         max_batch_tokens: int,
-        run_batch: Callable[[list[ForwardRequest]], list[torch.Tensor]] | None = None,
-        note_member: Callable[[ForwardRequest, int], None] | None = None,
+        run_batch: Callable[[list[Request]], list[torch.Tensor]] | None = None,
+        note_member: Callable[[Request, int], None] | None = None,
     ):
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
@@ -180,7 +253,7 @@ class Scheduler:
             task.future.set_exception(RuntimeError("the model thread was shut down"))
             task.job.close()
 
-    def _run(self, requests: list[ForwardRequest]) -> list[torch.Tensor]:
+    def _run(self, requests: list[Request]) -> list[torch.Tensor]:
         if self.run_batch is None:
             raise RuntimeError("this scheduler has no model to run forwards on")
         return self.run_batch(requests)
@@ -223,7 +296,7 @@ class Scheduler:
         except BaseException as e:
             task.future.set_exception(e)
             return False
-        if not isinstance(request, ForwardRequest):
+        if not isinstance(request, REQUEST_TYPES):
             task.job.close()
             task.future.set_exception(TypeError(f"a model job yielded {request!r}"))
             return False
@@ -231,75 +304,148 @@ class Scheduler:
         return True
 
     def _select(self, active: list[_Task]) -> list[_Task]:
-        """The oldest pending requests that fit max_batch_size rows and max_batch_tokens
+        """The oldest pending requests that fit max_batch_size rows (a request of a
+        session is one row, a BranchStep as many as its group has) and max_batch_tokens
         padded tokens (rows x longest input), and of which at least half the padded tokens
         are real (a one-token step does not ride along a 512-token prefill chunk, padded to
-        512, nor the reverse; it takes the next forward); the oldest always runs."""
+        512, nor the reverse; it takes the next forward); the oldest always runs, alone if
+        it does not fit alone."""
         batch: list[_Task] = []
-        longest = real = 0
+        rows = longest = real = 0
         for task in active:
-            n = len(task.request.tokens)
-            wider = max(longest, n)
-            padded = (len(batch) + 1) * wider
+            request = task.request
+            wider = max(longest, request.width)
+            padded = (rows + request.rows) * wider
+            fed = request.rows * request.width
             if batch and (
-                len(batch) >= self.max_batch_size
+                rows + request.rows > self.max_batch_size
                 or padded > self.max_batch_tokens
-                or 2 * (real + n) < padded
+                or 2 * (real + fed) < padded
             ):
                 continue
             batch.append(task)
-            longest, real = wider, real + n
+            rows, longest, real = rows + request.rows, wider, real + fed
         return batch
 
 
 # -- the padded batch forward -----------------------------------------------------------------
 
 
-def pad_caches(caches: list, lengths: list[int], config) -> Any:
-    """A DynamicCache of the caches' layers left-padded with zeros to the longest
-    ([B, heads, L, dim] per layer); an empty one when every cache is empty."""
-    from transformers import DynamicCache
+class Layout:
+    """How one forward over several requests is laid out (see the module docstring): row
+    blocks in the requests' order, a session's request one row, a BranchStep one row per
+    branch; R rows, L = the longest cached length (session slots + a branch row's fed
+    slots), N = the longest input."""
 
-    batch = DynamicCache(config=config)
-    width = max(lengths)
-    if width == 0:
+    def __init__(self, requests: list[Request]):
+        self.requests = requests
+        self.starts = list(itertools.accumulate((r.rows for r in requests), initial=0))
+        self.rows = self.starts.pop()  # R
+        # Cached slots of each request's rows: the session's, plus what a branch row was fed.
+        self.cached = [len(r.session.tokens) + _fed(r) for r in requests]
+        self.width = max(self.cached)  # L
+        self.longest = max(r.width for r in requests)  # N
+        self.tokens = sum(len(r.tokens) for r in requests)  # real inputs over all rows
+        self.keeps = [r.rows if isinstance(r, BranchStep) else r.keep for r in requests]
+
+    def inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """input_ids [R, N] (right-padded with 0), attention_mask [R, L + N] (0 on the left
+        pads, on a branch row's hidden session slots, on the right pads), position_ids
+        [R, N] (each row's true positions)."""
+        width, longest = self.width, self.longest
+        input_ids = torch.zeros(self.rows, longest, dtype=torch.long)
+        mask = torch.zeros(self.rows, width + longest, dtype=torch.long)
+        positions = torch.empty(self.rows, longest, dtype=torch.long)
+        steps = torch.arange(longest)
+        for r, start, cached in zip(self.requests, self.starts, self.cached, strict=True):
+            pad, length = width - cached, len(r.session.tokens)
+            if isinstance(r, BranchStep):
+                rows = slice(start, start + r.rows)
+                visible = torch.tensor(r.group.visible, dtype=torch.long)  # [n]
+                input_ids[rows, 0] = torch.tensor(r.tokens, dtype=torch.long)
+                slots = torch.arange(length)
+                mask[rows, pad : pad + length] = (slots[None, :] < visible[:, None]).long()
+                mask[rows, pad + length : width + 1] = 1  # its fed slots and its input
+                positions[rows] = torch.tensor(r.group.positions())[:, None] + steps
+            else:
+                input_ids[start, : len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.long)
+                mask[start, pad : width + len(r.tokens)] = 1
+                positions[start] = length + steps
+        return input_ids.to(device), mask.to(device), positions.to(device)
+
+    def cache(self, config) -> Any:
+        """A DynamicCache of every row's cached keys/values, left-padded with zeros to L
+        ([R, heads, L, dim] per layer): a session's cache in its row, the session's cache
+        in every row of a branch group followed by that row's fed slots; an empty one when
+        every cache is empty."""
+        from transformers import DynamicCache
+
+        batch = DynamicCache(config=config)
+        width = self.width
+        if width == 0:
+            return batch
+        full = next(r.session.kv for r in self.requests if r.session.tokens)
+        for i, layer in enumerate(full.layers):
+            _, heads, _, dim = layer.keys.shape
+            keys = layer.keys.new_zeros(self.rows, heads, width, dim)  # [R, heads, L, dim]
+            values = layer.values.new_zeros(self.rows, heads, width, layer.values.shape[-1])
+            for r, start, cached in zip(self.requests, self.starts, self.cached, strict=True):
+                rows, length, fed = slice(start, start + r.rows), len(r.session.tokens), _fed(r)
+                if length:  # one copy per row (a branch group's rows share the session's)
+                    own = r.session.kv.layers[i]
+                    keys[rows, :, width - cached : width - fed] = own.keys[0]
+                    values[rows, :, width - cached : width - fed] = own.values[0]
+                if fed:
+                    keys[rows, :, width - fed :] = r.group.keys[i]
+                    values[rows, :, width - fed :] = r.group.values[i]
+            batch.update(keys, values, i)
         return batch
-    full = next(c for c, n in zip(caches, lengths, strict=True) if n)
-    for i, layer in enumerate(full.layers):
-        _, heads, _, dim = layer.keys.shape
-        keys = layer.keys.new_zeros(len(caches), heads, width, dim)  # [B, heads, L, dim]
-        values = layer.values.new_zeros(len(caches), heads, width, layer.values.shape[-1])
-        for row, (cache, n) in enumerate(zip(caches, lengths, strict=True)):
-            if n:
-                keys[row, :, width - n :] = cache.layers[i].keys[0]
-                values[row, :, width - n :] = cache.layers[i].values[0]
-        batch.update(keys, values, i)
-    return batch
+
+    def kept(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The rows of hidden [R, N, hidden] whose logits the requests keep [sum keeps,
+        hidden]: the last `keep` real inputs of a session's row, every row of a group."""
+        parts = []
+        for r, start in zip(self.requests, self.starts, strict=True):
+            if isinstance(r, BranchStep):
+                parts.append(hidden[start : start + r.rows, 0])
+            else:
+                n = len(r.tokens)
+                parts.append(hidden[start, n - r.keep : n])
+        return torch.cat(parts)
+
+    def split(self, logits: torch.Tensor) -> list[torch.Tensor]:
+        """Logits [sum keeps, vocab] -> each request's ([keep, vocab] or [rows, vocab])."""
+        return list(logits.split(self.keeps))
+
+    def write_back(self, batch_cache) -> None:
+        """Each row's new slots [L, L + n) after the forward: appended to its session's
+        cache (and tokens), or to its branch row's fed slots."""
+        width = self.width
+        for i, layer in enumerate(batch_cache.layers):
+            for r, start in zip(self.requests, self.starts, strict=True):
+                if isinstance(r, BranchStep):
+                    rows, group = slice(start, start + r.rows), r.group
+                    new_keys = layer.keys[rows, :, width : width + 1]  # [n, heads, 1, dim]
+                    new_values = layer.values[rows, :, width : width + 1]
+                    if group.fed:
+                        group.keys[i] = torch.cat([group.keys[i], new_keys], dim=2)
+                        group.values[i] = torch.cat([group.values[i], new_values], dim=2)
+                    else:  # a copy: the batch's tensors are freed after the forward
+                        group.keys.append(new_keys.clone())
+                        group.values.append(new_values.clone())
+                else:
+                    n = len(r.tokens)
+                    r.session.kv.update(
+                        layer.keys[start : start + 1, :, width : width + n],
+                        layer.values[start : start + 1, :, width : width + n],
+                        i,
+                    )
+        for r in self.requests:
+            if isinstance(r, BranchStep):
+                r.group.fed += 1
+            else:
+                r.session.tokens.extend(r.tokens)
 
 
-def batch_inputs(
-    token_rows: list[list[int]], lengths: list[int], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """input_ids [B, N] (right-padded with 0), attention_mask [B, L + N], position_ids [B, N]
-    for inputs token_rows after caches of `lengths` (see the module docstring)."""
-    rows, width, longest = len(token_rows), max(lengths), max(len(t) for t in token_rows)
-    input_ids = torch.zeros(rows, longest, dtype=torch.long)
-    mask = torch.zeros(rows, width + longest, dtype=torch.long)
-    steps = torch.arange(longest)
-    positions = torch.empty(rows, longest, dtype=torch.long)
-    for row, (tokens, n) in enumerate(zip(token_rows, lengths, strict=True)):
-        input_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        mask[row, width - n : width + len(tokens)] = 1
-        positions[row] = n + steps
-    return input_ids.to(device), mask.to(device), positions.to(device)
-
-
-def write_back(batch_cache, caches: list, width: int, news: list[int]) -> None:
-    """Append row i's new slots [width, width + news[i]) of every layer to caches[i]."""
-    for i, layer in enumerate(batch_cache.layers):
-        for row, (cache, n) in enumerate(zip(caches, news, strict=True)):
-            cache.update(
-                layer.keys[row : row + 1, :, width : width + n],
-                layer.values[row : row + 1, :, width : width + n],
-                i,
-            )
+def _fed(request: Request) -> int:
+    return request.group.fed if isinstance(request, BranchStep) else 0

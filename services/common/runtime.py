@@ -29,13 +29,7 @@ from typing import TypeVar
 
 import torch
 
-from specdec.common.batching import (
-    ForwardRequest,
-    Scheduler,
-    batch_inputs,
-    pad_caches,
-    write_back,
-)
+from specdec.common.batching import BranchStep, ForwardRequest, Layout, Request, Scheduler
 from specdec.common.config import ReplicaConfig
 from specdec.common.cpus import thread_budget
 from specdec.common.errors import (
@@ -366,14 +360,14 @@ class ModelRuntime:
         """`forward_steps` run here and now, unbatched (model thread)."""
         return self.drive(self.forward_steps(session, tokens, keep))
 
-    def drive(self, job: Generator[ForwardRequest, torch.Tensor, T]) -> T:
+    def drive(self, job: Generator[Request, torch.Tensor, T]) -> T:
         """Run a job here and now, each forward unbatched (the model thread, or a tool
         that owns the runtime)."""
         try:
             request = next(job)
             while True:
                 try:
-                    logits = self._forward(request)
+                    logits = self._run_batch([request])[0]
                 except BaseException as e:  # the job sees its forward fail (guarded)
                     request = job.throw(e)
                     continue
@@ -406,9 +400,9 @@ class ModelRuntime:
                 start = end
         return (yield ForwardRequest(session, tokens[start:], keep, fresh))
 
-    def _run_batch(self, requests: list[ForwardRequest]) -> list[torch.Tensor]:
+    def _run_batch(self, requests: list[Request]) -> list[torch.Tensor]:
         """One forward over the requests (the scheduler's run_batch)."""
-        if len(requests) == 1:
+        if len(requests) == 1 and isinstance(requests[0], ForwardRequest):
             return [self._forward(requests[0])]
         return self._forward_batch(requests)
 
@@ -439,39 +433,32 @@ class ModelRuntime:
         return self.head(hidden)  # [b, keep, vocab]
 
     @torch.inference_mode()
-    def _forward_batch(self, requests: list[ForwardRequest]) -> list[torch.Tensor]:
-        """One forward over several sessions' caches, padded (specdec.common.batching)."""
-        caches = [r.session.kv for r in requests]
-        lengths = [len(r.session.tokens) for r in requests]
-        news = [len(r.tokens) for r in requests]
-        input_ids, mask, positions = batch_inputs(
-            [r.tokens for r in requests], lengths, self.device
-        )  # [B, N], [B, L + N], [B, N]
-        cache = pad_caches(caches, lengths, self.model.config)
+    def _forward_batch(self, requests: list[Request]) -> list[torch.Tensor]:
+        """One forward over several sessions' caches and branch groups, padded
+        (specdec.common.batching); each request's logits."""
+        layout = Layout(requests)
+        input_ids, mask, positions = layout.inputs(self.device)  # [R, N], [R, L + N], [R, N]
+        cache = layout.cache(self.model.config)
+        inputs = dict(
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache
+        )
         fresh = all(r.fresh for r in requests)
-        with self.obs.forward(sum(news), len(requests), fresh, sessions=len(requests)):
-            hidden = self.model.get_decoder()(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-            ).last_hidden_state  # [B, N, hidden]
-            kept = torch.cat(
-                [
-                    hidden[i, n - r.keep : n]
-                    for i, (r, n) in enumerate(zip(requests, news, strict=True))
-                ]
-            )  # [sum keep, hidden]
-            # the drafter's reduced head, if any, else the model's own output layer
-            head = self.head or self.model.get_output_embeddings()
-            logits = head(kept).float()  # [sum keep, vocab]
-        write_back(cache, caches, max(lengths), news)
-        for r in requests:
-            r.session.tokens.extend(r.tokens)
-        return list(logits.split([r.keep for r in requests]))
+        with self.obs.forward(layout.tokens, layout.rows, fresh, sessions=len(requests)):
+            if len(requests) == 1 and isinstance(requests[0], BranchStep):
+                # One branch group alone (always so under --max-batch-size 1): the model's
+                # own forward and output layer, as before batching.
+                logits = self.model_logits(1, **inputs)[:, -1].float()  # [rows, vocab]
+            else:
+                hidden = self.model.get_decoder()(
+                    **inputs, use_cache=True
+                ).last_hidden_state  # [R, N, hidden]
+                # the drafter's reduced head, if any, else the model's own output layer
+                head = self.head or self.model.get_output_embeddings()
+                logits = head(layout.kept(hidden)).float()  # [sum keeps, vocab]
+        layout.write_back(cache)
+        return layout.split(logits)
 
-    def _note_member(self, request: ForwardRequest, batch: int) -> None:
+    def _note_member(self, request: Request, batch: int) -> None:
         """A job's share of a batched forward observed in another job's context."""
         self.obs.member(len(request.tokens), batch)
 

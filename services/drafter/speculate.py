@@ -19,16 +19,17 @@ holds x + d_1..d_{k-1}, and the Draft kept the logits it drew d_1..d_k from (`Dr
 the gateway then names that longer prefix and sends d_k alone, and only d_k is fed (the
 distributions of the earlier positions are the Draft's). Without those rows (the Draft
 was answered from a branch, or they were dropped) the cache is rolled back to x and the
-draft fed again from the session's own tokens: slower, the same result. Every branch (a, t) shares x + d_1..d_a: the cache is
-expanded to one row per branch (a view, not a copy), the slots of d_{a+1}..d_k are masked
-out of that row's attention, and t is fed at its true position L + a. Each of the
-num_draft_tokens steps is then one batched forward over all branches. The batched cache is
-dropped at the end; the session's own cache only gained the draft.
+draft fed again from the session's own tokens: slower, the same result. Every branch
+(a, t) shares x + d_1..d_a: it is one row of a batch over the session's cache (a
+`BranchGroup`), the slots of d_{a+1}..d_k are masked out of that row's attention, and t is
+fed at its true position L + a. Each of the num_draft_tokens steps is then one forward
+over all branches (a `BranchStep`). A group keeps only its rows' own new keys/values
+between steps (fan_out x steps slots); the session's own cache only gained the draft.
 
-Batching across sessions (specdec.common.batching): `speculate` is a model-thread job whose
-first forward (feeding the draft) is batched with other sessions' forwards; the branch
-steps then run at once on the model thread, one batched forward over this session's
-branches each (branches of several sessions do not share a forward yet).
+Batching across sessions (specdec.common.batching): `speculate` is a model-thread job; its
+first forward (feeding the draft) and each of its branch steps are requests the scheduler
+batches with other sessions' forwards, so the branch steps of several sessions (and their
+Draft steps) run as one padded forward.
 
 The prepared branches (tokens and, under sampling, the distributions they were drawn from)
 stay on the replica in a BranchStore, for the MAX_PREPARED_SESSIONS most recent sessions
@@ -45,11 +46,11 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.common.batching import ForwardRequest
+from specdec.common.batching import BranchGroup, BranchStep, ForwardRequest, Request
 from specdec.common.prefix import prefix_hash
 from specdec.common.runtime import ModelRuntime, Prefix, SessionCache
 from specdec.common.sampling import EncodedProbs, SamplingParams, warp
-from specdec.drafter.sampler import sampler_for
+from specdec.drafter.sampler import Sampler, sampler_for
 
 MAX_PREPARED_SESSIONS = 32
 # Outcome probabilities are ranked with alpha clamped away from 0 and 1, so that every
@@ -151,14 +152,15 @@ def speculate(
     alpha: float,
     max_per_outcome: int,
     max_branch_tokens: int = 0,
-) -> Generator[ForwardRequest, torch.Tensor, Speculation]:
+) -> Generator[Request, torch.Tensor, Speculation]:
     """Prepare next-round drafts for the draft at the end of prefix + new_tokens (a job for
     the model thread, `ModelRuntime.run`). prefix + new_tokens holds at least draft_length
     + 1 tokens; new_tokens may start inside the draft when the session's last Draft cached
     its beginning (see the module docstring).
 
-    max_branch_tokens (0: unbounded) bounds the batched branch cache, which holds one copy
-    of the session's KV per branch: fan_out shrinks to what fits, down to no branch."""
+    max_branch_tokens (0: unbounded) bounds the branch rows' KV, one copy of the session's
+    KV per branch in each of their forwards: fan_out shrinks to what fits, down to no
+    branch."""
     with runtime.guarded(session_id):
         started = time.perf_counter()
         store.pop(session_id)
@@ -174,7 +176,9 @@ def speculate(
             fan_out, branch_budget(max_branch_tokens, len(session.tokens), num_draft_tokens)
         )
         keys = rank_outcomes(ranking, draft, alpha, fan_out, max_per_outcome) if fan_out else []
-        branches = draft_branches(runtime, session, base, keys, num_draft_tokens, params)
+        branches = yield from draft_branches(
+            session, base, keys, num_draft_tokens, sampler_for(params, runtime)
+        )
         store.put(
             session_id,
             Prepared(
@@ -225,8 +229,8 @@ def draft_rows(
 
 
 def branch_budget(max_branch_tokens: int, length: int, steps: int) -> int:
-    """Branches whose batched cache (a copy of `length` + `steps` tokens of KV each) fits
-    max_branch_tokens; unbounded (a large number) when it is 0."""
+    """Branches whose rows (a copy of `length` + `steps` tokens of KV each, in a forward)
+    fit max_branch_tokens; unbounded (a large number) when it is 0."""
     if not max_branch_tokens:
         return 1 << 30
     return max_branch_tokens // (length + steps)
@@ -258,49 +262,33 @@ def rank_outcomes(
     return [(a, t) for _, a, t in scored[:fan_out]]
 
 
-@torch.inference_mode()
 def draft_branches(
-    runtime: ModelRuntime,
     session: SessionCache,
     base: int,
     keys: Sequence[tuple[int, int]],
     steps: int,
-    params: SamplingParams,
-) -> list[Branch]:
-    """Draft `steps` tokens after base + d_1..d_a + t for every key (a, t), batched."""
-    from transformers import DynamicCache
+    sampler: Sampler,
+) -> Generator[BranchStep, torch.Tensor, list[Branch]]:
+    """Draft `steps` tokens after base + d_1..d_a + t for every key (a, t): a job's
+    forwards, one BranchStep of every branch per step, batched with other jobs' forwards
+    (other sessions' branch steps, Draft steps, ...) by the model thread's scheduler.
 
+    Row (a, t) sees the session's first base + a cached tokens (d_{a+1}..d_k are hidden
+    from it), then its own tokens; t sits at its true position base + a."""
     if not keys:
         return []
-    n, device = len(keys), runtime.device
-    cache = DynamicCache(config=runtime.model.config)
-    for i, layer in enumerate(session.kv.layers):
-        cache.update(layer.keys.expand(n, -1, -1, -1), layer.values.expand(n, -1, -1, -1), i)
-    accepted = torch.tensor([a for a, _ in keys], device=device)  # [n]
-    slots = torch.arange(len(session.tokens), device=device)
-    mask = (slots[None, :] < base + accepted[:, None]).long()  # [n, L + k]: drop d_{a+1}..
-    ids = torch.tensor([[t] for _, t in keys], device=device)  # [n, 1]
-    positions = (base + accepted)[:, None]  # [n, 1]: t sits at L + a
-    sampler = sampler_for(params, runtime)
+    group = BranchGroup(session, [base + a for a, _ in keys])
     branches = [Branch(a, t, [], []) for a, t in keys]
+    tokens = [t for _, t in keys]
     for step in range(steps):
-        mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)
-        with runtime.obs.forward(n, n):
-            logits = runtime.model_logits(
-                1,
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=cache,
-            )[:, -1]  # [n, vocab]
+        logits = yield BranchStep(group, tokens)  # [n, vocab]
         for row, branch in enumerate(branches):
-            token, enc = sampler.draw(logits[row].float(), int(positions[row]) + 1)
+            # the token after the row's input, at position base + a + step + 1
+            token, enc = sampler.draw(logits[row], group.visible[row] + step + 1)
             branch.tokens.append(token)
             if enc is not None:
                 branch.probs.append(enc)
-        if step < steps - 1:
-            ids = torch.tensor([[b.tokens[-1]] for b in branches], device=device)
-            positions = positions + 1
+        tokens = [b.tokens[-1] for b in branches]
     return branches
 
 
