@@ -1,7 +1,9 @@
 """Peak RSS of one prefill on the real drafter (0.5B, bf16): all logits rows in one forward
 (the old behaviour: keep=None, --prefill-chunk 0) against one row in 512-token chunks.
 
-    python -m specdec.tools.bench.prefill_memory old|new TOKENS [MODEL_NAME]
+    python -m specdec.tools.bench.prefill_memory old|new TOKENS [MODEL_NAME [THREADS]]
+
+THREADS (default 1): torch threads; peak memory does not depend on it, the time does.
 
 Run each mode in its own process (peak RSS is per process).
 """
@@ -23,7 +25,7 @@ def main() -> None:
         role="drafter",
         model=path,
         dtype="bfloat16",
-        threads=1,
+        threads=int(sys.argv[4]) if len(sys.argv) > 4 else 1,
         max_cached_tokens=65536,
         prefill_chunk=0 if mode == "old" else 512,
     )
