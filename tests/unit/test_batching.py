@@ -15,6 +15,7 @@ from specdec.common.errors import CacheMiss
 from specdec.common.prefix import prefix_hash
 from specdec.common.runtime import ModelRuntime, Prefix
 from specdec.common.sampling import SamplingParams
+from specdec.drafter.config import DrafterConfig
 from specdec.verifier.config import VerifierConfig
 from specdec.verifier.scorer import verify
 
@@ -25,8 +26,10 @@ def p(tokens, n):
     return Prefix(n, prefix_hash(tokens[:n]))
 
 
-def _runtime(test_models, **settings) -> ModelRuntime:
-    rt = ModelRuntime(VerifierConfig(role="verifier", model=str(test_models.target), **settings))
+def _runtime(test_models, config=VerifierConfig, **settings) -> ModelRuntime:
+    """A loaded runtime of the tiny target, as a verifier (or under `config`'s role)."""
+    role = "drafter" if config is DrafterConfig else "verifier"
+    rt = ModelRuntime(config(role=role, model=str(test_models.target), **settings))
     rt.load()
     return rt
 

@@ -18,15 +18,11 @@ from specdec.common.runtime import ModelRuntime, Prefix
 from specdec.drafter.config import DrafterConfig
 from specdec.drafter.proposer import propose
 from specdec.drafter.speculate import BranchStore, speculate
-from tests.unit.test_batching import _held, _seq
-
-TOL = {"atol": 1e-4, "rtol": 1e-4}
+from tests.unit.test_batching import TOL, _held, _runtime, _seq
 
 
 def _drafter(test_models, **settings) -> ModelRuntime:
-    rt = ModelRuntime(DrafterConfig(role="drafter", model=str(test_models.target), **settings))
-    rt.load()
-    return rt
+    return _runtime(test_models, DrafterConfig, **settings)
 
 
 @pytest.fixture(scope="module")

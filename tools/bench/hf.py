@@ -108,6 +108,13 @@ class HFRunner:
 NEAR_TIE_ULPS = 4
 
 
+def last_place(value) -> float:
+    """One unit in the last place of `value` (a 0-d tensor) in its own dtype."""
+    import torch
+
+    return float(torch.nextafter(value, value + 1) - value)
+
+
 def tie_break(hf: HFRunner, ids: list[int], base: list[int], other: list[int]) -> dict:
     """Where `other` first leaves the baseline `base`: how far apart the two tokens' logits
     are there (one forward of the target), in units of the last place of the top logit."""
@@ -117,8 +124,7 @@ def tie_break(hf: HFRunner, ids: list[int], base: list[int], other: list[int]) -
         return {"position": i, "gap_ulps": None}  # one is a prefix of the other
     with torch.inference_mode():
         logits = hf.target(input_ids=torch.tensor([[*ids, *base[:i]]])).logits[0, -1]
-    top = logits.max()
-    ulp = float(torch.nextafter(top, top + 1) - top)
+    ulp = last_place(logits.max())
     gap = float(abs(logits[base[i]].float() - logits[other[i]].float()))
     return {"position": i, "gap": gap, "ulp": ulp, "gap_ulps": gap / ulp if ulp else None}
 

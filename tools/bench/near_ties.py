@@ -19,7 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
-from specdec.tools.bench.hf import NEAR_TIE_ULPS
+from specdec.tools.bench.hf import NEAR_TIE_ULPS, last_place
 
 
 def main() -> None:
@@ -60,8 +60,7 @@ def main() -> None:
             )[0, len(ids) :].tolist()
             logits = model(input_ids=torch.tensor([ids + out[:pos]])).logits[0, -1]
         top = torch.topk(logits.float(), 2)
-        best = logits.max()
-        ulp = float(torch.nextafter(best, best + 1) - best)
+        ulp = last_place(logits.max())
         gap = float(top.values[0] - top.values[1])
         row = {
             "conversation": conversation,
