@@ -10,7 +10,7 @@ Models: the installed default pair (`specdec models install`), --draft-model and
 --target-model, or --tiny DIR (random models: shows the mechanics, not speed).
 
 On the CPU the drafter runs the best configuration `specdec bench` measured
-(BEST_DRAFTER: int8 weights, a much cheaper draft at a slightly lower acceptance); int8 is
+(BEST_DRAFTER: int8 weights, a draft 2.7x cheaper at about the same acceptance); int8 is
 CPU-only, so on another --device it runs the draft model as loaded (bf16). --drafter picks
 any variant of `specdec bench --drafters`. The demo prints which.
 """
@@ -26,8 +26,9 @@ from specdec.tools.launcher import ServiceFailed
 from specdec.tools.stack import LocalStack, add_stack_arguments, pin_roles
 
 # The drafter variant of `specdec bench --drafters` that made speculation fastest on the
-# pretrained pair on the CPU: int8 weights cut the draft's cost ratio c from 0.34 to 0.14 of
-# a target step, acceptance at k = 2 from 77% to 72% (README, the `--quantize` flag).
+# pretrained pair on the CPU, in `make bench` (README, Performance): int8 weights cut the
+# draft's cost ratio c from 0.337 to 0.123 of a target step at about the same acceptance
+# (78% against 79% at k = 2); SSD k = 2 went from 0.74x to 1.52x of the target alone.
 BEST_DRAFTER = "int8"
 
 PROMPTS = [
