@@ -45,9 +45,9 @@ demo-tiny: install
 
 # The benchmark on the pretrained pair, drafter and verifier pinned to one core each:
 # 12 prompts x 128 tokens, every mode interleaved, k = 2 plain and with SSD, for the drafter
-# as it is (bf16) and with int8 weights (--quantize int8), one after the other (about two
-# hours on 2 cores without native bfloat16; the README's Performance run). vocab32k
-# (--drafters bf16,int8,vocab32k) adds about 45 minutes.
+# as it is (bf16) and with int8 weights (--quantize int8), one after the other (116 minutes
+# on the 2-core development machine: the README's Performance run). --drafters
+# bf16,int8,vocab32k adds a third stack with the reduced vocabulary.
 BENCH_ARGS ?= --pin --drafters bf16,int8 --k 2 --ssd-k 2
 bench: models
 	$(VENV)/bin/specdec bench $(BENCH_ARGS) --out bench-results/full
