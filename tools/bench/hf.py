@@ -50,9 +50,9 @@ class HFRunner:
         if self.pinned is None:
             return None, self.default_threads
         draft_cpu, target_cpu = self.pinned
-        # "target [int8]" is the target alone too (a later drafter variant's baseline): it
-        # must get the verifier's one CPU, not assisted generation's two.
-        if mode.name.split(" [")[0] == "target":
+        # The target alone is its own baseline, whichever variant's ("target", "target
+        # [int8]"): the verifier's one CPU, not assisted generation's two.
+        if mode.baseline == mode.name:
             return {target_cpu}, 1
         if mode.name == "draft":
             return {draft_cpu}, 1
