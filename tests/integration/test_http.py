@@ -14,12 +14,10 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
@@ -597,10 +595,12 @@ def test_https_with_the_gateways_tls_settings(tmp_path):
 
     pki = make_pki(tmp_path / "pki")
     port = free_port()
+    own_tmp = tmp_path / "tmp"  # the gateway's temp dir: this test's own, nobody else's
+    own_tmp.mkdir()
     g = http_gateway(
         "127.0.0.1:9", "127.0.0.1:9", port, "--startup-timeout", "600",
         "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
-        "--tls-client-ca", str(pki.ca),
+        "--tls-client-ca", str(pki.ca), env={"TMPDIR": str(own_tmp)},
     )  # fmt: skip
     try:
         url = f"https://127.0.0.1:{port}/health"
@@ -622,7 +622,7 @@ def test_https_with_the_gateways_tls_settings(tmp_path):
             urllib.request.urlopen(url, timeout=30, context=no_cert).read()
         with pytest.raises((urllib.error.URLError, ConnectionError)):  # no plaintext
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30).read()
-        # The PEM copies uvicorn loaded are gone once it serves.
-        assert not list(Path(tempfile.gettempdir()).glob("specdec-http-*"))
+        # uvicorn loads the PEM bytes from memory: nothing of them is written to disk.
+        assert not list(own_tmp.iterdir())
     finally:
         g.stop()

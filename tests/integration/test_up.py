@@ -103,3 +103,52 @@ def test_up_generate_and_clean_stop(test_models, tokenizer, reference, tmp_path)
     finally:
         if up.poll() is None:
             up.kill()
+
+
+@pytest.mark.parametrize("when", ["starting", "ready"])
+def test_sigterm_leaves_no_temp_folder(test_models, tmp_path, when):
+    """SIGTERM to `specdec up --tls --http-port` (TLS on the HTTP API is what once wrote PEM
+    copies to a temp folder) leaves nothing in the temp dir, whether it arrives while the
+    gateway is starting or once the stack is ready. The stack gets a TMPDIR of its own, so
+    the test reads only what it owns."""
+    from specdec.tools.redisproc import free_port
+
+    own_tmp = tmp_path / "tmp"
+    own_tmp.mkdir()
+    logs = tmp_path / "logs"
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env["TMPDIR"] = str(own_tmp)
+    up = subprocess.Popen(
+        [
+            sys.executable, "-m", "specdec", "up",
+            "--draft-model", str(test_models.draft_noisy),
+            "--target-model", str(test_models.target),
+            "--port", "0", "--http-port", str(free_port()), "--tls",
+            "--log-dir", str(logs), "--draft-threads", "1", "--target-threads", "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )  # fmt: skip
+    lines: list[str] = []
+    try:
+        if when == "starting":  # as soon as the gateway process exists
+            deadline = time.monotonic() + 300
+            while not (logs / "gateway.log").exists():
+                assert up.poll() is None and time.monotonic() < deadline, up.stdout.read()
+                time.sleep(0.02)
+        else:
+            for line in up.stdout:
+                lines.append(line)
+                if line.startswith("ready:"):
+                    break
+            assert lines and lines[-1].startswith("ready:"), "".join(lines)
+            assert any(p.name.startswith("specdec-pki-") for p in own_tmp.iterdir())
+            assert not list(own_tmp.glob("specdec-http-*"))
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(120) == 0, up.stdout.read()
+        assert not list(own_tmp.iterdir()), sorted(p.name for p in own_tmp.iterdir())
+    finally:
+        if up.poll() is None:
+            up.kill()

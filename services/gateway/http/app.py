@@ -16,9 +16,8 @@ import contextlib
 import hmac
 import json
 import logging
-import tempfile
+import os
 import time
-from pathlib import Path
 from ssl import CERT_REQUIRED
 from typing import Any
 
@@ -456,18 +455,22 @@ class HttpServer:
     settings (--tls-cert/--tls-key, client certificates with --tls-client-ca)."""
 
     def __init__(self, app, host: str, port: int, grace_seconds: float, tls: ServerTls | None):
-        self.pem_dir = tempfile.TemporaryDirectory(prefix="specdec-http-") if tls else None
         ssl: dict[str, Any] = {}
+        pem_fds: list[int] = []
         if tls is not None:
-            # uvicorn reads PEM files: the bytes read at start-up go to a private folder
-            # that is removed once the server has loaded them.
-            folder = Path(self.pem_dir.name)
-            for name, data in (("cert.pem", tls.cert), ("key.pem", tls.key)):
-                (folder / name).write_bytes(data)
-            ssl = {"ssl_certfile": str(folder / "cert.pem"), "ssl_keyfile": str(folder / "key.pem")}
+            # uvicorn reads PEM files: the bytes read at start-up go to anonymous in-memory
+            # files (memfd), which no signal or crash can leave behind on disk, and which
+            # are closed as soon as the TLS context below has loaded them.
+            def pem(name: str, data: bytes) -> str:
+                fd = os.memfd_create(f"specdec-http-{name}", os.MFD_CLOEXEC)
+                pem_fds.append(fd)
+                with os.fdopen(fd, "wb", closefd=False) as f:
+                    f.write(data)
+                return f"/proc/self/fd/{fd}"
+
+            ssl = {"ssl_certfile": pem("cert", tls.cert), "ssl_keyfile": pem("key", tls.key)}
             if tls.client_ca:
-                (folder / "client-ca.pem").write_bytes(tls.client_ca)
-                ssl["ssl_ca_certs"] = str(folder / "client-ca.pem")
+                ssl["ssl_ca_certs"] = pem("client-ca", tls.client_ca)
                 ssl["ssl_cert_reqs"] = CERT_REQUIRED
         config = uvicorn.Config(
             app,
@@ -479,6 +482,11 @@ class HttpServer:
             timeout_graceful_shutdown=max(1, int(grace_seconds)),
             **ssl,
         )
+        try:
+            config.load()  # builds the TLS context now, from the PEM bytes
+        finally:
+            for fd in pem_fds:
+                os.close(fd)
         self.scheme = "https" if tls else "http"
         self.server = _Server(config)
         self.task: asyncio.Task | None = None
@@ -486,16 +494,12 @@ class HttpServer:
 
     async def start(self) -> None:
         self.task = asyncio.ensure_future(self.server.serve())
-        try:
-            while not self.server.started:
-                if self.task.done():
-                    with contextlib.suppress(SystemExit):  # uvicorn exits when it cannot bind
-                        self.task.result()
-                    raise OSError(f"cannot serve HTTP on port {self.port}")
-                await asyncio.sleep(0.05)
-        finally:
-            if self.pem_dir is not None:
-                self.pem_dir.cleanup()
+        while not self.server.started:
+            if self.task.done():
+                with contextlib.suppress(SystemExit):  # uvicorn exits when it cannot bind
+                    self.task.result()
+                raise OSError(f"cannot serve HTTP on port {self.port}")
+            await asyncio.sleep(0.05)
         log.info("http serving", extra={"http_port": self.port, "scheme": self.scheme})
 
     async def stop(self) -> None:
