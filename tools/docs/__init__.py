@@ -1,0 +1,1 @@
+"""Generators of the documentation site's reference pages (`make docs-gen`)."""
