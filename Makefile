@@ -9,7 +9,8 @@ CHECKOV_VENV ?= .venv-checkov
 CHECKOV_VER  ?= 3.3.30
 
 .PHONY: install dist models demo demo-tiny bench bench-quick up proto proto-check lint lint-proto format test test-unit test-integration clean \
-        chart-test system-deps base-image wheels images image-test lint-docker
+        chart-test system-deps test-deps base-image wheels images image-test lint-docker \
+        docs docs-serve docs-gen docs-screenshots
 
 # Create .venv/ with the project and its dev tools. torch goes first so that
 # transformers does not pull a multi-GB CUDA build.
@@ -19,7 +20,7 @@ $(VENV)/.installed: pyproject.toml sdk/pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==$(TORCH_VER)
-	$(VPY) -m pip install -q -e ./sdk -e '.[dev]'
+	$(VPY) -m pip install -q -e ./sdk -e '.[dev,docs]'
 	touch $@
 
 # Wheels of both distributions in dist/: specdec-sdk (the client alone: grpcio + protobuf)
@@ -80,19 +81,34 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 
 # Every test: unit, integration (real processes on loopback), and the chart's (checkov in its
-# own virtualenv). Needs a `prometheus` binary (`make system-deps`). The image tests in
-# tests/images skip here and run in `make image-test`, which builds the images first.
-test: install $(CHECKOV_VENV)/.installed
+# own virtualenv). The image tests in tests/images skip here and run in `make image-test`,
+# which builds the images first.
+test: install test-deps $(CHECKOV_VENV)/.installed
 	CHECKOV=$(abspath $(CHECKOV_VENV))/bin/checkov $(VPY) -m pytest -q
 
-# Debian packages the tests and image builds use: a real Prometheus server (the metrics
-# test), openssl (TLS tests, `specdec up --tls`), buildah and debootstrap (images without a
-# Docker engine). Needs root.
+# Programs the tests run that no Python package carries: a Prometheus server and promtool
+# (the metrics test, the documented alert rules), openssl (TLS tests, `specdec up --tls`),
+# curl (the doc-tested quick start). As root on Debian they come from Debian's packages;
+# elsewhere this stops and names what is missing.
+TEST_PROGRAMS := prometheus:prometheus promtool:prometheus openssl:openssl curl:curl
+test-deps:
+	@missing=$$(for pair in $(TEST_PROGRAMS); do command -v $${pair%%:*} >/dev/null 2>&1 || echo $${pair#*:}; done | sort -u | tr '\n' ' '); \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing Debian packages the tests need: $$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	else \
+		echo "make test needs these programs: $$missing (Debian: apt-get install $$missing, as root)" >&2; \
+		exit 1; \
+	fi
+
+# Debian packages the tests and image builds use: what `make test-deps` installs (prometheus,
+# openssl, curl), and buildah and debootstrap (images without a Docker engine). Needs root.
 system-deps:
-	@missing=$$(for p in prometheus buildah debootstrap openssl; do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	@missing=$$(for p in prometheus buildah debootstrap openssl curl; do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
-	else echo "system packages present: prometheus buildah debootstrap openssl"; fi
+	else echo "system packages present: prometheus buildah debootstrap openssl curl"; fi
 
 test-unit: install
 	$(VPY) -m pytest -q tests/unit
@@ -126,8 +142,29 @@ image-test: install
 	BUILDER=buildah docker/images.sh build $(IMAGE_TEST_ROLES)
 	SPECDEC_IMAGE_TEST=1 SPECDEC_IMAGE_ROLES="$(IMAGE_TEST_ROLES)" $(VPY) -m pytest -q tests/images
 
+# The documentation site (MkDocs + Material, mkdocs.yml): strict, so a broken link, a missing
+# anchor or a page left out of the nav fails the build.
+export NO_MKDOCS_2_WARNING := 1
+docs: install
+	$(VENV)/bin/mkdocs build --strict
+
+# A live preview on http://127.0.0.1:8000 while editing docs/.
+docs-serve: install
+	$(VENV)/bin/mkdocs serve
+
+# Rewrite the pages generated from the source: docs/reference/cli.md (argparse parsers),
+# grpc.md (protos/ comments), helm-values.md (values.yaml). A unit test fails while stale.
+docs-gen: install
+	$(VPY) -m specdec.tools.docs
+
+# The README's screenshots of the built site, with headless Chromium from Debian's packages
+# (installed here as root when missing).
+docs-screenshots: docs
+	command -v chromium >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+	$(VPY) -m specdec.tools.docs.screenshots site docs/images
+
 clean:
-	rm -rf $(VENV) $(CHECKOV_VENV) build dist *.egg-info sdk/*.egg-info .pytest_cache .cache
+	rm -rf $(VENV) $(CHECKOV_VENV) build dist *.egg-info sdk/*.egg-info .pytest_cache .cache site
 	rm -f docker/wheels/*.whl
 
 # The Helm chart (helm/specdec): real Helm lint and render of the default values and the
