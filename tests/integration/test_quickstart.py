@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -87,12 +89,14 @@ def test_quickstart_runs(case, test_models, tmp_path):
     )
     lines: list[str] = []
     try:
+        output: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [output.put(x) for x in up.stdout], daemon=True).start()
         deadline = time.monotonic() + 300
-        for line in up.stdout:
-            lines.append(line)
-            if line.startswith("ready:") or time.monotonic() > deadline:
-                break
-        assert lines and lines[-1].startswith("ready:"), "".join(lines)
+        while not (lines and lines[-1].startswith("ready:")):
+            try:
+                lines.append(output.get(timeout=max(0.1, deadline - time.monotonic())))
+            except queue.Empty:
+                raise AssertionError("no `ready:` from `specdec up`\n" + "".join(lines)) from None
 
         for command in commands(client):
             done = subprocess.run(
@@ -112,7 +116,7 @@ def test_quickstart_runs(case, test_models, tmp_path):
         assert done.stdout.strip()
 
         up.send_signal(signal.SIGTERM)
-        assert up.wait(120) == 0, up.stdout.read()
+        assert up.wait(120) == 0, "".join(lines)
     finally:
         if up.poll() is None:
             up.kill()
