@@ -26,7 +26,7 @@ from specdec.tools.launcher import ServiceFailed
 from specdec.tools.stack import LocalStack, add_stack_arguments, pin_roles
 
 # The drafter variant of `specdec bench --drafters` that made speculation fastest on the
-# pretrained pair on the CPU, in `make bench` (README, Performance): int8 weights cut the
+# pretrained pair on the CPU, in `make bench` (docs/benchmarks/2026-11-22-drafters.md): int8 weights cut the
 # draft's cost ratio c from 0.337 to 0.123 of a target step at about the same acceptance
 # (78% against 79% at k = 2); SSD k = 2 went from 0.74x to 1.52x of the target alone.
 BEST_DRAFTER = "int8"

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in SERVER_COMMANDS and argv[0] not in known:
         print(
             f"specdec: `{argv[0]}` comes with the specdec-server distribution, which is not "
-            "installed here (from a checkout: pip install ./sdk '.[replica]', see README)",
+            "installed here (from a checkout: pip install ./sdk '.[replica]', see docs/getting-started/install.md)",
             file=sys.stderr,
         )
         return 2

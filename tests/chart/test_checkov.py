@@ -3,7 +3,7 @@
 checkov conflicts with the project's dependencies (it pins packaging<24 and
 python-dateutil<3), so it lives in its own virtualenv: `make chart-test` creates
 .venv-checkov and passes its path in $CHECKOV. Skipped checks are the ones in SKIPPED,
-each listed with its reason in the README ("Install on Kubernetes").
+each listed with its reason in docs/deploy/helm.md ("Checks").
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 from tests.chart.render import write_rendered
 
-# check id -> why it is skipped (the README lists the same)
+# check id -> why it is skipped (docs/deploy/helm.md lists the same)
 SKIPPED = {
     "CKV_K8S_43": "images use tags until they are published with digests; "
     "set <role>.image.digest to pin one",

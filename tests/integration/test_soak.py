@@ -1,6 +1,6 @@
 """The soak tool on tiny models, briefly: a load with cancelled streams through real
 processes, no error but the client's own cancels, and every service's RSS sampled. The
-10-minute run at concurrency 16 is in the README (Load testing); this run is too short for
+10-minute run at concurrency 16 is in docs/benchmarks/2026-11-22-soak.md; this run is too short for
 its growth figure to mean much, so the bound here only catches a blatant leak."""
 
 from __future__ import annotations

@@ -35,3 +35,11 @@ def test_docs_link_nothing_outside_docs():
                 continue
             path = (page.parent / link.split("#")[0]).resolve()
             assert path.is_relative_to(ROOT / "docs"), f"{page}: links outside docs/: {link}"
+
+
+def test_every_committed_bench_run_has_a_page():
+    pages = "".join(p.read_text() for p in (ROOT / "docs" / "benchmarks").glob("*.md"))
+    runs = [d.name for d in (ROOT / "docs" / "bench").iterdir() if d.is_dir()]
+    assert runs
+    unlinked = [run for run in runs if f"../bench/{run}/" not in pages]
+    assert not unlinked, f"docs/bench/ runs no Benchmarks page links: {unlinked}"
