@@ -463,17 +463,24 @@ def test_unary_disconnect_cancels(stack, oai):
         {"model": "tiny", "prompt": "unary", "max_tokens": 400, "temperature": 0, "k": 0}
     ).encode()
     host, port = stack["http"].removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=30) as s:
-        s.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
-        time.sleep(1.0)  # the generation is under way (400 tokens at k = 0 take longer)
-    deadline = time.monotonic() + 120
-    while sum("generation cancelled" in line for line in gateway.lines) == before:
-        assert time.monotonic() < deadline, gateway.tail()
-        time.sleep(0.2)
+    verifier = stack["verifier"].proc
+    try:
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            time.sleep(0.3)  # the generation is under way
+            # Freeze the verifier so the generation cannot finish before the client leaves,
+            # whatever the machine's speed (400 tiny-model tokens can take under a second).
+            verifier.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 120
+        while sum("generation cancelled" in line for line in gateway.lines) == before:
+            assert time.monotonic() < deadline, gateway.tail()
+            time.sleep(0.2)
+    finally:
+        verifier.send_signal(signal.SIGCONT)
     line = [json.loads(x) for x in gateway.lines if "generation cancelled" in x][-1]
     assert line["session_id"] is None and line["tokens"] < 400
     assert _answers(stack, "/v1/completions", 499) == gone_before + 1  # no answer was sent
