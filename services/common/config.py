@@ -96,6 +96,9 @@ class ReplicaConfig:
     role: str  # "drafter" | "verifier"
     model: str
     gguf_file: str | None = None
+    # Run the model's own code from its directory (config.json auto_map), as transformers'
+    # trust_remote_code: only for model directories you trust.
+    trust_remote_code: bool = False
     dtype: str = "float32"
     device: str = "cpu"
     host: str = "0.0.0.0"
@@ -121,6 +124,13 @@ class ReplicaConfig:
     def add_arguments(cls, parser: argparse.ArgumentParser, default_port: int) -> None:
         add_setting(parser, "--model", "model directory or hub id (or the dir holding --gguf-file)")
         add_setting(parser, "--gguf-file", "GGUF file name inside --model, or a GGUF path")
+        add_setting(
+            parser,
+            "--trust-remote-code",
+            "run modeling code shipped in the model directory (config.json auto_map); only "
+            "for models you trust",
+            False,
+        )
         add_setting(parser, "--dtype", f"weights dtype, one of {', '.join(DTYPES)}", "float32")
         add_setting(parser, "--device", "torch device: cpu, cuda or cuda:N", "cpu")
         add_setting(parser, "--host", "address to listen on", "0.0.0.0")
@@ -190,6 +200,7 @@ class ReplicaConfig:
             role=cls.ROLE,
             model=model,
             gguf_file=gguf,
+            trust_remote_code=parse_value(args, "--trust-remote-code", boolean),
             dtype=dtype,
             device=device,
             host=parse_value(args, "--host", str),

@@ -204,7 +204,9 @@ class ModelRuntime:
         cfg = self.config
         _set_threads(cfg.threads)
         started = time.monotonic()
-        kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
+        kwargs: dict = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
+        if cfg.trust_remote_code:
+            kwargs["trust_remote_code"] = True
         dtype = "auto" if cfg.dtype == "auto" else _DTYPES[cfg.dtype]
         model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, **kwargs)
         model.to(self.device).eval()
