@@ -209,6 +209,7 @@ class LocalStack:
             argv += ["--gguf-file", gguf]
         if role == "drafter":  # a drafter variant's own flags (specdec bench --drafters)
             argv += list(getattr(a, "drafter_flags", ()))
+        argv += list(getattr(a, "replica_flags", None) or ())  # both replicas (bench --overhead)
         argv += self._tls_flags(client_ca=True)  # only the gateway's certificate gets in
         return self._service(role, *argv, cpus=cpus)
 
@@ -265,6 +266,7 @@ class LocalStack:
             *(["--http-port", str(a.http_port)] if getattr(a, "http_port", 0) else []),
             *self._tls_flags(client_ca=False),
             *self._replica_tls_flags(),
+            *(getattr(a, "gateway_flags", None) or ()),
         )
         self.gateway.wait_healthy(timeout=300, credentials=self._client_credentials())
         self.announce(f"gateway   {self.gateway.address} (pid {self.gateway.proc.pid})")

@@ -115,3 +115,25 @@ def test_bench_tracing_overhead_on_tiny_models(tmp_path):
     assert meta["traced_requests"] == meta["untraced_requests"] == 3 * 3  # 3 prompts x 3 modes
     assert meta["spans_received"] > meta["traced_requests"] * 5  # rounds, calls, forwards
     assert "Tracing overhead" in (out / "results.md").read_text()
+
+
+def test_overhead_on_standins(tmp_path):
+    """`specdec bench --overhead`: every mode through the stack equals the in-process target
+    alone, and each row's overhead is its time per round less the in-process one."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "specdec", "bench", "--overhead", "--target-ms", "0.5"]
+    cmd += ["--draft-ms", "0.2", "--max-new-tokens", "16", "--requests", "1"]
+    cmd += ["--in-process-prompts", "2", "--concurrency", "1,2", "--k", "0,2", "--ssd-k", "2"]
+    cmd += ["--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((out / "overhead.json").read_text())
+    assert set(result["modes"]) == {f"{m} c={c}" for m in ("k=0", "k=2", "ssd k=2") for c in (1, 2)}
+    for name, row in result["modes"].items():
+        assert row["exact"], name
+        assert row["overhead_ms"] == pytest.approx(
+            row["ms_per_round"] - row["in_process_ms_per_round"], abs=1e-3
+        )
+        assert row["tokens_per_round"] >= 1
+    assert {p["step_ms"] for p in result["projections"]} == {7.0, 25.0}
+    assert "| k=0 | 1 |" in (out / "overhead.md").read_text()

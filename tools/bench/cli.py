@@ -92,8 +92,13 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
     p.add_argument("--prompts", help="JSONL prompt file (default: the shipped set of 12)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, help="use the first N prompts")
-    p.add_argument("--k", default="2,3,4", help="draft lengths of the speculation rows")
-    p.add_argument("--ssd-k", default="2,3,4", help="draft lengths of the SSD rows (empty: none)")
+    p.add_argument(
+        "--k", help="draft lengths of the speculation rows (default 2,3,4; --overhead: 0,1,4)"
+    )
+    p.add_argument(
+        "--ssd-k",
+        help="draft lengths of the SSD rows, empty for none (default 2,3,4; --overhead: 1,4)",
+    )
     p.add_argument(
         "--drafters",
         default=DEFAULT_DRAFTER,
@@ -118,6 +123,33 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
         "'<mode> traced' rows and not for their twins, interleaved on the same processes: "
         "the tracing overhead",
     )
+    o = p.add_argument_group(
+        "--overhead", "the stack's own cost per round, on stand-in models (tools/bench/overhead.py)"
+    )
+    o.add_argument(
+        "--overhead",
+        action="store_true",
+        help="measure the stack's cost per round on stand-in models of a fixed forward time "
+        "against the same rounds in-process (no real model is loaded)",
+    )
+    o.add_argument("--target-ms", type=float, default=2.0, help="stand-in target forward (ms)")
+    o.add_argument("--draft-ms", type=float, default=0.5, help="stand-in drafter forward (ms)")
+    o.add_argument(
+        "--acceptance", type=float, default=0.75, help="share of positions the drafter gets right"
+    )
+    o.add_argument("--concurrency", default="1,8", help="sessions at once, comma-separated")
+    o.add_argument("--requests", type=int, default=4, help="requests per session and mode")
+    o.add_argument(
+        "--in-process-prompts", type=int, default=8, help="prompts of the in-process reference"
+    )
+    o.add_argument(
+        "--project", default="7,25", help="GPU step times (ms) to project the speedups at"
+    )
+    o.add_argument("--profile", metavar="DIR", help="also sample every service with py-spy")
+    o.add_argument("--profile-seconds", type=float, default=10.0, help="py-spy per mode")
+    o.add_argument(
+        "--gateway-flags", nargs=argparse.REMAINDER, help="extra flags for the gateway (last)"
+    )
     p.add_argument("--out", default="bench-results", help="folder for JSON, markdown and PNG")
     p.add_argument(
         "--report",
@@ -139,6 +171,12 @@ def _ints(text: str) -> list[int]:
 def run_bench(args: argparse.Namespace) -> int:
     if args.report:
         return report(Path(args.report))
+    if args.overhead:
+        from specdec.tools.bench.overhead import run_overhead
+
+        return run_overhead(args)
+    args.k = "2,3,4" if args.k is None else args.k
+    args.ssd_k = "2,3,4" if args.ssd_k is None else args.ssd_k
     from specdec.tools.demo import resolve_models
     from specdec.tools.launcher import ServiceFailed
     from specdec.tools.stack import pin_roles

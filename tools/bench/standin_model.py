@@ -11,8 +11,10 @@ exactly: anything beyond forwards x forward_ms is the stack's own cost.
 Its next token is a fixed function of the current token and its position: greedy decoding
 is deterministic, and a second model built with `disagree` > 0 (the drafter) proposes the
 target's token except at a pseudo-random `disagree` share of positions, which sets the
-acceptance rate. The hidden state is a scaled one-hot vector of the next token and the
-output layer the identity, so the batched path (decoder, then the output layer on chosen
+acceptance rate; where it misses, the target's token is its runner-up (as for a real
+drafter, which is what SSD's guesses of the recovered token rely on). The hidden state is
+LOGIT on the next token and SECOND_LOGIT on the runner-up, 0 elsewhere, and the output
+layer the identity, so the batched path (decoder, then the output layer on chosen
 rows) gives the same logits as the model's own forward. A one-slot key/value per token
 keeps the KV cache's length, crop and batching exactly as for a real model; attention is
 not computed (the output does not depend on it).
@@ -33,7 +35,8 @@ from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 SPIN_MS = 0.2  # the end of a wait spins: sleep alone overshoots by 50-100 us on Linux
-LOGIT = 20.0  # the next token's logit; every other token's is 0
+LOGIT = 20.0  # the next token's logit; every other token's is 0 but the runner-up's
+SECOND_LOGIT = 16.0
 
 
 class StandinConfig(PretrainedConfig):
@@ -87,17 +90,24 @@ class StandinModel(PreTrainedModel):
     def _init_weights(self, module) -> None:
         pass
 
-    def next_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The token after input_ids [b, n] at positions [b, n]: [b, n]."""
+    def next_tokens(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The likeliest token after input_ids [b, n] at positions [b, n], and the second
+        likeliest: ([b, n], [b, n]). The target's rule is a function of the token and its
+        position; a drafter (disagree > 0) puts the target's token second at a
+        pseudo-random share `disagree` of positions and the following allowed token first,
+        as a real drafter whose miss is usually its runner-up."""
         if self._allowed is None or self._allowed.device != input_ids.device:
             self._allowed = torch.tensor(self.config.allowed_ids, device=input_ids.device)
         n = self._allowed.numel()
-        index = (input_ids * 7 + positions * 13 + 5) % n
+        target = (input_ids * 7 + positions * 13 + 5) % n
+        other = (target + 1) % n
         if self.config.disagree > 0:
-            # A pseudo-random share `disagree` of positions proposes the next allowed token.
             h = (positions * 2654435761 + 12345) % 4294967296
-            index = (index + (h < int(self.config.disagree * 4294967296)).long()) % n
-        return self._allowed[index]
+            wrong = h < int(self.config.disagree * 4294967296)
+            target, other = torch.where(wrong, other, target), torch.where(wrong, target, other)
+        return self._allowed[target], self._allowed[other]
 
     def forward(
         self,
@@ -116,8 +126,10 @@ class StandinModel(PreTrainedModel):
             slots = input_ids[:, None, :, None].float()  # [b, 1, n, 1]
             past_key_values.update(slots, slots, 0)
         wait(self.config.forward_ms)
-        nxt = self.next_tokens(input_ids, position_ids)  # [b, n]
-        hidden = nn.functional.one_hot(nxt, self.config.vocab_size).float() * LOGIT
+        first, second = self.next_tokens(input_ids, position_ids)  # [b, n] each
+        vocab = self.config.vocab_size
+        hidden = nn.functional.one_hot(first, vocab).float() * LOGIT
+        hidden += nn.functional.one_hot(second, vocab).float() * SECOND_LOGIT
         return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
 
 

@@ -1,0 +1,501 @@
+"""`specdec bench --overhead`: what the stack itself costs per speculation round.
+
+On a GPU a target step takes 5-30 ms, and the gateway, the RPCs and the services' own
+Python are what decide whether speculation pays there. This measures that cost without a
+GPU: the drafter and the verifier serve stand-in models (specdec.tools.bench.standin_model)
+whose every forward takes a fixed, known time (``--target-ms``, ``--draft-ms``) and whose
+drafter agrees with the target at a set share of positions (``--acceptance``).
+
+Two runs of the same greedy requests:
+
+- **in-process**: both stand-ins in this process, driven by the replicas' own jobs
+  (`propose`, `verify`) through `ModelRuntime.drive`, with no thread, RPC or gateway: the
+  model work of a round and nothing else a stack could avoid;
+- **the stack**: Redis, drafter, verifier and gateway as processes on loopback (the
+  local stack of `specdec up`), the requests sent through the SDK, at each concurrency of
+  ``--concurrency`` (that many sessions at once, each sending its requests in turn).
+
+Per round, ``overhead = stack time - in-process time`` of the same draft length. A round
+with SSD is compared with the in-process Verify plus the in-process Draft of the rounds
+that missed (a hit's draft was prepared while the verifier worked, so its drafting is off
+the critical path). The report also projects what the overhead keeps of speculation's
+speedup at GPU step times (``--project``): with step T, draft cost ratio c (draft_ms /
+target_ms), E tokens per round and overhead o, plain speculation gives E T / (T (1 + k c)
++ o) against the target alone at T per token, SSD E T / (T (1 + m k c) + o) with m its
+miss share.
+
+Every stack output is compared token for token with the in-process target alone.
+
+``--profile DIR`` also samples the gateway, the drafter and the verifier with py-spy while
+one more pass of the k=0 and the largest-k modes runs, and writes each process's collapsed
+stacks and top frames.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "The quick brown fox",
+    "import numpy as np\n",
+    "Once upon a time, in a land far away,",
+    "for i in range(10):\n    print(",
+    "SELECT name FROM users WHERE",
+    "class Counter:\n    def __init__(self",
+    "A journey of a thousand miles",
+]
+
+
+@dataclass(frozen=True)
+class Mode:
+    k: int
+    ssd: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"ssd k={self.k}" if self.ssd else f"k={self.k}"
+
+
+@dataclass
+class Tally:
+    """Requests of one mode and concurrency: wall time, rounds, tokens, SSD outcomes."""
+
+    requests: int = 0
+    seconds: float = 0.0  # summed over requests (each request's own wall time)
+    rounds: int = 0
+    tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    ssd_hits: int = 0
+    ssd_misses: int = 0
+    exact: bool = True
+    per_request_ms_per_round: list[float] = field(default_factory=list)
+
+    def add(self, seconds: float, stats, tokens: int, exact: bool) -> None:
+        self.requests += 1
+        self.seconds += seconds
+        self.rounds += stats.rounds
+        self.tokens += tokens
+        self.draft_tokens += stats.draft_tokens
+        self.accepted_tokens += stats.accepted_tokens
+        self.ssd_hits += stats.ssd_hits
+        self.ssd_misses += stats.ssd_misses
+        self.exact &= exact
+        self.per_request_ms_per_round.append(seconds / stats.rounds * 1e3)
+
+    @property
+    def ms_per_round(self) -> float:
+        return self.seconds / self.rounds * 1e3
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.tokens / self.rounds
+
+    @property
+    def miss_share(self) -> float:
+        n = self.ssd_hits + self.ssd_misses
+        return self.ssd_misses / n if n else 1.0
+
+
+# -- in-process ---------------------------------------------------------------------------
+
+
+class InProcess:
+    """Both stand-ins in this process, driven by the replicas' own jobs without threads."""
+
+    def __init__(self, draft_model: Path, target_model: Path):
+        from specdec.drafter.config import DrafterConfig
+        from specdec.drafter.speculate import BranchStore
+        from specdec.drafter.vocab import DrafterRuntime
+        from specdec.verifier.config import VerifierConfig
+
+        common = dict(trust_remote_code=True, threads=1, max_batch_size=1)
+        self.drafter = DrafterRuntime(
+            DrafterConfig(role="drafter", model=str(draft_model), **common)
+        )
+        self.verifier = _runtime(VerifierConfig(role="verifier", model=str(target_model), **common))
+        for rt in (self.drafter, self.verifier):
+            rt.load()
+            rt.shutdown()  # jobs run here (drive), not on the model thread
+        self.branches = BranchStore()
+        self._sessions = 0
+
+    def generate(self, prompt: list[int], n: int, k: int) -> tuple[list[int], float, float, int]:
+        """Greedy speculation of n tokens at draft length k; returns (tokens, seconds spent
+        drafting, seconds spent verifying, rounds)."""
+        from specdec.common.params import sampling_from_proto
+        from specdec.common.prefix import PrefixChain
+        from specdec.common.runtime import Prefix
+        from specdec.drafter.proposer import propose
+        from specdec.v1 import common_pb2
+        from specdec.verifier.scorer import verify
+
+        params = sampling_from_proto(common_pb2.SamplingParams())
+        self._sessions += 1
+        session = f"r/inproc-{self._sessions}"
+        ctx, chain, out = list(prompt), PrefixChain(), []
+        drafted = verified = 0.0
+        d_cached = v_cached = rounds = 0
+        while len(out) < n:
+            kk = min(k, n - len(out) - 1)
+            draft: list[int] = []
+            t0 = time.perf_counter()
+            if kk:
+                prefix = Prefix(d_cached, chain.hash(ctx, d_cached))
+                job = propose(
+                    self.drafter, self.branches, session, prefix, ctx[d_cached:], kk, params
+                )
+                d = self.drafter.drive(job)
+                draft, d_cached = d.tokens, d.cached_length
+            t1 = time.perf_counter()
+            prefix = Prefix(v_cached, chain.hash(ctx, v_cached))
+            v = self.verifier.drive(
+                verify(self.verifier, session, prefix, ctx[v_cached:], draft, None, params)
+            )
+            t2 = time.perf_counter()
+            drafted, verified = drafted + (t1 - t0), verified + (t2 - t1)
+            new = [*draft[: v.accepted], v.next_token]
+            d_cached = min(d_cached, len(ctx) + v.accepted)
+            v_cached = v.cached_length
+            ctx += new
+            out += new
+            rounds += 1
+        self.drafter.release(session)
+        self.verifier.release(session)
+        return out[:n], drafted, verified, rounds
+
+
+def _runtime(config):
+    from specdec.common.runtime import ModelRuntime
+
+    return ModelRuntime(config)
+
+
+# -- the stack ----------------------------------------------------------------------------
+
+
+def _run_stack_mode(
+    address: str, mode: Mode, prompts, n, concurrency, requests, reference
+) -> Tally:
+    """`concurrency` sessions at once, each sending `requests` requests in turn."""
+    from specdec.sdk import Client
+
+    tally = Tally()
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def session(i: int) -> None:
+        try:
+            with Client(address, timeout=600) as client:
+                for j in range(requests):
+                    ids = prompts[(i + j) % len(prompts)]
+                    started = time.perf_counter()
+                    r = client.generate(token_ids=ids, max_new_tokens=n, k=mode.k, ssd=mode.ssd)
+                    seconds = time.perf_counter() - started
+                    with lock:
+                        tally.add(
+                            seconds, r.stats, len(r.tokens), list(r.tokens) == reference[tuple(ids)]
+                        )
+        except BaseException as e:  # reported by the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return tally
+
+
+@contextlib.contextmanager
+def _profiled(procs, out: Path, seconds: float, tag: str):
+    """py-spy samples each process while the block runs (collapsed stacks per process)."""
+    out.mkdir(parents=True, exist_ok=True)
+    spies = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "py_spy",
+                "record",
+                "--pid",
+                str(p.proc.pid),
+                "--duration",
+                str(int(seconds)),
+                "--rate",
+                "1000",
+                "--format",
+                "raw",
+                "--nonblocking",
+                "--output",
+                str(out / f"{tag}-{p.name}.txt"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for p in procs
+    ]
+    time.sleep(0.5)  # attached before the requests start
+    try:
+        yield
+    finally:
+        for spy in spies:
+            _, err = spy.communicate()
+            if spy.returncode:
+                raise RuntimeError(f"py-spy failed: {err.decode()[-500:]}")
+
+
+def top_frames(path: Path, n: int = 15) -> dict:
+    """From py-spy's collapsed stacks: the share of samples in each frame (inclusive) and
+    at the top of the stack (self), idle excluded by py-spy."""
+    self_counts: Counter[str] = Counter()
+    inclusive: Counter[str] = Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        c = int(count)
+        total += c
+        frames = [_frame(f) for f in stack.split(";")]
+        self_counts[frames[-1]] += c
+        for f in set(frames):
+            inclusive[f] += c
+
+    def share(counter: Counter[str]) -> list[tuple[str, float]]:
+        return [(f, round(c / total, 4)) for f, c in counter.most_common(n)] if total else []
+
+    return {"samples": total, "self": share(self_counts), "inclusive": share(inclusive)}
+
+
+def _frame(text: str) -> str:
+    """'fn (path/to/file.py:12)' -> 'fn (file.py)': one entry per function."""
+    name, _, where = text.partition(" (")
+    file = where.rstrip(")").rsplit(":", 1)[0]
+    parts = file.split("/")
+    return f"{name} ({'/'.join(parts[-2:])})"
+
+
+# -- the run --------------------------------------------------------------------------------
+
+
+def run_overhead(args: argparse.Namespace) -> int:
+    from specdec.tools.bench.cli import machine
+    from specdec.tools.bench.standin import build_standins
+    from specdec.tools.launcher import ServiceFailed
+    from specdec.tools.stack import LocalStack
+
+    ks = [int(x) for x in (args.k or "0,1,4").split(",") if x.strip()]
+    ssd_ks = [
+        int(x) for x in (args.ssd_k if args.ssd_k is not None else "1,4").split(",") if x.strip()
+    ]
+    concurrency = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    project = [float(x) for x in args.project.split(",") if x.strip()]
+    modes = [Mode(k) for k in sorted(set([0, *ks]))] + [Mode(k, True) for k in ssd_ks if k > 0]
+    n = args.max_new_tokens
+    host = machine()
+    workdir = Path(tempfile.mkdtemp(prefix="specdec-overhead-"))
+    models = build_standins(workdir, args.target_ms, args.draft_ms, args.acceptance)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(models.target)
+    prompts = [tokenizer(p).input_ids for p in PROMPTS]
+
+    print(
+        f"in-process: stand-ins of {args.target_ms} ms (target) and {args.draft_ms} ms (draft)",
+        flush=True,
+    )
+    local = InProcess(models.draft, models.target)
+    reference: dict[tuple, list[int]] = {}
+    inproc: dict[int, dict] = {}
+    for k in sorted({m.k for m in modes}):
+        rounds = 0
+        drafted = verified = seconds = 0.0
+        passes = max(1, args.requests)
+        for p in range(passes):
+            for ids in prompts[: max(1, min(len(prompts), args.in_process_prompts))]:
+                started = time.perf_counter()
+                out, d, v, r = local.generate(ids, n, k)
+                seconds += time.perf_counter() - started
+                drafted, verified, rounds = drafted + d, verified + v, rounds + r
+                if k == 0 and p == 0:
+                    reference[tuple(ids)] = out
+                elif k and out != reference.get(tuple(ids), out):
+                    raise RuntimeError(f"in-process k={k} differs from k=0 (a bug in the loop)")
+        inproc[k] = {
+            "ms_per_round": seconds / rounds * 1e3,
+            "draft_ms_per_round": drafted / rounds * 1e3,
+            "verify_ms_per_round": verified / rounds * 1e3,
+            "rounds": rounds,
+        }
+        print(f"  k={k}: {inproc[k]['ms_per_round']:.3f} ms/round", flush=True)
+    for ids in prompts:  # every prompt's reference (the target alone, in-process)
+        if tuple(ids) not in reference:
+            reference[tuple(ids)] = local.generate(ids, n, 0)[0]
+
+    stack_args = argparse.Namespace(
+        draft_model=str(models.draft), target_model=str(models.target), draft_gguf_file=None,
+        target_gguf_file=None, port=0, host="127.0.0.1", dtype="float32", device="cpu",
+        draft_threads=1, target_threads=1, draft_cpus=None, target_cpus=None,
+        default_k=max(m.k for m in modes), ssd=False, log_dir=args.log_dir,
+        replica_flags=["--trust-remote-code", "true"], drafter_flags=[],
+        gateway_flags=list(args.gateway_flags or []),
+    )  # fmt: skip
+    results: dict[str, dict] = {}
+    profiles: dict[str, dict] = {}
+    try:
+        with LocalStack(stack_args, announce=print) as stack:
+            address = stack.gateway.address
+            for m in modes:  # warm-up
+                _run_stack_mode(address, m, prompts, 8, 1, 1, {tuple(p): None for p in prompts})
+            for c in concurrency:
+                for m in modes:
+                    tally = _run_stack_mode(address, m, prompts, n, c, args.requests, reference)
+                    row = _row(m, c, tally, inproc, args)
+                    results[f"{m.name} c={c}"] = row
+                    print(
+                        f"  {m.name:<9} c={c}: {row['ms_per_round']:.3f} ms/round, overhead "
+                        f"{row['overhead_ms']:.3f} ms, exact {row['exact']}",
+                        flush=True,
+                    )
+            if args.profile:
+                procs = [stack.gateway, stack.drafter, stack.verifier]
+                for m in (modes[0], max((x for x in modes if not x.ssd), key=lambda x: x.k)):
+                    tag = m.name.replace(" ", "").replace("=", "")
+                    out = Path(args.profile)
+                    with _profiled(procs, out, args.profile_seconds, tag):
+                        until = time.perf_counter() + args.profile_seconds - 1
+                        while time.perf_counter() < until:
+                            _run_stack_mode(address, m, prompts, n, 1, 1, reference)
+                    for p in procs:
+                        profiles[f"{m.name} {p.name}"] = top_frames(out / f"{tag}-{p.name}.txt")
+    except ServiceFailed as e:
+        print(f"specdec bench --overhead: {e}", file=sys.stderr)
+        return 1
+    result = {
+        "meta": {
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": "specdec " + shlex.join(sys.argv[1:]),
+            "machine": host,
+            "target_ms": args.target_ms,
+            "draft_ms": args.draft_ms,
+            "acceptance": args.acceptance,
+            "max_new_tokens": n,
+            "requests_per_session": args.requests,
+            "in_process": inproc,
+        },
+        "modes": results,
+        "projections": _projections(results, args, project),
+        "profiles": profiles,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "overhead.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "overhead.md").write_text(render(result))
+    print(render(result))
+    return 0 if all(r["exact"] for r in results.values()) else 1
+
+
+def _row(m: Mode, c: int, t: Tally, inproc: dict, args) -> dict:
+    base = inproc[m.k]
+    ideal = base["ms_per_round"]
+    if m.ssd:  # hits drafted while the verifier worked: only misses draft on the path
+        ideal = base["verify_ms_per_round"] + t.miss_share * base["draft_ms_per_round"]
+    return {
+        "k": m.k,
+        "ssd": m.ssd,
+        "concurrency": c,
+        "requests": t.requests,
+        "rounds": t.rounds,
+        "ms_per_round": round(t.ms_per_round, 4),
+        "ms_per_round_median_request": round(statistics.median(t.per_request_ms_per_round), 4),
+        "in_process_ms_per_round": round(ideal, 4),
+        "overhead_ms": round(t.ms_per_round - ideal, 4),
+        "tokens_per_round": round(t.tokens_per_round, 4),
+        "acceptance_rate": round(t.accepted_tokens / t.draft_tokens, 4) if t.draft_tokens else None,
+        "ssd_hit_rate": round(1 - t.miss_share, 4) if m.ssd else None,
+        "vs_in_process": round(ideal / t.ms_per_round, 4),
+        "exact": t.exact,
+    }
+
+
+def _projections(results: dict, args, steps: list[float]) -> list[dict]:
+    """What each c=1 mode's overhead keeps of its speedup at GPU step times."""
+    c = args.draft_ms / args.target_ms
+    rows = []
+    for name, r in results.items():
+        if r["concurrency"] != min(x["concurrency"] for x in results.values()):
+            continue
+        e, k, o = r["tokens_per_round"], r["k"], r["overhead_ms"]
+        m = (1 - r["ssd_hit_rate"]) if r["ssd"] else 1.0
+        for step in steps:
+            rows.append(
+                {
+                    "mode": name.rsplit(" c=", 1)[0],
+                    "step_ms": step,
+                    "ideal_speedup": round(e / (1 + m * k * c), 3),
+                    "loop_speedup": round(e * step / (step * (1 + m * k * c) + o), 3),
+                }
+            )
+    return rows
+
+
+def render(result: dict) -> str:
+    meta = result["meta"]
+    lines = [
+        "# Overhead of the stack per speculation round",
+        "",
+        f"`{meta['command']}` on {meta['date'][:10]}: {meta['machine']['cpu']} "
+        f"({meta['machine']['cpus']} CPUs). Stand-in forwards of {meta['target_ms']} ms (target) "
+        f"and {meta['draft_ms']} ms (draft), acceptance {meta['acceptance']:.0%} by "
+        f"construction, greedy, {meta['max_new_tokens']} tokens per request.",
+        "",
+        "| mode | sessions | ms / round | in-process | overhead ms | stack / in-process | tokens / round | SSD hits | exact |",
+        "| --- | --: | --: | --: | --: | --: | --: | --: | --- |",
+    ]  # fmt: skip
+    for name, r in result["modes"].items():
+        hits = "" if r["ssd_hit_rate"] is None else f"{r['ssd_hit_rate']:.0%}"
+        lines.append(
+            f"| {name.rsplit(' c=', 1)[0]} | {r['concurrency']} | {r['ms_per_round']:.3f} | "
+            f"{r['in_process_ms_per_round']:.3f} | {r['overhead_ms']:.3f} | "
+            f"{r['vs_in_process']:.2f}x | {r['tokens_per_round']:.2f} | {hits} | "
+            f"{'yes' if r['exact'] else 'NO'} |"
+        )
+    lines += [
+        "",
+        "What the c=1 overhead keeps at GPU step times (draft cost ratio "
+        f"c = {meta['draft_ms'] / meta['target_ms']:.3f}, the stand-ins' tokens per round):",
+        "",
+        "| mode | step ms | speculation alone | with this loop |",
+        "| --- | --: | --: | --: |",
+    ]
+    for p in result["projections"]:
+        lines.append(
+            f"| {p['mode']} | {p['step_ms']:g} | {p['ideal_speedup']:.2f}x | {p['loop_speedup']:.2f}x |"
+        )
+    for name, prof in result.get("profiles", {}).items():
+        lines += [
+            "",
+            f"## py-spy: {name} ({prof['samples']} samples)",
+            "",
+            "| self | share |",
+            "| --- | --: |",
+        ]
+        lines += [f"| `{f}` | {s:.1%} |" for f, s in prof["self"][:10]]
+    return "\n".join(lines) + "\n"
