@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec.common.serving import CHANNEL_OPTIONS
 from specdec.gateway import metrics
 from specdec.gateway.discovery import make_discovery
+from specdec.gateway.transport import GrpcTransport, Transport
 from specdec.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,13 @@ class Replica:
     up: bool = False
     info: common_pb2.ModelInfo | None = None
     served: int = field(default=0)
+    # How a round's calls reach it (specdec.gateway.transport); its gRPC stub until the
+    # data plane is connected.
+    transport: Transport | None = None
+
+    def __post_init__(self) -> None:
+        if self.transport is None:
+            self.transport = GrpcTransport(self.stub)
 
     def __repr__(self) -> str:
         return f"{self.role}@{self.address}"
