@@ -239,6 +239,16 @@ def outgoing_metadata() -> tuple[tuple[str, str], ...] | None:
     return tuple(carrier.items()) or None
 
 
+def traceparent() -> str | None:
+    """The current trace context as a W3C ``traceparent`` value (sampled or not: a callee's
+    parent-based sampler follows it), None when tracing is off or there is no context."""
+    if not _enabled:
+        return None
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier.get("traceparent")
+
+
 def incoming_context(source) -> otel_context.Context | None:
     """The caller's trace context from a grpc servicer context's metadata, or from a
     mapping of (lower-case) HTTP headers; None when it carries no ``traceparent``."""

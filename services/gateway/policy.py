@@ -4,7 +4,7 @@
 near max_new_tokens) and every Speculate asks for the configured fan-out.
 
 `AdaptivePolicy` treats the request's k as an upper bound and picks, before each round,
-the k in [0, k_max] that maximises the expected tokens per second of this request:
+the k in [0, max_k] that maximises the expected tokens per second of this request:
 
     E(k) = (1 - a^(k+1)) / (1 - a)      tokens a round yields (accepted drafts + 1), for a
                                          per-token acceptance a, i.i.d. across positions
@@ -39,14 +39,14 @@ fill every forward, so each extra draft token costs about what a decoding step c
 (g -> 1), and then E(k) / (1 + k) < 1 for every k >= 1: speculation stops (k = 0) and every
 forward goes to tokens that are certain. In between g rises linearly with L up to
 `saturation_queue`. Once the load falls, g falls and k grows again: the load is measured
-by every Verify, at k = 0 too. Before anything is measured the policy drafts k_max (the
+by every Verify, at k = 0 too. Before anything is measured the policy drafts max_k (the
 fixed behaviour), so the first rounds measure the drafter. Acceptance and drafter time
 are only measured by drafting, so after `probe_interval` rounds in a row at k = 0 one
 round drafts a single token to refresh them.
 
 With SSD the policy also sizes each Speculate: a Speculate feeds the draft, then drafts
-k_next tokens for f branches in batched steps, which takes about
-S(f) = s (k_next + 1) (1 + b (f - 1)) (s: measured time of one step for one branch, b:
+branch_k tokens for f branches in batched steps, which takes about
+S(f) = s (branch_k + 1) (1 + b (f - 1)) (s: measured time of one step for one branch, b:
 `branch_cost`, the extra cost of each further row of a batched step). The fan-out is the
 largest f <= f_max with S(f) <= `fit_margin` x V(k), so the Speculate is done when the
 verdict comes. A Speculate still running at its verdict (late) counts as having taken
@@ -69,6 +69,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdec.gateway.outcome import DRAFTED, SSD_HIT, SSD_LATE, SSD_MISS, Outcome
 from specdec.v1 import gateway_pb2
 
 FIXED = gateway_pb2.K_POLICY_FIXED
@@ -135,10 +136,10 @@ class FixedPolicy:
     def __init__(self, fan_out: int = 0):
         self.fan_out = fan_out  # 0: the drafter's default
 
-    def choose_k(self, k_max: int) -> int:
-        return k_max
+    def choose_k(self, max_k: int) -> int:
+        return max_k
 
-    def choose_fan_out(self, k: int, k_next: int) -> int | None:
+    def choose_fan_out(self, k: int, branch_k: int) -> int | None:
         return self.fan_out
 
     def observe_draft(self, k: int, seconds: float) -> None:
@@ -147,10 +148,13 @@ class FixedPolicy:
     def observe_verify(self, k: int, accepted: int, seconds: float, queue: int) -> None:
         pass
 
-    def observe_speculate(self, fan_out: int, steps: int, seconds: float | None) -> None:
+    def observe_speculate(self, fan_out: int, branch_k: int, seconds: float | None) -> None:
         pass
 
     def observe_ssd(self, hit: bool) -> None:
+        pass
+
+    def observe(self, outcome: Outcome) -> None:
         pass
 
 
@@ -212,14 +216,14 @@ class AdaptivePolicy:
 
     # -- decisions -------------------------------------------------------------------------
 
-    def choose_k(self, k_max: int) -> int:
-        """The round's draft length in [0, k_max]."""
-        if k_max <= 0:
+    def choose_k(self, max_k: int) -> int:
+        """The round's draft length in [0, max_k]."""
+        if max_k <= 0:
             return 0
         if self.verify.value is None or self.draft.value is None:
-            return k_max  # nothing measured yet: draft, so the drafter gets measured
+            return max_k  # nothing measured yet: draft, so the drafter gets measured
         best, best_rate = 0, self.rate(0)
-        for k in range(1, k_max + 1):
+        for k in range(1, max_k + 1):
             r = self.rate(k)
             if r > best_rate * (1.0 + 1e-9):
                 best, best_rate = k, r
@@ -232,9 +236,9 @@ class AdaptivePolicy:
             self.k0_in_row = 0
         return best
 
-    def choose_fan_out(self, k: int, k_next: int) -> int | None:
+    def choose_fan_out(self, k: int, branch_k: int) -> int | None:
         """Branches to ask the next Speculate for (this round drafts k, the branches
-        k_next); None: send no Speculate (SSD paused)."""
+        branch_k); None: send no Speculate (SSD paused)."""
         if self.paused:
             self.paused -= 1
             if self.paused == 0:
@@ -243,7 +247,7 @@ class AdaptivePolicy:
         if self.step.value is None or self.verify.value is None:
             return self.max_fan_out
         budget = self.p.fit_margin * self.verify.value * (1.0 + self.token_cost * k)
-        one = self.step.value * (k_next + 1)  # S(1)
+        one = self.step.value * (branch_k + 1)  # S(1)
         fan_out = 1
         for f in range(2, self.max_fan_out + 1):
             if one * (1.0 + self.p.branch_cost * (f - 1)) > budget:
@@ -266,13 +270,13 @@ class AdaptivePolicy:
         self.verify.add(seconds / (1.0 + self.token_cost * k))
         self._verify_s = seconds
 
-    def observe_speculate(self, fan_out: int, steps: int, seconds: float | None) -> None:
-        """A Speculate of fan_out branches x steps tokens took `seconds`; None: it was still
-        running at its verdict (late), so it took longer than that round's Verify."""
+    def observe_speculate(self, fan_out: int, branch_k: int, seconds: float | None) -> None:
+        """A Speculate of fan_out branches of branch_k tokens took `seconds`; None: it was
+        still running at its verdict (late), so it took longer than that round's Verify."""
         late = seconds is None
         if late:
             seconds = 1.25 * (self._verify_s or 0.0)  # a floor, raised so the fan-out shrinks
-        per_step = seconds / ((steps + 1) * (1.0 + self.p.branch_cost * (max(1, fan_out) - 1)))
+        per_step = seconds / ((branch_k + 1) * (1.0 + self.p.branch_cost * (max(1, fan_out) - 1)))
         if per_step > 0:
             self.step.add(per_step)
         if not late:
@@ -285,13 +289,31 @@ class AdaptivePolicy:
     def observe_ssd(self, hit: bool) -> None:
         self.hits.add(1.0 if hit else 0.0)
 
+    def observe(self, o: Outcome) -> None:
+        """Learn from a round's outcome (specdec.gateway.outcome): the drafter's time when
+        its model ran, the verdict and its time, the Speculate's time, SSD hit or miss.
+        A late Speculate (still running at its verdict) took longer than that Verify; the
+        next round's Draft then waited for it, so even its prepared draft was on the
+        critical path: a miss for h."""
+        if o.late_outcome is not None:
+            self.observe_ssd(False)
+        if o.source == DRAFTED:
+            self.observe_draft(o.k, o.draft_seconds)
+        self.observe_verify(o.k, o.accepted, o.verify_seconds, o.queue_depth)
+        if o.ssd == SSD_LATE:
+            self.observe_speculate(o.fan_out or 0, o.branch_k, None)
+        elif o.speculate_seconds is not None:
+            self.observe_speculate(o.fan_out or 0, o.branch_k, o.speculate_seconds)
+        if o.ssd in (SSD_HIT, SSD_MISS):
+            self.observe_ssd(o.ssd == SSD_HIT)
+
 
 Policy = FixedPolicy | AdaptivePolicy
 
 
-def make_policy(kind: int, ssd: bool, fan_out: int, max_fan_out: int) -> Policy:
-    """The request's policy: fan_out is the configured one (0: the drafter's default),
-    max_fan_out the largest the adaptive policy may ask for."""
+def make_policy(kind: int, ssd: bool, fan_out: int) -> Policy:
+    """The request's policy. fan_out: the gateway's --ssd-fan-out (0: the drafter's
+    default, which the adaptive policy takes as ADAPTIVE_MAX_FAN_OUT, its largest)."""
     if kind == ADAPTIVE:
-        return AdaptivePolicy(ssd, max_fan_out)
+        return AdaptivePolicy(ssd, fan_out or ADAPTIVE_MAX_FAN_OUT)
     return FixedPolicy(fan_out)

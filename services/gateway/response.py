@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from specdec.gateway import metrics
-from specdec.gateway.loop import LoopStats
+from specdec.gateway.outcome import RequestStats
 from specdec.gateway.policy import policy_name
 from specdec.gateway.request import Job
 from specdec.gateway.text import Completion
@@ -23,7 +23,7 @@ def build_response(
     prompt_ids: list[int],
     history_tokens: int,
     completion: Completion,
-    stats: LoopStats,
+    stats: RequestStats,
     started: float,
     first_at: float | None,
 ) -> gateway_pb2.GenerateResponse:
@@ -91,7 +91,7 @@ def stream_message(
     return msg
 
 
-def record_metrics(job: Job, stats: LoopStats, completion: Completion) -> None:
+def record_metrics(job: Job, stats: RequestStats, completion: Completion) -> None:
     """Add a turn's figures to the gateway's Prometheus counters (finished or not)."""
     s = stats
     if completion.finish_reason:

@@ -19,7 +19,6 @@ latency histogram is recorded either way.
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -28,8 +27,10 @@ import grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from specdec.common import telemetry
-from specdec.common.errors import SpecdecError, is_cache_miss
+from specdec.common.errors import SpecdecError
 from specdec.gateway import metrics
+from specdec.gateway.outcome import Outcome
+from specdec.gateway.transport import CallFailed, Method
 from specdec.v1 import drafter_pb2, gateway_pb2, verifier_pb2
 
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
@@ -126,52 +127,53 @@ def finish(span, final: gateway_pb2.GenerateResponse, context) -> str:
 
 
 @contextmanager
-def round_span(spec, k: int) -> Iterator[None]:
-    """Around one speculation round of `spec` (a loop.Speculator) drafting k tokens: the
-    round latency histogram, and a span with what the round did (from its stats)."""
-    s = spec.stats
-    started = time.perf_counter()
+def round_span(index: int) -> Iterator[Any]:
+    """The INTERNAL span of one speculation round (the index-th of its request), under
+    which its replica calls hang; None when tracing is off. `round_done` puts the round's
+    outcome on it."""
     if not telemetry.enabled():
-        yield
-        metrics.ROUND_SECONDS.observe(time.perf_counter() - started)
+        yield None
         return
-    before = (s.accepted_tokens, s.drafter_wait_ms, s.cache_misses)
     with telemetry.tracer.start_as_current_span(
-        "speculation round",
-        attributes={"specdec.round.index": s.rounds, "specdec.round.k": k},
+        "speculation round", attributes={"specdec.round.index": index}
     ) as span:
-        yield
-        metrics.ROUND_SECONDS.observe(time.perf_counter() - started)
-        accepted = s.accepted_tokens - before[0]
-        k = spec.round_k  # the policy's choice, less when no drafter could draft
-        attributes = {
-            "specdec.round.k": k,
-            "specdec.round.accepted": accepted,
-            # The verifier's rule: all k accepted -> a bonus token, else a recovered one.
-            "specdec.round.next_token_kind": "bonus" if accepted == k else "recovered",
-            # off (no Speculate) | hit | miss | late (decided by the next round's Draft)
-            "specdec.round.ssd": spec.round_ssd,
-            "specdec.round.drafter_wait_ms": round(s.drafter_wait_ms - before[1], 3),
-            "specdec.round.cache_misses": s.cache_misses - before[2],
-        }
-        if spec.round_late_outcome is not None:  # the previous round's late Speculate
-            attributes["specdec.round.ssd_late_outcome"] = spec.round_late_outcome
-        span.set_attributes(attributes)
+        yield span
 
 
-async def call(replica, method_name: str, request, timeout: float):
-    """replica.stub.<method_name>(request) as a CLIENT span, with the trace context sent
-    as ``traceparent`` metadata. Errors are raised unchanged (recorded on the span)."""
-    method = getattr(replica.stub, method_name)
+def round_done(span: Any, outcome: Outcome) -> None:
+    """A round's outcome: the round latency histogram, and its span's attributes."""
+    metrics.ROUND_SECONDS.observe(outcome.seconds)
+    if span is None:
+        return
+    attributes = {
+        "specdec.round.k": outcome.k,  # the policy's choice, 0 when no drafter could draft
+        "specdec.round.draft_source": outcome.source,
+        "specdec.round.accepted": outcome.accepted,
+        # The verifier's rule: all k accepted -> a bonus token, else a recovered one.
+        "specdec.round.next_token_kind": "bonus" if outcome.accepted == outcome.k else "recovered",
+        # off | paused | hit | miss | late (decided by the next round's Draft)
+        "specdec.round.ssd": outcome.ssd,
+        "specdec.round.drafter_wait_ms": round(outcome.draft_seconds * 1e3, 3),
+        "specdec.round.cache_misses": outcome.resends,
+    }
+    if outcome.late_outcome is not None:  # the previous round's late Speculate
+        attributes["specdec.round.ssd_late_outcome"] = outcome.late_outcome
+    span.set_attributes(attributes)
+
+
+async def call(replica, method: Method, request, timeout: float):
+    """A round call to the replica (through its transport) as a CLIENT span, with the
+    trace context sent along. Errors (CallFailed) are raised unchanged, recorded on the
+    span."""
     if not telemetry.enabled():
-        return await method(request, timeout=timeout)
-    service = SERVICES[replica.role]
+        return await replica.transport.call(method, request, timeout)
+    service = SERVICES[method.role]
     host, _, port = replica.address.rpartition(":")
     with telemetry.tracer.start_as_current_span(
-        f"{service}/{method_name}",
+        f"{service}/{method.rpc}",
         kind=SpanKind.CLIENT,
         attributes={
-            **telemetry.rpc_attributes(service, method_name),
+            **telemetry.rpc_attributes(service, method.rpc),
             "server.address": host,
             "server.port": int(port) if port.isdigit() else 0,
         },
@@ -179,12 +181,12 @@ async def call(replica, method_name: str, request, timeout: float):
         set_status_on_exception=False,
     ) as span:
         try:
-            response = await method(
-                request, timeout=timeout, metadata=telemetry.outgoing_metadata()
+            response = await replica.transport.call(
+                method, request, timeout, telemetry.traceparent()
             )
-        except grpc.aio.AioRpcError as err:
-            telemetry.set_grpc_status(span, err.code(), err.details() or "")
-            if is_cache_miss(err):
+        except CallFailed as failure:
+            telemetry.set_grpc_status(span, failure.code, failure.details)
+            if failure.cache_miss:
                 span.set_attribute("specdec.cache_miss", True)
             raise
         telemetry.set_grpc_status(span, grpc.StatusCode.OK)

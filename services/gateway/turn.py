@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import time
 import uuid
@@ -26,9 +27,10 @@ import grpc
 
 from specdec.common.errors import InvalidRequest, SpecdecError
 from specdec.gateway import metrics
+from specdec.gateway.caller import Placement, ReplicaCaller
 from specdec.gateway.config import GatewayConfig
-from specdec.gateway.loop import Placement, Speculator
-from specdec.gateway.policy import ADAPTIVE_MAX_FAN_OUT, make_policy
+from specdec.gateway.loop import Speculator
+from specdec.gateway.policy import make_policy
 from specdec.gateway.replicas import Fleet
 from specdec.gateway.request import Job, Limits, validate
 from specdec.gateway.response import build_response, record_metrics
@@ -78,13 +80,17 @@ def _ms(seconds: float) -> float:
 
 
 def replica_session_id(session_id: str | None) -> str:
-    """The id under which the replicas cache a request's KV.
+    """The id under which the replicas cache a request's KV (34 characters).
 
-    A user session is `s/<id>`, so its turns reuse one cache. A one-off request gets
-    `r/<random>`, released when it ends. The prefixes keep the two apart: no session id a
-    user picks can name a one-off request's cache, or the other way round.
+    A user session is `s/<blake2b-128 of its id>`, so its turns reuse one cache; the user's
+    id itself (up to MAX_SESSION_ID_CHARS of anything, which may identify a person) never
+    reaches a replica, its logs or its spans, and no id is too long for the replicas'
+    bound. A one-off request gets `r/<random>`, released when it ends. The prefixes keep
+    the two apart: no session id a user picks can name a one-off request's cache.
     """
-    return f"s/{session_id}" if session_id else f"r/{uuid.uuid4().hex}"
+    if not session_id:
+        return f"r/{uuid.uuid4().hex}"
+    return "s/" + hashlib.blake2b(session_id.encode(), digest_size=16).hexdigest()
 
 
 class Gateway:
@@ -236,21 +242,14 @@ class Gateway:
             )
         replica_session = replica_session_id(job.session_id)
         spec = Speculator(
-            self.fleet,
+            ReplicaCaller(self.fleet, self.config.rpc_timeout, deadline),
             replica_session,
             job.sampling,
             drafter,
             verifier,
-            self.config.rpc_timeout,
+            make_policy(job.k_policy, job.ssd, self.config.ssd_fan_out),
             ssd=job.ssd,
-            ssd_fan_out=self.config.ssd_fan_out,
-            deadline=deadline,
-            policy=make_policy(
-                job.k_policy,
-                job.ssd,
-                self.config.ssd_fan_out,
-                self.config.ssd_fan_out or ADAPTIVE_MAX_FAN_OUT,
-            ),
+            max_context=max_context,
         )
         completion = Completion(self.codec, job.max_new_tokens, self.eos_token_ids, job.stop)
         first_at = last_at = None
@@ -258,7 +257,7 @@ class Gateway:
         try:
             while completion.finish_reason is None:
                 remaining = job.max_new_tokens - len(completion.tokens)
-                new = await spec.round(ctx, min(job.k, remaining - 1), remaining)
+                new = (await spec.round(ctx, min(job.k, remaining - 1), remaining)).tokens
                 ctx.extend(new)
                 text, tokens = completion.push(new)
                 now = time.perf_counter()

@@ -12,6 +12,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from specdec.gateway.turn import replica_session_id
 from specdec.sdk import AsyncClient
 from specdec.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 from tests.conftest import PROMPTS
@@ -119,10 +120,14 @@ def test_a_cache_miss_in_a_batch_leaves_the_others_exact(batch_stack, tokenizer,
     )
     for s in sessions[::2]:
         assert _release(
-            batch_stack["verifier"].address, verifier_pb2_grpc.VerifierServiceStub, "s/" + s
+            batch_stack["verifier"].address,
+            verifier_pb2_grpc.VerifierServiceStub,
+            replica_session_id(s),
         )
         assert _release(
-            batch_stack["drafter"].address, drafter_pb2_grpc.DrafterServiceStub, "s/" + s
+            batch_stack["drafter"].address,
+            drafter_pb2_grpc.DrafterServiceStub,
+            replica_session_id(s),
         )
     misses = scrape(batch_stack["ports"]["verifier"]).get("specdec_verifier_cache_misses_total", 0)
     turn2 = asyncio.run(

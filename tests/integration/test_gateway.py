@@ -200,6 +200,23 @@ def test_two_turn_session_equals_one_call(client, stack, tokenizer, reference, r
     assert list(fresh.tokens) == reference(p2, 8) and fresh.usage.history_tokens == 0
 
 
+def test_session_id_at_the_advertised_maximum(client, tokenizer, reference):
+    """A session id of max_session_id_chars characters (any characters) works through
+    the whole stack, speculation and its caches included, for two turns; one more is
+    refused by the gateway before anything reaches a replica."""
+    longest = client.server_info().max_session_id_chars
+    session = ("é/" * longest)[:longest]
+    p1, p2 = ids_of(tokenizer, PROMPTS[1]), ids_of(tokenizer, " again")
+    t1 = client.generate(token_ids=p1, max_new_tokens=8, k=4, session_id=session)
+    t2 = client.generate(token_ids=p2, max_new_tokens=8, k=4, session_id=session)
+    assert list(t1.tokens) == reference(p1, 8)
+    assert list(t2.tokens) == reference([*p1, *t1.tokens, *p2], 8)
+    assert t2.stats.draft_tokens > 0 and t2.stats.cache_misses == 0  # it speculated
+    with pytest.raises(SpecdecError) as err:
+        client.generate(token_ids=p1, max_new_tokens=2, session_id=session + "x")
+    assert err.value.code.name == "INVALID_ARGUMENT" and str(longest) in err.value.details
+
+
 async def _get_record(url, session_id):
     index = SessionIndex(url)
     try:

@@ -18,6 +18,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import format_span_id, format_trace_id
 
+from specdec.gateway.turn import replica_session_id
 from specdec.sdk import Client
 from specdec.tools.otlpsink import OtlpReceiver, ReceivedSpan, render_tree
 from specdec.tools.redisproc import RedisProcess
@@ -292,7 +293,8 @@ def test_cache_miss_in_the_trace(traced, receiver, tokenizer, reference):
         ):
             with grpc.insecure_channel(address) as channel:
                 released = stub_type(channel).Release(
-                    common_pb2.ReleaseRequest(session_id="s/traced-miss"), timeout=30
+                    common_pb2.ReleaseRequest(session_id=replica_session_id("traced-miss")),
+                    timeout=30,
                 )
                 assert released.released
         t2 = client.generate(token_ids=p2, max_new_tokens=12, k=4, session_id="traced-miss")

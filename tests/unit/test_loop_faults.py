@@ -13,14 +13,31 @@ import asyncio
 import grpc
 import pytest
 
-from specdec.gateway.loop import Placement, Speculator
+from specdec.gateway.caller import Placement, ReplicaCaller
+from specdec.gateway.loop import Speculator
+from specdec.gateway.policy import FixedPolicy
 from specdec.gateway.replicas import Fleet
+from specdec.gateway.transport import GrpcTransport
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 
 class RpcFailure(grpc.aio.AioRpcError):
     def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def speculator(fleet: Fleet, session: str) -> Speculator:
+    """A greedy SSD request's loop over the fleet (fixed k, the drafter's fan-out)."""
+    return Speculator(
+        ReplicaCaller(fleet, rpc_timeout=5.0),
+        session,
+        common_pb2.SamplingParams(),
+        Placement(),
+        Placement(),
+        FixedPolicy(),
+        ssd=True,
+        max_context=512,
+    )
 
 
 class FakeDrafter:
@@ -33,7 +50,7 @@ class FakeDrafter:
         self.speculate_cancelled = 0
         self.prepared = False
 
-    async def Draft(self, request, timeout=None):
+    async def Draft(self, request, timeout=None, metadata=None):
         k = request.num_draft_tokens
         return drafter_pb2.DraftResponse(
             draft_tokens=[4, 5][:k],
@@ -41,7 +58,7 @@ class FakeDrafter:
             prepared=self.prepared,
         )
 
-    async def Speculate(self, request, timeout=None):
+    async def Speculate(self, request, timeout=None, metadata=None):
         self.speculate_calls += 1
         try:
             await self.release.wait()
@@ -59,7 +76,7 @@ class FakeVerifier:
     def __init__(self):
         self.drafts: list[list[int]] = []
 
-    async def Verify(self, request, timeout=None):
+    async def Verify(self, request, timeout=None, metadata=None):
         for _ in range(10):  # a real call yields to the loop: the Speculate beside it starts
             await asyncio.sleep(0)
         self.drafts.append(list(request.draft_tokens))
@@ -72,12 +89,10 @@ async def make(drafter: FakeDrafter, verifier: FakeVerifier, drafter_up: bool = 
     fleet = Fleet(["127.0.0.1:1"], ["127.0.0.1:2"])
     (d,) = fleet.drafters.replicas
     (v,) = fleet.verifiers.replicas
-    d.stub, v.stub = drafter, verifier
+    d.transport, v.transport = GrpcTransport(drafter), GrpcTransport(verifier)
     d.info = v.info = common_pb2.ModelInfo(max_context=512, vocab_size=16)
     d.up, v.up = drafter_up, True
-    spec = Speculator(
-        fleet, "s/x", common_pb2.SamplingParams(), Placement(), Placement(), 5.0, ssd=True
-    )
+    spec = speculator(fleet, "s/x")
     return fleet, spec
 
 
@@ -92,7 +107,7 @@ async def test_a_late_speculate_is_not_awaited(prepared):
                 break
             await asyncio.sleep(0)
         assert task.done(), "the round waited for a Speculate after its verdict"
-        assert task.result() == [4, 5, 6]
+        assert task.result().tokens == (4, 5, 6)
         assert drafter.speculate_calls == 1
         assert spec.stats.ssd_misses == spec.stats.ssd_hits == 0  # not known yet
         for _ in range(20):
@@ -109,15 +124,22 @@ async def test_a_late_speculate_is_not_awaited(prepared):
 
 
 @pytest.mark.parametrize(
-    "code", [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN]
+    "code",
+    [
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,  # a full KV cache, or every drafter busy
+    ],
 )
 async def test_a_failing_speculate_is_a_miss(code):
+    """A Speculate that fails is an SSD miss at its verdict, never the request's error."""
     drafter, verifier = FakeDrafter(speculate_error=code), FakeVerifier()
     drafter.release.set()  # answers at once, with the error
     fleet, spec = await make(drafter, verifier)
 
     try:
-        assert await spec.round([1, 2, 3], 2, 10) == [4, 5, 6]
+        assert (await spec.round([1, 2, 3], 2, 10)).tokens == (4, 5, 6)
         assert spec.stats.ssd_misses == 1
     finally:
         await fleet.close()
@@ -127,11 +149,11 @@ async def test_no_drafter_runs_the_round_at_k0():
     drafter, verifier = FakeDrafter(), FakeVerifier()
     fleet, spec = await make(drafter, verifier, drafter_up=False)
     try:
-        assert await spec.round([1, 2, 3], 2, 10) == [6]
+        assert (await spec.round([1, 2, 3], 2, 10)).tokens == (6,)
         assert verifier.drafts == [[]]  # a plain target step
         assert spec.stats.draft_tokens == 0 and spec.stats.rounds == 1
         fleet.drafters.replicas[0].up = True  # the probe brought it back
-        assert await spec.round([1, 2, 3, 6], 2, 9) == [4, 5, 6]
+        assert (await spec.round([1, 2, 3, 6], 2, 9)).tokens == (4, 5, 6)
         assert verifier.drafts[-1] == [4, 5]
     finally:
         await fleet.close()
@@ -144,7 +166,7 @@ async def test_speculate_is_skipped_where_its_branches_cannot_fit_the_context():
     try:
         ctx = (list(range(1, 8)) * 73)[:508]
         await spec.round(ctx, 2, 4)
-        assert drafter.speculate_calls == 1  # 508 + 2 + 1 + 1 = 512 fits with k_next = 1
+        assert drafter.speculate_calls == 1  # 508 + 2 + 1 + 1 = 512 fits with branch_k = 1
         await spec.round([*ctx, 1], 2, 3)
         assert drafter.speculate_calls == 1  # 509 + 2 + 1 + 1 > 512: not sent
     finally:

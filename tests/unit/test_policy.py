@@ -40,7 +40,7 @@ def test_parse_policy():
 
 
 def test_fixed_policy_keeps_the_request_k_and_fan_out():
-    policy = make_policy(FIXED, ssd=True, fan_out=3, max_fan_out=6)
+    policy = make_policy(FIXED, ssd=True, fan_out=3)
     assert isinstance(policy, FixedPolicy)
     policy.observe_verify(4, 0, 10.0, 50)  # nothing it sees changes it
     assert [policy.choose_k(k) for k in (0, 2, 4)] == [0, 2, 4]

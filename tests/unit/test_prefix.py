@@ -11,8 +11,7 @@ import pytest
 from specdec.common import prefix as prefix_module
 from specdec.common.prefix import BLOCK, PrefixChain, prefix_hash
 from specdec.common.runtime import CacheStore, SessionCache
-from specdec.gateway.loop import Placement, Speculator
-from tests.unit.test_loop_faults import FakeDrafter, FakeVerifier, make
+from tests.unit.test_loop_faults import FakeDrafter, FakeVerifier, make, speculator
 
 
 class HashedBytes:
@@ -64,16 +63,17 @@ async def test_gateway_round_cost_does_not_grow_with_context(monkeypatch):
     hashed = HashedBytes(monkeypatch)
     drafter, verifier = FakeDrafter(), FakeVerifier()
     drafter.release.set()
-    fleet, spec = await make(drafter, verifier)
+    fleet, _ = await make(drafter, verifier)
     try:
         per_round = {}
         for size in (8_192, 131_072):
             ctx = [i % 100 for i in range(size)]
-            s = Speculator(fleet, "s/y", spec.sampling, Placement(), Placement(), 5.0)
+            s = speculator(fleet, "s/y")
+            s.ssd = False
             for _ in range(2):  # the first calls send everything, then hash it once
-                ctx.extend(await s.round(ctx, 2, 10))
+                ctx.extend((await s.round(ctx, 2, 10)).tokens)
             hashed.total = 0
-            ctx.extend(await s.round(ctx, 2, 10))
+            ctx.extend((await s.round(ctx, 2, 10)).tokens)
             per_round[size] = hashed.total
         assert per_round[131_072] == per_round[8_192]
         assert per_round[131_072] <= 2 * 2 * BLOCK * 4  # Draft + Verify: a tail each

@@ -1,0 +1,133 @@
+"""What a speculation round did (`Outcome`), and the request's statistics built from it.
+
+A round (specdec.gateway.loop) keeps no books: it returns one frozen `Outcome`, and
+everything that counts, learns or reports reads that record and nothing else:
+`RequestStats.observe` (the request's SpeculationStats and the gateway's metrics), the
+k policy's `observe` (specdec.gateway.policy) and the round's span
+(specdec.gateway.tracing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Where a round's draft came from.
+DRAFTED = "drafter"  # a Draft call that ran the drafter's model
+PREPARED = "prepared"  # an SSD branch: held by the gateway (greedy) or by the drafter
+NO_DRAFT = "none"  # k = 0 by choice (the request's k, the policy, or no room left)
+NO_DRAFTER = "no-drafter"  # k = 0 because no drafter could draft (same output, slower)
+
+# What SSD did in a round.
+SSD_OFF = "off"  # no Speculate (SSD off, no draft, or no room for another round)
+SSD_PAUSED = "paused"  # the adaptive policy held it back (late even at fan-out 1)
+SSD_HIT = "hit"  # the verified outcome had a prepared draft
+SSD_MISS = "miss"  # it had none (or the Speculate failed)
+SSD_LATE = "late"  # still running at the verdict: cancelled; the next Draft decides
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One speculation round: what it drafted, what the verifier said, what SSD did, and
+    what each step cost (seconds of the gateway's wall clock)."""
+
+    index: int  # the round's index in its request
+    max_k: int  # the bound of the round's draft length (the request's k, less near the end)
+    k: int  # draft tokens verified (0: the round was a plain target step)
+    draft: tuple[int, ...]  # the draft, [k]
+    accepted: int  # draft tokens the verifier accepted, 0..k
+    next_token: int  # the recovered (accepted < k) or bonus (accepted == k) token
+    source: str  # where the draft came from: DRAFTED, PREPARED, NO_DRAFT or NO_DRAFTER
+    draft_seconds: float  # the gateway waited this long for its Draft (0 without a call)
+    verify_seconds: float  # Verify's round trip
+    queue_depth: int  # model requests the verifier had queued when Verify arrived
+    resends: int  # full-context resends of the round's Draft and Verify (miss, busy, failover)
+    ssd: str = SSD_OFF  # SSD_OFF, SSD_PAUSED, SSD_HIT, SSD_MISS or SSD_LATE
+    # The previous round's late Speculate, decided by this round's Draft: SSD_HIT when the
+    # drafter answered it from the branch that Speculate stored, SSD_MISS otherwise.
+    late_outcome: str | None = None
+    fan_out: int | None = None  # branches asked of the round's Speculate (0: the drafter's
+    # default), None when none was sent
+    branch_k: int = 0  # their draft length
+    branches: int = 0  # branches of a Speculate answered in time
+    speculate_seconds: float | None = None  # its round trip, when answered in time
+    speculate_bytes: int = 0  # bytes of its request and response
+    hidden_seconds: float = 0.0  # Speculate time that overlapped the Verify
+    seconds: float = 0.0  # the whole round
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """What the round appends: the accepted drafts, then the next token."""
+        return (*self.draft[: self.accepted], self.next_token)
+
+
+@dataclass
+class RequestStats:
+    """A request's speculation statistics, summed over its rounds' outcomes."""
+
+    adaptive: bool = False  # the request's k policy (k = 0 by choice is counted then)
+    rounds: int = 0
+    drafts: int = 0  # rounds that had a draft (k > 0)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    rounds_by_k: list[int] = field(default_factory=list)  # [k]: rounds that drafted k
+    cache_misses: int = 0  # full-context resends
+    ssd_hits: int = 0
+    ssd_misses: int = 0
+    ssd_branches: int = 0
+    ssd_speculates: int = 0  # Speculates sent
+    ssd_late: int = 0  # of them, still running at their verdict (cancelled)
+    ssd_hidden_ms: float = 0.0  # Speculate time that overlapped a verification
+    ssd_bytes: int = 0  # Speculate requests + responses
+    drafter_wait_ms: float = 0.0  # gateway blocked on the drafter
+    policy_k0_rounds: int = 0  # rounds the adaptive policy chose k = 0
+    fan_out_sum: int = 0  # fan-outs asked for, over the Speculates sent
+    ssd_paused_rounds: int = 0  # rounds with a draft whose Speculate the policy held back
+    queue_sum: int = 0  # verifier queue depths reported, over the rounds
+
+    def observe(self, o: Outcome) -> None:
+        self.rounds += 1
+        k = o.k
+        if len(self.rounds_by_k) <= k:
+            self.rounds_by_k.extend([0] * (k + 1 - len(self.rounds_by_k)))
+        self.rounds_by_k[k] += 1
+        self.drafts += k > 0
+        self.draft_tokens += k
+        self.accepted_tokens += o.accepted
+        if len(self.accepted_per_position) < k:
+            self.accepted_per_position.extend([0] * (k - len(self.accepted_per_position)))
+        for i in range(o.accepted):
+            self.accepted_per_position[i] += 1
+        self.cache_misses += o.resends
+        self.drafter_wait_ms += o.draft_seconds * 1e3
+        self.queue_sum += o.queue_depth
+        self.policy_k0_rounds += self.adaptive and o.source == NO_DRAFT and o.max_k > 0
+        self.ssd_hits += (o.ssd == SSD_HIT) + (o.late_outcome == SSD_HIT)
+        self.ssd_misses += (o.ssd == SSD_MISS) + (o.late_outcome == SSD_MISS)
+        self.ssd_late += o.ssd == SSD_LATE
+        self.ssd_paused_rounds += o.ssd == SSD_PAUSED
+        self.ssd_speculates += o.fan_out is not None
+        self.fan_out_sum += o.fan_out or 0
+        self.ssd_branches += o.branches
+        self.ssd_bytes += o.speculate_bytes
+        self.ssd_hidden_ms += o.hidden_seconds * 1e3
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def mean_k(self) -> float:
+        return self.draft_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def mean_fan_out(self) -> float:
+        return self.fan_out_sum / self.ssd_speculates if self.ssd_speculates else 0.0
+
+    @property
+    def mean_verifier_queue(self) -> float:
+        return self.queue_sum / self.rounds if self.rounds else 0.0
