@@ -96,7 +96,7 @@ class ForwardRequest:
     of the last `keep` of them [keep, vocab] fp32. One row of the batch."""
 
     session: Any  # specdec.common.runtime.SessionCache
-    tokens: list[int]
+    tokens: list[int] | torch.Tensor  # [n]: a device tensor for tokens drawn there
     keep: int
     fresh: bool  # part of a prefill (metrics)
 
@@ -133,7 +133,7 @@ class BranchStep:
     [rows, vocab] fp32. As many rows of the batch as the group has."""
 
     group: BranchGroup
-    tokens: list[int]  # [rows]
+    tokens: list[int] | torch.Tensor  # [rows]: a device tensor for tokens drawn there
     fresh: bool = False  # never a prefill (metrics)
 
     @property
@@ -357,21 +357,32 @@ class Layout:
         mask = torch.zeros(self.rows, width + longest, dtype=torch.long)
         positions = torch.empty(self.rows, longest, dtype=torch.long)
         steps = torch.arange(longest)
+        on_device = []  # (rows, tokens): tokens drawn on the device, placed once there
         for r, start, cached in zip(self.requests, self.starts, self.cached, strict=True):
             pad, length = width - cached, len(r.session.tokens)
             if isinstance(r, BranchStep):
                 rows = slice(start, start + r.rows)
                 visible = torch.tensor(r.group.visible, dtype=torch.long)  # [n]
-                input_ids[rows, 0] = torch.tensor(r.tokens, dtype=torch.long)
+                if isinstance(r.tokens, torch.Tensor):
+                    on_device.append(((rows, 0), r.tokens))
+                else:
+                    input_ids[rows, 0] = torch.tensor(r.tokens, dtype=torch.long)
                 slots = torch.arange(length)
                 mask[rows, pad : pad + length] = (slots[None, :] < visible[:, None]).long()
                 mask[rows, pad + length : width + 1] = 1  # its fed slots and its input
                 positions[rows] = torch.tensor(r.group.positions())[:, None] + steps
             else:
-                input_ids[start, : len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.long)
-                mask[start, pad : width + len(r.tokens)] = 1
+                n = len(r.tokens)
+                if isinstance(r.tokens, torch.Tensor):
+                    on_device.append(((start, slice(0, n)), r.tokens))
+                else:
+                    input_ids[start, :n] = torch.tensor(r.tokens, dtype=torch.long)
+                mask[start, pad : width + n] = 1
                 positions[start] = length + steps
-        return input_ids.to(device), mask.to(device), positions.to(device)
+        input_ids = input_ids.to(device)
+        for where, tokens in on_device:
+            input_ids[where] = tokens
+        return input_ids, mask.to(device), positions.to(device)
 
     def cache(self, config) -> Any:
         """A DynamicCache of every row's cached keys/values, left-padded with zeros to L
@@ -444,7 +455,7 @@ class Layout:
             if isinstance(r, BranchStep):
                 r.group.fed += 1
             else:
-                r.session.tokens.extend(r.tokens)
+                r.session.append(r.tokens)
 
 
 def _fed(request: Request) -> int:

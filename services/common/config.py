@@ -1,84 +1,44 @@
 """Typed service configuration, read once at start-up from flags and environment variables.
 
-Every setting has a flag (``--max-cached-tokens``) and an environment variable
-(``SPECDEC_MAX_CACHED_TOKENS``); the flag wins. A malformed value stops start-up with a
-``ConfigError`` that names the setting. Torch-free, so the gateway shares the helpers.
+`ReplicaConfig` is what every model replica is configured with; the setting helpers
+(flags with SPECDEC_* variables, ConfigError naming the setting) are in
+specdec.common.settings and re-exported here.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
-T = TypeVar("T")
+from specdec.common.settings import (
+    ENV_PREFIX,
+    ConfigError,
+    add_setting,
+    boolean,
+    env_name,
+    non_negative,
+    parse_value,
+    port_number,
+    positive,
+)
+from specdec.common.tls import add_server_tls_arguments, server_tls_from_args
 
-ENV_PREFIX = "SPECDEC_"
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing or malformed; the message names it."""
-
-
-def env_name(flag: str) -> str:
-    """--max-cached-tokens -> SPECDEC_MAX_CACHED_TOKENS."""
-    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
-
-
-def add_setting(
-    parser: argparse.ArgumentParser, flag: str, help: str, default: Any = None, **kw: Any
-) -> None:
-    """A flag whose default comes from its environment variable, then `default`."""
-    env = env_name(flag)
-    parser.add_argument(
-        flag,
-        default=os.environ.get(env, default),
-        help=f"{help} [env {env}; default {default!r}]",
-        **kw,
-    )
-
-
-def parse_value(args: argparse.Namespace, flag: str, convert: Callable[[str], T], check=None) -> T:
-    """Convert args.<flag> with `convert`, then validate with `check(value) -> error or None`."""
-    raw = getattr(args, flag.lstrip("-").replace("-", "_"))
-    where = f"{flag} / {env_name(flag)}"
-    if raw is None:
-        raise ConfigError(f"{where} is required")
-    try:
-        value = convert(raw) if isinstance(raw, str) else raw
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where}: cannot read {raw!r}: {e}") from None
-    if check is not None:
-        problem = check(value)
-        if problem:
-            raise ConfigError(f"{where}: {problem} (got {raw!r})")
-    return value
-
-
-def boolean(value: str | bool) -> bool:
-    """'true'/'false' (also 1/0, yes/no, on/off) -> bool (ValueError otherwise)."""
-    if isinstance(value, bool):
-        return value
-    text = value.strip().lower()
-    if text in ("true", "1", "yes", "on"):
-        return True
-    if text in ("false", "0", "no", "off"):
-        return False
-    raise ValueError("expected true or false")
-
-
-def positive(value: int) -> str | None:
-    return None if value > 0 else "must be > 0"
-
-
-def non_negative(value: int) -> str | None:
-    return None if value >= 0 else "must be >= 0"
-
-
-def port_number(value: int) -> str | None:
-    return None if 0 <= value <= 65535 else "must be a port number in [0, 65535] (0 = any free)"
+__all__ = [
+    "DTYPES",
+    "ENV_PREFIX",
+    "MAX_FAN_OUT",
+    "ConfigError",
+    "ReplicaConfig",
+    "add_setting",
+    "boolean",
+    "env_name",
+    "non_negative",
+    "parse_value",
+    "port_number",
+    "positive",
+]
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -171,8 +131,6 @@ class ReplicaConfig:
             "bound on one batched forward: rows x the longest row's new tokens",
             2048,
         )
-        from specdec.common.tls import add_server_tls_arguments
-
         add_server_tls_arguments(parser)
         cls.add_role_arguments(parser)
 
@@ -218,15 +176,9 @@ class ReplicaConfig:
             prefill_chunk=parse_value(args, "--prefill-chunk", int, non_negative),
             max_batch_size=parse_value(args, "--max-batch-size", int, positive),
             max_batch_tokens=parse_value(args, "--max-batch-tokens", int, positive),
-            tls=_server_tls(args),
+            tls=server_tls_from_args(args),
             **cls.role_settings(args),
         )
-
-
-def _server_tls(args: argparse.Namespace):
-    from specdec.common.tls import server_tls_from_args
-
-    return server_tls_from_args(args)
 
 
 def _check_device(value: str) -> str | None:

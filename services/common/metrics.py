@@ -110,9 +110,15 @@ class ReplicaMetrics:
         self.rollback_tokens = Counter(
             p + "cache_rollback_tokens", "Cached tokens rolled back (rejected or stale drafts)"
         )
-        for kind in (*FORWARD_KINDS.values(), "prefill"):
-            for metric in (self.forward_seconds, self.forward_tokens, self.forward_batch):
-                metric.labels(kind=kind)
+        # The children of the per-forward histograms, by kind: a forward observes three of
+        # them, and a label lookup each time would cost more than the observation.
+        self.by_kind = {
+            kind: tuple(
+                m.labels(kind=kind)
+                for m in (self.forward_seconds, self.forward_tokens, self.forward_batch)
+            )
+            for kind in (*FORWARD_KINDS.values(), "prefill", "other")
+        }
         if role == "drafter":
             self.ssd_prepared = Counter(
                 p + "ssd_branches_prepared", "SSD next-round drafts prepared by Speculate"
@@ -286,9 +292,10 @@ class ReplicaObserver:
             if span is not None:
                 span.end()
             m = self.metrics
-            m.forward_seconds.labels(kind=kind).observe(seconds)
-            m.forward_tokens.labels(kind=kind).observe(tokens)
-            m.forward_batch.labels(kind=kind).observe(batch)
+            latency, fed, rows = m.by_kind[kind]
+            latency.observe(seconds)
+            fed.observe(tokens)
+            rows.observe(batch)
             m.forward_sessions.observe(sessions)
             if job is not None:
                 job.forwards += 1

@@ -1,9 +1,10 @@
-"""Model runtime shared by the drafter and the verifier.
+"""Model runtime shared by the drafter and the verifier: forwards on the model thread.
 
-Loads a causal LM through ``AutoModelForCausalLM.from_pretrained`` (directory, hub id, or a
-GGUF file), keeps one KV cache per session with the tokens it covers, rolls rejected
-positions back, bounds the total cached tokens with least-recently-used eviction, and runs
-every forward in one dedicated thread so the event loop never blocks.
+A `ModelRuntime` holds the loaded model (specdec.common.loading) and its sessions' KV
+caches (specdec.common.kvstore), bounds the model requests that may queue (backpressure),
+and runs every forward in one dedicated thread so the event loop never blocks. What only
+the drafter does (a reduced output layer, int8 weights) lives in specdec.drafter.runtime;
+the generic hook it uses is `head`.
 
 Threading rule: everything that touches the model or a ``SessionCache`` runs on the model
 thread (``ModelRuntime.scheduler``, specdec.common.batching), so sessions need no locks;
@@ -14,150 +15,33 @@ concurrent jobs of different sessions into one (see specdec.common.batching).
 
 from __future__ import annotations
 
-import hashlib
 import inspect
-import json
 import logging
 import threading
 import time
-import zlib
-from collections import OrderedDict
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
 
 from specdec.common.batching import BranchStep, ForwardRequest, Layout, Request, Scheduler
 from specdec.common.config import ReplicaConfig
-from specdec.common.cpus import thread_budget
 from specdec.common.errors import (
     BUSY_PREFIX,
-    CACHE_MISS_PREFIX,
     CacheMiss,
     CapacityExceeded,
     InvalidRequest,
     ReplicaBusy,
 )
-from specdec.common.metrics import ReplicaObserver, note_cache, note_eviction, note_rollback
-from specdec.common.prefix import PrefixChain
-from specdec.common.quantize import quantize_model
+from specdec.common.kvstore import CacheStore, Prefix, SessionCache
+from specdec.common.loading import check_batchable, check_rollback, load_model
+from specdec.common.metrics import ReplicaObserver
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class SessionCache:
-    """KV cache of one session and the tokens it covers (len(tokens) == cache length)."""
-
-    tokens: list[int]
-    kv: object  # transformers DynamicCache
-    last_used: float = field(default_factory=time.monotonic)
-    # Block hashes of tokens' prefixes (cropped with tokens): prefix checks cost O(new).
-    chain: PrefixChain = field(default_factory=PrefixChain)
-
-
-class CacheStore:
-    """Per-session KV caches with a bound on total cached tokens and LRU eviction.
-
-    Only ever used from the runtime's executor thread.
-    """
-
-    def __init__(self, max_cached_tokens: int, new_cache: Callable[[], object]):
-        self.max_cached_tokens = max_cached_tokens
-        self._new_cache = new_cache
-        self._sessions: OrderedDict[str, SessionCache] = OrderedDict()
-
-    @property
-    def cached_tokens(self) -> int:
-        return sum(len(s.tokens) for s in self._sessions.values())
-
-    def __len__(self) -> int:
-        return len(self._sessions)
-
-    def __contains__(self, session_id: str) -> bool:
-        return session_id in self._sessions
-
-    def tokens(self, session_id: str) -> list[int] | None:
-        s = self._sessions.get(session_id)
-        return None if s is None else list(s.tokens)
-
-    def acquire(
-        self, session_id: str, prefix_len: int, prefix_hash_: int, grow_by: int
-    ) -> SessionCache:
-        """The session's cache cropped to the named prefix, with room for grow_by more tokens.
-
-        Raises CacheMiss when the cache does not start with that prefix (a fresh cache is
-        made for prefix_len 0), CapacityExceeded when prefix_len + grow_by exceeds the bound.
-        """
-        need = prefix_len + grow_by
-        if need > self.max_cached_tokens:
-            raise CapacityExceeded(
-                f"session needs {need} cached tokens, this replica holds at most "
-                f"{self.max_cached_tokens} (--max-cached-tokens)"
-            )
-        session = self._sessions.get(session_id)
-        if prefix_len == 0:
-            if session is None or session.tokens:
-                session = SessionCache(tokens=[], kv=self._new_cache())
-                self._sessions[session_id] = session
-        else:
-            if session is None:
-                raise CacheMiss(f"{CACHE_MISS_PREFIX}: session {session_id!r} is not cached here")
-            if len(session.tokens) < prefix_len:
-                raise CacheMiss(
-                    f"{CACHE_MISS_PREFIX}: session {session_id!r} holds {len(session.tokens)} "
-                    f"tokens, request builds on {prefix_len}"
-                )
-            if session.chain.hash(session.tokens, prefix_len) != prefix_hash_:
-                raise CacheMiss(
-                    f"{CACHE_MISS_PREFIX}: session {session_id!r} holds different tokens in its "
-                    f"first {prefix_len}"
-                )
-            self.truncate(session, prefix_len)
-        note_cache(prefix_len)
-        session.last_used = time.monotonic()
-        self._sessions.move_to_end(session_id)
-        self._make_room(session_id, need)
-        return session
-
-    @staticmethod
-    def truncate(session: SessionCache, length: int) -> None:
-        """Roll the session back to its first `length` tokens."""
-        drop = len(session.tokens) - length
-        if drop > 0:
-            session.kv.crop(-drop)
-            del session.tokens[length:]
-            session.chain.crop(length)
-            note_rollback(drop)
-
-    def release(self, session_id: str) -> bool:
-        return self._sessions.pop(session_id, None) is not None
-
-    def _make_room(self, keep: str, need: int) -> None:
-        """Evict least recently used sessions (never `keep`) until `need` more tokens fit."""
-        total = self.cached_tokens - len(self._sessions[keep].tokens) + need
-        while total > self.max_cached_tokens:
-            victim_id = next(iter(self._sessions))
-            if victim_id == keep:  # only `keep` is left; the bound check above makes this rare
-                break
-            victim = self._sessions.pop(victim_id)
-            total -= len(victim.tokens)
-            note_eviction(len(victim.tokens))
-            log.info(
-                "evicted session cache",
-                extra={"session_id": victim_id, "tokens": len(victim.tokens)},
-            )
-
-
-@dataclass(frozen=True)
-class Prefix:
-    length: int
-    hash: int
+__all__ = ["CacheStore", "ModelRuntime", "Prefix", "SessionCache"]
 
 
 class ModelRuntime:
@@ -186,7 +70,6 @@ class ModelRuntime:
         self.tokenizer_fingerprint = ""
         self.chat_template = ""
         self.special_tokens: dict[str, str] = {}  # bos_token, eos_token, ... (chat templates)
-        self.quantize = "none"  # the drafter's --quantize, as applied to the loaded model
         self.store: CacheStore | None = None
         self.obs = ReplicaObserver(self)  # metrics and spans (specdec.common.metrics)
         self._keeps_logits = False  # the model's forward takes logits_to_keep
@@ -199,52 +82,28 @@ class ModelRuntime:
 
     def load(self) -> None:
         """Load model and tokenizer (blocking; call on the model thread)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         cfg = self.config
-        _set_threads(cfg.threads)
         started = time.monotonic()
-        kwargs: dict = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
-        if cfg.trust_remote_code:
-            kwargs["trust_remote_code"] = True
-        dtype = "auto" if cfg.dtype == "auto" else _DTYPES[cfg.dtype]
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, **kwargs)
-        model.to(self.device).eval()
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model, **kwargs)
-        # The output head's rows, read before quantization turns its weight into packed int8.
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        # Only a DrafterConfig has `quantize` (--quantize): the verifier's model stays as
-        # loaded, so the target's distributions are the model's own.
-        self.quantize = getattr(cfg, "quantize", "none")
-        model = quantize_model(model, self.quantize)
-        self.model = model
-        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self.max_context = int(
-            getattr(model.config, "max_position_embeddings", 0) or cfg.max_context or 0
-        )
-        if cfg.max_context:
-            self.max_context = min(self.max_context or cfg.max_context, cfg.max_context)
-        if self.max_context <= 0:
-            raise ValueError(
-                f"cannot tell the model's context length; set --max-context for {cfg.model}"
-            )
-        self.eos_token_ids = _eos_ids(model, tokenizer)
-        self.bos_token_id = -1 if tokenizer.bos_token_id is None else int(tokenizer.bos_token_id)
-        self.chat_template = tokenizer.chat_template or ""
-        self.special_tokens = {k: str(v) for k, v in tokenizer.special_tokens_map.items()}
-        canonical = _canonical_tokenizer_json(tokenizer)
-        self.tokenizer_json = zlib.compress(canonical, 6)
-        self.tokenizer_fingerprint = hashlib.sha256(canonical).hexdigest()
-        _check_rollback(self._new_cache(), cfg.model)
+        loaded = load_model(cfg, self.device)
+        self.model = loaded.model
+        self.vocab_size = loaded.vocab_size
+        self.max_context = loaded.max_context
+        self.eos_token_ids = loaded.eos_token_ids
+        self.bos_token_id = loaded.bos_token_id
+        self.chat_template = loaded.chat_template
+        self.special_tokens = loaded.special_tokens
+        self.tokenizer_json = loaded.tokenizer_json
+        self.tokenizer_fingerprint = loaded.tokenizer_fingerprint
+        self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        check_rollback(self._new_cache(), cfg.model)
         if cfg.max_batch_size > 1:
-            _check_batchable(model, cfg.model)
+            check_batchable(self.model, cfg.model)
         self.store = CacheStore(cfg.max_cached_tokens, self._new_cache)
         log.info(
             "model loaded",
             extra={
                 "model": cfg.model,
-                "dtype": str(model.dtype),
-                "quantize": self.quantize,
+                "dtype": str(self.model.dtype),
                 "device": str(self.device),
                 "vocab_size": self.vocab_size,
                 "max_context": self.max_context,
@@ -378,10 +237,11 @@ class ModelRuntime:
             return stop.value
 
     def forward_steps(
-        self, session: SessionCache, tokens: Sequence[int], keep: int | None = None
+        self, session: SessionCache, tokens: Sequence[int] | torch.Tensor, keep: int | None = None
     ) -> Generator[ForwardRequest, torch.Tensor, torch.Tensor]:
-        """Append tokens to the session's cache; the logits of the last `keep` of them
-        [keep, vocab] fp32 (all when None). A job's forwards: `yield from` it in a job
+        """Append tokens (a list, or a device tensor [n] of tokens drawn there) to the
+        session's cache; the logits of the last `keep` of them [keep, vocab] fp32 (all when
+        None). A job's forwards: `yield from` it in a job
         run by `run` (batched with other sessions'), or call `forward`.
 
         Only the kept rows are computed (a full-vocabulary row per prompt token is about
@@ -389,7 +249,8 @@ class ModelRuntime:
         --prefill-chunk is fed in chunks of that many tokens, so the activations of a long
         prompt never exceed one chunk's; the last chunk holds at least the kept rows.
         """
-        tokens = list(tokens)
+        if not isinstance(tokens, torch.Tensor):  # a device tensor [n] is fed as it is
+            tokens = list(tokens)
         keep = len(tokens) if keep is None else max(1, min(keep, len(tokens)))
         fresh = not session.tokens  # a prefill (metrics and spans), in however many chunks
         chunk = self.config.prefill_chunk
@@ -412,10 +273,13 @@ class ModelRuntime:
     def _forward(self, request: ForwardRequest) -> torch.Tensor:
         """One session's forward on its own cache (no padding, no copy)."""
         session, tokens, keep = request.session, request.tokens, request.keep
-        input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, n]
+        if isinstance(tokens, torch.Tensor):  # tokens drawn on the device: no copy
+            input_ids = tokens.view(1, -1)  # [1, n]
+        else:
+            input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, n]
         with self.obs.forward(len(tokens), 1, fresh=request.fresh):
             logits = self.model_logits(keep, input_ids=input_ids, past_key_values=session.kv)
-        session.tokens.extend(tokens)
+        session.append(tokens)
         return logits[0].float()  # [keep, vocab]
 
     def model_logits(self, keep: int, **inputs) -> torch.Tensor:
@@ -467,74 +331,3 @@ class ModelRuntime:
     def release(self, session_id: str) -> bool:
         assert self.store is not None
         return self.store.release(session_id)
-
-
-def _set_threads(requested: int) -> None:
-    """Size torch's intra-op pool to the CPUs this replica may use (--threads wins), and keep
-    the inter-op pool small: forwards run one at a time on the model thread."""
-    budget = thread_budget(requested)
-    torch.set_num_threads(budget.threads)
-    interop = min(2, budget.threads)
-    try:
-        torch.set_num_interop_threads(interop)
-    except RuntimeError as e:  # only possible once per process, before parallel work
-        log.warning("inter-op threads not set", extra={"why": str(e)})
-        interop = torch.get_num_interop_threads()
-    log.info(
-        "torch threads",
-        extra={"threads": budget.threads, "interop_threads": interop, "source": budget.source},
-    )
-
-
-def _eos_ids(model, tokenizer) -> list[int]:
-    """The tokens at which `generate()` stops: the generation config's EOS, else the model
-    config's, else the tokenizer's."""
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        eos = getattr(source, "eos_token_id", None) if source is not None else None
-        if isinstance(eos, int):
-            return [eos]
-        if eos:
-            return sorted({int(e) for e in eos})
-    return []
-
-
-def _check_rollback(cache, model: str) -> None:
-    """Refuse models whose KV cache cannot be rolled back exactly."""
-    if any(getattr(cache, "is_sliding", [])):
-        raise ValueError(
-            f"{model} uses sliding-window attention; rolling back rejected draft tokens in "
-            "its cache is not exact with this transformers version, so specdec refuses it"
-        )
-    if not getattr(cache, "is_croppable", True):
-        raise ValueError(
-            f"{model} has cache layers that cannot be cropped (recurrent or linear "
-            "attention); speculative decoding needs to roll back rejected tokens"
-        )
-
-
-def _check_batchable(model, name: str) -> None:
-    """Batched forwards run the model's decoder, then its output head on the kept rows:
-    refuse models whose causal-LM head does more than that."""
-    if getattr(model.config, "final_logit_softcapping", None):
-        raise ValueError(
-            f"{name} caps its logits (final_logit_softcapping); batching across sessions "
-            "does not apply that; run it with --max-batch-size 1"
-        )
-    try:
-        model.get_decoder()
-    except (AttributeError, ValueError) as e:
-        raise ValueError(
-            f"{name}: cannot find the decoder of {type(model).__name__} ({e}); batching "
-            "across sessions needs it; run it with --max-batch-size 1"
-        ) from None
-
-
-def _canonical_tokenizer_json(tokenizer) -> bytes:
-    """The tokenizer as canonical JSON (sorted keys), from its fast backend."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        raise ValueError(
-            f"{type(tokenizer).__name__} has no fast (tokenizers) backend; "
-            "specdec needs a fast tokenizer so the torch-free gateway can use it"
-        )
-    return json.dumps(json.loads(backend.to_str()), sort_keys=True, separators=(",", ":")).encode()

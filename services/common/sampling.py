@@ -20,6 +20,7 @@ draft token was drawn from, rounding included.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,13 +31,18 @@ __all__ = [
     "EncodedProbs",
     "InvalidDistribution",
     "SamplingParams",
+    "as_sent",
     "decode_probs",
     "encode_probs",
+    "encoded_rows",
     "make_generator",
+    "proposal_payload",
     "rejection_sample",
     "round_trip",
     "sample_from",
+    "truncate_proposal",
     "warp",
+    "wire_entries",
 ]
 
 
@@ -170,24 +176,66 @@ def decode_probs(enc: EncodedProbs, vocab_size: int) -> torch.Tensor:
 
 
 def truncate_proposal(probs: torch.Tensor, max_entries: int, tail: float) -> torch.Tensor:
-    """The drafter's proposal cut to its top entries: probs [vocab] -> [vocab].
+    """The drafter's proposal cut to its top entries: probs [..., vocab] -> [..., vocab].
 
     Keeps the fewest most likely tokens that hold at least 1 - tail of the mass, at most
     max_entries of them (0: no cut), and renormalises. Speculative decoding is exact for
     any proposal the draft token is really drawn from, so the drafter draws from the cut
     distribution and sends it: the output distribution is unchanged, the acceptance rate
     drops by at most the mass cut, and the wire carries max_entries sparse entries
-    (8 bytes each) instead of a dense fp16 row over the vocabulary.
+    (8 bytes each) instead of a dense fp16 row over the vocabulary. Device operations
+    only: nothing waits for the device.
     """
-    if max_entries <= 0 or max_entries >= probs.numel():
+    if max_entries <= 0 or max_entries >= probs.shape[-1]:
         return probs
-    values, ids = probs.topk(max_entries)  # [m], descending
-    cumulative = values.cumsum(0)
-    need = int((cumulative < (1.0 - tail) * float(probs.sum())).sum()) + 1
-    keep = min(max(need, 1), max_entries)
-    out = torch.zeros_like(probs)
-    out[ids[:keep]] = values[:keep]
-    return out / out.sum()
+    values, ids = probs.topk(max_entries, dim=-1)  # [..., m], descending
+    cumulative = values.cumsum(-1)
+    need = (cumulative < (1.0 - tail) * probs.sum(-1, keepdim=True)).sum(-1, keepdim=True) + 1
+    kept = torch.arange(max_entries, device=probs.device) < need.clamp(1, max_entries)
+    out = torch.zeros_like(probs).scatter(-1, ids, values * kept)
+    return out / out.sum(-1, keepdim=True)
+
+
+def wire_entries(vocab: int, max_entries: int, top_k: int) -> int:
+    """How many entries of a proposal travel sparse (ids + fp32 probabilities, 8 bytes
+    each), or 0 when it travels dense (fp16, 2 bytes per vocabulary entry): sparse when
+    the most entries it can have, known before drawing (the cut --draft-probs-max-entries
+    and the request's top_k), cost less than a dense row."""
+    bound = min([n for n in (max_entries, top_k) if n > 0], default=vocab)
+    return bound if bound * _SPARSE_ENTRY_BYTES < vocab * _DENSE_ENTRY_BYTES else 0
+
+
+def as_sent(proposal: torch.Tensor, entries: int) -> torch.Tensor:
+    """The proposal [..., vocab] as the wire carries it, which is what the drafter samples
+    from: sparse, its top `entries` entries unchanged (fp32; entries beyond, only ever
+    ties at the cut, are dropped); dense (entries 0), rounded to fp16."""
+    if not entries:
+        return proposal.half().float()
+    values, ids = proposal.topk(entries, dim=-1)
+    return torch.zeros_like(proposal).scatter(-1, ids, values)
+
+
+def proposal_payload(proposals: torch.Tensor, entries: int) -> tuple[torch.Tensor, ...]:
+    """What of proposals [n, vocab] (as `as_sent` left them) travels, still on their device:
+    sparse, the top `entries` (fp32 values [n, m], int32 ids [n, m]); dense, the rows in
+    fp16 ([n, vocab]). Copy it to the host with the job's other results in one transfer
+    (specdec.common.host.to_host), then `encoded_rows`."""
+    if entries:
+        values, ids = proposals.topk(entries, dim=-1)
+        return values, ids.to(torch.int32)
+    return (proposals.half(),)
+
+
+def encoded_rows(payload: Sequence[torch.Tensor]) -> list[EncodedProbs]:
+    """A `proposal_payload` on the host -> one EncodedProbs per row (sparse: its non-zero
+    entries, most likely first; dense: fp16)."""
+    if len(payload) == 1:
+        return [EncodedProbs(dense=row) for row in payload[0]]
+    values, ids = payload
+    return [
+        EncodedProbs(token_ids=row_ids[row_values > 0], probs=row_values[row_values > 0])
+        for row_values, row_ids in zip(values, ids, strict=True)
+    ]
 
 
 def round_trip(probs: torch.Tensor) -> tuple[EncodedProbs, torch.Tensor]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 
-from specdec.common.config import ConfigError, add_setting, env_name, parse_value, port_number
+from specdec.common.settings import ConfigError, add_setting, env_name, parse_value, port_number
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from specdec.common.config import (
     parse_value,
     positive,
 )
-from specdec.common.quantize import QUANTIZE_MODES, check_quantize
+from specdec.drafter.quantize import QUANTIZE_MODES, check_quantize
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class DrafterConfig(ReplicaConfig):
     # first N of draft_vocab_file's ranking or the N smallest ids. 0 and "": the whole one.
     draft_vocab: int = 0
     draft_vocab_file: str = ""
-    # Weight quantization of the draft model (specdec.common.quantize): "none" or "int8".
+    # Weight quantization of the draft model (specdec.drafter.quantize): "none" or "int8".
     quantize: str = "none"
 
     ROLE: ClassVar[str] = "drafter"

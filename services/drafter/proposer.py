@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from specdec.common.batching import ForwardRequest
+from specdec.common.host import to_host
 from specdec.common.runtime import ModelRuntime, Prefix
-from specdec.common.sampling import EncodedProbs, SamplingParams
+from specdec.common.sampling import EncodedProbs, SamplingParams, encoded_rows
 from specdec.drafter.sampler import sampler_for
 from specdec.drafter.speculate import BranchStore, DraftRows, take_prepared
 
@@ -57,24 +58,28 @@ def _propose(runtime, branches, session_id, prefix, new_tokens, k, params):
     if hit is not None:
         tokens, probs = hit
         return Draft(tokens, probs, len(session.tokens), _ms(started), prepared=True)
-    last = (yield from runtime.forward_steps(session, new_tokens, keep=1))[-1]  # [vocab]
+    last = (yield from runtime.forward_steps(session, new_tokens, keep=1))[-1:]  # [1, vocab]
     position = prefix.length + len(new_tokens)  # index of d_1 in the sequence
     sampler = sampler_for(params, runtime)
-    tokens: list[int] = []
-    encoded: list[EncodedProbs] = []
-    rows: list[torch.Tensor] = []  # [vocab] logits each token was drawn from
+    drawn: list[torch.Tensor] = []  # [1] each: the draft, on the device
+    proposals: list[torch.Tensor] = []  # [1, vocab] each, under sampling
+    rows: list[torch.Tensor] = []  # [1, vocab] logits each token was drawn from
     for i in range(k):
         rows.append(last)
-        token, enc = sampler.draw(last, position + i)
-        tokens.append(token)
-        if enc is not None:
-            encoded.append(enc)
-        if i < k - 1:
-            last = (yield from runtime.forward_steps(session, [token]))[-1]
+        token, proposal = sampler.draw(last, [position + i])
+        drawn.append(token)
+        if proposal is not None:
+            proposals.append(proposal)
+        if i < k - 1:  # the device token is the next input: no copy to the host
+            last = (yield from runtime.forward_steps(session, token))[-1:]
+    host = to_host(torch.cat(drawn), *sampler.payload(proposals))  # the Draft's one copy
+    tokens = host[0].tolist()
+    runtime.store.fill(session, tokens[: k - 1])  # the device tokens it fed
+    encoded = encoded_rows(host[1:]) if proposals else []
     n = len(session.tokens)
     branches.put_rows(
         session_id,
-        DraftRows(position, n, session.chain.hash(session.tokens, n), torch.stack(rows)),
+        DraftRows(position, n, session.chain.hash(session.tokens, n), torch.cat(rows)),
     )
     return Draft(tokens, encoded, len(session.tokens), _ms(started))
 

@@ -1,16 +1,24 @@
-"""How the drafter draws a token: shared by plain drafting and SSD branches."""
+"""How the drafter draws a token: shared by plain drafting and SSD branches.
+
+Everything stays on the model's device: a drawn token is a device tensor that the next
+forward takes as its input, and the distributions drawn from are kept as device rows.
+The job that drew them copies tokens and distributions to the host once, at its end
+(`payload`, specdec.common.host.to_host, specdec.common.sampling.encoded_rows), so no draw
+makes the host wait for the device.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from specdec.common.sampling import (
-    EncodedProbs,
     SamplingParams,
+    as_sent,
     make_generator,
-    round_trip,
+    proposal_payload,
     truncate_proposal,
     warp,
+    wire_entries,
 )
 
 # Salt of the drafter's random stream (the verifier uses "verify").
@@ -25,7 +33,8 @@ def sampler_for(params: SamplingParams, runtime) -> Sampler:
 
 class Sampler:
     """Draws draft tokens from logits rows: argmax under greedy, else a sample from the
-    encoded-and-decoded warped distribution (what travels is what was sampled from)."""
+    warped distribution, cut to its top entries and rounded as it travels (what the
+    verifier receives is what the token was drawn from)."""
 
     def __init__(
         self,
@@ -45,11 +54,35 @@ class Sampler:
             else make_generator(None, DRAFT_SALT, 0, device)
         )
 
-    def draw(self, logits: torch.Tensor, position: int) -> tuple[int, EncodedProbs | None]:
-        """One token for sequence index `position` from logits [vocab]."""
+    def draw(
+        self, logits: torch.Tensor, positions: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token per row of logits [n, vocab], row i for sequence index positions[i]:
+        (tokens [n] int64, the distributions they were drawn from [n, vocab] fp32, None
+        under greedy), both on the device."""
         if self.params.greedy:
-            return int(logits.argmax()), None
-        proposal = truncate_proposal(warp(logits, self.params), self.max_entries, self.tail)
-        enc, probs = round_trip(proposal)
-        gen = self.shared or make_generator(self.params.seed, DRAFT_SALT, position, self.device)
-        return int(torch.multinomial(probs, 1, generator=gen)), enc
+            return logits.argmax(dim=-1), None
+        cut = truncate_proposal(warp(logits, self.params), self.max_entries, self.tail)
+        proposal = as_sent(cut, self.entries(logits.shape[-1]))  # [n, vocab]
+        if self.shared is not None:
+            return torch.multinomial(proposal, 1, generator=self.shared)[:, 0], proposal
+        rows = [  # a seeded stream per position: a replayed round draws the same tokens
+            torch.multinomial(
+                row, 1, generator=make_generator(self.params.seed, DRAFT_SALT, p, self.device)
+            )
+            for row, p in zip(proposal, positions, strict=True)
+        ]
+        return torch.cat(rows), proposal
+
+    def entries(self, vocab: int) -> int:
+        """Entries of a distribution on the wire (0: dense), see sampling.wire_entries."""
+        return wire_entries(vocab, self.max_entries, self.params.top_k)
+
+    def payload(self, proposals: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The distributions drawn from ([n, vocab] rows on the device; none under greedy)
+        as they travel, still on the device: copy it to the host with the job's tokens
+        (specdec.common.host.to_host), then `encoded_rows`."""
+        if not proposals:
+            return ()
+        rows = torch.cat(proposals)
+        return proposal_payload(rows, self.entries(rows.shape[-1]))

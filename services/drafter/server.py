@@ -15,8 +15,8 @@ from specdec.common.runtime import ModelRuntime
 from specdec.common.serving import rpc_errors
 from specdec.drafter.config import DrafterConfig
 from specdec.drafter.proposer import propose
+from specdec.drafter.runtime import DrafterRuntime
 from specdec.drafter.speculate import BranchStore, speculate
-from specdec.drafter.vocab import DrafterRuntime
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name

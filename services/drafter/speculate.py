@@ -47,9 +47,10 @@ from dataclasses import dataclass
 import torch
 
 from specdec.common.batching import BranchGroup, BranchStep, ForwardRequest, Request
+from specdec.common.host import to_host
 from specdec.common.prefix import prefix_hash
 from specdec.common.runtime import ModelRuntime, Prefix, SessionCache
-from specdec.common.sampling import EncodedProbs, SamplingParams, warp
+from specdec.common.sampling import EncodedProbs, SamplingParams, encoded_rows, warp
 from specdec.drafter.sampler import Sampler, sampler_for
 
 MAX_PREPARED_SESSIONS = 32
@@ -241,24 +242,28 @@ def rank_outcomes(
 ) -> list[tuple[int, int]]:
     """The fan_out likeliest outcomes (a, t), likeliest first.
 
-    probs: [k+1, vocab], row i the drafter's distribution of the token after d_1..d_i.
+    probs: [k+1, vocab] on the device, row a the drafter's distribution of the token after
+    d_1..d_a. Scored there; one copy to the host of each accept length's best candidates.
     """
     k = len(draft)
     alpha = min(max(alpha, ALPHA_RANGE[0]), ALPHA_RANGE[1])
-    scored: list[tuple[float, int, int]] = []
-    for a in range(k + 1):
-        p_outcome = alpha**a * (1 - alpha) if a < k else alpha**k
-        q = probs[a].clone()
-        if a < k:
-            q[draft[a]] = 0.0  # the target rejected it
-        total = float(q.sum())
-        if total <= 0.0:
-            continue  # greedy one-hot or top-k of 1: no other candidate at this position
-        top = torch.topk(q, min(max_per_outcome, q.numel()))
-        for p, t in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-            if p > 0.0:
-                scored.append((p_outcome * p / total, a, t))
-    scored.sort(key=lambda s: (-s[0], s[1], s[2]))
+    q = probs.clone()
+    q[torch.arange(k, device=q.device), torch.tensor(list(draft), device=q.device)] = 0.0
+    total = q.sum(-1, keepdim=True)  # [k+1, 1]: the mass left at each accept length
+    top = torch.topk(q, min(max_per_outcome, q.shape[-1]), dim=-1)  # [k+1, m]
+    outcome = torch.tensor(  # P(a): a accepted, then a rejection (or all k accepted)
+        [alpha**a * (1 - alpha) if a < k else alpha**k for a in range(k + 1)],
+        device=q.device,
+    )[:, None]
+    score = torch.where(total > 0, outcome * top.values / total.clamp_min(1e-30), 0.0)
+    score, ids = to_host(score, top.indices)  # the ranking's one copy
+    scored = [
+        (p, a, t)
+        for a, (row, row_ids) in enumerate(zip(score.tolist(), ids.tolist(), strict=True))
+        for p, t in zip(row, row_ids, strict=True)
+        if p > 0.0
+    ]
+    scored.sort(key=lambda x: (-x[0], x[1], x[2]))
     return [(a, t) for _, a, t in scored[:fan_out]]
 
 
@@ -271,25 +276,33 @@ def draft_branches(
 ) -> Generator[BranchStep, torch.Tensor, list[Branch]]:
     """Draft `steps` tokens after base + d_1..d_a + t for every key (a, t): a job's
     forwards, one BranchStep of every branch per step, batched with other jobs' forwards
-    (other sessions' branch steps, Draft steps, ...) by the model thread's scheduler.
+    (other sessions' branch steps, Draft steps, ...) by the model thread's scheduler. The
+    tokens stay on the device between steps; one copy to the host at the end.
 
     Row (a, t) sees the session's first base + a cached tokens (d_{a+1}..d_k are hidden
     from it), then its own tokens; t sits at its true position base + a."""
     if not keys:
         return []
     group = BranchGroup(session, [base + a for a, _ in keys])
-    branches = [Branch(a, t, [], []) for a, t in keys]
-    tokens = [t for _, t in keys]
+    tokens: list[int] | torch.Tensor = [t for _, t in keys]
+    drawn: list[torch.Tensor] = []  # [rows] per step
+    proposals: list[torch.Tensor] = []  # [rows, vocab] per step, under sampling
     for step in range(steps):
-        logits = yield BranchStep(group, tokens)  # [n, vocab]
-        for row, branch in enumerate(branches):
-            # the token after the row's input, at position base + a + step + 1
-            token, enc = sampler.draw(logits[row], group.visible[row] + step + 1)
-            branch.tokens.append(token)
-            if enc is not None:
-                branch.probs.append(enc)
-        tokens = [b.tokens[-1] for b in branches]
-    return branches
+        logits = yield BranchStep(group, tokens)  # [rows, vocab]
+        # each row's next token, at position base + a + step + 1
+        tokens, proposal = sampler.draw(logits, [v + step + 1 for v in group.visible])
+        drawn.append(tokens)
+        if proposal is not None:
+            proposals.append(proposal)
+    rows = len(keys)
+    by_step = sampler.payload(proposals)  # [steps * rows, ...], step-major
+    host = to_host(torch.stack(drawn, dim=1), *by_step)  # the branches' one copy
+    tokens_by_row = host[0].tolist()  # [rows][steps]
+    encoded = encoded_rows(host[1:]) if proposals else []
+    return [
+        Branch(a, t, tokens_by_row[row], encoded[row::rows] if encoded else [])
+        for row, (a, t) in enumerate(keys)
+    ]
 
 
 def take_prepared(

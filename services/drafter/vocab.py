@@ -36,7 +36,7 @@ VOCAB_FLAG = "--draft-vocab"
 FILE_FLAG = "--draft-vocab-file"
 
 
-def _where(flag: str) -> str:
+def where(flag: str) -> str:
     return f"{flag} / {env_name(flag)}"
 
 
@@ -47,7 +47,7 @@ def read_ranking(path: str) -> list[int]:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{_where(FILE_FLAG)}: cannot read {path!r}: {e}") from None
+        raise ConfigError(f"{where(FILE_FLAG)}: cannot read {path!r}: {e}") from None
     ids: list[int] = []
     seen: set[int] = set()
     for number, line in enumerate(text.splitlines(), 1):
@@ -58,15 +58,15 @@ def read_ranking(path: str) -> list[int]:
                 token = -1
             if token < 0:
                 raise ConfigError(
-                    f"{_where(FILE_FLAG)}: {path}:{number}: {word!r} is not a token id "
+                    f"{where(FILE_FLAG)}: {path}:{number}: {word!r} is not a token id "
                     "(a non-negative integer)"
                 )
             if token in seen:
-                raise ConfigError(f"{_where(FILE_FLAG)}: {path}:{number}: token {token} repeats")
+                raise ConfigError(f"{where(FILE_FLAG)}: {path}:{number}: token {token} repeats")
             seen.add(token)
             ids.append(token)
     if not ids:
-        raise ConfigError(f"{_where(FILE_FLAG)}: {path!r} holds no token id")
+        raise ConfigError(f"{where(FILE_FLAG)}: {path!r} holds no token id")
     return ids
 
 
@@ -77,7 +77,7 @@ def subset_ids(n: int, ranking: list[int] | None, vocab_size: int, always: list[
     if ranking is None:
         if not 1 <= n <= vocab_size:
             raise ConfigError(
-                f"{_where(VOCAB_FLAG)}: must be in [1, {vocab_size}] (the model's vocabulary), "
+                f"{where(VOCAB_FLAG)}: must be in [1, {vocab_size}] (the model's vocabulary), "
                 f"got {n}"
             )
         kept = set(range(n))
@@ -85,12 +85,12 @@ def subset_ids(n: int, ranking: list[int] | None, vocab_size: int, always: list[
         bad = [t for t in ranking if t >= vocab_size]
         if bad:
             raise ConfigError(
-                f"{_where(FILE_FLAG)}: token id {bad[0]} is outside the model's vocabulary "
+                f"{where(FILE_FLAG)}: token id {bad[0]} is outside the model's vocabulary "
                 f"[0, {vocab_size})"
             )
         if n > len(ranking):
             raise ConfigError(
-                f"{_where(VOCAB_FLAG)}: {n} exceeds the {len(ranking)} ids of {_where(FILE_FLAG)}"
+                f"{where(VOCAB_FLAG)}: {n} exceeds the {len(ranking)} ids of {where(FILE_FLAG)}"
             )
         kept = set(ranking[: n or len(ranking)])
     return sorted(kept | {t for t in always if 0 <= t < vocab_size})
@@ -125,35 +125,6 @@ class ReducedHead:
         return out
 
 
-class DrafterRuntime(ModelRuntime):
-    """The drafter's model runtime: a ModelRuntime whose forwards go through a ReducedHead
-    when --draft-vocab or --draft-vocab-file is set (unchanged otherwise)."""
-
-    def load(self) -> None:
-        super().load()
-        cfg = self.config  # a DrafterConfig
-        if not (cfg.draft_vocab or cfg.draft_vocab_file):
-            return
-        ranking = read_ranking(cfg.draft_vocab_file) if cfg.draft_vocab_file else None
-        ids = subset_ids(cfg.draft_vocab, ranking, self.vocab_size, self.eos_token_ids)
-        layer = self.model.get_output_embeddings()
-        if not isinstance(layer, torch.nn.Linear):
-            raise ConfigError(
-                f"{_where(VOCAB_FLAG)}: {cfg.model}'s output layer is a "
-                f"{type(layer).__name__}, not a linear layer; a reduced vocabulary needs one"
-            )
-        self.head = ReducedHead(layer, ids, self.vocab_size)
-        check_head(self)
-        log.info(
-            "reduced draft vocabulary",
-            extra={
-                "tokens": self.head.size,
-                "vocab_size": self.vocab_size,
-                "source": cfg.draft_vocab_file or "token id order",
-            },
-        )
-
-
 @torch.inference_mode()
 def check_head(runtime: ModelRuntime) -> None:
     """Refuse a model whose logits are not its base's last hidden state times the output
@@ -170,7 +141,7 @@ def check_head(runtime: ModelRuntime) -> None:
     tolerance = 1e-5 if runtime.model.dtype == torch.float32 else 2e-2
     if float((got - expected).abs().max()) > tolerance * scale:
         raise ConfigError(
-            f"{_where(VOCAB_FLAG)}: {runtime.config.model}'s logits are not its last hidden "
+            f"{where(VOCAB_FLAG)}: {runtime.config.model}'s logits are not its last hidden "
             "state times its output layer (soft-capping or scaling?); a reduced draft "
             "vocabulary would change its distribution, so it is refused"
         )

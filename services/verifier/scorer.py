@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.common.batching import ForwardRequest
+from specdec.common.host import to_host
 from specdec.common.runtime import ModelRuntime, Prefix
 from specdec.common.sampling import SamplingParams, make_generator, rejection_sample, warp
 
@@ -67,11 +68,12 @@ def _verify(runtime, session_id, prefix, new_tokens, draft_tokens, draft_probs, 
         accepted, next_token = rejection_sample(
             drafts, draft_probs[None].to(runtime.device), target_probs, gen, False
         )
-    n = int(accepted[0])
+    (verdict,) = to_host(torch.cat([accepted, next_token]))  # the Verify's one copy
+    n, token = verdict.tolist()
     runtime.store.truncate(session, len(session.tokens) - (k - n))  # roll back rejected drafts
     return Verdict(
         accepted=n,
-        next_token=int(next_token[0]),
+        next_token=token,
         bonus=n == k,
         cached_length=len(session.tokens),
         forward_ms=(time.perf_counter() - started) * 1e3,

@@ -9,7 +9,13 @@ import math
 import torch
 
 from specdec.common.convert import encoded_to_proto
-from specdec.common.sampling import SamplingParams, rejection_sample, truncate_proposal
+from specdec.common.host import to_host
+from specdec.common.sampling import (
+    SamplingParams,
+    encoded_rows,
+    rejection_sample,
+    truncate_proposal,
+)
 from specdec.drafter.sampler import Sampler
 
 VOCAB = 151_936  # the Qwen2.5 vocabulary of the issue's measurement
@@ -29,14 +35,21 @@ def test_a_dense_row_becomes_a_few_thousand_sparse_entries():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(VOCAB, generator=gen) * 2  # a flat-ish row at T = 1
     params = SamplingParams(temperature=1.0, seed=3)
-    _, whole = Sampler(params, torch.device("cpu")).draw(logits, 10)
-    token, cut = Sampler(params, torch.device("cpu"), 2048, 1e-4).draw(logits, 10)
+    whole = encoded(Sampler(params, torch.device("cpu")), logits)[1]
+    token, cut = encoded(Sampler(params, torch.device("cpu"), 2048, 1e-4), logits)
     dense_bytes = encoded_to_proto(whole).ByteSize()
     sparse_bytes = encoded_to_proto(cut).ByteSize()
     assert dense_bytes > 2 * VOCAB  # 303,8xx bytes: the issue's figure
     assert cut.is_sparse and cut.token_ids.numel() <= 2048
     assert sparse_bytes <= 8 * 2048 + 64  # 16 KB: about 18x less
     assert token in cut.token_ids.tolist()  # drawn from what is sent
+
+
+def encoded(sampler: Sampler, logits: torch.Tensor):
+    """One draw from a row of logits: the token and its distribution as it travels."""
+    tokens, proposal = sampler.draw(logits[None], [10])
+    (row,) = encoded_rows(to_host(*sampler.payload([proposal])))
+    return int(tokens[0]), row
 
 
 def test_rejection_sampling_with_a_cut_proposal_is_exact():

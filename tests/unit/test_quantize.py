@@ -8,9 +8,10 @@ import torch
 
 from specdec.cli import build_parser
 from specdec.common.config import ConfigError
-from specdec.common.quantize import quantize_model, quantized_layers
-from specdec.common.runtime import ModelRuntime, Prefix
+from specdec.common.runtime import Prefix
 from specdec.drafter.config import DrafterConfig
+from specdec.drafter.quantize import quantize_model, quantized_layers
+from specdec.drafter.runtime import DrafterRuntime
 
 
 def drafter(*argv: str) -> DrafterConfig:
@@ -47,8 +48,8 @@ def test_verifier_has_no_quantize():
         build_parser().parse_args(["serve", "verifier", "--model", "m", "--quantize", "int8"])
 
 
-def load(model, quantize: str) -> ModelRuntime:
-    rt = ModelRuntime(DrafterConfig(role="drafter", model=str(model), quantize=quantize))
+def load(model, quantize: str) -> DrafterRuntime:
+    rt = DrafterRuntime(DrafterConfig(role="drafter", model=str(model), quantize=quantize))
     rt.load()
     return rt
 

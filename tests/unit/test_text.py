@@ -13,10 +13,10 @@ from specdec.gateway.text import Completion, TextCodec
 def codec(test_models):
     from transformers import AutoTokenizer
 
-    from specdec.common.runtime import _canonical_tokenizer_json
+    from specdec.common.loading import canonical_tokenizer_json
 
     tok = AutoTokenizer.from_pretrained(test_models.tokenizer)
-    return TextCodec(_canonical_tokenizer_json(tok))
+    return TextCodec(canonical_tokenizer_json(tok))
 
 
 def completion(codec, stop=(), max_new=100, eos=(2,)):

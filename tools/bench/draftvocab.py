@@ -202,7 +202,8 @@ def phase_speed(args) -> None:
     import torch
 
     from specdec.drafter.config import DrafterConfig
-    from specdec.drafter.vocab import DrafterRuntime, ReducedHead, subset_ids
+    from specdec.drafter.runtime import DrafterRuntime
+    from specdec.drafter.vocab import ReducedHead, subset_ids
 
     _, draft = _pair()
     cfg = DrafterConfig(role="drafter", model=draft, dtype="bfloat16", threads=1)

@@ -119,8 +119,8 @@ class InProcess:
 
     def __init__(self, draft_model: Path, target_model: Path):
         from specdec.drafter.config import DrafterConfig
+        from specdec.drafter.runtime import DrafterRuntime
         from specdec.drafter.speculate import BranchStore
-        from specdec.drafter.vocab import DrafterRuntime
         from specdec.verifier.config import VerifierConfig
 
         common = dict(trust_remote_code=True, threads=1, max_batch_size=1)

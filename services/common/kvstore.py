@@ -1,0 +1,154 @@
+"""Per-session KV caches of a replica and the tokens each covers.
+
+A session's cache is a transformers ``DynamicCache`` with the tokens it holds; rollback of
+rejected draft tokens is a crop, a cache miss a dict lookup, eviction dropping one
+object. `CacheStore` bounds the tokens cached over all sessions (least recently used go
+first). Everything here runs on the replica's model thread (specdec.common.runtime), so
+it needs no locks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.common.errors import CACHE_MISS_PREFIX, CacheMiss, CapacityExceeded
+from specdec.common.metrics import note_cache, note_eviction, note_rollback
+from specdec.common.prefix import PrefixChain
+
+log = logging.getLogger(__name__)
+
+# What SessionCache.tokens holds for a token fed from the device (a draft token still on
+# the device) until its job copies it to the host and fills it in (CacheStore.fill).
+UNKNOWN_TOKEN = -1
+
+
+@dataclass
+class SessionCache:
+    """KV cache of one session and the tokens it covers (len(tokens) == cache length)."""
+
+    tokens: list[int]
+    kv: object  # transformers DynamicCache
+    last_used: float = field(default_factory=time.monotonic)
+    # Block hashes of tokens' prefixes (cropped with tokens): prefix checks cost O(new).
+    chain: PrefixChain = field(default_factory=PrefixChain)
+
+    def append(self, tokens: Sequence[int] | torch.Tensor) -> None:
+        """The tokens a forward fed (a list, or a device tensor [n] whose values its job
+        fills in once it copies them to the host)."""
+        if isinstance(tokens, torch.Tensor):
+            self.tokens.extend([UNKNOWN_TOKEN] * tokens.numel())
+        else:
+            self.tokens.extend(tokens)
+
+
+class CacheStore:
+    """Per-session KV caches with a bound on total cached tokens and LRU eviction.
+
+    Only ever used from the runtime's executor thread.
+    """
+
+    def __init__(self, max_cached_tokens: int, new_cache: Callable[[], object]):
+        self.max_cached_tokens = max_cached_tokens
+        self._new_cache = new_cache
+        self._sessions: OrderedDict[str, SessionCache] = OrderedDict()
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(len(s.tokens) for s in self._sessions.values())
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    def tokens(self, session_id: str) -> list[int] | None:
+        s = self._sessions.get(session_id)
+        return None if s is None else list(s.tokens)
+
+    def acquire(
+        self, session_id: str, prefix_len: int, prefix_hash_: int, grow_by: int
+    ) -> SessionCache:
+        """The session's cache cropped to the named prefix, with room for grow_by more tokens.
+
+        Raises CacheMiss when the cache does not start with that prefix (a fresh cache is
+        made for prefix_len 0), CapacityExceeded when prefix_len + grow_by exceeds the bound.
+        """
+        need = prefix_len + grow_by
+        if need > self.max_cached_tokens:
+            raise CapacityExceeded(
+                f"session needs {need} cached tokens, this replica holds at most "
+                f"{self.max_cached_tokens} (--max-cached-tokens)"
+            )
+        session = self._sessions.get(session_id)
+        if prefix_len == 0:
+            if session is None or session.tokens:
+                session = SessionCache(tokens=[], kv=self._new_cache())
+                self._sessions[session_id] = session
+        else:
+            if session is None:
+                raise CacheMiss(f"{CACHE_MISS_PREFIX}: session {session_id!r} is not cached here")
+            if len(session.tokens) < prefix_len:
+                raise CacheMiss(
+                    f"{CACHE_MISS_PREFIX}: session {session_id!r} holds {len(session.tokens)} "
+                    f"tokens, request builds on {prefix_len}"
+                )
+            if session.chain.hash(session.tokens, prefix_len) != prefix_hash_:
+                raise CacheMiss(
+                    f"{CACHE_MISS_PREFIX}: session {session_id!r} holds different tokens in its "
+                    f"first {prefix_len}"
+                )
+            self.truncate(session, prefix_len)
+        note_cache(prefix_len)
+        session.last_used = time.monotonic()
+        self._sessions.move_to_end(session_id)
+        self._make_room(session_id, need)
+        return session
+
+    @staticmethod
+    def fill(session: SessionCache, tokens: Sequence[int]) -> None:
+        """The values of the last len(tokens) tokens, fed from the device (SessionCache.append)."""
+        if tokens:
+            tail = session.tokens[-len(tokens) :]
+            assert all(t == UNKNOWN_TOKEN for t in tail), "fill: those tokens are known"
+            session.tokens[-len(tokens) :] = tokens
+
+    @staticmethod
+    def truncate(session: SessionCache, length: int) -> None:
+        """Roll the session back to its first `length` tokens."""
+        drop = len(session.tokens) - length
+        if drop > 0:
+            session.kv.crop(-drop)
+            del session.tokens[length:]
+            session.chain.crop(length)
+            note_rollback(drop)
+
+    def release(self, session_id: str) -> bool:
+        return self._sessions.pop(session_id, None) is not None
+
+    def _make_room(self, keep: str, need: int) -> None:
+        """Evict least recently used sessions (never `keep`) until `need` more tokens fit."""
+        total = self.cached_tokens - len(self._sessions[keep].tokens) + need
+        while total > self.max_cached_tokens:
+            victim_id = next(iter(self._sessions))
+            if victim_id == keep:  # only `keep` is left; the bound check above makes this rare
+                break
+            victim = self._sessions.pop(victim_id)
+            total -= len(victim.tokens)
+            note_eviction(len(victim.tokens))
+            log.info(
+                "evicted session cache",
+                extra={"session_id": victim_id, "tokens": len(victim.tokens)},
+            )
+
+
+@dataclass(frozen=True)
+class Prefix:
+    length: int
+    hash: int
