@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import time
+
+import uvloop
 
 from specdec.common.logs import setup_logging
 from specdec.common.serving import rpc_errors, serve, stream_rpc_errors
@@ -12,6 +13,7 @@ from specdec.common.telemetry import setup_tracing
 from specdec.common.tls import BearerTokens
 from specdec.gateway import tracing
 from specdec.gateway.config import GatewayConfig
+from specdec.gateway.dataplane import DataPlaneSettings
 from specdec.gateway.info import server_info
 from specdec.gateway.response import stream_message
 from specdec.gateway.turn import Gateway
@@ -65,6 +67,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 yield message
 
 
+def data_plane_settings(config: GatewayConfig) -> DataPlaneSettings | None:
+    """How the gateway reaches the replicas' data ports: the replicas' TLS settings
+    (--replica-ca, --replica-cert/--replica-key, --replica-server-name); None under
+    --replica-transport grpc."""
+    if config.replica_transport != "dataplane":
+        return None
+    tls = config.replica_tls
+    if tls is None:
+        return DataPlaneSettings()
+    return DataPlaneSettings(tls=tls.ssl_context(), server_name=tls.server_name)
+
+
 def main(args: argparse.Namespace) -> None:
     """`specdec serve gateway`: config, logging, metrics, serve until SIGTERM."""
     config = GatewayConfig.from_args(args)
@@ -73,6 +87,7 @@ def main(args: argparse.Namespace) -> None:
 
     async def run() -> None:
         gateway = Gateway(config)  # grpc.aio channels bind to the running loop
+        gateway.fleet.data_plane = data_plane_settings(config)
 
         async def ready() -> None:
             if config.metrics_port:
@@ -107,7 +122,7 @@ def main(args: argparse.Namespace) -> None:
             await gateway.close()
 
     try:
-        asyncio.run(run())
+        uvloop.run(run())  # libuv's loop: grpc.aio runs on it, and the data plane is cheaper
     finally:
         if telemetry:
             telemetry.shutdown()  # flush the spans of the graceful stop
