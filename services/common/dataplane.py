@@ -211,6 +211,7 @@ class DataPlaneServer:
         if self.stopping:
             conn.reply_error(call.id, grpc.StatusCode.UNAVAILABLE, STOPPING)
             return
+        self.metrics.data_calls.labels(method=rpc).inc()
         context = contextvars.Context()
         context.run(
             self._start,

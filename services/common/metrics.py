@@ -82,6 +82,11 @@ class ReplicaMetrics:
             p + "data_plane_connections",
             "Open data-plane connections (gateways sending the round's calls without gRPC)",
         )
+        self.data_calls = Counter(
+            p + "data_plane_calls",
+            "Calls received on the data plane (also counted in requests by method and code)",
+            ["method"],
+        )
         self.forward_seconds = Histogram(
             p + "model_forward_seconds", "Model forward latency", ["kind"], buckets=LATENCY_BUCKETS
         )
