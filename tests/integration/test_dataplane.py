@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 import time
 import urllib.request
@@ -214,14 +215,22 @@ FORWARD_MS = 400.0
 
 
 @pytest.fixture(scope="module")
-def slow(tmp_path_factory):
+def standins(tmp_path_factory):
+    return build_standins(tmp_path_factory.mktemp("standins"), target_ms=FORWARD_MS)
+
+
+def slow_verifier(standins):
     """A stand-in verifier whose forward takes FORWARD_MS, one job at a time, at most one
     waiting (--max-queue 1), one forward per new token (--prefill-chunk 1: a call of 3
     tokens runs 3 forwards, and the data plane reads what arrived between them)."""
-    standins = build_standins(tmp_path_factory.mktemp("standins"), target_ms=FORWARD_MS)
-    proc = replica("verifier", standins.target, "--trust-remote-code", "true",
+    return replica("verifier", standins.target, "--trust-remote-code", "true",
                    "--max-queue", "1", "--max-batch-size", "1",
                    "--prefill-chunk", "1")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def slow(standins):
+    proc = slow_verifier(standins)
     try:
         proc.wait_healthy()
         yield proc
@@ -347,6 +356,31 @@ async def test_deadline_then_sigkill_fails_calls_with_unavailable(slow):
         assert "unreachable" in again.value.details
     finally:
         await transport.close()
+
+
+def test_sigterm_finishes_running_calls_and_refuses_new_ones(standins):
+    """SIGTERM while a call runs: a call sent afterwards is answered UNAVAILABLE "the
+    service is stopping", the running one is answered as usual, then the connection
+    closes and the process exits 0."""
+    proc = slow_verifier(standins)
+    try:
+        proc.wait_healthy()
+        sock, reader = raw_connection(data_port(proc))
+        with sock:
+            frame = lambda **kw: encode(dataplane_pb2.DataCall(**kw).SerializeToString())  # noqa: E731
+            sock.sendall(frame(id=1, verify=verify("s/term")))  # 3 forwards
+            time.sleep(0.2)
+            proc.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+            sock.sendall(frame(id=2, verify=verify("s/other")))
+            replies = {r.id: r for r in read_replies(sock, reader, 2)}
+            assert sock.recv(4096) == b""  # closed once nothing was in flight
+        assert replies[2].error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+        assert replies[2].error.message == "the service is stopping"
+        assert replies[1].verify.cached_length == 3
+        assert proc.proc.wait(30) == 0
+    finally:
+        proc.stop()
 
 
 # -- TLS ----------------------------------------------------------------------------------
