@@ -71,6 +71,13 @@ capacity, bad input) fails alone, before it joins a forward. A forward that rais
 the jobs in it (each drops its session cache, as unbatched). --max-batch-size 1 runs one
 job at a time to completion: the behaviour before batching (a branch group alone runs the
 model's own forward over its rows, as it did).
+
+Waking up. The loop sleeps in a selector (`Poller`), never on a condition variable: a
+`submit` from another thread (the gRPC servicers' event loop) wakes it through a socket
+pair, and sockets registered on `Scheduler.io` (the data plane's connections,
+specdec.common.dataplane) wake it directly, their callbacks running on the model thread
+itself. Between two forwards the loop polls the selector without blocking, so a call read
+from a socket joins the next forward.
 """
 
 from __future__ import annotations
@@ -78,6 +85,8 @@ from __future__ import annotations
 import contextvars
 import itertools
 import logging
+import selectors
+import socket
 import threading
 from collections import deque
 from collections.abc import Callable, Generator
@@ -168,12 +177,93 @@ class _Task:
     request: Request | None = None
 
 
+class Poller:
+    """A selector whose callbacks run on the thread that polls it (the model thread), and
+    a queue of calls for that thread.
+
+    register(fileobj, events, callback): callback(events_ready) runs on the polling thread
+    when fileobj is ready; register, modify and unregister only on that thread (or before
+    it polls: `call_soon` gets there from elsewhere). call_soon(fn) and wake() from any
+    thread.
+    """
+
+    def __init__(self) -> None:
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, self._drain)
+        self._calls: deque[Callable[[], None]] = deque()
+        self.thread: threading.Thread | None = None  # the polling thread, set when it polls
+
+    def register(self, fileobj, events: int, callback: Callable[[int], None]) -> None:
+        self._selector.register(fileobj, events, callback)
+
+    def modify(self, fileobj, events: int, callback: Callable[[int], None]) -> None:
+        self._selector.modify(fileobj, events, callback)
+
+    def unregister(self, fileobj) -> None:
+        self._selector.unregister(fileobj)
+
+    def on_thread(self) -> bool:
+        return threading.current_thread() is self.thread
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run fn on the polling thread at its next poll (any thread)."""
+        self._calls.append(fn)
+        self.wake()
+
+    def wake(self) -> None:
+        """Make the current or next select return at once (any thread)."""
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, InterruptedError):
+            pass  # the pair is full of wake-ups already
+        except OSError:
+            pass  # closed: the loop has ended
+
+    def _drain(self, _events: int) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+
+    def select(self, timeout: float | None) -> list:
+        """Wait for ready file objects (None: as long as it takes; 0: do not wait)."""
+        self.thread = threading.current_thread()
+        return self._selector.select(timeout)
+
+    def dispatch(self, events: list) -> None:
+        """Run the callbacks of `events`, then the queued calls (the polling thread)."""
+        for key, mask in events:
+            try:
+                key.data(mask)
+            except Exception:  # a callback's failure is its owner's; the loop goes on
+                log.exception("an I/O callback failed")
+        while self._calls:
+            fn = self._calls.popleft()
+            try:
+                fn()
+            except Exception:
+                log.exception("a call on the model thread failed")
+
+    def poll(self, timeout: float | None) -> None:
+        self.dispatch(self.select(timeout))
+
+    def close(self) -> None:
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+
 class Scheduler:
     """The model thread: admits jobs, batches their forwards (see the module docstring).
 
     run_batch(requests) runs one forward over the requests (a list of one: unbatched) and
     returns each one's logits; it is called in the context of the batch's oldest job.
     note_member(request, batch) is called in the context of every other job of a batch.
+    `io`: the selector the loop sleeps in (see Poller); its callbacks run on this thread.
     """
 
     def __init__(
@@ -188,11 +278,14 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.run_batch = run_batch
         self.note_member = note_member
-        self._cond = threading.Condition()
+        self.io = Poller()
+        self._lock = threading.Lock()
         self._waiting: deque[_Task] = deque()
         self._seq = itertools.count()
         self._stopped = False
+        self._sleeping = False  # the loop waits in io.select(None): a submit must wake it
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.io.thread = self._thread
         self._thread.start()
 
     # -- any thread ---------------------------------------------------------------------
@@ -206,19 +299,21 @@ class Scheduler:
         """Queue a job: start() runs on the model thread in `context` (a copy of the
         caller's when None) and returns a Job generator or a plain result."""
         task = _Task(next(self._seq), start, key, context or contextvars.copy_context())
-        with self._cond:
+        with self._lock:
             if self._stopped:
                 raise RuntimeError("the model thread is shut down")
             self._waiting.append(task)
-            self._cond.notify()
+            wake, self._sleeping = self._sleeping, False
+        if wake:
+            self.io.wake()
         return task.future
 
     def shutdown(self) -> None:
         """Stop the loop; jobs not started are cancelled (the running forward finishes)."""
-        with self._cond:
+        with self._lock:
             self._stopped = True
             waiting, self._waiting = list(self._waiting), deque()
-            self._cond.notify()
+        self.io.wake()
         for task in waiting:
             task.future.cancel()
 
@@ -226,32 +321,49 @@ class Scheduler:
 
     def _loop(self) -> None:
         active: list[_Task] = []  # started jobs waiting for a forward, oldest first
-        while True:
-            with self._cond:
-                while not self._waiting and not active and not self._stopped:
-                    self._cond.wait()
+        try:
+            while True:
+                self._poll(active)
                 if self._stopped:
                     break
-            self._admit(active)
-            if not active:
-                continue
-            batch = self._select(active)
-            requests = [t.request for t in batch]
-            try:
-                results = batch[0].context.run(self._run, requests)
-                error = None
-            except BaseException as e:  # the jobs in this forward get the error
-                results, error = [None] * len(batch), e
-            for task, result in zip(batch, results, strict=True):
-                active.remove(task)
-                if error is None and task is not batch[0] and self.note_member is not None:
-                    task.context.run(self.note_member, task.request, len(batch))
-                if self._step(task, result, error):
-                    active.append(task)
-            active.sort(key=lambda t: t.seq)
-        for task in active:
-            task.future.set_exception(RuntimeError("the model thread was shut down"))
-            task.job.close()
+                self._admit(active)
+                if not active:
+                    continue
+                self._forward(active)
+            for task in active:
+                task.future.set_exception(RuntimeError("the model thread was shut down"))
+                task.job.close()
+        finally:
+            self.io.close()
+
+    def _poll(self, active: list[_Task]) -> None:
+        """Run the I/O that is ready; sleep until some is (or a submit) when there is
+        nothing else to do."""
+        with self._lock:
+            idle = not active and not self._waiting and not self._stopped
+            self._sleeping = idle
+        events = self.io.select(None if idle else 0)
+        if idle:
+            with self._lock:
+                self._sleeping = False
+        self.io.dispatch(events)
+
+    def _forward(self, active: list[_Task]) -> None:
+        """One forward over the oldest requests that fit, then each job to its next step."""
+        batch = self._select(active)
+        requests = [t.request for t in batch]
+        try:
+            results = batch[0].context.run(self._run, requests)
+            error = None
+        except BaseException as e:  # the jobs in this forward get the error
+            results, error = [None] * len(batch), e
+        for task, result in zip(batch, results, strict=True):
+            active.remove(task)
+            if error is None and task is not batch[0] and self.note_member is not None:
+                task.context.run(self.note_member, task.request, len(batch))
+            if self._step(task, result, error):
+                active.append(task)
+        active.sort(key=lambda t: t.seq)
 
     def _run(self, requests: list[Request]) -> list[torch.Tensor]:
         if self.run_batch is None:
@@ -262,7 +374,7 @@ class Scheduler:
         """Start waiting jobs, oldest first, while fewer than max_batch_size are in flight;
         a job whose session already has one in flight waits for it."""
         while len(active) < self.max_batch_size:
-            with self._cond:
+            with self._lock:
                 busy = {t.key for t in active if t.key is not None}
                 task = next((t for t in self._waiting if t.key is None or t.key not in busy), None)
                 if task is None:

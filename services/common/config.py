@@ -77,6 +77,8 @@ class ReplicaConfig:
     max_batch_size: int = 16
     max_batch_tokens: int = 2048
     tls: Any = None  # specdec.common.tls.ServerTls, or None: plaintext
+    # The data plane's port (specdec.common.dataplane): 0 any free port, -1 none.
+    data_port: int = 0
 
     ROLE: ClassVar[str] = ""
 
@@ -96,6 +98,13 @@ class ReplicaConfig:
         add_setting(parser, "--host", "address to listen on", "0.0.0.0")
         add_setting(parser, "--port", "gRPC port (0: any free port)", default_port)
         add_setting(parser, "--metrics-port", "Prometheus /metrics port (0: off)", 0)
+        add_setting(
+            parser,
+            "--data-port",
+            "data plane port: the round's calls from gateways over one TCP connection each, "
+            "answered on the model thread (0: any free port, -1: off)",
+            0,
+        )
         add_setting(parser, "--max-cached-tokens", "KV cache bound over all sessions", 65536)
         add_setting(parser, "--max-draft-tokens", "largest draft length k accepted", 16)
         add_setting(parser, "--max-context", "context limit (0: the model's own)", 0)
@@ -177,8 +186,13 @@ class ReplicaConfig:
             max_batch_size=parse_value(args, "--max-batch-size", int, positive),
             max_batch_tokens=parse_value(args, "--max-batch-tokens", int, positive),
             tls=server_tls_from_args(args),
+            data_port=parse_value(args, "--data-port", int, _data_port),
             **cls.role_settings(args),
         )
+
+
+def _data_port(value: int) -> str | None:
+    return None if -1 <= value <= 65535 else "must be a port number, 0 (any free) or -1 (off)"
 
 
 def _check_device(value: str) -> str | None:

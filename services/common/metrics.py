@@ -31,6 +31,7 @@ import inspect
 import logging
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -77,6 +78,15 @@ class ReplicaMetrics:
             buckets=LATENCY_BUCKETS,
         )
         self.requests = Counter(p + "requests", "Requests answered", ["method", "code"])
+        self.data_connections = Gauge(
+            p + "data_plane_connections",
+            "Open data-plane connections (gateways sending the round's calls without gRPC)",
+        )
+        self.data_calls = Counter(
+            p + "data_plane_calls",
+            "Calls received on the data plane (also counted in requests by method and code)",
+            ["method"],
+        )
         self.forward_seconds = Histogram(
             p + "model_forward_seconds", "Model forward latency", ["kind"], buckets=LATENCY_BUCKETS
         )
@@ -199,6 +209,19 @@ class ReplicaObserver:
         a job (a generator of forward requests). key: the session (one job at a time each).
         on_done(future) runs once the job has ended or was cancelled before it started (also
         when it could not be submitted)."""
+        future = self.submit(scheduler, fn, *args, on_done=on_done, key=key)
+        return await asyncio.wrap_future(future)
+
+    def submit(
+        self,
+        scheduler,
+        fn: Callable[..., T],
+        *args,
+        on_done: Callable | None = None,
+        key: str | None = None,
+    ) -> Future:
+        """`run` without waiting: the job's concurrent.futures.Future (any thread; the data
+        plane submits from the model thread itself)."""
         m = self.metrics
         context = contextvars.copy_context()
         queued = time.perf_counter()
@@ -224,7 +247,7 @@ class ReplicaObserver:
         future.add_done_callback(lambda _: None if started else m.waiting.dec())
         if on_done is not None:
             future.add_done_callback(on_done)
-        return await asyncio.wrap_future(future)
+        return future
 
     def _job(self, fn: Callable[..., T], args: tuple, waited: float):
         """The job as a generator: its forward requests pass through (model thread, in the
@@ -341,45 +364,60 @@ def _request_attributes(runtime, request) -> dict[str, Any]:
     return attributes
 
 
+class CallRecord:
+    """One call served by a replica: counted in ``num_requests_running`` while it lasts,
+    traced as a SERVER span under the caller's trace context (``traceparent`` in `carrier`:
+    a grpc servicer context or a mapping), then counted in ``requests{method,code}`` by
+    `finish`. The operation's name is set in the current context for the forwards' kinds
+    (create and finish it in the same contextvars context). observed_rpc (gRPC) and the
+    data plane (specdec.common.dataplane) both record their calls with it."""
+
+    def __init__(self, runtime, service: str, method: str, request, carrier: Any):
+        self.method = method
+        self.metrics = ReplicaMetrics.for_role(runtime.config.role)
+        self._operation = _OPERATION.set(method)
+        self.metrics.running.inc()
+        attributes = _request_attributes(runtime, request) if telemetry.enabled() else None
+        self._span = telemetry.server_span(service, method, carrier, attributes)
+        self.span = self._span.__enter__()
+
+    def finish(self, code: grpc.StatusCode, message: str = "") -> None:
+        try:
+            telemetry.set_grpc_status(self.span, code, message)
+            self._span.__exit__(None, None, None)
+        finally:
+            self.metrics.running.dec()
+            self.metrics.requests.labels(method=self.method, code=code.name).inc()
+            _OPERATION.reset(self._operation)
+
+
 def observed_rpc(service: str):
     """Count a replica servicer method and trace it as a SERVER span (outermost decorator,
-    above serving.rpc_errors, whose aborts it reads the status code of)."""
+    above serving.rpc_errors, whose aborts it reads the status code of): a CallRecord."""
 
     def decorate(method):
         name = method.__name__
 
         @functools.wraps(method)
         async def wrapper(self, request, context):
-            m = ReplicaMetrics.for_role(self.runtime.config.role)
-            token = _OPERATION.set(name)
-            m.running.inc()
-            code = grpc.StatusCode.UNKNOWN
+            record = CallRecord(self.runtime, service, name, request, context)
+            code, message = grpc.StatusCode.UNKNOWN, ""
             try:
-                attributes = (
-                    _request_attributes(self.runtime, request) if telemetry.enabled() else None
-                )
-                with telemetry.server_span(service, name, context, attributes) as span:
-                    try:
-                        response = await method(self, request, context)
-                    except grpc.aio.AbortError:
-                        code = context.code() or grpc.StatusCode.UNKNOWN
-                        telemetry.set_grpc_status(span, code, context.details() or "")
-                        raise
-                    except asyncio.CancelledError:
-                        code = grpc.StatusCode.CANCELLED
-                        telemetry.set_grpc_status(span, code, "cancelled by the caller")
-                        raise
-                    except SpecdecError as e:
-                        code = e.code
-                        telemetry.set_grpc_status(span, code, str(e))
-                        raise
-                    code = grpc.StatusCode.OK
-                    telemetry.set_grpc_status(span, code)
-                    return response
+                response = await method(self, request, context)
+            except grpc.aio.AbortError:
+                code, message = context.code() or grpc.StatusCode.UNKNOWN, context.details() or ""
+                raise
+            except asyncio.CancelledError:
+                code, message = grpc.StatusCode.CANCELLED, "cancelled by the caller"
+                raise
+            except SpecdecError as e:
+                code, message = e.code, str(e)
+                raise
+            else:
+                code = grpc.StatusCode.OK
+                return response
             finally:
-                m.running.dec()
-                m.requests.labels(method=name, code=code.name).inc()
-                _OPERATION.reset(token)
+                record.finish(code, message)
 
         return wrapper
 

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
 from specdec.common.config import ReplicaConfig
+from specdec.common.dataplane import DataPlaneServer
 from specdec.common.errors import InvalidRequest, NotReady
 from specdec.common.logs import setup_logging
 from specdec.common.metrics import start_metrics_server
@@ -32,12 +36,36 @@ def check_session_id(session_id: str) -> None:
         raise InvalidRequest(f"session_id is longer than {MAX_SESSION_ID_LEN} characters")
 
 
+@dataclass(frozen=True)
+class ModelCall:
+    """A request validated for the model: the job to run on the model thread with its
+    arguments, the session whose jobs run one at a time in order, and how the job's
+    result becomes the response message. The gRPC methods and the data plane
+    (specdec.common.dataplane) both build and answer their calls through these."""
+
+    job: Callable[..., Any]
+    args: tuple
+    session: str
+    respond: Callable[[Any], Any]
+
+
 class ReplicaServicer:
-    """Info and Release, shared by DrafterService and VerifierService."""
+    """Info and Release, shared by DrafterService and VerifierService, and the model calls
+    of the role (`model_calls`)."""
 
     def __init__(self, runtime: ModelRuntime):
         self.runtime = runtime
         self.replica_id = runtime.config.replica_id
+        self.data_port = 0  # the data plane's port (specdec.common.dataplane); 0: none
+
+    def model_calls(self) -> dict[str, Callable[[Any], ModelCall]]:
+        """RPC name -> its request -> the validated ModelCall (raises SpecdecError)."""
+        return {}
+
+    async def answer(self, call: ModelCall) -> Any:
+        """Run a model call on the model thread (bounded by --max-queue) and respond."""
+        rt = self.runtime
+        return call.respond(await rt.run(call.job, *call.args, session=call.session))
 
     def on_port(self, port: int) -> None:
         if not self.replica_id:
@@ -76,6 +104,7 @@ class ReplicaServicer:
             chat_template=rt.chat_template,
             bos_token_id=rt.bos_token_id,
             special_tokens=rt.special_tokens,
+            data_port=self.data_port,
         )
         if request.include_tokenizer:
             info.tokenizer_json_zlib = rt.tokenizer_json
@@ -111,9 +140,18 @@ def run_replica(
         start_metrics_server(config.metrics_port, config.host)
     runtime = runtime_type(config)
     servicer = make_servicer(runtime)
+    data_plane = None
+    if config.data_port >= 0:
+        data_plane = DataPlaneServer(
+            servicer, service_name, config.host, config.data_port, config.tls
+        )
+        servicer.data_port = data_plane.port
 
     async def ready() -> None:
-        await runtime.run(runtime.load, bounded=False)
+        load = runtime.load
+        if data_plane is not None:  # answers "model is still loading" meanwhile
+            load = functools.partial(data_plane.while_loading, runtime.load)
+        await runtime.run(load, bounded=False)
 
     try:
         asyncio.run(
@@ -129,6 +167,7 @@ def run_replica(
                 on_port=servicer.on_port,
                 credentials=config.tls.credentials() if config.tls else None,
                 health_port=config.tls.health_port if config.tls else 0,
+                data_plane=data_plane,
             )
         )
     finally:

@@ -15,11 +15,13 @@ concurrent jobs of different sessions into one (see specdec.common.batching).
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import TypeVar
 
@@ -130,13 +132,19 @@ class ModelRuntime:
         ForwardRequests, see `forward_steps`): its forwards are batched with other jobs'.
         session: the session the call works on; its calls run one at a time, in order.
 
-        bounded: a request for the model (Draft, Verify, Speculate). When max_queue of them
-        already wait behind the running one, raise ReplicaBusy (RESOURCE_EXHAUSTED) at once
-        instead of queueing: the gateway tries a less loaded replica. Housekeeping calls
-        (load, Info, Release) pass bounded=False: never refused, and not counted.
+        bounded: a request for the model (Draft, Verify, Speculate), see `submit`.
+        Housekeeping calls (load, Info, Release) pass bounded=False: never refused, and not
+        counted.
         """
         if not bounded:
             return await self.obs.run(self.scheduler, fn, *args, key=session)
+        return await asyncio.wrap_future(self.submit(fn, *args, session=session))
+
+    def submit(self, fn: Callable[..., T], *args, session: str | None = None) -> Future:
+        """A request for the model, without waiting for it (any thread; the data plane
+        submits from the model thread itself): the job's future. When max_queue requests
+        already wait behind the running one, raise ReplicaBusy (RESOURCE_EXHAUSTED) at once
+        instead of queueing: the gateway tries a less loaded replica."""
         limit = self.config.max_queue
         with self._pending_lock:
             if self.pending > limit:
@@ -147,7 +155,7 @@ class ModelRuntime:
             self.pending += 1
         # The count drops when the job ends on the model thread (or is cancelled before it
         # started), not when a cancelled caller stops waiting for a job that still runs.
-        return await self.obs.run(self.scheduler, fn, *args, on_done=self._finished, key=session)
+        return self.obs.submit(self.scheduler, fn, *args, on_done=self._finished, key=session)
 
     def _finished(self, _future) -> None:
         with self._pending_lock:

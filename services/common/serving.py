@@ -13,6 +13,7 @@ import inspect
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -107,11 +108,18 @@ class RefuseMalformed(grpc.aio.ServerInterceptor):
         )
 
 
-async def _abort(context: grpc.aio.ServicerContext, method_name: str, e: Exception):
+def status_of(e: Exception, method_name: str) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a failed call answers: a SpecdecError's own, anything
+    else INTERNAL (logged with its traceback). The gRPC servicers (`rpc_errors`) and the
+    data plane (specdec.common.dataplane) both answer through it."""
     if isinstance(e, SpecdecError):
-        await context.abort(e.code, str(e))
+        return e.code, str(e)
     log.exception("unexpected error in %s", method_name, exc_info=e)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
+
+
+async def _abort(context: grpc.aio.ServicerContext, method_name: str, e: Exception):
+    await context.abort(*status_of(e, method_name))
 
 
 def rpc_errors(method):
@@ -146,6 +154,14 @@ def stream_rpc_errors(method):
             await _abort(context, method.__name__, e)
 
     return wrapper
+
+
+class DataPlane(Protocol):
+    """What `serve` needs of a replica's data plane (specdec.common.dataplane)."""
+
+    port: int
+
+    async def stop(self, grace: float) -> None: ...
 
 
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
@@ -186,6 +202,7 @@ async def serve(
     credentials: grpc.ServerCredentials | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     health_port: int = 0,
+    data_plane: DataPlane | None = None,
 ) -> None:
     """Run a service until SIGTERM/SIGINT.
 
@@ -193,6 +210,8 @@ async def serve(
     while the model loads; `ready()` then loads it and health turns SERVING.
     health_port: also serve the same health status, and nothing else, in plaintext on
     this port (probes that cannot speak the main port's TLS).
+    data_plane: a replica's data plane (specdec.common.dataplane), already listening: its
+    port is logged with the gRPC port's, and it stops gracefully beside the gRPC server.
     """
     server = grpc.aio.server(
         options=CHANNEL_OPTIONS, interceptors=[*interceptors, RefuseMalformed()]
@@ -226,6 +245,7 @@ async def serve(
             "grpc_service": service_name,
             "tls": bool(credentials),
             "health_port": health_port or None,
+            "data_port": data_plane.port if data_plane else None,
         },
     )
     if on_port:
@@ -251,7 +271,10 @@ async def serve(
         log.info("stopping", extra={"grace_seconds": grace_seconds})
     finally:
         await health_servicer.enter_graceful_shutdown()
-        await asyncio.gather(*(s.stop(grace_seconds) for s in servers))
+        stops = [s.stop(grace_seconds) for s in servers]
+        if data_plane is not None:
+            stops.append(data_plane.stop(grace_seconds))
+        await asyncio.gather(*stops)
         if on_stop:
             on_stop()
         log.info("stopped")

@@ -9,9 +9,12 @@ show in `ps`: flags and SPECDEC_* variables name paths.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hmac
 import logging
-from collections.abc import Iterable
+import os
+import ssl
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +33,26 @@ def _read(setting: str, path: str) -> bytes:
         return Path(path).read_bytes()
     except OSError as e:
         raise ConfigError(f"{setting} / {env_name(setting)}: cannot read {path!r}: {e}") from None
+
+
+@contextlib.contextmanager
+def pem_files(**pems: bytes) -> Iterator[dict[str, str]]:
+    """PEM bytes as paths for APIs that only read files (ssl's load_cert_chain, uvicorn):
+    anonymous in-memory files (memfd), which no signal or crash can leave behind on disk,
+    closed when the block ends (load them inside it). {name: path}."""
+    fds: list[int] = []
+    try:
+        paths = {}
+        for name, data in pems.items():
+            fd = os.memfd_create(f"specdec-{name}", os.MFD_CLOEXEC)
+            fds.append(fd)
+            with os.fdopen(fd, "wb", closefd=False) as f:
+                f.write(data)
+            paths[name] = f"/proc/self/fd/{fd}"
+        yield paths
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -51,6 +74,18 @@ class ServerTls:
             require_client_auth=self.client_ca is not None,
         )
 
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same as `credentials` for a plain TLS socket (the data plane): this
+        certificate, and client certificates required when client_ca is set."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        with pem_files(cert=self.cert, key=self.key) as paths:
+            context.load_cert_chain(paths["cert"], paths["key"])
+        if self.client_ca is not None:
+            context.verify_mode = ssl.CERT_REQUIRED
+            context.load_verify_locations(cadata=self.client_ca.decode())
+        return context
+
 
 @dataclass(frozen=True)
 class ClientTls:
@@ -65,6 +100,17 @@ class ClientTls:
         return grpc.ssl_channel_credentials(
             root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
         )
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same as `credentials` for a plain TLS socket (the data plane): trust `ca`
+        (the system's CAs without one), show `cert` when set. The name to check is the
+        caller's: server_name, else the address's host."""
+        context = ssl.create_default_context(cadata=self.ca.decode() if self.ca else None)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        if self.cert is not None and self.key is not None:
+            with pem_files(cert=self.cert, key=self.key) as paths:
+                context.load_cert_chain(paths["cert"], paths["key"])
+        return context
 
 
 def add_server_tls_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,16 +1,22 @@
-"""DrafterService: a thin servicer over specdec.drafter.proposer."""
+"""DrafterService: a thin servicer over specdec.drafter.proposer.
+
+Each method is a request -> validated model call (`draft_call`, `speculate_call`) and a
+result -> response function: the gRPC methods and the data plane
+(specdec.common.dataplane) both answer through them."""
 
 from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
+from typing import Any
 
 from specdec.common.config import MAX_FAN_OUT
 from specdec.common.convert import encoded_to_proto, prefix_from_proto
 from specdec.common.errors import InvalidRequest
 from specdec.common.metrics import observed_rpc
 from specdec.common.params import sampling_from_proto
-from specdec.common.replica import ReplicaServicer, run_replica
+from specdec.common.replica import ModelCall, ReplicaServicer, run_replica
 from specdec.common.runtime import ModelRuntime
 from specdec.common.serving import rpc_errors
 from specdec.drafter.config import DrafterConfig
@@ -37,28 +43,35 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             raise InvalidRequest(f"num_draft_tokens must be in [1, {limit}], got {k}")
         return k
 
+    def model_calls(self) -> dict[str, Callable[[Any], ModelCall]]:
+        return {"Draft": self.draft_call, "Speculate": self.speculate_call}
+
     @observed_rpc(SERVICE_NAME)
     @rpc_errors
     async def Draft(self, request: drafter_pb2.DraftRequest, context) -> drafter_pb2.DraftResponse:
+        return await self.answer(self.draft_call(request))
+
+    @observed_rpc(SERVICE_NAME)
+    @rpc_errors
+    async def Speculate(
+        self, request: drafter_pb2.SpeculateRequest, context
+    ) -> drafter_pb2.SpeculateResponse:
+        return await self.answer(self.speculate_call(request))
+
+    def draft_call(self, request: drafter_pb2.DraftRequest) -> ModelCall:
+        """A Draft request, validated, as the model call that answers it."""
         rt = self.ready_runtime()
         k = self._draft_length(request.num_draft_tokens)
         params = sampling_from_proto(request.sampling)
         prefix = prefix_from_proto(request.prefix)
         new_tokens = list(request.new_tokens)
         self.check_extent(request.session_id, prefix, new_tokens, k)
-        draft = await rt.run(
-            propose,
-            rt,
-            self.branches,
-            request.session_id,
-            prefix,
-            new_tokens,
-            k,
-            params,
-            session=request.session_id,
-        )
+        args = (rt, self.branches, request.session_id, prefix, new_tokens, k, params)
+        return ModelCall(propose, args, request.session_id, self._draft_response)
+
+    def _draft_response(self, draft) -> drafter_pb2.DraftResponse:
         if draft.prepared:
-            rt.obs.ssd_served()
+            self.runtime.obs.ssd_served()
         return drafter_pb2.DraftResponse(
             draft_tokens=draft.tokens,
             draft_probs=[encoded_to_proto(e) for e in draft.probs],
@@ -67,11 +80,8 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             prepared=draft.prepared,
         )
 
-    @observed_rpc(SERVICE_NAME)
-    @rpc_errors
-    async def Speculate(
-        self, request: drafter_pb2.SpeculateRequest, context
-    ) -> drafter_pb2.SpeculateResponse:
+    def speculate_call(self, request: drafter_pb2.SpeculateRequest) -> ModelCall:
+        """A Speculate request, validated, as the model call that answers it."""
         rt = self.ready_runtime()
         cfg = rt.config
         k_next = self._draft_length(request.num_draft_tokens)
@@ -98,8 +108,7 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
         params = sampling_from_proto(request.sampling)
         # A branch adds its next token and k_next drafts after the sequence.
         self.check_extent(request.session_id, prefix, new_tokens, k_next + 1)
-        result = await rt.run(
-            speculate,
+        args = (
             rt,
             self.branches,
             request.session_id,
@@ -112,9 +121,11 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             alpha,
             cfg.ssd_max_per_outcome,
             cfg.ssd_max_branch_tokens,
-            session=request.session_id,
         )
-        rt.obs.ssd_prepared(len(result.branches))
+        return ModelCall(speculate, args, request.session_id, self._speculate_response)
+
+    def _speculate_response(self, result) -> drafter_pb2.SpeculateResponse:
+        self.runtime.obs.ssd_prepared(len(result.branches))
         return drafter_pb2.SpeculateResponse(
             branches=[
                 drafter_pb2.SpeculatedBranch(

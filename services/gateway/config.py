@@ -28,6 +28,8 @@ from specdec.common.tls import (
 from specdec.gateway.discovery import parse_target
 from specdec.gateway.policy import FIXED, parse_policy
 
+REPLICA_TRANSPORTS = ("dataplane", "grpc")
+
 
 def _fan_out(value: int) -> str | None:
     return None if 0 <= value <= MAX_FAN_OUT else f"must be in [0, {MAX_FAN_OUT}]"
@@ -75,6 +77,9 @@ class GatewayConfig:
     tls: ServerTls | None = None  # TLS on the public port (client certificates optional)
     replica_tls: ClientTls | None = None  # TLS (mTLS with a certificate) to the replicas
     auth_tokens: frozenset[str] = frozenset()  # bearer tokens; empty: no token check
+    # How the round's calls reach a replica: "dataplane" (its data port when its Info has
+    # one, specdec.gateway.dataplane) or "grpc" (unary calls, specdec.gateway.transport).
+    replica_transport: str = "dataplane"
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,6 +119,14 @@ class GatewayConfig:
         add_replica_tls_arguments(parser)
         add_setting(
             parser,
+            "--replica-transport",
+            "how the round's calls (Draft, Speculate, Verify) reach the replicas: dataplane "
+            "(one TCP connection to each replica's data port, gRPC for a replica without "
+            "one) or grpc (unary gRPC calls)",
+            "dataplane",
+        )
+        add_setting(
+            parser,
             "--auth-tokens-file",
             "file of bearer tokens, one per line (a mounted Secret); empty: no token check",
             "",
@@ -148,6 +161,14 @@ class GatewayConfig:
             auth_tokens=read_tokens(args.auth_tokens_file)
             if args.auth_tokens_file
             else frozenset(),
+            replica_transport=parse_value(
+                args,
+                "--replica-transport",
+                str,
+                lambda v: (
+                    None if v in REPLICA_TRANSPORTS else f"must be one of {REPLICA_TRANSPORTS}"
+                ),
+            ),
         )
         if cfg.redis_url and not cfg.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(

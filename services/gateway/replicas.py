@@ -5,6 +5,11 @@ is up, else to the least loaded one (fewest requests in flight from this gateway
 whose call fails with UNAVAILABLE is taken out; a background probe puts it back once its
 health check answers SERVING and its Info still matches the pool.
 
+How a round's calls reach an admitted replica (`Replica.transport`): its data plane
+(specdec.gateway.dataplane) when its Info names a data port and the gateway allows it
+(--replica-transport dataplane, `Fleet.data_plane`), else unary gRPC calls on its channel;
+a replica whose data port does not answer at admission is used through gRPC.
+
 Membership is static (the addresses given) or discovered (discovery.py: DNS records or
 Kubernetes EndpointSlices). A discovered replica joins like one coming back: once its health
 check and Info pass; one that leaves is taken out at once, and its channel closes when its
@@ -24,8 +29,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.common.serving import CHANNEL_OPTIONS
 from specdec.gateway import metrics
+from specdec.gateway.dataplane import DataPlaneSettings, DataPlaneTransport
 from specdec.gateway.discovery import make_discovery
-from specdec.gateway.transport import GrpcTransport, Transport
+from specdec.gateway.transport import CallFailed, GrpcTransport, Transport
 from specdec.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -59,6 +65,12 @@ class Replica:
 
     def __repr__(self) -> str:
         return f"{self.role}@{self.address}"
+
+    @property
+    def host(self) -> str:
+        """The host of its gRPC address (brackets of an IPv6 address removed)."""
+        host = self.address.rpartition(":")[0]
+        return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 def _channel(
@@ -139,6 +151,7 @@ class ReplicaPool:
     async def _close_when_idle(replica: Replica, poll: float = 0.5) -> None:
         while replica.in_flight:  # its calls finish or fail over first
             await asyncio.sleep(poll)
+        await replica.transport.close()
         await replica.channel.close()
 
     def by_address(self, address: str | None) -> Replica | None:
@@ -188,6 +201,7 @@ class ReplicaPool:
     async def close(self) -> None:
         for task in list(self._closing):
             task.cancel()
+        await asyncio.gather(*(r.transport.close() for r in self.replicas))
         await asyncio.gather(*(r.channel.close() for r in self.replicas))
 
 
@@ -219,8 +233,11 @@ class Fleet:
         dns_interval: float = 5.0,
         credentials: grpc.ChannelCredentials | None = None,
         server_name: str = "",
+        data_plane: DataPlaneSettings | None = None,
     ):
         tls = {"credentials": credentials, "server_name": server_name}
+        # How to reach replicas' data ports (None: the round's calls use gRPC only).
+        self.data_plane = data_plane
         self.drafters = ReplicaPool("drafter", drafters, dns_interval=dns_interval, **tls)
         self.verifiers = ReplicaPool("verifier", verifiers, dns_interval=dns_interval, **tls)
         self._probe: asyncio.Task | None = None
@@ -275,12 +292,11 @@ class Fleet:
                 if not await pool.healthy(r):
                     continue
                 try:
-                    r.info = await pool.fetch_info(r)
+                    info = await pool.fetch_info(r)
                 except grpc.RpcError as e:
                     log.info("replica not ready", extra={"replica": r.address, "why": e.details()})
                     continue
-                r.up = True
-                pool._report()
+                await self._admit(r, info)
             if self._waiting_for():
                 if time.monotonic() > deadline:
                     raise TimeoutError(
@@ -330,9 +346,38 @@ class Fleet:
                     continue
                 if r not in self.pool(r.role).replicas:  # left while we asked
                     continue
-                r.info, r.up = info, True
-                self.pool(r.role)._report()
+                await self._admit(r, info)
                 log.info("replica in", extra={"replica": r.address, "role": r.role})
+
+    async def _admit(self, replica: Replica, info: common_pb2.ModelInfo) -> None:
+        """Serve through a replica whose health and Info passed: its transport first."""
+        replica.info = info
+        old, replica.transport = replica.transport, await self._transport(replica)
+        if old is not replica.transport:
+            await old.close()
+        replica.up = True
+        self.pool(replica.role)._report()
+
+    async def _transport(self, replica: Replica) -> Transport:
+        """The data plane when the replica has one and it answers, else gRPC."""
+        port = replica.info.data_port
+        if self.data_plane is not None and port:
+            data_plane = DataPlaneTransport(replica.host, port, self.data_plane)
+            try:
+                await data_plane.connect()
+            except CallFailed as e:
+                log.warning(
+                    "replica's data plane unreachable; its calls use gRPC",
+                    extra={"replica": replica.address, "role": replica.role, "why": e.details},
+                )
+            else:
+                log.info(
+                    "replica transport",
+                    extra={"replica": replica.address, "transport": "dataplane", "data_port": port},
+                )
+                return data_plane
+        log.info("replica transport", extra={"replica": replica.address, "transport": "grpc"})
+        return GrpcTransport(replica.stub)
 
     async def close(self) -> None:
         if self._probe:

@@ -29,6 +29,7 @@ from specdec.common.errors import InvalidRequest, SpecdecError
 from specdec.gateway import metrics
 from specdec.gateway.caller import Placement, ReplicaCaller
 from specdec.gateway.config import GatewayConfig
+from specdec.gateway.dataplane import DataPlaneSettings
 from specdec.gateway.loop import Speculator
 from specdec.gateway.policy import make_policy
 from specdec.gateway.replicas import Fleet
@@ -93,6 +94,18 @@ def replica_session_id(session_id: str | None) -> str:
     return "s/" + hashlib.blake2b(session_id.encode(), digest_size=16).hexdigest()
 
 
+def data_plane_settings(config: GatewayConfig) -> DataPlaneSettings | None:
+    """How the gateway reaches the replicas' data ports: the replicas' TLS settings
+    (--replica-ca, --replica-cert/--replica-key, --replica-server-name); None under
+    --replica-transport grpc."""
+    if config.replica_transport != "dataplane":
+        return None
+    tls = config.replica_tls
+    if tls is None:
+        return DataPlaneSettings()
+    return DataPlaneSettings(tls=tls.ssl_context(), server_name=tls.server_name)
+
+
 class Gateway:
     """Turns against the replica fleet and the session index."""
 
@@ -104,6 +117,7 @@ class Gateway:
             dns_interval=config.dns_interval,
             credentials=config.replica_tls.credentials() if config.replica_tls else None,
             server_name=config.replica_tls.server_name if config.replica_tls else "",
+            data_plane=data_plane_settings(config),
         )
         self.sessions = SessionIndex(config.redis_url, default_ttl=config.session_ttl)
         self.turns = TurnLocks(self.sessions)

@@ -1,14 +1,21 @@
-"""VerifierService: a thin servicer over specdec.verifier.scorer."""
+"""VerifierService: a thin servicer over specdec.verifier.scorer.
+
+Verify is a request -> validated model call (`verify_call`) and a result -> response
+function: the gRPC method and the data plane (specdec.common.dataplane) both answer
+through them."""
 
 from __future__ import annotations
 
 import argparse
+import functools
+from collections.abc import Callable
+from typing import Any
 
 from specdec.common.convert import decode_draft_probs, prefix_from_proto
 from specdec.common.errors import InvalidRequest
 from specdec.common.metrics import observed_rpc
 from specdec.common.params import sampling_from_proto
-from specdec.common.replica import ReplicaServicer, run_replica
+from specdec.common.replica import ModelCall, ReplicaServicer, run_replica
 from specdec.common.serving import rpc_errors
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 from specdec.verifier.config import VerifierConfig
@@ -18,11 +25,18 @@ SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_
 
 
 class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceServicer):
+    def model_calls(self) -> dict[str, Callable[[Any], ModelCall]]:
+        return {"Verify": self.verify_call}
+
     @observed_rpc(SERVICE_NAME)
     @rpc_errors
     async def Verify(
         self, request: verifier_pb2.VerifyRequest, context
     ) -> verifier_pb2.VerifyResponse:
+        return await self.answer(self.verify_call(request))
+
+    def verify_call(self, request: verifier_pb2.VerifyRequest) -> ModelCall:
+        """A Verify request, validated, as the model call that answers it."""
         rt = self.ready_runtime()
         draft_tokens = list(request.draft_tokens)
         k = len(draft_tokens)
@@ -44,18 +58,12 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
                 )
             draft_probs = decode_draft_probs(request.draft_probs, rt.vocab_size)  # [k, vocab]
         queue_depth = rt.pending  # the load this call waits behind (itself not counted yet)
-        verdict = await rt.run(
-            verify,
-            rt,
-            request.session_id,
-            prefix,
-            new_tokens,
-            draft_tokens,
-            draft_probs,
-            params,
-            session=request.session_id,
-        )
-        rt.obs.verified(k, verdict.accepted)
+        args = (rt, request.session_id, prefix, new_tokens, draft_tokens, draft_probs, params)
+        respond = functools.partial(self._verify_response, k, queue_depth)
+        return ModelCall(verify, args, request.session_id, respond)
+
+    def _verify_response(self, k: int, queue_depth: int, verdict) -> verifier_pb2.VerifyResponse:
+        self.runtime.obs.verified(k, verdict.accepted)
         return verifier_pb2.VerifyResponse(
             accepted_count=verdict.accepted,
             next_token=verdict.next_token,

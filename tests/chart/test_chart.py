@@ -450,3 +450,24 @@ def test_replica_threads_follow_the_cpu_request(cpu, threads):
     values["drafter"]["settings"] = {"SPECDEC_THREADS": "5"}
     c = container(find(objects(values), "Deployment", role_name("drafter")), "drafter")
     assert [e["value"] for e in c["env"] if e["name"] == "SPECDEC_THREADS"] == ["5"]
+
+
+def test_replica_data_ports_are_exposed_to_the_gateways_only():
+    """drafter/verifier.dataPort: the container port `data`, --data-port, the headless
+    Service, and the NetworkPolicy's gateway rule; 0 turns the data plane off."""
+    objs = objects()
+    for role, port in (("drafter", 50071), ("verifier", 50072)):
+        name = role_name(role)
+        c = container(find(objs, "Deployment", name), role)
+        assert {"name": "data", "containerPort": port, "protocol": "TCP"} in c["ports"]
+        assert env_of(c)["SPECDEC_DATA_PORT"] == str(port)
+        ports = {p["name"]: p for p in find(objs, "Service", name)["spec"]["ports"]}
+        assert ports["data"]["port"] == port and ports["data"]["targetPort"] == "data"
+        (rule,) = find(objs, "NetworkPolicy", name)["spec"]["ingress"]
+        assert {"port": port, "protocol": "TCP"} in rule["ports"]
+    off = objects({"drafter": {"dataPort": 0}})
+    c = container(find(off, "Deployment", role_name("drafter")), "drafter")
+    assert env_of(c)["SPECDEC_DATA_PORT"] == "-1"
+    assert "data" not in [p["name"] for p in c["ports"]]
+    service = find(off, "Service", role_name("drafter"))
+    assert "data" not in [p["name"] for p in service["spec"]["ports"]]

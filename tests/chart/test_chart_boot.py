@@ -14,6 +14,7 @@ binaries do not accept fails here.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from pathlib import Path
@@ -69,6 +70,8 @@ def test_rendered_deployments_serve_exact_generations(
     for role, port in ports.items():
         values.setdefault(role, {})["port"] = port
     values["gateway"]["metricsPort"] = free_port()
+    for role in ("drafter", "verifier"):
+        values[role]["dataPort"] = free_port()
     objs = objects(values)
     deployments = {r: find(objs, "Deployment", role_name(r)) for r in ports}
     models = {"drafter": test_models.draft_noisy, "verifier": test_models.target}
@@ -114,6 +117,11 @@ def test_rendered_deployments_serve_exact_generations(
             # the chart's default k (SPECDEC_DEFAULT_K in the example) reached the gateway
             got = client.generate(token_ids=ids, max_new_tokens=8)
             assert got.stats.num_draft_tokens == int(env["SPECDEC_DEFAULT_K"])
+        # the replicas' dataPort: the gateway connected to each pod's data port
+        transports = [json.loads(line) for line in gateway.lines if '"replica transport"' in line]
+        assert {(t["replica"], t["transport"]) for t in transports} == {
+            (f"127.0.0.1:{ports[role]}", "dataplane") for role in ("drafter", "verifier")
+        }
     finally:
         for p in reversed(procs):
             p.stop()

@@ -31,6 +31,7 @@ def test_replica_image_config(replica_image):
     env = image.env
     assert env["SPECDEC_MODEL"] == "/models"
     assert env["SPECDEC_PORT"] == {"drafter": "50061", "verifier": "50062"}[role]
+    assert env["SPECDEC_DATA_PORT"] == {"drafter": "50071", "verifier": "50072"}[role]
     for cache in ("HOME", "HF_HOME", "XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR"):
         assert env[cache].startswith("/tmp"), cache
     assert image.healthcheck["Test"] == ["CMD", "specdec-probe"]

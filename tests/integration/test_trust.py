@@ -252,3 +252,14 @@ def test_replica_server_name_checks_one_name_for_a_pool(
     finally:
         for p in procs:
             p.stop()
+
+
+def test_gateway_reaches_the_replicas_data_planes_over_mtls(stack):
+    """The gateway's data-plane connections to mTLS replicas: its replica CA, certificate
+    and key, the same as its gRPC channels (a failed TLS handshake would leave it on gRPC)."""
+    from tests.integration.test_dataplane import transports_logged
+
+    assert transports_logged(stack["gateway"]) == {
+        stack["drafter"].address: "dataplane",
+        stack["verifier"].address: "dataplane",
+    }

@@ -96,6 +96,11 @@ spec:
             - name: grpc
               containerPort: {{ $cfg.port }}
               protocol: TCP
+            {{- if $cfg.dataPort }}
+            - name: data
+              containerPort: {{ $cfg.dataPort }}
+              protocol: TCP
+            {{- end }}
             {{- if $cfg.metricsPort }}
             - name: metrics
               containerPort: {{ $cfg.metricsPort }}
@@ -131,6 +136,8 @@ spec:
               value: "0.0.0.0"
             - name: SPECDEC_PORT
               value: {{ $cfg.port | quote }}
+            - name: SPECDEC_DATA_PORT
+              value: {{ $cfg.dataPort | default -1 | quote }}
             - name: SPECDEC_REPLICA_ID
               value: "$(POD_NAME)"
             - name: SPECDEC_GRACE_SECONDS

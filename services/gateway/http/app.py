@@ -16,7 +16,6 @@ import contextlib
 import hmac
 import json
 import logging
-import os
 import time
 from ssl import CERT_REQUIRED
 from typing import Any
@@ -35,7 +34,7 @@ from starlette.types import Receive, Scope, Send
 from specdec.common import telemetry
 from specdec.common.errors import InvalidRequest, SpecdecError
 from specdec.common.serving import MAX_MESSAGE_BYTES
-from specdec.common.tls import ServerTls
+from specdec.common.tls import ServerTls, pem_files
 from specdec.gateway import tracing
 from specdec.gateway.http import api
 from specdec.gateway.http.chat import ChatTemplate, ChatTurn
@@ -455,38 +454,30 @@ class HttpServer:
     settings (--tls-cert/--tls-key, client certificates with --tls-client-ca)."""
 
     def __init__(self, app, host: str, port: int, grace_seconds: float, tls: ServerTls | None):
-        ssl: dict[str, Any] = {}
-        pem_fds: list[int] = []
+        pems: dict[str, bytes] = {}
         if tls is not None:
             # uvicorn reads PEM files: the bytes read at start-up go to anonymous in-memory
-            # files (memfd), which no signal or crash can leave behind on disk, and which
-            # are closed as soon as the TLS context below has loaded them.
-            def pem(name: str, data: bytes) -> str:
-                fd = os.memfd_create(f"specdec-http-{name}", os.MFD_CLOEXEC)
-                pem_fds.append(fd)
-                with os.fdopen(fd, "wb", closefd=False) as f:
-                    f.write(data)
-                return f"/proc/self/fd/{fd}"
-
-            ssl = {"ssl_certfile": pem("cert", tls.cert), "ssl_keyfile": pem("key", tls.key)}
+            # files (specdec.common.tls.pem_files) that the TLS context below loads.
+            pems = {"cert": tls.cert, "key": tls.key}
             if tls.client_ca:
-                ssl["ssl_ca_certs"] = pem("client-ca", tls.client_ca)
-                ssl["ssl_cert_reqs"] = CERT_REQUIRED
-        config = uvicorn.Config(
-            app,
-            host=host,
-            port=port,
-            log_config=None,
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=max(1, int(grace_seconds)),
-            **ssl,
-        )
-        try:
+                pems["client_ca"] = tls.client_ca
+        with pem_files(**pems) as paths:
+            ssl: dict[str, Any] = {}
+            if tls is not None:
+                ssl = {"ssl_certfile": paths["cert"], "ssl_keyfile": paths["key"]}
+            if "client_ca" in paths:
+                ssl.update(ssl_ca_certs=paths["client_ca"], ssl_cert_reqs=CERT_REQUIRED)
+            config = uvicorn.Config(
+                app,
+                host=host,
+                port=port,
+                log_config=None,
+                access_log=False,
+                lifespan="off",
+                timeout_graceful_shutdown=max(1, int(grace_seconds)),
+                **ssl,
+            )
             config.load()  # builds the TLS context now, from the PEM bytes
-        finally:
-            for fd in pem_fds:
-                os.close(fd)
         self.scheme = "https" if tls else "http"
         self.server = _Server(config)
         self.task: asyncio.Task | None = None

@@ -1,0 +1,50 @@
+from specdec.v1 import drafter_pb2 as _drafter_pb2
+from specdec.v1 import verifier_pb2 as _verifier_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DataCall(_message.Message):
+    __slots__ = ("id", "traceparent", "draft", "speculate", "verify", "cancel")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    SPECULATE_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    traceparent: str
+    draft: _drafter_pb2.DraftRequest
+    speculate: _drafter_pb2.SpeculateRequest
+    verify: _verifier_pb2.VerifyRequest
+    cancel: CancelCall
+    def __init__(self, id: _Optional[int] = ..., traceparent: _Optional[str] = ..., draft: _Optional[_Union[_drafter_pb2.DraftRequest, _Mapping]] = ..., speculate: _Optional[_Union[_drafter_pb2.SpeculateRequest, _Mapping]] = ..., verify: _Optional[_Union[_verifier_pb2.VerifyRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelCall, _Mapping]] = ...) -> None: ...
+
+class CancelCall(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DataReply(_message.Message):
+    __slots__ = ("id", "draft", "speculate", "verify", "error")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    SPECULATE_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    draft: _drafter_pb2.DraftResponse
+    speculate: _drafter_pb2.SpeculateResponse
+    verify: _verifier_pb2.VerifyResponse
+    error: CallError
+    def __init__(self, id: _Optional[int] = ..., draft: _Optional[_Union[_drafter_pb2.DraftResponse, _Mapping]] = ..., speculate: _Optional[_Union[_drafter_pb2.SpeculateResponse, _Mapping]] = ..., verify: _Optional[_Union[_verifier_pb2.VerifyResponse, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ...) -> None: ...
+
+class CallError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...

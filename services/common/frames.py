@@ -1,0 +1,85 @@
+"""The data plane's wire format (protos/specdec/v1/dataplane.proto), both ends' framing.
+
+A connection starts with PREFACE from each side (after the TLS handshake, if any), then
+carries frames: a 4-byte little-endian length, then that many bytes of a serialized
+DataCall (client to replica) or DataReply (replica to client). A frame longer than
+MAX_FRAME_BYTES, the gRPC message limit of every service, is a protocol error, and so is
+a wrong preface: the receiving side closes the connection. Torch-free (the gateway uses it).
+"""
+
+from __future__ import annotations
+
+import struct
+
+from specdec.common.serving import MAX_MESSAGE_BYTES
+
+PREFACE = b"SPECDEC/DATA/1\r\n"
+HEADER = struct.Struct("<I")  # the payload's length in bytes
+MAX_FRAME_BYTES = MAX_MESSAGE_BYTES
+
+
+class ProtocolError(Exception):
+    """The peer broke the protocol (wrong preface, oversized or unparsable frame): the
+    connection closes."""
+
+
+def encode(payload: bytes) -> bytes:
+    """A frame of `payload` (a serialized message)."""
+    if len(payload) > MAX_FRAME_BYTES:
+        raise ProtocolError(
+            f"a message of {len(payload)} bytes exceeds the data plane's {MAX_FRAME_BYTES}"
+        )
+    return HEADER.pack(len(payload)) + payload
+
+
+class FrameReader:
+    """Splits what one side receives into frame payloads: checks the peer's preface first
+    (byte by byte, so a wrong peer is refused on its first bytes), then returns each
+    complete frame's payload as it arrives, however the bytes were split into reads."""
+
+    def __init__(self, max_frame: int = MAX_FRAME_BYTES):
+        self.max_frame = max_frame
+        self._buffer = bytearray()
+        self._preface = 0  # bytes of the peer's preface received so far
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The payloads of the frames `data` completes (raises ProtocolError)."""
+        buffer = self._buffer
+        buffer += data
+        start = 0
+        if self._preface < len(PREFACE):
+            seen = min(len(buffer), len(PREFACE))
+            if buffer[:seen] != PREFACE[:seen]:
+                raise ProtocolError(
+                    f"the peer does not speak the data plane: it sent {bytes(buffer[:seen])!r}"
+                )
+            self._preface = seen
+            if seen < len(PREFACE):
+                return []
+            start = seen
+        frames = []
+        end = len(buffer)
+        while end - start >= HEADER.size:
+            (size,) = HEADER.unpack_from(buffer, start)
+            if size > self.max_frame:
+                raise ProtocolError(
+                    f"a frame of {size} bytes exceeds the data plane's {self.max_frame}"
+                )
+            stop = start + HEADER.size + size
+            if stop > end:
+                break
+            frames.append(bytes(buffer[start + HEADER.size : stop]))
+            start = stop
+        if start:
+            del buffer[:start]
+        return frames
+
+    @property
+    def preface_seen(self) -> bool:
+        """The peer's whole preface has arrived."""
+        return self._preface == len(PREFACE)
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received that do not make a complete frame yet."""
+        return len(self._buffer)
