@@ -88,6 +88,7 @@ import logging
 import selectors
 import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Generator
 from concurrent.futures import Future
@@ -195,6 +196,9 @@ class Poller:
         self._selector.register(self._wake_r, selectors.EVENT_READ, self._drain)
         self._calls: deque[Callable[[], None]] = deque()
         self.thread: threading.Thread | None = None  # the polling thread, set when it polls
+        # Run before every select, on the polling thread: writers flush what the last
+        # steps queued (the replies of one forward leave in one write per connection).
+        self.before_select: list[Callable[[], None]] = []
 
     def register(self, fileobj, events: int, callback: Callable[[int], None]) -> None:
         self._selector.register(fileobj, events, callback)
@@ -232,6 +236,8 @@ class Poller:
     def select(self, timeout: float | None) -> list:
         """Wait for ready file objects (None: as long as it takes; 0: do not wait)."""
         self.thread = threading.current_thread()
+        for hook in self.before_select:
+            hook()
         return self._selector.select(timeout)
 
     def dispatch(self, events: list) -> None:
@@ -273,9 +279,16 @@ class Scheduler:
         max_batch_tokens: int,
         run_batch: Callable[[list[Request]], list[torch.Tensor]] | None = None,
         note_member: Callable[[Request, int], None] | None = None,
+        max_batch_wait: float = 0.0,
     ):
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
+        # Gathering (see `_gathering`): seconds a forward may wait for sessions of the
+        # previous forward whose next request has not arrived yet (0: never waits).
+        self.max_batch_wait = max_batch_wait
+        self._expected: set[str] = set()  # sessions whose job ended in the last forward
+        self._last_forward = 0.0  # seconds the last forward took
+        self._gather_until: float | None = None  # the deadline of the current wait
         self.run_batch = run_batch
         self.note_member = note_member
         self.io = Poller()
@@ -327,7 +340,7 @@ class Scheduler:
                 if self._stopped:
                     break
                 self._admit(active)
-                if not active:
+                if not active or self._gathering(active):
                     continue
                 self._forward(active)
             for task in active:
@@ -348,21 +361,58 @@ class Scheduler:
                 self._sleeping = False
         self.io.dispatch(events)
 
+    def _gathering(self, active: list[_Task]) -> bool:
+        """Whether to hold the next forward a little longer (True: the loop polls again).
+
+        Sessions of a batch come back together: each one's next request (its next round)
+        leaves the gateway once that session's reply has been handled, so the replies of a
+        forward of n sessions return over a fraction of a millisecond. Running the forward
+        as soon as the first is back splits the sessions into two groups that then
+        alternate, every round of each waiting for the other's forward. So while a session
+        whose job ended in the last forward has not sent its next request, the forward
+        waits for it, for at most max_batch_wait and a quarter of the last forward's time
+        (a session that ended its request does not come back: it costs one such wait). A
+        session alone never waits: its own request is the one that is back.
+        """
+        if not self.max_batch_wait or not self._expected:
+            return False
+        with self._lock:
+            back = {t.key for t in active} | {t.key for t in self._waiting}
+        missing = self._expected - back
+        if not missing or len(active) >= self.max_batch_size:
+            self._gather_until = None
+            return False
+        now = time.perf_counter()
+        if self._gather_until is None:
+            self._gather_until = now + min(self.max_batch_wait, self._last_forward / 4)
+        if now >= self._gather_until:
+            self._expected.clear()  # late or gone: the next forward runs without them
+            self._gather_until = None
+            return False
+        self.io.dispatch(self.io.select(self._gather_until - now))  # a frame or a submit
+        return True
+
     def _forward(self, active: list[_Task]) -> None:
         """One forward over the oldest requests that fit, then each job to its next step."""
         batch = self._select(active)
         requests = [t.request for t in batch]
+        started = time.perf_counter()
         try:
             results = batch[0].context.run(self._run, requests)
             error = None
         except BaseException as e:  # the jobs in this forward get the error
             results, error = [None] * len(batch), e
+        self._last_forward = time.perf_counter() - started
+        self._gather_until = None
+        self._expected.clear()
         for task, result in zip(batch, results, strict=True):
             active.remove(task)
             if error is None and task is not batch[0] and self.note_member is not None:
                 task.context.run(self.note_member, task.request, len(batch))
             if self._step(task, result, error):
                 active.append(task)
+            elif task.key is not None:
+                self._expected.add(task.key)
         active.sort(key=lambda t: t.seq)
 
     def _run(self, requests: list[Request]) -> list[torch.Tensor]:

@@ -76,6 +76,9 @@ class ReplicaConfig:
     # padded tokens per forward (rows x longest input).
     max_batch_size: int = 16
     max_batch_tokens: int = 2048
+    # How long a forward may wait for the sessions of the previous one to come back
+    # (specdec.common.batching.Scheduler._gathering); never more than a quarter of a forward.
+    max_batch_wait_ms: float = 1.0
     tls: Any = None  # specdec.common.tls.ServerTls, or None: plaintext
     # The data plane's port (specdec.common.dataplane): 0 any free port, -1 none.
     data_port: int = 0
@@ -140,6 +143,14 @@ class ReplicaConfig:
             "bound on one batched forward: rows x the longest row's new tokens",
             2048,
         )
+        add_setting(
+            parser,
+            "--max-batch-wait-ms",
+            "how long a forward may wait for the sessions of the previous forward to send "
+            "their next request, so they stay in one batch (at most a quarter of a forward; "
+            "0: never wait)",
+            1.0,
+        )
         add_server_tls_arguments(parser)
         cls.add_role_arguments(parser)
 
@@ -185,6 +196,9 @@ class ReplicaConfig:
             prefill_chunk=parse_value(args, "--prefill-chunk", int, non_negative),
             max_batch_size=parse_value(args, "--max-batch-size", int, positive),
             max_batch_tokens=parse_value(args, "--max-batch-tokens", int, positive),
+            max_batch_wait_ms=parse_value(
+                args, "--max-batch-wait-ms", float, lambda v: None if v >= 0 else "must be >= 0"
+            ),
             tls=server_tls_from_args(args),
             data_port=parse_value(args, "--data-port", int, _data_port),
             **cls.role_settings(args),

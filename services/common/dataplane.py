@@ -45,7 +45,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from specdec.common.errors import NotReady
-from specdec.common.frames import PREFACE, FrameReader, ProtocolError, encode
+from specdec.common.frames import PREFACE, FrameReader, ProtocolError, encode, with_message
 from specdec.common.metrics import CallRecord, ReplicaMetrics
 from specdec.common.serving import status_of
 from specdec.v1 import dataplane_pb2
@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 
 # DataCall's oneof fields (and DataReply's) -> the RPC they stand for.
 METHODS = {"draft": "Draft", "speculate": "Speculate", "verify": "Verify"}
+# DataReply's field number of each (the response travels there, serialized once).
+REPLY_NUMBERS = {k: dataplane_pb2.DataReply.DESCRIPTOR.fields_by_name[k].number for k in METHODS}
 STOPPING = "the service is stopping"
 CANCELLED = "cancelled by the caller"
 READ_BYTES = 256 * 1024
@@ -95,7 +97,15 @@ class DataPlaneServer:
         self.stopping = False  # after stop(): new calls are UNAVAILABLE
         self.in_flight = 0  # calls queued or running on the model
         self._standby = False
+        self.unsent: set[_Connection] = set()  # connections with frames queued (send)
+        self.io.before_select.append(self._flush_unsent)
         self.io.call_soon(lambda: self.io.register(self.listener, _READ, self._accept))
+
+    def _flush_unsent(self) -> None:
+        """Write what the last steps queued, one write per connection (the polling thread,
+        before it polls)."""
+        while self.unsent:
+            self.unsent.pop().flush()
 
     # -- start-up and shutdown ------------------------------------------------------------
 
@@ -193,7 +203,7 @@ class DataPlaneServer:
         if self.stopping:
             conn.reply_error(call.id, grpc.StatusCode.UNAVAILABLE, STOPPING)
             return
-        self.metrics.data_calls.labels(method=rpc).inc()
+        self.metrics.child(self.metrics.data_calls, rpc).inc()
         context = contextvars.Context()
         context.run(
             self._start,
@@ -357,9 +367,8 @@ class _Connection:
             self.flush()
 
     def reply(self, call_id: int, kind: str, response) -> None:
-        reply = dataplane_pb2.DataReply(id=call_id)
-        getattr(reply, kind).CopyFrom(response)
-        self.send(encode(reply.SerializeToString()))
+        head = dataplane_pb2.DataReply(id=call_id).SerializeToString()
+        self.send(encode(with_message(head, REPLY_NUMBERS[kind], response.SerializeToString())))
 
     def reply_error(self, call_id: int, code: grpc.StatusCode, message: str) -> None:
         reply = dataplane_pb2.DataReply(
@@ -368,13 +377,15 @@ class _Connection:
         self.send(encode(reply.SerializeToString()))
 
     def send(self, data: bytes) -> None:
+        """Queue a frame; it leaves at the model thread's next poll, with every other frame
+        queued since (the replies of one batched forward in one write)."""
         if self.closed:
             return
         if self.tls is not None:
             self.tls.write(data)
             data = self.outgoing.read()
         self.out += data
-        self.flush()
+        self.server.unsent.add(self)
 
     def flush(self) -> None:
         while self.out:
@@ -383,6 +394,7 @@ class _Connection:
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as e:
+                self.out.clear()  # nothing more can leave on it
                 self.close(f"write failed: {e}")
                 return
             del self.out[:sent]
@@ -396,7 +408,12 @@ class _Connection:
         running are dropped."""
         if self.closed:
             return
+        if self.out:
+            self.flush()  # replies queued before the close still leave, when they can
+            if self.closed:
+                return
         self.closed = True
+        self.server.unsent.discard(self)
         self.io.unregister(self.sock)
         self.sock.close()
         self.server.connections.discard(self)

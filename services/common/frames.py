@@ -18,6 +18,26 @@ HEADER = struct.Struct("<I")  # the payload's length in bytes
 MAX_FRAME_BYTES = MAX_MESSAGE_BYTES
 
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def with_message(head: bytes, field: int, message: bytes) -> bytes:
+    """A serialized message `head` with one more field: the serialized sub-message
+    `message` as field number `field` (protobuf encodes a message as the concatenation of
+    its fields, so this is the message with that field set, without copying the
+    sub-message object into it)."""
+    return head + _varint(field << 3 | 2) + _varint(len(message)) + message
+
+
 class ProtocolError(Exception):
     """The peer broke the protocol (wrong preface, oversized or unparsable frame): the
     connection closes."""

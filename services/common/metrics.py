@@ -65,9 +65,18 @@ class ReplicaMetrics:
             cls._by_role[role] = cls(role)
         return cls._by_role[role]
 
+    def child(self, metric, *labels: str):
+        """metric.labels(*labels), kept: a label lookup costs more than the count."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
     def __init__(self, role: str):
         p = f"specdec_{role}_"
         self.role = role
+        self._children: dict = {}
         self.running = Gauge(p + "num_requests_running", "Requests being served (in flight)")
         self.waiting = Gauge(
             p + "num_requests_waiting", "Jobs queued for the model thread (queue depth)"
@@ -387,7 +396,7 @@ class CallRecord:
             self._span.__exit__(None, None, None)
         finally:
             self.metrics.running.dec()
-            self.metrics.requests.labels(method=self.method, code=code.name).inc()
+            self.metrics.child(self.metrics.requests, self.method, code.name).inc()
             _OPERATION.reset(self._operation)
 
 

@@ -57,6 +57,7 @@ class ModelRuntime:
             config.max_batch_tokens,
             run_batch=self._run_batch,
             note_member=self._note_member,
+            max_batch_wait=config.max_batch_wait_ms / 1e3,
         )
         # Model requests submitted and not finished (the running one included), and the
         # lock that guards the count: bounded by config.max_queue (backpressure, `run`).

@@ -35,6 +35,7 @@ __all__ = [
     "decode_probs",
     "encode_probs",
     "encoded_rows",
+    "greedy_verdict",
     "make_generator",
     "proposal_payload",
     "rejection_sample",
@@ -245,6 +246,16 @@ def round_trip(probs: torch.Tensor) -> tuple[EncodedProbs, torch.Tensor]:
     """
     enc = encode_probs(probs)
     return enc, decode_probs(enc, probs.shape[-1]).to(probs.device)
+
+
+def greedy_verdict(draft_tokens: Sequence[int], choices: Sequence[int]) -> tuple[int, int]:
+    """The rule under greedy decoding, on the host: accept draft tokens [k] while each is
+    the target's choice at its position (choices [k+1]: the target's argmax after each
+    prefix), then the target's choice. Returns (accepted_count, next_token): what
+    `rejection_sample` returns with greedy=True, for one sequence whose argmaxes the
+    caller copied to the host in one transfer."""
+    accepted = next((i for i, d in enumerate(draft_tokens) if d != choices[i]), len(draft_tokens))
+    return accepted, choices[accepted]
 
 
 def rejection_sample(

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from specdec.common.frames import PREFACE, FrameReader, ProtocolError, encode
+from specdec.common.frames import PREFACE, FrameReader, ProtocolError, encode, with_message
 from specdec.gateway.transport import CallFailed, Method
 from specdec.v1 import dataplane_pb2
 
@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 # Method -> the DataCall / DataReply oneof field that carries it.
 FIELDS = {Method.DRAFT: "draft", Method.SPECULATE: "speculate", Method.VERIFY: "verify"}
+# ... and its field number in DataCall (the request travels there, serialized once).
+NUMBERS = {m: dataplane_pb2.DataCall.DESCRIPTOR.fields_by_name[f].number for m, f in FIELDS.items()}
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -56,6 +58,7 @@ class _Protocol(asyncio.Protocol):
         self.pending: dict[int, tuple[asyncio.Future, Method]] = {}
         self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
         self.lost: str | None = None  # why the connection is gone; None while it is up
+        self.unsent: list[bytes] = []  # frames queued in this pass of the event loop
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -117,9 +120,19 @@ class _Protocol(asyncio.Protocol):
             if not future.done():
                 future.set_exception(error)
 
-    def send(self, call: dataplane_pb2.DataCall) -> None:
+    def send(self, call: bytes) -> None:
+        """Queue a frame; the frames of one pass of the event loop leave in one write at
+        its end (sessions resumed by one batch of replies send their next calls
+        together, and the replica reads them together)."""
         assert self.transport is not None
-        self.transport.write(encode(call.SerializeToString()))
+        if not self.unsent:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self.unsent.append(encode(call))
+
+    def _flush(self) -> None:
+        frames, self.unsent = self.unsent, []
+        if self.transport is not None and self.lost is None:
+            self.transport.write(b"".join(frames))
 
 
 class DataPlaneTransport:
@@ -196,12 +209,12 @@ class DataPlaneTransport:
                 grpc.StatusCode.UNAVAILABLE, f"data plane connection to {self.target}: {why}"
             )
         call_id = next(self._ids)
-        message = dataplane_pb2.DataCall(id=call_id, traceparent=traceparent or "")
-        getattr(message, FIELDS[method]).CopyFrom(request)
+        head = dataplane_pb2.DataCall(id=call_id, traceparent=traceparent or "")
+        frame = with_message(head.SerializeToString(), NUMBERS[method], request.SerializeToString())
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         protocol.pending[call_id] = (future, method)
-        protocol.send(message)
+        protocol.send(frame)
         timer = loop.call_later(timeout, self._expire, protocol, call_id, future)
         try:
             return await future
@@ -221,7 +234,11 @@ class DataPlaneTransport:
     @staticmethod
     def _cancel(protocol: _Protocol, call_id: int) -> None:
         if protocol.lost is None and protocol.transport is not None:
-            protocol.send(dataplane_pb2.DataCall(id=call_id, cancel=dataplane_pb2.CancelCall()))
+            protocol.send(
+                dataplane_pb2.DataCall(
+                    id=call_id, cancel=dataplane_pb2.CancelCall()
+                ).SerializeToString()
+            )
 
     async def close(self) -> None:
         self._closed = True

@@ -14,7 +14,13 @@ import torch
 from specdec.common.batching import ForwardRequest
 from specdec.common.host import to_host
 from specdec.common.runtime import ModelRuntime, Prefix
-from specdec.common.sampling import SamplingParams, make_generator, rejection_sample, warp
+from specdec.common.sampling import (
+    SamplingParams,
+    greedy_verdict,
+    make_generator,
+    rejection_sample,
+    warp,
+)
 
 # Salt of the verifier's random stream (the drafter uses "draft").
 VERIFY_SALT = "verify"
@@ -58,18 +64,21 @@ def _verify(runtime, session_id, prefix, new_tokens, draft_tokens, draft_probs, 
     target_logits = yield from runtime.forward_steps(
         session, [*new_tokens, *draft_tokens], keep=k + 1
     )  # [k+1, vocab]
-    drafts = torch.tensor([list(draft_tokens)], dtype=torch.long)  # [1, k]
     if params.greedy:
-        accepted, next_token = rejection_sample(drafts, None, target_logits[None], None, True)
+        # The target's choices [k+1], copied once; the rule on the host: accept while the
+        # draft token is the target's, then the target's token.
+        (choices,) = to_host(target_logits.argmax(dim=-1))  # the Verify's one copy
+        n, token = greedy_verdict(draft_tokens, choices.tolist())
     else:
+        drafts = torch.tensor([list(draft_tokens)], dtype=torch.long)  # [1, k]
         target_probs = warp(target_logits, params)[None]  # [1, k+1, vocab]
         position = prefix.length + len(new_tokens)  # index of d_1 in the sequence
         gen = make_generator(params.seed, VERIFY_SALT, position, runtime.device)
         accepted, next_token = rejection_sample(
             drafts, draft_probs[None].to(runtime.device), target_probs, gen, False
         )
-    (verdict,) = to_host(torch.cat([accepted, next_token]))  # the Verify's one copy
-    n, token = verdict.tolist()
+        (verdict,) = to_host(torch.cat([accepted, next_token]))  # the Verify's one copy
+        n, token = verdict.tolist()
     runtime.store.truncate(session, len(session.tokens) - (k - n))  # roll back rejected drafts
     return Verdict(
         accepted=n,

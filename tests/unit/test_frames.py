@@ -100,3 +100,21 @@ def test_encode_refuses_what_the_peer_would_refuse():
     assert MAX_FRAME_BYTES == 64 * 1024 * 1024  # the gRPC message limit of the services
     with pytest.raises(ProtocolError):
         encode(bytes(MAX_FRAME_BYTES + 1))
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 300, 70_000])
+def test_with_message_is_the_message_with_that_field_set(size):
+    """A DataCall built as its head plus the serialized request parses as the DataCall
+    built with the request set (whatever the request's length: 1-, 2- and 3-byte length
+    prefixes), and so does a DataReply."""
+    from specdec.common.frames import with_message
+    from specdec.v1 import dataplane_pb2, drafter_pb2, verifier_pb2
+
+    request = verifier_pb2.VerifyRequest(session_id="s/" + "x" * size, new_tokens=[1, 2, 3])
+    head = dataplane_pb2.DataCall(id=7, traceparent="00-ab-cd-01").SerializeToString()
+    built = dataplane_pb2.DataCall.FromString(with_message(head, 5, request.SerializeToString()))
+    assert built == dataplane_pb2.DataCall(id=7, traceparent="00-ab-cd-01", verify=request)
+    response = drafter_pb2.DraftResponse(draft_tokens=list(range(size % 50)), cached_length=9)
+    head = dataplane_pb2.DataReply(id=2**40).SerializeToString()
+    reply = dataplane_pb2.DataReply.FromString(with_message(head, 2, response.SerializeToString()))
+    assert reply == dataplane_pb2.DataReply(id=2**40, draft=response)

@@ -938,3 +938,18 @@ def test_negative_control_draft_alone_fails_the_check():
     target, draft = _setting("dense")
     tokens = _speculate(draft, draft, _verify_exact, 3, N_SAMPLES, seed=5)
     assert _check(_counts(tokens), _exact_joint(target))
+
+
+def test_greedy_verdict_is_rejection_sample_greedy():
+    """The host-side rule the verifier applies under greedy decoding gives what the
+    batched rule gives, on random drafts and targets (ties included: argmax's first)."""
+    from specdec.common.sampling import greedy_verdict
+
+    gen = torch.Generator().manual_seed(4)
+    for k in range(0, 6):
+        for _ in range(50):
+            logits = torch.randint(0, 3, (1, k + 1, 5), generator=gen).float()  # many ties
+            drafts = torch.randint(0, 5, (1, k), generator=gen)
+            accepted, nxt = rejection_sample(drafts, None, logits, None, True)
+            choices = logits[0].argmax(dim=-1).tolist()
+            assert greedy_verdict(drafts[0].tolist(), choices) == (int(accepted), int(nxt))

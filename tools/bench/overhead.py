@@ -15,10 +15,16 @@ Two runs of the same greedy requests:
   local stack of `specdec up`), the requests sent through the SDK, at each concurrency of
   ``--concurrency`` (that many sessions at once, each sending its requests in turn).
 
+A round's time is measured in the steady state: from the first round's end to the last
+round's end, over the rounds in between (the first round prefills the prompt; the request's
+own set-up and RPC are not a round's). In the stack that is the gateway's own clock
+(`Timings.total_ms - time_to_first_token_ms`), in-process the same span of the loop.
 Per round, ``overhead = stack time - in-process time`` of the same draft length. A round
 with SSD is compared with the in-process Verify plus the in-process Draft of the rounds
 that missed (a hit's draft was prepared while the verifier worked, so its drafting is off
-the critical path). The report also projects what the overhead keeps of speculation's
+the critical path). The k = 0 stack is also compared end to end (the client's clock,
+tokens per second) with `transformers`' `generate` on the same stand-in in this process:
+the target alone, as `specdec bench` measures every speedup. The report also projects what the overhead keeps of speculation's
 speedup at GPU step times (``--project``): with step T, draft cost ratio c (draft_ms /
 target_ms), E tokens per round and overhead o, plain speculation gives E T / (T (1 + k c)
 + o) against the target alone at T per token, SSD E T / (T (1 + m k c) + o) with m its
@@ -38,6 +44,7 @@ import contextlib
 import datetime as dt
 import json
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -47,17 +54,6 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-
-PROMPTS = [
-    "def fibonacci(n):",
-    "The quick brown fox",
-    "import numpy as np\n",
-    "Once upon a time, in a land far away,",
-    "for i in range(10):\n    print(",
-    "SELECT name FROM users WHERE",
-    "class Counter:\n    def __init__(self",
-    "A journey of a thousand miles",
-]
 
 
 @dataclass(frozen=True)
@@ -72,10 +68,13 @@ class Mode:
 
 @dataclass
 class Tally:
-    """Requests of one mode and concurrency: wall time, rounds, tokens, SSD outcomes."""
+    """Requests of one mode and concurrency: steady-state round time, tokens, SSD
+    outcomes, and the client's end-to-end time."""
 
     requests: int = 0
-    seconds: float = 0.0  # summed over requests (each request's own wall time)
+    steady_seconds: float = 0.0  # summed over requests: after the first round
+    steady_rounds: int = 0  # rounds after the first
+    wall_seconds: float = 0.0  # the client's clock, summed over requests
     rounds: int = 0
     tokens: int = 0
     draft_tokens: int = 0
@@ -85,25 +84,33 @@ class Tally:
     exact: bool = True
     per_request_ms_per_round: list[float] = field(default_factory=list)
 
-    def add(self, seconds: float, stats, tokens: int, exact: bool) -> None:
+    def add(self, wall: float, result, exact: bool) -> None:
+        s, t = result.stats, result.timings
+        steady = (t.total_ms - t.time_to_first_token_ms) / 1e3
         self.requests += 1
-        self.seconds += seconds
-        self.rounds += stats.rounds
-        self.tokens += tokens
-        self.draft_tokens += stats.draft_tokens
-        self.accepted_tokens += stats.accepted_tokens
-        self.ssd_hits += stats.ssd_hits
-        self.ssd_misses += stats.ssd_misses
+        self.wall_seconds += wall
+        self.steady_seconds += steady
+        self.steady_rounds += s.rounds - 1
+        self.rounds += s.rounds
+        self.tokens += len(result.tokens)
+        self.draft_tokens += s.draft_tokens
+        self.accepted_tokens += s.accepted_tokens
+        self.ssd_hits += s.ssd_hits
+        self.ssd_misses += s.ssd_misses
         self.exact &= exact
-        self.per_request_ms_per_round.append(seconds / stats.rounds * 1e3)
+        self.per_request_ms_per_round.append(steady / max(1, s.rounds - 1) * 1e3)
 
     @property
     def ms_per_round(self) -> float:
-        return self.seconds / self.rounds * 1e3
+        return self.steady_seconds / self.steady_rounds * 1e3
 
     @property
     def tokens_per_round(self) -> float:
         return self.tokens / self.rounds
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.wall_seconds
 
     @property
     def miss_share(self) -> float:
@@ -134,9 +141,10 @@ class InProcess:
         self.branches = BranchStore()
         self._sessions = 0
 
-    def generate(self, prompt: list[int], n: int, k: int) -> tuple[list[int], float, float, int]:
-        """Greedy speculation of n tokens at draft length k; returns (tokens, seconds spent
-        drafting, seconds spent verifying, rounds)."""
+    def generate(self, prompt: list[int], n: int, k: int) -> tuple[list[int], dict]:
+        """Greedy speculation of n tokens at draft length k: the tokens, and the steady
+        state (every round but the first): its seconds drafting and verifying, its rounds,
+        and its whole time."""
         from specdec.common.params import sampling_from_proto
         from specdec.common.prefix import PrefixChain
         from specdec.common.runtime import Prefix
@@ -148,8 +156,9 @@ class InProcess:
         self._sessions += 1
         session = f"r/inproc-{self._sessions}"
         ctx, chain, out = list(prompt), PrefixChain(), []
-        drafted = verified = 0.0
-        d_cached = v_cached = rounds = 0
+        steady = {"draft": 0.0, "verify": 0.0, "rounds": 0, "seconds": 0.0}
+        d_cached = v_cached = 0
+        first_end = None
         while len(out) < n:
             kk = min(k, n - len(out) - 1)
             draft: list[int] = []
@@ -167,22 +176,51 @@ class InProcess:
                 verify(self.verifier, session, prefix, ctx[v_cached:], draft, None, params)
             )
             t2 = time.perf_counter()
-            drafted, verified = drafted + (t1 - t0), verified + (t2 - t1)
             new = [*draft[: v.accepted], v.next_token]
             d_cached = min(d_cached, len(ctx) + v.accepted)
             v_cached = v.cached_length
             ctx += new
             out += new
-            rounds += 1
+            if first_end is None:
+                first_end = time.perf_counter()
+            else:
+                steady["draft"] += t1 - t0
+                steady["verify"] += t2 - t1
+                steady["rounds"] += 1
+        steady["seconds"] = time.perf_counter() - first_end
         self.drafter.release(session)
         self.verifier.release(session)
-        return out[:n], drafted, verified, rounds
+        return out[:n], steady
 
 
 def _runtime(config):
     from specdec.common.runtime import ModelRuntime
 
     return ModelRuntime(config)
+
+
+def _generate_tps(model_dir: Path, prompts, n: int, reference) -> float:
+    """`transformers` generate (greedy) on the stand-in target in this process, tokens per
+    second over the prompts: the target alone, the baseline of every specdec speedup. Its
+    output must be the in-process loop's (a check of both)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True).eval()
+    tokens, seconds = 0, 0.0
+    for ids in prompts:
+        x = torch.tensor([ids])
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n
+            )
+        seconds += time.perf_counter() - started
+        got = out[0, len(ids) :].tolist()
+        if got != reference[tuple(ids)]:
+            raise RuntimeError("generate() and the in-process loop differ on the stand-in")
+        tokens += len(got)
+    return tokens / seconds
 
 
 # -- the stack ----------------------------------------------------------------------------
@@ -205,11 +243,9 @@ def _run_stack_mode(
                     ids = prompts[(i + j) % len(prompts)]
                     started = time.perf_counter()
                     r = client.generate(token_ids=ids, max_new_tokens=n, k=mode.k, ssd=mode.ssd)
-                    seconds = time.perf_counter() - started
+                    wall = time.perf_counter() - started
                     with lock:
-                        tally.add(
-                            seconds, r.stats, len(r.tokens), list(r.tokens) == reference[tuple(ids)]
-                        )
+                        tally.add(wall, r, list(r.tokens) == reference[tuple(ids)])
         except BaseException as e:  # reported by the caller
             errors.append(e)
 
@@ -230,9 +266,7 @@ def _profiled(procs, out: Path, seconds: float, tag: str):
     spies = [
         subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "py_spy",
+                _py_spy(),
                 "record",
                 "--pid",
                 str(p.proc.pid),
@@ -259,6 +293,15 @@ def _profiled(procs, out: Path, seconds: float, tag: str):
             _, err = spy.communicate()
             if spy.returncode:
                 raise RuntimeError(f"py-spy failed: {err.decode()[-500:]}")
+
+
+def _py_spy() -> str:
+    """The py-spy binary (the dev extra installs it beside this interpreter)."""
+    beside = Path(sys.executable).with_name("py-spy")
+    found = str(beside) if beside.exists() else shutil.which("py-spy")
+    if not found:
+        raise RuntimeError("--profile needs py-spy (pip install py-spy; `make install` has it)")
+    return found
 
 
 def top_frames(path: Path, n: int = 15) -> dict:
@@ -297,6 +340,7 @@ def _frame(text: str) -> str:
 
 def run_overhead(args: argparse.Namespace) -> int:
     from specdec.tools.bench.cli import machine
+    from specdec.tools.bench.modes import load_prompts
     from specdec.tools.bench.standin import build_standins
     from specdec.tools.launcher import ServiceFailed
     from specdec.tools.stack import LocalStack
@@ -315,7 +359,7 @@ def run_overhead(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(models.target)
-    prompts = [tokenizer(p).input_ids for p in PROMPTS]
+    prompts = [tokenizer(p.text).input_ids for p in load_prompts(None) if p.text]
 
     print(
         f"in-process: stand-ins of {args.target_ms} ms (target) and {args.draft_ms} ms (draft)",
@@ -324,30 +368,31 @@ def run_overhead(args: argparse.Namespace) -> int:
     local = InProcess(models.draft, models.target)
     reference: dict[tuple, list[int]] = {}
     inproc: dict[int, dict] = {}
+    some = prompts[: max(1, min(len(prompts), args.in_process_prompts))]
     for k in sorted({m.k for m in modes}):
-        rounds = 0
-        drafted = verified = seconds = 0.0
-        passes = max(1, args.requests)
-        for p in range(passes):
-            for ids in prompts[: max(1, min(len(prompts), args.in_process_prompts))]:
-                started = time.perf_counter()
-                out, d, v, r = local.generate(ids, n, k)
-                seconds += time.perf_counter() - started
-                drafted, verified, rounds = drafted + d, verified + v, rounds + r
+        total = {"draft": 0.0, "verify": 0.0, "rounds": 0, "seconds": 0.0}
+        for p in range(max(1, args.requests)):
+            for ids in some:
+                out, steady = local.generate(ids, n, k)
+                for key in total:
+                    total[key] += steady[key]
                 if k == 0 and p == 0:
                     reference[tuple(ids)] = out
                 elif k and out != reference.get(tuple(ids), out):
                     raise RuntimeError(f"in-process k={k} differs from k=0 (a bug in the loop)")
+        rounds = total["rounds"]
         inproc[k] = {
-            "ms_per_round": seconds / rounds * 1e3,
-            "draft_ms_per_round": drafted / rounds * 1e3,
-            "verify_ms_per_round": verified / rounds * 1e3,
+            "ms_per_round": total["seconds"] / rounds * 1e3,
+            "draft_ms_per_round": total["draft"] / rounds * 1e3,
+            "verify_ms_per_round": total["verify"] / rounds * 1e3,
             "rounds": rounds,
         }
         print(f"  k={k}: {inproc[k]['ms_per_round']:.3f} ms/round", flush=True)
     for ids in prompts:  # every prompt's reference (the target alone, in-process)
         if tuple(ids) not in reference:
             reference[tuple(ids)] = local.generate(ids, n, 0)[0]
+    generate_tps = _generate_tps(models.target, some, n, reference)
+    print(f"  transformers generate: {generate_tps:.1f} tokens/s", flush=True)
 
     stack_args = argparse.Namespace(
         draft_model=str(models.draft), target_model=str(models.target), draft_gguf_file=None,
@@ -368,6 +413,7 @@ def run_overhead(args: argparse.Namespace) -> int:
                 for m in modes:
                     tally = _run_stack_mode(address, m, prompts, n, c, args.requests, reference)
                     row = _row(m, c, tally, inproc, args)
+                    row["vs_generate"] = round(row["tokens_per_second"] / generate_tps, 4)
                     results[f"{m.name} c={c}"] = row
                     print(
                         f"  {m.name:<9} c={c}: {row['ms_per_round']:.3f} ms/round, overhead "
@@ -399,6 +445,7 @@ def run_overhead(args: argparse.Namespace) -> int:
             "max_new_tokens": n,
             "requests_per_session": args.requests,
             "in_process": inproc,
+            "generate_tokens_per_second": round(generate_tps, 3),
         },
         "modes": results,
         "projections": _projections(results, args, project),
@@ -431,6 +478,7 @@ def _row(m: Mode, c: int, t: Tally, inproc: dict, args) -> dict:
         "acceptance_rate": round(t.accepted_tokens / t.draft_tokens, 4) if t.draft_tokens else None,
         "ssd_hit_rate": round(1 - t.miss_share, 4) if m.ssd else None,
         "vs_in_process": round(ideal / t.ms_per_round, 4),
+        "tokens_per_second": round(t.tokens_per_second, 3),
         "exact": t.exact,
     }
 
@@ -464,10 +512,12 @@ def render(result: dict) -> str:
         f"`{meta['command']}` on {meta['date'][:10]}: {meta['machine']['cpu']} "
         f"({meta['machine']['cpus']} CPUs). Stand-in forwards of {meta['target_ms']} ms (target) "
         f"and {meta['draft_ms']} ms (draft), acceptance {meta['acceptance']:.0%} by "
-        f"construction, greedy, {meta['max_new_tokens']} tokens per request.",
+        f"construction, greedy, {meta['max_new_tokens']} tokens per request. Rounds in the "
+        "steady state (after the first); `transformers` generate on the same stand-in in "
+        f"one process: {meta['generate_tokens_per_second']:.1f} tokens/s.",
         "",
-        "| mode | sessions | ms / round | in-process | overhead ms | stack / in-process | tokens / round | SSD hits | exact |",
-        "| --- | --: | --: | --: | --: | --: | --: | --: | --- |",
+        "| mode | sessions | ms / round | in-process | overhead ms | stack / in-process | tokens / round | SSD hits | tokens/s | vs generate | exact |",
+        "| --- | --: | --: | --: | --: | --: | --: | --: | --: | --: | --- |",
     ]  # fmt: skip
     for name, r in result["modes"].items():
         hits = "" if r["ssd_hit_rate"] is None else f"{r['ssd_hit_rate']:.0%}"
@@ -475,6 +525,7 @@ def render(result: dict) -> str:
             f"| {name.rsplit(' c=', 1)[0]} | {r['concurrency']} | {r['ms_per_round']:.3f} | "
             f"{r['in_process_ms_per_round']:.3f} | {r['overhead_ms']:.3f} | "
             f"{r['vs_in_process']:.2f}x | {r['tokens_per_round']:.2f} | {hits} | "
+            f"{r['tokens_per_second']:.1f} | {r['vs_generate']:.2f}x | "
             f"{'yes' if r['exact'] else 'NO'} |"
         )
     lines += [

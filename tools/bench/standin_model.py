@@ -32,7 +32,7 @@ import time
 import torch
 from torch import nn
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 SPIN_MS = 0.2  # the end of a wait spins: sleep alone overshoots by 50-100 us on Linux
 LOGIT = 20.0  # the next token's logit; every other token's is 0 but the runner-up's
@@ -76,38 +76,54 @@ def wait(ms: float) -> None:
         pass
 
 
+PERIOD = 64  # the next token depends on the position modulo this
+
+
+class _DecoderOutput:
+    """The decoder's output: what the runtime's batched path reads (a transformers
+    ModelOutput costs more Python than the rest of this model's forward)."""
+
+    __slots__ = ("last_hidden_state", "past_key_values")
+
+    def __init__(self, last_hidden_state, past_key_values):
+        self.last_hidden_state = last_hidden_state
+        self.past_key_values = past_key_values
+
+
 class StandinModel(PreTrainedModel):
-    """The decoder: waits forward_ms, returns a one-hot hidden state of the next token."""
+    """The decoder: waits forward_ms, returns LOGIT on the next token and SECOND_LOGIT on
+    the runner-up as its hidden state (the output layer is the identity)."""
 
     config_class = StandinConfig
     base_model_prefix = "model"
 
     def __init__(self, config: StandinConfig):
         super().__init__(config)
-        self._allowed: torch.Tensor | None = None  # made on first use (loading is on meta)
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None  # made on first use
         self.post_init()
 
     def _init_weights(self, module) -> None:
         pass
 
-    def next_tokens(
-        self, input_ids: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The likeliest token after input_ids [b, n] at positions [b, n], and the second
-        likeliest: ([b, n], [b, n]). The target's rule is a function of the token and its
-        position; a drafter (disagree > 0) puts the target's token second at a
-        pseudo-random share `disagree` of positions and the following allowed token first,
-        as a real drafter whose miss is usually its runner-up."""
-        if self._allowed is None or self._allowed.device != input_ids.device:
-            self._allowed = torch.tensor(self.config.allowed_ids, device=input_ids.device)
-        n = self._allowed.numel()
-        target = (input_ids * 7 + positions * 13 + 5) % n
-        other = (target + 1) % n
-        if self.config.disagree > 0:
-            h = (positions * 2654435761 + 12345) % 4294967296
-            wrong = h < int(self.config.disagree * 4294967296)
-            target, other = torch.where(wrong, other, target), torch.where(wrong, target, other)
-        return self._allowed[target], self._allowed[other]
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """[PERIOD, vocab] each: the likeliest and the second likeliest token after a token
+        at a position (modulo PERIOD). The target's is a fixed function of both; a drafter
+        (disagree > 0) puts the target's token second at a pseudo-random share `disagree`
+        of positions and the following allowed token first, as a real drafter whose miss is
+        usually its runner-up."""
+        if self._tables is None or self._tables[0].device != device:
+            allowed = torch.tensor(self.config.allowed_ids)
+            n = allowed.numel()
+            position = torch.arange(PERIOD)[:, None]  # [P, 1]
+            token = torch.arange(self.config.vocab_size)[None, :]  # [1, V]
+            target = (token * 7 + position * 13 + 5) % n  # [P, V]
+            other = (target + 1) % n
+            if self.config.disagree > 0:
+                h = (position * 2654435761 + 12345) % 4294967296
+                wrong = h < int(self.config.disagree * 4294967296)  # [P, 1]
+                target, other = torch.where(wrong, other, target), torch.where(wrong, target, other)
+            self._tables = (allowed[target].to(device), allowed[other].to(device))
+        return self._tables
 
     def forward(
         self,
@@ -117,7 +133,7 @@ class StandinModel(PreTrainedModel):
         past_key_values=None,
         use_cache: bool | None = True,
         **kwargs,
-    ) -> BaseModelOutputWithPast:
+    ) -> _DecoderOutput:
         b, n = input_ids.shape
         if position_ids is None:
             past = past_key_values.get_seq_length() if past_key_values is not None else 0
@@ -126,11 +142,12 @@ class StandinModel(PreTrainedModel):
             slots = input_ids[:, None, :, None].float()  # [b, 1, n, 1]
             past_key_values.update(slots, slots, 0)
         wait(self.config.forward_ms)
-        first, second = self.next_tokens(input_ids, position_ids)  # [b, n] each
-        vocab = self.config.vocab_size
-        hidden = nn.functional.one_hot(first, vocab).float() * LOGIT
-        hidden += nn.functional.one_hot(second, vocab).float() * SECOND_LOGIT
-        return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
+        first, second = self.tables(input_ids.device)
+        row = position_ids % PERIOD
+        hidden = input_ids.new_zeros((b, n, self.config.vocab_size), dtype=torch.float32)
+        hidden.scatter_(-1, second[row, input_ids][..., None], SECOND_LOGIT)
+        hidden.scatter_(-1, first[row, input_ids][..., None], LOGIT)
+        return _DecoderOutput(hidden, past_key_values)
 
 
 class StandinForCausalLM(PreTrainedModel, GenerationMixin):
