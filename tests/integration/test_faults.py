@@ -10,7 +10,7 @@ import time
 import pytest
 
 from specdec.gateway.sessions import SessionIndex
-from specdec.sdk import Client
+from specdec.sdk import AsyncClient, Client
 from specdec.tools.launcher import ServiceProcess
 from specdec.tools.redisproc import RedisProcess
 from tests.conftest import PROMPTS
@@ -231,3 +231,54 @@ def test_gateway_killed_between_turns(stack, redis_server, tokenizer, reference)
     assert list(t1.tokens) == reference(p1, 10)
     assert list(t2.tokens) == reference([*p1, *t1.tokens, *p2], 10)
     assert t2.usage.history_tokens == len(p1) + 10
+
+
+def test_failover_under_load_is_exact(test_models, redis_server, tokenizer, reference):
+    """Two drafters and two verifiers, eight sessions generating at once (plain
+    speculation and SSD, some continuing a session), one replica of each role SIGKILLed
+    mid-run: no request fails, and every output equals generate()'s (issue 20)."""
+    drafters = [replica("drafter", test_models.draft_noisy) for _ in range(2)]
+    verifiers = [replica("verifier", test_models.target) for _ in range(2)]
+    procs = [*drafters, *verifiers]
+    try:
+        for p in procs:
+            p.wait_healthy()
+        g = gateway(drafters, verifiers, redis_server.url)
+        procs.append(g)
+        g.wait_healthy()
+        n = 160
+        jobs = [
+            (ids_of(tokenizer, PROMPTS[i % len(PROMPTS)]), {"ssd": i % 2 == 1, "k": 2 + i % 3})
+            for i in range(8)
+        ]
+        for i in (0, 3, 6):
+            jobs[i][1]["session_id"] = f"load-kill-{i}"
+        started = asyncio.Event()
+
+        async def one(ids, kw):
+            async with AsyncClient(g.address, timeout=300) as client:
+                tokens = []
+                async for chunk in client.stream(token_ids=ids, max_new_tokens=n, **kw):
+                    tokens += chunk.tokens
+                    if len(tokens) >= 8:
+                        started.set()
+                    if chunk.final is not None:
+                        return chunk.final
+
+        async def run():
+            tasks = [asyncio.ensure_future(one(ids, kw)) for ids, kw in jobs]
+            await asyncio.wait_for(started.wait(), 300)
+            await asyncio.sleep(0.2)  # every session is under way
+            drafters[0].kill()
+            verifiers[1].kill()
+            return await asyncio.gather(*tasks)  # a failed request raises here
+
+        finals = asyncio.run(run())
+        for (ids, _), final in zip(jobs, finals, strict=True):
+            assert list(final.tokens) == reference(ids, n)
+        tail = g.tail(800)
+        assert "replica taken out" in tail  # the killed replicas were failed over
+        assert sum(f.stats.cache_misses for f in finals) > 0  # some sessions resent
+    finally:
+        for p in procs:
+            p.stop()
