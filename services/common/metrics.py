@@ -275,14 +275,15 @@ class ReplicaObserver:
             raise
         finally:
             self._refresh_cache_gauges()
-            telemetry.annotate(
-                specdec__queue_wait_ms=round(waited * 1e3, 3),
-                specdec__cache__result=job.cache,
-                specdec__cache__prefix_tokens=job.prefix_tokens,
-                specdec__cache__rollback_tokens=job.rollback_tokens,
-                specdec__forwards=job.forwards,
-                specdec__tokens_fed=job.tokens_fed,
-            )
+            if telemetry.enabled():
+                telemetry.annotate(
+                    specdec__queue_wait_ms=round(waited * 1e3, 3),
+                    specdec__cache__result=job.cache,
+                    specdec__cache__prefix_tokens=job.prefix_tokens,
+                    specdec__cache__rollback_tokens=job.rollback_tokens,
+                    specdec__forwards=job.forwards,
+                    specdec__tokens_fed=job.tokens_fed,
+                )
 
     def _refresh_cache_gauges(self) -> None:
         store = self.runtime.store
