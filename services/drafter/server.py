@@ -37,10 +37,11 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
         self.branches.forget(session_id)
         return super().release(session_id)
 
-    def _draft_length(self, k: int) -> int:
+    def _k(self, k: int, field: str = "num_draft_tokens") -> int:
+        """A draft length k from the request's `field`, within [1, --max-draft-tokens]."""
         limit = self.ready_runtime().config.max_draft_tokens
         if not 1 <= k <= limit:
-            raise InvalidRequest(f"num_draft_tokens must be in [1, {limit}], got {k}")
+            raise InvalidRequest(f"{field} must be in [1, {limit}], got {k}")
         return k
 
     def model_calls(self) -> dict[str, Callable[[Any], ModelCall]]:
@@ -61,7 +62,7 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
     def draft_call(self, request: drafter_pb2.DraftRequest) -> ModelCall:
         """A Draft request, validated, as the model call that answers it."""
         rt = self.ready_runtime()
-        k = self._draft_length(request.num_draft_tokens)
+        k = self._k(request.num_draft_tokens)
         params = sampling_from_proto(request.sampling)
         prefix = prefix_from_proto(request.prefix)
         new_tokens = list(request.new_tokens)
@@ -84,18 +85,14 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
         """A Speculate request, validated, as the model call that answers it."""
         rt = self.ready_runtime()
         cfg = rt.config
-        k_next = self._draft_length(request.num_draft_tokens)
-        draft_length = request.draft_length
-        if not 1 <= draft_length <= cfg.max_draft_tokens:
-            raise InvalidRequest(
-                f"draft_length must be in [1, {cfg.max_draft_tokens}], got {draft_length}"
-            )
+        branch_k = self._k(request.num_draft_tokens)  # the prepared drafts' length
+        k = self._k(request.draft_length, "draft_length")  # the draft under verification
         new_tokens = list(request.new_tokens)
         prefix = prefix_from_proto(request.prefix)
-        if prefix.length + len(new_tokens) < draft_length + 1:
+        if prefix.length + len(new_tokens) < k + 1:
             raise InvalidRequest(
                 f"the sequence must hold the draft and the token before it: at least "
-                f"{draft_length + 1} tokens, got {prefix.length + len(new_tokens)}"
+                f"{k + 1} tokens, got {prefix.length + len(new_tokens)}"
             )
         fan_out = request.fan_out or cfg.ssd_fan_out
         if fan_out > MAX_FAN_OUT:
@@ -106,16 +103,16 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             if not (math.isfinite(alpha) and 0.0 <= alpha <= 1.0):
                 raise InvalidRequest(f"acceptance_rate must be in [0, 1], got {alpha}")
         params = sampling_from_proto(request.sampling)
-        # A branch adds its next token and k_next drafts after the sequence.
-        self.check_extent(request.session_id, prefix, new_tokens, k_next + 1)
+        # A branch adds its next token and branch_k drafts after the sequence.
+        self.check_extent(request.session_id, prefix, new_tokens, branch_k + 1)
         args = (
             rt,
             self.branches,
             request.session_id,
             prefix,
             new_tokens,
-            draft_length,
-            k_next,
+            k,
+            branch_k,
             params,
             fan_out,
             alpha,

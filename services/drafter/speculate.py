@@ -22,9 +22,9 @@ was answered from a branch, or they were dropped) the cache is rolled back to x 
 draft fed again from the session's own tokens: slower, the same result. Every branch
 (a, t) shares x + d_1..d_a: it is one row of a batch over the session's cache (a
 `BranchGroup`), the slots of d_{a+1}..d_k are masked out of that row's attention, and t is
-fed at its true position L + a. Each of the num_draft_tokens steps is then one forward
+fed at its true position L + a. Each of the branch_k steps is then one forward
 over all branches (a `BranchStep`). A group keeps only its rows' own new keys/values
-between steps (fan_out x steps slots); the session's own cache only gained the draft.
+between steps (fan_out x branch_k slots); the session's own cache only gained the draft.
 
 Batching across sessions (specdec.common.batching): `speculate` is a model-thread job; its
 first forward (feeding the draft) and each of its branch steps are requests the scheduler
@@ -146,8 +146,8 @@ def speculate(
     session_id: str,
     prefix: Prefix,
     new_tokens: Sequence[int],
-    draft_length: int,
-    num_draft_tokens: int,
+    k: int,
+    branch_k: int,
     params: SamplingParams,
     fan_out: int,
     alpha: float,
@@ -155,8 +155,8 @@ def speculate(
     max_branch_tokens: int = 0,
 ) -> Generator[Request, torch.Tensor, Speculation]:
     """Prepare next-round drafts for the draft at the end of prefix + new_tokens (a job for
-    the model thread, `ModelRuntime.run`). prefix + new_tokens holds at least draft_length
-    + 1 tokens; new_tokens may start inside the draft when the session's last Draft cached
+    the model thread, `ModelRuntime.run`): branches of branch_k tokens for the k-token draft
+    that ends prefix + new_tokens (which holds at least k + 1 tokens); new_tokens may start inside the draft when the session's last Draft cached
     its beginning (see the module docstring).
 
     max_branch_tokens (0: unbounded) bounds the branch rows' KV, one copy of the session's
@@ -168,17 +168,15 @@ def speculate(
         memo = store.pop_rows(session_id)
         session = runtime.store.acquire(session_id, prefix.length, prefix.hash, len(new_tokens))
         rows = yield from draft_rows(
-            runtime, store, session, memo, prefix, new_tokens, draft_length
+            runtime, store, session, memo, prefix, new_tokens, k
         )  # [k+1, vocab]
-        base = len(session.tokens) - draft_length
+        base = len(session.tokens) - k
         draft = session.tokens[base:]
         ranking = rows.softmax(-1) if params.greedy else warp(rows, params)
-        fan_out = min(
-            fan_out, branch_budget(max_branch_tokens, len(session.tokens), num_draft_tokens)
-        )
+        fan_out = min(fan_out, branch_budget(max_branch_tokens, len(session.tokens), branch_k))
         keys = rank_outcomes(ranking, draft, alpha, fan_out, max_per_outcome) if fan_out else []
         branches = yield from draft_branches(
-            session, base, keys, num_draft_tokens, sampler_for(params, runtime)
+            session, base, keys, branch_k, sampler_for(params, runtime)
         )
         store.put(
             session_id,
@@ -200,7 +198,7 @@ def draft_rows(
     memo: DraftRows | None,
     prefix: Prefix,
     new_tokens: Sequence[int],
-    draft_length: int,
+    k: int,
 ) -> Generator[ForwardRequest, torch.Tensor, torch.Tensor]:
     """Feed new_tokens (the job's forwards); the drafter's logits at every draft position
     and after the draft [k+1, vocab]: row a is the distribution of the token after d_1..d_a.
@@ -210,9 +208,9 @@ def draft_rows(
     the draft and those tokens are fed again.
     """
     cached = len(session.tokens)
-    base = cached + len(new_tokens) - draft_length  # the position of d_1
+    base = cached + len(new_tokens) - k  # the position of d_1
     if cached < base:  # the prefix ends before the draft: feed it all (the usual path)
-        return (yield from runtime.forward_steps(session, new_tokens, keep=draft_length + 1))
+        return (yield from runtime.forward_steps(session, new_tokens, keep=k + 1))
     # The Draft's rows hold if it left the cache exactly at this prefix and began no later.
     if (
         memo is not None
@@ -226,15 +224,15 @@ def draft_rows(
     tokens = [*session.tokens[base - 1 :], *new_tokens]
     store.refed_tokens += cached - (base - 1)
     runtime.store.truncate(session, base - 1)
-    return (yield from runtime.forward_steps(session, tokens, keep=draft_length + 1))
+    return (yield from runtime.forward_steps(session, tokens, keep=k + 1))
 
 
-def branch_budget(max_branch_tokens: int, length: int, steps: int) -> int:
-    """Branches whose rows (a copy of `length` + `steps` tokens of KV each, in a forward)
+def branch_budget(max_branch_tokens: int, length: int, branch_k: int) -> int:
+    """Branches whose rows (a copy of `length` + `branch_k` tokens of KV each, in a forward)
     fit max_branch_tokens; unbounded (a large number) when it is 0."""
     if not max_branch_tokens:
         return 1 << 30
-    return max_branch_tokens // (length + steps)
+    return max_branch_tokens // (length + branch_k)
 
 
 def rank_outcomes(
@@ -271,10 +269,10 @@ def draft_branches(
     session: SessionCache,
     base: int,
     keys: Sequence[tuple[int, int]],
-    steps: int,
+    branch_k: int,
     sampler: Sampler,
 ) -> Generator[BranchStep, torch.Tensor, list[Branch]]:
-    """Draft `steps` tokens after base + d_1..d_a + t for every key (a, t): a job's
+    """Draft `branch_k` tokens after base + d_1..d_a + t for every key (a, t): a job's
     forwards, one BranchStep of every branch per step, batched with other jobs' forwards
     (other sessions' branch steps, Draft steps, ...) by the model thread's scheduler. The
     tokens stay on the device between steps; one copy to the host at the end.
@@ -287,7 +285,7 @@ def draft_branches(
     tokens: list[int] | torch.Tensor = [t for _, t in keys]
     drawn: list[torch.Tensor] = []  # [rows] per step
     proposals: list[torch.Tensor] = []  # [rows, vocab] per step, under sampling
-    for step in range(steps):
+    for step in range(branch_k):
         logits = yield BranchStep(group, tokens)  # [rows, vocab]
         # each row's next token, at position base + a + step + 1
         tokens, proposal = sampler.draw(logits, [v + step + 1 for v in group.visible])
@@ -295,9 +293,9 @@ def draft_branches(
         if proposal is not None:
             proposals.append(proposal)
     rows = len(keys)
-    by_step = sampler.payload(proposals)  # [steps * rows, ...], step-major
+    by_step = sampler.payload(proposals)  # [branch_k * rows, ...], step-major
     host = to_host(torch.stack(drawn, dim=1), *by_step)  # the branches' one copy
-    tokens_by_row = host[0].tolist()  # [rows][steps]
+    tokens_by_row = host[0].tolist()  # [rows][branch_k]
     encoded = encoded_rows(host[1:]) if proposals else []
     return [
         Branch(a, t, tokens_by_row[row], encoded[row::rows] if encoded else [])

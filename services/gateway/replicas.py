@@ -243,10 +243,11 @@ class Fleet:
         self._probe: asyncio.Task | None = None
         self._discovery: list[asyncio.Task] = []
         # What every replica must match, fixed at start: (vocab size, tokenizer fingerprint),
-        # and the smallest context and draft length the gateway's limits were taken from.
+        # and the smallest context and largest draft length k (the replicas' least
+        # --max-draft-tokens) the gateway's limits were taken from.
         self.reference: common_pb2.ModelInfo | None = None
         self.min_context = 0
-        self.min_draft_tokens = 0
+        self.max_k = 0
 
     @property
     def members(self) -> list[Replica]:
@@ -307,7 +308,7 @@ class Fleet:
         check_compatible(admitted)
         self.reference = admitted[0].info
         self.min_context = min(r.info.max_context for r in admitted)
-        self.min_draft_tokens = min(r.info.max_draft_tokens for r in admitted)
+        self.max_k = min(r.info.max_draft_tokens for r in admitted)
         return await self.verifiers.fetch_info(self.verifiers.up()[0], include_tokenizer=True)
 
     def start_probe(self, interval: float = 2.0) -> None:
@@ -323,8 +324,8 @@ class Fleet:
             return "another vocabulary or tokenizer"
         if info.max_context < self.min_context:
             return f"a context of {info.max_context} tokens, below {self.min_context}"
-        if info.max_draft_tokens < self.min_draft_tokens:
-            return f"max_draft_tokens {info.max_draft_tokens}, below {self.min_draft_tokens}"
+        if info.max_draft_tokens < self.max_k:
+            return f"max_draft_tokens {info.max_draft_tokens}, below the fleet's {self.max_k}"
         return None
 
     async def _probe_loop(self, interval: float) -> None:

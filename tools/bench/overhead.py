@@ -227,12 +227,21 @@ def _generate_tps(model_dir: Path, prompts, n: int, reference) -> float:
 
 
 def _run_stack_mode(
-    address: str, mode: Mode, prompts, n, concurrency, requests, reference
+    address: str,
+    mode: Mode,
+    prompts,
+    n,
+    concurrency,
+    requests,
+    reference,
+    tally: Tally | None = None,
+    offset: int = 0,
 ) -> Tally:
-    """`concurrency` sessions at once, each sending `requests` requests in turn."""
+    """`concurrency` sessions at once, each sending `requests` requests in turn (session i's
+    j-th request takes prompt i + j + offset), added to `tally`."""
     from specdec.sdk import Client
 
-    tally = Tally()
+    tally = tally if tally is not None else Tally()
     lock = threading.Lock()
     errors: list[BaseException] = []
 
@@ -240,7 +249,7 @@ def _run_stack_mode(
         try:
             with Client(address, timeout=600) as client:
                 for j in range(requests):
-                    ids = prompts[(i + j) % len(prompts)]
+                    ids = prompts[(i + j + offset) % len(prompts)]
                     started = time.perf_counter()
                     r = client.generate(token_ids=ids, max_new_tokens=n, k=mode.k, ssd=mode.ssd)
                     wall = time.perf_counter() - started
@@ -410,8 +419,15 @@ def run_overhead(args: argparse.Namespace) -> int:
             for m in modes:  # warm-up
                 _run_stack_mode(address, m, prompts, 8, 1, 1, {tuple(p): None for p in prompts})
             for c in concurrency:
-                for m in modes:
-                    tally = _run_stack_mode(address, m, prompts, n, c, args.requests, reference)
+                # Every mode's requests interleaved, the order rotating: drift of the machine
+                # hits the modes alike.
+                tallies = {m: Tally() for m in modes}
+                for rep in range(max(1, args.requests)):
+                    for m in modes[rep % len(modes) :] + modes[: rep % len(modes)]:
+                        _run_stack_mode(
+                            address, m, prompts, n, c, 1, reference, tallies[m], offset=rep
+                        )
+                for m, tally in tallies.items():
                     row = _row(m, c, tally, inproc, args)
                     row["vs_generate"] = round(row["tokens_per_second"] / generate_tps, 4)
                     results[f"{m.name} c={c}"] = row
@@ -474,6 +490,8 @@ def _row(m: Mode, c: int, t: Tally, inproc: dict, args) -> dict:
         "ms_per_round_median_request": round(statistics.median(t.per_request_ms_per_round), 4),
         "in_process_ms_per_round": round(ideal, 4),
         "overhead_ms": round(t.ms_per_round - ideal, 4),
+        # The round of c sessions is one batched forward: the stack's cost per session.
+        "overhead_per_session_ms": round((t.ms_per_round - ideal) / c, 4),
         "tokens_per_round": round(t.tokens_per_round, 4),
         "acceptance_rate": round(t.accepted_tokens / t.draft_tokens, 4) if t.draft_tokens else None,
         "ssd_hit_rate": round(1 - t.miss_share, 4) if m.ssd else None,
@@ -516,14 +534,15 @@ def render(result: dict) -> str:
         "steady state (after the first); `transformers` generate on the same stand-in in "
         f"one process: {meta['generate_tokens_per_second']:.1f} tokens/s.",
         "",
-        "| mode | sessions | ms / round | in-process | overhead ms | stack / in-process | tokens / round | SSD hits | tokens/s | vs generate | exact |",
-        "| --- | --: | --: | --: | --: | --: | --: | --: | --: | --: | --- |",
+        "| mode | sessions | ms / round | in-process | overhead ms | per session | stack / in-process | tokens / round | SSD hits | tokens/s | vs generate | exact |",
+        "| --- | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --- |",
     ]  # fmt: skip
     for name, r in result["modes"].items():
         hits = "" if r["ssd_hit_rate"] is None else f"{r['ssd_hit_rate']:.0%}"
         lines.append(
             f"| {name.rsplit(' c=', 1)[0]} | {r['concurrency']} | {r['ms_per_round']:.3f} | "
             f"{r['in_process_ms_per_round']:.3f} | {r['overhead_ms']:.3f} | "
+            f"{r['overhead_per_session_ms']:.3f} | "
             f"{r['vs_in_process']:.2f}x | {r['tokens_per_round']:.2f} | {hits} | "
             f"{r['tokens_per_second']:.1f} | {r['vs_generate']:.2f}x | "
             f"{'yes' if r['exact'] else 'NO'} |"
