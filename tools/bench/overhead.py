@@ -313,9 +313,17 @@ def _py_spy() -> str:
     return found
 
 
+# Frames where a thread waits rather than works (py-spy counts some waits in C as active):
+# the event loops' and the model thread's polls, a blocked queue, and the stand-in's timed
+# wait, which is the model's forward.
+WAITS = ("EpollSelector.select", "Runner.run", "Condition.wait", "Poller.select")
+
+
 def top_frames(path: Path, n: int = 15) -> dict:
-    """From py-spy's collapsed stacks: the share of samples in each frame (inclusive) and
-    at the top of the stack (self), idle excluded by py-spy."""
+    """From py-spy's collapsed stacks: the share of samples in each frame at the top of
+    the stack (self) and anywhere in it (inclusive), over all samples; and the self shares
+    of the samples that were neither waiting (WAITS) nor the stand-in's forward: where
+    the stack's own time goes."""
     self_counts: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
     total = 0
@@ -329,11 +337,25 @@ def top_frames(path: Path, n: int = 15) -> dict:
         self_counts[frames[-1]] += c
         for f in set(frames):
             inclusive[f] += c
+    working = Counter(
+        {
+            f: c
+            for f, c in self_counts.items()
+            if not f.startswith(WAITS) and not f.startswith("wait (")
+        }
+    )
+    busy = sum(working.values())
 
-    def share(counter: Counter[str]) -> list[tuple[str, float]]:
-        return [(f, round(c / total, 4)) for f, c in counter.most_common(n)] if total else []
+    def share(counter: Counter[str], of: int) -> list[tuple[str, float]]:
+        return [(f, round(c / of, 4)) for f, c in counter.most_common(n)] if of else []
 
-    return {"samples": total, "self": share(self_counts), "inclusive": share(inclusive)}
+    return {
+        "samples": total,
+        "self": share(self_counts, total),
+        "inclusive": share(inclusive, total),
+        "working_samples": busy,
+        "working_self": share(working, busy),
+    }
 
 
 def _frame(text: str) -> str:
@@ -560,12 +582,17 @@ def render(result: dict) -> str:
             f"| {p['mode']} | {p['step_ms']:g} | {p['ideal_speedup']:.2f}x | {p['loop_speedup']:.2f}x |"
         )
     for name, prof in result.get("profiles", {}).items():
+        working = prof.get("working_samples", 0)
         lines += [
             "",
-            f"## py-spy: {name} ({prof['samples']} samples)",
+            f"## py-spy: {name} ({prof['samples']} samples, {working} working)",
             "",
-            "| self | share |",
-            "| --- | --: |",
+            "Top frames by own samples; right: of the samples that neither wait (event loop, "
+            "selector, queue) nor run the stand-in's forward, i.e. the stack's own work.",
+            "",
+            "| all samples | share | working samples | share |",
+            "| --- | --: | --- | --: |",
         ]
-        lines += [f"| `{f}` | {s:.1%} |" for f, s in prof["self"][:10]]
+        rows = zip(prof["self"][:10], prof.get("working_self", [])[:10], strict=False)
+        lines += [f"| `{a}` | {x:.1%} | `{b}` | {y:.1%} |" for (a, x), (b, y) in rows]
     return "\n".join(lines) + "\n"
