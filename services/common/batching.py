@@ -64,7 +64,8 @@ that would make padding more than half the forward (short steps and long prefill
 run in separate forwards). The oldest request always runs, alone if it does not fit with
 another (a branch group wider than --max-batch-size too), so none starves. Nothing waits
 for a batch to fill: an idle model runs whatever is pending, alone if it is alone
-(continuous batching, no timer). A Draft's k steps are k successive requests, and so are
+(continuous batching), except that a forward may wait up to --max-batch-wait-ms for the
+sessions of the previous forward to come back (`Scheduler._gathering`). A Draft's k steps are k successive requests, and so are
 a Speculate's branch steps, so the drafting sessions and the branches of several sessions'
 Speculates step in lock-step and leave the batch when done; a job that fails (cache miss,
 capacity, bad input) fails alone, before it joins a forward. A forward that raises fails

@@ -824,7 +824,8 @@ def _counts(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _round_tripped(probs: torch.Tensor) -> torch.Tensor:
-    """What the drafter really samples from (and ships): decode(encode(row)) per row."""
+    """A distribution as the verifier receives it, decode(encode(row)) per row: fp16 when
+    dense, exact when sparse (the drafter samples from what travels)."""
     return torch.stack([round_trip(row)[1] for row in probs])
 
 

@@ -175,3 +175,24 @@ def test_batched_draft_steps_take_device_tokens(runtimes):
     assert [r.tokens for r in results] == [a.tokens for a in alone]
     assert counter.transfers == 2, counter.reads  # one per Draft
     assert not isinstance(requests, BranchStep)
+
+
+def test_packed_copy_is_bit_exact():
+    """to_host's one copy from a device packs every result's bytes into one buffer and
+    unpacks them on the host (each 8-byte aligned): dtypes, shapes and values survive,
+    odd sizes and 0-d tensors included. On a CPU-only machine to_host never packs, so the
+    packing is run here with a plain copy in place of the transfer."""
+    tensors = [
+        torch.tensor([1.5, -2.25, 3.0]),
+        torch.tensor([[3, 4, 5]], dtype=torch.int32),
+        torch.tensor(7),
+        torch.tensor([True, False, True]),
+        torch.tensor([0.1, 65504.0], dtype=torch.float16),
+        torch.arange(12, dtype=torch.int64).reshape(3, 4)[:, 1:],  # not contiguous
+    ]
+    copies = []
+    out = host.packed_copy(tensors, lambda buffer: copies.append(buffer) or buffer.clone())
+    assert len(copies) == 1  # one transfer
+    for got, want in zip(out, tensors, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want)

@@ -125,6 +125,7 @@ class InProcess:
     """Both stand-ins in this process, driven by the replicas' own jobs without threads."""
 
     def __init__(self, draft_model: Path, target_model: Path):
+        from specdec.common.runtime import ModelRuntime
         from specdec.drafter.config import DrafterConfig
         from specdec.drafter.runtime import DrafterRuntime
         from specdec.drafter.speculate import BranchStore
@@ -134,7 +135,9 @@ class InProcess:
         self.drafter = DrafterRuntime(
             DrafterConfig(role="drafter", model=str(draft_model), **common)
         )
-        self.verifier = _runtime(VerifierConfig(role="verifier", model=str(target_model), **common))
+        self.verifier = ModelRuntime(
+            VerifierConfig(role="verifier", model=str(target_model), **common)
+        )
         for rt in (self.drafter, self.verifier):
             rt.load()
             rt.shutdown()  # jobs run here (drive), not on the model thread
@@ -191,12 +194,6 @@ class InProcess:
         self.drafter.release(session)
         self.verifier.release(session)
         return out[:n], steady
-
-
-def _runtime(config):
-    from specdec.common.runtime import ModelRuntime
-
-    return ModelRuntime(config)
 
 
 def _generate_tps(model_dir: Path, prompts, n: int, reference) -> float:

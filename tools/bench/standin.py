@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.tools.bench import standin_model
-from specdec.tools.tinymodels import _build_tokenizer, _suppressed_ids
+from specdec.tools.tinymodels import _build_tokenizer, _save, _suppressed_ids
 
 MODULE = "modeling_standin"
 
@@ -32,8 +32,6 @@ class Standins:
 
 
 def _write(path: Path, tokenizer, forward_ms: float, disagree: float, allowed: list[int]) -> Path:
-    from transformers import GenerationConfig
-
     config = standin_model.StandinConfig(
         vocab_size=len(tokenizer),
         forward_ms=forward_ms,
@@ -43,16 +41,7 @@ def _write(path: Path, tokenizer, forward_ms: float, disagree: float, allowed: l
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    model = standin_model.StandinForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        do_sample=False,
-    )
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    _save(standin_model.StandinForCausalLM(config), tokenizer, path)  # as the test models
     shutil.copyfile(standin_model.__file__, path / f"{MODULE}.py")
     cfg_path = path / "config.json"
     cfg = json.loads(cfg_path.read_text())
