@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from specdec.common.batching import ForwardRequest
+from specdec.common.controls import Controls
 from specdec.common.host import to_host
+from specdec.common.processors import TokenCounts
 from specdec.common.runtime import ModelRuntime, Prefix
 from specdec.common.sampling import EncodedProbs, SamplingParams, encoded_rows
 from specdec.drafter.sampler import sampler_for
@@ -36,9 +38,10 @@ def propose(
     new_tokens: Sequence[int],
     k: int,
     params: SamplingParams,
+    controls: Controls | None = None,
 ) -> Generator[ForwardRequest, torch.Tensor, Draft]:
     """Draft k tokens after prefix + new_tokens (a job for the model thread,
-    `ModelRuntime.run`).
+    `ModelRuntime.run`), each step under the request's logits processors (controls).
 
     If Speculate prepared a draft for exactly this sequence it is returned without a
     forward and the cache stays at the prefix. Otherwise the cache ends holding
@@ -47,20 +50,27 @@ def propose(
     kept here instead of feeding d_1..d_{k-1} again).
     """
     with runtime.guarded(session_id):
-        return (yield from _propose(runtime, branches, session_id, prefix, new_tokens, k, params))
+        return (
+            yield from _propose(
+                runtime, branches, session_id, prefix, new_tokens, k, params, controls
+            )
+        )
 
 
-def _propose(runtime, branches, session_id, prefix, new_tokens, k, params):
+def _propose(runtime, branches, session_id, prefix, new_tokens, k, params, controls):
     started = time.perf_counter()
     branches.pop_rows(session_id)
     session = runtime.store.acquire(session_id, prefix.length, prefix.hash, len(new_tokens) + k - 1)
-    hit = take_prepared(branches, session_id, session, new_tokens, k, params)
+    hit = take_prepared(branches, session_id, session, new_tokens, k, params, controls)
     if hit is not None:
         tokens, probs = hit
         return Draft(tokens, probs, len(session.tokens), _ms(started), prepared=True)
     last = (yield from runtime.forward_steps(session, new_tokens, keep=1))[-1:]  # [1, vocab]
     position = prefix.length + len(new_tokens)  # index of d_1 in the sequence
-    sampler = sampler_for(params, runtime)
+    counts = None
+    if controls is not None:  # the sequence's statistics, then each drawn token's
+        counts = TokenCounts(controls, session.tokens, [()], last.shape[-1], last.device)
+    sampler = sampler_for(params, runtime, counts)
     drawn: list[torch.Tensor] = []  # [1] each: the draft, on the device
     proposals: list[torch.Tensor] = []  # [1, vocab] each, under sampling
     rows: list[torch.Tensor] = []  # [1, vocab] logits each token was drawn from

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.common.processors import TokenCounts
 from specdec.common.sampling import (
     SamplingParams,
     as_sent,
@@ -25,16 +26,21 @@ from specdec.common.sampling import (
 DRAFT_SALT = "draft"
 
 
-def sampler_for(params: SamplingParams, runtime) -> Sampler:
-    """The Sampler of a drafter runtime, with its proposal cut (--draft-probs-*)."""
+def sampler_for(params: SamplingParams, runtime, counts: TokenCounts | None = None) -> Sampler:
+    """The Sampler of a drafter runtime, with its proposal cut (--draft-probs-*) and the
+    request's logits processors over its rows (counts; None: none)."""
     cfg = runtime.config  # a DrafterConfig
-    return Sampler(params, runtime.device, cfg.draft_probs_max_entries, cfg.draft_probs_tail)
+    return Sampler(
+        params, runtime.device, cfg.draft_probs_max_entries, cfg.draft_probs_tail, counts
+    )
 
 
 class Sampler:
     """Draws draft tokens from logits rows: argmax under greedy, else a sample from the
     warped distribution, cut to its top entries and rounded as it travels (what the
-    verifier receives is what the token was drawn from)."""
+    verifier receives is what the token was drawn from). With the request's logits
+    processors (`counts`: the rows' token statistics), each row is processed first and
+    the drawn tokens are counted for the next step."""
 
     def __init__(
         self,
@@ -42,8 +48,10 @@ class Sampler:
         device: torch.device,
         max_entries: int = 0,
         tail: float = 0.0,
+        counts: TokenCounts | None = None,
     ):
         self.params = params
+        self.counts = counts
         self.device = device
         # The proposal is cut to its top entries (truncate_proposal): 0 sends it whole.
         self.max_entries = max_entries
@@ -60,6 +68,16 @@ class Sampler:
         """One token per row of logits [n, vocab], row i for sequence index positions[i]:
         (tokens [n] int64, the distributions they were drawn from [n, vocab] fp32, None
         under greedy), both on the device."""
+        if self.counts is not None:
+            logits = self.counts.process(logits, torch.tensor(positions, device=logits.device))
+        token, proposal = self._draw(logits, positions)
+        if self.counts is not None:
+            self.counts.append(token)
+        return token, proposal
+
+    def _draw(
+        self, logits: torch.Tensor, positions: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.params.greedy:
             return logits.argmax(dim=-1), None
         cut = truncate_proposal(warp(logits, self.params), self.max_entries, self.tail)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specdec.common.config import MAX_FAN_OUT
+from specdec.common.controls import controls_from_proto
 from specdec.common.convert import encoded_to_proto, prefix_from_proto
 from specdec.common.errors import InvalidRequest
 from specdec.common.metrics import observed_rpc
@@ -67,7 +68,10 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
         prefix = prefix_from_proto(request.prefix)
         new_tokens = list(request.new_tokens)
         self.check_extent(request.session_id, prefix, new_tokens, k)
-        args = (rt, self.branches, request.session_id, prefix, new_tokens, k, params)
+        controls = controls_from_proto(
+            request.sampling, request.output, rt.vocab_size, prefix.length + len(new_tokens)
+        )
+        args = (rt, self.branches, request.session_id, prefix, new_tokens, k, params, controls)
         return ModelCall(propose, args, request.session_id, self._draft_response)
 
     def _draft_response(self, draft) -> drafter_pb2.DraftResponse:
@@ -105,6 +109,9 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
         params = sampling_from_proto(request.sampling)
         # A branch adds its next token and branch_k drafts after the sequence.
         self.check_extent(request.session_id, prefix, new_tokens, branch_k + 1)
+        controls = controls_from_proto(  # the sequence before the draft under verification
+            request.sampling, request.output, rt.vocab_size, prefix.length + len(new_tokens) - k
+        )
         args = (
             rt,
             self.branches,
@@ -118,6 +125,7 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             alpha,
             cfg.ssd_max_per_outcome,
             cfg.ssd_max_branch_tokens,
+            controls,
         )
         return ModelCall(speculate, args, request.session_id, self._speculate_response)
 

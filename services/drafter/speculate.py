@@ -47,8 +47,10 @@ from dataclasses import dataclass
 import torch
 
 from specdec.common.batching import BranchGroup, BranchStep, ForwardRequest, Request
+from specdec.common.controls import Controls
 from specdec.common.host import to_host
 from specdec.common.prefix import prefix_hash
+from specdec.common.processors import TokenCounts, verify_logits
 from specdec.common.runtime import ModelRuntime, Prefix, SessionCache
 from specdec.common.sampling import EncodedProbs, SamplingParams, encoded_rows, warp
 from specdec.drafter.sampler import Sampler, sampler_for
@@ -76,6 +78,7 @@ class Prepared:
     draft: list[int]
     params: SamplingParams
     branches: dict[tuple[int, int], Branch]
+    controls: Controls | None = None
 
 
 @dataclass
@@ -153,6 +156,7 @@ def speculate(
     alpha: float,
     max_per_outcome: int,
     max_branch_tokens: int = 0,
+    controls: Controls | None = None,
 ) -> Generator[Request, torch.Tensor, Speculation]:
     """Prepare next-round drafts for the draft at the end of prefix + new_tokens (a job for
     the model thread, `ModelRuntime.run`): branches of branch_k tokens for the k-token draft
@@ -161,7 +165,8 @@ def speculate(
 
     max_branch_tokens (0: unbounded) bounds the branch rows' KV, one copy of the session's
     KV per branch in each of their forwards: fan_out shrinks to what fits, down to no
-    branch."""
+    branch. controls: the request's logits processors, applied to the ranking rows (with
+    the draft up to each) and to every branch step (with the branch's own tokens)."""
     with runtime.guarded(session_id):
         started = time.perf_counter()
         store.pop(session_id)
@@ -172,11 +177,18 @@ def speculate(
         )  # [k+1, vocab]
         base = len(session.tokens) - k
         draft = session.tokens[base:]
+        rows = verify_logits(controls, session.tokens[:base], draft, rows)
         ranking = rows.softmax(-1) if params.greedy else warp(rows, params)
         fan_out = min(fan_out, branch_budget(max_branch_tokens, len(session.tokens), branch_k))
         keys = rank_outcomes(ranking, draft, alpha, fan_out, max_per_outcome) if fan_out else []
+        counts = None
+        if controls is not None:  # branch (a, t) continues x + d_1..d_a + t
+            tails = [[*draft[:a], t] for a, t in keys]
+            counts = TokenCounts(
+                controls, session.tokens[:base], tails, rows.shape[-1], rows.device
+            )
         branches = yield from draft_branches(
-            session, base, keys, branch_k, sampler_for(params, runtime)
+            session, base, keys, branch_k, sampler_for(params, runtime, counts)
         )
         store.put(
             session_id,
@@ -186,6 +198,7 @@ def speculate(
                 draft=draft,
                 params=params,
                 branches={(b.accepted, b.next_token): b for b in branches},
+                controls=controls,
             ),
         )
         return Speculation(branches, len(session.tokens), (time.perf_counter() - started) * 1e3)
@@ -310,11 +323,12 @@ def take_prepared(
     new_tokens: Sequence[int],
     k: int,
     params: SamplingParams,
+    controls: Controls | None = None,
 ) -> tuple[list[int], list[EncodedProbs]] | None:
     """The prepared draft for session.tokens + new_tokens, if Speculate made one; the
     session's branches are discarded either way (they only serve the next round)."""
     prepared = store.pop(session_id)
-    if prepared is None or prepared.params != params:
+    if prepared is None or prepared.params != params or prepared.controls != controls:
         return None
     cached = session.tokens
     base = prepared.base_length

@@ -4,12 +4,25 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from specdec.common.controls import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from specdec.common.errors import NotReady
 from specdec.gateway import request
 from specdec.v1 import gateway_pb2
 
 if TYPE_CHECKING:
     from specdec.gateway.turn import Gateway
+
+# The optional request fields this gateway supports (GenerateRequest and SamplingParams
+# names; the HTTP API uses the same names): GetServerInfo and /v1/models list them.
+SUPPORTED_REQUEST_FIELDS = (
+    "ignore_eos",
+    "min_tokens",
+    "stop_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+)
 
 
 def server_info(gateway: Gateway) -> gateway_pb2.GetServerInfoResponse:
@@ -37,4 +50,7 @@ def server_info(gateway: Gateway) -> gateway_pb2.GetServerInfoResponse:
         tokenizer_fingerprint=codec.fingerprint,
         eos_token_ids=sorted(gateway.eos_token_ids),
         bos_token_id=verifier.bos_token_id,
+        supported_request_fields=SUPPORTED_REQUEST_FIELDS,
+        max_stop_token_ids=MAX_STOP_TOKEN_IDS,
+        max_logit_bias=MAX_LOGIT_BIAS,
     )

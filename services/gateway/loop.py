@@ -103,6 +103,7 @@ class Speculator:
         *,
         ssd: bool = False,
         max_context: int,
+        output: common_pb2.OutputControls | None = None,
     ):
         self.caller = caller
         self.session = replica_session
@@ -112,6 +113,9 @@ class Speculator:
         self.policy = policy
         self.ssd = ssd
         self.max_context = max_context
+        # Where the request's output starts and its min_tokens mask: every replica call
+        # carries it with the sampling (the logits processors need both).
+        self.output = output
         self.greedy = sampling_from_proto(sampling).greedy
         self.stats = RequestStats(adaptive=policy.kind == ADAPTIVE)
         self._ready: tuple[int, list[int]] | None = None  # greedy SSD hit: (ctx length, draft)
@@ -211,6 +215,7 @@ class Speculator:
                 new_tokens=new,
                 num_draft_tokens=k,
                 sampling=self.sampling,
+                output=self.output,
             )
 
         return build
@@ -246,6 +251,7 @@ class Speculator:
                 draft_length=len(draft),
                 num_draft_tokens=speculation.branch_k,
                 sampling=self.sampling,
+                output=self.output,
                 fan_out=speculation.fan_out,
                 # The request's own rate once it has one; until then the drafter's prior.
                 acceptance_rate=self.stats.acceptance_rate if self.stats.draft_tokens else None,
@@ -273,6 +279,7 @@ class Speculator:
                 draft_tokens=draft.tokens,
                 draft_probs=draft.probs,
                 sampling=self.sampling,
+                output=self.output,
             )
 
         try:

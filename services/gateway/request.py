@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdec.common.controls import MAX_STOP_TOKEN_IDS, check_sampling_controls
 from specdec.common.errors import InvalidRequest
 from specdec.common.params import sampling_from_proto
 from specdec.v1 import common_pb2, gateway_pb2
@@ -50,6 +51,9 @@ class Job:
     k: int  # the draft length; an upper bound under the adaptive policy
     ssd: bool
     k_policy: int = gateway_pb2.K_POLICY_FIXED  # FIXED or ADAPTIVE, never UNSPECIFIED
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
 
 
 def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
@@ -80,6 +84,20 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
             f"max_new_tokens must be in [1, {limits.max_new_tokens}], got {req.max_new_tokens}"
         )
     sampling_from_proto(req.sampling)  # validates; the proto travels as it is
+    check_sampling_controls(req.sampling, limits.vocab_size)
+    if req.min_tokens > req.max_new_tokens:
+        raise InvalidRequest(
+            f"min_tokens must be at most max_new_tokens ({req.max_new_tokens}), "
+            f"got {req.min_tokens}"
+        )
+    stop_ids = list(req.stop_token_ids)
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(stop_ids)}")
+    bad = [t for t in stop_ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise InvalidRequest(
+            f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {limits.vocab_size})"
+        )
     stop = tuple(req.stop)
     if len(stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
@@ -119,4 +137,7 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
         k=k,
         ssd=ssd and k > 0,
         k_policy=k_policy,
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+        stop_token_ids=frozenset(stop_ids),
     )

@@ -60,6 +60,9 @@ class Completion:
     max_new_tokens: int
     eos_token_ids: frozenset[int]
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # EOS tokens are ordinary tokens: only the length ends it
+    min_tokens: int = 0  # stop strings are not looked for before this many tokens (vLLM)
+    stop_token_ids: frozenset[int] = frozenset()  # end it ("stop"); their text is dropped
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     emitted_chars: int = 0
@@ -76,9 +79,18 @@ class Completion:
             self.tokens.append(token)
             before = len(self.text)
             self.text += self._decode_next()
-            if self.stop and len(self.text) > before and self._cut_at_stop(before, longest):
+            if token in self.stop_token_ids:  # as vLLM: the token is kept, its text is not
+                self.text = self.text[:before]
+                self.finish_reason = "stop"
                 break
-            if token in self.eos_token_ids:
+            if (
+                self.stop
+                and len(self.text) > before
+                and len(self.tokens) >= self.min_tokens
+                and self._cut_at_stop(before, longest)
+            ):
+                break
+            if token in self.eos_token_ids and not self.ignore_eos:
                 self.finish_reason = "eos"
                 break
             if len(self.tokens) >= self.max_new_tokens:

@@ -94,6 +94,20 @@ def replica_session_id(session_id: str | None) -> str:
     return "s/" + hashlib.blake2b(session_id.encode(), digest_size=16).hexdigest()
 
 
+def output_controls(
+    job: Job, output_start: int, eos_token_ids: frozenset[int]
+) -> common_pb2.OutputControls:
+    """What the replicas' logits processors need besides the sampling: where this turn's
+    output starts in the session's sequence, and the ids min_tokens masks (the model's EOS
+    unless ignore_eos, and the stop token ids)."""
+    masked = set(job.stop_token_ids) | (set() if job.ignore_eos else set(eos_token_ids))
+    return common_pb2.OutputControls(
+        output_start=output_start,
+        min_tokens=job.min_tokens,
+        min_tokens_ids=sorted(masked) if job.min_tokens else [],
+    )
+
+
 def data_plane_settings(config: GatewayConfig) -> DataPlaneSettings | None:
     """How the gateway reaches the replicas' data ports: the replicas' TLS settings
     (--replica-ca, --replica-cert/--replica-key, --replica-server-name); None under
@@ -229,6 +243,11 @@ class Gateway:
             history = record.tokens if record else []
             if max_new_tokens is not None:
                 job = dataclasses.replace(job, max_new_tokens=max_new_tokens)
+                if job.min_tokens > max_new_tokens:
+                    raise InvalidRequest(
+                        f"min_tokens {job.min_tokens} exceeds the {max_new_tokens} tokens "
+                        "left for the completion"
+                    )
         elif isinstance(job.prompt, str):
             # A new conversation gets the tokenizer's special tokens (BOS), as
             # `tokenizer(prompt)` would; a continuation appends the text alone.
@@ -264,8 +283,17 @@ class Gateway:
             make_policy(job.k_policy, job.ssd, self.config.ssd_fan_out),
             ssd=job.ssd,
             max_context=max_context,
+            output=output_controls(job, len(ctx), self.eos_token_ids),
         )
-        completion = Completion(self.codec, job.max_new_tokens, self.eos_token_ids, job.stop)
+        completion = Completion(
+            self.codec,
+            job.max_new_tokens,
+            self.eos_token_ids,
+            job.stop,
+            ignore_eos=job.ignore_eos,
+            min_tokens=job.min_tokens,
+            stop_token_ids=job.stop_token_ids,
+        )
         first_at = last_at = None
         reported_first = False
         try:

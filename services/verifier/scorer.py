@@ -12,8 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from specdec.common.batching import ForwardRequest
+from specdec.common.controls import Controls
 from specdec.common.host import to_host
-from specdec.common.runtime import ModelRuntime, Prefix
+from specdec.common.processors import verify_logits
+from specdec.common.runtime import ModelRuntime, Prefix, SessionCache
 from specdec.common.sampling import (
     SamplingParams,
     greedy_verdict,
@@ -43,8 +45,10 @@ def verify(
     draft_tokens: Sequence[int],
     draft_probs: torch.Tensor | None,
     params: SamplingParams,
+    controls: Controls | None = None,
 ) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
-    """Score draft_tokens [k] (sampled from draft_probs [k, vocab]) after prefix + new_tokens.
+    """Score draft_tokens [k] (sampled from draft_probs [k, vocab]) after prefix + new_tokens,
+    with the request's logits processors (controls; None: none).
 
     A job for the model thread (`ModelRuntime.run`). The cache ends holding prefix +
     new_tokens + accepted drafts.
@@ -52,18 +56,39 @@ def verify(
     with runtime.guarded(session_id):
         return (
             yield from _verify(
-                runtime, session_id, prefix, new_tokens, draft_tokens, draft_probs, params
+                runtime, session_id, prefix, new_tokens, draft_tokens, draft_probs, params, controls
             )
         )
 
 
-def _verify(runtime, session_id, prefix, new_tokens, draft_tokens, draft_probs, params):
+def processed_target_logits(
+    runtime: ModelRuntime,
+    session: SessionCache,
+    new_tokens: Sequence[int],
+    draft_tokens: Sequence[int],
+    controls: Controls | None,
+) -> Generator[ForwardRequest, torch.Tensor, torch.Tensor]:
+    """The target's processed logits [k+1, vocab] at the draft's k+1 positions (the model's
+    forward over new_tokens + draft_tokens, then the request's processors with the prefix
+    up to each position, specdec.common.processors.verify_logits): what the rule, greedy or
+    sampled, reads."""
+    k = len(draft_tokens)
+    logits = yield from runtime.forward_steps(
+        session, [*new_tokens, *draft_tokens], keep=k + 1
+    )  # [k+1, vocab]
+    if controls is None:
+        return logits
+    before = session.tokens[: len(session.tokens) - k]  # the sequence before the draft
+    return verify_logits(controls, before, draft_tokens, logits)
+
+
+def _verify(runtime, session_id, prefix, new_tokens, draft_tokens, draft_probs, params, controls):
     started = time.perf_counter()
     k = len(draft_tokens)
     session = runtime.store.acquire(session_id, prefix.length, prefix.hash, len(new_tokens) + k)
-    target_logits = yield from runtime.forward_steps(
-        session, [*new_tokens, *draft_tokens], keep=k + 1
-    )  # [k+1, vocab]
+    target_logits = yield from processed_target_logits(
+        runtime, session, new_tokens, draft_tokens, controls
+    )
     if params.greedy:
         # The target's choices [k+1], copied once; the rule on the host: accept while the
         # draft token is the target's, then the target's token.

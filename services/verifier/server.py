@@ -11,6 +11,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from specdec.common.controls import controls_from_proto
 from specdec.common.convert import decode_draft_probs, prefix_from_proto
 from specdec.common.errors import InvalidRequest
 from specdec.common.metrics import observed_rpc
@@ -57,8 +58,20 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
                     "tokens (sampling needs one per draft token)"
                 )
             draft_probs = decode_draft_probs(request.draft_probs, rt.vocab_size)  # [k, vocab]
+        controls = controls_from_proto(
+            request.sampling, request.output, rt.vocab_size, prefix.length + len(new_tokens)
+        )
         queue_depth = rt.pending  # the load this call waits behind (itself not counted yet)
-        args = (rt, request.session_id, prefix, new_tokens, draft_tokens, draft_probs, params)
+        args = (
+            rt,
+            request.session_id,
+            prefix,
+            new_tokens,
+            draft_tokens,
+            draft_probs,
+            params,
+            controls,
+        )
         respond = functools.partial(self._verify_response, k, queue_depth)
         return ModelCall(verify, args, request.session_id, respond)
 

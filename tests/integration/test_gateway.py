@@ -67,16 +67,23 @@ def gateway(
 
 
 @contextlib.contextmanager
-def small_stack(draft_model, target_model, *drafter_flags: str, redis_url: str | None = None):
+def small_stack(
+    draft_model,
+    target_model,
+    *drafter_flags: str,
+    redis_url: str | None = None,
+    gateway_flags: tuple[str, ...] = (),
+):
     """One drafter (with drafter_flags), one verifier and a gateway over them (on Redis at
-    redis_url if given), healthy; yields {"drafter", "verifier", "gateway"}, stops all after."""
+    redis_url if given, with gateway_flags), healthy; yields {"drafter", "verifier",
+    "gateway"}, stops all after."""
     procs = []
     try:
         d = replica("drafter", draft_model, *drafter_flags)
         v = replica("verifier", target_model)
         procs += [d, v]
         d.wait_healthy(), v.wait_healthy()
-        g = gateway([d], [v], redis_url)
+        g = gateway([d], [v], redis_url, *gateway_flags)
         procs.append(g)
         g.wait_healthy()
         yield {"drafter": d, "verifier": v, "gateway": g}

@@ -10,7 +10,7 @@ are raised as :class:`~specdec.sdk.errors.SpecdecError` subclasses, bad argument
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -82,6 +82,13 @@ def build_generate_request(
     k: int | None = None,
     ssd: bool | None = None,
     k_policy: str | None = None,
+    ignore_eos: bool = False,
+    min_tokens: int = 0,
+    stop_token_ids: Sequence[int] = (),
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+    logit_bias: Mapping[int, float] | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """The ``GenerateRequest`` for these arguments (``ValueError`` / ``TypeError`` if invalid).
 
@@ -89,6 +96,9 @@ def build_generate_request(
     left as None stay unset in the message (server defaults); no ``session_id`` means a
     one-off request. ``k_policy``: ``"fixed"`` (every round drafts ``k``) or ``"adaptive"``
     (``k`` is an upper bound; the gateway picks each round's k from acceptance and load).
+    ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, the penalties and ``logit_bias``
+    (token id -> bias) are the fields of the same names in ``GenerateRequest`` /
+    ``SamplingParams``; the gateway checks their ranges.
     """
     if k_policy is not None and k_policy not in K_POLICIES:
         raise ValueError(f"k_policy must be one of {', '.join(K_POLICIES)}, got {k_policy!r}")
@@ -106,8 +116,15 @@ def build_generate_request(
             top_p=top_p,
             top_k=top_k,
             seed=seed,  # None leaves the optional field unset
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            logit_bias=dict(logit_bias or {}),
         ),
         stop=list(stop),
+        ignore_eos=ignore_eos,
+        min_tokens=min_tokens,
+        stop_token_ids=list(stop_token_ids),
     )
     if prompt is not None:
         if not isinstance(prompt, str):
@@ -236,6 +253,13 @@ class Client(_ClientBase):
         k: int | None = None,
         ssd: bool | None = None,
         k_policy: str | None = None,
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: Mapping[int, float] | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> Generation:
         """Generate a completion and return it whole."""
@@ -265,6 +289,13 @@ class Client(_ClientBase):
         k: int | None = None,
         ssd: bool | None = None,
         k_policy: str | None = None,
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: Mapping[int, float] | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> Iterator[StreamChunk]:
         """Generate a completion chunk by chunk; the last chunk has ``final`` set.
@@ -356,6 +387,13 @@ class AsyncClient(_ClientBase):
         k: int | None = None,
         ssd: bool | None = None,
         k_policy: str | None = None,
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: Mapping[int, float] | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> Generation:
         """Generate a completion and return it whole."""
@@ -385,6 +423,13 @@ class AsyncClient(_ClientBase):
         k: int | None = None,
         ssd: bool | None = None,
         k_policy: str | None = None,
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: Mapping[int, float] | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> AsyncIterator[StreamChunk]:
         """Generate chunk by chunk (``async for``); the last chunk has ``final`` set.

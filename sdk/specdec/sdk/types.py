@@ -309,6 +309,10 @@ class ServerInfo:
     eos_token_ids: tuple[int, ...]
     #: -1 when the tokenizer has none.
     bos_token_id: int
+    #: Optional request fields the gateway supports (ignore_eos, min_tokens, ...).
+    supported_request_fields: tuple[str, ...] = ()
+    max_stop_token_ids: int = 0
+    max_logit_bias: int = 0
 
 
 def server_info_from_proto(msg: gateway_pb2.GetServerInfoResponse) -> ServerInfo:
@@ -329,4 +333,7 @@ def server_info_from_proto(msg: gateway_pb2.GetServerInfoResponse) -> ServerInfo
         tokenizer_fingerprint=msg.tokenizer_fingerprint,
         eos_token_ids=tuple(msg.eos_token_ids),
         bos_token_id=msg.bos_token_id,
+        supported_request_fields=tuple(msg.supported_request_fields),
+        max_stop_token_ids=msg.max_stop_token_ids,
+        max_logit_bias=msg.max_logit_bias,
     )

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "prefix", "new_tokens", "num_draft_tokens", "sampling")
+    __slots__ = ("session_id", "prefix", "new_tokens", "num_draft_tokens", "sampling", "output")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prefix: _common_pb2.CachedPrefix
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_draft_tokens: int
     sampling: _common_pb2.SamplingParams
-    def __init__(self, session_id: _Optional[str] = ..., prefix: _Optional[_Union[_common_pb2.CachedPrefix, _Mapping]] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    output: _common_pb2.OutputControls
+    def __init__(self, session_id: _Optional[str] = ..., prefix: _Optional[_Union[_common_pb2.CachedPrefix, _Mapping]] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[_common_pb2.OutputControls, _Mapping]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("draft_tokens", "draft_probs", "cached_length", "forward_ms", "prepared")
@@ -36,7 +38,7 @@ class DraftResponse(_message.Message):
     def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., cached_length: _Optional[int] = ..., forward_ms: _Optional[float] = ..., prepared: _Optional[bool] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
-    __slots__ = ("session_id", "prefix", "new_tokens", "draft_length", "num_draft_tokens", "sampling", "fan_out", "acceptance_rate")
+    __slots__ = ("session_id", "prefix", "new_tokens", "draft_length", "num_draft_tokens", "sampling", "fan_out", "acceptance_rate", "output")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +47,7 @@ class SpeculateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FAN_OUT_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prefix: _common_pb2.CachedPrefix
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -53,7 +56,8 @@ class SpeculateRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     fan_out: int
     acceptance_rate: float
-    def __init__(self, session_id: _Optional[str] = ..., prefix: _Optional[_Union[_common_pb2.CachedPrefix, _Mapping]] = ..., new_tokens: _Optional[_Iterable[int]] = ..., draft_length: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., fan_out: _Optional[int] = ..., acceptance_rate: _Optional[float] = ...) -> None: ...
+    output: _common_pb2.OutputControls
+    def __init__(self, session_id: _Optional[str] = ..., prefix: _Optional[_Union[_common_pb2.CachedPrefix, _Mapping]] = ..., new_tokens: _Optional[_Iterable[int]] = ..., draft_length: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., fan_out: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., output: _Optional[_Union[_common_pb2.OutputControls, _Mapping]] = ...) -> None: ...
 
 class SpeculatedBranch(_message.Message):
     __slots__ = ("accepted_count", "next_token", "draft_tokens")

@@ -51,7 +51,15 @@ COMMON_FIELDS = {
     "stream",
     "stream_options",
     "user",
-    # extensions
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    # vLLM's extensions
+    "repetition_penalty",
+    "ignore_eos",
+    "min_tokens",
+    "stop_token_ids",
+    # specdec's extensions
     "k",
     "ssd",
     "k_policy",
@@ -69,10 +77,6 @@ NEUTRAL: dict[str, tuple] = {
     "top_logprobs": (None, 0),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -170,6 +174,7 @@ def _common(body: dict, req: gateway_pb2.GenerateRequest, served: str) -> Option
     seed = _number(body, "seed", integer=True)
     if seed is not None:
         _set(sampling, "seed", seed, "seed")
+    _controls(body, req, sampling)
     req.sampling.CopyFrom(sampling)
     stop = body.get("stop")
     if isinstance(stop, str):
@@ -216,6 +221,52 @@ def _common(body: dict, req: gateway_pb2.GenerateRequest, served: str) -> Option
     return opts
 
 
+def _controls(
+    body: dict, req: gateway_pb2.GenerateRequest, sampling: common_pb2.SamplingParams
+) -> None:
+    """The length, stop and logits-processor fields (their ranges: request.validate)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _number(body, name)
+        if value is not None:
+            _set(sampling, name, value, name)
+    repetition = _number(body, "repetition_penalty")
+    if repetition is not None:
+        if not repetition > 0:  # proto3 reads 0 as unset
+            raise InvalidRequest(f"repetition_penalty must be > 0, got {repetition}")
+        _set(sampling, "repetition_penalty", repetition, "repetition_penalty")
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise InvalidRequest("logit_bias must be an object mapping token ids to numbers")
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise InvalidRequest(
+                    f"logit_bias: key {key!r} is not a token id (an integer)"
+                ) from None
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise InvalidRequest(f"logit_bias: the bias of token {key} must be a number")
+            try:
+                sampling.logit_bias[token] = value
+            except (ValueError, TypeError) as e:
+                raise InvalidRequest(f"logit_bias: token id {key} is out of range ({e})") from None
+    ignore_eos = _bool(body, "ignore_eos")
+    if ignore_eos is not None:
+        req.ignore_eos = ignore_eos
+    min_tokens = _number(body, "min_tokens", integer=True)
+    if min_tokens is not None:
+        _set(req, "min_tokens", min_tokens, "min_tokens")
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
+            raise InvalidRequest("stop_token_ids must be a list of token ids (integers)")
+        try:
+            req.stop_token_ids.extend(stop_ids)
+        except ValueError:
+            raise InvalidRequest("stop_token_ids must fit in int64") from None
+
+
 def completion_request(body: Any, served: str) -> tuple[gateway_pb2.GenerateRequest, Options]:
     """POST /v1/completions body -> (GenerateRequest, Options)."""
     if not isinstance(body, dict):
@@ -253,6 +304,8 @@ def chat_request(body: Any, served: str) -> tuple[gateway_pb2.GenerateRequest, O
         raise InvalidRequest("give max_tokens or max_completion_tokens, not both")
     req = gateway_pb2.GenerateRequest(max_new_tokens=1)
     opts = _common(body, req, served)
+    if not opts.max_tokens_given:  # ChatTurn sets it from the context; min_tokens must fit
+        req.max_new_tokens = max(1, req.min_tokens)
     return req, opts, messages_from_json(body.get("messages"))
 
 

@@ -47,6 +47,7 @@ from specdec.gateway.http.errors import (
     error_body,
     http_status,
 )
+from specdec.gateway.info import SUPPORTED_REQUEST_FIELDS
 from specdec.gateway.turn import Gateway
 
 log = logging.getLogger(__name__)
@@ -353,6 +354,8 @@ class OpenAIServer:
             "created": self.created,
             "owned_by": "specdec",
             "max_model_len": self.gateway.limits.max_context,
+            # The optional request fields served (as GetServerInfo's supported_request_fields).
+            api.EXTENSION: {"supported_request_fields": list(SUPPORTED_REQUEST_FIELDS)},
         }
 
     async def completions(self, request: Request) -> Response:

@@ -1,0 +1,128 @@
+"""The gateway's side of the length, stop and logits-processor controls: Completion's stop
+token ids, ignore_eos and min_tokens; what the replicas are told (OutputControls); the HTTP
+body's translation into GenerateRequest; the SDK's request."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.common.errors import InvalidRequest
+from specdec.gateway.http import api
+from specdec.gateway.request import Job
+from specdec.gateway.text import Completion
+from specdec.gateway.turn import output_controls
+from specdec.sdk.client import build_generate_request
+from specdec.v1 import common_pb2
+from tests.unit.test_text import codec  # noqa: F401  (the fixture)
+
+EOS = 2
+
+
+def test_stop_token_id_ends_with_stop_and_drops_its_text(codec):  # noqa: F811
+    ids = codec.encode("alpha beta gamma delta")
+    c = Completion(codec, 100, frozenset({EOS}), stop_token_ids=frozenset({ids[2]}))
+    text, tokens = c.push(ids)
+    assert c.finish_reason == "stop"
+    assert c.tokens == tokens == ids[:3]  # the stop token is kept, what follows is not
+    assert text == codec.decode(ids[:2])  # its text is not
+
+
+def test_ignore_eos_generates_through_eos(codec):  # noqa: F811
+    ids = codec.encode("alpha beta")
+    c = Completion(codec, 4, frozenset({EOS}), ignore_eos=True)
+    _, tokens = c.push([ids[0], EOS, ids[1], EOS, ids[0]])
+    assert c.finish_reason == "length" and tokens == [ids[0], EOS, ids[1], EOS]
+
+
+def test_stop_strings_wait_for_min_tokens(codec):  # noqa: F811
+    ids = codec.encode("ab STOP cd STOP ef")
+    early = Completion(codec, 100, frozenset({EOS}), ("STOP",))
+    early.push(ids)
+    late = Completion(codec, 100, frozenset({EOS}), ("STOP",), min_tokens=len(ids) - 2)
+    late.push(ids)
+    assert early.finish_reason == late.finish_reason == "stop"
+    assert early.text == "ab " and late.text == "ab STOP cd "
+
+
+def _job(**kw) -> Job:
+    base = dict(
+        prompt=[1],
+        max_new_tokens=8,
+        sampling=common_pb2.SamplingParams(),
+        stop=(),
+        session_id=None,
+        reset=False,
+        ttl=60,
+        k=3,
+        ssd=False,
+    )
+    return Job(**{**base, **kw})
+
+
+def test_output_controls_mask_eos_and_stop_ids_unless_ignored():
+    eos = frozenset({EOS, 7})
+    got = output_controls(_job(min_tokens=4, stop_token_ids=frozenset({9})), 12, eos)
+    assert (got.output_start, got.min_tokens, list(got.min_tokens_ids)) == (12, 4, [2, 7, 9])
+    got = output_controls(
+        _job(min_tokens=4, stop_token_ids=frozenset({9}), ignore_eos=True), 12, eos
+    )
+    assert list(got.min_tokens_ids) == [9]
+    got = output_controls(_job(stop_token_ids=frozenset({9})), 5, eos)  # no min_tokens
+    assert (got.output_start, got.min_tokens, list(got.min_tokens_ids)) == (5, 0, [])
+
+
+def test_http_body_translates_to_the_grpc_fields():
+    body = {
+        "prompt": "x",
+        "presence_penalty": 0.5,
+        "frequency_penalty": -1,
+        "repetition_penalty": 1.25,
+        "logit_bias": {"5": 10, "17": -100.0},
+        "ignore_eos": True,
+        "min_tokens": 3,
+        "stop_token_ids": [4, 9],
+    }
+    req, _ = api.completion_request(body, "m")
+    s = req.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -1, 1.25)
+    assert dict(s.logit_bias) == {5: 10.0, 17: -100.0}
+    assert req.ignore_eos and req.min_tokens == 3 and list(req.stop_token_ids) == [4, 9]
+    chat, opts, _ = api.chat_request({"messages": [{"role": "user", "content": "x"}], **{
+        k: v for k, v in body.items() if k != "prompt"
+    }}, "m")  # fmt: skip
+    assert chat.sampling == s and not opts.max_tokens_given
+    assert chat.max_new_tokens == 3  # room for min_tokens until the context fixes it
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"repetition_penalty": -2}, "repetition_penalty must be > 0"),
+        ({"logit_bias": {"1.5": 1}}, "key '1.5' is not a token id"),
+        ({"logit_bias": {"3": True}}, "the bias of token 3 must be a number"),
+        ({"min_tokens": 1.5}, "min_tokens must be an integer"),
+        ({"stop_token_ids": [True]}, "stop_token_ids must be a list of token ids"),
+        ({"ignore_eos": 1}, "ignore_eos must be true or false"),
+    ],
+)
+def test_http_body_refusals(extra, match):
+    with pytest.raises(InvalidRequest, match=match):
+        api.completion_request({"prompt": "x", **extra}, "m")
+
+
+def test_sdk_request_carries_the_controls():
+    req = build_generate_request(
+        "x",
+        ignore_eos=True,
+        min_tokens=2,
+        stop_token_ids=[3],
+        presence_penalty=0.1,
+        frequency_penalty=0.2,
+        repetition_penalty=1.5,
+        logit_bias={4: -1.0},
+    )
+    assert req.ignore_eos and req.min_tokens == 2 and list(req.stop_token_ids) == [3]
+    assert req.sampling.repetition_penalty == 1.5 and dict(req.sampling.logit_bias) == {4: -1.0}
+    assert req.sampling.presence_penalty == pytest.approx(0.1)
+    plain = build_generate_request("x")
+    assert not plain.ignore_eos and plain.min_tokens == 0 and not plain.sampling.logit_bias
