@@ -74,6 +74,8 @@ class Event:
     final: gateway_pb2.GenerateResponse | None = None
     # On the first delta only: ms from the request's arrival to its first token (progress).
     time_to_first_token_ms: float | None = None
+    # Tokens the completion is conditioned on (history + prompt): a stream's running usage.
+    context_tokens: int = 0
 
 
 def _ms(seconds: float) -> float:
@@ -257,6 +259,7 @@ class Gateway:
         else:
             prompt_ids = job.prompt
         ctx = [*history, *prompt_ids]
+        ctx0 = tuple(ctx)  # ctx grows with the completion
         max_context = self.limits.max_context
         if len(ctx) + job.max_new_tokens > max_context:
             raise InvalidRequest(
@@ -318,7 +321,7 @@ class Gateway:
                 if completion.finish_reason is None and (text or tokens):
                     ttft = None if reported_first else _ms(first_at - started)
                     reported_first = True
-                    yield Event(text, tokens, time_to_first_token_ms=ttft)
+                    yield Event(text, tokens, time_to_first_token_ms=ttft, context_tokens=len(ctx0))
             response = build_response(
                 job, prompt_ids, len(history), completion, spec.stats, started, first_at
             )
@@ -337,7 +340,7 @@ class Gateway:
                     ttl_seconds=job.ttl,
                     fence=lease.fence if lease else None,
                 )
-            yield Event(text, tokens, response)
+            yield Event(text, tokens, response, context_tokens=len(ctx0))
         finally:
             record_metrics(job, spec.stats, completion)
             if not job.session_id:

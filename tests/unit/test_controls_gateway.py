@@ -126,3 +126,24 @@ def test_sdk_request_carries_the_controls():
     assert req.sampling.presence_penalty == pytest.approx(0.1)
     plain = build_generate_request("x")
     assert not plain.ignore_eos and plain.min_tokens == 0 and not plain.sampling.logit_bias
+
+
+def test_stream_options_continuous_usage_stats():
+    """vLLM's continuous_usage_stats (guidellm sends it): with include_usage, every chunk
+    carries the usage so far; without include_usage it changes nothing, as in vLLM."""
+    body = {"prompt": "x", "stream": True}
+    _, opts = api.completion_request(
+        {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, "m"
+    )
+    assert opts.include_usage and opts.continuous_usage
+    _, opts = api.completion_request(
+        {**body, "stream_options": {"continuous_usage_stats": True}}, "m"
+    )
+    assert not opts.continuous_usage
+    with pytest.raises(InvalidRequest, match="may only hold include_usage and continuous"):
+        api.completion_request({**body, "stream_options": {"other": 1}}, "m")
+    r = api.Renderer(chat=True, model="m")
+    first = r.chunks("a", [5, 6], None, True, True, True, 10)
+    assert [c["usage"]["completion_tokens"] for c in first] == [2, 2]
+    (later,) = r.chunks("b", [7], None, False, True, True, 10)
+    assert later["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}

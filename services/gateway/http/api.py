@@ -95,6 +95,9 @@ class Options:
     model: str
     stream: bool = False
     include_usage: bool = False
+    # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk
+    # carries the usage so far.
+    continuous_usage: bool = False
     timeout: float | None = None
     session_id: str | None = None
     max_tokens_given: bool = False
@@ -186,11 +189,16 @@ def _common(body: dict, req: gateway_pb2.GenerateRequest, served: str) -> Option
     opts.stream = bool(_bool(body, "stream"))
     stream_options = body.get("stream_options")
     if stream_options is not None:
-        if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
-            raise InvalidRequest("stream_options may only hold include_usage")
+        allowed = {"include_usage", "continuous_usage_stats"}
+        if not isinstance(stream_options, dict) or set(stream_options) - allowed:
+            raise InvalidRequest(
+                "stream_options may only hold include_usage and continuous_usage_stats"
+            )
         if not opts.stream:
             raise InvalidRequest("stream_options is only allowed with stream: true")
         opts.include_usage = bool(_bool(stream_options, "include_usage"))
+        continuous = bool(_bool(stream_options, "continuous_usage_stats"))
+        opts.continuous_usage = opts.include_usage and continuous  # as vLLM
     k = _number(body, "k", integer=True)
     if k is not None:
         _set(req.speculation, "num_draft_tokens", k, "k")
@@ -343,6 +351,7 @@ class Renderer:
     model: str
     session: dict[str, Any] | None = None  # filled by the route once the turn has run
     trace_id: str = ""  # the request's trace (tracing on)
+    completion_tokens: int = 0  # tokens rendered so far (continuous usage)
     id: str = field(default="")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -403,12 +412,23 @@ class Renderer:
         final: gateway_pb2.GenerateResponse | None,
         first: bool,
         include_usage: bool,
+        continuous_usage: bool = False,
+        context_tokens: int = 0,
     ) -> list[dict[str, Any]]:
         """The stream chunks for one event: the delta, then on the last event a chunk
-        with the finish reason and the statistics, and the usage chunk if asked."""
+        with the finish reason and the statistics, and the usage chunk if asked.
+        continuous_usage: every chunk carries the usage so far (context_tokens: the
+        prompt's, a session's history included), as vLLM's continuous_usage_stats."""
         out = []
         tokens = list(tokens)
-        usage_field = {"usage": None} if include_usage else {}
+        self.completion_tokens += len(tokens)
+        usage_field: dict[str, Any] = {"usage": None} if include_usage else {}
+        if continuous_usage:
+            usage_field["usage"] = {
+                "prompt_tokens": context_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": context_tokens + self.completion_tokens,
+            }
         if self.chat and first:
             out.append(
                 self._chunk(

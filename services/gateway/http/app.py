@@ -161,7 +161,13 @@ class Generation:
                         )
                         self.started = True
                     for chunk in r.chunks(
-                        event.text, event.tokens, event.final, first, opts.include_usage
+                        event.text,
+                        event.tokens,
+                        event.final,
+                        first,
+                        opts.include_usage,
+                        opts.continuous_usage,
+                        event.context_tokens,
                     ):
                         await send(
                             {"type": "http.response.body", "body": _sse(chunk), "more_body": True}
