@@ -368,3 +368,29 @@ def test_http_bad_controls_are_400(stack, extra, message):
     status, out = post(stack, "/v1/completions", {"prompt": "x", "max_tokens": 8, **extra})
     assert status == 400, out
     assert message in out["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def same(test_models):
+    """A stack whose drafter is the target itself."""
+    with small_stack(test_models.target, test_models.target) as s:
+        with Client(s["gateway"].address, timeout=300) as c:
+            yield c
+
+
+@pytest.mark.parametrize("ssd", [False, True])
+def test_drafter_applies_the_same_processors(same, tokenizer, hf, ssd):
+    """With the target as its drafter, a drafter that applies the request's processors
+    exactly as the verifier does (plain drafts and SSD branches, each with its own tokens)
+    has every draft token accepted; one that did not would be rejected wherever a
+    processor changes the argmax."""
+    kwargs, controls = PROCESSORS["all"]
+    ids = ids_of(tokenizer, PROMPTS[0])
+    got = same.generate(
+        token_ids=ids, max_new_tokens=N, k=3, ssd=ssd, min_tokens=4, stop_token_ids=[5], **kwargs
+    )
+    controls = Controls(**{**controls.__dict__, "min_tokens": 4, "min_tokens_ids": (EOS, 5)})
+    assert list(got.tokens) == hf(ids, N, controls, eos=(EOS, 5))
+    assert got.stats.draft_tokens > 0 and got.stats.acceptance_rate == 1.0, got.stats
+    if ssd:
+        assert got.stats.ssd_hits > 0, got.stats
