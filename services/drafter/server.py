@@ -16,7 +16,7 @@ from specdec.common.convert import encoded_to_proto, prefix_from_proto
 from specdec.common.errors import InvalidRequest
 from specdec.common.metrics import observed_rpc
 from specdec.common.params import sampling_from_proto
-from specdec.common.replica import ModelCall, ReplicaServicer, run_replica
+from specdec.common.replica import ModelCall, ReplicaServicer, check_fork, run_replica
 from specdec.common.runtime import ModelRuntime
 from specdec.common.serving import rpc_errors
 from specdec.drafter.config import DrafterConfig
@@ -67,7 +67,10 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
         prefix = prefix_from_proto(request.prefix)
         new_tokens = list(request.new_tokens)
         self.check_extent(request.session_id, prefix, new_tokens, k)
-        args = (rt, self.branches, request.session_id, prefix, new_tokens, k, params)
+        check_fork(request.fork_from)
+        args = (
+            rt, self.branches, request.session_id, prefix, new_tokens, k, params, request.fork_from
+        )  # fmt: skip
         return ModelCall(propose, args, request.session_id, self._draft_response)
 
     def _draft_response(self, draft) -> drafter_pb2.DraftResponse:

@@ -37,4 +37,6 @@ def server_info(gateway: Gateway) -> gateway_pb2.GetServerInfoResponse:
         tokenizer_fingerprint=codec.fingerprint,
         eos_token_ids=sorted(gateway.eos_token_ids),
         bos_token_id=verifier.bos_token_id,
+        max_top_logprobs=request.MAX_TOP_LOGPROBS,
+        max_choices=request.MAX_CHOICES,
     )
