@@ -5,6 +5,9 @@ transformers directly, within 1e-4, with k = 0, k = 3 and SSD; n choices are eac
 
 from __future__ import annotations
 
+import json
+import urllib.request
+
 import grpc
 import openai
 import pytest
@@ -72,6 +75,18 @@ def scores(target_model):
 
 def ext(obj) -> dict:
     return obj.model_extra["specdec"]
+
+
+def post_stream(stack, body: dict) -> list[dict]:
+    """A streamed POST /v1/completions: its JSON chunks."""
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(
+        stack["http"] + "/v1/completions", data=data, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=300) as r:
+        events = [line[6:] for line in r.read().decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
 
 
 def check_rows(ref: torch.Tensor, start: int, tokens: list[int], logprobs, tops=None) -> None:
@@ -176,6 +191,12 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(stack, tokenizer, scores):
     assert choice["text"] == tokenizer.decode(ids, skip_special_tokens=True) + tokenizer.decode(
         generated, skip_special_tokens=True
     )
+    # Streamed: the prompt's text and rows first, then the completion's.
+    chunks = post_stream(stack, {**body, "stream": True})
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == choice["text"]
+    rows = [c["choices"][0]["logprobs"] for c in chunks if c["choices"]]
+    assert [t for r in rows if r for t in r["token_logprobs"]] == lp["token_logprobs"]
+    assert [t for r in rows if r for t in r["text_offset"]] == lp["text_offset"]
     # echo without logprobs: the prompt's text, no scores.
     status, plain = post(stack, "/v1/completions", {**body, "logprobs": None}, key=None)
     assert status == 200 and plain["choices"][0]["logprobs"] is None

@@ -244,8 +244,6 @@ def completion_request(body: Any, served: str) -> tuple[gateway_pb2.GenerateRequ
         req.logprobs = True
         _set(req, "top_logprobs", logprobs, "logprobs")
     opts.echo = bool(_bool(body, "echo"))
-    if opts.echo and opts.stream:
-        raise InvalidRequest("echo is not supported with stream: true")
     req.prompt_logprobs = opts.echo and logprobs is not None
     return req, opts
 
@@ -316,6 +314,7 @@ class Renderer:
     prompt_scores: bool = False  # echo with logprobs: the prompt's rows first
     _started: set[int] = field(default_factory=set)  # choices whose stream has begun
     _offsets: dict[int, int] = field(default_factory=dict)  # per choice: text offset
+    _prompt: Any = None  # echo in a stream: the prompt's scores (choice 0's first event)
 
     def __post_init__(self) -> None:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
@@ -410,6 +409,14 @@ class Renderer:
                     **usage_field,
                 )
             )
+        if event.prompt_logprobs is not None:
+            self._prompt = event.prompt_logprobs
+        if self.echo is not None and index not in self._started:  # echo: the prompt first
+            self._started.add(index)
+            table = self._prompt if self.prompt_scores else None
+            logprobs, self._offsets[index] = self._logprobs(table, None, 0)
+            choice = {"index": index, "text": self.echo, "logprobs": logprobs}
+            out.append(self._chunk([{**choice, "finish_reason": None}], **usage_field))
         if event.text or tokens:
             logprobs, self._offsets[index] = self._logprobs(
                 event.logprobs, None, self._offsets.get(index, 0)
