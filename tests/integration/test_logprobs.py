@@ -13,6 +13,7 @@ import openai
 import pytest
 import torch
 
+from specdec.sdk import Client
 from specdec.tools.launcher import ServiceProcess
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.conftest import PROMPTS
@@ -326,3 +327,29 @@ def test_n_streams_over_http_with_indices(oai, tokenizer, reference):
     assert texts[0] == texts[1] == texts[2] and texts[0]
     assert chunks[-1].usage.completion_tokens == 3 * N
     del ids, reference
+
+
+def test_sdk_logprobs_and_choices(stack, tokenizer, reference, scores):
+    ids = tokenizer(PROMPTS[5]).input_ids
+    with Client(stack["gateway"].address, timeout=300) as client:
+        got = client.generate(
+            token_ids=ids, max_new_tokens=N, k=3, logprobs=True, top_logprobs=2,
+            prompt_logprobs=True, n=2,
+        )  # fmt: skip
+        assert list(got.tokens) == reference(ids, N)
+        assert [c.index for c in got.choices] == [0, 1]
+        assert got.choices[1].tokens == got.tokens and got.choices[1].logprobs is not None
+        assert [r.token_id for r in got.logprobs] == list(got.tokens)
+        ref = scores([*ids, *got.tokens])
+        check_rows(ref, len(ids), list(got.tokens), [r.logprob for r in got.logprobs])
+        assert all(len(r.top) == 2 and r.top[0][0] == r.token_id for r in got.logprobs)
+        assert got.prompt_logprobs[0].logprob is None
+        check_rows(ref, 1, ids[1:], [r.logprob for r in got.prompt_logprobs[1:]])
+        assert got.usage.completion_tokens == 2 * N
+        chunks = list(client.stream(token_ids=ids, max_new_tokens=N, k=3, logprobs=True))
+        assert [r.logprob for c in chunks for r in c.logprobs or ()] == pytest.approx(
+            [r.logprob for r in got.logprobs], abs=ATOL
+        )
+        assert chunks[-1].final.logprobs == tuple(r for c in chunks for r in c.logprobs or ())
+        with pytest.raises(ValueError, match="use generate"):
+            client.stream(token_ids=ids, n=2)
