@@ -142,3 +142,13 @@ def test_fork_copies_the_prefix_and_misses_cleanly(runtime, target_model):
         runtime.store.acquire("fork/y", n, prefix_hash([0] * n), 1, fork_from="fork/src")
     # prefix 0: a fresh cache, no copy.
     assert runtime.store.acquire("fork/z", 0, 0, 1, fork_from="fork/src").tokens == []
+
+
+def test_a_one_token_prompt_has_no_prompt_scores(runtime):
+    ask = LogprobsAsk(top=2, prompt=True)
+    verdict = runtime.drive(
+        verify(runtime, "lp/one", Prefix(0, 0), PROMPT[:1], DRAFT[:2], None, SamplingParams(), ask)
+    )
+    assert verdict.prompt_logprobs.chosen.shape == (0,)
+    assert verdict.prompt_logprobs.top_ids.shape == (0, 2)
+    assert verdict.logprobs.chosen.shape == (verdict.accepted + 1,)
