@@ -102,13 +102,7 @@ class CacheStore:
                 session = SessionCache(tokens=[], kv=self._new_cache())
                 self._sessions[session_id] = session
         else:
-            if session is None:
-                raise CacheMiss(f"{CACHE_MISS_PREFIX}: session {session_id!r} is not cached here")
-            if len(session.tokens) < prefix_len:
-                raise CacheMiss(
-                    f"{CACHE_MISS_PREFIX}: session {session_id!r} holds {len(session.tokens)} "
-                    f"tokens, request builds on {prefix_len}"
-                )
+            session = _holding(session, f"session {session_id!r}", prefix_len)
             if session.chain.hash(session.tokens, prefix_len) != prefix_hash_:
                 raise CacheMiss(
                     f"{CACHE_MISS_PREFIX}: session {session_id!r} holds different tokens in its "
@@ -126,14 +120,7 @@ class CacheStore:
         n choices of one prompt share its prefill; each then grows its own copy). Whatever
         session_id held is dropped. CacheMiss when the source is not cached or is shorter;
         the caller's prefix check then proves the copy holds the tokens it names."""
-        source = self._sessions.get(source_id)
-        if source is None:
-            raise CacheMiss(f"{CACHE_MISS_PREFIX}: fork source {source_id!r} is not cached here")
-        if len(source.tokens) < length:
-            raise CacheMiss(
-                f"{CACHE_MISS_PREFIX}: fork source {source_id!r} holds {len(source.tokens)} "
-                f"tokens, the fork needs {length}"
-            )
+        source = _holding(self._sessions.get(source_id), f"fork source {source_id!r}", length)
         # The tokens after `length` may still be in flight in the source's own job (device
         # tokens not filled in yet): only the first `length` are taken, and a forward never
         # runs half-way here (one model thread), so their KV is complete.
@@ -182,6 +169,18 @@ class CacheStore:
                 "evicted session cache",
                 extra={"session_id": victim_id, "tokens": len(victim.tokens)},
             )
+
+
+def _holding(session: SessionCache | None, what: str, length: int) -> SessionCache:
+    """The session if it holds at least `length` tokens, else CacheMiss naming `what`."""
+    if session is None:
+        raise CacheMiss(f"{CACHE_MISS_PREFIX}: {what} is not cached here")
+    if len(session.tokens) < length:
+        raise CacheMiss(
+            f"{CACHE_MISS_PREFIX}: {what} holds {len(session.tokens)} tokens, request builds "
+            f"on {length}"
+        )
+    return session
 
 
 @dataclass(frozen=True)
