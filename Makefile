@@ -7,8 +7,11 @@ PROTOS    := $(wildcard protos/specdec/v1/*.proto)
 # checkov (chart tests) pins packages the project's own tools conflict with: its own venv.
 CHECKOV_VENV ?= .venv-checkov
 CHECKOV_VER  ?= 3.3.30
+# lm-eval (the peer test of `make test-lm-eval`) in its own venv, torch's CPU wheel first.
+LM_EVAL_VENV ?= .cache/peers/lm-eval
+LM_EVAL_VER  ?= 0.4.13
 
-.PHONY: install dist models demo demo-tiny bench bench-quick up proto proto-check lint lint-proto format test test-unit test-integration clean \
+.PHONY: install dist models demo demo-tiny bench bench-quick up proto proto-check lint lint-proto format test test-unit test-integration test-lm-eval clean \
         chart-test system-deps test-deps base-image wheels images image-test lint-docker \
         docs docs-serve docs-gen docs-screenshots
 
@@ -110,6 +113,18 @@ system-deps:
 	if [ -n "$$missing" ]; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	else echo "system packages present: prometheus buildah debootstrap openssl curl"; fi
+
+# The lm-eval peer test: lm-eval's local-completions client against `specdec up --http-port`
+# on the tiny test models scores tests/peers/lm_eval's loglikelihood task exactly as its own
+# hf model type does (tests/peers/lm_eval/run.py). The install is cached in $(LM_EVAL_VENV).
+test-lm-eval: install $(LM_EVAL_VENV)/.installed
+	$(VPY) tests/peers/lm_eval/run.py --lm-eval $(abspath $(LM_EVAL_VENV))/bin/lm-eval
+
+$(LM_EVAL_VENV)/.installed:
+	test -x $(LM_EVAL_VENV)/bin/python || $(PY) -m venv $(LM_EVAL_VENV)
+	$(LM_EVAL_VENV)/bin/python -m pip install -q torch==$(TORCH_VER)
+	$(LM_EVAL_VENV)/bin/python -m pip install -q "lm-eval[api,hf]==$(LM_EVAL_VER)"
+	touch $@
 
 test-unit: install
 	$(VPY) -m pytest -q tests/unit

@@ -9,6 +9,7 @@ it needs no locks.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections import OrderedDict
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.common.errors import CACHE_MISS_PREFIX, CacheMiss, CapacityExceeded
-from specdec.common.metrics import note_cache, note_eviction, note_rollback
+from specdec.common.metrics import note_cache, note_eviction, note_fork, note_rollback
 from specdec.common.prefix import PrefixChain
 
 log = logging.getLogger(__name__)
@@ -73,12 +74,19 @@ class CacheStore:
         return None if s is None else list(s.tokens)
 
     def acquire(
-        self, session_id: str, prefix_len: int, prefix_hash_: int, grow_by: int
+        self,
+        session_id: str,
+        prefix_len: int,
+        prefix_hash_: int,
+        grow_by: int,
+        fork_from: str = "",
     ) -> SessionCache:
         """The session's cache cropped to the named prefix, with room for grow_by more tokens.
 
         Raises CacheMiss when the cache does not start with that prefix (a fresh cache is
         made for prefix_len 0), CapacityExceeded when prefix_len + grow_by exceeds the bound.
+        fork_from: first replace the session's cache by a copy of that session's first
+        prefix_len tokens (`fork`); ignored when prefix_len is 0.
         """
         need = prefix_len + grow_by
         if need > self.max_cached_tokens:
@@ -86,19 +94,15 @@ class CacheStore:
                 f"session needs {need} cached tokens, this replica holds at most "
                 f"{self.max_cached_tokens} (--max-cached-tokens)"
             )
+        if fork_from and prefix_len and fork_from != session_id:
+            self.fork(fork_from, session_id, prefix_len)
         session = self._sessions.get(session_id)
         if prefix_len == 0:
             if session is None or session.tokens:
                 session = SessionCache(tokens=[], kv=self._new_cache())
                 self._sessions[session_id] = session
         else:
-            if session is None:
-                raise CacheMiss(f"{CACHE_MISS_PREFIX}: session {session_id!r} is not cached here")
-            if len(session.tokens) < prefix_len:
-                raise CacheMiss(
-                    f"{CACHE_MISS_PREFIX}: session {session_id!r} holds {len(session.tokens)} "
-                    f"tokens, request builds on {prefix_len}"
-                )
+            session = _holding(session, f"session {session_id!r}", prefix_len)
             if session.chain.hash(session.tokens, prefix_len) != prefix_hash_:
                 raise CacheMiss(
                     f"{CACHE_MISS_PREFIX}: session {session_id!r} holds different tokens in its "
@@ -110,6 +114,25 @@ class CacheStore:
         self._sessions.move_to_end(session_id)
         self._make_room(session_id, need)
         return session
+
+    def fork(self, source_id: str, session_id: str, length: int) -> SessionCache:
+        """session_id becomes a copy of source_id's first `length` tokens and their KV (the
+        n choices of one prompt share its prefill; each then grows its own copy). Whatever
+        session_id held is dropped. CacheMiss when the source is not cached or is shorter;
+        the caller's prefix check then proves the copy holds the tokens it names."""
+        source = _holding(self._sessions.get(source_id), f"fork source {source_id!r}", length)
+        # The tokens after `length` may still be in flight in the source's own job (device
+        # tokens not filled in yet): only the first `length` are taken, and a forward never
+        # runs half-way here (one model thread), so their KV is complete.
+        kv = copy.deepcopy(source.kv)
+        drop = len(source.tokens) - length
+        if drop:
+            kv.crop(-drop)
+        forked = SessionCache(tokens=source.tokens[:length], kv=kv)
+        self._sessions[session_id] = forked
+        self._sessions.move_to_end(session_id)
+        note_fork(length)
+        return forked
 
     @staticmethod
     def fill(session: SessionCache, tokens: Sequence[int]) -> None:
@@ -146,6 +169,18 @@ class CacheStore:
                 "evicted session cache",
                 extra={"session_id": victim_id, "tokens": len(victim.tokens)},
             )
+
+
+def _holding(session: SessionCache | None, what: str, length: int) -> SessionCache:
+    """The session if it holds at least `length` tokens, else CacheMiss naming `what`."""
+    if session is None:
+        raise CacheMiss(f"{CACHE_MISS_PREFIX}: {what} is not cached here")
+    if len(session.tokens) < length:
+        raise CacheMiss(
+            f"{CACHE_MISS_PREFIX}: {what} holds {len(session.tokens)} tokens, request builds "
+            f"on {length}"
+        )
+    return session
 
 
 @dataclass(frozen=True)

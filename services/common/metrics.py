@@ -189,6 +189,12 @@ def note_rollback(tokens: int) -> None:
         job.metrics.rollback_tokens.inc(tokens)
 
 
+def note_fork(tokens: int) -> None:
+    """The store copied `tokens` of another session's cache into this job's (n > 1)."""
+    if _JOB.get() is not None:
+        telemetry.event("forked session cache", specdec__forked_tokens=tokens)
+
+
 def note_eviction(tokens: int) -> None:
     job = _JOB.get()
     if job is not None:

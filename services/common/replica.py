@@ -36,6 +36,12 @@ def check_session_id(session_id: str) -> None:
         raise InvalidRequest(f"session_id is longer than {MAX_SESSION_ID_LEN} characters")
 
 
+def check_fork(fork_from: str) -> None:
+    """A Draft's or Verify's fork_from: empty, or a session id."""
+    if len(fork_from) > MAX_SESSION_ID_LEN:
+        raise InvalidRequest(f"fork_from is longer than {MAX_SESSION_ID_LEN} characters")
+
+
 @dataclass(frozen=True)
 class ModelCall:
     """A request validated for the model: the job to run on the model thread with its

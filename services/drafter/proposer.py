@@ -39,6 +39,7 @@ def propose(
     k: int,
     params: SamplingParams,
     controls: Controls | None = None,
+    fork_from: str = "",
 ) -> Generator[ForwardRequest, torch.Tensor, Draft]:
     """Draft k tokens after prefix + new_tokens (a job for the model thread,
     `ModelRuntime.run`), each step under the request's logits processors (controls).
@@ -47,20 +48,23 @@ def propose(
     forward and the cache stays at the prefix. Otherwise the cache ends holding
     prefix + new_tokens + d_1..d_{k-1}: d_k is only fed if it is accepted, in the next
     request's new tokens (or by the Speculate that follows, which then reuses the logits
-    kept here instead of feeding d_1..d_{k-1} again).
+    kept here instead of feeding d_1..d_{k-1} again). fork_from: start the session as a
+    copy of that session's cache (CacheStore.acquire).
     """
     with runtime.guarded(session_id):
         return (
             yield from _propose(
-                runtime, branches, session_id, prefix, new_tokens, k, params, controls
+                runtime, branches, session_id, prefix, new_tokens, k, params, controls, fork_from
             )
         )
 
 
-def _propose(runtime, branches, session_id, prefix, new_tokens, k, params, controls):
+def _propose(runtime, branches, session_id, prefix, new_tokens, k, params, controls, fork_from):
     started = time.perf_counter()
     branches.pop_rows(session_id)
-    session = runtime.store.acquire(session_id, prefix.length, prefix.hash, len(new_tokens) + k - 1)
+    session = runtime.store.acquire(
+        session_id, prefix.length, prefix.hash, len(new_tokens) + k - 1, fork_from=fork_from
+    )
     hit = take_prepared(branches, session_id, session, new_tokens, k, params, controls)
     if hit is not None:
         tokens, probs = hit

@@ -17,7 +17,7 @@ from specdec.common.convert import encoded_to_proto, prefix_from_proto
 from specdec.common.errors import InvalidRequest
 from specdec.common.metrics import observed_rpc
 from specdec.common.params import sampling_from_proto
-from specdec.common.replica import ModelCall, ReplicaServicer, run_replica
+from specdec.common.replica import ModelCall, ReplicaServicer, check_fork, run_replica
 from specdec.common.runtime import ModelRuntime
 from specdec.common.serving import rpc_errors
 from specdec.drafter.config import DrafterConfig
@@ -71,7 +71,18 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
         controls = controls_from_proto(
             request.sampling, request.output, rt.vocab_size, prefix.length + len(new_tokens)
         )
-        args = (rt, self.branches, request.session_id, prefix, new_tokens, k, params, controls)
+        check_fork(request.fork_from)
+        args = (
+            rt,
+            self.branches,
+            request.session_id,
+            prefix,
+            new_tokens,
+            k,
+            params,
+            controls,
+            request.fork_from,
+        )
         return ModelCall(propose, args, request.session_id, self._draft_response)
 
     def _draft_response(self, draft) -> drafter_pb2.DraftResponse:

@@ -53,4 +53,6 @@ def server_info(gateway: Gateway) -> gateway_pb2.GetServerInfoResponse:
         supported_request_fields=SUPPORTED_REQUEST_FIELDS,
         max_stop_token_ids=MAX_STOP_TOKEN_IDS,
         max_logit_bias=MAX_LOGIT_BIAS,
+        max_top_logprobs=request.MAX_TOP_LOGPROBS,
+        max_choices=request.MAX_CHOICES,
     )

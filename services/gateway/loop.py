@@ -104,6 +104,9 @@ class Speculator:
         ssd: bool = False,
         max_context: int,
         output: common_pb2.OutputControls | None = None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        prompt_logprobs: bool = False,
     ):
         self.caller = caller
         self.session = replica_session
@@ -122,6 +125,14 @@ class Speculator:
         self._late = False  # the last Speculate was still running at its verdict
         self._without_drafter = False  # the last Draft found no drafter
         self._index = 0
+        # Scores asked of each Verify (with top_logprobs alternatives per token); the
+        # prompt's with the first round's.
+        self.logprobs = logprobs
+        self.top_logprobs = top_logprobs
+        self.prompt_logprobs = prompt_logprobs
+        # n > 1 (specdec.gateway.choices): per role, the replica session whose cache the
+        # next call that names a prefix starts from (VerifyRequest.fork_from).
+        self.fork_from: dict[str, str] = {}
 
     async def round(self, ctx: Sequence[int], max_k: int, remaining: int) -> Outcome:
         """One round after ctx, drafting at most max_k tokens (the policy picks k); with SSD
@@ -158,6 +169,10 @@ class Speculator:
                 speculate_bytes=speculation.request_bytes + ssd.bytes,
                 hidden_seconds=ssd.hidden,
                 seconds=time.perf_counter() - started,
+                logprobs=verdict.logprobs if verdict.HasField("logprobs") else None,
+                prompt_logprobs=(
+                    verdict.prompt_logprobs if verdict.HasField("prompt_logprobs") else None
+                ),
             )
             self._observe(outcome, span)
         return outcome
@@ -194,6 +209,7 @@ class Speculator:
             log.info("drafter back; speculation resumes", extra={"replica": self.drafter.address})
             self._without_drafter = False
         d = answer.response
+        self.fork_from.pop("drafter", None)
         self.drafter.cached = d.cached_length
         source = PREPARED if d.prepared else DRAFTED
         return Draft(d.draft_tokens, d.draft_probs, source, seconds, answer.resends, late_outcome)
@@ -216,9 +232,14 @@ class Speculator:
                 num_draft_tokens=k,
                 sampling=self.sampling,
                 output=self.output,
+                fork_from=self._fork("drafter", prefix),
             )
 
         return build
+
+    def _fork(self, role: str, prefix: common_pb2.CachedPrefix) -> str:
+        """The fork_from of a call that names `prefix` (empty once a call was answered)."""
+        return self.fork_from.get(role, "") if prefix.length else ""
 
     def _speculate(self, ctx: Sequence[int], draft: Sequence[int], remaining: int) -> Speculation:
         """SSD's Speculate for the draft under verification, sent now; it changes no state
@@ -271,6 +292,8 @@ class Speculator:
         """The verdict on the draft, and the resends it took; a failure cancels the
         Speculate beside it (the verifier's error is the one raised)."""
 
+        prompt_logprobs = self.prompt_logprobs and self._index == 0
+
         def build(prefix: common_pb2.CachedPrefix, new: list[int]) -> verifier_pb2.VerifyRequest:
             return verifier_pb2.VerifyRequest(
                 session_id=self.session,
@@ -280,6 +303,10 @@ class Speculator:
                 draft_probs=draft.probs,
                 sampling=self.sampling,
                 output=self.output,
+                logprobs=self.logprobs,
+                top_logprobs=self.top_logprobs if self.logprobs or prompt_logprobs else 0,
+                prompt_logprobs=prompt_logprobs,
+                fork_from=self._fork("verifier", prefix),
             )
 
         try:
@@ -292,6 +319,7 @@ class Speculator:
                     task.exception()  # retrieved: not logged as never retrieved
             raise
         verdict = answer.response
+        self.fork_from.pop("verifier", None)
         self.verifier.cached = verdict.cached_length
         # The drafter cached the draft (all of it with SSD, d_1..d_{k-1} without); what
         # follows the accepted tokens is stale.

@@ -10,6 +10,7 @@ k policy's `observe` (specdec.gateway.policy) and the round's span
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # Where a round's draft came from.
 DRAFTED = "drafter"  # a Draft call that ran the drafter's model
@@ -53,6 +54,10 @@ class Outcome:
     speculate_bytes: int = 0  # bytes of its request and response
     hidden_seconds: float = 0.0  # Speculate time that overlapped the Verify
     seconds: float = 0.0  # the whole round
+    # The Verify's scores when the request asked (common_pb2.TokenLogprobs): of `tokens`,
+    # and (first round only) of the prompt.
+    logprobs: Any = None
+    prompt_logprobs: Any = None
 
     @property
     def tokens(self) -> tuple[int, ...]:

@@ -20,6 +20,10 @@ MAX_SESSION_ID_CHARS = 256
 # A prompt longer than this many characters per context token cannot fit: refused before
 # it is tokenized, so one huge prompt cannot hold the event loop.
 MAX_CHARS_PER_TOKEN = 64
+# Alternatives per scored token (specdec.common.logprobs.MAX_TOP_LOGPROBS, which the
+# gateway cannot import: no torch there) and completions per request.
+MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 16
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,10 @@ class Job:
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: frozenset[int] = frozenset()
+    logprobs: bool = False  # score the generated tokens
+    top_logprobs: int = 0  # alternatives per scored token
+    prompt_logprobs: bool = False  # score the prompt too (echo)
+    n: int = 1  # independent completions (specdec.gateway.choices)
 
 
 def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
@@ -126,6 +134,24 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
             f"speculation.k_policy must be K_POLICY_UNSPECIFIED, K_POLICY_FIXED or "
             f"K_POLICY_ADAPTIVE, got {spec.k_policy}"
         )
+    if req.top_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidRequest(
+            f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}"
+        )
+    if req.top_logprobs and not (req.logprobs or req.prompt_logprobs):
+        raise InvalidRequest("top_logprobs needs logprobs or prompt_logprobs")
+    if req.prompt_logprobs and session.id:
+        raise InvalidRequest(
+            "prompt_logprobs cannot be used with a session id: the prompt is scored whole, "
+            "in a request of its own"
+        )
+    n = req.n or 1
+    if n > MAX_CHOICES:
+        raise InvalidRequest(f"n must be in [1, {MAX_CHOICES}], got {n}")
+    if n > 1 and session.id:
+        raise InvalidRequest(
+            "n > 1 cannot be used with a session id: a session continues one conversation"
+        )
     return Job(
         prompt=prompt,
         max_new_tokens=req.max_new_tokens,
@@ -140,4 +166,8 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
         stop_token_ids=frozenset(stop_ids),
+        logprobs=req.logprobs,
+        top_logprobs=req.top_logprobs,
+        prompt_logprobs=req.prompt_logprobs,
+        n=n,
     )

@@ -9,7 +9,7 @@ from specdec.gateway.outcome import RequestStats
 from specdec.gateway.policy import policy_name
 from specdec.gateway.request import Job
 from specdec.gateway.text import Completion
-from specdec.v1 import gateway_pb2
+from specdec.v1 import common_pb2, gateway_pb2
 
 FINISH = {
     "length": gateway_pb2.FINISH_REASON_LENGTH,
@@ -76,17 +76,31 @@ def stream_message(
     tokens: list[int],
     final: gateway_pb2.GenerateResponse | None,
     time_to_first_token_ms: float | None = None,
+    *,
+    logprobs: common_pb2.TokenLogprobs | None = None,
+    prompt_logprobs: common_pb2.TokenLogprobs | None = None,
+    index: int = 0,
+    choice: gateway_pb2.GenerateChoice | None = None,
 ) -> gateway_pb2.GenerateStreamResponse:
     """One GenerateStream message: a delta, and on the last one the final fields; the
-    first delta also carries the time to first token."""
-    msg = gateway_pb2.GenerateStreamResponse(text=text, token_ids=tokens)
+    first delta also carries the time to first token. n > 1: a choice's last message
+    carries its finish reason and stats (`choice`), the stream's last one the rest."""
+    msg = gateway_pb2.GenerateStreamResponse(text=text, token_ids=tokens, index=index)
     if time_to_first_token_ms is not None:
         msg.timings.time_to_first_token_ms = time_to_first_token_ms
+    if logprobs is not None:
+        msg.logprobs.CopyFrom(logprobs)
+    if prompt_logprobs is not None:
+        msg.prompt_logprobs.CopyFrom(prompt_logprobs)
+    if choice is not None:
+        msg.finish_reason = choice.finish_reason
+        msg.stats.CopyFrom(choice.stats)
     if final is not None:
-        msg.finish_reason = final.finish_reason
+        if choice is None:
+            msg.finish_reason = final.finish_reason
+            msg.stats.CopyFrom(final.stats)
         msg.usage.CopyFrom(final.usage)
         msg.timings.CopyFrom(final.timings)
-        msg.stats.CopyFrom(final.stats)
         msg.session_id = final.session_id
     return msg
 

@@ -59,7 +59,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 if event.final is not None:
                     tracing.finish(span, event.final, context)
                 message = stream_message(
-                    event.text, event.tokens, event.final, event.time_to_first_token_ms
+                    event.text,
+                    event.tokens,
+                    event.final,
+                    event.time_to_first_token_ms,
+                    logprobs=event.logprobs,
+                    prompt_logprobs=event.prompt_logprobs,
+                    index=event.index,
+                    choice=event.choice,
                 )
                 if event.final is not None:
                     message.trace_id = event.final.trace_id

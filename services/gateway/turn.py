@@ -28,13 +28,15 @@ import grpc
 from specdec.common.errors import InvalidRequest, SpecdecError
 from specdec.gateway import metrics
 from specdec.gateway.caller import Placement, ReplicaCaller
+from specdec.gateway.choices import ChoiceRun, run_choices
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.dataplane import DataPlaneSettings
+from specdec.gateway.logprobs import LogprobsTrack
 from specdec.gateway.loop import Speculator
 from specdec.gateway.policy import make_policy
 from specdec.gateway.replicas import Fleet
 from specdec.gateway.request import Job, Limits, validate
-from specdec.gateway.response import build_response, record_metrics
+from specdec.gateway.response import record_metrics
 from specdec.gateway.sessions import (
     SessionIndex,
     SessionRecord,
@@ -76,6 +78,13 @@ class Event:
     time_to_first_token_ms: float | None = None
     # Tokens the completion is conditioned on (history + prompt): a stream's running usage.
     context_tokens: int = 0
+    # With logprobs: the delta's tokens scored; with prompt_logprobs, on the first delta
+    # (or the final event), the prompt's scores (common_pb2.TokenLogprobs).
+    logprobs: common_pb2.TokenLogprobs | None = None
+    prompt_logprobs: common_pb2.TokenLogprobs | None = None
+    # n > 1: the choice of this delta, and at a choice's end its GenerateChoice.
+    index: int = 0
+    choice: gateway_pb2.GenerateChoice | None = None
 
 
 def _ms(seconds: float) -> float:
@@ -259,7 +268,6 @@ class Gateway:
         else:
             prompt_ids = job.prompt
         ctx = [*history, *prompt_ids]
-        ctx0 = tuple(ctx)  # ctx grows with the completion
         max_context = self.limits.max_context
         if len(ctx) + job.max_new_tokens > max_context:
             raise InvalidRequest(
@@ -277,54 +285,16 @@ class Gateway:
                 self.fleet.verifiers.by_address(record.verifier), record.verifier_cached
             )
         replica_session = replica_session_id(job.session_id)
-        spec = Speculator(
-            ReplicaCaller(self.fleet, self.config.rpc_timeout, deadline),
-            replica_session,
-            job.sampling,
-            drafter,
-            verifier,
-            make_policy(job.k_policy, job.ssd, self.config.ssd_fan_out),
-            ssd=job.ssd,
-            max_context=max_context,
-            output=output_controls(job, len(ctx), self.eos_token_ids),
-        )
-        completion = Completion(
-            self.codec,
-            job.max_new_tokens,
-            self.eos_token_ids,
-            job.stop,
-            ignore_eos=job.ignore_eos,
-            min_tokens=job.min_tokens,
-            stop_token_ids=job.stop_token_ids,
-        )
-        first_at = last_at = None
-        reported_first = False
+        if job.n > 1:  # n completions of one prompt, its prefill shared (no session)
+            async for event in run_choices(self, job, ctx, prompt_ids, started, deadline):
+                yield event
+            return
+        run = self.choice_run(job, replica_session, drafter, verifier, deadline, len(ctx))
         try:
-            while completion.finish_reason is None:
-                remaining = job.max_new_tokens - len(completion.tokens)
-                new = (await spec.round(ctx, min(job.k, remaining - 1), remaining)).tokens
-                ctx.extend(new)
-                text, tokens = completion.push(new)
-                now = time.perf_counter()
-                if first_at is None:
-                    first_at = now
-                    metrics.TTFT.observe(now - started)
-                elif tokens:
-                    for _ in tokens:
-                        metrics.ITL.observe((now - last_at) / len(tokens))
-                last_at = now
-                if lease is not None and lease.lost:
-                    raise Aborted(
-                        f"session {job.session_id!r}: this turn lost its lock (another "
-                        "gateway may have taken the session); stopped without saving it"
-                    )
-                if completion.finish_reason is None and (text or tokens):
-                    ttft = None if reported_first else _ms(first_at - started)
-                    reported_first = True
-                    yield Event(text, tokens, time_to_first_token_ms=ttft, context_tokens=len(ctx0))
-            response = build_response(
-                job, prompt_ids, len(history), completion, spec.stats, started, first_at
-            )
+            async for event in self.rounds(job, ctx, run, started, lease):
+                yield event
+            response = run.response(job, prompt_ids, len(history), started)
+            completion = run.completion
             if job.session_id:
                 final_tokens = [*history, *prompt_ids, *completion.tokens]
                 await self.sessions.put(
@@ -340,13 +310,95 @@ class Gateway:
                     ttl_seconds=job.ttl,
                     fence=lease.fence if lease else None,
                 )
-            yield Event(text, tokens, response, context_tokens=len(ctx0))
+            yield Event(*run.held, response, **run.delta(run.held[1]))
         finally:
-            record_metrics(job, spec.stats, completion)
+            record_metrics(job, run.spec.stats, run.completion)
             if not job.session_id:
-                self._release_later(replica_session, drafter, verifier)
+                self.release_later(replica_session, drafter, verifier)
 
-    def _release_later(self, replica_session: str, *placements: Placement) -> None:
+    def choice_run(
+        self,
+        job: Job,
+        replica_session: str,
+        drafter: Placement,
+        verifier: Placement,
+        deadline: float | None,
+        context_tokens: int,
+        index: int = 0,
+        sampling: common_pb2.SamplingParams | None = None,
+    ) -> ChoiceRun:
+        """The loop state of one completion (choice `index`) on the given placements, after
+        context_tokens of history and prompt."""
+        spec = Speculator(
+            ReplicaCaller(self.fleet, self.config.rpc_timeout, deadline),
+            replica_session,
+            sampling or job.sampling,
+            drafter,
+            verifier,
+            make_policy(job.k_policy, job.ssd, self.config.ssd_fan_out),
+            ssd=job.ssd,
+            max_context=self.limits.max_context,
+            logprobs=job.logprobs,
+            top_logprobs=job.top_logprobs,
+            prompt_logprobs=job.prompt_logprobs and index == 0,
+            output=output_controls(job, context_tokens, self.eos_token_ids),
+        )
+        completion = Completion(
+            self.codec,
+            job.max_new_tokens,
+            self.eos_token_ids,
+            job.stop,
+            ignore_eos=job.ignore_eos,
+            min_tokens=job.min_tokens,
+            stop_token_ids=job.stop_token_ids,
+        )
+        track = LogprobsTrack(job.top_logprobs) if job.logprobs else None
+        return ChoiceRun(index, spec, completion, track, context_tokens=context_tokens)
+
+    async def rounds(
+        self,
+        job: Job,
+        ctx: list[int],
+        run: ChoiceRun,
+        started: float,
+        lease: TurnLease | None = None,
+    ) -> AsyncIterator[Event]:
+        """Speculation rounds after ctx (extended in place) until the completion finishes,
+        yielding each round's delta; what the last round leaves is in run.held."""
+        completion = run.completion
+        reported_first = False
+        while completion.finish_reason is None:
+            remaining = job.max_new_tokens - len(completion.tokens)
+            outcome = await run.spec.round(ctx, min(job.k, remaining - 1), remaining)
+            new = outcome.tokens
+            ctx.extend(new)
+            if run.track is not None:
+                run.track.add(outcome.logprobs)
+            if outcome.prompt_logprobs is not None:
+                run.prompt_logprobs = outcome.prompt_logprobs
+            text, tokens = completion.push(new)
+            now = time.perf_counter()
+            if run.first_at is None:
+                run.first_at = now
+                if run.index == 0:
+                    metrics.TTFT.observe(now - started)
+            elif tokens and run.index == 0:
+                for _ in tokens:
+                    metrics.ITL.observe((now - run.last_at) / len(tokens))
+            run.last_at = now
+            if lease is not None and lease.lost:
+                raise Aborted(
+                    f"session {job.session_id!r}: this turn lost its lock (another "
+                    "gateway may have taken the session); stopped without saving it"
+                )
+            if completion.finish_reason is None and (text or tokens):
+                ttft = None if reported_first else _ms(run.first_at - started)
+                reported_first = True
+                yield Event(text, tokens, time_to_first_token_ms=ttft, **run.delta(tokens))
+            elif completion.finish_reason is not None:
+                run.held = (text, tokens)
+
+    def release_later(self, replica_session: str, *placements: Placement) -> None:
         """Drop a one-off request's KV caches (best effort, off the response path)."""
 
         async def release() -> None:

@@ -14,6 +14,7 @@ import torch
 from specdec.common.batching import ForwardRequest
 from specdec.common.controls import Controls
 from specdec.common.host import to_host
+from specdec.common.logprobs import LogprobRows, LogprobsAsk, emitted_tokens, token_logprobs
 from specdec.common.processors import verify_logits
 from specdec.common.runtime import ModelRuntime, Prefix, SessionCache
 from specdec.common.sampling import (
@@ -35,6 +36,10 @@ class Verdict:
     bonus: bool
     cached_length: int
     forward_ms: float
+    # Asked for (LogprobsAsk): the emitted tokens' scores [accepted + 1 rows], and those of
+    # new_tokens[1:] with ask.prompt; on the host.
+    logprobs: LogprobRows | None = None
+    prompt_logprobs: LogprobRows | None = None
 
 
 def verify(
@@ -46,17 +51,30 @@ def verify(
     draft_probs: torch.Tensor | None,
     params: SamplingParams,
     controls: Controls | None = None,
+    logprobs: LogprobsAsk | None = None,
+    fork_from: str = "",
 ) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
     """Score draft_tokens [k] (sampled from draft_probs [k, vocab]) after prefix + new_tokens,
     with the request's logits processors (controls; None: none).
 
     A job for the model thread (`ModelRuntime.run`). The cache ends holding prefix +
-    new_tokens + accepted drafts.
+    new_tokens + accepted drafts. logprobs: also score the emitted tokens (and the prompt)
+    (specdec.common.logprobs). fork_from: start the session as a copy of that session's
+    cache (CacheStore.acquire).
     """
     with runtime.guarded(session_id):
         return (
             yield from _verify(
-                runtime, session_id, prefix, new_tokens, draft_tokens, draft_probs, params, controls
+                runtime,
+                session_id,
+                prefix,
+                new_tokens,
+                draft_tokens,
+                draft_probs,
+                params,
+                controls,
+                logprobs,
+                fork_from,
             )
         )
 
@@ -67,32 +85,54 @@ def processed_target_logits(
     new_tokens: Sequence[int],
     draft_tokens: Sequence[int],
     controls: Controls | None,
-) -> Generator[ForwardRequest, torch.Tensor, torch.Tensor]:
+    scored: int = 0,
+) -> Generator[ForwardRequest, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The target's processed logits [k+1, vocab] at the draft's k+1 positions (the model's
     forward over new_tokens + draft_tokens, then the request's processors with the prefix
     up to each position, specdec.common.processors.verify_logits): what the rule, greedy or
-    sampled, reads."""
+    sampled, and the emitted tokens' log-probabilities read. Also the raw logits of the
+    `scored` prompt positions before them [scored, vocab] (echo scores the prompt as the
+    model sees it, without processors)."""
     k = len(draft_tokens)
     logits = yield from runtime.forward_steps(
-        session, [*new_tokens, *draft_tokens], keep=k + 1
-    )  # [k+1, vocab]
+        session, [*new_tokens, *draft_tokens], keep=scored + k + 1
+    )  # [scored + k+1, vocab]
+    prompt_logits, logits = logits[:scored], logits[scored:]
     if controls is None:
-        return logits
+        return logits, prompt_logits
     before = session.tokens[: len(session.tokens) - k]  # the sequence before the draft
-    return verify_logits(controls, before, draft_tokens, logits)
+    return verify_logits(controls, before, draft_tokens, logits), prompt_logits
 
 
-def _verify(runtime, session_id, prefix, new_tokens, draft_tokens, draft_probs, params, controls):
+def _verify(
+    runtime,
+    session_id,
+    prefix,
+    new_tokens,
+    draft_tokens,
+    draft_probs,
+    params,
+    controls,
+    ask,
+    fork_from,
+):
     started = time.perf_counter()
     k = len(draft_tokens)
-    session = runtime.store.acquire(session_id, prefix.length, prefix.hash, len(new_tokens) + k)
-    target_logits = yield from processed_target_logits(
-        runtime, session, new_tokens, draft_tokens, controls
+    session = runtime.store.acquire(
+        session_id, prefix.length, prefix.hash, len(new_tokens) + k, fork_from=fork_from
     )
+    scored = len(new_tokens) - 1 if ask is not None and ask.prompt else 0  # prompt rows
+    target_logits, prompt_logits = yield from processed_target_logits(
+        runtime, session, new_tokens, draft_tokens, controls, scored
+    )  # [k+1, vocab], [scored, vocab]
+    extra: list[torch.Tensor] = []  # the scores asked for, copied with the verdict
     if params.greedy:
         # The target's choices [k+1], copied once; the rule on the host: accept while the
         # draft token is the target's, then the target's token.
-        (choices,) = to_host(target_logits.argmax(dim=-1))  # the Verify's one copy
+        choices = target_logits.argmax(dim=-1)
+        if ask is not None:  # the emitted tokens are the target's choices, up to the verdict
+            extra += _scores(runtime, ask, prompt_logits, new_tokens, target_logits, choices)
+        choices, *extra = to_host(choices, *extra)  # the Verify's one copy
         n, token = greedy_verdict(draft_tokens, choices.tolist())
     else:
         drafts = torch.tensor([list(draft_tokens)], dtype=torch.long)  # [1, k]
@@ -102,13 +142,32 @@ def _verify(runtime, session_id, prefix, new_tokens, draft_tokens, draft_probs, 
         accepted, next_token = rejection_sample(
             drafts, draft_probs[None].to(runtime.device), target_probs, gen, False
         )
-        (verdict,) = to_host(torch.cat([accepted, next_token]))  # the Verify's one copy
+        if ask is not None:
+            emitted = emitted_tokens(drafts[0].to(runtime.device), accepted, next_token)
+            extra += _scores(runtime, ask, prompt_logits, new_tokens, target_logits, emitted)
+        verdict, *extra = to_host(torch.cat([accepted, next_token]), *extra)  # the one copy
         n, token = verdict.tolist()
     runtime.store.truncate(session, len(session.tokens) - (k - n))  # roll back rejected drafts
+    emitted_rows = prompt_rows = None
+    if ask is not None:
+        emitted_rows = LogprobRows(*extra[:3]).head(n + 1)
+        prompt_rows = LogprobRows(*extra[3:]) if ask.prompt else None
     return Verdict(
         accepted=n,
         next_token=token,
         bonus=n == k,
         cached_length=len(session.tokens),
         forward_ms=(time.perf_counter() - started) * 1e3,
+        logprobs=emitted_rows,
+        prompt_logprobs=prompt_rows,
     )
+
+
+def _scores(runtime, ask, prompt_logits, new_tokens, target_logits, emitted) -> list[torch.Tensor]:
+    """The device tensors of the scores asked for: the emitted rows (k+1, cut on the host
+    once the verdict is known), then the prompt's (new_tokens[1:])."""
+    out = list(token_logprobs(target_logits, emitted, ask.top).tensors())
+    if ask.prompt:
+        following = torch.tensor(list(new_tokens[1:]), dtype=torch.long, device=runtime.device)
+        out += token_logprobs(prompt_logits, following, ask.top).tensors()
+    return out

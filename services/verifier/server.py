@@ -14,11 +14,12 @@ from typing import Any
 from specdec.common.controls import controls_from_proto
 from specdec.common.convert import decode_draft_probs, prefix_from_proto
 from specdec.common.errors import InvalidRequest
+from specdec.common.logprobs import MAX_TOP_LOGPROBS, LogprobRows, LogprobsAsk
 from specdec.common.metrics import observed_rpc
 from specdec.common.params import sampling_from_proto
-from specdec.common.replica import ModelCall, ReplicaServicer, run_replica
+from specdec.common.replica import ModelCall, ReplicaServicer, check_fork, run_replica
 from specdec.common.serving import rpc_errors
-from specdec.v1 import verifier_pb2, verifier_pb2_grpc
+from specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.verifier.config import VerifierConfig
 from specdec.verifier.scorer import verify
 
@@ -61,6 +62,8 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
         controls = controls_from_proto(
             request.sampling, request.output, rt.vocab_size, prefix.length + len(new_tokens)
         )
+        ask = logprobs_ask(request)
+        check_fork(request.fork_from)
         queue_depth = rt.pending  # the load this call waits behind (itself not counted yet)
         args = (
             rt,
@@ -71,13 +74,25 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
             draft_probs,
             params,
             controls,
+            ask,
+            request.fork_from,
         )
-        respond = functools.partial(self._verify_response, k, queue_depth)
+        respond = functools.partial(
+            self._verify_response, k, queue_depth, new_tokens, draft_tokens, request.logprobs
+        )
         return ModelCall(verify, args, request.session_id, respond)
 
-    def _verify_response(self, k: int, queue_depth: int, verdict) -> verifier_pb2.VerifyResponse:
+    def _verify_response(
+        self,
+        k: int,
+        queue_depth: int,
+        new_tokens: list[int],
+        draft_tokens: list[int],
+        logprobs: bool,
+        verdict,
+    ) -> verifier_pb2.VerifyResponse:
         self.runtime.obs.verified(k, verdict.accepted)
-        return verifier_pb2.VerifyResponse(
+        response = verifier_pb2.VerifyResponse(
             accepted_count=verdict.accepted,
             next_token=verdict.next_token,
             next_token_kind=(
@@ -89,6 +104,38 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
             forward_ms=verdict.forward_ms,
             queue_depth=queue_depth,
         )
+        if logprobs and verdict.logprobs is not None:
+            emitted = [*draft_tokens[: verdict.accepted], verdict.next_token]
+            response.logprobs.CopyFrom(logprobs_to_proto(emitted, verdict.logprobs))
+        if verdict.prompt_logprobs is not None:
+            response.prompt_logprobs.CopyFrom(
+                logprobs_to_proto(new_tokens, verdict.prompt_logprobs)
+            )
+        return response
+
+
+def logprobs_ask(request: verifier_pb2.VerifyRequest) -> LogprobsAsk | None:
+    """What a Verify asks to be scored (None: nothing), validated."""
+    if not (request.logprobs or request.prompt_logprobs):
+        if request.top_logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs or prompt_logprobs")
+        return None
+    if request.top_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidRequest(
+            f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}"
+        )
+    return LogprobsAsk(top=request.top_logprobs, prompt=request.prompt_logprobs)
+
+
+def logprobs_to_proto(tokens: list[int], rows: LogprobRows) -> common_pb2.TokenLogprobs:
+    """Scores on the host as a TokenLogprobs of `tokens` (the scores cover the last rows)."""
+    return common_pb2.TokenLogprobs(
+        token_ids=tokens,
+        logprobs=rows.chosen.tolist(),
+        num_top=rows.top_ids.shape[-1],
+        top_token_ids=rows.top_ids.reshape(-1).tolist(),
+        top_logprobs=rows.top_values.reshape(-1).tolist(),
+    )
 
 
 def main(args: argparse.Namespace) -> None:

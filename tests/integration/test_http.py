@@ -300,8 +300,8 @@ def test_errors(stack, oai):
     assert e.value.status_code == 400
     assert "temperature must be a finite number >= 0" in _error(e)["message"]
     assert _error(e)["type"] == "invalid_request_error" and _error(e)["code"] == "invalid_argument"
-    with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        oai.completions.create(model="tiny", prompt="x", n=2)
+    with pytest.raises(openai.BadRequestError, match="n > 1 cannot be used with a session id"):
+        oai.completions.create(model="tiny", prompt="x", n=2, extra_body={"session_id": "n"})
     with pytest.raises(
         openai.BadRequestError, match=r"max_new_tokens must be in \[1, 4096\], got 0"
     ):

@@ -180,6 +180,11 @@ def test_completion_request_translation():
     assert req.speculation.num_draft_tokens == 2 and req.speculation.ssd
     assert req.speculation.k_policy == gateway_pb2.K_POLICY_ADAPTIVE
     assert opts.stream and opts.include_usage and opts.timeout == 1.5 and opts.session_id == "abc"
+    assert not req.logprobs and not req.prompt_logprobs and not opts.echo and req.n == 1
+    req, opts = api.completion_request({"prompt": "x", "logprobs": 0, "n": 3}, SERVED)
+    assert req.logprobs and req.top_logprobs == 0 and not req.prompt_logprobs and req.n == 3
+    req, opts = api.completion_request({"prompt": [[5, 6]], "logprobs": 2, "echo": True}, SERVED)
+    assert req.prompt_logprobs and req.top_logprobs == 2 and opts.echo
     req, opts = api.completion_request({"prompt": [1, 2, 3]}, SERVED)
     assert list(req.prompt_token_ids.ids) == [1, 2, 3]
     assert req.max_new_tokens == api.DEFAULT_COMPLETION_TOKENS
@@ -192,9 +197,13 @@ def test_completion_request_translation():
     "body, match",
     [
         ([], "JSON object"),
-        ({"prompt": "x", "n": 2}, "n must be 1"),
+        ({"prompt": "x", "n": 0}, "n must be at least 1"),
         ({"prompt": "x", "best_of": 3}, "best_of=3 is not supported"),
-        ({"prompt": "x", "logprobs": 2}, "logprobs=2 is not supported"),
+        ({"prompt": "x", "logprobs": -1}, "logprobs must be >= 0"),
+        ({"prompt": "x", "logprobs": True}, "logprobs must be an integer"),
+        ({"prompt": "x", "logprobs": 1 << 40}, "logprobs.*out of range"),
+        ({"prompt": "x", "echo": 1}, "echo must be true or false"),
+        ({"prompt": "x", "top_logprobs": 2}, "unsupported field.*top_logprobs"),
         ({"prompt": "x", "frobnicate": 1}, "unsupported field"),
         ({"prompt": ["a", "b"]}, "batches"),
         ({"prompt": 5}, "prompt must be"),
@@ -227,6 +236,12 @@ def test_unknown_model_and_chat_fields():
     assert not opts.max_tokens_given
     with pytest.raises(InvalidRequest, match="not both"):
         api.chat_request({"messages": hi, "max_tokens": 1, "max_completion_tokens": 1}, SERVED)
+    req, _, _ = api.chat_request({"messages": hi, "logprobs": True, "top_logprobs": 4}, SERVED)
+    assert req.logprobs and req.top_logprobs == 4 and not req.prompt_logprobs
+    with pytest.raises(InvalidRequest, match="top_logprobs needs logprobs: true"):
+        api.chat_request({"messages": hi, "top_logprobs": 4}, SERVED)
+    with pytest.raises(InvalidRequest, match=r"unsupported field.*echo"):
+        api.chat_request({"messages": hi, "echo": True}, SERVED)
     with pytest.raises(InvalidRequest, match="tools"):
         api.chat_request({"messages": hi, "tools": [{"type": "function"}]}, SERVED)
 

@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from specdec.common import host
 from specdec.common.batching import BranchStep
+from specdec.common.logprobs import LogprobsAsk
 from specdec.common.params import SamplingParams
 from specdec.common.prefix import PrefixChain
 from specdec.common.runtime import ModelRuntime, Prefix
@@ -116,6 +117,13 @@ def test_verify_copies_once(runtimes, params, k):
     job = verify(verifier, session, Prefix(0, 0), PROMPT, tokens, probs, params)
     verdict, counter = counted(lambda: verifier.drive(job))
     assert 0 <= verdict.accepted <= k
+    assert counter.transfers == 1, counter.reads
+    # Scores (logprobs, top_logprobs, the prompt's) travel in the same copy.
+    ask = LogprobsAsk(top=3, prompt=True)
+    job = verify(verifier, session + "/lp", Prefix(0, 0), PROMPT, tokens, probs, params, ask)
+    scored, counter = counted(lambda: verifier.drive(job))
+    assert scored.logprobs.chosen.shape == (scored.accepted + 1,)
+    assert scored.prompt_logprobs.top_ids.shape == (len(PROMPT) - 1, 3)
     assert counter.transfers == 1, counter.reads
 
 

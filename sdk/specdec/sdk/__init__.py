@@ -29,16 +29,19 @@ from specdec.sdk.errors import (
     from_rpc_error,
 )
 from specdec.sdk.types import (
+    Choice,
     Generation,
     ServerInfo,
     SpeculationStats,
     StreamChunk,
     Timings,
+    TokenLogprob,
     Usage,
 )
 
 __all__ = [
     "AsyncClient",
+    "Choice",
     "Client",
     "DeadlineExceeded",
     "Generation",
@@ -51,6 +54,7 @@ __all__ = [
     "SpeculationStats",
     "StreamChunk",
     "Timings",
+    "TokenLogprob",
     "Unavailable",
     "Unimplemented",
     "Usage",

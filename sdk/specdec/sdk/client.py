@@ -89,6 +89,10 @@ def build_generate_request(
     frequency_penalty: float = 0.0,
     repetition_penalty: float = 1.0,
     logit_bias: Mapping[int, float] | None = None,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+    prompt_logprobs: bool = False,
+    n: int = 1,
 ) -> gateway_pb2.GenerateRequest:
     """The ``GenerateRequest`` for these arguments (``ValueError`` / ``TypeError`` if invalid).
 
@@ -99,6 +103,9 @@ def build_generate_request(
     ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, the penalties and ``logit_bias``
     (token id -> bias) are the fields of the same names in ``GenerateRequest`` /
     ``SamplingParams``; the gateway checks their ranges.
+    ``logprobs``: the target's log-probability of each generated token (with
+    ``top_logprobs`` alternatives, 0..20; ``prompt_logprobs``: the prompt's too, no
+    session). ``n``: independent completions (``Generation.choices``; not in a stream).
     """
     if k_policy is not None and k_policy not in K_POLICIES:
         raise ValueError(f"k_policy must be one of {', '.join(K_POLICIES)}, got {k_policy!r}")
@@ -150,6 +157,8 @@ def build_generate_request(
         request.speculation.CopyFrom(gateway_pb2.SpeculationParams(num_draft_tokens=k, ssd=ssd))
     if k_policy is not None:
         request.speculation.k_policy = K_POLICIES[k_policy]
+    request.logprobs, request.top_logprobs = logprobs, top_logprobs
+    request.prompt_logprobs, request.n = prompt_logprobs, n
     return request
 
 
@@ -161,6 +170,14 @@ def _request(arguments: dict[str, Any]) -> gateway_pb2.GenerateRequest:
     """
     params = {k: v for k, v in arguments.items() if k not in ("self", "timeout")}
     return build_generate_request(**params)
+
+
+def _stream_request(arguments: dict[str, Any]) -> gateway_pb2.GenerateRequest:
+    """_request for stream(): one completion per stream here (the gateway streams n > 1
+    with a choice index per message; this client assembles one)."""
+    if arguments.get("n", 1) != 1:
+        raise ValueError("stream() streams one completion: use generate() for n > 1")
+    return _request(arguments)
 
 
 def tls_credentials(
@@ -260,6 +277,10 @@ class Client(_ClientBase):
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
         logit_bias: Mapping[int, float] | None = None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        prompt_logprobs: bool = False,
+        n: int = 1,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> Generation:
         """Generate a completion and return it whole."""
@@ -296,6 +317,10 @@ class Client(_ClientBase):
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
         logit_bias: Mapping[int, float] | None = None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        prompt_logprobs: bool = False,
+        n: int = 1,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> Iterator[StreamChunk]:
         """Generate a completion chunk by chunk; the last chunk has ``final`` set.
@@ -303,7 +328,7 @@ class Client(_ClientBase):
         Arguments are checked now; the call starts on the first ``next()``. Leaving the
         loop early (or closing the iterator) cancels the call.
         """
-        request = _request(locals())
+        request = _stream_request(locals())
         return self._stream(request, self._deadline(timeout))
 
     def _stream(
@@ -394,6 +419,10 @@ class AsyncClient(_ClientBase):
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
         logit_bias: Mapping[int, float] | None = None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        prompt_logprobs: bool = False,
+        n: int = 1,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> Generation:
         """Generate a completion and return it whole."""
@@ -430,6 +459,10 @@ class AsyncClient(_ClientBase):
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
         logit_bias: Mapping[int, float] | None = None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        prompt_logprobs: bool = False,
+        n: int = 1,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> AsyncIterator[StreamChunk]:
         """Generate chunk by chunk (``async for``); the last chunk has ``final`` set.
@@ -437,7 +470,7 @@ class AsyncClient(_ClientBase):
         Arguments are checked now (not awaited); the call starts on the first iteration.
         Leaving the loop early cancels the call.
         """
-        request = _request(locals())
+        request = _stream_request(locals())
         return self._stream(request, self._deadline(timeout))
 
     async def _stream(

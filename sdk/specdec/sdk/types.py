@@ -11,12 +11,14 @@ from specdec.sdk.errors import InternalError
 from specdec.v1 import gateway_pb2
 
 __all__ = [
+    "Choice",
     "Generation",
     "ServerInfo",
     "SpeculationStats",
     "StreamAssembler",
     "StreamChunk",
     "Timings",
+    "TokenLogprob",
     "Usage",
     "finish_reason_from_proto",
     "generation_from_proto",
@@ -103,6 +105,47 @@ class SpeculationStats:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One token scored by the target: log_softmax of its logits before temperature."""
+
+    token_id: int
+    #: None for a prompt's first token (nothing to score it against).
+    logprob: float | None
+    #: The most likely tokens at its position, (token id, log-probability), best first.
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def logprobs_from_proto(msg) -> tuple[TokenLogprob, ...]:
+    """A TokenLogprobs message as TokenLogprob rows (its scores cover its last tokens)."""
+    n, m, top = len(msg.token_ids), len(msg.logprobs), msg.num_top
+    out = []
+    for i, token in enumerate(msg.token_ids):
+        j = i - (n - m)
+        if j < 0:
+            out.append(TokenLogprob(token, None))
+            continue
+        pairs = zip(
+            msg.top_token_ids[j * top : (j + 1) * top],
+            msg.top_logprobs[j * top : (j + 1) * top],
+            strict=True,
+        )
+        out.append(TokenLogprob(token, msg.logprobs[j], tuple(pairs)))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One of the n completions of a request (``Generation.choices``)."""
+
+    index: int
+    text: str
+    tokens: tuple[int, ...]
+    finish_reason: str
+    stats: SpeculationStats
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+@dataclass(frozen=True)
 class Generation:
     """A finished generation: what ``Client.generate`` returns and a stream's ``final``."""
 
@@ -119,6 +162,12 @@ class Generation:
     #: The gateway's trace id of this request (32 hex digits, to look up in Jaeger); ""
     #: when the gateway does not trace or did not sample it.
     trace_id: str = ""
+    #: With logprobs=True: each token of ``tokens`` scored.
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    #: With prompt_logprobs=True: the prompt's tokens, the first unscored.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    #: n > 1: every completion (the fields above are choice 0's; usage counts them all).
+    choices: tuple[Choice, ...] = ()
 
     @property
     def tokens_per_second(self) -> float:
@@ -167,6 +216,8 @@ class StreamChunk:
     final: Generation | None = None
     #: On the first chunk with tokens: ms from the request's arrival to its first token.
     time_to_first_token_ms: float | None = None
+    #: With logprobs=True: this chunk's tokens scored.
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 def _f32(x: float) -> float:
@@ -249,7 +300,25 @@ def _generation(
 
 def generation_from_proto(msg: gateway_pb2.GenerateResponse) -> Generation:
     """The result of a unary ``Generate`` call."""
-    return _generation(msg, msg.text, tuple(msg.token_ids))
+    generation = _generation(msg, msg.text, tuple(msg.token_ids))
+    return dataclasses.replace(
+        generation,
+        logprobs=logprobs_from_proto(msg.logprobs) if msg.HasField("logprobs") else None,
+        prompt_logprobs=(
+            logprobs_from_proto(msg.prompt_logprobs) if msg.HasField("prompt_logprobs") else None
+        ),
+        choices=tuple(
+            Choice(
+                index=c.index,
+                text=c.text,
+                tokens=tuple(c.token_ids),
+                finish_reason=finish_reason_from_proto(c.finish_reason),
+                stats=speculation_stats_from_proto(c.stats),
+                logprobs=logprobs_from_proto(c.logprobs) if c.HasField("logprobs") else None,
+            )
+            for c in msg.choices
+        ),
+    )
 
 
 class StreamAssembler:
@@ -263,6 +332,8 @@ class StreamAssembler:
     def __init__(self) -> None:
         self._text: list[str] = []
         self._tokens: list[int] = []
+        self._logprobs: list[TokenLogprob] | None = None
+        self._prompt: tuple[TokenLogprob, ...] | None = None
         self.final: Generation | None = None
 
     def feed(self, msg: gateway_pb2.GenerateStreamResponse) -> StreamChunk:
@@ -271,12 +342,27 @@ class StreamAssembler:
         text, tokens = msg.text, tuple(msg.token_ids)
         self._text.append(text)
         self._tokens.extend(tokens)
+        scores = logprobs_from_proto(msg.logprobs) if msg.HasField("logprobs") else None
+        if scores is not None:
+            self._logprobs = [*(self._logprobs or []), *scores]
+        if msg.HasField("prompt_logprobs"):
+            self._prompt = logprobs_from_proto(msg.prompt_logprobs)
         ttft = None
         if msg.finish_reason != gateway_pb2.FINISH_REASON_UNSPECIFIED:
-            self.final = _generation(msg, "".join(self._text), tuple(self._tokens))
+            self.final = dataclasses.replace(
+                _generation(msg, "".join(self._text), tuple(self._tokens)),
+                logprobs=None if self._logprobs is None else tuple(self._logprobs),
+                prompt_logprobs=self._prompt,
+            )
         elif msg.HasField("timings"):
             ttft = _f32(msg.timings.time_to_first_token_ms)
-        return StreamChunk(text=text, tokens=tokens, final=self.final, time_to_first_token_ms=ttft)
+        return StreamChunk(
+            text=text,
+            tokens=tokens,
+            final=self.final,
+            time_to_first_token_ms=ttft,
+            logprobs=scores,
+        )
 
     def finish(self) -> Generation:
         """Call when the stream ended normally: the final generation, or InternalError."""

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from specdec.common.errors import InvalidRequest
 from specdec.gateway.http.errors import ModelNotFound
+from specdec.gateway.http.logprobs import LogprobsRenderer
 from specdec.gateway.policy import parse_policy
 from specdec.v1 import common_pb2, gateway_pb2
 
@@ -67,14 +67,11 @@ COMMON_FIELDS = {
     "session_reset",
     "timeout",
 }
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 # OpenAI fields that are accepted only with their neutral value (anything else is refused,
 # never ignored).
 NEUTRAL: dict[str, tuple] = {
-    "echo": (None, False),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -101,6 +98,7 @@ class Options:
     timeout: float | None = None
     session_id: str | None = None
     max_tokens_given: bool = False
+    echo: bool = False  # completions: the prompt's text (and scores) before the completion
 
 
 def _check_fields(body: dict, allowed: set[str]) -> None:
@@ -156,8 +154,10 @@ def check_model(body: dict, served: str) -> str:
 def _common(body: dict, req: gateway_pb2.GenerateRequest, served: str) -> Options:
     opts = Options(model=check_model(body, served))
     n = _number(body, "n", integer=True)
-    if n is not None and n != 1:
-        raise InvalidRequest(f"n must be 1, got {n}")
+    if n is not None:
+        if n < 1:
+            raise InvalidRequest(f"n must be at least 1, got {n}")
+        _set(req, "n", n, "n")  # the upper bound is validated as gRPC's
     for name in ("max_tokens", "max_completion_tokens"):
         value = _number(body, name, integer=True)
         if value is not None:
@@ -295,7 +295,16 @@ def completion_request(body: Any, served: str) -> tuple[gateway_pb2.GenerateRequ
         raise InvalidRequest("one prompt per request: batches of prompts are not supported")
     else:
         raise InvalidRequest("prompt must be a string or a list of token ids")
-    return req, _common(body, req, served)
+    opts = _common(body, req, served)
+    logprobs = _number(body, "logprobs", integer=True)  # alternatives per token (legacy)
+    if logprobs is not None:
+        if logprobs < 0:
+            raise InvalidRequest(f"logprobs must be >= 0, got {logprobs}")
+        req.logprobs = True
+        _set(req, "top_logprobs", logprobs, "logprobs")
+    opts.echo = bool(_bool(body, "echo"))
+    req.prompt_logprobs = opts.echo and logprobs is not None
+    return req, opts
 
 
 def chat_request(body: Any, served: str) -> tuple[gateway_pb2.GenerateRequest, Options, list[dict]]:
@@ -314,6 +323,14 @@ def chat_request(body: Any, served: str) -> tuple[gateway_pb2.GenerateRequest, O
     opts = _common(body, req, served)
     if not opts.max_tokens_given:  # ChatTurn sets it from the context; min_tokens must fit
         req.max_new_tokens = max(1, req.min_tokens)
+    req.logprobs = bool(_bool(body, "logprobs"))
+    top = _number(body, "top_logprobs", integer=True)
+    if top is not None:
+        if not req.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true")
+        if top < 0:
+            raise InvalidRequest(f"top_logprobs must be >= 0, got {top}")
+        _set(req, "top_logprobs", top, "top_logprobs")
     return req, opts, messages_from_json(body.get("messages"))
 
 
@@ -354,6 +371,12 @@ class Renderer:
     completion_tokens: int = 0  # tokens rendered so far (continuous usage)
     id: str = field(default="")
     created: int = field(default_factory=lambda: int(time.time()))
+    scores: LogprobsRenderer | None = None  # the served tokenizer, for logprobs
+    echo: str | None = None  # completions with echo: the prompt's text
+    prompt_scores: bool = False  # echo with logprobs: the prompt's rows first
+    _started: set[int] = field(default_factory=set)  # choices whose stream has begun
+    _offsets: dict[int, int] = field(default_factory=dict)  # per choice: text offset
+    _prompt: Any = None  # echo in a stream: the prompt's scores (choice 0's first event)
 
     def __post_init__(self) -> None:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
@@ -374,23 +397,44 @@ class Renderer:
             ext["trace_id"] = self.trace_id
         return ext
 
-    def body(self, final: gateway_pb2.GenerateResponse) -> dict[str, Any]:
-        finish = FINISH_REASON.get(final.finish_reason)
+    def _logprobs(self, table, prompt=None, offset: int = 0) -> tuple[dict[str, Any] | None, int]:
+        """A choice's (or a delta's) OpenAI logprobs, None when not asked; the text offset
+        after it (completions)."""
+        if self.scores is None or table is None:
+            return None, offset
         if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": final.text},
-                "logprobs": None,
-                "finish_reason": finish,
+            return self.scores.chat(table), offset
+        return self.scores.completion([t for t in (prompt, table) if t is not None], offset)
+
+    def _choice(self, index: int, text: str, finish: int, table, prompt) -> dict[str, Any]:
+        logprobs, _ = self._logprobs(table, prompt)
+        if self.chat:
+            return {
+                "index": index,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": FINISH_REASON.get(finish),
             }
-        else:
-            choice = {"index": 0, "text": final.text, "logprobs": None, "finish_reason": finish}
+        text = text if self.echo is None else self.echo + text
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": FINISH_REASON.get(finish),
+        }
+
+    def body(self, final: gateway_pb2.GenerateResponse) -> dict[str, Any]:
+        prompt = final.prompt_logprobs if self.prompt_scores else None
+        choices = [
+            self._choice(c.index, c.text, c.finish_reason, c.logprobs, prompt)
+            for c in final.choices
+        ] or [self._choice(0, final.text, final.finish_reason, final.logprobs, prompt)]
         return {
             "id": self.id,
             "object": self.object,
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": choices,
             "usage": usage(final),
             EXTENSION: self.extension(final, list(final.token_ids)),
         }
@@ -430,11 +474,20 @@ class Renderer:
                 "total_tokens": context_tokens + self.completion_tokens,
             }
         if self.chat and first:
+    def chunks(self, event, include_usage: bool) -> list[dict[str, Any]]:
+        """The stream chunks for one event (specdec.gateway.turn.Event): the delta of its
+        choice, then at a choice's end a chunk with its finish reason and, on the last
+        event, the statistics and the usage chunk if asked."""
+        out = []
+        index, tokens, final = event.index, list(event.tokens), event.final
+        usage_field = {"usage": None} if include_usage else {}
+        if self.chat and index not in self._started:
+            self._started.add(index)
             out.append(
                 self._chunk(
                     [
                         {
-                            "index": 0,
+                            "index": index,
                             "delta": {"role": "assistant", "content": ""},
                             "logprobs": None,
                             "finish_reason": None,
@@ -443,24 +496,44 @@ class Renderer:
                     **usage_field,
                 )
             )
-        if text or tokens:
-            delta = {"content": text} if self.chat else None
+        if event.prompt_logprobs is not None:
+            self._prompt = event.prompt_logprobs
+        if self.echo is not None and index not in self._started:  # echo: the prompt first
+            self._started.add(index)
+            table = self._prompt if self.prompt_scores else None
+            logprobs, self._offsets[index] = self._logprobs(table, None, 0)
+            choice = {"index": index, "text": self.echo, "logprobs": logprobs}
+            out.append(self._chunk([{**choice, "finish_reason": None}], **usage_field))
+        if event.text or tokens:
+            logprobs, self._offsets[index] = self._logprobs(
+                event.logprobs, None, self._offsets.get(index, 0)
+            )
             choice = (
-                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+                {
+                    "index": index,
+                    "delta": {"content": event.text},
+                    "logprobs": logprobs,
+                    "finish_reason": None,
+                }
                 if self.chat
-                else {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+                else {
+                    "index": index,
+                    "text": event.text,
+                    "logprobs": logprobs,
+                    "finish_reason": None,
+                }
             )
             out.append(self._chunk([choice], **usage_field, **{EXTENSION: {"token_ids": tokens}}))
-        if final is not None:
-            finish = FINISH_REASON.get(final.finish_reason)
+        ended = event.choice if event.choice is not None else final
+        if ended is not None:
+            finish = FINISH_REASON.get(ended.finish_reason)
             choice = (
-                {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}
+                {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}
                 if self.chat
-                else {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}
+                else {"index": index, "text": "", "logprobs": None, "finish_reason": finish}
             )
-            out.append(
-                self._chunk([choice], **usage_field, **{EXTENSION: self.extension(final, [])})
-            )
-            if include_usage:
-                out.append(self._chunk([], usage=usage(final)))
+            ext = {EXTENSION: self.extension(final, [])} if final is not None else {}
+            out.append(self._chunk([choice], **usage_field, **ext))
+        if final is not None and include_usage:
+            out.append(self._chunk([], usage=usage(final)))
         return out

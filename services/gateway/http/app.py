@@ -47,6 +47,7 @@ from specdec.gateway.http.errors import (
     error_body,
     http_status,
 )
+from specdec.gateway.http.logprobs import LogprobsRenderer
 from specdec.gateway.info import SUPPORTED_REQUEST_FIELDS
 from specdec.gateway.turn import Gateway
 
@@ -154,21 +155,12 @@ class Generation:
                     self._note_session(final)
                     self.renderer.trace_id = tracing.finish(self.span, final, _NoMetadata())
                 if opts.stream:
-                    first = not self.started
-                    if first:
+                    if not self.started:
                         await send(
                             {"type": "http.response.start", "status": 200, "headers": SSE_HEADERS}
                         )
                         self.started = True
-                    for chunk in r.chunks(
-                        event.text,
-                        event.tokens,
-                        event.final,
-                        first,
-                        opts.include_usage,
-                        opts.continuous_usage,
-                        event.context_tokens,
-                    ):
+                    for chunk in r.chunks(event, opts.include_usage, opts.continuous_usage):
                         await send(
                             {"type": "http.response.body", "body": _sse(chunk), "more_body": True}
                         )
@@ -372,6 +364,7 @@ class OpenAIServer:
         except SpecdecError as e:
             return error_response(e)
         renderer = api.Renderer(chat=False, model=opts.model)
+        self._scores(renderer, req, opts)
         span = request_span(request, "/v1/completions", req, opts.model)
         events = self.gateway.run(req, deadline=_deadline(opts))
         return Generation(events, renderer, opts, None, span)
@@ -395,9 +388,22 @@ class OpenAIServer:
             max_new_tokens=limits.max_new_tokens,
         )
         renderer = api.Renderer(chat=True, model=opts.model)
+        self._scores(renderer, req, opts)
         span = request_span(request, "/v1/chat/completions", req, opts.model)
         events = self.gateway.run(req, prompter=turn, deadline=_deadline(opts))
         return Generation(events, renderer, opts, turn, span)
+
+    def _scores(self, renderer: api.Renderer, req, opts: api.Options) -> None:
+        """What the renderer needs for logprobs and echo."""
+        codec = self.gateway.codec
+        if req.logprobs:
+            renderer.scores = LogprobsRenderer(codec)
+        renderer.prompt_scores = req.prompt_logprobs
+        if opts.echo:
+            which = req.WhichOneof("input")
+            renderer.echo = (
+                req.prompt if which == "prompt" else codec.decode(req.prompt_token_ids.ids)
+            )
 
     def app(self) -> Starlette:
         async def http_error(request: Request, exc: HTTPException) -> Response:
