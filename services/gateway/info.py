@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from specdec.common.errors import NotReady
-from specdec.gateway import request
+from specdec.gateway import grammar, request
 from specdec.v1 import gateway_pb2
 
 if TYPE_CHECKING:
@@ -37,4 +37,6 @@ def server_info(gateway: Gateway) -> gateway_pb2.GetServerInfoResponse:
         tokenizer_fingerprint=codec.fingerprint,
         eos_token_ids=sorted(gateway.eos_token_ids),
         bos_token_id=verifier.bos_token_id,
+        structured_output_engine=grammar.ENGINE,
+        structured_output_kinds=grammar.KINDS,
     )

@@ -24,6 +24,7 @@ drafter degrades a round to k = 0 (the same output, slower); it never fails a re
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ from typing import Any
 from specdec.common.params import sampling_from_proto
 from specdec.gateway import metrics, tracing
 from specdec.gateway.caller import Placement, ReplicaCaller, Unavailable, UpstreamError
+from specdec.gateway.grammar import Constraint
 from specdec.gateway.outcome import (
     DRAFTED,
     NO_DRAFT,
@@ -103,6 +105,7 @@ class Speculator:
         *,
         ssd: bool = False,
         max_context: int,
+        constraint: Constraint | None = None,
     ):
         self.caller = caller
         self.session = replica_session
@@ -112,6 +115,9 @@ class Speculator:
         self.policy = policy
         self.ssd = ssd
         self.max_context = max_context
+        # Structured output: the request's grammar state, advanced by its turn
+        # (specdec.gateway.grammar); it cuts each draft and masks each verified position.
+        self.constraint = constraint
         self.greedy = sampling_from_proto(sampling).greedy
         self.stats = RequestStats(adaptive=policy.kind == ADAPTIVE)
         self._ready: tuple[int, list[int]] | None = None  # greedy SSD hit: (ctx length, draft)
@@ -126,9 +132,10 @@ class Speculator:
         started = time.perf_counter()
         with tracing.round_span(self._index) as span:
             draft = await self._draft(ctx, self.policy.choose_k(max_k))
+            draft, masks = self._constrain(draft)
             speculation = self._speculate(ctx, draft.tokens, remaining)
             verify_sent = time.perf_counter()
-            verdict, resends = await self._verify(ctx, draft, speculation)
+            verdict, resends = await self._verify(ctx, draft, speculation, masks)
             verified = time.perf_counter()
             ssd = self._settle(speculation, verdict, ctx, verify_sent, verified)
             if ssd.state == SSD_LATE:
@@ -193,6 +200,18 @@ class Speculator:
         self.drafter.cached = d.cached_length
         source = PREPARED if d.prepared else DRAFTED
         return Draft(d.draft_tokens, d.draft_probs, source, seconds, answer.resends, late_outcome)
+
+    def _constrain(self, draft: Draft) -> tuple[Draft, list[verifier_pb2.GrammarMask]]:
+        """Under a grammar: the draft cut after its first forbidden token (or its end) and
+        the masks of the verified positions [k+1]; without one, the draft and no masks."""
+        if self.constraint is None:
+            return draft, []
+        cut = self.constraint.cut(draft.tokens)
+        if cut.keep < len(draft.tokens):
+            draft = dataclasses.replace(
+                draft, tokens=draft.tokens[: cut.keep], probs=draft.probs[: cut.keep]
+            )
+        return draft, cut.masks
 
     def _lost_drafter(self, error: Exception) -> None:
         """No drafter could draft: this round runs at k = 0 (warned once per outage, counted
@@ -260,7 +279,11 @@ class Speculator:
         return answer.response, answer.replica, time.perf_counter()
 
     async def _verify(
-        self, ctx: Sequence[int], draft: Draft, speculation: Speculation
+        self,
+        ctx: Sequence[int],
+        draft: Draft,
+        speculation: Speculation,
+        masks: Sequence[verifier_pb2.GrammarMask] = (),
     ) -> tuple[verifier_pb2.VerifyResponse, int]:
         """The verdict on the draft, and the resends it took; a failure cancels the
         Speculate beside it (the verifier's error is the one raised)."""
@@ -273,6 +296,7 @@ class Speculator:
                 draft_tokens=draft.tokens,
                 draft_probs=draft.probs,
                 sampling=self.sampling,
+                grammar_masks=masks,
             )
 
         try:

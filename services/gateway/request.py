@@ -50,6 +50,8 @@ class Job:
     k: int  # the draft length; an upper bound under the adaptive policy
     ssd: bool
     k_policy: int = gateway_pb2.K_POLICY_FIXED  # FIXED or ADAPTIVE, never UNSPECIFIED
+    # The grammar the output follows (compiled by specdec.gateway.grammar); None: none.
+    structured: gateway_pb2.StructuredOutput | None = None
 
 
 def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
@@ -119,4 +121,5 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
         k=k,
         ssd=ssd and k > 0,
         k_policy=k_policy,
+        structured=req.structured_output if req.HasField("structured_output") else None,
     )

@@ -20,6 +20,7 @@ import hashlib
 import logging
 import time
 import uuid
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ from specdec.gateway import metrics
 from specdec.gateway.caller import Placement, ReplicaCaller
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.dataplane import DataPlaneSettings
+from specdec.gateway.grammar import Grammar, Grammars
 from specdec.gateway.loop import Speculator
 from specdec.gateway.policy import make_policy
 from specdec.gateway.replicas import Fleet
@@ -124,6 +126,7 @@ class Gateway:
         self.codec: TextCodec | None = None
         self.limits: Limits | None = None
         self.eos_token_ids: frozenset[int] = frozenset()
+        self.grammars: Grammars | None = None  # structured output (specdec.gateway.grammar)
         self._background: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -150,6 +153,12 @@ class Gateway:
             max_session_ttl=self.config.max_session_ttl,
         )
         self.eos_token_ids = frozenset(info.eos_token_ids)
+        self.grammars = await asyncio.to_thread(
+            Grammars,
+            zlib.decompress(info.tokenizer_json_zlib).decode(),
+            info.vocab_size,
+            self.eos_token_ids,
+        )
         self.fleet.start_probe()
         if self.config.redis_url and not await self.sessions.ping():
             log.warning(
@@ -185,7 +194,11 @@ class Gateway:
         """
         metrics.IN_FLIGHT.inc()
         try:
-            async for event in self._run(validate(req, self.limits), prompter, deadline):
+            job = validate(req, self.limits)
+            grammar = None
+            if job.structured is not None:  # before any replica is called
+                grammar = await asyncio.to_thread(self.grammars.compile, job.structured)
+            async for event in self._run(job, prompter, deadline, grammar):
                 yield event
         except SpecdecError as e:
             metrics.REQUEST_ERRORS.labels(code=e.code.name).inc()
@@ -194,10 +207,10 @@ class Gateway:
             metrics.IN_FLIGHT.dec()
 
     async def _run(
-        self, job: Job, prompter: Prompter | None, deadline: float | None
+        self, job: Job, prompter: Prompter | None, deadline: float | None, grammar: Grammar | None
     ) -> AsyncIterator[Event]:
         if not job.session_id:
-            async for event in self._turn(job, None, prompter, deadline):
+            async for event in self._turn(job, None, prompter, deadline, grammar):
                 yield event
             return
         lease = await self.turns.lock(job.session_id, TURN_LOCK_SECONDS, TURN_LOCK_WAIT_SECONDS)
@@ -207,7 +220,7 @@ class Gateway:
                 "one after another"
             )
         try:
-            async for event in self._turn(job, lease, prompter, deadline):
+            async for event in self._turn(job, lease, prompter, deadline, grammar):
                 yield event
         finally:
             await self.turns.unlock(lease)
@@ -218,6 +231,7 @@ class Gateway:
         lease: TurnLease | None,
         prompter: Prompter | None = None,
         deadline: float | None = None,
+        grammar: Grammar | None = None,
     ) -> AsyncIterator[Event]:
         started = time.perf_counter()
         record = None
@@ -264,6 +278,7 @@ class Gateway:
             make_policy(job.k_policy, job.ssd, self.config.ssd_fan_out),
             ssd=job.ssd,
             max_context=max_context,
+            constraint=self.grammars.matcher(grammar) if grammar else None,
         )
         completion = Completion(self.codec, job.max_new_tokens, self.eos_token_ids, job.stop)
         first_at = last_at = None
@@ -272,6 +287,8 @@ class Gateway:
             while completion.finish_reason is None:
                 remaining = job.max_new_tokens - len(completion.tokens)
                 new = (await spec.round(ctx, min(job.k, remaining - 1), remaining)).tokens
+                if spec.constraint is not None:
+                    spec.constraint.advance(new)
                 ctx.extend(new)
                 text, tokens = completion.push(new)
                 now = time.perf_counter()

@@ -13,6 +13,7 @@ import torch
 
 from specdec.common.batching import ForwardRequest
 from specdec.common.host import to_host
+from specdec.common.masks import apply_masks
 from specdec.common.runtime import ModelRuntime, Prefix
 from specdec.common.sampling import (
     SamplingParams,
@@ -43,8 +44,12 @@ def verify(
     draft_tokens: Sequence[int],
     draft_probs: torch.Tensor | None,
     params: SamplingParams,
+    grammar_masks: torch.Tensor | None = None,
 ) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
     """Score draft_tokens [k] (sampled from draft_probs [k, vocab]) after prefix + new_tokens.
+
+    grammar_masks [k+1, vocab] bool (structured output): the tokens allowed at each verified
+    position; the target's other logits are -inf before the rule. None: no grammar.
 
     A job for the model thread (`ModelRuntime.run`). The cache ends holding prefix +
     new_tokens + accepted drafts.
@@ -52,18 +57,28 @@ def verify(
     with runtime.guarded(session_id):
         return (
             yield from _verify(
-                runtime, session_id, prefix, new_tokens, draft_tokens, draft_probs, params
+                runtime,
+                session_id,
+                prefix,
+                new_tokens,
+                draft_tokens,
+                draft_probs,
+                params,
+                grammar_masks,
             )
         )
 
 
-def _verify(runtime, session_id, prefix, new_tokens, draft_tokens, draft_probs, params):
+def _verify(
+    runtime, session_id, prefix, new_tokens, draft_tokens, draft_probs, params, grammar_masks
+):
     started = time.perf_counter()
     k = len(draft_tokens)
     session = runtime.store.acquire(session_id, prefix.length, prefix.hash, len(new_tokens) + k)
     target_logits = yield from runtime.forward_steps(
         session, [*new_tokens, *draft_tokens], keep=k + 1
     )  # [k+1, vocab]
+    target_logits = apply_masks(target_logits, grammar_masks)
     if params.greedy:
         # The target's choices [k+1], copied once; the rule on the host: accept while the
         # draft token is the target's, then the target's token.

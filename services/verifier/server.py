@@ -11,7 +11,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from specdec.common.convert import decode_draft_probs, prefix_from_proto
+from specdec.common.convert import decode_draft_probs, decode_grammar_masks, prefix_from_proto
 from specdec.common.errors import InvalidRequest
 from specdec.common.metrics import observed_rpc
 from specdec.common.params import sampling_from_proto
@@ -57,8 +57,10 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
                     "tokens (sampling needs one per draft token)"
                 )
             draft_probs = decode_draft_probs(request.draft_probs, rt.vocab_size)  # [k, vocab]
+        masks = decode_grammar_masks(request.grammar_masks, k + 1, rt.vocab_size)  # [k+1, vocab]
         queue_depth = rt.pending  # the load this call waits behind (itself not counted yet)
         args = (rt, request.session_id, prefix, new_tokens, draft_tokens, draft_probs, params)
+        args += (masks,)
         respond = functools.partial(self._verify_response, k, queue_depth)
         return ModelCall(verify, args, request.session_id, respond)
 

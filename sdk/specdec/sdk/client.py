@@ -10,6 +10,7 @@ are raised as :class:`~specdec.sdk.errors.SpecdecError` subclasses, bad argument
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -82,6 +83,7 @@ def build_generate_request(
     k: int | None = None,
     ssd: bool | None = None,
     k_policy: str | None = None,
+    structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """The ``GenerateRequest`` for these arguments (``ValueError`` / ``TypeError`` if invalid).
 
@@ -89,6 +91,9 @@ def build_generate_request(
     left as None stay unset in the message (server defaults); no ``session_id`` means a
     one-off request. ``k_policy``: ``"fixed"`` (every round drafts ``k``) or ``"adaptive"``
     (``k`` is an upper bound; the gateway picks each round's k from acceptance and load).
+    ``structured_output``: the grammar the output follows, a ``StructuredOutput`` or a dict
+    of one key: ``{"json_schema": <schema dict or JSON text>}``, ``{"regex": "..."}``,
+    ``{"choice": ["a", "b"]}`` or ``{"json_object": True}``.
     """
     if k_policy is not None and k_policy not in K_POLICIES:
         raise ValueError(f"k_policy must be one of {', '.join(K_POLICIES)}, got {k_policy!r}")
@@ -133,7 +138,34 @@ def build_generate_request(
         request.speculation.CopyFrom(gateway_pb2.SpeculationParams(num_draft_tokens=k, ssd=ssd))
     if k_policy is not None:
         request.speculation.k_policy = K_POLICIES[k_policy]
+    if structured_output is not None:
+        request.structured_output.CopyFrom(_structured_output(structured_output))
     return request
+
+
+def _structured_output(
+    spec: dict[str, Any] | gateway_pb2.StructuredOutput,
+) -> gateway_pb2.StructuredOutput:
+    if isinstance(spec, gateway_pb2.StructuredOutput):
+        return spec
+    if not isinstance(spec, dict) or len(spec) != 1:
+        raise ValueError(
+            "structured_output must be a StructuredOutput or a dict of one key: json_schema, "
+            "regex, choice or json_object"
+        )
+    ((kind, value),) = spec.items()
+    if kind == "json_schema":
+        text = value if isinstance(value, str) else json.dumps(value)
+        return gateway_pb2.StructuredOutput(json_schema=text)
+    if kind == "regex":
+        return gateway_pb2.StructuredOutput(regex=value)
+    if kind == "choice":
+        return gateway_pb2.StructuredOutput(
+            choice=gateway_pb2.StructuredChoice(choices=list(value))
+        )
+    if kind == "json_object" and value:
+        return gateway_pb2.StructuredOutput(json_object=gateway_pb2.StructuredJsonObject())
+    raise ValueError(f"structured_output: unknown kind {kind!r}")
 
 
 def _request(arguments: dict[str, Any]) -> gateway_pb2.GenerateRequest:
@@ -236,6 +268,7 @@ class Client(_ClientBase):
         k: int | None = None,
         ssd: bool | None = None,
         k_policy: str | None = None,
+        structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> Generation:
         """Generate a completion and return it whole."""
@@ -265,6 +298,7 @@ class Client(_ClientBase):
         k: int | None = None,
         ssd: bool | None = None,
         k_policy: str | None = None,
+        structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> Iterator[StreamChunk]:
         """Generate a completion chunk by chunk; the last chunk has ``final`` set.
@@ -356,6 +390,7 @@ class AsyncClient(_ClientBase):
         k: int | None = None,
         ssd: bool | None = None,
         k_policy: str | None = None,
+        structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> Generation:
         """Generate a completion and return it whole."""
@@ -385,6 +420,7 @@ class AsyncClient(_ClientBase):
         k: int | None = None,
         ssd: bool | None = None,
         k_policy: str | None = None,
+        structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> AsyncIterator[StreamChunk]:
         """Generate chunk by chunk (``async for``); the last chunk has ``final`` set.

@@ -309,6 +309,10 @@ class ServerInfo:
     eos_token_ids: tuple[int, ...]
     #: -1 when the tokenizer has none.
     bos_token_id: int
+    #: The grammar engine behind ``structured_output`` (e.g. "llguidance 1.9.1").
+    structured_output_engine: str = ""
+    #: The structured_output kinds accepted: json_object, json_schema, regex, choice.
+    structured_output_kinds: tuple[str, ...] = ()
 
 
 def server_info_from_proto(msg: gateway_pb2.GetServerInfoResponse) -> ServerInfo:
@@ -329,4 +333,6 @@ def server_info_from_proto(msg: gateway_pb2.GetServerInfoResponse) -> ServerInfo
         tokenizer_fingerprint=msg.tokenizer_fingerprint,
         eos_token_ids=tuple(msg.eos_token_ids),
         bos_token_id=msg.bos_token_id,
+        structured_output_engine=msg.structured_output_engine,
+        structured_output_kinds=tuple(msg.structured_output_kinds),
     )

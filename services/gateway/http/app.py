@@ -35,7 +35,7 @@ from specdec.common import telemetry
 from specdec.common.errors import InvalidRequest, SpecdecError
 from specdec.common.serving import MAX_MESSAGE_BYTES
 from specdec.common.tls import ServerTls, pem_files
-from specdec.gateway import tracing
+from specdec.gateway import grammar, tracing
 from specdec.gateway.http import api
 from specdec.gateway.http.chat import ChatTemplate, ChatTurn
 from specdec.gateway.http.errors import (
@@ -353,6 +353,7 @@ class OpenAIServer:
             "created": self.created,
             "owned_by": "specdec",
             "max_model_len": self.gateway.limits.max_context,
+            "structured_output": {"engine": grammar.ENGINE, "kinds": list(grammar.KINDS)},
         }
 
     async def completions(self, request: Request) -> Response:
