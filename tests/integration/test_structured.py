@@ -1,6 +1,7 @@
 """Structured output through real processes: the output equals constrained decoding of the
 target alone (`transformers` generate() with the same grammar mask as a logits processor,
-built here from the same engine, llguidance), with k = 0, k = 3 and SSD, for a JSON
+`GrammarProcessor`, built from the transformers tokenizer with the same engine, llguidance,
+independently of the gateway's code), with k = 0, k = 3 and SSD, for a JSON
 schema, a regex and a choice; the sampled distribution under a grammar is the target's
 masked one; a bad grammar is INVALID_ARGUMENT / HTTP 400 before any replica works."""
 
@@ -10,13 +11,13 @@ import json
 import math
 
 import llguidance
-import llguidance.hf
 import openai
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessorList
 
 from specdec.sdk import Client, InvalidArgument
+from specdec.tools.bench.structured import GrammarProcessor
 from tests.conftest import PROMPTS
 from tests.integration.test_gateway import gateway, replica
 from tests.integration.test_http import free_port
@@ -59,32 +60,6 @@ def grammar_of(kind: str) -> str:
     return llguidance.LLMatcher.grammar_from_lark(
         "start: " + " | ".join(json.dumps(c) for c in CHOICES)
     )
-
-
-class GrammarProcessor(LogitsProcessor):
-    """The grammar's mask as a transformers LogitsProcessor (batch of one): forbidden
-    logits -inf, after the tokens generated so far."""
-
-    def __init__(self, tokenizer, vocab: int, grammar: str, prompt_length: int):
-        lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab)
-        self.matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
-        self.vocab = vocab
-        self.start = prompt_length
-        self.seen = 0
-
-    def allowed(self) -> torch.Tensor:
-        bits = self.matcher.compute_bitmask()
-        return torch.tensor([bool(bits[t >> 3] >> (t & 7) & 1) for t in range(self.vocab)])
-
-    def advance(self, tokens: list[int]) -> None:
-        for t in tokens:
-            assert self.matcher.consume_token(t), self.matcher.get_error()
-
-    def __call__(self, input_ids, scores):
-        new = input_ids[0, self.start :].tolist()
-        self.advance(new[self.seen :])
-        self.seen = len(new)
-        return scores.masked_fill(~self.allowed(), float("-inf"))
 
 
 @pytest.fixture(scope="module")
