@@ -122,6 +122,11 @@ class Grammars:
             raise InvalidRequest(f"structured_output.{kind} is invalid: {error}")
         return Grammar(kind, text)
 
+    def constraint(self, spec: gateway_pb2.StructuredOutput) -> Constraint:
+        """A request's grammar state at the start of its output (InvalidRequest for a bad
+        grammar). Compiling a large schema takes milliseconds: call it off the event loop."""
+        return self.matcher(self.compile(spec))
+
     def matcher(self, grammar: Grammar) -> Constraint:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar.text, log_level=0)
         if matcher.is_error():

@@ -37,6 +37,6 @@ def server_info(gateway: Gateway) -> gateway_pb2.GetServerInfoResponse:
         tokenizer_fingerprint=codec.fingerprint,
         eos_token_ids=sorted(gateway.eos_token_ids),
         bos_token_id=verifier.bos_token_id,
-        structured_output_engine=grammar.ENGINE,
-        structured_output_kinds=grammar.KINDS,
+        structured_output_engine=grammar.ENGINE if gateway.grammars else "",
+        structured_output_kinds=grammar.KINDS if gateway.grammars else (),
     )

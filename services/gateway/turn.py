@@ -31,7 +31,7 @@ from specdec.gateway import metrics
 from specdec.gateway.caller import Placement, ReplicaCaller
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.dataplane import DataPlaneSettings
-from specdec.gateway.grammar import Grammar, Grammars
+from specdec.gateway.grammar import Constraint, Grammars
 from specdec.gateway.loop import Speculator
 from specdec.gateway.policy import make_policy
 from specdec.gateway.replicas import Fleet
@@ -127,6 +127,7 @@ class Gateway:
         self.limits: Limits | None = None
         self.eos_token_ids: frozenset[int] = frozenset()
         self.grammars: Grammars | None = None  # structured output (specdec.gateway.grammar)
+        self.grammars_error = "the gateway is still connecting to its replicas"
         self._background: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -153,12 +154,16 @@ class Gateway:
             max_session_ttl=self.config.max_session_ttl,
         )
         self.eos_token_ids = frozenset(info.eos_token_ids)
-        self.grammars = await asyncio.to_thread(
-            Grammars,
-            zlib.decompress(info.tokenizer_json_zlib).decode(),
-            info.vocab_size,
-            self.eos_token_ids,
-        )
+        try:
+            self.grammars = await asyncio.to_thread(
+                Grammars,
+                zlib.decompress(info.tokenizer_json_zlib).decode(),
+                info.vocab_size,
+                self.eos_token_ids,
+            )
+        except Exception as e:  # a tokenizer the engine cannot read: the rest still serves
+            self.grammars_error = f"the grammar engine cannot use this tokenizer: {e}"
+            log.warning("structured output unavailable", extra={"why": self.grammars_error})
         self.fleet.start_probe()
         if self.config.redis_url and not await self.sessions.ping():
             log.warning(
@@ -195,10 +200,14 @@ class Gateway:
         metrics.IN_FLIGHT.inc()
         try:
             job = validate(req, self.limits)
-            grammar = None
+            constraint = None
             if job.structured is not None:  # before any replica is called
-                grammar = await asyncio.to_thread(self.grammars.compile, job.structured)
-            async for event in self._run(job, prompter, deadline, grammar):
+                if self.grammars is None:
+                    raise InvalidRequest(
+                        f"structured_output is not available on this server: {self.grammars_error}"
+                    )
+                constraint = await asyncio.to_thread(self.grammars.constraint, job.structured)
+            async for event in self._run(job, prompter, deadline, constraint):
                 yield event
         except SpecdecError as e:
             metrics.REQUEST_ERRORS.labels(code=e.code.name).inc()
@@ -207,10 +216,14 @@ class Gateway:
             metrics.IN_FLIGHT.dec()
 
     async def _run(
-        self, job: Job, prompter: Prompter | None, deadline: float | None, grammar: Grammar | None
+        self,
+        job: Job,
+        prompter: Prompter | None,
+        deadline: float | None,
+        constraint: Constraint | None,
     ) -> AsyncIterator[Event]:
         if not job.session_id:
-            async for event in self._turn(job, None, prompter, deadline, grammar):
+            async for event in self._turn(job, None, prompter, deadline, constraint):
                 yield event
             return
         lease = await self.turns.lock(job.session_id, TURN_LOCK_SECONDS, TURN_LOCK_WAIT_SECONDS)
@@ -220,7 +233,7 @@ class Gateway:
                 "one after another"
             )
         try:
-            async for event in self._turn(job, lease, prompter, deadline, grammar):
+            async for event in self._turn(job, lease, prompter, deadline, constraint):
                 yield event
         finally:
             await self.turns.unlock(lease)
@@ -231,7 +244,7 @@ class Gateway:
         lease: TurnLease | None,
         prompter: Prompter | None = None,
         deadline: float | None = None,
-        grammar: Grammar | None = None,
+        constraint: Constraint | None = None,
     ) -> AsyncIterator[Event]:
         started = time.perf_counter()
         record = None
@@ -278,7 +291,7 @@ class Gateway:
             make_policy(job.k_policy, job.ssd, self.config.ssd_fan_out),
             ssd=job.ssd,
             max_context=max_context,
-            constraint=self.grammars.matcher(grammar) if grammar else None,
+            constraint=constraint,
         )
         completion = Completion(self.codec, job.max_new_tokens, self.eos_token_ids, job.stop)
         first_at = last_at = None

@@ -353,7 +353,11 @@ class OpenAIServer:
             "created": self.created,
             "owned_by": "specdec",
             "max_model_len": self.gateway.limits.max_context,
-            "structured_output": {"engine": grammar.ENGINE, "kinds": list(grammar.KINDS)},
+            "structured_output": (
+                {"engine": grammar.ENGINE, "kinds": list(grammar.KINDS)}
+                if self.gateway.grammars
+                else None
+            ),
         }
 
     async def completions(self, request: Request) -> Response:
