@@ -11,7 +11,7 @@ CHECKOV_VER  ?= 3.3.30
 LM_EVAL_VENV ?= .cache/peers/lm-eval
 LM_EVAL_VER  ?= 0.4.13
 
-.PHONY: install dist models demo demo-tiny bench bench-quick up proto proto-check lint lint-proto format test test-unit test-integration test-lm-eval clean \
+.PHONY: install dist models demo demo-tiny bench bench-quick bench-structured up proto proto-check lint lint-proto format test test-unit test-integration test-lm-eval clean \
         chart-test system-deps test-deps base-image wheels images image-test lint-docker \
         docs docs-serve docs-gen docs-screenshots
 
@@ -60,6 +60,11 @@ bench: models
 # A smoke run of the same (3 prompts x 32 tokens, under 10 minutes per drafter variant).
 bench-quick: models
 	$(VENV)/bin/specdec bench $(BENCH_ARGS) --quick --out bench-results/quick
+
+# Structured output (a JSON schema) against free generation on the installed pair: 3 prompts
+# x 64 tokens, k=3 with and without SSD, and the target's own constrained generate().
+bench-structured: models
+	$(VENV)/bin/specdec bench --structured --k 3 --max-new-tokens 64 --out bench-results/structured
 
 # Regenerate the Python stubs in sdk/specdec/v1/ from protos/ (never edit them by hand).
 proto: install

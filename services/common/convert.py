@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from specdec.common.errors import InvalidRequest
+from specdec.common.masks import InvalidMask, decode_mask, stack_masks
 from specdec.common.runtime import Prefix
 from specdec.common.sampling import EncodedProbs, InvalidDistribution, decode_probs
 from specdec.v1 import common_pb2
@@ -62,3 +63,19 @@ def decode_draft_probs(
     except InvalidDistribution as e:
         raise InvalidRequest(f"draft_probs: {e}") from None
     return torch.stack(rows) if rows else torch.empty(0, vocab_size)
+
+
+def decode_grammar_masks(msgs: Sequence, rows: int, vocab_size: int) -> torch.Tensor | None:
+    """A Verify's grammar masks (verifier_pb2.GrammarMask [rows], or none) -> allowed
+    [rows, vocab] bool, or None without a grammar (InvalidRequest if bad)."""
+    if not msgs:
+        return None
+    if len(msgs) != rows:
+        raise InvalidRequest(
+            f"grammar_masks has {len(msgs)} masks for {rows} verified positions (draft + 1)"
+        )
+    try:
+        masks = [decode_mask(m.allowed_bits, m.allowed_ids, vocab_size) for m in msgs]
+    except InvalidMask as e:
+        raise InvalidRequest(f"grammar_masks: {e}") from None
+    return stack_masks(masks, vocab_size)

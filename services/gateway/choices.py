@@ -32,6 +32,7 @@ from specdec.gateway.text import Completion
 from specdec.v1 import common_pb2, gateway_pb2
 
 if TYPE_CHECKING:
+    from specdec.gateway.grammar import Grammar
     from specdec.gateway.request import Job
     from specdec.gateway.turn import Gateway
 
@@ -113,6 +114,7 @@ async def run_choices(
     prompt_ids: list[int],
     started: float,
     deadline: float | None,
+    grammar: Grammar | None = None,
 ) -> AsyncIterator[Any]:
     """The events of n > 1 completions of ctx (a one-off request): each choice's deltas
     as they come, tagged with its index; a choice's last event carries its GenerateChoice,
@@ -121,7 +123,7 @@ async def run_choices(
 
     parent = replica_session_id(None)
     drafter, verifier = Placement(), Placement()
-    runs = [gateway.choice_run(job, parent, drafter, verifier, deadline, len(ctx))]
+    runs = [gateway.choice_run(job, parent, drafter, verifier, deadline, len(ctx), grammar=grammar)]
     sessions = [(parent, drafter, verifier)]
     queue: asyncio.Queue = asyncio.Queue()
     tasks: list[asyncio.Task] = []
@@ -150,7 +152,15 @@ async def run_choices(
             d = Placement(drafter.replica, len(ctx)) if drafter.replica else Placement()
             v = Placement(verifier.replica, len(ctx))
             run = gateway.choice_run(
-                job, session, d, v, deadline, len(ctx), i, choice_sampling(job.sampling, i)
+                job,
+                session,
+                d,
+                v,
+                deadline,
+                len(ctx),
+                i,
+                choice_sampling(job.sampling, i),
+                grammar=grammar,
             )
             run.spec.fork_from["verifier"] = parent
             if d.replica is not None:

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from specdec.common.controls import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from specdec.common.errors import NotReady
-from specdec.gateway import request
+from specdec.gateway import grammar, request
 from specdec.v1 import gateway_pb2
 
 if TYPE_CHECKING:
@@ -55,4 +55,6 @@ def server_info(gateway: Gateway) -> gateway_pb2.GetServerInfoResponse:
         max_logit_bias=MAX_LOGIT_BIAS,
         max_top_logprobs=request.MAX_TOP_LOGPROBS,
         max_choices=request.MAX_CHOICES,
+        structured_output_engine=grammar.ENGINE if gateway.grammars else "",
+        structured_output_kinds=grammar.KINDS if gateway.grammars else (),
     )

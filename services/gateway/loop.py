@@ -24,6 +24,7 @@ drafter degrades a round to k = 0 (the same output, slower); it never fails a re
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ from typing import Any
 from specdec.common.params import sampling_from_proto
 from specdec.gateway import metrics, tracing
 from specdec.gateway.caller import Placement, ReplicaCaller, Unavailable, UpstreamError
+from specdec.gateway.grammar import Constraint
 from specdec.gateway.outcome import (
     DRAFTED,
     NO_DRAFT,
@@ -107,6 +109,7 @@ class Speculator:
         logprobs: bool = False,
         top_logprobs: int = 0,
         prompt_logprobs: bool = False,
+        constraint: Constraint | None = None,
     ):
         self.caller = caller
         self.session = replica_session
@@ -119,6 +122,9 @@ class Speculator:
         # Where the request's output starts and its min_tokens mask: every replica call
         # carries it with the sampling (the logits processors need both).
         self.output = output
+        # Structured output: the request's grammar state, advanced by its turn
+        # (specdec.gateway.grammar); it cuts each draft and masks each verified position.
+        self.constraint = constraint
         self.greedy = sampling_from_proto(sampling).greedy
         self.stats = RequestStats(adaptive=policy.kind == ADAPTIVE)
         self._ready: tuple[int, list[int]] | None = None  # greedy SSD hit: (ctx length, draft)
@@ -141,9 +147,10 @@ class Speculator:
         started = time.perf_counter()
         with tracing.round_span(self._index) as span:
             draft = await self._draft(ctx, self.policy.choose_k(max_k))
+            draft, masks = self._constrain(draft)
             speculation = self._speculate(ctx, draft.tokens, remaining)
             verify_sent = time.perf_counter()
-            verdict, resends = await self._verify(ctx, draft, speculation)
+            verdict, resends = await self._verify(ctx, draft, speculation, masks)
             verified = time.perf_counter()
             ssd = self._settle(speculation, verdict, ctx, verify_sent, verified)
             if ssd.state == SSD_LATE:
@@ -213,6 +220,18 @@ class Speculator:
         self.drafter.cached = d.cached_length
         source = PREPARED if d.prepared else DRAFTED
         return Draft(d.draft_tokens, d.draft_probs, source, seconds, answer.resends, late_outcome)
+
+    def _constrain(self, draft: Draft) -> tuple[Draft, list[verifier_pb2.GrammarMask]]:
+        """Under a grammar: the draft cut after its first forbidden token (or its end) and
+        the masks of the verified positions [k+1]; without one, the draft and no masks."""
+        if self.constraint is None:
+            return draft, []
+        cut = self.constraint.cut(draft.tokens)
+        if cut.keep < len(draft.tokens):
+            draft = dataclasses.replace(
+                draft, tokens=draft.tokens[: cut.keep], probs=draft.probs[: cut.keep]
+            )
+        return draft, cut.masks
 
     def _lost_drafter(self, error: Exception) -> None:
         """No drafter could draft: this round runs at k = 0 (warned once per outage, counted
@@ -287,7 +306,11 @@ class Speculator:
         return answer.response, answer.replica, time.perf_counter()
 
     async def _verify(
-        self, ctx: Sequence[int], draft: Draft, speculation: Speculation
+        self,
+        ctx: Sequence[int],
+        draft: Draft,
+        speculation: Speculation,
+        masks: Sequence[verifier_pb2.GrammarMask] = (),
     ) -> tuple[verifier_pb2.VerifyResponse, int]:
         """The verdict on the draft, and the resends it took; a failure cancels the
         Speculate beside it (the verifier's error is the one raised)."""
@@ -307,6 +330,7 @@ class Speculator:
                 top_logprobs=self.top_logprobs if self.logprobs or prompt_logprobs else 0,
                 prompt_logprobs=prompt_logprobs,
                 fork_from=self._fork("verifier", prefix),
+                grammar_masks=masks,
             )
 
         try:

@@ -62,6 +62,8 @@ class Job:
     top_logprobs: int = 0  # alternatives per scored token
     prompt_logprobs: bool = False  # score the prompt too (echo)
     n: int = 1  # independent completions (specdec.gateway.choices)
+    # The grammar the output follows (compiled by specdec.gateway.grammar); None: none.
+    structured: gateway_pb2.StructuredOutput | None = None
 
 
 def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
@@ -170,4 +172,5 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
         top_logprobs=req.top_logprobs,
         prompt_logprobs=req.prompt_logprobs,
         n=n,
+        structured=req.structured_output if req.HasField("structured_output") else None,
     )

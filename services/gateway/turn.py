@@ -20,6 +20,7 @@ import hashlib
 import logging
 import time
 import uuid
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from specdec.gateway.caller import Placement, ReplicaCaller
 from specdec.gateway.choices import ChoiceRun, run_choices
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.dataplane import DataPlaneSettings
+from specdec.gateway.grammar import Grammar, Grammars
 from specdec.gateway.logprobs import LogprobsTrack
 from specdec.gateway.loop import Speculator
 from specdec.gateway.policy import make_policy
@@ -149,6 +151,8 @@ class Gateway:
         self.codec: TextCodec | None = None
         self.limits: Limits | None = None
         self.eos_token_ids: frozenset[int] = frozenset()
+        self.grammars: Grammars | None = None  # structured output (specdec.gateway.grammar)
+        self.grammars_error = "the gateway is still connecting to its replicas"
         self._background: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -175,6 +179,16 @@ class Gateway:
             max_session_ttl=self.config.max_session_ttl,
         )
         self.eos_token_ids = frozenset(info.eos_token_ids)
+        try:
+            self.grammars = await asyncio.to_thread(
+                Grammars,
+                zlib.decompress(info.tokenizer_json_zlib).decode(),
+                info.vocab_size,
+                self.eos_token_ids,
+            )
+        except Exception as e:  # a tokenizer the engine cannot read: the rest still serves
+            self.grammars_error = f"the grammar engine cannot use this tokenizer: {e}"
+            log.warning("structured output unavailable", extra={"why": self.grammars_error})
         self.fleet.start_probe()
         if self.config.redis_url and not await self.sessions.ping():
             log.warning(
@@ -210,7 +224,15 @@ class Gateway:
         """
         metrics.IN_FLIGHT.inc()
         try:
-            async for event in self._run(validate(req, self.limits), prompter, deadline):
+            job = validate(req, self.limits)
+            grammar = None
+            if job.structured is not None:  # before any replica is called
+                if self.grammars is None:
+                    raise InvalidRequest(
+                        f"structured_output is not available on this server: {self.grammars_error}"
+                    )
+                grammar = await asyncio.to_thread(self.grammars.compile, job.structured)
+            async for event in self._run(job, prompter, deadline, grammar):
                 yield event
         except SpecdecError as e:
             metrics.REQUEST_ERRORS.labels(code=e.code.name).inc()
@@ -219,10 +241,14 @@ class Gateway:
             metrics.IN_FLIGHT.dec()
 
     async def _run(
-        self, job: Job, prompter: Prompter | None, deadline: float | None
+        self,
+        job: Job,
+        prompter: Prompter | None,
+        deadline: float | None,
+        grammar: Grammar | None,
     ) -> AsyncIterator[Event]:
         if not job.session_id:
-            async for event in self._turn(job, None, prompter, deadline):
+            async for event in self._turn(job, None, prompter, deadline, grammar):
                 yield event
             return
         lease = await self.turns.lock(job.session_id, TURN_LOCK_SECONDS, TURN_LOCK_WAIT_SECONDS)
@@ -232,7 +258,7 @@ class Gateway:
                 "one after another"
             )
         try:
-            async for event in self._turn(job, lease, prompter, deadline):
+            async for event in self._turn(job, lease, prompter, deadline, grammar):
                 yield event
         finally:
             await self.turns.unlock(lease)
@@ -243,6 +269,7 @@ class Gateway:
         lease: TurnLease | None,
         prompter: Prompter | None = None,
         deadline: float | None = None,
+        grammar: Grammar | None = None,
     ) -> AsyncIterator[Event]:
         started = time.perf_counter()
         record = None
@@ -286,10 +313,12 @@ class Gateway:
             )
         replica_session = replica_session_id(job.session_id)
         if job.n > 1:  # n completions of one prompt, its prefill shared (no session)
-            async for event in run_choices(self, job, ctx, prompt_ids, started, deadline):
+            async for event in run_choices(self, job, ctx, prompt_ids, started, deadline, grammar):
                 yield event
             return
-        run = self.choice_run(job, replica_session, drafter, verifier, deadline, len(ctx))
+        run = self.choice_run(
+            job, replica_session, drafter, verifier, deadline, len(ctx), grammar=grammar
+        )
         try:
             async for event in self.rounds(job, ctx, run, started, lease):
                 yield event
@@ -326,6 +355,7 @@ class Gateway:
         context_tokens: int,
         index: int = 0,
         sampling: common_pb2.SamplingParams | None = None,
+        grammar: Grammar | None = None,
     ) -> ChoiceRun:
         """The loop state of one completion (choice `index`) on the given placements, after
         context_tokens of history and prompt."""
@@ -342,6 +372,8 @@ class Gateway:
             top_logprobs=job.top_logprobs,
             prompt_logprobs=job.prompt_logprobs and index == 0,
             output=output_controls(job, context_tokens, self.eos_token_ids),
+            # Structured output: this completion's own grammar state (a matcher per choice).
+            constraint=self.grammars.matcher(grammar) if grammar is not None else None,
         )
         completion = Completion(
             self.codec,
@@ -371,6 +403,8 @@ class Gateway:
             remaining = job.max_new_tokens - len(completion.tokens)
             outcome = await run.spec.round(ctx, min(job.k, remaining - 1), remaining)
             new = outcome.tokens
+            if run.spec.constraint is not None:
+                run.spec.constraint.advance(new)
             ctx.extend(new)
             if run.track is not None:
                 run.track.add(outcome.logprobs)

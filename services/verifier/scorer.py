@@ -15,6 +15,7 @@ from specdec.common.batching import ForwardRequest
 from specdec.common.controls import Controls
 from specdec.common.host import to_host
 from specdec.common.logprobs import LogprobRows, LogprobsAsk, emitted_tokens, token_logprobs
+from specdec.common.masks import apply_masks
 from specdec.common.processors import verify_logits
 from specdec.common.runtime import ModelRuntime, Prefix, SessionCache
 from specdec.common.sampling import (
@@ -53,9 +54,13 @@ def verify(
     controls: Controls | None = None,
     logprobs: LogprobsAsk | None = None,
     fork_from: str = "",
+    grammar_masks: torch.Tensor | None = None,
 ) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
     """Score draft_tokens [k] (sampled from draft_probs [k, vocab]) after prefix + new_tokens,
     with the request's logits processors (controls; None: none).
+
+    grammar_masks [k+1, vocab] bool (structured output): the tokens allowed at each verified
+    position; the target's other logits are -inf before the rule. None: no grammar.
 
     A job for the model thread (`ModelRuntime.run`). The cache ends holding prefix +
     new_tokens + accepted drafts. logprobs: also score the emitted tokens (and the prompt)
@@ -75,6 +80,7 @@ def verify(
                 controls,
                 logprobs,
                 fork_from,
+                grammar_masks,
             )
         )
 
@@ -115,6 +121,7 @@ def _verify(
     controls,
     ask,
     fork_from,
+    grammar_masks,
 ):
     started = time.perf_counter()
     k = len(draft_tokens)
@@ -125,6 +132,7 @@ def _verify(
     target_logits, prompt_logits = yield from processed_target_logits(
         runtime, session, new_tokens, draft_tokens, controls, scored
     )  # [k+1, vocab], [scored, vocab]
+    target_logits = apply_masks(target_logits, grammar_masks)  # the grammar after the processors
     extra: list[torch.Tensor] = []  # the scores asked for, copied with the verdict
     if params.greedy:
         # The target's choices [k+1], copied once; the rule on the host: accept while the

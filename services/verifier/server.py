@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specdec.common.controls import controls_from_proto
-from specdec.common.convert import decode_draft_probs, prefix_from_proto
+from specdec.common.convert import decode_draft_probs, decode_grammar_masks, prefix_from_proto
 from specdec.common.errors import InvalidRequest
 from specdec.common.logprobs import MAX_TOP_LOGPROBS, LogprobRows, LogprobsAsk
 from specdec.common.metrics import observed_rpc
@@ -62,6 +62,7 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
         controls = controls_from_proto(
             request.sampling, request.output, rt.vocab_size, prefix.length + len(new_tokens)
         )
+        masks = decode_grammar_masks(request.grammar_masks, k + 1, rt.vocab_size)  # [k+1, vocab]
         ask = logprobs_ask(request)
         check_fork(request.fork_from)
         queue_depth = rt.pending  # the load this call waits behind (itself not counted yet)
@@ -76,6 +77,7 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
             controls,
             ask,
             request.fork_from,
+            masks,
         )
         respond = functools.partial(
             self._verify_response, k, queue_depth, new_tokens, draft_tokens, request.logprobs

@@ -137,3 +137,20 @@ def test_overhead_on_standins(tmp_path):
         assert row["tokens_per_round"] >= 1
     assert {p["step_ms"] for p in result["projections"]} == {7.0, 25.0}
     assert "| k=0 | 1 |" in (out / "overhead.md").read_text()
+
+
+def test_bench_structured_on_tiny_models(tmp_path):
+    """`specdec bench --structured`: every constrained mode equals the target's constrained
+    generate(), and acceptance and tokens/s are reported for each stack mode."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "specdec", "bench", "--structured", "--tiny"]
+    cmd += [str(tmp_path / "models"), "--num-prompts", "2", "--max-new-tokens", "12"]
+    done = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {r["mode"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert set(rows) == {"target json", "k=3", "k=3 json", "ssd k=3", "ssd k=3 json"}
+    for name in ("k=3 json", "ssd k=3 json"):
+        assert rows[name]["equals_target_json"] is True
+    for name in ("k=3", "k=3 json", "ssd k=3", "ssd k=3 json"):
+        assert rows[name]["tokens_per_second"] > 0 and rows[name]["acceptance_rate"] is not None
+    assert "| k=3 json |" in (out / "results.md").read_text()

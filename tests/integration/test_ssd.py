@@ -122,8 +122,9 @@ def test_ssd_multi_turn_equals_one_call(ssd_stack, tokenizer, reference):
     assert second.stats.cache_misses == 0 and second.stats.ssd_hits > 0
 
 
-def exact_sequence_probs(model, prompt: list[int], steps: int, top_k: int) -> dict:
-    """P(t_1..t_steps) under the target with temperature 1 and top-k, by enumeration."""
+def exact_sequence_probs(model, prompt: list[int], steps: int, top_k: int, allowed=None) -> dict:
+    """P(t_1..t_steps) under the target with temperature 1 and top-k, by enumeration;
+    allowed(seq) -> [vocab] bool: a mask on the logits after seq (a grammar), if given."""
     import torch
 
     from specdec.common.params import SamplingParams
@@ -138,6 +139,8 @@ def exact_sequence_probs(model, prompt: list[int], steps: int, top_k: int) -> di
             return
         with torch.inference_mode():
             logits = model(torch.tensor([[*prompt, *seq]])).logits[0, -1]
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed(seq), float("-inf"))
         q = warp(logits, params)
         for t in torch.nonzero(q).flatten().tolist():
             walk((*seq, t), p * float(q[t]))

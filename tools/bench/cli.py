@@ -150,6 +150,13 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
     o.add_argument(
         "--gateway-flags", nargs=argparse.REMAINDER, help="extra flags for the gateway (last)"
     )
+    p.add_argument(
+        "--structured",
+        action="store_true",
+        help="structured output against free generation (a JSON schema): tokens/s, "
+        "acceptance, equality with the target's constrained generate() "
+        "(tools/bench/structured.py); k is the first of --k (default 3)",
+    )
     p.add_argument("--out", default="bench-results", help="folder for JSON, markdown and PNG")
     p.add_argument(
         "--report",
@@ -175,6 +182,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from specdec.tools.bench.overhead import run_overhead
 
         return run_overhead(args)
+    if args.structured:
+        from specdec.tools.bench.structured import run_structured
+
+        return run_structured(args)
     args.k = "2,3,4" if args.k is None else args.k
     args.ssd_k = "2,3,4" if args.ssd_k is None else args.ssd_k
     from specdec.tools.demo import resolve_models

@@ -10,6 +10,7 @@ are raised as :class:`~specdec.sdk.errors.SpecdecError` subclasses, bad argument
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -93,6 +94,7 @@ def build_generate_request(
     top_logprobs: int = 0,
     prompt_logprobs: bool = False,
     n: int = 1,
+    structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """The ``GenerateRequest`` for these arguments (``ValueError`` / ``TypeError`` if invalid).
 
@@ -106,6 +108,9 @@ def build_generate_request(
     ``logprobs``: the target's log-probability of each generated token (with
     ``top_logprobs`` alternatives, 0..20; ``prompt_logprobs``: the prompt's too, no
     session). ``n``: independent completions (``Generation.choices``; not in a stream).
+    ``structured_output``: the grammar the output follows, a ``StructuredOutput`` or a dict
+    of one key: ``{"json_schema": <schema dict or JSON text>}``, ``{"regex": "..."}``,
+    ``{"choice": ["a", "b"]}`` or ``{"json_object": True}``.
     """
     if k_policy is not None and k_policy not in K_POLICIES:
         raise ValueError(f"k_policy must be one of {', '.join(K_POLICIES)}, got {k_policy!r}")
@@ -159,7 +164,34 @@ def build_generate_request(
         request.speculation.k_policy = K_POLICIES[k_policy]
     request.logprobs, request.top_logprobs = logprobs, top_logprobs
     request.prompt_logprobs, request.n = prompt_logprobs, n
+    if structured_output is not None:
+        request.structured_output.CopyFrom(_structured_output(structured_output))
     return request
+
+
+def _structured_output(
+    spec: dict[str, Any] | gateway_pb2.StructuredOutput,
+) -> gateway_pb2.StructuredOutput:
+    if isinstance(spec, gateway_pb2.StructuredOutput):
+        return spec
+    if not isinstance(spec, dict) or len(spec) != 1:
+        raise ValueError(
+            "structured_output must be a StructuredOutput or a dict of one key: json_schema, "
+            "regex, choice or json_object"
+        )
+    ((kind, value),) = spec.items()
+    if kind == "json_schema":
+        text = value if isinstance(value, str) else json.dumps(value)
+        return gateway_pb2.StructuredOutput(json_schema=text)
+    if kind == "regex":
+        return gateway_pb2.StructuredOutput(regex=value)
+    if kind == "choice":
+        return gateway_pb2.StructuredOutput(
+            choice=gateway_pb2.StructuredChoice(choices=list(value))
+        )
+    if kind == "json_object" and value:
+        return gateway_pb2.StructuredOutput(json_object=gateway_pb2.StructuredJsonObject())
+    raise ValueError(f"structured_output: unknown kind {kind!r}")
 
 
 def _request(arguments: dict[str, Any]) -> gateway_pb2.GenerateRequest:
@@ -281,6 +313,7 @@ class Client(_ClientBase):
         top_logprobs: int = 0,
         prompt_logprobs: bool = False,
         n: int = 1,
+        structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> Generation:
         """Generate a completion and return it whole."""
@@ -321,6 +354,7 @@ class Client(_ClientBase):
         top_logprobs: int = 0,
         prompt_logprobs: bool = False,
         n: int = 1,
+        structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> Iterator[StreamChunk]:
         """Generate a completion chunk by chunk; the last chunk has ``final`` set.
@@ -423,6 +457,7 @@ class AsyncClient(_ClientBase):
         top_logprobs: int = 0,
         prompt_logprobs: bool = False,
         n: int = 1,
+        structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> Generation:
         """Generate a completion and return it whole."""
@@ -463,6 +498,7 @@ class AsyncClient(_ClientBase):
         top_logprobs: int = 0,
         prompt_logprobs: bool = False,
         n: int = 1,
+        structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> AsyncIterator[StreamChunk]:
         """Generate chunk by chunk (``async for``); the last chunk has ``final`` set.

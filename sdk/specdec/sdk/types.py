@@ -399,6 +399,10 @@ class ServerInfo:
     supported_request_fields: tuple[str, ...] = ()
     max_stop_token_ids: int = 0
     max_logit_bias: int = 0
+    #: The grammar engine behind ``structured_output`` (e.g. "llguidance 1.9.1").
+    structured_output_engine: str = ""
+    #: The structured_output kinds accepted: json_object, json_schema, regex, choice.
+    structured_output_kinds: tuple[str, ...] = ()
 
 
 def server_info_from_proto(msg: gateway_pb2.GetServerInfoResponse) -> ServerInfo:
@@ -422,4 +426,6 @@ def server_info_from_proto(msg: gateway_pb2.GetServerInfoResponse) -> ServerInfo
         supported_request_fields=tuple(msg.supported_request_fields),
         max_stop_token_ids=msg.max_stop_token_ids,
         max_logit_bias=msg.max_logit_bias,
+        structured_output_engine=msg.structured_output_engine,
+        structured_output_kinds=tuple(msg.structured_output_kinds),
     )

@@ -18,7 +18,7 @@ NEXT_TOKEN_KIND_RECOVERED: NextTokenKind
 NEXT_TOKEN_KIND_BONUS: NextTokenKind
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "prefix", "new_tokens", "draft_tokens", "draft_probs", "sampling", "output", "logprobs", "top_logprobs", "prompt_logprobs", "fork_from")
+    __slots__ = ("session_id", "prefix", "new_tokens", "draft_tokens", "draft_probs", "sampling", "output", "logprobs", "top_logprobs", "prompt_logprobs", "fork_from", "grammar_masks")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class VerifyRequest(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FORK_FROM_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_MASKS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prefix: _common_pb2.CachedPrefix
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -41,7 +42,16 @@ class VerifyRequest(_message.Message):
     top_logprobs: int
     prompt_logprobs: bool
     fork_from: str
-    def __init__(self, session_id: _Optional[str] = ..., prefix: _Optional[_Union[_common_pb2.CachedPrefix, _Mapping]] = ..., new_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[_common_pb2.OutputControls, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., fork_from: _Optional[str] = ...) -> None: ...
+    grammar_masks: _containers.RepeatedCompositeFieldContainer[GrammarMask]
+    def __init__(self, session_id: _Optional[str] = ..., prefix: _Optional[_Union[_common_pb2.CachedPrefix, _Mapping]] = ..., new_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[_common_pb2.OutputControls, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., fork_from: _Optional[str] = ..., grammar_masks: _Optional[_Iterable[_Union[GrammarMask, _Mapping]]] = ...) -> None: ...
+
+class GrammarMask(_message.Message):
+    __slots__ = ("allowed_bits", "allowed_ids")
+    ALLOWED_BITS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_IDS_FIELD_NUMBER: _ClassVar[int]
+    allowed_bits: bytes
+    allowed_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, allowed_bits: _Optional[bytes] = ..., allowed_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("accepted_count", "next_token", "next_token_kind", "cached_length", "forward_ms", "queue_depth", "logprobs", "prompt_logprobs")

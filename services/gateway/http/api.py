@@ -8,13 +8,16 @@ Speculation settings are extension fields of the body, as vLLM accepts extra fie
 `k` (draft length; 0 = no speculation), `ssd` (bool), `k_policy` ("fixed" or "adaptive":
 `k` is then an upper bound per round), `session_id`, `session_reset`
 (bool: forget the session's history first) and `timeout` (seconds for the whole
-generation; past it the answer is 504). Responses carry the
+generation; past it the answer is 504). Structured output: OpenAI's `response_format`
+(`json_object`, `json_schema`) and vLLM's `guided_json`, `guided_regex`, `guided_choice`
+become GenerateRequest.structured_output. Responses carry the
 speculation statistics, timings, the token ids and, for a session, what happened to it
 under the extension key `specdec`.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -66,6 +69,11 @@ COMMON_FIELDS = {
     "session_id",
     "session_reset",
     "timeout",
+    # structured output (vLLM's names for the extensions)
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
 }
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
@@ -79,7 +87,6 @@ NEUTRAL: dict[str, tuple] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "parallel_tool_calls": (None, False, True),
-    "response_format": (None, {"type": "text"}),
     "store": (None, False),
     "metadata": (None, {}),
 }
@@ -226,6 +233,7 @@ def _common(body: dict, req: gateway_pb2.GenerateRequest, served: str) -> Option
         if not timeout > 0:
             raise InvalidRequest(f"timeout must be > 0 seconds, got {timeout}")
         opts.timeout = float(timeout)
+    _structured(body, req)
     return opts
 
 
@@ -273,6 +281,54 @@ def _controls(
             req.stop_token_ids.extend(stop_ids)
         except ValueError:
             raise InvalidRequest("stop_token_ids must fit in int64") from None
+def _structured(body: dict, req: gateway_pb2.GenerateRequest) -> None:
+    """response_format / guided_json / guided_regex / guided_choice -> structured_output
+    (at most one of them; the grammar itself is checked by the gateway)."""
+    given = [n for n in ("guided_json", "guided_regex", "guided_choice") if body.get(n) is not None]
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+            raise InvalidRequest('response_format must be an object with a "type"')
+        if fmt["type"] != "text":
+            given.append("response_format")
+    if len(given) > 1:
+        raise InvalidRequest(f"give one of {', '.join(given)}, not several")
+    if not given:
+        return
+    out = req.structured_output
+    name = given[0]
+    value = body[name]
+    if name == "response_format":
+        kind = value["type"]
+        if kind == "json_object":
+            out.json_object.SetInParent()
+            return
+        if kind != "json_schema":
+            raise InvalidRequest(
+                f'response_format type must be "text", "json_object" or "json_schema", got {kind!r}'
+            )
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict | bool):
+            raise InvalidRequest(
+                'response_format json_schema must be an object holding the "schema" object'
+            )
+        out.json_schema = json.dumps(spec.get("schema", {}))
+    elif name == "guided_json":
+        if isinstance(value, str):
+            out.json_schema = value
+        elif isinstance(value, dict):
+            out.json_schema = json.dumps(value)
+        else:
+            raise InvalidRequest("guided_json must be a JSON schema (an object or its text)")
+    elif name == "guided_regex":
+        if not isinstance(value, str):
+            raise InvalidRequest("guided_regex must be a string")
+        out.regex = value
+    else:
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise InvalidRequest("guided_choice must be a list of strings")
+        out.choice.choices.extend(value)
+        out.choice.SetInParent()
 
 
 def completion_request(body: Any, served: str) -> tuple[gateway_pb2.GenerateRequest, Options]:
@@ -450,37 +506,23 @@ class Renderer:
         }
 
     def chunks(
-        self,
-        text: str,
-        tokens: Iterable[int],
-        final: gateway_pb2.GenerateResponse | None,
-        first: bool,
-        include_usage: bool,
-        continuous_usage: bool = False,
-        context_tokens: int = 0,
+        self, event, include_usage: bool, continuous_usage: bool = False
     ) -> list[dict[str, Any]]:
-        """The stream chunks for one event: the delta, then on the last event a chunk
-        with the finish reason and the statistics, and the usage chunk if asked.
-        continuous_usage: every chunk carries the usage so far (context_tokens: the
-        prompt's, a session's history included), as vLLM's continuous_usage_stats."""
+        """The stream chunks for one event (specdec.gateway.turn.Event): the delta of its
+        choice, then at a choice's end a chunk with its finish reason and, on the last
+        event, the statistics and the usage chunk if asked. continuous_usage: every chunk
+        carries the usage so far (prompt_tokens: the event's context_tokens, a session's
+        history included), as vLLM's continuous_usage_stats."""
         out = []
-        tokens = list(tokens)
+        index, tokens, final = event.index, list(event.tokens), event.final
         self.completion_tokens += len(tokens)
         usage_field: dict[str, Any] = {"usage": None} if include_usage else {}
         if continuous_usage:
             usage_field["usage"] = {
-                "prompt_tokens": context_tokens,
+                "prompt_tokens": event.context_tokens,
                 "completion_tokens": self.completion_tokens,
-                "total_tokens": context_tokens + self.completion_tokens,
+                "total_tokens": event.context_tokens + self.completion_tokens,
             }
-        if self.chat and first:
-    def chunks(self, event, include_usage: bool) -> list[dict[str, Any]]:
-        """The stream chunks for one event (specdec.gateway.turn.Event): the delta of its
-        choice, then at a choice's end a chunk with its finish reason and, on the last
-        event, the statistics and the usage chunk if asked."""
-        out = []
-        index, tokens, final = event.index, list(event.tokens), event.final
-        usage_field = {"usage": None} if include_usage else {}
         if self.chat and index not in self._started:
             self._started.add(index)
             out.append(

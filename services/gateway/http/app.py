@@ -35,7 +35,7 @@ from specdec.common import telemetry
 from specdec.common.errors import InvalidRequest, SpecdecError
 from specdec.common.serving import MAX_MESSAGE_BYTES
 from specdec.common.tls import ServerTls, pem_files
-from specdec.gateway import tracing
+from specdec.gateway import grammar, tracing
 from specdec.gateway.http import api
 from specdec.gateway.http.chat import ChatTemplate, ChatTurn
 from specdec.gateway.http.errors import (
@@ -354,6 +354,11 @@ class OpenAIServer:
             "max_model_len": self.gateway.limits.max_context,
             # The optional request fields served (as GetServerInfo's supported_request_fields).
             api.EXTENSION: {"supported_request_fields": list(SUPPORTED_REQUEST_FIELDS)},
+            "structured_output": (
+                {"engine": grammar.ENGINE, "kinds": list(grammar.KINDS)}
+                if self.gateway.grammars
+                else None
+            ),
         }
 
     async def completions(self, request: Request) -> Response:
