@@ -37,4 +37,14 @@ def server_info(gateway: Gateway) -> gateway_pb2.GetServerInfoResponse:
         tokenizer_fingerprint=codec.fingerprint,
         eos_token_ids=sorted(gateway.eos_token_ids),
         bos_token_id=verifier.bos_token_id,
+        default_method=limits.default_method,
+        lookup=gateway_pb2.LookupInfo(
+            prompt_lookup_min=gateway.config.prompt_lookup_min,
+            prompt_lookup_max=gateway.config.prompt_lookup_max,
+            suffix_depth=gateway.config.suffix_depth,
+            suffix_cache_tokens=(
+                gateway.config.suffix_cache_tokens if gateway.suffix_cache is not None else 0
+            ),
+            suffix_cache_scope=gateway.config.suffix_cache_scope,
+        ),
     )

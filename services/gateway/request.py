@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from specdec.common.errors import InvalidRequest
 from specdec.common.params import sampling_from_proto
+from specdec.gateway.lookup import METHODS
 from specdec.v1 import common_pb2, gateway_pb2
 
 MAX_STOP_STRINGS = 16
@@ -34,6 +35,7 @@ class Limits:
     max_new_tokens: int
     default_ttl: int  # seconds
     max_session_ttl: int  # seconds
+    default_method: int = gateway_pb2.SPECULATION_METHOD_HYBRID
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,10 @@ class Job:
     k: int  # the draft length; an upper bound under the adaptive policy
     ssd: bool
     k_policy: int = gateway_pb2.K_POLICY_FIXED  # FIXED or ADAPTIVE, never UNSPECIFIED
+    method: int = gateway_pb2.SPECULATION_METHOD_MODEL  # never UNSPECIFIED
+    # GenerateRequest.prediction: text (tokenized by the turn), ids, or None
+    prediction: str | list[int] | None = None
+    tenant: str = ""  # who the request is for (gRPC metadata specdec-tenant, HTTP `user`)
 
 
 def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
@@ -108,6 +114,12 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
             f"speculation.k_policy must be K_POLICY_UNSPECIFIED, K_POLICY_FIXED or "
             f"K_POLICY_ADAPTIVE, got {spec.k_policy}"
         )
+    method = spec.method or limits.default_method
+    if method not in METHODS:
+        raise InvalidRequest(
+            "speculation.method must be SPECULATION_METHOD_UNSPECIFIED, _MODEL, _NGRAM, "
+            f"_SUFFIX or _HYBRID, got {spec.method}"
+        )
     return Job(
         prompt=prompt,
         max_new_tokens=req.max_new_tokens,
@@ -119,4 +131,36 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
         k=k,
         ssd=ssd and k > 0,
         k_policy=k_policy,
+        method=method,
+        prediction=_prediction(req, limits),
     )
+
+
+def _prediction(req: gateway_pb2.GenerateRequest, limits: Limits) -> str | list[int] | None:
+    """GenerateRequest.prediction as text or ids, checked like the prompt."""
+    if not req.HasField("prediction"):
+        return None
+    which = req.prediction.WhichOneof("content")
+    if which == "text":
+        text = req.prediction.text
+        if len(text) > limits.max_context * MAX_CHARS_PER_TOKEN:
+            raise InvalidRequest(
+                f"prediction.text of {len(text)} characters cannot fit the model's context "
+                f"of {limits.max_context} tokens"
+            )
+        return text or None
+    if which == "token_ids":
+        ids = list(req.prediction.token_ids.ids)
+        bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+        if bad:
+            raise InvalidRequest(
+                f"prediction.token_ids holds {bad[0]}, outside the vocabulary "
+                f"[0, {limits.vocab_size})"
+            )
+        if len(ids) > limits.max_context:
+            raise InvalidRequest(
+                f"prediction.token_ids has {len(ids)} ids, more than the model's context "
+                f"of {limits.max_context}"
+            )
+        return ids or None
+    raise InvalidRequest("prediction is set but empty: set prediction.text or prediction.token_ids")

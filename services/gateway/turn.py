@@ -30,6 +30,9 @@ from specdec.gateway import metrics
 from specdec.gateway.caller import Placement, ReplicaCaller
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.dataplane import DataPlaneSettings
+from specdec.gateway.lookup import method_name
+from specdec.gateway.lookup.hybrid import LookupSettings, RequestLookup
+from specdec.gateway.lookup.suffix import SuffixCache, SuffixParams
 from specdec.gateway.loop import Speculator
 from specdec.gateway.policy import make_policy
 from specdec.gateway.replicas import Fleet
@@ -125,6 +128,20 @@ class Gateway:
         self.limits: Limits | None = None
         self.eos_token_ids: frozenset[int] = frozenset()
         self._background: set[asyncio.Task] = set()
+        self.lookup_settings = LookupSettings(
+            prompt_lookup_min=config.prompt_lookup_min,
+            prompt_lookup_max=config.prompt_lookup_max,
+            suffix=SuffixParams(
+                depth=config.suffix_depth,
+                max_match=min(SuffixParams.max_match, config.suffix_depth - 1),
+            ),
+        )
+        # The cache of recent outputs for suffix drafts (this gateway replica's own).
+        self.suffix_cache = (
+            SuffixCache(config.suffix_cache_tokens, self.lookup_settings.suffix)
+            if config.suffix_cache_scope != "off" and config.suffix_cache_tokens > 0
+            else None
+        )
 
     async def start(self) -> None:
         """Wait for the replicas, take their tokenizer and limits, start the probe."""
@@ -148,6 +165,7 @@ class Gateway:
             max_new_tokens=self.config.max_new_tokens,
             default_ttl=self.config.session_ttl,
             max_session_ttl=self.config.max_session_ttl,
+            default_method=self.config.method,
         )
         self.eos_token_ids = frozenset(info.eos_token_ids)
         self.fleet.start_probe()
@@ -176,8 +194,12 @@ class Gateway:
         *,
         prompter: Prompter | None = None,
         deadline: float | None = None,
+        tenant: str = "",
     ) -> AsyncIterator[Event]:
         """Validate and run one request; errors are SpecdecError with their status.
+
+        tenant: who the request is for; keys the suffix cache under --suffix-cache-scope
+        tenant (the gRPC metadata specdec-tenant, the HTTP API's `user` field).
 
         prompter: when given, replaces the tokenization of the prompt (see Prompter).
         deadline: the client's deadline (time.monotonic()), if it set one; it bounds every
@@ -185,7 +207,8 @@ class Gateway:
         """
         metrics.IN_FLIGHT.inc()
         try:
-            async for event in self._run(validate(req, self.limits), prompter, deadline):
+            job = dataclasses.replace(validate(req, self.limits), tenant=tenant)
+            async for event in self._run(job, prompter, deadline):
                 yield event
         except SpecdecError as e:
             metrics.REQUEST_ERRORS.labels(code=e.code.name).inc()
@@ -255,6 +278,7 @@ class Gateway:
                 self.fleet.verifiers.by_address(record.verifier), record.verifier_cached
             )
         replica_session = replica_session_id(job.session_id)
+        lookup = await self._lookup(job, len(ctx))
         spec = Speculator(
             ReplicaCaller(self.fleet, self.config.rpc_timeout, deadline),
             replica_session,
@@ -264,6 +288,8 @@ class Gateway:
             make_policy(job.k_policy, job.ssd, self.config.ssd_fan_out),
             ssd=job.ssd,
             max_context=max_context,
+            lookup=lookup,
+            lookup_max_k=self.limits.max_k,
         )
         completion = Completion(self.codec, job.max_new_tokens, self.eos_token_ids, job.stop)
         first_at = last_at = None
@@ -291,6 +317,7 @@ class Gateway:
                     ttft = None if reported_first else _ms(first_at - started)
                     reported_first = True
                     yield Event(text, tokens, time_to_first_token_ms=ttft)
+            lookup.finish(completion.tokens)
             response = build_response(
                 job, prompt_ids, len(history), completion, spec.stats, started, first_at
             )
@@ -314,6 +341,21 @@ class Gateway:
             record_metrics(job, spec.stats, completion)
             if not job.session_id:
                 self._release_later(replica_session, drafter, verifier)
+
+    async def _lookup(self, job: Job, output_from: int) -> RequestLookup:
+        """The turn's lookup proposer (its method, its prediction, the suffix cache)."""
+        prediction = job.prediction
+        if isinstance(prediction, str):
+            prediction = await asyncio.to_thread(self.codec.encode, prediction, False)
+        key = job.tenant if self.config.suffix_cache_scope == "tenant" else ""
+        return RequestLookup(
+            method_name(job.method),
+            self.lookup_settings,
+            output_from=output_from,
+            prediction=prediction or (),
+            cache=self.suffix_cache,
+            cache_key=key,
+        )
 
     def _release_later(self, replica_session: str, *placements: Placement) -> None:
         """Drop a one-off request's KV caches (best effort, off the response path)."""

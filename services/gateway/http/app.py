@@ -364,7 +364,7 @@ class OpenAIServer:
             return error_response(e)
         renderer = api.Renderer(chat=False, model=opts.model)
         span = request_span(request, "/v1/completions", req, opts.model)
-        events = self.gateway.run(req, deadline=_deadline(opts))
+        events = self.gateway.run(req, deadline=_deadline(opts), tenant=opts.user)
         return Generation(events, renderer, opts, None, span)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -387,7 +387,7 @@ class OpenAIServer:
         )
         renderer = api.Renderer(chat=True, model=opts.model)
         span = request_span(request, "/v1/chat/completions", req, opts.model)
-        events = self.gateway.run(req, prompter=turn, deadline=_deadline(opts))
+        events = self.gateway.run(req, prompter=turn, deadline=_deadline(opts), tenant=opts.user)
         return Generation(events, renderer, opts, turn, span)
 
     def app(self) -> Starlette:
