@@ -279,6 +279,8 @@ class Gateway:
             )
         replica_session = replica_session_id(job.session_id)
         lookup = await self._lookup(job, len(ctx))
+        if lookup.active and job.k > 0:  # index the prompt (4k tokens: tens of ms) off the loop
+            await asyncio.to_thread(lookup.follow, ctx)
         spec = Speculator(
             ReplicaCaller(self.fleet, self.config.rpc_timeout, deadline),
             replica_session,
@@ -348,7 +350,7 @@ class Gateway:
         if isinstance(prediction, str):
             prediction = await asyncio.to_thread(self.codec.encode, prediction, False)
         key = job.tenant if self.config.suffix_cache_scope == "tenant" else ""
-        return RequestLookup(
+        lookup = RequestLookup(
             method_name(job.method),
             self.lookup_settings,
             output_from=output_from,
@@ -356,6 +358,7 @@ class Gateway:
             cache=self.suffix_cache,
             cache_key=key,
         )
+        return lookup
 
     def _release_later(self, replica_session: str, *placements: Placement) -> None:
         """Drop a one-off request's KV caches (best effort, off the response path)."""

@@ -75,13 +75,49 @@ def test_copy_after_continues_a_period():
 def test_trie_counts_and_removal():
     trie = SuffixTrie(3)
     trie.add([1, 2, 1, 2])
-    assert trie.find([1, 2], 0, 2).count == 2
-    assert trie.find([2, 1, 2], 0, 3).count == 1
+    assert trie.count[trie.find([1, 2], 0, 2)] == 2
+    assert trie.count[trie.find([2, 1, 2], 0, 3)] == 1
     nodes = trie.nodes
     trie.add([1, 2, 1, 2])
     assert trie.nodes == nodes  # the same substrings: counts, not nodes
     trie.add([1, 2, 1, 2], -2)
-    assert trie.nodes == 0 and not trie.root.children
+    assert trie.nodes == 0 and trie.first[trie.root] == -1 and trie.total[trie.root] == 0
+
+
+def paths(trie: SuffixTrie) -> dict[tuple[int, ...], tuple[int, int, int]]:
+    """Every node as its substring -> (count, children's total, best child's token)."""
+    out, stack = {}, [(trie.root, ())]
+    while stack:
+        node, path = stack.pop()
+        best = trie.best[node]
+        out[path] = (trie.count[node], trie.total[node], trie.token[best] if best >= 0 else -1)
+        x = trie.first[node]
+        while x >= 0:
+            stack.append((x, (*path, trie.token[x])))
+            x = trie.sibling[x]
+    return out
+
+
+def test_trie_eviction_keeps_counts_and_best_children():
+    rng = random.Random(3)
+    seqs = [[rng.randrange(4) for _ in range(30)] for _ in range(6)]
+    trie = SuffixTrie(5)
+    for seq in seqs:
+        trie.add(seq)
+    for seq in seqs[:3]:
+        trie.add(seq, -1)
+    rest = SuffixTrie(5)
+    for seq in seqs[3:]:
+        rest.add(seq)
+    got, want = paths(trie), paths(rest)
+    assert got.keys() == want.keys() and trie.nodes == rest.nodes
+    for path, (count, total, _) in want.items():
+        assert got[path][:2] == (count, total), path
+        best = got[path][2]  # a best child: one of the highest count (ties either way)
+        if best >= 0:
+            assert want[(*path, best)][0] == max(
+                c for p, (c, _, _) in want.items() if len(p) == len(path) + 1 and p[:-1] == path
+            )
 
 
 def test_grower_equals_trie_built_at_once():
@@ -93,13 +129,7 @@ def test_grower_equals_trie_built_at_once():
     whole = SuffixTrie(6)
     whole.add(seq)
     assert grower.trie.nodes == whole.nodes
-
-    def walk(a, b):
-        assert a.count == b.count and a.children.keys() == b.children.keys()
-        for t in a.children:
-            walk(a.children[t], b.children[t])
-
-    walk(grower.trie.root, whole.root)
+    assert paths(grower.trie) == paths(whole)
 
 
 def test_suffix_draft_follows_the_most_frequent_continuation():

@@ -72,7 +72,9 @@ class RequestLookup:
         """Whether this request ever proposes a lookup draft."""
         return self.method != MODEL or self.prediction is not None
 
-    def _follow(self, ctx: Sequence[int]) -> None:
+    def follow(self, ctx: Sequence[int]) -> None:
+        """Index what ctx added since the last call (the whole prompt the first time: the
+        turn runs that one in a worker thread, off the event loop)."""
         for index in (self.ngram, self.grower):
             if index is not None and len(index.tokens) < len(ctx):
                 index.extend(ctx[len(index.tokens) :])
@@ -86,7 +88,7 @@ class RequestLookup:
             tokens = self.prediction.propose(ctx[self.output_from :], k)
             if tokens:
                 return Proposal(tokens, PREDICTION)
-        self._follow(ctx)
+        self.follow(ctx)
         if self.ngram is not None:
             tokens, _ = self.ngram.propose(k)
             return Proposal(tokens, NGRAM) if tokens else None
