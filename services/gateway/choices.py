@@ -123,7 +123,12 @@ async def run_choices(
 
     parent = replica_session_id(None)
     drafter, verifier = Placement(), Placement()
-    runs = [gateway.choice_run(job, parent, drafter, verifier, deadline, len(ctx), grammar=grammar)]
+    lookup = await gateway.request_lookup(job, ctx)
+    runs = [
+        gateway.choice_run(
+            job, parent, drafter, verifier, deadline, len(ctx), grammar=grammar, lookup=lookup
+        )
+    ]
     sessions = [(parent, drafter, verifier)]
     queue: asyncio.Queue = asyncio.Queue()
     tasks: list[asyncio.Task] = []
@@ -161,6 +166,7 @@ async def run_choices(
                 i,
                 choice_sampling(job.sampling, i),
                 grammar=grammar,
+                lookup=await gateway.request_lookup(job, ctx),
             )
             run.spec.fork_from["verifier"] = parent
             if d.replica is not None:

@@ -26,7 +26,9 @@ from specdec.common.tls import (
     server_tls_from_args,
 )
 from specdec.gateway.discovery import parse_target
+from specdec.gateway.lookup import SCOPES, parse_method
 from specdec.gateway.policy import FIXED, parse_policy
+from specdec.v1 import gateway_pb2
 
 REPLICA_TRANSPORTS = ("dataplane", "grpc")
 
@@ -67,6 +69,14 @@ class GatewayConfig:
     ssd: bool = False  # speculative speculative decoding when a request does not say
     ssd_fan_out: int = 0  # branches per round; 0: the drafter's --ssd-fan-out
     k_policy: int = FIXED  # gateway_pb2.KPolicy when a request does not say
+    # Lookup drafts (specdec.gateway.lookup): the default SpeculationMethod, prompt
+    # lookup's n-gram lengths, the suffix tries' depth and the cache of recent outputs.
+    method: int = gateway_pb2.SPECULATION_METHOD_HYBRID
+    prompt_lookup_min: int = 3
+    prompt_lookup_max: int = 5
+    suffix_depth: int = 24
+    suffix_cache_tokens: int = 16384
+    suffix_cache_scope: str = "global"  # global, tenant or off
     max_new_tokens: int = 4096
     session_ttl: int = 3600
     max_session_ttl: int = 30 * 24 * 3600
@@ -107,6 +117,30 @@ class GatewayConfig:
             "draft length per round when a request does not say: fixed (its k) or adaptive "
             "(its k is an upper bound; k and the SSD fan-out follow acceptance and load)",
             "fixed",
+        )
+        add_setting(
+            parser,
+            "--method",
+            "where drafts come from when a request does not say: model (the drafter), "
+            "ngram (prompt lookup), suffix (suffix decoding over the request and recent "
+            "outputs) or hybrid (a confident suffix match, else the drafter)",
+            "hybrid",
+        )
+        add_setting(parser, "--prompt-lookup-min", "shortest n-gram prompt lookup matches", 3)
+        add_setting(parser, "--prompt-lookup-max", "longest n-gram prompt lookup matches", 5)
+        add_setting(parser, "--suffix-depth", "depth of the suffix tries (tokens)", 24)
+        add_setting(
+            parser,
+            "--suffix-cache-tokens",
+            "bound of the cache of recent outputs for suffix drafts, in tokens (LRU; 0: none)",
+            16384,
+        )
+        add_setting(
+            parser,
+            "--suffix-cache-scope",
+            "who shares the cache of recent outputs: global, tenant (gRPC metadata "
+            "specdec-tenant, HTTP field user) or off",
+            "global",
         )
         add_setting(parser, "--max-new-tokens", "largest max_new_tokens a request may ask", 4096)
         add_setting(parser, "--session-ttl", "seconds an idle session is kept", 3600)
@@ -150,6 +184,19 @@ class GatewayConfig:
             ssd=parse_value(args, "--ssd", boolean),
             ssd_fan_out=parse_value(args, "--ssd-fan-out", int, _fan_out),
             k_policy=parse_value(args, "--k-policy", parse_policy),
+            method=parse_value(args, "--method", parse_method),
+            prompt_lookup_min=parse_value(args, "--prompt-lookup-min", int, positive),
+            prompt_lookup_max=parse_value(args, "--prompt-lookup-max", int, positive),
+            suffix_depth=parse_value(
+                args, "--suffix-depth", int, lambda v: None if v >= 2 else "must be >= 2"
+            ),
+            suffix_cache_tokens=parse_value(args, "--suffix-cache-tokens", int, non_negative),
+            suffix_cache_scope=parse_value(
+                args,
+                "--suffix-cache-scope",
+                str,
+                lambda v: None if v in SCOPES else f"must be one of {', '.join(SCOPES)}",
+            ),
             max_new_tokens=parse_value(args, "--max-new-tokens", int, positive),
             session_ttl=parse_value(args, "--session-ttl", int, positive),
             rpc_timeout=parse_value(args, "--rpc-timeout", float, seconds),
@@ -170,6 +217,11 @@ class GatewayConfig:
                 ),
             ),
         )
+        if cfg.prompt_lookup_min > cfg.prompt_lookup_max:
+            raise ConfigError(
+                f"--prompt-lookup-min ({cfg.prompt_lookup_min}) is above --prompt-lookup-max "
+                f"({cfg.prompt_lookup_max})"
+            )
         if cfg.redis_url and not cfg.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(
                 f"--redis / {env_name('--redis')}: not a redis:// URL: {cfg.redis_url!r}"

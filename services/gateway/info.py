@@ -57,4 +57,14 @@ def server_info(gateway: Gateway) -> gateway_pb2.GetServerInfoResponse:
         max_choices=request.MAX_CHOICES,
         structured_output_engine=grammar.ENGINE if gateway.grammars else "",
         structured_output_kinds=grammar.KINDS if gateway.grammars else (),
+        default_method=limits.default_method,
+        lookup=gateway_pb2.LookupInfo(
+            prompt_lookup_min=gateway.config.prompt_lookup_min,
+            prompt_lookup_max=gateway.config.prompt_lookup_max,
+            suffix_depth=gateway.config.suffix_depth,
+            suffix_cache_tokens=(
+                gateway.config.suffix_cache_tokens if gateway.suffix_cache is not None else 0
+            ),
+            suffix_cache_scope=gateway.config.suffix_cache_scope,
+        ),
     )

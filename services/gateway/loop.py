@@ -19,6 +19,16 @@ and the next Draft (queued behind it on the drafter) is answered from them when 
 outcome was prepared, which that round's outcome reports. The verifier applies the same
 rule to whatever draft it gets, so SSD changes speed only, never tokens. Losing every
 drafter degrades a round to k = 0 (the same output, slower); it never fails a request.
+
+A round's draft may also come from the request's lookup proposer
+(specdec.gateway.lookup: prompt lookup, suffix decoding, a prediction), built here from
+the token ids the gateway holds, without a drafter call. Its distribution is one-hot, so
+under sampling it travels as SparseProbs(token_ids=[d], probs=[1.0]) and the verifier's
+rule accepts d with probability p(d) and recovers from p without d. A lookup round sends
+no Speculate: the next round's lookup draft is computed when the verdict arrives, in
+microseconds, so there is nothing to prepare. The drafter's cache stays behind during
+lookup rounds; the next Draft names the prefix it still holds and sends what follows
+(`new_tokens`), as after any other gap.
 """
 
 from __future__ import annotations
@@ -35,10 +45,14 @@ from specdec.common.params import sampling_from_proto
 from specdec.gateway import metrics, tracing
 from specdec.gateway.caller import Placement, ReplicaCaller, Unavailable, UpstreamError
 from specdec.gateway.grammar import Constraint
+from specdec.gateway.lookup import HYBRID, MODEL
+from specdec.gateway.lookup.hybrid import RequestLookup
 from specdec.gateway.outcome import (
     DRAFTED,
+    LOOKUP_SOURCES,
     NO_DRAFT,
     NO_DRAFTER,
+    NO_MATCH,
     PREPARED,
     SSD_HIT,
     SSD_LATE,
@@ -62,7 +76,8 @@ class Draft:
 
     tokens: Sequence[int]  # [k]
     probs: Sequence[common_pb2.DraftDistribution]  # [k] under sampling, else empty
-    source: str  # outcome.DRAFTED, PREPARED, NO_DRAFT or NO_DRAFTER
+    source: str  # outcome.DRAFTED, PREPARED, a LOOKUP_SOURCES entry, NO_DRAFT, NO_DRAFTER
+    # or NO_MATCH
     seconds: float = 0.0  # the gateway's wait for its Draft call
     resends: int = 0
     late_outcome: str | None = None  # the previous round's late Speculate, decided now
@@ -91,6 +106,13 @@ class SsdVerdict:
     hidden: float = 0.0  # seconds of it that overlapped the Verify
 
 
+def one_hot(token: int) -> common_pb2.DraftDistribution:
+    """The proposal distribution of a deterministic (lookup) draft token."""
+    return common_pb2.DraftDistribution(
+        sparse=common_pb2.SparseProbs(token_ids=[token], probs=[1.0])
+    )
+
+
 class Speculator:
     """Runs the rounds of one request."""
 
@@ -110,6 +132,8 @@ class Speculator:
         top_logprobs: int = 0,
         prompt_logprobs: bool = False,
         constraint: Constraint | None = None,
+        lookup: RequestLookup | None = None,
+        lookup_max_k: int = 0,
     ):
         self.caller = caller
         self.session = replica_session
@@ -125,6 +149,8 @@ class Speculator:
         # Structured output: the request's grammar state, advanced by its turn
         # (specdec.gateway.grammar); it cuts each draft and masks each verified position.
         self.constraint = constraint
+        self.lookup = lookup  # the request's lookup proposer (None: the draft model alone)
+        self.lookup_max_k = lookup_max_k  # bound of a lookup draft (the replicas' largest k)
         self.greedy = sampling_from_proto(sampling).greedy
         self.stats = RequestStats(adaptive=policy.kind == ADAPTIVE)
         self._ready: tuple[int, list[int]] | None = None  # greedy SSD hit: (ctx length, draft)
@@ -146,9 +172,14 @@ class Speculator:
         generated, >= max_k + 1) for another round with a draft."""
         started = time.perf_counter()
         with tracing.round_span(self._index) as span:
-            draft = await self._draft(ctx, self.policy.choose_k(max_k))
+            draft = self._lookup(ctx, max_k, remaining)
+            if draft is None:
+                draft = await self._draft(ctx, self.policy.choose_k(max_k))
             draft, masks = self._constrain(draft)
-            speculation = self._speculate(ctx, draft.tokens, remaining)
+            if draft.source in LOOKUP_SOURCES:
+                speculation = Speculation(SSD_OFF)
+            else:
+                speculation = self._speculate(ctx, draft.tokens, remaining)
             verify_sent = time.perf_counter()
             verdict, resends = await self._verify(ctx, draft, speculation, masks)
             verified = time.perf_counter()
@@ -189,6 +220,27 @@ class Speculator:
         self.stats.observe(outcome)
         self.policy.observe(outcome)
         tracing.round_done(span, outcome)
+
+    def _lookup(self, ctx: Sequence[int], max_k: int, remaining: int) -> Draft | None:
+        """The round's lookup draft, or None when the draft model should draft (methods
+        model and hybrid). A lookup draft is bounded by lookup_max_k, what is left before
+        max_new_tokens and the context, and the policy's choice for free drafts; a lookup
+        method (ngram, suffix) that finds nothing runs the round without a draft."""
+        lookup = self.lookup
+        if lookup is None or max_k <= 0 or not lookup.active:
+            return None
+        bound = min(self.lookup_max_k, remaining - 1, self.max_context - len(ctx) - 1)
+        k = self.policy.choose_lookup_k(bound)
+        proposal = lookup.propose(ctx, k)
+        if proposal is None:
+            if lookup.method in (MODEL, HYBRID):
+                return None
+            self._ready = None
+            return Draft((), (), NO_DRAFT if k <= 0 else NO_MATCH)
+        self._ready = None  # an SSD draft prepared for this context goes unused
+        tokens = proposal.tokens[:k]
+        probs = () if self.greedy else [one_hot(t) for t in tokens]
+        return Draft(tokens, probs, proposal.source)
 
     async def _draft(self, ctx: Sequence[int], k: int) -> Draft:
         """The round's draft of k tokens: the one SSD prepared for exactly this context,

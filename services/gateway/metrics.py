@@ -83,3 +83,31 @@ DRAFTER_FALLBACK = Counter(
     PREFIX + "drafter_fallback_rounds",
     "Rounds run at k = 0 because no drafter could draft (same output, no speculation)",
 )
+# Where drafts come from (specdec.gateway.lookup): "model" (the drafter, SSD's prepared
+# drafts included), "ngram", "suffix", "prediction". Acceptance by method =
+# accepted_tokens_by_method / draft_tokens_by_method.
+DRAFTS_BY_METHOD = Counter(
+    PREFIX + "spec_decode_num_drafts_by_method", "Rounds with a draft, by its source", ["method"]
+)
+DRAFT_TOKENS_BY_METHOD = Counter(
+    PREFIX + "spec_decode_num_draft_tokens_by_method", "Draft tokens, by source", ["method"]
+)
+ACCEPTED_BY_METHOD = Counter(
+    PREFIX + "spec_decode_num_accepted_tokens_by_method",
+    "Draft tokens accepted, by source",
+    ["method"],
+)
+LOOKUP_NO_MATCH = Counter(
+    PREFIX + "lookup_no_match_rounds",
+    "Rounds of a lookup method (ngram, suffix) that found nothing to draft",
+)
+# The cache of recent outputs for suffix drafts. Hit rate = hits / lookups.
+SUFFIX_CACHE_TOKENS = Gauge(PREFIX + "suffix_cache_tokens", "Tokens of outputs in the suffix cache")
+SUFFIX_CACHE_ENTRIES = Gauge(PREFIX + "suffix_cache_entries", "Outputs in the suffix cache")
+SUFFIX_CACHE_LOOKUPS = Counter(PREFIX + "suffix_cache_lookups", "Suffix-cache look-ups (rounds)")
+SUFFIX_CACHE_HITS = Counter(
+    PREFIX + "suffix_cache_hits", "Suffix-cache look-ups that proposed a draft"
+)
+SUFFIX_CACHE_EVICTIONS = Counter(
+    PREFIX + "suffix_cache_evictions", "Outputs evicted from the suffix cache (LRU)"
+)

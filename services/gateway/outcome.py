@@ -17,6 +17,21 @@ DRAFTED = "drafter"  # a Draft call that ran the drafter's model
 PREPARED = "prepared"  # an SSD branch: held by the gateway (greedy) or by the drafter
 NO_DRAFT = "none"  # k = 0 by choice (the request's k, the policy, or no room left)
 NO_DRAFTER = "no-drafter"  # k = 0 because no drafter could draft (same output, slower)
+# Lookup drafts built by the gateway (specdec.gateway.lookup): no model call, one-hot q.
+LOOKUP_NGRAM = "ngram"
+LOOKUP_SUFFIX = "suffix"
+LOOKUP_PREDICTION = "prediction"
+LOOKUP_SOURCES = (LOOKUP_NGRAM, LOOKUP_SUFFIX, LOOKUP_PREDICTION)
+NO_MATCH = "no-match"  # k = 0 because the request's lookup method found nothing to draft
+
+
+def source_label(source: str) -> str | None:
+    """The `method` label of a draft source: "model" for the drafter's drafts (SSD's
+    prepared ones included), the lookup source itself, None without a draft."""
+    if source in (DRAFTED, PREPARED):
+        return "model"
+    return source if source in LOOKUP_SOURCES else None
+
 
 # What SSD did in a round.
 SSD_OFF = "off"  # no Speculate (SSD off, no draft, or no room for another round)
@@ -37,7 +52,8 @@ class Outcome:
     draft: tuple[int, ...]  # the draft, [k]
     accepted: int  # draft tokens the verifier accepted, 0..k
     next_token: int  # the recovered (accepted < k) or bonus (accepted == k) token
-    source: str  # where the draft came from: DRAFTED, PREPARED, NO_DRAFT or NO_DRAFTER
+    source: str  # where the draft came from: DRAFTED, PREPARED, a LOOKUP_SOURCES entry,
+    # NO_DRAFT, NO_DRAFTER or NO_MATCH
     draft_seconds: float  # the gateway waited this long for its Draft (0 without a call)
     verify_seconds: float  # Verify's round trip
     queue_depth: int  # model requests the verifier had queued when Verify arrived
@@ -89,6 +105,9 @@ class RequestStats:
     fan_out_sum: int = 0  # fan-outs asked for, over the Speculates sent
     ssd_paused_rounds: int = 0  # rounds with a draft whose Speculate the policy held back
     queue_sum: int = 0  # verifier queue depths reported, over the rounds
+    # source label -> [drafts, draft tokens, accepted tokens] (see source_label)
+    by_source: dict[str, list[int]] = field(default_factory=dict)
+    no_match_rounds: int = 0  # lookup rounds that found nothing to draft
 
     def observe(self, o: Outcome) -> None:
         self.rounds += 1
@@ -116,6 +135,13 @@ class RequestStats:
         self.ssd_branches += o.branches
         self.ssd_bytes += o.speculate_bytes
         self.ssd_hidden_ms += o.hidden_seconds * 1e3
+        self.no_match_rounds += o.source == NO_MATCH
+        label = source_label(o.source) if k else None
+        if label is not None:
+            row = self.by_source.setdefault(label, [0, 0, 0])
+            row[0] += 1
+            row[1] += k
+            row[2] += o.accepted
 
     @property
     def acceptance_rate(self) -> float:

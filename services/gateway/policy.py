@@ -69,7 +69,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdec.gateway.outcome import DRAFTED, SSD_HIT, SSD_LATE, SSD_MISS, Outcome
+from specdec.gateway.outcome import DRAFTED, LOOKUP_SOURCES, SSD_HIT, SSD_LATE, SSD_MISS, Outcome
 from specdec.v1 import gateway_pb2
 
 FIXED = gateway_pb2.K_POLICY_FIXED
@@ -142,10 +142,15 @@ class FixedPolicy:
     def choose_fan_out(self, k: int, branch_k: int) -> int | None:
         return self.fan_out
 
+    def choose_lookup_k(self, bound: int) -> int:
+        return max(0, bound)
+
     def observe_draft(self, k: int, seconds: float) -> None:
         pass
 
-    def observe_verify(self, k: int, accepted: int, seconds: float, queue: int) -> None:
+    def observe_verify(
+        self, k: int, accepted: int, seconds: float, queue: int, lookup: bool = False
+    ) -> None:
         pass
 
     def observe_speculate(self, fan_out: int, branch_k: int, seconds: float | None) -> None:
@@ -178,6 +183,8 @@ class AdaptivePolicy:
         self.paused = 0  # rounds left without Speculate
         self.k0_in_row = 0  # rounds in a row the policy chose k = 0
         self._verify_s: float | None = None  # the last Verify's time (a late Speculate's floor)
+        self.lookup_accepted = 0  # the same two counts for lookup drafts
+        self.lookup_rejections = 0
 
     # -- the model -------------------------------------------------------------------------
 
@@ -236,6 +243,31 @@ class AdaptivePolicy:
             self.k0_in_row = 0
         return best
 
+    @property
+    def lookup_acceptance(self) -> float:
+        """a of lookup drafts (their own counts, the same prior)."""
+        n0 = self.p.prior_weight
+        return (self.lookup_accepted + n0 * self.p.prior_acceptance) / (
+            self.lookup_accepted + self.lookup_rejections + n0
+        )
+
+    def choose_lookup_k(self, bound: int) -> int:
+        """The longest lookup draft worth verifying, in [0, bound]. A lookup draft costs
+        no drafting (d = 0), so k* = argmax E(k) / (1 + g k) with the lookup drafts' own
+        acceptance: long drafts pay whenever they are accepted, unless the verifier's
+        load makes every draft token cost a step (g -> 1)."""
+        if bound <= 0:
+            return 0
+        if self.verify.value is None:
+            return bound
+        a, g = self.lookup_acceptance, self.token_cost
+        best, best_rate = 0, 1.0
+        for k in range(1, bound + 1):
+            r = expected_tokens(a, k) / (1.0 + g * k)
+            if r > best_rate * (1.0 + 1e-9):
+                best, best_rate = k, r
+        return best
+
     def choose_fan_out(self, k: int, branch_k: int) -> int | None:
         """Branches to ask the next Speculate for (this round drafts k, the branches
         branch_k); None: send no Speculate (SSD paused)."""
@@ -262,10 +294,17 @@ class AdaptivePolicy:
         if k > 0:
             self.draft.add(seconds / k)
 
-    def observe_verify(self, k: int, accepted: int, seconds: float, queue: int) -> None:
-        """A Verify of k draft tokens: its verdict, round-trip time and reported queue."""
-        self.accepted += accepted
-        self.rejections += accepted < k
+    def observe_verify(
+        self, k: int, accepted: int, seconds: float, queue: int, lookup: bool = False
+    ) -> None:
+        """A Verify of k draft tokens: its verdict, round-trip time and reported queue;
+        `lookup`: the draft was a lookup draft (its acceptance is counted apart)."""
+        if lookup:
+            self.lookup_accepted += accepted
+            self.lookup_rejections += accepted < k
+        else:
+            self.accepted += accepted
+            self.rejections += accepted < k
         self.queue.add(float(queue))
         self.verify.add(seconds / (1.0 + self.token_cost * k))
         self._verify_s = seconds
@@ -299,7 +338,9 @@ class AdaptivePolicy:
             self.observe_ssd(False)
         if o.source == DRAFTED:
             self.observe_draft(o.k, o.draft_seconds)
-        self.observe_verify(o.k, o.accepted, o.verify_seconds, o.queue_depth)
+        self.observe_verify(
+            o.k, o.accepted, o.verify_seconds, o.queue_depth, o.source in LOOKUP_SOURCES
+        )
         if o.ssd == SSD_LATE:
             self.observe_speculate(o.fan_out or 0, o.branch_k, None)
         elif o.speculate_seconds is not None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from specdec.common.controls import MAX_STOP_TOKEN_IDS, check_sampling_controls
 from specdec.common.errors import InvalidRequest
 from specdec.common.params import sampling_from_proto
+from specdec.gateway.lookup import METHODS
 from specdec.v1 import common_pb2, gateway_pb2
 
 MAX_STOP_STRINGS = 16
@@ -39,6 +40,7 @@ class Limits:
     max_new_tokens: int
     default_ttl: int  # seconds
     max_session_ttl: int  # seconds
+    default_method: int = gateway_pb2.SPECULATION_METHOD_HYBRID
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,10 @@ class Job:
     n: int = 1  # independent completions (specdec.gateway.choices)
     # The grammar the output follows (compiled by specdec.gateway.grammar); None: none.
     structured: gateway_pb2.StructuredOutput | None = None
+    method: int = gateway_pb2.SPECULATION_METHOD_MODEL  # never UNSPECIFIED
+    # GenerateRequest.prediction: text (tokenized by the turn), ids, or None
+    prediction: str | list[int] | None = None
+    tenant: str = ""  # who the request is for (gRPC metadata specdec-tenant, HTTP `user`)
 
 
 def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
@@ -153,6 +159,11 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
     if n > 1 and session.id:
         raise InvalidRequest(
             "n > 1 cannot be used with a session id: a session continues one conversation"
+    method = spec.method or limits.default_method
+    if method not in METHODS:
+        raise InvalidRequest(
+            "speculation.method must be SPECULATION_METHOD_UNSPECIFIED, _MODEL, _NGRAM, "
+            f"_SUFFIX or _HYBRID, got {spec.method}"
         )
     return Job(
         prompt=prompt,
@@ -173,4 +184,36 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
         prompt_logprobs=req.prompt_logprobs,
         n=n,
         structured=req.structured_output if req.HasField("structured_output") else None,
+        method=method,
+        prediction=_prediction(req, limits),
     )
+
+
+def _prediction(req: gateway_pb2.GenerateRequest, limits: Limits) -> str | list[int] | None:
+    """GenerateRequest.prediction as text or ids, checked like the prompt."""
+    if not req.HasField("prediction"):
+        return None
+    which = req.prediction.WhichOneof("content")
+    if which == "text":
+        text = req.prediction.text
+        if len(text) > limits.max_context * MAX_CHARS_PER_TOKEN:
+            raise InvalidRequest(
+                f"prediction.text of {len(text)} characters cannot fit the model's context "
+                f"of {limits.max_context} tokens"
+            )
+        return text or None
+    if which == "token_ids":
+        ids = list(req.prediction.token_ids.ids)
+        bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+        if bad:
+            raise InvalidRequest(
+                f"prediction.token_ids holds {bad[0]}, outside the vocabulary "
+                f"[0, {limits.vocab_size})"
+            )
+        if len(ids) > limits.max_context:
+            raise InvalidRequest(
+                f"prediction.token_ids has {len(ids)} ids, more than the model's context "
+                f"of {limits.max_context}"
+            )
+        return ids or None
+    raise InvalidRequest("prediction is set but empty: set prediction.text or prediction.token_ids")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from specdec.gateway import metrics
-from specdec.gateway.outcome import RequestStats
+from specdec.gateway.outcome import LOOKUP_PREDICTION, RequestStats
 from specdec.gateway.policy import policy_name
 from specdec.gateway.request import Job
 from specdec.gateway.text import Completion
@@ -28,6 +28,7 @@ def build_response(
     first_at: float | None,
 ) -> gateway_pb2.GenerateResponse:
     """The final answer of a turn; started / first_at are perf_counter() seconds."""
+    _, predicted, accepted_predicted = stats.by_source.get(LOOKUP_PREDICTION, (0, 0, 0))
     return gateway_pb2.GenerateResponse(
         text=completion.text,
         token_ids=completion.tokens,
@@ -36,6 +37,8 @@ def build_response(
             prompt_tokens=len(prompt_ids),
             completion_tokens=len(completion.tokens),
             history_tokens=history_tokens,
+            accepted_prediction_tokens=accepted_predicted,
+            rejected_prediction_tokens=predicted - accepted_predicted,
         ),
         timings=gateway_pb2.Timings(
             time_to_first_token_ms=((first_at or started) - started) * 1e3,
@@ -66,6 +69,14 @@ def build_response(
             mean_fan_out=stats.mean_fan_out,
             ssd_paused_rounds=stats.ssd_paused_rounds,
             mean_verifier_queue=stats.mean_verifier_queue,
+            method=job.method,
+            by_source=[
+                gateway_pb2.DraftSourceStats(
+                    source=source, drafts=row[0], draft_tokens=row[1], accepted_tokens=row[2]
+                )
+                for source, row in sorted(stats.by_source.items())
+            ],
+            lookup_no_match_rounds=stats.no_match_rounds,
         ),
         session_id=job.session_id or "",
     )
@@ -131,3 +142,8 @@ def record_metrics(job: Job, stats: RequestStats, completion: Completion) -> Non
     metrics.SSD_FAN_OUT.inc(s.fan_out_sum)
     metrics.SSD_SPECULATES.inc(s.ssd_speculates)
     metrics.SSD_PAUSED_ROUNDS.inc(s.ssd_paused_rounds)
+    for source, (drafts, draft_tokens, accepted) in s.by_source.items():
+        metrics.DRAFTS_BY_METHOD.labels(method=source).inc(drafts)
+        metrics.DRAFT_TOKENS_BY_METHOD.labels(method=source).inc(draft_tokens)
+        metrics.ACCEPTED_BY_METHOD.labels(method=source).inc(accepted)
+    metrics.LOOKUP_NO_MATCH.inc(s.no_match_rounds)

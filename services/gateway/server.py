@@ -27,6 +27,17 @@ def client_deadline(context) -> float | None:
     return None if remaining is None else time.monotonic() + remaining
 
 
+TENANT_METADATA = "specdec-tenant"
+
+
+def client_tenant(context) -> str:
+    """The call's tenant (metadata specdec-tenant), "" when it names none."""
+    for key, value in context.invocation_metadata() or ():
+        if key == TENANT_METADATA:
+            return value if isinstance(value, str) else value.decode("utf-8", "replace")
+    return ""
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, gateway: Gateway):
         self.gateway = gateway
@@ -39,7 +50,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             "Generate", context, request, tracing.served_model(self.gateway.fleet)
         ) as span:
             final = None
-            async for event in self.gateway.run(request, deadline=client_deadline(context)):
+            async for event in self.gateway.run(
+                request, deadline=client_deadline(context), tenant=client_tenant(context)
+            ):
                 final = event.final or final
             if final is None:
                 raise AssertionError("generation ended without a final response")
@@ -55,7 +68,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         with tracing.request_span(
             "GenerateStream", context, request, tracing.served_model(self.gateway.fleet)
         ) as span:
-            async for event in self.gateway.run(request, deadline=client_deadline(context)):
+            async for event in self.gateway.run(
+                request, deadline=client_deadline(context), tenant=client_tenant(context)
+            ):
                 if event.final is not None:
                     tracing.finish(span, event.final, context)
                 message = stream_message(

@@ -33,6 +33,9 @@ from specdec.gateway.choices import ChoiceRun, run_choices
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.dataplane import DataPlaneSettings
 from specdec.gateway.grammar import Grammar, Grammars
+from specdec.gateway.lookup import method_name
+from specdec.gateway.lookup.hybrid import LookupSettings, RequestLookup
+from specdec.gateway.lookup.suffix import SuffixCache, SuffixParams
 from specdec.gateway.logprobs import LogprobsTrack
 from specdec.gateway.loop import Speculator
 from specdec.gateway.policy import make_policy
@@ -154,6 +157,20 @@ class Gateway:
         self.grammars: Grammars | None = None  # structured output (specdec.gateway.grammar)
         self.grammars_error = "the gateway is still connecting to its replicas"
         self._background: set[asyncio.Task] = set()
+        self.lookup_settings = LookupSettings(
+            prompt_lookup_min=config.prompt_lookup_min,
+            prompt_lookup_max=config.prompt_lookup_max,
+            suffix=SuffixParams(
+                depth=config.suffix_depth,
+                max_match=min(SuffixParams.max_match, config.suffix_depth - 1),
+            ),
+        )
+        # The cache of recent outputs for suffix drafts (this gateway replica's own).
+        self.suffix_cache = (
+            SuffixCache(config.suffix_cache_tokens, self.lookup_settings.suffix)
+            if config.suffix_cache_scope != "off" and config.suffix_cache_tokens > 0
+            else None
+        )
 
     async def start(self) -> None:
         """Wait for the replicas, take their tokenizer and limits, start the probe."""
@@ -177,6 +194,7 @@ class Gateway:
             max_new_tokens=self.config.max_new_tokens,
             default_ttl=self.config.session_ttl,
             max_session_ttl=self.config.max_session_ttl,
+            default_method=self.config.method,
         )
         self.eos_token_ids = frozenset(info.eos_token_ids)
         try:
@@ -215,8 +233,12 @@ class Gateway:
         *,
         prompter: Prompter | None = None,
         deadline: float | None = None,
+        tenant: str = "",
     ) -> AsyncIterator[Event]:
         """Validate and run one request; errors are SpecdecError with their status.
+
+        tenant: who the request is for; keys the suffix cache under --suffix-cache-scope
+        tenant (the gRPC metadata specdec-tenant, the HTTP API's `user` field).
 
         prompter: when given, replaces the tokenization of the prompt (see Prompter).
         deadline: the client's deadline (time.monotonic()), if it set one; it bounds every
@@ -224,7 +246,7 @@ class Gateway:
         """
         metrics.IN_FLIGHT.inc()
         try:
-            job = validate(req, self.limits)
+            job = dataclasses.replace(validate(req, self.limits), tenant=tenant)
             grammar = None
             if job.structured is not None:  # before any replica is called
                 if self.grammars is None:
@@ -317,7 +339,14 @@ class Gateway:
                 yield event
             return
         run = self.choice_run(
-            job, replica_session, drafter, verifier, deadline, len(ctx), grammar=grammar
+            job,
+            replica_session,
+            drafter,
+            verifier,
+            deadline,
+            len(ctx),
+            grammar=grammar,
+            lookup=await self.request_lookup(job, ctx),
         )
         try:
             async for event in self.rounds(job, ctx, run, started, lease):
@@ -356,6 +385,7 @@ class Gateway:
         index: int = 0,
         sampling: common_pb2.SamplingParams | None = None,
         grammar: Grammar | None = None,
+        lookup: RequestLookup | None = None,
     ) -> ChoiceRun:
         """The loop state of one completion (choice `index`) on the given placements, after
         context_tokens of history and prompt."""
@@ -374,6 +404,8 @@ class Gateway:
             output=output_controls(job, context_tokens, self.eos_token_ids),
             # Structured output: this completion's own grammar state (a matcher per choice).
             constraint=self.grammars.matcher(grammar) if grammar is not None else None,
+            lookup=lookup,
+            lookup_max_k=self.limits.max_k,
         )
         completion = Completion(
             self.codec,
@@ -431,6 +463,28 @@ class Gateway:
                 yield Event(text, tokens, time_to_first_token_ms=ttft, **run.delta(tokens))
             elif completion.finish_reason is not None:
                 run.held = (text, tokens)
+        if run.spec.lookup is not None:  # the output joins the suffix cache
+            run.spec.lookup.finish(completion.tokens)
+
+
+    async def request_lookup(self, job: Job, ctx: list[int]) -> RequestLookup:
+        """A completion's lookup proposer (its method, its prediction, the suffix cache),
+        following ctx (the history and prompt)."""
+        prediction = job.prediction
+        if isinstance(prediction, str):
+            prediction = await asyncio.to_thread(self.codec.encode, prediction, False)
+        key = job.tenant if self.config.suffix_cache_scope == "tenant" else ""
+        lookup = RequestLookup(
+            method_name(job.method),
+            self.lookup_settings,
+            output_from=len(ctx),
+            prediction=prediction or (),
+            cache=self.suffix_cache,
+            cache_key=key,
+        )
+        if lookup.active and job.k > 0:  # index the prompt (4k tokens: tens of ms) off the loop
+            await asyncio.to_thread(lookup.follow, ctx)
+        return lookup
 
     def release_later(self, replica_session: str, *placements: Placement) -> None:
         """Drop a one-off request's KV caches (best effort, off the response path)."""

@@ -75,6 +75,33 @@ def test_bench_quick_on_tiny_models(tmp_path):
     )
 
 
+def test_bench_lookup_methods_on_the_grounded_set(tmp_path):
+    """--prompt-set grounded --methods: a row per lookup method with and without SSD and
+    transformers' prompt lookup, every one reproducing the target's tokens."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "specdec", "bench", "--tiny", str(tmp_path / "models")]
+    cmd += ["--quick", "--max-new-tokens", "8", "--k", "2", "--ssd-k", "2", "--out", str(out)]
+    cmd += ["--prompt-set", "grounded", "--methods", "ngram,suffix,hybrid"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((out / "results.json").read_text())
+    modes = result["modes"]
+    lookup = {f"{s}{m} k=2" for m in ("ngram", "suffix", "hybrid") for s in ("", "ssd ")}
+    assert lookup | {"target", "k=0", "k=2", "ssd k=2", "assisted", "prompt lookup"} <= set(modes)
+    assert result["meta"]["prompt_kinds"] == ["edit", "refactor", "extract"]
+    assert result["meta"]["methods"] == ["ngram", "suffix", "hybrid"]
+    for name in lookup | {"prompt lookup"}:
+        assert modes[name]["exact"], name
+        assert modes[name]["tokens"] == 3 * 8, name
+    for name in lookup:
+        assert modes[name]["method"] == name.split()[-2]
+        assert "bound_speedup" not in modes[name]
+    assert set(modes["ngram k=2"]["by_source"]) <= {"ngram"}
+    assert "model" not in modes["suffix k=2"]["by_source"]
+    with pytest.raises(subprocess.CalledProcessError):
+        subprocess.run([*cmd[:5], "--methods", "eagle"], check=True, capture_output=True)
+
+
 def test_demo_on_tiny_models(tmp_path):
     """`specdec demo --tiny`: the stack streams every prompt and k=0, speculation and SSD
     agree token for token (float32: any difference fails the command), with the int8

@@ -295,6 +295,10 @@ def test_usage_counts_history_as_cached():
         "completion_tokens": 7,
         "total_tokens": 42,
         "prompt_tokens_details": {"cached_tokens": 30},
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        },
     }
 
 

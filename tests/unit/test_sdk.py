@@ -264,10 +264,23 @@ def test_to_dict_is_json_serialisable():
     assert d["text"] == "é\n"
     assert d["tokens"] == [1, 2]
     assert d["finish_reason"] == "stop"
-    assert d["usage"] == {"prompt_tokens": 1, "completion_tokens": 2, "history_tokens": 0}
+    assert d["usage"] == {
+        "prompt_tokens": 1,
+        "completion_tokens": 2,
+        "history_tokens": 0,
+        "accepted_prediction_tokens": 0,
+        "rejected_prediction_tokens": 0,
+    }
     assert d["timings"] == {"time_to_first_token_ms": 0.0, "total_ms": 0.0}
     assert d["session_id"] == "s"
-    assert d["stats"] == {**STATS, "k_policy": "adaptive", "ssd_hit_rate": 2 / 3}
+    assert d["stats"] == {
+        **STATS,
+        "k_policy": "adaptive",
+        "ssd_hit_rate": 2 / 3,
+        "method": "",
+        "by_source": {},
+        "lookup_no_match_rounds": 0,
+    }
 
 
 def test_stream_assembler_concatenates_deltas():
@@ -744,3 +757,26 @@ def test_cli_errors(echo_server, capsys):
     assert capsys.readouterr().err.startswith("specdec: UNAVAILABLE: ")
     args = _parser().parse_args(["generate", "--prompt", "x", "--reset-session"])
     assert run_generate(args) == 2  # rejected before connecting
+
+
+def test_method_prediction_and_their_statistics():
+    req = build_generate_request("x", method="suffix", prediction="def f():")
+    assert req.speculation.method == gateway_pb2.SPECULATION_METHOD_SUFFIX
+    assert req.prediction.text == "def f():"
+    req = build_generate_request(token_ids=[1], prediction=[4, 5])
+    assert list(req.prediction.token_ids.ids) == [4, 5] and not req.HasField("speculation")
+    with pytest.raises(ValueError, match="method must be one of model, ngram, suffix, hybrid"):
+        build_generate_request("x", method="eagle")
+    stats = _stats(
+        method=gateway_pb2.SPECULATION_METHOD_HYBRID,
+        by_source=[gateway_pb2.DraftSourceStats(source="suffix", drafts=2, draft_tokens=9)],
+    )
+    gen = generation_from_proto(
+        gateway_pb2.GenerateResponse(
+            usage=gateway_pb2.Usage(accepted_prediction_tokens=3, rejected_prediction_tokens=1),
+            stats=stats,
+        )
+    )
+    assert gen.stats.method == "hybrid" and gen.stats.by_source == {"suffix": (2, 9, 0)}
+    assert gen.usage.accepted_prediction_tokens == 3
+    assert gen.usage.rejected_prediction_tokens == 1

@@ -47,6 +47,8 @@ from specdec.tools.bench.hf import HFRunner, tie_break
 from specdec.tools.bench.modes import (
     DEFAULT_DRAFTER,
     DRAFTERS,
+    LOOKUP_METHODS,
+    PROMPT_SETS,
     QUICK_PROMPTS,
     QUICK_TOKENS,
     Mode,
@@ -90,6 +92,21 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
     p.add_argument("--target-model", help="target model directory (default: installed pair)")
     p.add_argument("--tiny", metavar="DIR", help="tiny random models in DIR (tests the bench)")
     p.add_argument("--prompts", help="JSONL prompt file (default: the shipped set of 12)")
+    p.add_argument(
+        "--prompt-set",
+        choices=tuple(PROMPT_SETS),
+        default="default",
+        help="shipped prompt set when --prompts is not given: default (code, prose, chat) or "
+        "grounded (edits, refactors, extraction, a chat quoting itself)",
+    )
+    p.add_argument(
+        "--methods",
+        default="",
+        help="lookup methods to add rows for, comma-separated (ngram,suffix,hybrid): "
+        "'<method> k=K' at the largest --k and 'ssd <method> k=K' at the largest --ssd-k, "
+        "plus transformers' prompt lookup; the gateway's cache of outputs is off (every "
+        "mode repeats the same prompts)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, help="use the first N prompts")
     p.add_argument(
@@ -157,6 +174,19 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
         "acceptance, equality with the target's constrained generate() "
         "(tools/bench/structured.py); k is the first of --k (default 3)",
     )
+    lk = p.add_argument_group(
+        "--lookup-cpu", "the gateway's CPU per round for lookup drafts (tools/bench/lookup_cpu.py)"
+    )
+    lk.add_argument(
+        "--lookup-cpu",
+        action="store_true",
+        help="time the lookup proposers per round (no model, no process)",
+    )
+    lk.add_argument("--context", type=int, default=4096, help="context tokens of the request")
+    lk.add_argument("--rounds", type=int, default=2000, help="rounds to time per method")
+    lk.add_argument(
+        "--cache-tokens", type=int, default=16384, help="tokens of outputs cached first"
+    )
     p.add_argument("--out", default="bench-results", help="folder for JSON, markdown and PNG")
     p.add_argument(
         "--report",
@@ -178,6 +208,10 @@ def _ints(text: str) -> list[int]:
 def run_bench(args: argparse.Namespace) -> int:
     if args.report:
         return report(Path(args.report))
+    if args.lookup_cpu:
+        from specdec.tools.bench.lookup_cpu import run_lookup_cpu
+
+        return run_lookup_cpu(args)
     if args.overhead:
         from specdec.tools.bench.overhead import run_overhead
 
@@ -208,7 +242,15 @@ def run_bench(args: argparse.Namespace) -> int:
         if pinned is None:
             print("specdec bench: --pin needs at least 2 CPUs", file=sys.stderr)
             return 2
-    prompts = load_prompts(args.prompts)
+    methods = tuple(x.strip() for x in args.methods.split(",") if x.strip())
+    unknown = [m for m in methods if m not in LOOKUP_METHODS]
+    if unknown:
+        print(
+            f"specdec bench: --methods: unknown {unknown[0]!r}; known: {', '.join(LOOKUP_METHODS)}",
+            file=sys.stderr,
+        )
+        return 2
+    prompts = load_prompts(args.prompts, args.prompt_set)
     n = args.max_new_tokens
     if args.quick:
         prompts, n = pick_quick(prompts), min(n, QUICK_TOKENS)
@@ -216,7 +258,7 @@ def run_bench(args: argparse.Namespace) -> int:
         prompts = prompts[: args.num_prompts]
     ks, ssd_ks = _ints(args.k), _ints(args.ssd_k)
     phases = [
-        (d, build_modes(ks, ssd_ks, tracing=args.tracing and i == 0, drafter=d, shared=i == 0))
+        (d, build_modes(ks, ssd_ks, args.tracing and i == 0, d, i == 0, methods))
         for i, d in enumerate(drafters)
     ]
     max_k = max((m.k or 0 for _, modes in phases for m in modes), default=0)
@@ -273,6 +315,8 @@ def run_bench(args: argparse.Namespace) -> int:
             "dtype": args.dtype,
             "pin": args.pin,
             "prompts": len(prompts),
+            "prompt_set": args.prompts or args.prompt_set,
+            "methods": list(methods),
             "prompt_kinds": [p.kind for p in prompts],
             "max_new_tokens": n,
             # The draft alone in-process (`generate`) against the target alone: c as the
@@ -325,6 +369,9 @@ def _run_variant(
 
     variant = argparse.Namespace(**vars(args))
     variant.drafter_flags = [*DRAFTERS[drafter], "--max-draft-tokens", str(max(16, n))]
+    # Every mode runs the same prompts: a cache of earlier modes' outputs would draft the
+    # answer itself. Lookups here see the request's own text (and its prediction) only.
+    variant.gateway_flags = ["--suffix-cache-scope", "off", *(args.gateway_flags or ())]
     if args.log_dir and not first:
         variant.log_dir = str(Path(args.log_dir) / drafter)
     receiver = None

@@ -7,7 +7,7 @@ import contextlib
 import os
 import time
 
-from specdec.tools.bench.modes import Mode, Prompt, Sample
+from specdec.tools.bench.modes import HF_PROMPT_LOOKUP_TOKENS, Mode, Prompt, Sample
 from specdec.tools.bench.stats import first_difference
 
 
@@ -85,7 +85,11 @@ class HFRunner:
             eos_token_id=self.eos,
             pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
         )
-        extra = {"assistant_model": self.draft} if mode.name == "assisted" else {}
+        extra: dict = {}
+        if mode.name == "assisted":
+            extra = {"assistant_model": self.draft}
+        elif mode.name == "prompt lookup":
+            extra = {"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS}
         streamer = FirstToken()
         input_ids = torch.tensor([ids])
         started = time.perf_counter()

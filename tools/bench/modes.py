@@ -22,6 +22,15 @@ DRAFTERS: dict[str, tuple[str, ...]] = {
     "vocab32k": ("--draft-vocab", "32768"),  # the output layer over the 32,768 smallest ids
 }
 DEFAULT_DRAFTER = "bf16"
+# `--prompt-set`: the shipped prompt files (specdec.sdk.loadtest): the mixed set (code,
+# prose, chat) and the input-grounded one (edits, refactors, extraction, a chat that
+# quotes itself), where lookup drafts have something to copy.
+PROMPT_SETS = {"default": "prompts.jsonl", "grounded": "prompts-grounded.jsonl"}
+# `--methods`: lookup methods to add rows for ("ngram k=4", "ssd hybrid k=4", ...).
+LOOKUP_METHODS = ("ngram", "suffix", "hybrid")
+# transformers' prompt-lookup decoding (`prompt_lookup_num_tokens`): its documented example
+# value, the anchor row of the lookup methods.
+HF_PROMPT_LOOKUP_TOKENS = 10
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,7 @@ class Mode:
     traced: bool = False  # stack: its requests are sampled, its twin's are not (--tracing)
     drafter: str = DEFAULT_DRAFTER  # the --drafters variant whose stack runs it
     baseline: str = "target"  # the mode this one's speed and tokens are compared with
+    method: str = "model"  # stack: SpeculationParams.method (k=K rows: the drafter alone)
 
 
 @dataclass
@@ -58,11 +68,12 @@ class ModeRun:
     samples: list[Sample] = field(default_factory=list)
 
 
-def load_prompts(path: str | None) -> list[Prompt]:
+def load_prompts(path: str | None, prompt_set: str = "default") -> list[Prompt]:
     if path:
         text = Path(path).read_text()
     else:
-        text = resources.files("specdec.sdk.loadtest").joinpath("prompts.jsonl").read_text()
+        name = PROMPT_SETS[prompt_set]
+        text = resources.files("specdec.sdk.loadtest").joinpath(name).read_text()
     prompts = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -105,6 +116,7 @@ def build_modes(
     tracing: bool = False,
     drafter: str = DEFAULT_DRAFTER,
     shared: bool = True,
+    methods: tuple[str, ...] = (),
 ) -> list[Mode]:
     """Every mode of one drafter variant's stack; with `tracing`, each stack mode also runs
     as '<mode> traced' on a second stack that exports every span (sampling 1.0) over OTLP.
@@ -112,7 +124,11 @@ def build_modes(
     shared: the first variant's run, which also measures what no drafter changes: k = 0,
     assisted generation and the draft alone in-process. Every variant runs the target
     alone (its baseline, interleaved with its modes) and its drafter alone through the
-    drafter service (`draft [name]`, for its cost ratio)."""
+    drafter service (`draft [name]`, for its cost ratio).
+
+    methods: lookup methods (LOOKUP_METHODS) with a row each at the largest k of `ks`
+    (`hybrid k=4`) and at the largest of `ssd_ks` with SSD (`ssd hybrid k=4`); the shared
+    run then also measures transformers' prompt-lookup decoding (`prompt lookup`)."""
     target = "target" if shared else f"target [{drafter}]"
     modes = [Mode(target, "hf", drafter=drafter, baseline=target)]
     if shared:
@@ -125,6 +141,17 @@ def build_modes(
         Mode(name(f"ssd k={k}"), "stack", k=k, ssd=True, drafter=drafter, baseline=target)
         for k in ssd_ks
     ]
+    for method in methods:
+        modes += [
+            Mode(name(f"{method} k={k}"), "stack", k=k, drafter=drafter, baseline=target,
+                 method=method)
+            for k in ks[-1:]
+        ]  # fmt: skip
+        modes += [
+            Mode(name(f"ssd {method} k={k}"), "stack", k=k, ssd=True, drafter=drafter,
+                 baseline=target, method=method)
+            for k in ssd_ks[-1:]
+        ]  # fmt: skip
     if tracing:
         modes += [
             dataclasses.replace(m, name=f"{m.name} traced", traced=True)
@@ -133,6 +160,8 @@ def build_modes(
         ]
     if shared:
         modes += [Mode("assisted", "hf"), Mode("draft", "hf", contender=False)]
+        if methods:
+            modes.append(Mode("prompt lookup", "hf"))
     modes.append(
         Mode(f"draft [{drafter}]", "drafter", contender=False, drafter=drafter, baseline=target)
     )
@@ -145,7 +174,9 @@ def untraced_name(mode_name: str) -> str:
 
 def run_stack_mode(client, mode: Mode, ids: list[int], n: int) -> Sample:
     started = time.perf_counter()
-    g = client.generate(token_ids=ids, max_new_tokens=n, k=mode.k, ssd=mode.ssd or None)
+    g = client.generate(
+        token_ids=ids, max_new_tokens=n, k=mode.k, ssd=mode.ssd or None, method=mode.method
+    )
     seconds = time.perf_counter() - started
     stats = {
         **dataclasses.asdict(g.stats),

@@ -66,7 +66,8 @@ def summarize(runs: dict[str, ModeRun], cost_ratio: dict[str, float] | None) -> 
             rounds = sum(s["rounds"] for s in stats)
             drafted = sum(s["draft_tokens"] for s in stats)
             accepted = sum(s["accepted_tokens"] for s in stats)
-            per_pos = [0] * run.mode.k
+            # A lookup draft may be longer than k (it is bounded by the replicas' largest).
+            per_pos = [0] * max([run.mode.k, *(len(s["accepted_per_position"]) for s in stats)])
             for s in stats:
                 for i, a in enumerate(s["accepted_per_position"]):
                     per_pos[i] += a
@@ -78,7 +79,10 @@ def summarize(runs: dict[str, ModeRun], cost_ratio: dict[str, float] | None) -> 
                 "rounds": rounds,
                 "cache_misses": sum(s["cache_misses"] for s in stats),
             }
-            if c is not None:
+            if run.mode.method != "model":
+                row["method"] = run.mode.method
+                row["by_source"] = _by_source(stats)
+            elif c is not None:
                 # Leviathan et al.: speedup <= E / (c k + 1) with E = (1 - a^(k+1)) / (1 - a)
                 # the expected tokens per round; E is measured here, so is c (this
                 # drafter variant's).
@@ -102,6 +106,17 @@ def summarize(runs: dict[str, ModeRun], cost_ratio: dict[str, float] | None) -> 
                     "ssd_bytes_per_round": round(_total(stats, "ssd_bytes") / rounds),
                 }
         out[name] = row
+    return out
+
+
+def _by_source(stats: list[dict]) -> dict[str, dict[str, int]]:
+    """Drafts, draft tokens and accepted tokens per draft source, over the samples."""
+    out: dict[str, dict[str, int]] = {}
+    for s in stats:
+        for source, row in (s.get("by_source") or {}).items():
+            acc = out.setdefault(source, {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0})
+            for key, value in zip(acc, row, strict=True):
+                acc[key] += value
     return out
 
 

@@ -111,6 +111,26 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="fixed: every round drafts --k; adaptive: --k is an upper bound and the gateway "
         "picks each round's k from acceptance and load (default: the server's)",
     )
+    p.add_argument(
+        "--method",
+        choices=("model", "ngram", "suffix", "hybrid"),
+        default=None,
+        help="where drafts come from: the draft model, prompt lookup (ngram), suffix decoding "
+        "over the request and recent outputs, or hybrid (default: the server's)",
+    )
+    p.add_argument(
+        "--prediction-file",
+        metavar="PATH",
+        default=None,
+        help="text the completion is expected to repeat (OpenAI's Predicted Outputs): "
+        "drafts from it cost nothing",
+    )
+    p.add_argument(
+        "--tenant",
+        metavar="NAME",
+        default=None,
+        help="tenant of the gateway's suffix cache (metadata specdec-tenant)",
+    )
     p.add_argument("--session", metavar="ID", default=None, help="continue this session")
     p.add_argument(
         "--reset-session", action="store_true", help="forget the session's earlier history"
@@ -172,10 +192,14 @@ def run_generate(args: argparse.Namespace) -> int:
         "k": args.k,
         "ssd": args.ssd,
         "k_policy": args.k_policy,
+        "method": args.method,
     }
     try:  # reject bad arguments before connecting
+        if args.prediction_file:
+            with open(args.prediction_file, encoding="utf-8") as f:
+                request["prediction"] = f.read()
         build_generate_request(prompt, **request)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, OSError) as e:
         print(f"specdec: invalid arguments: {e}", file=sys.stderr)
         return 2
     timeout = DEFAULT_TIMEOUT if args.timeout is None else args.timeout
@@ -188,7 +212,9 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"specdec: invalid arguments: {e}", file=sys.stderr)
         return 2
     try:
-        with Client(gateway, timeout=timeout, credentials=credentials, token=token) as client:
+        with Client(
+            gateway, timeout=timeout, credentials=credentials, token=token, tenant=args.tenant
+        ) as client:
             if args.json:
                 gen = client.generate(prompt, **request)
                 print(json.dumps(gen.to_dict(), ensure_ascii=False))

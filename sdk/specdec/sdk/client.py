@@ -46,6 +46,13 @@ DEFAULT_TIMEOUT = 300.0
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 #: ``k_policy`` values: how the gateway picks each round's draft length.
 K_POLICIES = {"fixed": gateway_pb2.K_POLICY_FIXED, "adaptive": gateway_pb2.K_POLICY_ADAPTIVE}
+#: ``method`` values: where drafts come from.
+METHODS = {
+    "model": gateway_pb2.SPECULATION_METHOD_MODEL,
+    "ngram": gateway_pb2.SPECULATION_METHOD_NGRAM,
+    "suffix": gateway_pb2.SPECULATION_METHOD_SUFFIX,
+    "hybrid": gateway_pb2.SPECULATION_METHOD_HYBRID,
+}
 
 
 class _Default(enum.Enum):
@@ -95,6 +102,8 @@ def build_generate_request(
     prompt_logprobs: bool = False,
     n: int = 1,
     structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
+    method: str | None = None,
+    prediction: str | Sequence[int] | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """The ``GenerateRequest`` for these arguments (``ValueError`` / ``TypeError`` if invalid).
 
@@ -111,7 +120,14 @@ def build_generate_request(
     ``structured_output``: the grammar the output follows, a ``StructuredOutput`` or a dict
     of one key: ``{"json_schema": <schema dict or JSON text>}``, ``{"regex": "..."}``,
     ``{"choice": ["a", "b"]}`` or ``{"json_object": True}``.
+    ``method``: where drafts come from, ``"model"`` (the draft model), ``"ngram"`` (prompt
+    lookup), ``"suffix"`` (suffix decoding over the request and recent outputs) or
+    ``"hybrid"``; None: the server default. ``prediction``: text (or token ids) the
+    completion is expected to repeat (OpenAI's Predicted Outputs), a source of drafts;
+    ``usage`` reports how much of it was accepted.
     """
+    if method is not None and method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     if k_policy is not None and k_policy not in K_POLICIES:
         raise ValueError(f"k_policy must be one of {', '.join(K_POLICIES)}, got {k_policy!r}")
     if (prompt is None) == (token_ids is None):
@@ -166,6 +182,15 @@ def build_generate_request(
     request.prompt_logprobs, request.n = prompt_logprobs, n
     if structured_output is not None:
         request.structured_output.CopyFrom(_structured_output(structured_output))
+    if method is not None:
+        request.speculation.method = METHODS[method]
+    if isinstance(prediction, str):
+        if prediction:
+            request.prediction.text = prediction
+    elif prediction is not None:
+        if isinstance(prediction, bytes):
+            raise TypeError("prediction must be a str or a sequence of ints")
+        request.prediction.token_ids.ids.extend(prediction)
     return request
 
 
@@ -244,12 +269,18 @@ def read_token(path: str) -> str:
 
 
 class _ClientBase:
-    def __init__(self, timeout: float | None, token: str | None = None) -> None:
+    def __init__(
+        self, timeout: float | None, token: str | None = None, tenant: str | None = None
+    ) -> None:
         if timeout is not None and timeout <= 0:
             raise ValueError("timeout must be > 0 seconds, or None for no deadline")
         self.timeout = timeout
-        # Sent with every call when the gateway checks bearer tokens.
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        # Sent with every call when the gateway checks bearer tokens; the tenant keys the
+        # gateway's suffix cache under --suffix-cache-scope tenant.
+        metadata = [("authorization", f"Bearer {token}")] if token else []
+        if tenant:
+            metadata.append(("specdec-tenant", tenant))
+        self._metadata = tuple(metadata) or None
 
     def _deadline(self, timeout: float | _Default | None) -> float | None:
         return self.timeout if timeout is _CLIENT_DEFAULT else timeout
@@ -275,8 +306,9 @@ class Client(_ClientBase):
         *,
         credentials: grpc.ChannelCredentials | None = None,
         token: str | None = None,
+        tenant: str | None = None,
     ) -> None:
-        super().__init__(timeout, token)
+        super().__init__(timeout, token, tenant)
         self.address = address
         options = _channel_options(channel_options)
         if credentials is None:
@@ -314,6 +346,8 @@ class Client(_ClientBase):
         prompt_logprobs: bool = False,
         n: int = 1,
         structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
+        method: str | None = None,
+        prediction: str | Sequence[int] | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> Generation:
         """Generate a completion and return it whole."""
@@ -355,6 +389,8 @@ class Client(_ClientBase):
         prompt_logprobs: bool = False,
         n: int = 1,
         structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
+        method: str | None = None,
+        prediction: str | Sequence[int] | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> Iterator[StreamChunk]:
         """Generate a completion chunk by chunk; the last chunk has ``final`` set.
@@ -419,8 +455,9 @@ class AsyncClient(_ClientBase):
         *,
         credentials: grpc.ChannelCredentials | None = None,
         token: str | None = None,
+        tenant: str | None = None,
     ) -> None:
-        super().__init__(timeout, token)
+        super().__init__(timeout, token, tenant)
         self.address = address
         options = _channel_options(channel_options)
         if credentials is None:
@@ -458,6 +495,8 @@ class AsyncClient(_ClientBase):
         prompt_logprobs: bool = False,
         n: int = 1,
         structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
+        method: str | None = None,
+        prediction: str | Sequence[int] | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> Generation:
         """Generate a completion and return it whole."""
@@ -499,6 +538,8 @@ class AsyncClient(_ClientBase):
         prompt_logprobs: bool = False,
         n: int = 1,
         structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
+        method: str | None = None,
+        prediction: str | Sequence[int] | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> AsyncIterator[StreamChunk]:
         """Generate chunk by chunk (``async for``); the last chunk has ``final`` set.

@@ -41,6 +41,9 @@ class Usage:
     completion_tokens: int = 0
     #: Tokens of earlier turns of the session this request continued from.
     history_tokens: int = 0
+    #: Draft tokens from the request's prediction the verifier accepted / rejected.
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,14 @@ class SpeculationStats:
     ssd_paused_rounds: int = 0
     #: Mean queue depth the verifier reported per round (its load).
     mean_verifier_queue: float = 0.0
+    #: Where drafts came from: "model", "ngram", "suffix" or "hybrid" ("" from a server
+    #: that does not say).
+    method: str = ""
+    #: Per draft source ("model", "ngram", "suffix", "prediction"): (drafts, draft tokens,
+    #: accepted tokens).
+    by_source: dict[str, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
+    #: Rounds of a lookup method that found nothing to draft.
+    lookup_no_match_rounds: int = 0
 
     @property
     def ssd_hit_rate(self) -> float:
@@ -187,6 +198,8 @@ class Generation:
                 "prompt_tokens": self.usage.prompt_tokens,
                 "completion_tokens": self.usage.completion_tokens,
                 "history_tokens": self.usage.history_tokens,
+                "accepted_prediction_tokens": self.usage.accepted_prediction_tokens,
+                "rejected_prediction_tokens": self.usage.rejected_prediction_tokens,
             },
             "timings": {
                 "time_to_first_token_ms": self.timings.time_to_first_token_ms,
@@ -239,6 +252,8 @@ def usage_from_proto(msg: gateway_pb2.Usage) -> Usage:
         prompt_tokens=msg.prompt_tokens,
         completion_tokens=msg.completion_tokens,
         history_tokens=msg.history_tokens,
+        accepted_prediction_tokens=msg.accepted_prediction_tokens,
+        rejected_prediction_tokens=msg.rejected_prediction_tokens,
     )
 
 
@@ -275,10 +290,19 @@ def speculation_stats_from_proto(msg: gateway_pb2.SpeculationStats) -> Speculati
         mean_fan_out=_f32(msg.mean_fan_out),
         ssd_paused_rounds=msg.ssd_paused_rounds,
         mean_verifier_queue=_f32(msg.mean_verifier_queue),
+        method=_METHOD_NAMES.get(msg.method, ""),
+        by_source={s.source: (s.drafts, s.draft_tokens, s.accepted_tokens) for s in msg.by_source},
+        lookup_no_match_rounds=msg.lookup_no_match_rounds,
     )
 
 
 _K_POLICY_NAMES = {gateway_pb2.K_POLICY_FIXED: "fixed", gateway_pb2.K_POLICY_ADAPTIVE: "adaptive"}
+_METHOD_NAMES = {
+    gateway_pb2.SPECULATION_METHOD_MODEL: "model",
+    gateway_pb2.SPECULATION_METHOD_NGRAM: "ngram",
+    gateway_pb2.SPECULATION_METHOD_SUFFIX: "suffix",
+    gateway_pb2.SPECULATION_METHOD_HYBRID: "hybrid",
+}
 
 
 def _generation(
@@ -403,6 +427,11 @@ class ServerInfo:
     structured_output_engine: str = ""
     #: The structured_output kinds accepted: json_object, json_schema, regex, choice.
     structured_output_kinds: tuple[str, ...] = ()
+    #: The method a request gets when it sets none ("" from a server that does not say).
+    default_method: str = ""
+    #: The gateway's lookup settings: prompt_lookup_min / max, suffix_depth,
+    #: suffix_cache_tokens, suffix_cache_scope.
+    lookup: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def server_info_from_proto(msg: gateway_pb2.GetServerInfoResponse) -> ServerInfo:
@@ -428,4 +457,6 @@ def server_info_from_proto(msg: gateway_pb2.GetServerInfoResponse) -> ServerInfo
         max_logit_bias=msg.max_logit_bias,
         structured_output_engine=msg.structured_output_engine,
         structured_output_kinds=tuple(msg.structured_output_kinds),
+        default_method=_METHOD_NAMES.get(msg.default_method, ""),
+        lookup={f.name: getattr(msg.lookup, f.name) for f in msg.lookup.DESCRIPTOR.fields},
     )

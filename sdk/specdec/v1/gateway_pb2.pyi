@@ -13,6 +13,14 @@ class SessionMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SESSION_MODE_CONTINUE: _ClassVar[SessionMode]
     SESSION_MODE_RESET: _ClassVar[SessionMode]
 
+class SpeculationMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SPECULATION_METHOD_UNSPECIFIED: _ClassVar[SpeculationMethod]
+    SPECULATION_METHOD_MODEL: _ClassVar[SpeculationMethod]
+    SPECULATION_METHOD_NGRAM: _ClassVar[SpeculationMethod]
+    SPECULATION_METHOD_SUFFIX: _ClassVar[SpeculationMethod]
+    SPECULATION_METHOD_HYBRID: _ClassVar[SpeculationMethod]
+
 class KPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     K_POLICY_UNSPECIFIED: _ClassVar[KPolicy]
@@ -27,6 +35,11 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
 SESSION_MODE_CONTINUE: SessionMode
 SESSION_MODE_RESET: SessionMode
+SPECULATION_METHOD_UNSPECIFIED: SpeculationMethod
+SPECULATION_METHOD_MODEL: SpeculationMethod
+SPECULATION_METHOD_NGRAM: SpeculationMethod
+SPECULATION_METHOD_SUFFIX: SpeculationMethod
+SPECULATION_METHOD_HYBRID: SpeculationMethod
 K_POLICY_UNSPECIFIED: KPolicy
 K_POLICY_FIXED: KPolicy
 K_POLICY_ADAPTIVE: KPolicy
@@ -92,10 +105,20 @@ class StructuredJsonObject(_message.Message):
     def __init__(self) -> None: ...
 
 class StructuredChoice(_message.Message):
-    __slots__ = ("choices",)
+    __slots__ = ("choices", "prediction")
     CHOICES_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_FIELD_NUMBER: _ClassVar[int]
     choices: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
+    prediction: PredictedOutput
+    def __init__(self, choices: _Optional[_Iterable[str]] = ..., prediction: _Optional[_Union[PredictedOutput, _Mapping]] = ...) -> None: ...
+
+class PredictedOutput(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: TokenIds
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class SessionOptions(_message.Message):
     __slots__ = ("id", "mode", "ttl_seconds")
@@ -108,24 +131,30 @@ class SessionOptions(_message.Message):
     def __init__(self, id: _Optional[str] = ..., mode: _Optional[_Union[SessionMode, str]] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("num_draft_tokens", "ssd", "k_policy")
+    __slots__ = ("num_draft_tokens", "ssd", "k_policy", "method")
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SSD_FIELD_NUMBER: _ClassVar[int]
     K_POLICY_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
     num_draft_tokens: int
     ssd: bool
     k_policy: KPolicy
-    def __init__(self, num_draft_tokens: _Optional[int] = ..., ssd: _Optional[bool] = ..., k_policy: _Optional[_Union[KPolicy, str]] = ...) -> None: ...
+    method: SpeculationMethod
+    def __init__(self, num_draft_tokens: _Optional[int] = ..., ssd: _Optional[bool] = ..., k_policy: _Optional[_Union[KPolicy, str]] = ..., method: _Optional[_Union[SpeculationMethod, str]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "history_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "history_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     history_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., history_tokens: _Optional[int] = ...) -> None: ...
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., history_tokens: _Optional[int] = ..., accepted_prediction_tokens: _Optional[int] = ..., rejected_prediction_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("time_to_first_token_ms", "total_ms")
@@ -136,7 +165,7 @@ class Timings(_message.Message):
     def __init__(self, time_to_first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "num_draft_tokens", "ssd", "ssd_hits", "ssd_misses", "cache_misses", "ssd_branches", "ssd_hidden_ms", "drafter_wait_ms", "ssd_bytes", "ssd_late", "ssd_speculates", "k_policy", "rounds_by_k", "mean_k", "policy_k0_rounds", "mean_fan_out", "ssd_paused_rounds", "mean_verifier_queue")
+    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "num_draft_tokens", "ssd", "ssd_hits", "ssd_misses", "cache_misses", "ssd_branches", "ssd_hidden_ms", "drafter_wait_ms", "ssd_bytes", "ssd_late", "ssd_speculates", "k_policy", "rounds_by_k", "mean_k", "policy_k0_rounds", "mean_fan_out", "ssd_paused_rounds", "mean_verifier_queue", "method", "by_source", "lookup_no_match_rounds")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +190,9 @@ class SpeculationStats(_message.Message):
     MEAN_FAN_OUT_FIELD_NUMBER: _ClassVar[int]
     SSD_PAUSED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     MEAN_VERIFIER_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    BY_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_NO_MATCH_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens: int
     accepted_tokens: int
@@ -185,7 +217,22 @@ class SpeculationStats(_message.Message):
     mean_fan_out: float
     ssd_paused_rounds: int
     mean_verifier_queue: float
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., ssd: _Optional[bool] = ..., ssd_hits: _Optional[int] = ..., ssd_misses: _Optional[int] = ..., cache_misses: _Optional[int] = ..., ssd_branches: _Optional[int] = ..., ssd_hidden_ms: _Optional[float] = ..., drafter_wait_ms: _Optional[float] = ..., ssd_bytes: _Optional[int] = ..., ssd_late: _Optional[int] = ..., ssd_speculates: _Optional[int] = ..., k_policy: _Optional[_Union[KPolicy, str]] = ..., rounds_by_k: _Optional[_Iterable[int]] = ..., mean_k: _Optional[float] = ..., policy_k0_rounds: _Optional[int] = ..., mean_fan_out: _Optional[float] = ..., ssd_paused_rounds: _Optional[int] = ..., mean_verifier_queue: _Optional[float] = ...) -> None: ...
+    method: SpeculationMethod
+    by_source: _containers.RepeatedCompositeFieldContainer[DraftSourceStats]
+    lookup_no_match_rounds: int
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., ssd: _Optional[bool] = ..., ssd_hits: _Optional[int] = ..., ssd_misses: _Optional[int] = ..., cache_misses: _Optional[int] = ..., ssd_branches: _Optional[int] = ..., ssd_hidden_ms: _Optional[float] = ..., drafter_wait_ms: _Optional[float] = ..., ssd_bytes: _Optional[int] = ..., ssd_late: _Optional[int] = ..., ssd_speculates: _Optional[int] = ..., k_policy: _Optional[_Union[KPolicy, str]] = ..., rounds_by_k: _Optional[_Iterable[int]] = ..., mean_k: _Optional[float] = ..., policy_k0_rounds: _Optional[int] = ..., mean_fan_out: _Optional[float] = ..., ssd_paused_rounds: _Optional[int] = ..., mean_verifier_queue: _Optional[float] = ..., method: _Optional[_Union[SpeculationMethod, str]] = ..., by_source: _Optional[_Iterable[_Union[DraftSourceStats, _Mapping]]] = ..., lookup_no_match_rounds: _Optional[int] = ...) -> None: ...
+
+class DraftSourceStats(_message.Message):
+    __slots__ = ("source", "drafts", "draft_tokens", "accepted_tokens")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    def __init__(self, source: _Optional[str] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "usage", "timings", "stats", "session_id", "trace_id", "logprobs", "prompt_logprobs", "choices")
@@ -260,7 +307,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("model_id", "draft_model_id", "vocab_size", "max_context", "max_num_draft_tokens", "default_num_draft_tokens", "default_ssd", "max_new_tokens", "max_stop_strings", "max_stop_chars", "max_session_id_chars", "default_session_ttl_seconds", "max_session_ttl_seconds", "tokenizer_fingerprint", "eos_token_ids", "bos_token_id", "supported_request_fields", "max_stop_token_ids", "max_logit_bias", "max_top_logprobs", "max_choices", "structured_output_engine", "structured_output_kinds")
+    __slots__ = ("model_id", "draft_model_id", "vocab_size", "max_context", "max_num_draft_tokens", "default_num_draft_tokens", "default_ssd", "max_new_tokens", "max_stop_strings", "max_stop_chars", "max_session_id_chars", "default_session_ttl_seconds", "max_session_ttl_seconds", "tokenizer_fingerprint", "eos_token_ids", "bos_token_id", "supported_request_fields", "max_stop_token_ids", "max_logit_bias", "max_top_logprobs", "max_choices", "structured_output_engine", "structured_output_kinds", "default_method", "lookup")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +331,8 @@ class GetServerInfoResponse(_message.Message):
     MAX_CHOICES_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUT_ENGINE_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUT_KINDS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_METHOD_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     draft_model_id: str
     vocab_size: int
@@ -307,4 +356,20 @@ class GetServerInfoResponse(_message.Message):
     max_choices: int
     structured_output_engine: str
     structured_output_kinds: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_id: _Optional[str] = ..., draft_model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_num_draft_tokens: _Optional[int] = ..., default_num_draft_tokens: _Optional[int] = ..., default_ssd: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_chars: _Optional[int] = ..., max_session_id_chars: _Optional[int] = ..., default_session_ttl_seconds: _Optional[int] = ..., max_session_ttl_seconds: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., supported_request_fields: _Optional[_Iterable[str]] = ..., max_stop_token_ids: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_choices: _Optional[int] = ..., structured_output_engine: _Optional[str] = ..., structured_output_kinds: _Optional[_Iterable[str]] = ...) -> None: ...
+    default_method: SpeculationMethod
+    lookup: LookupInfo
+    def __init__(self, model_id: _Optional[str] = ..., draft_model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_num_draft_tokens: _Optional[int] = ..., default_num_draft_tokens: _Optional[int] = ..., default_ssd: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_chars: _Optional[int] = ..., max_session_id_chars: _Optional[int] = ..., default_session_ttl_seconds: _Optional[int] = ..., max_session_ttl_seconds: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., supported_request_fields: _Optional[_Iterable[str]] = ..., max_stop_token_ids: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_choices: _Optional[int] = ..., structured_output_engine: _Optional[str] = ..., structured_output_kinds: _Optional[_Iterable[str]] = ..., default_method: _Optional[_Union[SpeculationMethod, str]] = ..., lookup: _Optional[_Union[LookupInfo, _Mapping]] = ...) -> None: ...
+
+class LookupInfo(_message.Message):
+    __slots__ = ("prompt_lookup_min", "prompt_lookup_max", "suffix_depth", "suffix_cache_tokens", "suffix_cache_scope")
+    PROMPT_LOOKUP_MIN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOOKUP_MAX_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    suffix_depth: int
+    suffix_cache_tokens: int
+    suffix_cache_scope: str
+    def __init__(self, prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., suffix_depth: _Optional[int] = ..., suffix_cache_tokens: _Optional[int] = ..., suffix_cache_scope: _Optional[str] = ...) -> None: ...

@@ -6,13 +6,19 @@ by specdec.gateway.request.validate, the same code the gRPC API runs.
 
 Speculation settings are extension fields of the body, as vLLM accepts extra fields:
 `k` (draft length; 0 = no speculation), `ssd` (bool), `k_policy` ("fixed" or "adaptive":
-`k` is then an upper bound per round), `session_id`, `session_reset`
+`k` is then an upper bound per round), `method` ("model", "ngram", "suffix" or
+"hybrid": where drafts come from), `session_id`, `session_reset`
 (bool: forget the session's history first) and `timeout` (seconds for the whole
 generation; past it the answer is 504). Structured output: OpenAI's `response_format`
 (`json_object`, `json_schema`) and vLLM's `guided_json`, `guided_regex`, `guided_choice`
 become GenerateRequest.structured_output. Responses carry the
 speculation statistics, timings, the token ids and, for a session, what happened to it
 under the extension key `specdec`.
+
+OpenAI's `prediction` ({"type": "content", "content": text or a list of text parts}) is
+a source of drafts (GenerateRequest.prediction); usage reports
+`completion_tokens_details.accepted_prediction_tokens` and `rejected_prediction_tokens`.
+`user` names the tenant of the suffix cache under --suffix-cache-scope tenant.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any
 from specdec.common.errors import InvalidRequest
 from specdec.gateway.http.errors import ModelNotFound
 from specdec.gateway.http.logprobs import LogprobsRenderer
+from specdec.gateway.lookup import parse_method
 from specdec.gateway.policy import parse_policy
 from specdec.v1 import common_pb2, gateway_pb2
 
@@ -63,7 +70,10 @@ COMMON_FIELDS = {
     "min_tokens",
     "stop_token_ids",
     # specdec's extensions
+    "prediction",
+    # extensions
     "k",
+    "method",
     "ssd",
     "k_policy",
     "session_id",
@@ -106,6 +116,7 @@ class Options:
     session_id: str | None = None
     max_tokens_given: bool = False
     echo: bool = False  # completions: the prompt's text (and scores) before the completion
+    user: str = ""  # OpenAI's end-user id: the suffix cache's tenant
 
 
 def _check_fields(body: dict, allowed: set[str]) -> None:
@@ -145,6 +156,19 @@ def _set(msg, attr: str, value, name: str) -> None:
         setattr(msg, attr, value)
     except (ValueError, TypeError) as e:
         raise InvalidRequest(f"{name}: {value!r} is out of range ({e})") from None
+
+
+def _choice(body: dict, name: str, parse, choices: str) -> int | None:
+    """An enum given by name (`parse` raises ValueError naming the choices), or None."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{name} must be {choices}")
+    try:
+        return parse(value)
+    except ValueError as e:
+        raise InvalidRequest(f"{name} {e}") from None
 
 
 def check_model(body: dict, served: str) -> str:
@@ -212,14 +236,18 @@ def _common(body: dict, req: gateway_pb2.GenerateRequest, served: str) -> Option
     ssd = _bool(body, "ssd")
     if ssd is not None:
         req.speculation.ssd = ssd
-    k_policy = body.get("k_policy")
+    k_policy = _choice(body, "k_policy", parse_policy, '"fixed" or "adaptive"')
     if k_policy is not None:
-        if not isinstance(k_policy, str):
-            raise InvalidRequest('k_policy must be "fixed" or "adaptive"')
-        try:
-            req.speculation.k_policy = parse_policy(k_policy)
-        except ValueError as e:
-            raise InvalidRequest(f"k_policy {e}") from None
+        req.speculation.k_policy = k_policy
+    method = _choice(body, "method", parse_method, '"model", "ngram", "suffix" or "hybrid"')
+    if method is not None:
+        req.speculation.method = method
+    _prediction(body.get("prediction"), req)
+    user = body.get("user")
+    if user is not None:
+        if not isinstance(user, str):
+            raise InvalidRequest("user must be a string")
+        opts.user = user
     session_id = body.get("session_id")
     if session_id is not None:
         if not isinstance(session_id, str) or not session_id:
@@ -329,6 +357,29 @@ def _structured(body: dict, req: gateway_pb2.GenerateRequest) -> None:
             raise InvalidRequest("guided_choice must be a list of strings")
         out.choice.choices.extend(value)
         out.choice.SetInParent()
+def _prediction(prediction: Any, req: gateway_pb2.GenerateRequest) -> None:
+    """OpenAI's `prediction` -> GenerateRequest.prediction (content as text, or as a list
+    of text parts joined)."""
+    if prediction is None:
+        return
+    if not isinstance(prediction, dict) or prediction.get("type") != "content":
+        raise InvalidRequest('prediction must be {"type": "content", "content": ...}')
+    if set(prediction) - {"type", "content"}:
+        raise InvalidRequest("prediction may only hold type and content")
+    content = prediction.get("content")
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise InvalidRequest(f"prediction.content[{i}]: only text parts are supported")
+            if not isinstance(part.get("text"), str):
+                raise InvalidRequest(f"prediction.content[{i}].text must be a string")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise InvalidRequest("prediction.content must be a string or a list of text parts")
+    if content:
+        req.prediction.text = content
 
 
 def completion_request(body: Any, served: str) -> tuple[gateway_pb2.GenerateRequest, Options]:
@@ -399,7 +450,10 @@ def proto_dict(msg) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in msg.DESCRIPTOR.fields:
         value = getattr(msg, f.name)
-        out[f.name] = list(value) if f.is_repeated else value
+        if f.message_type is not None:
+            out[f.name] = [proto_dict(v) for v in value] if f.is_repeated else proto_dict(value)
+        else:
+            out[f.name] = list(value) if f.is_repeated else value
     return out
 
 
@@ -413,6 +467,10 @@ def usage(final: gateway_pb2.GenerateResponse) -> dict[str, Any]:
         "completion_tokens": u.completion_tokens,
         "total_tokens": prompt + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.history_tokens},
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": u.accepted_prediction_tokens,
+            "rejected_prediction_tokens": u.rejected_prediction_tokens,
+        },
     }
 
 

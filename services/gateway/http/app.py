@@ -371,7 +371,7 @@ class OpenAIServer:
         renderer = api.Renderer(chat=False, model=opts.model)
         self._scores(renderer, req, opts)
         span = request_span(request, "/v1/completions", req, opts.model)
-        events = self.gateway.run(req, deadline=_deadline(opts))
+        events = self.gateway.run(req, deadline=_deadline(opts), tenant=opts.user)
         return Generation(events, renderer, opts, None, span)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -395,7 +395,7 @@ class OpenAIServer:
         renderer = api.Renderer(chat=True, model=opts.model)
         self._scores(renderer, req, opts)
         span = request_span(request, "/v1/chat/completions", req, opts.model)
-        events = self.gateway.run(req, prompter=turn, deadline=_deadline(opts))
+        events = self.gateway.run(req, prompter=turn, deadline=_deadline(opts), tenant=opts.user)
         return Generation(events, renderer, opts, turn, span)
 
     def _scores(self, renderer: api.Renderer, req, opts: api.Options) -> None:

@@ -1,0 +1,45 @@
+"""Drafts that cost nothing: lookup proposers in the gateway (no torch, no RPC).
+
+- `ngram` (specdec.gateway.lookup.ngram): prompt lookup over the request's prompt and output;
+- `suffix` (specdec.gateway.lookup.suffix): suffix decoding over the request's own text and
+  a bounded cache of recent outputs of this gateway (per tenant or global);
+- a prediction (specdec.gateway.lookup.prediction): OpenAI's Predicted Outputs;
+- `hybrid` (specdec.gateway.lookup.hybrid): a lookup draft where its match is confident,
+  the draft model otherwise.
+
+A lookup draft is a deterministic proposal: its distribution is one-hot, so the verifier's
+rule (DESIGN §2) accepts it with probability p(d) and recovers from p without d.
+"""
+
+from __future__ import annotations
+
+from specdec.v1 import gateway_pb2
+
+MODEL = "model"
+NGRAM = "ngram"
+SUFFIX = "suffix"
+HYBRID = "hybrid"
+PREDICTION = "prediction"  # a draft source (any method), not a method
+
+METHODS = {
+    gateway_pb2.SPECULATION_METHOD_MODEL: MODEL,
+    gateway_pb2.SPECULATION_METHOD_NGRAM: NGRAM,
+    gateway_pb2.SPECULATION_METHOD_SUFFIX: SUFFIX,
+    gateway_pb2.SPECULATION_METHOD_HYBRID: HYBRID,
+}
+BY_NAME = {name: value for value, name in METHODS.items()}
+
+SCOPES = ("global", "tenant", "off")
+
+
+def method_name(value: int) -> str:
+    return METHODS[value]
+
+
+def parse_method(name: str) -> int:
+    """'model' / 'ngram' / 'suffix' / 'hybrid' -> the SpeculationMethod value; ValueError
+    naming the choices."""
+    try:
+        return BY_NAME[name.strip().lower()]
+    except KeyError:
+        raise ValueError(f"must be one of {', '.join(BY_NAME)}, got {name!r}") from None
