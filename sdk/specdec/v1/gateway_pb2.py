@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/gateway.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x1b\n\x08TokenIds\x12\x0f\n\x03ids\x18\x01 \x03(\x03\x42\x02\x10\x01\"\x93\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12+\n\x07session\x18\x06 \x01(\x0b\x32\x1a.specdec.v1.SessionOptions\x12\x32\n\x0bspeculation\x18\x07 \x01(\x0b\x32\x1d.specdec.v1.SpeculationParamsB\x07\n\x05input\"X\n\x0eSessionOptions\x12\n\n\x02id\x18\x01 \x01(\t\x12%\n\x04mode\x18\x02 \x01(\x0e\x32\x17.specdec.v1.SessionMode\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\r\"\x88\x01\n\x11SpeculationParams\x12\x1d\n\x10num_draft_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x10\n\x03ssd\x18\x02 \x01(\x08H\x01\x88\x01\x01\x12%\n\x08k_policy\x18\x03 \x01(\x0e\x32\x13.specdec.v1.KPolicyB\x13\n\x11_num_draft_tokensB\x06\n\x04_ssd\"Q\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x16\n\x0ehistory_tokens\x18\x03 \x01(\r\";\n\x07Timings\x12\x1e\n\x16time_to_first_token_ms\x18\x01 \x01(\x02\x12\x10\n\x08total_ms\x18\x02 \x01(\x02\"\xc1\x04\n\x10SpeculationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x02\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x02\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x06 \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x07 \x01(\r\x12\x0b\n\x03ssd\x18\x08 \x01(\x08\x12\x10\n\x08ssd_hits\x18\t \x01(\r\x12\x12\n\nssd_misses\x18\n \x01(\r\x12\x14\n\x0c\x63\x61\x63he_misses\x18\x0b \x01(\r\x12\x14\n\x0cssd_branches\x18\x0c \x01(\r\x12\x15\n\rssd_hidden_ms\x18\r \x01(\x02\x12\x17\n\x0f\x64rafter_wait_ms\x18\x0e \x01(\x02\x12\x11\n\tssd_bytes\x18\x0f \x01(\x04\x12\x10\n\x08ssd_late\x18\x10 \x01(\r\x12\x16\n\x0essd_speculates\x18\x11 \x01(\r\x12%\n\x08k_policy\x18\x12 \x01(\x0e\x32\x13.specdec.v1.KPolicy\x12\x13\n\x0brounds_by_k\x18\x13 \x03(\r\x12\x0e\n\x06mean_k\x18\x14 \x01(\x02\x12\x18\n\x10policy_k0_rounds\x18\x15 \x01(\r\x12\x14\n\x0cmean_fan_out\x18\x16 \x01(\x02\x12\x19\n\x11ssd_paused_rounds\x18\x17 \x01(\r\x12\x1b\n\x13mean_verifier_queue\x18\x18 \x01(\x02\"\x83\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x15\n\ttoken_ids\x18\x02 \x03(\x03\x42\x02\x10\x01\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.specdec.v1.Usage\x12$\n\x07timings\x18\x05 \x01(\x0b\x32\x13.specdec.v1.Timings\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12\x10\n\x08trace_id\x18\x08 \x01(\t\"\x89\x02\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x15\n\ttoken_ids\x18\x02 \x03(\x03\x42\x02\x10\x01\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.specdec.v1.Usage\x12$\n\x07timings\x18\x05 \x01(\x0b\x32\x13.specdec.v1.Timings\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12\x10\n\x08trace_id\x18\x08 \x01(\t\"\x16\n\x14GetServerInfoRequest\"\xb9\x03\n\x15GetServerInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x16\n\x0e\x64raft_model_id\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x1c\n\x14max_num_draft_tokens\x18\x05 \x01(\r\x12 \n\x18\x64\x65\x66\x61ult_num_draft_tokens\x18\x06 \x01(\r\x12\x13\n\x0b\x64\x65\x66\x61ult_ssd\x18\x07 \x01(\x08\x12\x16\n\x0emax_new_tokens\x18\x08 \x01(\r\x12\x18\n\x10max_stop_strings\x18\t \x01(\r\x12\x16\n\x0emax_stop_chars\x18\n \x01(\r\x12\x1c\n\x14max_session_id_chars\x18\x0b \x01(\r\x12#\n\x1b\x64\x65\x66\x61ult_session_ttl_seconds\x18\x0c \x01(\r\x12\x1f\n\x17max_session_ttl_seconds\x18\r \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x0e \x01(\t\x12\x15\n\reos_token_ids\x18\x0f \x03(\x03\x12\x14\n\x0c\x62os_token_id\x18\x10 \x01(\x03*@\n\x0bSessionMode\x12\x19\n\x15SESSION_MODE_CONTINUE\x10\x00\x12\x16\n\x12SESSION_MODE_RESET\x10\x01*N\n\x07KPolicy\x12\x18\n\x14K_POLICY_UNSPECIFIED\x10\x00\x12\x12\n\x0eK_POLICY_FIXED\x10\x01\x12\x15\n\x11K_POLICY_ADAPTIVE\x10\x02*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32\x82\x02\n\x0eGatewayService\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\".specdec.v1.GenerateStreamResponse0\x01\x12T\n\rGetServerInfo\x12 .specdec.v1.GetServerInfoRequest\x1a!.specdec.v1.GetServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/gateway.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x1b\n\x08TokenIds\x12\x0f\n\x03ids\x18\x01 \x03(\x03\x42\x02\x10\x01\"\xb3\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12+\n\x07session\x18\x06 \x01(\x0b\x32\x1a.specdec.v1.SessionOptions\x12\x32\n\x0bspeculation\x18\x07 \x01(\x0b\x32\x1d.specdec.v1.SpeculationParams\x12\x13\n\x06record\x18\x16 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\t\n\x07_record\"X\n\x0eSessionOptions\x12\n\n\x02id\x18\x01 \x01(\t\x12%\n\x04mode\x18\x02 \x01(\x0e\x32\x17.specdec.v1.SessionMode\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\r\"\x88\x01\n\x11SpeculationParams\x12\x1d\n\x10num_draft_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x10\n\x03ssd\x18\x02 \x01(\x08H\x01\x88\x01\x01\x12%\n\x08k_policy\x18\x03 \x01(\x0e\x32\x13.specdec.v1.KPolicyB\x13\n\x11_num_draft_tokensB\x06\n\x04_ssd\"Q\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x16\n\x0ehistory_tokens\x18\x03 \x01(\r\";\n\x07Timings\x12\x1e\n\x16time_to_first_token_ms\x18\x01 \x01(\x02\x12\x10\n\x08total_ms\x18\x02 \x01(\x02\"\xec\x04\n\x10SpeculationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x02\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x02\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x06 \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x07 \x01(\r\x12\x0b\n\x03ssd\x18\x08 \x01(\x08\x12\x10\n\x08ssd_hits\x18\t \x01(\r\x12\x12\n\nssd_misses\x18\n \x01(\r\x12\x14\n\x0c\x63\x61\x63he_misses\x18\x0b \x01(\r\x12\x14\n\x0cssd_branches\x18\x0c \x01(\r\x12\x15\n\rssd_hidden_ms\x18\r \x01(\x02\x12\x17\n\x0f\x64rafter_wait_ms\x18\x0e \x01(\x02\x12\x11\n\tssd_bytes\x18\x0f \x01(\x04\x12\x10\n\x08ssd_late\x18\x10 \x01(\r\x12\x16\n\x0essd_speculates\x18\x11 \x01(\r\x12%\n\x08k_policy\x18\x12 \x01(\x0e\x32\x13.specdec.v1.KPolicy\x12\x13\n\x0brounds_by_k\x18\x13 \x03(\r\x12\x0e\n\x06mean_k\x18\x14 \x01(\x02\x12\x18\n\x10policy_k0_rounds\x18\x15 \x01(\r\x12\x14\n\x0cmean_fan_out\x18\x16 \x01(\x02\x12\x19\n\x11ssd_paused_rounds\x18\x17 \x01(\r\x12\x1b\n\x13mean_verifier_queue\x18\x18 \x01(\x02\x12\x17\n\x0f\x64rafter_version\x18( \x01(\t\x12\x10\n\x08recorded\x18) \x01(\x08\"\x83\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x15\n\ttoken_ids\x18\x02 \x03(\x03\x42\x02\x10\x01\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.specdec.v1.Usage\x12$\n\x07timings\x18\x05 \x01(\x0b\x32\x13.specdec.v1.Timings\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12\x10\n\x08trace_id\x18\x08 \x01(\t\"\x89\x02\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x15\n\ttoken_ids\x18\x02 \x03(\x03\x42\x02\x10\x01\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.specdec.v1.Usage\x12$\n\x07timings\x18\x05 \x01(\x0b\x32\x13.specdec.v1.Timings\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12\x10\n\x08trace_id\x18\x08 \x01(\t\"\x16\n\x14GetServerInfoRequest\"\xa6\x04\n\x15GetServerInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x16\n\x0e\x64raft_model_id\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x1c\n\x14max_num_draft_tokens\x18\x05 \x01(\r\x12 \n\x18\x64\x65\x66\x61ult_num_draft_tokens\x18\x06 \x01(\r\x12\x13\n\x0b\x64\x65\x66\x61ult_ssd\x18\x07 \x01(\x08\x12\x16\n\x0emax_new_tokens\x18\x08 \x01(\r\x12\x18\n\x10max_stop_strings\x18\t \x01(\r\x12\x16\n\x0emax_stop_chars\x18\n \x01(\r\x12\x1c\n\x14max_session_id_chars\x18\x0b \x01(\r\x12#\n\x1b\x64\x65\x66\x61ult_session_ttl_seconds\x18\x0c \x01(\r\x12\x1f\n\x17max_session_ttl_seconds\x18\r \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x0e \x01(\t\x12\x15\n\reos_token_ids\x18\x0f \x03(\x03\x12\x14\n\x0c\x62os_token_id\x18\x10 \x01(\x03\x12\x11\n\trecording\x18# \x01(\x08\x12\x18\n\x10\x64rafter_versions\x18$ \x03(\t\x12\x1e\n\x16\x64rafter_canary_version\x18% \x01(\t\x12\x1e\n\x16\x64rafter_canary_percent\x18& \x01(\x02*@\n\x0bSessionMode\x12\x19\n\x15SESSION_MODE_CONTINUE\x10\x00\x12\x16\n\x12SESSION_MODE_RESET\x10\x01*N\n\x07KPolicy\x12\x18\n\x14K_POLICY_UNSPECIFIED\x10\x00\x12\x12\n\x0eK_POLICY_FIXED\x10\x01\x12\x15\n\x11K_POLICY_ADAPTIVE\x10\x02*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32\x82\x02\n\x0eGatewayService\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\".specdec.v1.GenerateStreamResponse0\x01\x12T\n\rGetServerInfo\x12 .specdec.v1.GetServerInfoRequest\x1a!.specdec.v1.GetServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,34 +38,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATERESPONSE'].fields_by_name['token_ids']._serialized_options = b'\020\001'
   _globals['_GENERATESTREAMRESPONSE'].fields_by_name['token_ids']._loaded_options = None
   _globals['_GENERATESTREAMRESPONSE'].fields_by_name['token_ids']._serialized_options = b'\020\001'
-  _globals['_SESSIONMODE']._serialized_start=2323
-  _globals['_SESSIONMODE']._serialized_end=2387
-  _globals['_KPOLICY']._serialized_start=2389
-  _globals['_KPOLICY']._serialized_end=2467
-  _globals['_FINISHREASON']._serialized_start=2469
-  _globals['_FINISHREASON']._serialized_end=2587
+  _globals['_SESSIONMODE']._serialized_start=2507
+  _globals['_SESSIONMODE']._serialized_end=2571
+  _globals['_KPOLICY']._serialized_start=2573
+  _globals['_KPOLICY']._serialized_end=2651
+  _globals['_FINISHREASON']._serialized_start=2653
+  _globals['_FINISHREASON']._serialized_end=2771
   _globals['_TOKENIDS']._serialized_start=65
   _globals['_TOKENIDS']._serialized_end=92
   _globals['_GENERATEREQUEST']._serialized_start=95
-  _globals['_GENERATEREQUEST']._serialized_end=370
-  _globals['_SESSIONOPTIONS']._serialized_start=372
-  _globals['_SESSIONOPTIONS']._serialized_end=460
-  _globals['_SPECULATIONPARAMS']._serialized_start=463
-  _globals['_SPECULATIONPARAMS']._serialized_end=599
-  _globals['_USAGE']._serialized_start=601
-  _globals['_USAGE']._serialized_end=682
-  _globals['_TIMINGS']._serialized_start=684
-  _globals['_TIMINGS']._serialized_end=743
-  _globals['_SPECULATIONSTATS']._serialized_start=746
-  _globals['_SPECULATIONSTATS']._serialized_end=1323
-  _globals['_GENERATERESPONSE']._serialized_start=1326
-  _globals['_GENERATERESPONSE']._serialized_end=1585
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1588
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1853
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1855
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1877
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=1880
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=2321
-  _globals['_GATEWAYSERVICE']._serialized_start=2590
-  _globals['_GATEWAYSERVICE']._serialized_end=2848
+  _globals['_GENERATEREQUEST']._serialized_end=402
+  _globals['_SESSIONOPTIONS']._serialized_start=404
+  _globals['_SESSIONOPTIONS']._serialized_end=492
+  _globals['_SPECULATIONPARAMS']._serialized_start=495
+  _globals['_SPECULATIONPARAMS']._serialized_end=631
+  _globals['_USAGE']._serialized_start=633
+  _globals['_USAGE']._serialized_end=714
+  _globals['_TIMINGS']._serialized_start=716
+  _globals['_TIMINGS']._serialized_end=775
+  _globals['_SPECULATIONSTATS']._serialized_start=778
+  _globals['_SPECULATIONSTATS']._serialized_end=1398
+  _globals['_GENERATERESPONSE']._serialized_start=1401
+  _globals['_GENERATERESPONSE']._serialized_end=1660
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1663
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1928
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1930
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1952
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=1955
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=2505
+  _globals['_GATEWAYSERVICE']._serialized_start=2774
+  _globals['_GATEWAYSERVICE']._serialized_end=3032
 # @@protoc_insertion_point(module_scope)

@@ -42,7 +42,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "sampling", "stop", "session", "speculation")
+    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "sampling", "stop", "session", "speculation", "record")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class GenerateRequest(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: TokenIds
     max_new_tokens: int
@@ -57,7 +58,8 @@ class GenerateRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     session: SessionOptions
     speculation: SpeculationParams
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., session: _Optional[_Union[SessionOptions, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ...) -> None: ...
+    record: bool
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., session: _Optional[_Union[SessionOptions, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., record: _Optional[bool] = ...) -> None: ...
 
 class SessionOptions(_message.Message):
     __slots__ = ("id", "mode", "ttl_seconds")
@@ -98,7 +100,7 @@ class Timings(_message.Message):
     def __init__(self, time_to_first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "num_draft_tokens", "ssd", "ssd_hits", "ssd_misses", "cache_misses", "ssd_branches", "ssd_hidden_ms", "drafter_wait_ms", "ssd_bytes", "ssd_late", "ssd_speculates", "k_policy", "rounds_by_k", "mean_k", "policy_k0_rounds", "mean_fan_out", "ssd_paused_rounds", "mean_verifier_queue")
+    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "num_draft_tokens", "ssd", "ssd_hits", "ssd_misses", "cache_misses", "ssd_branches", "ssd_hidden_ms", "drafter_wait_ms", "ssd_bytes", "ssd_late", "ssd_speculates", "k_policy", "rounds_by_k", "mean_k", "policy_k0_rounds", "mean_fan_out", "ssd_paused_rounds", "mean_verifier_queue", "drafter_version", "recorded")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +125,8 @@ class SpeculationStats(_message.Message):
     MEAN_FAN_OUT_FIELD_NUMBER: _ClassVar[int]
     SSD_PAUSED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     MEAN_VERIFIER_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RECORDED_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens: int
     accepted_tokens: int
@@ -147,7 +151,9 @@ class SpeculationStats(_message.Message):
     mean_fan_out: float
     ssd_paused_rounds: int
     mean_verifier_queue: float
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., ssd: _Optional[bool] = ..., ssd_hits: _Optional[int] = ..., ssd_misses: _Optional[int] = ..., cache_misses: _Optional[int] = ..., ssd_branches: _Optional[int] = ..., ssd_hidden_ms: _Optional[float] = ..., drafter_wait_ms: _Optional[float] = ..., ssd_bytes: _Optional[int] = ..., ssd_late: _Optional[int] = ..., ssd_speculates: _Optional[int] = ..., k_policy: _Optional[_Union[KPolicy, str]] = ..., rounds_by_k: _Optional[_Iterable[int]] = ..., mean_k: _Optional[float] = ..., policy_k0_rounds: _Optional[int] = ..., mean_fan_out: _Optional[float] = ..., ssd_paused_rounds: _Optional[int] = ..., mean_verifier_queue: _Optional[float] = ...) -> None: ...
+    drafter_version: str
+    recorded: bool
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., ssd: _Optional[bool] = ..., ssd_hits: _Optional[int] = ..., ssd_misses: _Optional[int] = ..., cache_misses: _Optional[int] = ..., ssd_branches: _Optional[int] = ..., ssd_hidden_ms: _Optional[float] = ..., drafter_wait_ms: _Optional[float] = ..., ssd_bytes: _Optional[int] = ..., ssd_late: _Optional[int] = ..., ssd_speculates: _Optional[int] = ..., k_policy: _Optional[_Union[KPolicy, str]] = ..., rounds_by_k: _Optional[_Iterable[int]] = ..., mean_k: _Optional[float] = ..., policy_k0_rounds: _Optional[int] = ..., mean_fan_out: _Optional[float] = ..., ssd_paused_rounds: _Optional[int] = ..., mean_verifier_queue: _Optional[float] = ..., drafter_version: _Optional[str] = ..., recorded: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "usage", "timings", "stats", "session_id", "trace_id")
@@ -194,7 +200,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("model_id", "draft_model_id", "vocab_size", "max_context", "max_num_draft_tokens", "default_num_draft_tokens", "default_ssd", "max_new_tokens", "max_stop_strings", "max_stop_chars", "max_session_id_chars", "default_session_ttl_seconds", "max_session_ttl_seconds", "tokenizer_fingerprint", "eos_token_ids", "bos_token_id")
+    __slots__ = ("model_id", "draft_model_id", "vocab_size", "max_context", "max_num_draft_tokens", "default_num_draft_tokens", "default_ssd", "max_new_tokens", "max_stop_strings", "max_stop_chars", "max_session_id_chars", "default_session_ttl_seconds", "max_session_ttl_seconds", "tokenizer_fingerprint", "eos_token_ids", "bos_token_id", "recording", "drafter_versions", "drafter_canary_version", "drafter_canary_percent")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +217,10 @@ class GetServerInfoResponse(_message.Message):
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    RECORDING_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_CANARY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_CANARY_PERCENT_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     draft_model_id: str
     vocab_size: int
@@ -227,4 +237,8 @@ class GetServerInfoResponse(_message.Message):
     tokenizer_fingerprint: str
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     bos_token_id: int
-    def __init__(self, model_id: _Optional[str] = ..., draft_model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_num_draft_tokens: _Optional[int] = ..., default_num_draft_tokens: _Optional[int] = ..., default_ssd: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_chars: _Optional[int] = ..., max_session_id_chars: _Optional[int] = ..., default_session_ttl_seconds: _Optional[int] = ..., max_session_ttl_seconds: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ...) -> None: ...
+    recording: bool
+    drafter_versions: _containers.RepeatedScalarFieldContainer[str]
+    drafter_canary_version: str
+    drafter_canary_percent: float
+    def __init__(self, model_id: _Optional[str] = ..., draft_model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_num_draft_tokens: _Optional[int] = ..., default_num_draft_tokens: _Optional[int] = ..., default_ssd: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_chars: _Optional[int] = ..., max_session_id_chars: _Optional[int] = ..., default_session_ttl_seconds: _Optional[int] = ..., max_session_ttl_seconds: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., recording: _Optional[bool] = ..., drafter_versions: _Optional[_Iterable[str]] = ..., drafter_canary_version: _Optional[str] = ..., drafter_canary_percent: _Optional[float] = ...) -> None: ...
