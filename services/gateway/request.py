@@ -50,6 +50,7 @@ class Job:
     k: int  # the draft length; an upper bound under the adaptive policy
     ssd: bool
     k_policy: int = gateway_pb2.K_POLICY_FIXED  # FIXED or ADAPTIVE, never UNSPECIFIED
+    record: bool = True  # False: the request refused recording (GenerateRequest.record)
 
 
 def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
@@ -119,4 +120,5 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
         k=k,
         ssd=ssd and k > 0,
         k_policy=k_policy,
+        record=req.record if req.HasField("record") else True,
     )

@@ -28,10 +28,12 @@ import grpc
 from specdec.common.errors import InvalidRequest, SpecdecError
 from specdec.gateway import metrics
 from specdec.gateway.caller import Placement, ReplicaCaller
+from specdec.gateway.canary import version_rule
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.dataplane import DataPlaneSettings
 from specdec.gateway.loop import Speculator
 from specdec.gateway.policy import make_policy
+from specdec.gateway.recorder import Recorder, recording_row
 from specdec.gateway.replicas import Fleet
 from specdec.gateway.request import Job, Limits, validate
 from specdec.gateway.response import build_response, record_metrics
@@ -106,6 +108,12 @@ def data_plane_settings(config: GatewayConfig) -> DataPlaneSettings | None:
     return DataPlaneSettings(tls=tls.ssl_context(), server_name=tls.server_name)
 
 
+def drafter_version(placement: Placement) -> str:
+    """The model version of the drafter a placement ends on ("" when none)."""
+    replica = placement.replica
+    return replica.info.model_version if replica is not None and replica.info else ""
+
+
 class Gateway:
     """Turns against the replica fleet and the session index."""
 
@@ -121,6 +129,11 @@ class Gateway:
         )
         self.sessions = SessionIndex(config.redis_url, default_ttl=config.session_ttl)
         self.turns = TurnLocks(self.sessions)
+        self.recorder: Recorder | None = None
+        if config.record_dir:
+            self.recorder = Recorder(
+                config.record_dir, config.record_max_bytes, config.record_max_files
+            )
         self.codec: TextCodec | None = None
         self.limits: Limits | None = None
         self.eos_token_ids: frozenset[int] = frozenset()
@@ -169,6 +182,8 @@ class Gateway:
     async def close(self) -> None:
         await self.fleet.close()
         await self.sessions.close()
+        if self.recorder is not None:
+            await asyncio.to_thread(self.recorder.close)
 
     async def run(
         self,
@@ -246,15 +261,18 @@ class Gateway:
                 f"{len(prompt_ids)} prompt + {job.max_new_tokens} max_new_tokens)"
             )
         metrics.PROMPT_TOKENS.inc(len(prompt_ids))
-        drafter, verifier = Placement(), Placement()
+        replica_session = replica_session_id(job.session_id)
+        # --drafter-canary: which drafter version a new placement takes (a pure function
+        # of the session's replica id: the same for every turn of a session).
+        rule = version_rule(self.config.drafter_canary, replica_session)
+        drafter, verifier = Placement(rule=rule), Placement()
         if record:
             drafter = Placement(
-                self.fleet.drafters.by_address(record.drafter), record.drafter_cached
+                self.fleet.drafters.by_address(record.drafter), record.drafter_cached, rule
             )
             verifier = Placement(
                 self.fleet.verifiers.by_address(record.verifier), record.verifier_cached
             )
-        replica_session = replica_session_id(job.session_id)
         spec = Speculator(
             ReplicaCaller(self.fleet, self.config.rpc_timeout, deadline),
             replica_session,
@@ -268,10 +286,15 @@ class Gateway:
         completion = Completion(self.codec, job.max_new_tokens, self.eos_token_ids, job.stop)
         first_at = last_at = None
         reported_first = False
+        recording = self.recorder is not None and job.record
+        rounds = []  # the rounds' outcomes, kept when the request is recorded
         try:
             while completion.finish_reason is None:
                 remaining = job.max_new_tokens - len(completion.tokens)
-                new = (await spec.round(ctx, min(job.k, remaining - 1), remaining)).tokens
+                outcome = await spec.round(ctx, min(job.k, remaining - 1), remaining)
+                if recording:
+                    rounds.append(outcome)
+                new = outcome.tokens
                 ctx.extend(new)
                 text, tokens = completion.push(new)
                 now = time.perf_counter()
@@ -294,6 +317,20 @@ class Gateway:
             response = build_response(
                 job, prompt_ids, len(history), completion, spec.stats, started, first_at
             )
+            response.stats.drafter_version = drafter_version(drafter)
+            if recording:
+                response.stats.recorded = self.recorder.submit(
+                    recording_row(
+                        prompt_ids=[*history, *prompt_ids],
+                        history_tokens=len(history),
+                        output_ids=completion.tokens,
+                        rounds=rounds,
+                        drafter_version=response.stats.drafter_version,
+                        target_model=verifier.replica.info.model_id if verifier.replica else "",
+                        sampling=job.sampling,
+                        finish_reason=completion.finish_reason,
+                    )
+                )
             if job.session_id:
                 final_tokens = [*history, *prompt_ids, *completion.tokens]
                 await self.sessions.put(
@@ -311,7 +348,7 @@ class Gateway:
                 )
             yield Event(text, tokens, response)
         finally:
-            record_metrics(job, spec.stats, completion)
+            record_metrics(job, spec.stats, completion, drafter_version(drafter))
             if not job.session_id:
                 self._release_later(replica_session, drafter, verifier)
 

@@ -82,6 +82,7 @@ def build_generate_request(
     k: int | None = None,
     ssd: bool | None = None,
     k_policy: str | None = None,
+    record: bool | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """The ``GenerateRequest`` for these arguments (``ValueError`` / ``TypeError`` if invalid).
 
@@ -89,6 +90,7 @@ def build_generate_request(
     left as None stay unset in the message (server defaults); no ``session_id`` means a
     one-off request. ``k_policy``: ``"fixed"`` (every round drafts ``k``) or ``"adaptive"``
     (``k`` is an upper bound; the gateway picks each round's k from acceptance and load).
+    ``record=False`` refuses the gateway's recording of this request (``--record``).
     """
     if k_policy is not None and k_policy not in K_POLICIES:
         raise ValueError(f"k_policy must be one of {', '.join(K_POLICIES)}, got {k_policy!r}")
@@ -133,6 +135,8 @@ def build_generate_request(
         request.speculation.CopyFrom(gateway_pb2.SpeculationParams(num_draft_tokens=k, ssd=ssd))
     if k_policy is not None:
         request.speculation.k_policy = K_POLICIES[k_policy]
+    if record is not None:
+        request.record = record
     return request
 
 
@@ -236,6 +240,7 @@ class Client(_ClientBase):
         k: int | None = None,
         ssd: bool | None = None,
         k_policy: str | None = None,
+        record: bool | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> Generation:
         """Generate a completion and return it whole."""
@@ -265,6 +270,7 @@ class Client(_ClientBase):
         k: int | None = None,
         ssd: bool | None = None,
         k_policy: str | None = None,
+        record: bool | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> Iterator[StreamChunk]:
         """Generate a completion chunk by chunk; the last chunk has ``final`` set.
@@ -356,6 +362,7 @@ class AsyncClient(_ClientBase):
         k: int | None = None,
         ssd: bool | None = None,
         k_policy: str | None = None,
+        record: bool | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> Generation:
         """Generate a completion and return it whole."""
@@ -385,6 +392,7 @@ class AsyncClient(_ClientBase):
         k: int | None = None,
         ssd: bool | None = None,
         k_policy: str | None = None,
+        record: bool | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> AsyncIterator[StreamChunk]:
         """Generate chunk by chunk (``async for``); the last chunk has ``final`` set.

@@ -94,6 +94,10 @@ class SpeculationStats:
     ssd_paused_rounds: int = 0
     #: Mean queue depth the verifier reported per round (its load).
     mean_verifier_queue: float = 0.0
+    #: The model version of the drafter that served the request ("" when none).
+    drafter_version: str = ""
+    #: Whether the gateway recorded the request (``--record``; ``record=False`` refuses).
+    recorded: bool = False
 
     @property
     def ssd_hit_rate(self) -> float:
@@ -224,6 +228,8 @@ def speculation_stats_from_proto(msg: gateway_pb2.SpeculationStats) -> Speculati
         mean_fan_out=_f32(msg.mean_fan_out),
         ssd_paused_rounds=msg.ssd_paused_rounds,
         mean_verifier_queue=_f32(msg.mean_verifier_queue),
+        drafter_version=msg.drafter_version,
+        recorded=msg.recorded,
     )
 
 
@@ -309,6 +315,13 @@ class ServerInfo:
     eos_token_ids: tuple[int, ...]
     #: -1 when the tokenizer has none.
     bos_token_id: int
+    #: The gateway records finished requests (``--record``) unless one sets record=False.
+    recording: bool = False
+    #: Model versions of the drafters it has admitted ("" for an unversioned drafter).
+    drafter_versions: tuple[str, ...] = ()
+    #: ``--drafter-canary``: the version that gets a share of new sessions, and the share.
+    drafter_canary_version: str = ""
+    drafter_canary_percent: float = 0.0
 
 
 def server_info_from_proto(msg: gateway_pb2.GetServerInfoResponse) -> ServerInfo:
@@ -329,4 +342,8 @@ def server_info_from_proto(msg: gateway_pb2.GetServerInfoResponse) -> ServerInfo
         tokenizer_fingerprint=msg.tokenizer_fingerprint,
         eos_token_ids=tuple(msg.eos_token_ids),
         bos_token_id=msg.bos_token_id,
+        recording=msg.recording,
+        drafter_versions=tuple(msg.drafter_versions),
+        drafter_canary_version=msg.drafter_canary_version,
+        drafter_canary_percent=msg.drafter_canary_percent,
     )

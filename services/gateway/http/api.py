@@ -7,8 +7,9 @@ by specdec.gateway.request.validate, the same code the gRPC API runs.
 Speculation settings are extension fields of the body, as vLLM accepts extra fields:
 `k` (draft length; 0 = no speculation), `ssd` (bool), `k_policy` ("fixed" or "adaptive":
 `k` is then an upper bound per round), `session_id`, `session_reset`
-(bool: forget the session's history first) and `timeout` (seconds for the whole
-generation; past it the answer is 504). Responses carry the
+(bool: forget the session's history first), `record` (false: the gateway's recording,
+--record, skips this request) and `timeout` (seconds for the whole generation; past it
+the answer is 504). Responses carry the
 speculation statistics, timings, the token ids and, for a session, what happened to it
 under the extension key `specdec`.
 """
@@ -58,6 +59,7 @@ COMMON_FIELDS = {
     "session_id",
     "session_reset",
     "timeout",
+    "record",
 }
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
@@ -208,6 +210,9 @@ def _common(body: dict, req: gateway_pb2.GenerateRequest, served: str) -> Option
         opts.session_id = session_id
     if _bool(body, "session_reset"):  # forget the session's history first (validated as gRPC)
         req.session.mode = gateway_pb2.SESSION_MODE_RESET
+    record = _bool(body, "record")  # false: refuse the gateway's recording (--record)
+    if record is not None:
+        req.record = record
     timeout = _number(body, "timeout")
     if timeout is not None:
         if not timeout > 0:
