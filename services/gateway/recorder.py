@@ -35,6 +35,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from specdec.common.config import ConfigError
 from specdec.gateway import metrics
 from specdec.gateway.outcome import Outcome
 from specdec.v1 import common_pb2
@@ -86,7 +87,12 @@ class Recorder:
         self.directory = Path(directory)
         self.max_file_bytes = max_file_bytes
         self.max_files = max_files
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--record {self.directory}: cannot create it ({e})") from None
+        if not os.access(self.directory, os.W_OK | os.X_OK):
+            raise ConfigError(f"--record {self.directory}: not writable by this process")
         self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_ROWS)
         self._file = None
         self._size = 0

@@ -318,19 +318,6 @@ class Gateway:
                 job, prompt_ids, len(history), completion, spec.stats, started, first_at
             )
             response.stats.drafter_version = drafter_version(drafter)
-            if recording:
-                response.stats.recorded = self.recorder.submit(
-                    recording_row(
-                        prompt_ids=[*history, *prompt_ids],
-                        history_tokens=len(history),
-                        output_ids=completion.tokens,
-                        rounds=rounds,
-                        drafter_version=response.stats.drafter_version,
-                        target_model=verifier.replica.info.model_id if verifier.replica else "",
-                        sampling=job.sampling,
-                        finish_reason=completion.finish_reason,
-                    )
-                )
             if job.session_id:
                 final_tokens = [*history, *prompt_ids, *completion.tokens]
                 await self.sessions.put(
@@ -345,6 +332,19 @@ class Gateway:
                     ),
                     ttl_seconds=job.ttl,
                     fence=lease.fence if lease else None,
+                )
+            if recording:  # a finished turn, its session saved
+                response.stats.recorded = self.recorder.submit(
+                    recording_row(
+                        prompt_ids=[*history, *prompt_ids],
+                        history_tokens=len(history),
+                        output_ids=completion.tokens,
+                        rounds=rounds,
+                        drafter_version=response.stats.drafter_version,
+                        target_model=verifier.replica.info.model_id if verifier.replica else "",
+                        sampling=job.sampling,
+                        finish_reason=completion.finish_reason,
+                    )
                 )
             yield Event(text, tokens, response)
         finally:

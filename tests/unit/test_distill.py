@@ -100,24 +100,35 @@ def test_lora_is_merged_into_a_plain_checkpoint(test_models, distilled, tmp_path
     assert read_model_version(str(out)) == "lora-v1"
 
 
-def test_a_resumed_run_equals_an_uninterrupted_one(test_models, distilled, tmp_path):
+def test_a_resumed_run_equals_an_uninterrupted_one(test_models, distilled, tmp_path, capsys):
     data = ["--data", str(distilled / "distill"), "--lr", "3e-3", "--save-every", "4"]
     straight = tmp_path / "straight"
     assert specdec([*distill_args(test_models, straight, *data), "--steps", "8"]) == 0
     split = tmp_path / "split"
     assert specdec([*distill_args(test_models, split, *data), "--steps", "4"]) == 0
-    with pytest.raises(ValueError, match="--resume"):
-        specdec([*distill_args(test_models, split, *data), "--steps", "8"])
+    assert specdec([*distill_args(test_models, split, *data), "--steps", "8"]) == 2
+    assert "pass --resume" in capsys.readouterr().err
     assert specdec([*distill_args(test_models, split, *data), "--steps", "8", "--resume"]) == 0
     a, b = load_file(straight / "model.safetensors"), load_file(split / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    with pytest.raises(ValueError, match="lr"):
-        specdec(
-            [*distill_args(test_models, split, *data), "--steps", "9", "--resume", "--lr", "1e-3"]
-        )
+    argv = [*distill_args(test_models, split, *data), "--steps", "9", "--resume", "--lr", "1e-3"]
+    assert specdec(argv) == 2
+    assert "other settings (lr)" in capsys.readouterr().err
 
 
-def test_missing_arguments_are_named(test_models, capsys):
+def test_bad_arguments_are_named(test_models, distilled, tmp_path, capsys):
     assert specdec(["distill", "--target-model", str(test_models.target)]) == 2
     err = capsys.readouterr().err
     assert "--draft-model" in err and "--out" in err and "--data or --prompts" in err
+    data = ["--data", str(distilled / "distill")]
+    for flags, message in (
+        (["--top-m", "100000"], "--top-m must be at most the vocabulary"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--holdout", "1"], "--holdout must be in (0, 1)"),
+        (["--train-layers", "7"], "--train-layers 7: layers are 0..1"),
+    ):
+        out = tmp_path / flags[0].strip("-")
+        assert specdec([*distill_args(test_models, out, *data), *flags]) == 2, flags
+        assert message in capsys.readouterr().err, flags
+    assert specdec([*distill_args(test_models, tmp_path / "x", "--data", str(tmp_path))]) == 2
+    assert "no record-*.jsonl files" in capsys.readouterr().err

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 from prometheus_client import REGISTRY
 
 from specdec.gateway.outcome import NO_DRAFT, Outcome
@@ -117,3 +118,12 @@ def test_a_cut_last_line_is_skipped(tmp_path):
     with path.open("a") as f:
         f.write('{"schema": "specdec.record/1", "prompt_')  # a gateway killed mid-write
     assert len(read_rows(path)) == 1
+
+
+def test_a_directory_that_cannot_be_made_stops_start_up(tmp_path):
+    from specdec.common.config import ConfigError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="--record"):
+        Recorder(blocker / "rec", max_file_bytes=100, max_files=1)

@@ -133,6 +133,14 @@ def target_outputs(args, tokenizer, vocab_note: dict) -> list[Sequence]:
 
 
 def run_distill(args: argparse.Namespace) -> int:
+    try:
+        return _run_distill(args)
+    except ValueError as e:  # bad flags or data, named in the message
+        print(f"specdec distill: {e}", file=sys.stderr)
+        return 2
+
+
+def _run_distill(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoTokenizer
 
@@ -155,6 +163,8 @@ def run_distill(args: argparse.Namespace) -> int:
     else:
         sequences = target_outputs(args, tokenizer, note)
         note["prompts"] = str(args.prompts)
+    if not 0 < args.holdout < 1:
+        raise ValueError(f"--holdout must be in (0, 1), got {args.holdout}")
     train, held = split(sequences, args.holdout, args.seed)
     # Every field of TrainSettings is the flag of the same name.
     settings = TrainSettings(**{f.name: getattr(args, f.name) for f in fields(TrainSettings)})

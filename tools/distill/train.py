@@ -59,6 +59,18 @@ class TrainSettings:
     seed: int = 0
     max_length: int = 1024
 
+    def check(self) -> None:
+        """ValueError naming the first setting out of range."""
+        for name in ("steps", "batch_size", "top_m", "max_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if not self.lr > 0:
+            raise ValueError("--lr must be > 0")
+        if self.lora_rank < 0:
+            raise ValueError("--lora-rank must be >= 0 (0: full fine-tuning)")
+        if self.ce_weight < 0 or self.kl_weight < 0 or self.ce_weight + self.kl_weight == 0:
+            raise ValueError("--ce-weight and --kl-weight must be >= 0, not both 0")
+
 
 @dataclass
 class Agreement:
@@ -226,9 +238,11 @@ def load_checkpoint(path: Path, model, optimizer, settings: TrainSettings) -> in
     """Restore a checkpoint of the same settings; returns its step."""
     state = torch.load(path, map_location="cpu", weights_only=False)
     if state["settings"] != asdict(settings):
-        changed = sorted(k for k, v in asdict(settings).items() if state["settings"].get(k) != v)
-        same = {"steps"}  # more steps may be asked of a finished run
-        if set(changed) - same:
+        # More --steps may be asked of a run; everything else must be what it was.
+        changed = sorted(
+            k for k, v in asdict(settings).items() if k != "steps" and state["settings"].get(k) != v
+        )
+        if changed:
             raise ValueError(
                 f"{path}: saved with other settings ({', '.join(changed)}); use the same "
                 "flags to resume, or a new --out"
@@ -280,6 +294,7 @@ def distill(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.perf_counter()
+    settings.check()
     state_dir = out / STATE_DIR
     state_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = state_dir / "checkpoint.pt"
@@ -302,6 +317,8 @@ def distill(
             f"the target's output has {t_vocab} logits, the drafter's {d_vocab}: distill "
             "needs one vocabulary"
         )
+    if settings.top_m > t_vocab:
+        raise ValueError(f"--top-m must be at most the vocabulary ({t_vocab})")
 
     before = agreement(draft, target, held, settings, device, eval_temperature)
     model = prepare(draft, settings)
