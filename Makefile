@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml sdk/pyproject.toml tools/pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==$(TORCH_VER)
-	$(VPY) -m pip install -q -e ./sdk -e '.[dev,docs]' -e './tools[bench]'
+	$(VPY) -m pip install -q -e ./sdk -e '.[dev,docs]' -e './tools[bench,distill]'
 	touch $@
 
 # Wheels of the three distributions in dist/: specdec-sdk (the client alone: grpcio +

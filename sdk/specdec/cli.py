@@ -19,7 +19,7 @@ OTHER_COMMANDS = {
     "serve": ("specdec-server", "pip install ./sdk '.[replica]'"),
     **{
         name: ("specdec-tools", "pip install ./sdk '.[replica]' ./tools")
-        for name in ("up", "demo", "models", "bench")
+        for name in ("up", "demo", "models", "bench", "distill")
     },
 }
 

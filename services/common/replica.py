@@ -21,6 +21,7 @@ from specdec.common.metrics import start_metrics_server
 from specdec.common.runtime import ModelRuntime, Prefix
 from specdec.common.serving import rpc_errors, serve
 from specdec.common.telemetry import setup_tracing
+from specdec.common.version import note_model_version, read_model_version
 from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,9 @@ class ReplicaServicer:
         self.runtime = runtime
         self.replica_id = runtime.config.replica_id
         self.data_port = 0  # the data plane's port (specdec.common.dataplane); 0: none
+        # specdec_version.json of the model directory (specdec.common.version); "": none.
+        self.model_version = read_model_version(runtime.config.model)
+        note_model_version(runtime.config.role, self.model_version)
 
     def model_calls(self) -> dict[str, Callable[[Any], ModelCall]]:
         """RPC name -> its request -> the validated ModelCall (raises SpecdecError)."""
@@ -111,6 +115,7 @@ class ReplicaServicer:
             bos_token_id=rt.bos_token_id,
             special_tokens=rt.special_tokens,
             data_port=self.data_port,
+            model_version=self.model_version,
         )
         if request.include_tokenizer:
             info.tokenizer_json_zlib = rt.tokenizer_json

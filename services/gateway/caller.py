@@ -32,6 +32,7 @@ import grpc
 from specdec.common.errors import SpecdecError
 from specdec.common.prefix import PrefixChain
 from specdec.gateway import metrics, tracing
+from specdec.gateway.canary import VersionRule
 from specdec.gateway.replicas import Fleet, NoReplica, Replica
 from specdec.gateway.transport import CallFailed, Method
 from specdec.v1 import common_pb2
@@ -61,6 +62,8 @@ class Placement:
 
     replica: Replica | None = None
     cached: int = 0
+    # Which drafters a new placement may pick (--drafter-canary); None: any.
+    rule: VersionRule | None = None
 
     @property
     def address(self) -> str | None:
@@ -124,7 +127,11 @@ class ReplicaCaller:
         for _ in range(3 * len(pool.replicas) + 2 + len(RETRY_BACKOFF)):
             if placement.replica is None or not placement.replica.up:
                 try:
-                    chosen = pool.pick(preferred=placement.address, exclude=[*failed, *busy])
+                    chosen = pool.pick(
+                        preferred=placement.address,
+                        exclude=[*failed, *busy],
+                        rule=placement.rule,
+                    )
                 except NoReplica as e:
                     raise Unavailable(str(e)) from None
                 if chosen is not placement.replica:

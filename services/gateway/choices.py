@@ -52,6 +52,7 @@ class ChoiceRun:
     last_at: float = 0.0
     held: tuple[str, list[int]] = ("", [])  # the last round's delta, sent with the end
     context_tokens: int = 0  # history + prompt: a stream's running usage counts from it
+    outcomes: list | None = None  # the rounds' Outcomes, when the turn is recorded
     _prompt_sent: bool = field(default=False, repr=False)
 
     def delta(self, tokens: list[int]) -> dict[str, Any]:

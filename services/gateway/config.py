@@ -25,6 +25,7 @@ from specdec.common.tls import (
     replica_tls_from_args,
     server_tls_from_args,
 )
+from specdec.gateway.canary import Canary, parse_canary
 from specdec.gateway.discovery import parse_target
 from specdec.gateway.lookup import SCOPES, parse_method
 from specdec.gateway.policy import FIXED, parse_policy
@@ -90,6 +91,12 @@ class GatewayConfig:
     # How the round's calls reach a replica: "dataplane" (its data port when its Info has
     # one, specdec.gateway.dataplane) or "grpc" (unary calls, specdec.gateway.transport).
     replica_transport: str = "dataplane"
+    # Recording of finished requests (specdec.gateway.recorder); None: off.
+    record_dir: str | None = None
+    record_max_bytes: int = 64 * 1024 * 1024  # per file
+    record_max_files: int = 16  # the oldest are deleted past this
+    # A share of new sessions to drafters of one model version (specdec.gateway.canary).
+    drafter_canary: Canary | None = None
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -161,6 +168,24 @@ class GatewayConfig:
         )
         add_setting(
             parser,
+            "--record",
+            "directory where finished requests are recorded for `specdec distill` (token "
+            "ids: user data; a request with record: false is not); empty: off",
+            "",
+        )
+        add_setting(parser, "--record-max-bytes", "size of one recording file", 64 * 1024 * 1024)
+        add_setting(
+            parser, "--record-max-files", "recording files kept (the oldest are deleted)", 16
+        )
+        add_setting(
+            parser,
+            "--drafter-canary",
+            "VERSION:PERCENT: send that share of new sessions to the drafters whose model "
+            "version (specdec_version.json) is VERSION, the rest to the others; empty: off",
+            "",
+        )
+        add_setting(
+            parser,
             "--auth-tokens-file",
             "file of bearer tokens, one per line (a mounted Secret); empty: no token check",
             "",
@@ -216,6 +241,10 @@ class GatewayConfig:
                     None if v in REPLICA_TRANSPORTS else f"must be one of {REPLICA_TRANSPORTS}"
                 ),
             ),
+            record_dir=args.record or None,
+            record_max_bytes=parse_value(args, "--record-max-bytes", int, positive),
+            record_max_files=parse_value(args, "--record-max-files", int, positive),
+            drafter_canary=parse_value(args, "--drafter-canary", parse_canary),
         )
         if cfg.prompt_lookup_min > cfg.prompt_lookup_max:
             raise ConfigError(

@@ -31,6 +31,7 @@ def server_info(gateway: Gateway) -> gateway_pb2.GetServerInfoResponse:
     if limits is None or codec is None:
         raise NotReady("the gateway is still connecting to its replicas")
     fleet = gateway.fleet
+    canary = gateway.config.drafter_canary
     verifier = next(r.info for r in fleet.verifiers.replicas if r.info is not None)
     drafter = next((r.info for r in fleet.drafters.replicas if r.info is not None), None)
     return gateway_pb2.GetServerInfoResponse(
@@ -67,4 +68,10 @@ def server_info(gateway: Gateway) -> gateway_pb2.GetServerInfoResponse:
             ),
             suffix_cache_scope=gateway.config.suffix_cache_scope,
         ),
+        recording=gateway.recorder is not None,
+        drafter_versions=sorted(
+            {r.info.model_version for r in fleet.drafters.replicas if r.info is not None}
+        ),
+        drafter_canary_version=canary.version if canary else "",
+        drafter_canary_percent=canary.percent if canary else 0.0,
     )

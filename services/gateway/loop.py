@@ -353,7 +353,7 @@ class Speculator:
 
         # A copy of the placement: a Speculate that fails over or misses must not move
         # the Draft / Verify placement under a round in flight.
-        placement = Placement(self.drafter.replica, self.drafter.cached)
+        placement = Placement(self.drafter.replica, self.drafter.cached, self.drafter.rule)
         answer = await self.caller.call(Method.SPECULATE, placement, ctx, build, tail=draft)
         return answer.response, answer.replica, time.perf_counter()
 

@@ -111,3 +111,26 @@ SUFFIX_CACHE_HITS = Counter(
 SUFFIX_CACHE_EVICTIONS = Counter(
     PREFIX + "suffix_cache_evictions", "Outputs evicted from the suffix cache (LRU)"
 )
+# A drafter that learns (docs/features/distill.md): acceptance per drafter model version
+# (ModelInfo.model_version; "" for an unversioned drafter) = accepted / draft tokens.
+NUM_DRAFT_TOKENS_BY_DRAFTER = Counter(
+    PREFIX + "spec_decode_num_draft_tokens_by_drafter",
+    "Draft tokens proposed, by the drafter's model version",
+    ["drafter_version"],
+)
+NUM_ACCEPTED_TOKENS_BY_DRAFTER = Counter(
+    PREFIX + "spec_decode_num_accepted_tokens_by_drafter",
+    "Draft tokens accepted, by the drafter's model version",
+    ["drafter_version"],
+)
+CANARY_FALLBACKS = Counter(
+    PREFIX + "drafter_canary_fallbacks",
+    "Drafter placements that found no up drafter of the session's canary side (any drafter used)",
+)
+# Recording (--record): rows written, their bytes, and rows dropped by reason (queue_full,
+# too_large, write_error, bad_row); a dropped row never fails its request.
+RECORD_ROWS = Counter(PREFIX + "record_rows", "Finished requests written to the recording")
+RECORD_BYTES = Counter(PREFIX + "record_bytes", "Bytes written to the recording")
+RECORD_DROPPED = Counter(
+    PREFIX + "record_dropped_rows", "Finished requests not recorded, by reason", ["reason"]
+)

@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.common.serving import CHANNEL_OPTIONS
 from specdec.gateway import metrics
+from specdec.gateway.canary import VersionRule
 from specdec.gateway.dataplane import DataPlaneSettings, DataPlaneTransport
 from specdec.gateway.discovery import make_discovery
 from specdec.gateway.transport import CallFailed, GrpcTransport, Transport
@@ -160,8 +161,14 @@ class ReplicaPool:
     def up(self) -> list[Replica]:
         return [r for r in self.replicas if r.up]
 
-    def pick(self, preferred: str | None = None, exclude: Sequence[Replica] = ()) -> Replica:
-        """The replica holding the session's cache if up, else the least loaded one."""
+    def pick(
+        self,
+        preferred: str | None = None,
+        exclude: Sequence[Replica] = (),
+        rule: VersionRule | None = None,
+    ) -> Replica:
+        """The replica holding the session's cache if up, else the least loaded one (of
+        those `rule` allows, when it allows any: specdec.gateway.canary)."""
         candidates = [r for r in self.replicas if r.up and r not in exclude]
         if not candidates:
             raise NoReplica(
@@ -171,6 +178,11 @@ class ReplicaPool:
         for r in candidates:
             if r.address == preferred:
                 return r
+        if rule is not None:
+            allowed = [r for r in candidates if rule.matches(r.info)]
+            if not allowed:
+                metrics.CANARY_FALLBACKS.inc()
+            candidates = allowed or candidates
         return min(candidates, key=lambda r: (r.in_flight, r.served))
 
     def mark_down(self, replica: Replica, why: str) -> None:

@@ -70,6 +70,7 @@ class Job:
     # GenerateRequest.prediction: text (tokenized by the turn), ids, or None
     prediction: str | list[int] | None = None
     tenant: str = ""  # who the request is for (gRPC metadata specdec-tenant, HTTP `user`)
+    record: bool = True  # False: the request refused recording (GenerateRequest.record)
 
 
 def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
@@ -186,6 +187,7 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
         structured=req.structured_output if req.HasField("structured_output") else None,
         method=method,
         prediction=_prediction(req, limits),
+        record=req.record if req.HasField("record") else True,
     )
 
 

@@ -116,9 +116,19 @@ def stream_message(
     return msg
 
 
-def record_metrics(job: Job, stats: RequestStats, completion: Completion) -> None:
-    """Add a turn's figures to the gateway's Prometheus counters (finished or not)."""
+def record_metrics(
+    job: Job, stats: RequestStats, completion: Completion, drafter_version: str = ""
+) -> None:
+    """Add a turn's figures to the gateway's Prometheus counters (finished or not);
+    drafter_version labels the per-version acceptance counters."""
     s = stats
+    if s.draft_tokens:
+        metrics.NUM_DRAFT_TOKENS_BY_DRAFTER.labels(drafter_version=drafter_version).inc(
+            s.draft_tokens
+        )
+        metrics.NUM_ACCEPTED_TOKENS_BY_DRAFTER.labels(drafter_version=drafter_version).inc(
+            s.accepted_tokens
+        )
     if completion.finish_reason:
         metrics.REQUESTS.labels(finish_reason=completion.finish_reason).inc()
     metrics.GENERATION_TOKENS.inc(len(completion.tokens))

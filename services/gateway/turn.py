@@ -29,6 +29,7 @@ import grpc
 from specdec.common.errors import InvalidRequest, SpecdecError
 from specdec.gateway import metrics
 from specdec.gateway.caller import Placement, ReplicaCaller
+from specdec.gateway.canary import version_rule
 from specdec.gateway.choices import ChoiceRun, run_choices
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.dataplane import DataPlaneSettings
@@ -39,6 +40,7 @@ from specdec.gateway.lookup.suffix import SuffixCache, SuffixParams
 from specdec.gateway.logprobs import LogprobsTrack
 from specdec.gateway.loop import Speculator
 from specdec.gateway.policy import make_policy
+from specdec.gateway.recorder import Recorder, recording_row
 from specdec.gateway.replicas import Fleet
 from specdec.gateway.request import Job, Limits, validate
 from specdec.gateway.response import record_metrics
@@ -136,6 +138,12 @@ def data_plane_settings(config: GatewayConfig) -> DataPlaneSettings | None:
     return DataPlaneSettings(tls=tls.ssl_context(), server_name=tls.server_name)
 
 
+def drafter_version(placement: Placement) -> str:
+    """The model version of the drafter a placement ends on ("" when none)."""
+    replica = placement.replica
+    return replica.info.model_version if replica is not None and replica.info else ""
+
+
 class Gateway:
     """Turns against the replica fleet and the session index."""
 
@@ -151,6 +159,11 @@ class Gateway:
         )
         self.sessions = SessionIndex(config.redis_url, default_ttl=config.session_ttl)
         self.turns = TurnLocks(self.sessions)
+        self.recorder: Recorder | None = None
+        if config.record_dir:
+            self.recorder = Recorder(
+                config.record_dir, config.record_max_bytes, config.record_max_files
+            )
         self.codec: TextCodec | None = None
         self.limits: Limits | None = None
         self.eos_token_ids: frozenset[int] = frozenset()
@@ -226,6 +239,8 @@ class Gateway:
     async def close(self) -> None:
         await self.fleet.close()
         await self.sessions.close()
+        if self.recorder is not None:
+            await asyncio.to_thread(self.recorder.close)
 
     async def run(
         self,
@@ -325,15 +340,18 @@ class Gateway:
                 f"{len(prompt_ids)} prompt + {job.max_new_tokens} max_new_tokens)"
             )
         metrics.PROMPT_TOKENS.inc(len(prompt_ids))
-        drafter, verifier = Placement(), Placement()
+        replica_session = replica_session_id(job.session_id)
+        # --drafter-canary: which drafter version a new placement takes (a pure function
+        # of the session's replica id: the same for every turn of a session).
+        rule = version_rule(self.config.drafter_canary, replica_session)
+        drafter, verifier = Placement(rule=rule), Placement()
         if record:
             drafter = Placement(
-                self.fleet.drafters.by_address(record.drafter), record.drafter_cached
+                self.fleet.drafters.by_address(record.drafter), record.drafter_cached, rule
             )
             verifier = Placement(
                 self.fleet.verifiers.by_address(record.verifier), record.verifier_cached
             )
-        replica_session = replica_session_id(job.session_id)
         if job.n > 1:  # n completions of one prompt, its prefill shared (no session)
             async for event in run_choices(self, job, ctx, prompt_ids, started, deadline, grammar):
                 yield event
@@ -348,10 +366,14 @@ class Gateway:
             grammar=grammar,
             lookup=await self.request_lookup(job, ctx),
         )
+        recording = self.recorder is not None and job.record
+        if recording:
+            run.outcomes = []  # the rounds' outcomes, kept for the recording
         try:
             async for event in self.rounds(job, ctx, run, started, lease):
                 yield event
             response = run.response(job, prompt_ids, len(history), started)
+            response.stats.drafter_version = drafter_version(drafter)
             completion = run.completion
             if job.session_id:
                 final_tokens = [*history, *prompt_ids, *completion.tokens]
@@ -368,9 +390,22 @@ class Gateway:
                     ttl_seconds=job.ttl,
                     fence=lease.fence if lease else None,
                 )
+            if recording:  # a finished turn, its session saved
+                response.stats.recorded = self.recorder.submit(
+                    recording_row(
+                        prompt_ids=[*history, *prompt_ids],
+                        history_tokens=len(history),
+                        output_ids=completion.tokens,
+                        rounds=run.outcomes,
+                        drafter_version=response.stats.drafter_version,
+                        target_model=verifier.replica.info.model_id if verifier.replica else "",
+                        sampling=job.sampling,
+                        finish_reason=completion.finish_reason,
+                    )
+                )
             yield Event(*run.held, response, **run.delta(run.held[1]))
         finally:
-            record_metrics(job, run.spec.stats, run.completion)
+            record_metrics(job, run.spec.stats, run.completion, drafter_version(drafter))
             if not job.session_id:
                 self.release_later(replica_session, drafter, verifier)
 
@@ -434,6 +469,8 @@ class Gateway:
         while completion.finish_reason is None:
             remaining = job.max_new_tokens - len(completion.tokens)
             outcome = await run.spec.round(ctx, min(job.k, remaining - 1), remaining)
+            if run.outcomes is not None:
+                run.outcomes.append(outcome)
             new = outcome.tokens
             if run.spec.constraint is not None:
                 run.spec.constraint.advance(new)

@@ -13,8 +13,9 @@ RELEASE, NAMESPACE = "sd", "specdec"
 # The oldest Kubernetes the chart supports (Chart.yaml kubeVersion); schemas of this version
 # ship inside kubernetes-validate.
 KUBE_VERSION = "1.29.0"
-# Kinds that come from CRDs (KEDA, Gateway API): kubernetes-validate has no schema for them.
-CRD_KINDS = {"ScaledObject", "GRPCRoute"}
+# Kinds that come from CRDs (KEDA, Gateway API, Prometheus Operator): kubernetes-validate
+# has no schema for them.
+CRD_KINDS = {"ScaledObject", "GRPCRoute", "PrometheusRule"}
 
 
 def values_sets() -> dict[str, dict]:

@@ -327,3 +327,12 @@ def test_loadtest_backend_reads_openai_errors():
     assert e.code == grpc.StatusCode.ABORTED and type(e) is SpecdecError
     e = error_from(504, "<html>gateway timeout</html>")  # a proxy's page: by status
     assert e.code == grpc.StatusCode.DEADLINE_EXCEEDED and "HTTP 504" in e.details
+
+
+def test_record_extension():
+    req, _ = api.completion_request({"prompt": "x", "record": False}, SERVED)
+    assert req.HasField("record") and req.record is False
+    req, _ = api.completion_request({"prompt": "x"}, SERVED)
+    assert not req.HasField("record")  # the gateway's default: recorded when it records
+    with pytest.raises(InvalidRequest, match="record must be true or false"):
+        api.completion_request({"prompt": "x", "record": "no"}, SERVED)

@@ -187,6 +187,8 @@ STATS = {
     "mean_fan_out": 4.5,
     "ssd_paused_rounds": 0,
     "mean_verifier_queue": 1.5,
+    "drafter_version": "distill-v2",
+    "recorded": True,
 }
 
 

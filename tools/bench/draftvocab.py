@@ -53,21 +53,15 @@ def phase_target(args) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specdec.tools.bench.modes import load_prompts
+    from specdec.tools.bench.modes import encode_prompt, load_prompts
 
     target, _ = _pair()
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).eval()
 
-    def encode(prompt) -> list[int]:  # as the bench's HFRunner.encode
-        if prompt.messages is not None:
-            text = tokenizer.apply_chat_template(
-                prompt.messages, tokenize=False, add_generation_prompt=True
-            )
-        else:
-            text = prompt.text
-        return list(tokenizer(text).input_ids)
+    def encode(prompt) -> list[int]:
+        return encode_prompt(tokenizer, prompt)
 
     eos = model.generation_config.eos_token_id
     path = args.out / "target.json"

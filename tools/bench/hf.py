@@ -7,7 +7,7 @@ import contextlib
 import os
 import time
 
-from specdec.tools.bench.modes import HF_PROMPT_LOOKUP_TOKENS, Mode, Prompt, Sample
+from specdec.tools.bench.modes import HF_PROMPT_LOOKUP_TOKENS, Mode, Prompt, Sample, encode_prompt
 from specdec.tools.bench.stats import first_difference
 
 
@@ -38,13 +38,7 @@ class HFRunner:
         self.eos = eos if eos is not None else self.tokenizer.eos_token_id
 
     def encode(self, prompt: Prompt) -> list[int]:
-        if prompt.messages is not None:
-            text = self.tokenizer.apply_chat_template(
-                prompt.messages, tokenize=False, add_generation_prompt=True
-            )
-        else:
-            text = prompt.text
-        return list(self.tokenizer(text).input_ids)
+        return encode_prompt(self.tokenizer, prompt)
 
     def _placement(self, mode: Mode) -> tuple[set[int] | None, int]:
         if self.pinned is None:

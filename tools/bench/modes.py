@@ -85,6 +85,18 @@ def load_prompts(path: str | None, prompt_set: str = "default") -> list[Prompt]:
     return prompts
 
 
+def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
+    """A prompt's token ids as every in-process runner encodes it: the chat template (with
+    the generation prompt) for messages, the text as it is otherwise."""
+    if prompt.messages is not None:
+        text = tokenizer.apply_chat_template(
+            prompt.messages, tokenize=False, add_generation_prompt=True
+        )
+    else:
+        text = prompt.text
+    return list(tokenizer(text).input_ids)
+
+
 def pick_quick(prompts: list[Prompt]) -> list[Prompt]:
     """The first prompt of each kind."""
     seen: dict[str, Prompt] = {}

@@ -104,6 +104,7 @@ def build_generate_request(
     structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
     method: str | None = None,
     prediction: str | Sequence[int] | None = None,
+    record: bool | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """The ``GenerateRequest`` for these arguments (``ValueError`` / ``TypeError`` if invalid).
 
@@ -125,6 +126,7 @@ def build_generate_request(
     ``"hybrid"``; None: the server default. ``prediction``: text (or token ids) the
     completion is expected to repeat (OpenAI's Predicted Outputs), a source of drafts;
     ``usage`` reports how much of it was accepted.
+    ``record=False`` refuses the gateway's recording of this request (``--record``).
     """
     if method is not None and method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
@@ -191,6 +193,8 @@ def build_generate_request(
         if isinstance(prediction, bytes):
             raise TypeError("prediction must be a str or a sequence of ints")
         request.prediction.token_ids.ids.extend(prediction)
+    if record is not None:
+        request.record = record
     return request
 
 
@@ -348,6 +352,7 @@ class Client(_ClientBase):
         structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
         method: str | None = None,
         prediction: str | Sequence[int] | None = None,
+        record: bool | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> Generation:
         """Generate a completion and return it whole."""
@@ -391,6 +396,7 @@ class Client(_ClientBase):
         structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
         method: str | None = None,
         prediction: str | Sequence[int] | None = None,
+        record: bool | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> Iterator[StreamChunk]:
         """Generate a completion chunk by chunk; the last chunk has ``final`` set.
@@ -497,6 +503,7 @@ class AsyncClient(_ClientBase):
         structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
         method: str | None = None,
         prediction: str | Sequence[int] | None = None,
+        record: bool | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> Generation:
         """Generate a completion and return it whole."""
@@ -540,6 +547,7 @@ class AsyncClient(_ClientBase):
         structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
         method: str | None = None,
         prediction: str | Sequence[int] | None = None,
+        record: bool | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
     ) -> AsyncIterator[StreamChunk]:
         """Generate chunk by chunk (``async for``); the last chunk has ``final`` set.

@@ -107,6 +107,10 @@ class SpeculationStats:
     by_source: dict[str, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
     #: Rounds of a lookup method that found nothing to draft.
     lookup_no_match_rounds: int = 0
+    #: The model version of the drafter that served the request ("" when none).
+    drafter_version: str = ""
+    #: Whether the gateway recorded the request (``--record``; ``record=False`` refuses).
+    recorded: bool = False
 
     @property
     def ssd_hit_rate(self) -> float:
@@ -293,6 +297,8 @@ def speculation_stats_from_proto(msg: gateway_pb2.SpeculationStats) -> Speculati
         method=_METHOD_NAMES.get(msg.method, ""),
         by_source={s.source: (s.drafts, s.draft_tokens, s.accepted_tokens) for s in msg.by_source},
         lookup_no_match_rounds=msg.lookup_no_match_rounds,
+        drafter_version=msg.drafter_version,
+        recorded=msg.recorded,
     )
 
 
@@ -432,6 +438,13 @@ class ServerInfo:
     #: The gateway's lookup settings: prompt_lookup_min / max, suffix_depth,
     #: suffix_cache_tokens, suffix_cache_scope.
     lookup: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: The gateway records finished requests (``--record``) unless one sets record=False.
+    recording: bool = False
+    #: Model versions of the drafters it has admitted ("" for an unversioned drafter).
+    drafter_versions: tuple[str, ...] = ()
+    #: ``--drafter-canary``: the version that gets a share of new sessions, and the share.
+    drafter_canary_version: str = ""
+    drafter_canary_percent: float = 0.0
 
 
 def server_info_from_proto(msg: gateway_pb2.GetServerInfoResponse) -> ServerInfo:
@@ -459,4 +472,8 @@ def server_info_from_proto(msg: gateway_pb2.GetServerInfoResponse) -> ServerInfo
         structured_output_kinds=tuple(msg.structured_output_kinds),
         default_method=_METHOD_NAMES.get(msg.default_method, ""),
         lookup={f.name: getattr(msg.lookup, f.name) for f in msg.lookup.DESCRIPTOR.fields},
+        recording=msg.recording,
+        drafter_versions=tuple(msg.drafter_versions),
+        drafter_canary_version=msg.drafter_canary_version,
+        drafter_canary_percent=msg.drafter_canary_percent,
     )

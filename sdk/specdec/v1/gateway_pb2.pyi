@@ -113,12 +113,14 @@ class StructuredChoice(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ..., prediction: _Optional[_Union[PredictedOutput, _Mapping]] = ...) -> None: ...
 
 class PredictedOutput(_message.Message):
-    __slots__ = ("text", "token_ids")
+    __slots__ = ("text", "token_ids", "record")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+    record: bool
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., record: _Optional[bool] = ...) -> None: ...
 
 class SessionOptions(_message.Message):
     __slots__ = ("id", "mode", "ttl_seconds")
@@ -223,16 +225,20 @@ class SpeculationStats(_message.Message):
     def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., ssd: _Optional[bool] = ..., ssd_hits: _Optional[int] = ..., ssd_misses: _Optional[int] = ..., cache_misses: _Optional[int] = ..., ssd_branches: _Optional[int] = ..., ssd_hidden_ms: _Optional[float] = ..., drafter_wait_ms: _Optional[float] = ..., ssd_bytes: _Optional[int] = ..., ssd_late: _Optional[int] = ..., ssd_speculates: _Optional[int] = ..., k_policy: _Optional[_Union[KPolicy, str]] = ..., rounds_by_k: _Optional[_Iterable[int]] = ..., mean_k: _Optional[float] = ..., policy_k0_rounds: _Optional[int] = ..., mean_fan_out: _Optional[float] = ..., ssd_paused_rounds: _Optional[int] = ..., mean_verifier_queue: _Optional[float] = ..., method: _Optional[_Union[SpeculationMethod, str]] = ..., by_source: _Optional[_Iterable[_Union[DraftSourceStats, _Mapping]]] = ..., lookup_no_match_rounds: _Optional[int] = ...) -> None: ...
 
 class DraftSourceStats(_message.Message):
-    __slots__ = ("source", "drafts", "draft_tokens", "accepted_tokens")
+    __slots__ = ("source", "drafts", "draft_tokens", "accepted_tokens", "drafter_version", "recorded")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RECORDED_FIELD_NUMBER: _ClassVar[int]
     source: str
     drafts: int
     draft_tokens: int
     accepted_tokens: int
-    def __init__(self, source: _Optional[str] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
+    drafter_version: str
+    recorded: bool
+    def __init__(self, source: _Optional[str] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., drafter_version: _Optional[str] = ..., recorded: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "usage", "timings", "stats", "session_id", "trace_id", "logprobs", "prompt_logprobs", "choices")
@@ -361,15 +367,23 @@ class GetServerInfoResponse(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., draft_model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_num_draft_tokens: _Optional[int] = ..., default_num_draft_tokens: _Optional[int] = ..., default_ssd: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_chars: _Optional[int] = ..., max_session_id_chars: _Optional[int] = ..., default_session_ttl_seconds: _Optional[int] = ..., max_session_ttl_seconds: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., supported_request_fields: _Optional[_Iterable[str]] = ..., max_stop_token_ids: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_choices: _Optional[int] = ..., structured_output_engine: _Optional[str] = ..., structured_output_kinds: _Optional[_Iterable[str]] = ..., default_method: _Optional[_Union[SpeculationMethod, str]] = ..., lookup: _Optional[_Union[LookupInfo, _Mapping]] = ...) -> None: ...
 
 class LookupInfo(_message.Message):
-    __slots__ = ("prompt_lookup_min", "prompt_lookup_max", "suffix_depth", "suffix_cache_tokens", "suffix_cache_scope")
+    __slots__ = ("prompt_lookup_min", "prompt_lookup_max", "suffix_depth", "suffix_cache_tokens", "suffix_cache_scope", "recording", "drafter_versions", "drafter_canary_version", "drafter_canary_percent")
     PROMPT_LOOKUP_MIN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOOKUP_MAX_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    RECORDING_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_CANARY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_CANARY_PERCENT_FIELD_NUMBER: _ClassVar[int]
     prompt_lookup_min: int
     prompt_lookup_max: int
     suffix_depth: int
     suffix_cache_tokens: int
     suffix_cache_scope: str
-    def __init__(self, prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., suffix_depth: _Optional[int] = ..., suffix_cache_tokens: _Optional[int] = ..., suffix_cache_scope: _Optional[str] = ...) -> None: ...
+    recording: bool
+    drafter_versions: _containers.RepeatedScalarFieldContainer[str]
+    drafter_canary_version: str
+    drafter_canary_percent: float
+    def __init__(self, prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., suffix_depth: _Optional[int] = ..., suffix_cache_tokens: _Optional[int] = ..., suffix_cache_scope: _Optional[str] = ..., recording: _Optional[bool] = ..., drafter_versions: _Optional[_Iterable[str]] = ..., drafter_canary_version: _Optional[str] = ..., drafter_canary_percent: _Optional[float] = ...) -> None: ...

@@ -8,10 +8,11 @@ Speculation settings are extension fields of the body, as vLLM accepts extra fie
 `k` (draft length; 0 = no speculation), `ssd` (bool), `k_policy` ("fixed" or "adaptive":
 `k` is then an upper bound per round), `method` ("model", "ngram", "suffix" or
 "hybrid": where drafts come from), `session_id`, `session_reset`
-(bool: forget the session's history first) and `timeout` (seconds for the whole
-generation; past it the answer is 504). Structured output: OpenAI's `response_format`
-(`json_object`, `json_schema`) and vLLM's `guided_json`, `guided_regex`, `guided_choice`
-become GenerateRequest.structured_output. Responses carry the
+(bool: forget the session's history first), `record` (false: the gateway's recording,
+--record, skips this request) and `timeout` (seconds for the whole generation; past it
+the answer is 504). Structured output: OpenAI's `response_format` (`json_object`,
+`json_schema`) and vLLM's `guided_json`, `guided_regex`, `guided_choice` become
+GenerateRequest.structured_output. Responses carry the
 speculation statistics, timings, the token ids and, for a session, what happened to it
 under the extension key `specdec`.
 
@@ -84,6 +85,7 @@ COMMON_FIELDS = {
     "guided_json",
     "guided_regex",
     "guided_choice",
+    "record",
 }
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
@@ -256,6 +258,9 @@ def _common(body: dict, req: gateway_pb2.GenerateRequest, served: str) -> Option
         opts.session_id = session_id
     if _bool(body, "session_reset"):  # forget the session's history first (validated as gRPC)
         req.session.mode = gateway_pb2.SESSION_MODE_RESET
+    record = _bool(body, "record")  # false: refuse the gateway's recording (--record)
+    if record is not None:
+        req.record = record
     timeout = _number(body, "timeout")
     if timeout is not None:
         if not timeout > 0:

@@ -1,0 +1,134 @@
+"""`specdec distill` on the tiny fp32 models: a poor drafter gets measurably closer to its
+target, LoRA merges into a plain checkpoint, a resumed run equals an uninterrupted one,
+and the stdlib prompts are disjoint from the bench's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specdec.cli import main as specdec
+from specdec.common.version import VERSION_FILE, read_model_version
+from specdec.tools.bench.modes import load_prompts
+from specdec.tools.distill.prompts import bench_prompts, build_prompts, write_prompts
+
+N_PROMPTS = 96
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("distill") / "prompts.jsonl"
+    write_prompts(path, build_prompts(N_PROMPTS, seed=1, exclude=bench_prompts()))
+    return path
+
+
+def distill_args(test_models, out, *extra: str) -> list[str]:
+    return [
+        "distill",
+        "--target-model",
+        str(test_models.target),
+        "--draft-model",
+        str(test_models.draft_small),
+        "--out",
+        str(out),
+        "--batch-size",
+        "8",
+        "--max-length",
+        "256",
+        "--threads",
+        "1",
+        "--no-progress",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def distilled(test_models, prompt_file, tmp_path_factory):
+    """draft_small (an independently initialised model: it almost never agrees with the
+    target) distilled on the target's greedy outputs for stdlib prompts."""
+    out = tmp_path_factory.mktemp("distill") / "drafter"
+    argv = distill_args(test_models, out, "--prompts", str(prompt_file))
+    argv += ["--steps", "150", "--lr", "3e-3", "--train-head", "--max-new-tokens", "48"]
+    assert specdec(argv) == 0
+    return out
+
+
+def test_stdlib_prompts_are_disjoint_from_the_bench(tmp_path):
+    rows = build_prompts(150, seed=0, exclude=bench_prompts())
+    assert len(rows) == 150
+    assert {r["kind"] for r in rows} == {"code", "prose", "chat"}
+    texts = [r.get("prompt") or r["messages"][0]["content"] for r in rows]
+    assert len(set(texts)) == len(texts)
+    for b in bench_prompts():
+        bench_text = b.get("prompt") or b["messages"][0]["content"]
+        assert not any(bench_text in t or t in bench_text for t in texts)
+    path = tmp_path / "p.jsonl"
+    write_prompts(path, rows)
+    assert [p.kind for p in load_prompts(str(path))] == [r["kind"] for r in rows]
+    assert specdec(["distill", "prompts", "--out", str(tmp_path / "q.jsonl"), "--count", "9"]) == 0
+    assert len(load_prompts(str(tmp_path / "q.jsonl"))) == 9
+
+
+def test_distill_raises_held_out_agreement_by_a_clear_margin(distilled):
+    report = json.loads((distilled / VERSION_FILE).read_text())
+    held = report["held_out"]
+    before, after = held["before"], held["after"]
+    assert held["positions"] >= 200
+    assert before["greedy_agreement"] < 0.05  # a poor drafter to start from
+    assert after["greedy_agreement"] >= before["greedy_agreement"] + 0.12
+    assert after["sum_min_pq"] >= before["sum_min_pq"] + 0.08
+    version = read_model_version(str(distilled))
+    assert version == report["version"] and version.startswith("distill-")
+    assert report["cost"]["trained_positions_this_run"] > 0
+    assert report["cost"]["peak_rss_mib"] > 0
+
+
+def test_lora_is_merged_into_a_plain_checkpoint(test_models, distilled, tmp_path):
+    out = tmp_path / "lora"
+    argv = distill_args(test_models, out, "--data", str(distilled / "distill"))
+    argv += ["--steps", "10", "--lr", "3e-3", "--lora-rank", "4", "--version", "lora-v1"]
+    assert specdec(argv) == 0
+    weights = load_file(out / "model.safetensors")
+    assert not [k for k in weights if "lora" in k]
+    base = load_file(test_models.draft_small / "model.safetensors")
+    assert set(weights) == set(base)
+    changed = [k for k in base if not torch.equal(base[k], weights[k])]
+    assert any("q_proj" in k for k in changed)  # the adapters' product is in the weights
+    assert read_model_version(str(out)) == "lora-v1"
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one(test_models, distilled, tmp_path, capsys):
+    data = ["--data", str(distilled / "distill"), "--lr", "3e-3", "--save-every", "4"]
+    straight = tmp_path / "straight"
+    assert specdec([*distill_args(test_models, straight, *data), "--steps", "8"]) == 0
+    split = tmp_path / "split"
+    assert specdec([*distill_args(test_models, split, *data), "--steps", "4"]) == 0
+    assert specdec([*distill_args(test_models, split, *data), "--steps", "8"]) == 2
+    assert "pass --resume" in capsys.readouterr().err
+    assert specdec([*distill_args(test_models, split, *data), "--steps", "8", "--resume"]) == 0
+    a, b = load_file(straight / "model.safetensors"), load_file(split / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    argv = [*distill_args(test_models, split, *data), "--steps", "9", "--resume", "--lr", "1e-3"]
+    assert specdec(argv) == 2
+    assert "other settings (lr)" in capsys.readouterr().err
+
+
+def test_bad_arguments_are_named(test_models, distilled, tmp_path, capsys):
+    assert specdec(["distill", "--target-model", str(test_models.target)]) == 2
+    err = capsys.readouterr().err
+    assert "--draft-model" in err and "--out" in err and "--data or --prompts" in err
+    data = ["--data", str(distilled / "distill")]
+    for flags, message in (
+        (["--top-m", "100000"], "--top-m must be at most the vocabulary"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--holdout", "1"], "--holdout must be in (0, 1)"),
+        (["--train-layers", "7"], "--train-layers 7: layers are 0..1"),
+    ):
+        out = tmp_path / flags[0].strip("-")
+        assert specdec([*distill_args(test_models, out, *data), *flags]) == 2, flags
+        assert message in capsys.readouterr().err, flags
+    assert specdec([*distill_args(test_models, tmp_path / "x", "--data", str(tmp_path))]) == 2
+    assert "no record-*.jsonl files" in capsys.readouterr().err

@@ -1,0 +1,196 @@
+"""`specdec distill`: train a drafter toward its target; `specdec distill prompts`.
+
+    specdec distill --target-model T --draft-model D (--data DIR | --prompts FILE.jsonl)
+                    --out DIR [--steps N] [--lora-rank R | --train-layers last:4] ...
+    specdec distill prompts --out FILE.jsonl [--count N]
+
+The new drafter is written to --out as a plain transformers checkpoint with a version id
+in specdec_version.json: serve it with `specdec serve drafter --model DIR`; the drafter
+reports the version in Info and in its metrics, and the gateway can send a share of new
+sessions to it (--drafter-canary VERSION:PERCENT). See docs/features/distill.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from specdec.tools.distill.data import Sequence, load_recordings, split, write_rows
+from specdec.tools.distill.prompts import bench_prompts, build_prompts, write_prompts
+
+
+def add_distill_parser(commands) -> argparse.ArgumentParser:
+    p = commands.add_parser(
+        "distill",
+        help="train a drafter toward the target from recorded traffic or a prompt file",
+        description="train a drafter toward the target from recorded traffic or a prompt "
+        "file (`specdec distill prompts` writes a prompt file)",
+    )
+    sub = p.add_subparsers(dest="distill_command", metavar="{prompts}")
+    pp = sub.add_parser(
+        "prompts",
+        help="write distillation prompts built from the Python standard library's source",
+    )
+    pp.add_argument("--out", required=True, help="JSONL prompt file to write")
+    pp.add_argument("--count", type=int, default=200, help="prompts (code, prose, chat in turn)")
+    pp.add_argument("--seed", type=int, default=0, help="seed of the sample")
+    pp.set_defaults(func=run_prompts)
+
+    p.add_argument("--target-model", help="the target (a model directory)")
+    p.add_argument("--draft-model", help="the drafter to start from (a model directory)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--data", help="a directory of gateway recordings (--record)")
+    src.add_argument(
+        "--prompts", help="a JSONL prompt file (the bench's format), run through the target"
+    )
+    p.add_argument("--out", help="directory of the new drafter (and its training state)")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per step")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    p.add_argument("--ce-weight", type=float, default=1.0, help="weight of sequence-level KD")
+    p.add_argument("--kl-weight", type=float, default=1.0, help="weight of the top-m KL")
+    p.add_argument("--top-m", type=int, default=20, help="target tokens kept per position (KL)")
+    p.add_argument(
+        "--train-layers", default="all", help="decoder layers that train: all, last:N, A-B, A,B"
+    )
+    p.add_argument("--train-head", action="store_true", help="train the output head too")
+    p.add_argument(
+        "--lora-rank", type=int, default=0, help="LoRA (peft) of this rank; 0: full fine-tuning"
+    )
+    p.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha")
+    p.add_argument("--holdout", type=float, default=0.2, help="share of sequences held out")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="--prompts: target tokens")
+    p.add_argument("--max-length", type=int, default=1024, help="tokens per training sequence")
+    p.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue OUT's checkpoint")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--teacher-dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="the target's dtype (default: --dtype)",
+    )
+    p.add_argument("--eval-temperature", type=float, default=1.0, help="for sum(min(p, q))")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--version", help="version id (default: distill-<sha256 of the weights>)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_distill)
+    return p
+
+
+def run_prompts(args: argparse.Namespace) -> int:
+    rows = build_prompts(args.count, args.seed, exclude=bench_prompts())
+    write_prompts(args.out, rows)
+    kinds = {k: sum(r["kind"] == k for r in rows) for k in ("code", "prose", "chat")}
+    print(f"wrote {len(rows)} prompts to {args.out} ({kinds})")
+    return 0
+
+
+def target_outputs(args, tokenizer, vocab_note: dict) -> list[Sequence]:
+    """--prompts: the target's greedy continuation of each prompt (cached in OUT)."""
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM
+
+    from specdec.tools.bench.modes import encode_prompt, load_prompts
+    from specdec.tools.distill.train import DTYPES
+
+    cache = Path(args.out) / "distill" / "data.jsonl"
+    if cache.exists() and args.resume:
+        return load_recordings(cache.parent, len(tokenizer))
+    prompts = load_prompts(args.prompts)
+    model = (
+        AutoModelForCausalLM.from_pretrained(
+            args.target_model, dtype=DTYPES[args.teacher_dtype or args.dtype]
+        )
+        .to(args.device)
+        .eval()
+    )
+    eos = model.generation_config.eos_token_id
+    limit = max(1, args.max_length - args.max_new_tokens)
+    out = []
+    for prompt in tqdm(prompts, desc="target outputs", disable=args.no_progress):
+        ids = encode_prompt(tokenizer, prompt)[-limit:]
+        x = torch.tensor([ids], device=args.device)
+        with torch.inference_mode():
+            y = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                max_new_tokens=args.max_new_tokens,
+                eos_token_id=eos,
+                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+            )
+        out.append(Sequence(tuple(ids), tuple(y[0, len(ids) :].tolist())))
+    vocab_note["generated_tokens"] = sum(len(s.output_ids) for s in out)
+    write_rows(cache, out, str(args.target_model))
+    del model
+    return out
+
+
+def run_distill(args: argparse.Namespace) -> int:
+    try:
+        return _run_distill(args)
+    except ValueError as e:  # bad flags or data, named in the message
+        print(f"specdec distill: {e}", file=sys.stderr)
+        return 2
+
+
+def _run_distill(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoTokenizer
+
+    from specdec.tools.distill.train import TrainSettings, distill
+
+    missing = [f for f in ("target_model", "draft_model", "out") if not getattr(args, f)]
+    if missing or not (args.data or args.prompts):
+        names = [f"--{f.replace('_', '-')}" for f in missing]
+        if not (args.data or args.prompts):
+            names.append("--data or --prompts")
+        print(f"specdec distill: missing {', '.join(names)}", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tokenizer = AutoTokenizer.from_pretrained(args.target_model)
+    note: dict = {"source": "recordings" if args.data else "prompts"}
+    if args.data:
+        sequences = load_recordings(args.data, len(tokenizer))
+        note["data"] = str(args.data)
+    else:
+        sequences = target_outputs(args, tokenizer, note)
+        note["prompts"] = str(args.prompts)
+    if not 0 < args.holdout < 1:
+        raise ValueError(f"--holdout must be in (0, 1), got {args.holdout}")
+    train, held = split(sequences, args.holdout, args.seed)
+    # Every field of TrainSettings is the flag of the same name.
+    settings = TrainSettings(**{f.name: getattr(args, f.name) for f in fields(TrainSettings)})
+    report = distill(
+        target_path=args.target_model,
+        draft_path=args.draft_model,
+        train=train,
+        held=held,
+        out=Path(args.out),
+        settings=settings,
+        device=args.device,
+        dtype=args.dtype,
+        teacher_dtype=args.teacher_dtype,
+        resume=args.resume,
+        save_every=args.save_every,
+        eval_temperature=args.eval_temperature,
+        version=args.version,
+        progress=not args.no_progress,
+        data_note=note,
+    )
+    h = report["held_out"]
+    print(json.dumps({"version": report["version"], "held_out": h, "cost": report["cost"]}))
+    print(
+        f"held-out greedy agreement {h['before']['greedy_agreement']:.3f} -> "
+        f"{h['after']['greedy_agreement']:.3f}, sum(min(p,q)) {h['before']['sum_min_pq']:.3f} "
+        f"-> {h['after']['sum_min_pq']:.3f} over {h['positions']} positions; "
+        f"version {report['version']} in {args.out}"
+    )
+    return 0

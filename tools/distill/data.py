@@ -1,0 +1,108 @@
+"""What `specdec distill` trains on: (prompt ids, target output ids) sequences.
+
+Two sources, one format. A gateway's recordings (`--data DIR`: the rows of
+specdec.gateway.recorder, schema ``specdec.record/1``) already hold what the target said.
+A prompt file (`--prompts FILE`, the bench's JSONL format: ``{"kind", "prompt"}`` or
+``{"kind", "messages"}``) is first run through the target (greedy), and the result is
+written as recording rows to ``OUT/distill/data.jsonl``, so a resumed run reads it back
+instead of generating again.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+SCHEMA = "specdec.record/1"  # the recorder's (specdec.gateway.recorder.SCHEMA)
+
+
+@dataclass(frozen=True)
+class Sequence:
+    prompt_ids: tuple[int, ...]  # everything the target saw before its output
+    output_ids: tuple[int, ...]  # what the target produced
+
+    @property
+    def ids(self) -> list[int]:
+        return [*self.prompt_ids, *self.output_ids]
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of one JSONL recording file. A last line without its newline (a gateway
+    stopped mid-write) is skipped; any other malformed line is an error naming it."""
+    text = path.read_text()
+    lines = text.split("\n")
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if n == len(lines):  # no trailing newline: cut short
+                break
+            raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+        if row.get("schema") != SCHEMA:
+            raise ValueError(f"{path}:{n}: schema {row.get('schema')!r}, expected {SCHEMA!r}")
+        rows.append(row)
+    return rows
+
+
+def load_recordings(directory: str | Path, vocab_size: int) -> list[Sequence]:
+    """Every row of the record-*.jsonl files (and data.jsonl) under `directory`."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ValueError(f"--data {directory}: not a directory")
+    files = sorted(directory.glob("record-*.jsonl")) or sorted(directory.glob("*.jsonl"))
+    if not files:
+        raise ValueError(f"--data {directory}: no record-*.jsonl files")
+    out = []
+    for path in files:
+        for row in read_rows(path):
+            seq = Sequence(tuple(row["prompt_ids"]), tuple(row["output_ids"]))
+            bad = [t for t in seq.ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{path}: token id {bad[0]} outside the target's vocabulary of "
+                    f"{vocab_size}: recorded with another model?"
+                )
+            if seq.prompt_ids and seq.output_ids:
+                out.append(seq)
+    if not out:
+        raise ValueError(f"--data {directory}: no row with a prompt and an output")
+    return out
+
+
+def write_rows(path: Path, sequences: list[Sequence], target_model: str) -> None:
+    """Sequences as recording rows (what a gateway with --record would have written)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w") as f:
+        for s in sequences:
+            row = {
+                "schema": SCHEMA,
+                "target_model": target_model,
+                "drafter_version": "",
+                "temperature": 0.0,
+                "history_tokens": 0,
+                "prompt_ids": list(s.prompt_ids),
+                "output_ids": list(s.output_ids),
+                "round_k": [],
+                "round_accepted": [],
+                "finish_reason": "",
+            }
+            f.write(json.dumps(row, separators=(",", ":")) + "\n")
+    tmp.replace(path)
+
+
+def split(sequences: list[Sequence], holdout: float, seed: int) -> tuple[list, list]:
+    """(train, held-out): a seeded shuffle, at least one sequence on each side."""
+    if len(sequences) < 2:
+        raise ValueError(f"need at least 2 sequences to hold one out, got {len(sequences)}")
+    order = list(range(len(sequences)))
+    random.Random(seed).shuffle(order)
+    n_held = min(len(sequences) - 1, max(1, round(len(sequences) * holdout)))
+    held = [sequences[i] for i in order[:n_held]]
+    train = [sequences[i] for i in order[n_held:]]
+    return train, held

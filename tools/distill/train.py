@@ -1,0 +1,395 @@
+"""The distillation itself: losses, the agreement measures, the training loop, the output.
+
+Losses, averaged over the target's output positions of a batch (the positions whose next
+token the target produced):
+
+- sequence-level KD: cross-entropy of the drafter on the target's output tokens;
+- token-level KL: KL(target || drafter) over the target's top-m tokens at each position,
+  the target's probabilities renormalised over those m (a teacher forward of the target
+  on the same batch, no gradient). Nothing of this needs recorded log-probabilities.
+
+Agreement (held-out split, before and after): teacher-forced greedy agreement, the share
+of positions where the drafter's argmax equals the target's (what greedy speculation
+accepts position by position), and the mean of sum_v min(p_v, q_v) at --eval-temperature,
+the probability that a sampled draft token is accepted at that position.
+
+What trains: the decoder layers named by --train-layers (and the final norm), the output
+head with --train-head; or, with --lora-rank R, LoRA adapters (peft) on the linear layers
+of those decoder layers, merged into the weights at the end so that the drafter serves a
+plain checkpoint. Every --save-every steps the trainable weights, the optimizer and the
+step go to OUT/distill/checkpoint.pt; --resume continues from there with the same data
+order (a seeded shuffle per epoch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import resource
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specdec.common.version import VERSION_FILE, check_version, read_model_version
+from specdec.tools.distill.data import Sequence
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STATE_DIR = "distill"  # under --out: checkpoint, generated data, report
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Everything that shapes the weights; a resumed run must match it."""
+
+    steps: int = 200
+    batch_size: int = 4
+    lr: float = 1e-4
+    ce_weight: float = 1.0
+    kl_weight: float = 1.0
+    top_m: int = 20
+    train_layers: str = "all"
+    train_head: bool = False
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    seed: int = 0
+    max_length: int = 1024
+
+    def check(self) -> None:
+        """ValueError naming the first setting out of range."""
+        for name in ("steps", "batch_size", "top_m", "max_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if not self.lr > 0:
+            raise ValueError("--lr must be > 0")
+        if self.lora_rank < 0:
+            raise ValueError("--lora-rank must be >= 0 (0: full fine-tuning)")
+        if self.ce_weight < 0 or self.kl_weight < 0 or self.ce_weight + self.kl_weight == 0:
+            raise ValueError("--ce-weight and --kl-weight must be >= 0, not both 0")
+
+
+@dataclass
+class Agreement:
+    greedy: float  # teacher-forced greedy agreement
+    min_pq: float  # mean sum(min(p, q)) at the evaluation temperature
+    positions: int
+
+
+def parse_layers(spec: str, num_layers: int) -> list[int]:
+    """'all', 'last:N', 'A-B' or 'A,B,C' -> decoder layer indices (ValueError otherwise)."""
+    spec = spec.strip()
+    if spec == "all":
+        return list(range(num_layers))
+    if spec.startswith("last:"):
+        n = int(spec[5:])
+        if not 1 <= n <= num_layers:
+            raise ValueError(f"--train-layers {spec}: N must be in [1, {num_layers}]")
+        return list(range(num_layers - n, num_layers))
+    layers: set[int] = set()
+    for part in spec.split(","):
+        a, _, b = part.partition("-")
+        lo, hi = int(a), int(b or a)
+        if not 0 <= lo <= hi < num_layers:
+            raise ValueError(f"--train-layers {spec}: layers are 0..{num_layers - 1}")
+        layers.update(range(lo, hi + 1))
+    return sorted(layers)
+
+
+def batches(n: int, batch_size: int, seed: int, step: int) -> list[int]:
+    """The indices of batch `step`: epoch after epoch, each a seeded shuffle of range(n)."""
+    per_epoch = max(1, math.ceil(n / batch_size))
+    epoch, i = divmod(step, per_epoch)
+    order = list(range(n))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order[i * batch_size : (i + 1) * batch_size]
+
+
+def collate(seqs: list[Sequence], max_length: int, pad_id: int, device) -> tuple:
+    """Right-padded ids [b, t], attention mask [b, t], and the mask [b, t] of the positions
+    that predict an output token (position i predicts token i + 1)."""
+    rows = []
+    for s in seqs:
+        ids = s.ids
+        start = max(0, len(ids) - max_length)  # keep the end: the output
+        rows.append((ids[start:], max(0, len(s.prompt_ids) - start)))
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    predicts = torch.zeros((len(rows), width), dtype=torch.bool)
+    for b, (ids, n_prompt) in enumerate(rows):
+        input_ids[b, : len(ids)] = torch.tensor(ids)
+        attention[b, : len(ids)] = 1
+        predicts[b, max(0, n_prompt - 1) : len(ids) - 1] = True
+    return input_ids.to(device), attention.to(device), predicts.to(device)
+
+
+def losses(
+    draft_logits: torch.Tensor,  # [b, t, vocab]
+    target_logits: torch.Tensor,  # [b, t, vocab]
+    input_ids: torch.Tensor,  # [b, t]
+    predicts: torch.Tensor,  # [b, t] bool
+    top_m: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cross-entropy on the target's output tokens, top-m KL(target || draft))."""
+    labels = input_ids[:, 1:][predicts[:, :-1]]  # [n]
+    draft = draft_logits[predicts].float().log_softmax(-1)  # [n, vocab]
+    ce = F.nll_loss(draft, labels)
+    top_logits, top_ids = target_logits[predicts].float().topk(top_m, dim=-1)  # [n, m]
+    target_top = top_logits.log_softmax(-1)  # renormalised over the top m
+    kl = (target_top.exp() * (target_top - draft.gather(-1, top_ids))).sum(-1).mean()
+    return ce, kl
+
+
+@torch.no_grad()
+def agreement(
+    draft, target, seqs: list[Sequence], settings: TrainSettings, device, temperature: float
+) -> Agreement:
+    """Teacher-forced agreement of the drafter with the target over `seqs`."""
+    draft.eval()
+    hits = overlap = 0.0
+    n = 0
+    size = settings.batch_size
+    for i in range(0, len(seqs), size):
+        ids, attn, predicts = collate(seqs[i : i + size], settings.max_length, 0, device)
+        d = draft(input_ids=ids, attention_mask=attn).logits[predicts].float()
+        t = target(input_ids=ids, attention_mask=attn).logits[predicts].float()
+        hits += (d.argmax(-1) == t.argmax(-1)).sum().item()
+        p = (t / temperature).softmax(-1)
+        q = (d / temperature).softmax(-1)
+        overlap += torch.minimum(p, q).sum(-1).sum().item()
+        n += int(predicts.sum())
+    return Agreement(hits / max(n, 1), overlap / max(n, 1), n)
+
+
+def _decoder_layers(model) -> torch.nn.ModuleList:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(
+            f"{type(model).__name__}: no model.layers (a decoder-only transformers model "
+            "such as Llama or Qwen2 is expected)"
+        )
+    return layers
+
+
+def prepare(draft, settings: TrainSettings):
+    """Freeze what does not train; LoRA adapters when asked. Returns the model to train."""
+    layers = parse_layers(settings.train_layers, len(_decoder_layers(draft)))
+    for p in draft.parameters():
+        p.requires_grad_(False)
+    if settings.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(
+            r=settings.lora_rank,
+            lora_alpha=settings.lora_alpha,
+            lora_dropout=0.0,
+            target_modules=[
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+            ],
+            layers_to_transform=layers,
+            init_lora_weights=True,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(settings.seed)
+            draft = get_peft_model(draft, config)
+    else:
+        decoder = _decoder_layers(draft)
+        for i in layers:
+            for p in decoder[i].parameters():
+                p.requires_grad_(True)
+        norm = getattr(draft.model, "norm", None)
+        if norm is not None:
+            for p in norm.parameters():
+                p.requires_grad_(True)
+    if settings.train_head:
+        for p in draft.get_output_embeddings().parameters():
+            p.requires_grad_(True)
+    return draft
+
+
+def trainable(model) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def save_checkpoint(path: Path, model, optimizer, step: int, settings: TrainSettings) -> None:
+    state = {
+        "settings": asdict(settings),
+        "step": step,
+        "weights": {n: p.detach().cpu() for n, p in trainable(model).items()},
+        "optimizer": optimizer.state_dict(),
+    }
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)  # a crash mid-save leaves the previous checkpoint
+
+
+def load_checkpoint(path: Path, model, optimizer, settings: TrainSettings) -> int:
+    """Restore a checkpoint of the same settings; returns its step."""
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if state["settings"] != asdict(settings):
+        # More --steps may be asked of a run; everything else must be what it was.
+        changed = sorted(
+            k for k, v in asdict(settings).items() if k != "steps" and state["settings"].get(k) != v
+        )
+        if changed:
+            raise ValueError(
+                f"{path}: saved with other settings ({', '.join(changed)}); use the same "
+                "flags to resume, or a new --out"
+            )
+    params = trainable(model)
+    if set(state["weights"]) != set(params):
+        raise ValueError(f"{path}: its weights are not this model's trainable ones")
+    with torch.no_grad():
+        for n, w in state["weights"].items():
+            params[n].copy_(w)
+    optimizer.load_state_dict(state["optimizer"])
+    return int(state["step"])
+
+
+def peak_memory_mb() -> float:
+    """The process's peak resident memory (ru_maxrss, KiB on Linux) in MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def weights_digest(directory: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(directory.glob("*.safetensors")):
+        with f.open("rb") as fh:
+            while chunk := fh.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def distill(
+    *,
+    target_path: str,
+    draft_path: str,
+    train: list[Sequence],
+    held: list[Sequence],
+    out: Path,
+    settings: TrainSettings,
+    device: str = "cpu",
+    dtype: str = "float32",
+    teacher_dtype: str | None = None,
+    resume: bool = False,
+    save_every: int = 50,
+    eval_temperature: float = 1.0,
+    version: str | None = None,
+    progress: bool = True,
+    data_note: dict | None = None,
+) -> dict:
+    """Train, measure before/after on `held`, write the drafter to `out`; the report."""
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    started = time.perf_counter()
+    settings.check()
+    state_dir = out / STATE_DIR
+    state_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = state_dir / "checkpoint.pt"
+    if checkpoint.exists() and not resume:
+        raise ValueError(f"{checkpoint} exists: pass --resume to continue it, or a new --out")
+    torch.manual_seed(settings.seed)
+    target = (
+        AutoModelForCausalLM.from_pretrained(target_path, dtype=DTYPES[teacher_dtype or dtype])
+        .to(device)
+        .eval()
+    )
+    for p in target.parameters():
+        p.requires_grad_(False)
+    draft = AutoModelForCausalLM.from_pretrained(draft_path, dtype=DTYPES[dtype]).to(device)
+    saved_dtype = getattr(draft.config, "dtype", None) or getattr(draft.config, "torch_dtype", None)
+    t_vocab = target.get_output_embeddings().weight.shape[0]
+    d_vocab = draft.get_output_embeddings().weight.shape[0]
+    if t_vocab != d_vocab:
+        raise ValueError(
+            f"the target's output has {t_vocab} logits, the drafter's {d_vocab}: distill "
+            "needs one vocabulary"
+        )
+    if settings.top_m > t_vocab:
+        raise ValueError(f"--top-m must be at most the vocabulary ({t_vocab})")
+
+    before = agreement(draft, target, held, settings, device, eval_temperature)
+    model = prepare(draft, settings)
+    params = trainable(model)
+    if not params:
+        raise ValueError("nothing to train: --train-layers and --train-head select no weights")
+    optimizer = torch.optim.AdamW(params.values(), lr=settings.lr, weight_decay=0.0)
+    step = load_checkpoint(checkpoint, model, optimizer, settings) if checkpoint.exists() else 0
+    pad_id = 0
+    tokens = 0
+    last = {"ce": float("nan"), "kl": float("nan")}
+    bar = tqdm(
+        total=settings.steps, initial=step, desc="distill", unit="step", disable=not progress
+    )
+    model.train()
+    while step < settings.steps:
+        batch = [train[i] for i in batches(len(train), settings.batch_size, settings.seed, step)]
+        ids, attn, predicts = collate(batch, settings.max_length, pad_id, device)
+        with torch.no_grad():
+            target_logits = target(input_ids=ids, attention_mask=attn).logits
+        draft_logits = model(input_ids=ids, attention_mask=attn).logits
+        ce, kl = losses(draft_logits, target_logits, ids, predicts, settings.top_m)
+        loss = settings.ce_weight * ce + settings.kl_weight * kl
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
+        optimizer.step()
+        step += 1
+        tokens += int(predicts.sum())
+        last = {"ce": ce.item(), "kl": kl.item()}
+        bar.set_postfix(ce=f"{last['ce']:.3f}", kl=f"{last['kl']:.3f}")
+        bar.update(1)
+        if step % save_every == 0 or step == settings.steps:
+            save_checkpoint(checkpoint, model, optimizer, step, settings)
+    bar.close()
+    model.eval()
+    if settings.lora_rank:
+        model = model.merge_and_unload()  # plain weights: the drafter serves a checkpoint
+    after = agreement(model, target, held, settings, device, eval_temperature)
+
+    model_dtype = DTYPES.get(str(saved_dtype).replace("torch.", ""), torch.float32)
+    model.to("cpu", dtype=model_dtype).save_pretrained(out)
+    AutoTokenizer.from_pretrained(draft_path).save_pretrained(out)
+    version = check_version(version) if version else f"distill-{weights_digest(out)[:12]}"
+    report = {
+        "version": version,
+        "parent_model": str(draft_path),
+        "parent_version": read_model_version(draft_path),
+        "target_model": str(target_path),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "settings": asdict(settings),
+        "data": {
+            **(data_note or {}),
+            "train_sequences": len(train),
+            "held_out_sequences": len(held),
+        },
+        "held_out": {
+            "positions": after.positions,
+            "eval_temperature": eval_temperature,
+            "before": {"greedy_agreement": before.greedy, "sum_min_pq": before.min_pq},
+            "after": {"greedy_agreement": after.greedy, "sum_min_pq": after.min_pq},
+        },
+        "cost": {
+            "minutes": (time.perf_counter() - started) / 60,
+            "trained_positions_this_run": tokens,
+            "peak_rss_mib": peak_memory_mb(),
+            "device": device,
+            "dtype": dtype,
+        },
+        "final_losses": last,
+    }
+    (out / VERSION_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    (state_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
