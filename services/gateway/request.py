@@ -160,6 +160,7 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
     if n > 1 and session.id:
         raise InvalidRequest(
             "n > 1 cannot be used with a session id: a session continues one conversation"
+        )
     method = spec.method or limits.default_method
     if method not in METHODS:
         raise InvalidRequest(

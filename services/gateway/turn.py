@@ -34,10 +34,10 @@ from specdec.gateway.choices import ChoiceRun, run_choices
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.dataplane import DataPlaneSettings
 from specdec.gateway.grammar import Grammar, Grammars
+from specdec.gateway.logprobs import LogprobsTrack
 from specdec.gateway.lookup import method_name
 from specdec.gateway.lookup.hybrid import LookupSettings, RequestLookup
 from specdec.gateway.lookup.suffix import SuffixCache, SuffixParams
-from specdec.gateway.logprobs import LogprobsTrack
 from specdec.gateway.loop import Speculator
 from specdec.gateway.policy import make_policy
 from specdec.gateway.recorder import Recorder, recording_row
@@ -502,7 +502,6 @@ class Gateway:
                 run.held = (text, tokens)
         if run.spec.lookup is not None:  # the output joins the suffix cache
             run.spec.lookup.finish(completion.tokens)
-
 
     async def request_lookup(self, job: Job, ctx: list[int]) -> RequestLookup:
         """A completion's lookup proposer (its method, its prediction, the suffix cache),

@@ -314,6 +314,8 @@ def _controls(
             req.stop_token_ids.extend(stop_ids)
         except ValueError:
             raise InvalidRequest("stop_token_ids must fit in int64") from None
+
+
 def _structured(body: dict, req: gateway_pb2.GenerateRequest) -> None:
     """response_format / guided_json / guided_regex / guided_choice -> structured_output
     (at most one of them; the grammar itself is checked by the gateway)."""
@@ -362,6 +364,8 @@ def _structured(body: dict, req: gateway_pb2.GenerateRequest) -> None:
             raise InvalidRequest("guided_choice must be a list of strings")
         out.choice.choices.extend(value)
         out.choice.SetInParent()
+
+
 def _prediction(prediction: Any, req: gateway_pb2.GenerateRequest) -> None:
     """OpenAI's `prediction` -> GenerateRequest.prediction (content as text, or as a list
     of text parts joined)."""
