@@ -8,6 +8,7 @@ import pytest
 
 from specdec.common.errors import InvalidRequest
 from specdec.gateway.http import api
+from specdec.gateway.turn import Event
 from specdec.gateway.request import Job
 from specdec.gateway.text import Completion
 from specdec.gateway.turn import output_controls
@@ -143,7 +144,7 @@ def test_stream_options_continuous_usage_stats():
     with pytest.raises(InvalidRequest, match="may only hold include_usage and continuous"):
         api.completion_request({**body, "stream_options": {"other": 1}}, "m")
     r = api.Renderer(chat=True, model="m")
-    first = r.chunks("a", [5, 6], None, True, True, True, 10)
+    first = r.chunks(Event("a", [5, 6], context_tokens=10), True, True)
     assert [c["usage"]["completion_tokens"] for c in first] == [2, 2]
-    (later,) = r.chunks("b", [7], None, False, True, True, 10)
+    (later,) = r.chunks(Event("b", [7], context_tokens=10), True, True)
     assert later["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}

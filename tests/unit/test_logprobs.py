@@ -72,7 +72,7 @@ def test_verify_scores_equal_log_softmax(runtime, target_model, params, k):
         draft,
         probs,
         params,
-        LogprobsAsk(top=5, prompt=True),
+        logprobs=LogprobsAsk(top=5, prompt=True),
     )
     verdict = runtime.drive(job)
     emitted = [*draft[: verdict.accepted], verdict.next_token]
@@ -103,7 +103,7 @@ def test_greedy_verdict_unchanged_by_scores(runtime):
     )
     scored = runtime.drive(
         verify(
-            runtime, "lp/scored", Prefix(0, 0), PROMPT, DRAFT, None, SamplingParams(), LogprobsAsk()
+            runtime, "lp/scored", Prefix(0, 0), PROMPT, DRAFT, None, SamplingParams(), logprobs=LogprobsAsk()
         )
     )
     assert (plain.accepted, plain.next_token) == (scored.accepted, scored.next_token)
@@ -125,7 +125,7 @@ def test_fork_copies_the_prefix_and_misses_cleanly(runtime, target_model):
             [],
             None,
             SamplingParams(),
-            LogprobsAsk(),
+            logprobs=LogprobsAsk(),
             fork_from="fork/src",
         )
     )
@@ -147,7 +147,7 @@ def test_fork_copies_the_prefix_and_misses_cleanly(runtime, target_model):
 def test_a_one_token_prompt_has_no_prompt_scores(runtime):
     ask = LogprobsAsk(top=2, prompt=True)
     verdict = runtime.drive(
-        verify(runtime, "lp/one", Prefix(0, 0), PROMPT[:1], DRAFT[:2], None, SamplingParams(), ask)
+        verify(runtime, "lp/one", Prefix(0, 0), PROMPT[:1], DRAFT[:2], None, SamplingParams(), logprobs=ask)
     )
     assert verdict.prompt_logprobs.chosen.shape == (0,)
     assert verdict.prompt_logprobs.top_ids.shape == (0, 2)

@@ -55,7 +55,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "sampling", "stop", "session", "speculation", "ignore_eos", "min_tokens", "stop_token_ids", "logprobs", "top_logprobs", "prompt_logprobs", "n", "structured_output")
+    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "sampling", "stop", "session", "speculation", "ignore_eos", "min_tokens", "stop_token_ids", "logprobs", "top_logprobs", "prompt_logprobs", "n", "structured_output", "prediction", "record")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,8 @@ class GenerateRequest(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: TokenIds
     max_new_tokens: int
@@ -86,7 +88,9 @@ class GenerateRequest(_message.Message):
     prompt_logprobs: bool
     n: int
     structured_output: StructuredOutput
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., session: _Optional[_Union[SessionOptions, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., n: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+    prediction: PredictedOutput
+    record: bool
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., session: _Optional[_Union[SessionOptions, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., n: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., prediction: _Optional[_Union[PredictedOutput, _Mapping]] = ..., record: _Optional[bool] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("json_object", "json_schema", "regex", "choice")
@@ -105,22 +109,18 @@ class StructuredJsonObject(_message.Message):
     def __init__(self) -> None: ...
 
 class StructuredChoice(_message.Message):
-    __slots__ = ("choices", "prediction")
+    __slots__ = ("choices",)
     CHOICES_FIELD_NUMBER: _ClassVar[int]
-    PREDICTION_FIELD_NUMBER: _ClassVar[int]
     choices: _containers.RepeatedScalarFieldContainer[str]
-    prediction: PredictedOutput
-    def __init__(self, choices: _Optional[_Iterable[str]] = ..., prediction: _Optional[_Union[PredictedOutput, _Mapping]] = ...) -> None: ...
+    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PredictedOutput(_message.Message):
-    __slots__ = ("text", "token_ids", "record")
+    __slots__ = ("text", "token_ids")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    RECORD_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
-    record: bool
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., record: _Optional[bool] = ...) -> None: ...
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class SessionOptions(_message.Message):
     __slots__ = ("id", "mode", "ttl_seconds")
@@ -167,7 +167,7 @@ class Timings(_message.Message):
     def __init__(self, time_to_first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "num_draft_tokens", "ssd", "ssd_hits", "ssd_misses", "cache_misses", "ssd_branches", "ssd_hidden_ms", "drafter_wait_ms", "ssd_bytes", "ssd_late", "ssd_speculates", "k_policy", "rounds_by_k", "mean_k", "policy_k0_rounds", "mean_fan_out", "ssd_paused_rounds", "mean_verifier_queue", "method", "by_source", "lookup_no_match_rounds")
+    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "num_draft_tokens", "ssd", "ssd_hits", "ssd_misses", "cache_misses", "ssd_branches", "ssd_hidden_ms", "drafter_wait_ms", "ssd_bytes", "ssd_late", "ssd_speculates", "k_policy", "rounds_by_k", "mean_k", "policy_k0_rounds", "mean_fan_out", "ssd_paused_rounds", "mean_verifier_queue", "method", "by_source", "lookup_no_match_rounds", "drafter_version", "recorded")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +195,8 @@ class SpeculationStats(_message.Message):
     METHOD_FIELD_NUMBER: _ClassVar[int]
     BY_SOURCE_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_NO_MATCH_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RECORDED_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens: int
     accepted_tokens: int
@@ -222,23 +224,21 @@ class SpeculationStats(_message.Message):
     method: SpeculationMethod
     by_source: _containers.RepeatedCompositeFieldContainer[DraftSourceStats]
     lookup_no_match_rounds: int
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., ssd: _Optional[bool] = ..., ssd_hits: _Optional[int] = ..., ssd_misses: _Optional[int] = ..., cache_misses: _Optional[int] = ..., ssd_branches: _Optional[int] = ..., ssd_hidden_ms: _Optional[float] = ..., drafter_wait_ms: _Optional[float] = ..., ssd_bytes: _Optional[int] = ..., ssd_late: _Optional[int] = ..., ssd_speculates: _Optional[int] = ..., k_policy: _Optional[_Union[KPolicy, str]] = ..., rounds_by_k: _Optional[_Iterable[int]] = ..., mean_k: _Optional[float] = ..., policy_k0_rounds: _Optional[int] = ..., mean_fan_out: _Optional[float] = ..., ssd_paused_rounds: _Optional[int] = ..., mean_verifier_queue: _Optional[float] = ..., method: _Optional[_Union[SpeculationMethod, str]] = ..., by_source: _Optional[_Iterable[_Union[DraftSourceStats, _Mapping]]] = ..., lookup_no_match_rounds: _Optional[int] = ...) -> None: ...
+    drafter_version: str
+    recorded: bool
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., ssd: _Optional[bool] = ..., ssd_hits: _Optional[int] = ..., ssd_misses: _Optional[int] = ..., cache_misses: _Optional[int] = ..., ssd_branches: _Optional[int] = ..., ssd_hidden_ms: _Optional[float] = ..., drafter_wait_ms: _Optional[float] = ..., ssd_bytes: _Optional[int] = ..., ssd_late: _Optional[int] = ..., ssd_speculates: _Optional[int] = ..., k_policy: _Optional[_Union[KPolicy, str]] = ..., rounds_by_k: _Optional[_Iterable[int]] = ..., mean_k: _Optional[float] = ..., policy_k0_rounds: _Optional[int] = ..., mean_fan_out: _Optional[float] = ..., ssd_paused_rounds: _Optional[int] = ..., mean_verifier_queue: _Optional[float] = ..., method: _Optional[_Union[SpeculationMethod, str]] = ..., by_source: _Optional[_Iterable[_Union[DraftSourceStats, _Mapping]]] = ..., lookup_no_match_rounds: _Optional[int] = ..., drafter_version: _Optional[str] = ..., recorded: _Optional[bool] = ...) -> None: ...
 
 class DraftSourceStats(_message.Message):
-    __slots__ = ("source", "drafts", "draft_tokens", "accepted_tokens", "drafter_version", "recorded")
+    __slots__ = ("source", "drafts", "draft_tokens", "accepted_tokens")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    DRAFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
-    RECORDED_FIELD_NUMBER: _ClassVar[int]
     source: str
     drafts: int
     draft_tokens: int
     accepted_tokens: int
-    drafter_version: str
-    recorded: bool
-    def __init__(self, source: _Optional[str] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., drafter_version: _Optional[str] = ..., recorded: _Optional[bool] = ...) -> None: ...
+    def __init__(self, source: _Optional[str] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "usage", "timings", "stats", "session_id", "trace_id", "logprobs", "prompt_logprobs", "choices")
@@ -313,7 +313,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("model_id", "draft_model_id", "vocab_size", "max_context", "max_num_draft_tokens", "default_num_draft_tokens", "default_ssd", "max_new_tokens", "max_stop_strings", "max_stop_chars", "max_session_id_chars", "default_session_ttl_seconds", "max_session_ttl_seconds", "tokenizer_fingerprint", "eos_token_ids", "bos_token_id", "supported_request_fields", "max_stop_token_ids", "max_logit_bias", "max_top_logprobs", "max_choices", "structured_output_engine", "structured_output_kinds", "default_method", "lookup")
+    __slots__ = ("model_id", "draft_model_id", "vocab_size", "max_context", "max_num_draft_tokens", "default_num_draft_tokens", "default_ssd", "max_new_tokens", "max_stop_strings", "max_stop_chars", "max_session_id_chars", "default_session_ttl_seconds", "max_session_ttl_seconds", "tokenizer_fingerprint", "eos_token_ids", "bos_token_id", "supported_request_fields", "max_stop_token_ids", "max_logit_bias", "max_top_logprobs", "max_choices", "structured_output_engine", "structured_output_kinds", "default_method", "lookup", "recording", "drafter_versions", "drafter_canary_version", "drafter_canary_percent")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -339,6 +339,10 @@ class GetServerInfoResponse(_message.Message):
     STRUCTURED_OUTPUT_KINDS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_METHOD_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    RECORDING_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_CANARY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_CANARY_PERCENT_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     draft_model_id: str
     vocab_size: int
@@ -364,26 +368,22 @@ class GetServerInfoResponse(_message.Message):
     structured_output_kinds: _containers.RepeatedScalarFieldContainer[str]
     default_method: SpeculationMethod
     lookup: LookupInfo
-    def __init__(self, model_id: _Optional[str] = ..., draft_model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_num_draft_tokens: _Optional[int] = ..., default_num_draft_tokens: _Optional[int] = ..., default_ssd: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_chars: _Optional[int] = ..., max_session_id_chars: _Optional[int] = ..., default_session_ttl_seconds: _Optional[int] = ..., max_session_ttl_seconds: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., supported_request_fields: _Optional[_Iterable[str]] = ..., max_stop_token_ids: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_choices: _Optional[int] = ..., structured_output_engine: _Optional[str] = ..., structured_output_kinds: _Optional[_Iterable[str]] = ..., default_method: _Optional[_Union[SpeculationMethod, str]] = ..., lookup: _Optional[_Union[LookupInfo, _Mapping]] = ...) -> None: ...
+    recording: bool
+    drafter_versions: _containers.RepeatedScalarFieldContainer[str]
+    drafter_canary_version: str
+    drafter_canary_percent: float
+    def __init__(self, model_id: _Optional[str] = ..., draft_model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_num_draft_tokens: _Optional[int] = ..., default_num_draft_tokens: _Optional[int] = ..., default_ssd: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_chars: _Optional[int] = ..., max_session_id_chars: _Optional[int] = ..., default_session_ttl_seconds: _Optional[int] = ..., max_session_ttl_seconds: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., supported_request_fields: _Optional[_Iterable[str]] = ..., max_stop_token_ids: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_choices: _Optional[int] = ..., structured_output_engine: _Optional[str] = ..., structured_output_kinds: _Optional[_Iterable[str]] = ..., default_method: _Optional[_Union[SpeculationMethod, str]] = ..., lookup: _Optional[_Union[LookupInfo, _Mapping]] = ..., recording: _Optional[bool] = ..., drafter_versions: _Optional[_Iterable[str]] = ..., drafter_canary_version: _Optional[str] = ..., drafter_canary_percent: _Optional[float] = ...) -> None: ...
 
 class LookupInfo(_message.Message):
-    __slots__ = ("prompt_lookup_min", "prompt_lookup_max", "suffix_depth", "suffix_cache_tokens", "suffix_cache_scope", "recording", "drafter_versions", "drafter_canary_version", "drafter_canary_percent")
+    __slots__ = ("prompt_lookup_min", "prompt_lookup_max", "suffix_depth", "suffix_cache_tokens", "suffix_cache_scope")
     PROMPT_LOOKUP_MIN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOOKUP_MAX_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
-    RECORDING_FIELD_NUMBER: _ClassVar[int]
-    DRAFTER_VERSIONS_FIELD_NUMBER: _ClassVar[int]
-    DRAFTER_CANARY_VERSION_FIELD_NUMBER: _ClassVar[int]
-    DRAFTER_CANARY_PERCENT_FIELD_NUMBER: _ClassVar[int]
     prompt_lookup_min: int
     prompt_lookup_max: int
     suffix_depth: int
     suffix_cache_tokens: int
     suffix_cache_scope: str
-    recording: bool
-    drafter_versions: _containers.RepeatedScalarFieldContainer[str]
-    drafter_canary_version: str
-    drafter_canary_percent: float
-    def __init__(self, prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., suffix_depth: _Optional[int] = ..., suffix_cache_tokens: _Optional[int] = ..., suffix_cache_scope: _Optional[str] = ..., recording: _Optional[bool] = ..., drafter_versions: _Optional[_Iterable[str]] = ..., drafter_canary_version: _Optional[str] = ..., drafter_canary_percent: _Optional[float] = ...) -> None: ...
+    def __init__(self, prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., suffix_depth: _Optional[int] = ..., suffix_cache_tokens: _Optional[int] = ..., suffix_cache_scope: _Optional[str] = ...) -> None: ...
