@@ -8,7 +8,7 @@ PROTOS    := $(wildcard protos/specdec/v1/*.proto)
 CHECKOV_VENV ?= .venv-checkov
 CHECKOV_VER  ?= 3.3.30
 
-.PHONY: install dist models demo demo-tiny bench bench-quick up proto proto-check lint lint-proto format test test-unit test-integration clean \
+.PHONY: install dist models demo demo-tiny bench bench-quick up proto proto-check lint lint-proto format test test-unit test-integration test-peers peer-installs clean \
         chart-test system-deps test-deps base-image wheels images image-test lint-docker \
         docs docs-serve docs-gen docs-screenshots
 
@@ -110,6 +110,32 @@ system-deps:
 	if [ -n "$$missing" ]; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	else echo "system packages present: prometheus buildah debootstrap openssl curl"; fi
+
+# Peer tools as tests (tests/peers): guidellm and aiperf (the successor of genai-perf;
+# inference-perf needs Python >= 3.12), pinned, each in its own virtualenv under
+# .cache/peers/<tool> (torch's CPU wheel first, then the tool; never in .venv), run against
+# `specdec up` on tiny models: every request they send must succeed. The installs are
+# cached there; a changed pin reinstalls.
+PEERS_DIR    ?= .cache/peers
+GUIDELLM_VER ?= 0.8.1
+AIPERF_VER   ?= 0.13.0
+PEER_TOOLS := guidellm==$(GUIDELLM_VER) aiperf==$(AIPERF_VER)
+
+$(PEERS_DIR)/%/.installed:
+	rm -rf $(PEERS_DIR)/$*
+	$(PY) -m venv $(PEERS_DIR)/$*
+	$(PEERS_DIR)/$*/bin/pip install -q torch==$(TORCH_VER)
+	$(PEERS_DIR)/$*/bin/pip install -q $(filter $*==%,$(PEER_TOOLS))
+	echo "$(filter $*==%,$(PEER_TOOLS))" > $@
+
+peer-installs:
+	@for pin in $(PEER_TOOLS); do tool=$${pin%%==*}; \
+		grep -qxF "$$pin" $(PEERS_DIR)/$$tool/.installed 2>/dev/null || rm -f $(PEERS_DIR)/$$tool/.installed; \
+	done
+	$(MAKE) $(foreach pin,$(PEER_TOOLS),$(PEERS_DIR)/$(firstword $(subst ==, ,$(pin)))/.installed)
+
+test-peers: install peer-installs
+	SPECDEC_PEERS=$(abspath $(PEERS_DIR)) $(VPY) -m pytest -q tests/peers
 
 test-unit: install
 	$(VPY) -m pytest -q tests/unit
