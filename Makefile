@@ -11,7 +11,7 @@ CHECKOV_VER  ?= 3.3.30
 LM_EVAL_VENV ?= .cache/peers/lm-eval
 LM_EVAL_VER  ?= 0.4.13
 
-.PHONY: install dist models demo demo-tiny bench bench-quick bench-structured up proto proto-check lint lint-proto format test test-unit test-integration test-lm-eval clean \
+.PHONY: install dist models demo demo-tiny bench bench-quick bench-structured up proto proto-check lint lint-proto format test test-unit test-integration test-lm-eval lm-eval-install test-peers peer-installs clean \
         chart-test system-deps test-deps base-image wheels images image-test lint-docker \
         docs docs-serve docs-gen docs-screenshots
 
@@ -122,14 +122,41 @@ system-deps:
 # The lm-eval peer test: lm-eval's local-completions client against `specdec up --http-port`
 # on the tiny test models scores tests/peers/lm_eval's loglikelihood task exactly as its own
 # hf model type does (tests/peers/lm_eval/run.py). The install is cached in $(LM_EVAL_VENV).
-test-lm-eval: install $(LM_EVAL_VENV)/.installed
+test-lm-eval: install lm-eval-install
 	$(VPY) tests/peers/lm_eval/run.py --lm-eval $(abspath $(LM_EVAL_VENV))/bin/lm-eval
+
+lm-eval-install: $(LM_EVAL_VENV)/.installed
 
 $(LM_EVAL_VENV)/.installed:
 	test -x $(LM_EVAL_VENV)/bin/python || $(PY) -m venv $(LM_EVAL_VENV)
 	$(LM_EVAL_VENV)/bin/python -m pip install -q torch==$(TORCH_VER)
 	$(LM_EVAL_VENV)/bin/python -m pip install -q "lm-eval[api,hf]==$(LM_EVAL_VER)"
 	touch $@
+# Peer tools as tests (tests/peers): guidellm and aiperf (the successor of genai-perf;
+# inference-perf needs Python >= 3.12), pinned, each in its own virtualenv under
+# .cache/peers/<tool> (torch's CPU wheel first, then the tool; never in .venv), run against
+# `specdec up` on tiny models: every request they send must succeed. The installs are
+# cached there; a changed pin reinstalls.
+PEERS_DIR    ?= .cache/peers
+GUIDELLM_VER ?= 0.8.1
+AIPERF_VER   ?= 0.13.0
+PEER_TOOLS := guidellm==$(GUIDELLM_VER) aiperf==$(AIPERF_VER)
+
+$(PEERS_DIR)/%/.installed:
+	rm -rf $(PEERS_DIR)/$*
+	$(PY) -m venv $(PEERS_DIR)/$*
+	$(PEERS_DIR)/$*/bin/pip install -q torch==$(TORCH_VER)
+	$(PEERS_DIR)/$*/bin/pip install -q $(filter $*==%,$(PEER_TOOLS))
+	echo "$(filter $*==%,$(PEER_TOOLS))" > $@
+
+peer-installs:
+	@for pin in $(PEER_TOOLS); do tool=$${pin%%==*}; \
+		grep -qxF "$$pin" $(PEERS_DIR)/$$tool/.installed 2>/dev/null || rm -f $(PEERS_DIR)/$$tool/.installed; \
+	done
+	$(MAKE) $(foreach pin,$(PEER_TOOLS),$(PEERS_DIR)/$(firstword $(subst ==, ,$(pin)))/.installed)
+
+test-peers: install peer-installs
+	SPECDEC_PEERS=$(abspath $(PEERS_DIR)) $(VPY) -m pytest -q tests/peers
 
 test-unit: install
 	$(VPY) -m pytest -q tests/unit

@@ -373,9 +373,11 @@ def test_http_bad_controls_are_400(stack, extra, message):
 @pytest.fixture(scope="module")
 def same(test_models):
     """A stack whose drafter is the target itself."""
-    with small_stack(test_models.target, test_models.target) as s:
-        with Client(s["gateway"].address, timeout=300) as c:
-            yield c
+    with (
+        small_stack(test_models.target, test_models.target) as s,
+        Client(s["gateway"].address, timeout=300) as c,
+    ):
+        yield c
 
 
 @pytest.mark.parametrize("ssd", [False, True])
@@ -394,3 +396,26 @@ def test_drafter_applies_the_same_processors(same, tokenizer, hf, ssd):
     assert got.stats.draft_tokens > 0 and got.stats.acceptance_rate == 1.0, got.stats
     if ssd:
         assert got.stats.ssd_hits > 0, got.stats
+
+
+@pytest.mark.parametrize("ssd", [False, True])
+def test_sampled_drafts_follow_the_processed_target(same, tokenizer, ssd):
+    """Under sampling, a drafter that is the target draws from the target's own processed
+    distribution (up to the fp16 rounding it travels in), so nearly every draft token is
+    accepted; a seeded request repeats itself exactly."""
+    kwargs = {  # strong enough that the raw and the processed distributions differ a lot
+        "presence_penalty": 2.0,
+        "frequency_penalty": 2.0,
+        "repetition_penalty": 2.0,
+        "logit_bias": {45: 8.0, 73: 8.0, 91: 8.0},
+    }
+    ids = ids_of(tokenizer, PROMPTS[3])
+    runs = [
+        same.generate(
+            token_ids=ids, max_new_tokens=N, k=3, ssd=ssd, temperature=1.0, seed=11, **kwargs
+        )
+        for _ in range(2)
+    ]
+    assert runs[0].tokens == runs[1].tokens
+    stats = runs[0].stats
+    assert stats.draft_tokens > 0 and stats.acceptance_rate > 0.9, stats
