@@ -10,7 +10,7 @@ A round under a grammar (specdec.gateway.loop):
 1. The draft is walked through a copy of the matcher: the mask of each draft position is
    the tokens the grammar allows after the context and the draft tokens before it.
 2. The draft is cut after its first forbidden token. That token stays: the verifier's
-   masked target gives it probability 0, so it is rejected for certain and the recovered
+   masked target p gives it probability 0, so it is rejected for certain and the recovered
    token is drawn from norm(max(0, p - q)) at its position, exactly as for the uncut
    draft (dropping it instead would sample that position from p and skew the output
    whenever q put mass on forbidden tokens). Nothing after it can be reached.
@@ -18,7 +18,8 @@ A round under a grammar (specdec.gateway.loop):
 3. The verifier gets the k+1 masks (`GrammarMask`: a bitset of ceil(vocab/8) bytes, or the
    allowed ids when fewer than vocab/32) and sets the target's forbidden logits to -inf
    before temperature, top-k and top-p (specdec.common.masks). Exactness never depends on
-   the drafter: it drafts unconstrained and the cut above is what keeps its drafts useful.
+   the drafter, which drafts without the grammar: the cut only spares the verifier the
+   tokens after a certain rejection.
 4. The round's tokens advance the request's matcher. EOS is allowed only where the grammar
    accepts; once it has completed only EOS is, so the generation ends there
    (FINISH_REASON_EOS, "stop" over HTTP).

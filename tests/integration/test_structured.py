@@ -10,14 +10,17 @@ from __future__ import annotations
 import json
 import math
 
+import grpc
 import llguidance
 import openai
 import pytest
 import torch
 from transformers import LogitsProcessorList
 
+from specdec.common.prefix import prefix_hash
 from specdec.sdk import Client, InvalidArgument
 from specdec.tools.bench.structured import GrammarProcessor
+from specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from tests.conftest import PROMPTS
 from tests.integration.test_gateway import gateway, replica
 from tests.integration.test_http import free_port
@@ -106,6 +109,7 @@ def stack(test_models):
         procs += [plain, ssd]
         plain.wait_healthy(), ssd.wait_healthy()
         yield {
+            "verifier": v.address,
             "plain": plain.address,
             "ssd": ssd.address,
             "http": f"http://127.0.0.1:{http_port}/v1",
@@ -173,6 +177,33 @@ def test_invalid_grammar_is_invalid_argument(stack, spec, named):
     ):
         client.generate("hello", max_new_tokens=4, structured_output=spec)
     assert named in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("masks", "named"),
+    [
+        ([verifier_pb2.GrammarMask(allowed_ids=[1])], "1 masks for 2"),
+        ([verifier_pb2.GrammarMask(allowed_ids=[10**6])] * 2, "outside"),
+        ([verifier_pb2.GrammarMask(allowed_bits=b"\x01")] * 2, "bytes"),
+        ([verifier_pb2.GrammarMask(allowed_bits=b"\x00" * 48)] * 2, "no token"),
+    ],
+)
+def test_verifier_refuses_bad_masks_and_keeps_serving(stack, masks, named):
+    with grpc.insecure_channel(stack["verifier"]) as channel:
+        verifier = verifier_pb2_grpc.VerifierServiceStub(channel)
+        request = verifier_pb2.VerifyRequest(
+            session_id="s/bad-masks",
+            prefix=common_pb2.CachedPrefix(length=0, hash=prefix_hash([])),
+            new_tokens=[5, 6],
+            draft_tokens=[7],
+            grammar_masks=masks,
+        )
+        with pytest.raises(grpc.RpcError) as e:
+            verifier.Verify(request, timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "grammar_masks" in e.value.details() and named in e.value.details()
+        del request.grammar_masks[:]
+        assert verifier.Verify(request, timeout=60).cached_length >= 2  # still serving
 
 
 def test_server_info_names_the_engine(stack):

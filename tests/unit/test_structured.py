@@ -151,3 +151,75 @@ def test_keeping_the_forbidden_draft_token_is_exact():
     dropped_freq = torch.bincount(dropped, minlength=4) / n
     assert ((kept_freq - masked).abs() <= 5 * sigma + 1e-9).all()
     assert ((dropped_freq - masked).abs() > 5 * sigma).any()
+
+
+def test_sdk_builds_each_kind():
+    from specdec.sdk.client import build_generate_request
+
+    def spec(**kw):
+        return build_generate_request("x", **kw).structured_output
+
+    assert json.loads(spec(structured_output={"json_schema": {"type": "object"}}).json_schema) == {
+        "type": "object"
+    }
+    assert spec(structured_output={"json_schema": '{"type":"string"}'}).json_schema == (
+        '{"type":"string"}'
+    )
+    assert spec(structured_output={"regex": "a+"}).regex == "a+"
+    assert list(spec(structured_output={"choice": ["a", "b"]}).choice.choices) == ["a", "b"]
+    assert spec(structured_output={"json_object": True}).HasField("json_object")
+    assert not build_generate_request("x").HasField("structured_output")
+    for bad in ({"regex": "a", "choice": ["a"]}, {"grammar": "x"}, "json"):
+        with pytest.raises(ValueError, match="structured_output"):
+            build_generate_request("x", structured_output=bad)
+
+
+@pytest.mark.parametrize(
+    ("fields", "kind", "value"),
+    [
+        ({"response_format": {"type": "json_object"}}, "json_object", None),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {"type": "object"}},
+                }
+            },
+            "json_schema",
+            '{"type": "object"}',
+        ),
+        ({"guided_json": {"type": "object"}}, "json_schema", '{"type": "object"}'),
+        ({"guided_regex": "[0-9]+"}, "regex", "[0-9]+"),
+        ({"guided_choice": ["a", "b"]}, "choice", None),
+        ({"response_format": {"type": "text"}}, None, None),
+    ],
+)
+def test_http_fields_become_structured_output(fields, kind, value):
+    from specdec.gateway.http import api
+
+    req, _ = api.completion_request({"prompt": "x", **fields}, "m")
+    if kind is None:
+        assert not req.HasField("structured_output")
+        return
+    assert req.structured_output.WhichOneof("kind") == kind
+    if value is not None:
+        assert getattr(req.structured_output, kind) == value
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"response_format": {"type": "yaml"}}, "json_object"),
+        ({"response_format": "json"}, "type"),
+        ({"response_format": {"type": "json_schema", "json_schema": []}}, "schema"),
+        ({"guided_regex": 3}, "guided_regex must be a string"),
+        ({"guided_choice": "a"}, "list of strings"),
+        ({"guided_json": 3}, "guided_json"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "not several"),
+    ],
+)
+def test_bad_http_fields_are_400(fields, match):
+    from specdec.gateway.http import api
+
+    with pytest.raises(InvalidRequest, match=match):
+        api.completion_request({"prompt": "x", **fields}, "m")

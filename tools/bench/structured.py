@@ -177,6 +177,8 @@ def run_structured(args: argparse.Namespace) -> int:
                             "draft_tokens": stats.draft_tokens if stats else 0,
                             "accepted_tokens": stats.accepted_tokens if stats else 0,
                             "rounds": stats.rounds if stats else 0,
+                            "ssd_hits": stats.ssd_hits if stats else 0,
+                            "ssd_misses": stats.ssd_misses if stats else 0,
                         }
                     )
                     print(f"prompt {i} {mode:<14} {len(tokens) / seconds:6.2f} tok/s", flush=True)
@@ -217,6 +219,8 @@ def summarize(samples: dict[str, list[dict]], modes: list[str]) -> list[dict]:
         drafted = sum(s["draft_tokens"] for s in runs)
         accepted = sum(s["accepted_tokens"] for s in runs)
         rounds = sum(s["rounds"] for s in runs)
+        hits = sum(s.get("ssd_hits", 0) for s in runs)
+        misses = sum(s.get("ssd_misses", 0) for s in runs)
         constrained = mode.endswith("json")
         rows.append(
             {
@@ -229,6 +233,7 @@ def summarize(samples: dict[str, list[dict]], modes: list[str]) -> list[dict]:
                     [s["tokens"] for s in runs] == reference if constrained else None
                 ),
                 "valid_json": sum(valid(s["text"]) for s in runs) if constrained else None,
+                "ssd_hit_rate": round(hits / (hits + misses), 3) if hits + misses else None,
                 "prompts": len(runs),
             }
         )
@@ -240,13 +245,14 @@ def render(rows: list[dict]) -> str:
         return "" if v is None else str(v)
 
     lines = [
-        "| mode | tok/s | acceptance | accepted/round | = target json | valid JSON |",
-        "|---|---|---|---|---|---|",
+        "| mode | tok/s | acceptance | accepted/round | SSD hits | = target json | valid JSON |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         valid_cell = "" if r["valid_json"] is None else f"{r['valid_json']}/{r['prompts']}"
         lines.append(
             f"| {r['mode']} | {r['tokens_per_second']} | {cell(r['acceptance_rate'])} | "
-            f"{cell(r['mean_accepted_length'])} | {cell(r['equals_target_json'])} | {valid_cell} |"
+            f"{cell(r['mean_accepted_length'])} | {cell(r['ssd_hit_rate'])} | "
+            f"{cell(r['equals_target_json'])} | {valid_cell} |"
         )
     return "\n".join(lines) + "\n"
