@@ -132,3 +132,17 @@ def test_bad_arguments_are_named(test_models, distilled, tmp_path, capsys):
         assert message in capsys.readouterr().err, flags
     assert specdec([*distill_args(test_models, tmp_path / "x", "--data", str(tmp_path))]) == 2
     assert "no record-*.jsonl files" in capsys.readouterr().err
+
+
+def test_the_output_keeps_the_parents_dtype(test_models, distilled, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    parent = tmp_path / "bf16"
+    model = AutoModelForCausalLM.from_pretrained(test_models.draft_small, dtype=torch.bfloat16)
+    model.save_pretrained(parent)
+    AutoTokenizer.from_pretrained(test_models.draft_small).save_pretrained(parent)
+    out = tmp_path / "out"
+    argv = distill_args(test_models, out, "--data", str(distilled / "distill"), "--steps", "2")
+    argv[argv.index(str(test_models.draft_small))] = str(parent)
+    assert specdec(argv) == 0  # trains in float32 (--dtype), saves as its parent
+    assert {w.dtype for w in load_file(out / "model.safetensors").values()} == {torch.bfloat16}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -90,7 +91,7 @@ def run_prompts(args: argparse.Namespace) -> int:
     return 0
 
 
-def target_outputs(args, tokenizer, vocab_note: dict) -> list[Sequence]:
+def target_outputs(args, tokenizer, note: dict) -> list[Sequence]:
     """--prompts: the target's greedy continuation of each prompt (cached in OUT)."""
     import torch
     from tqdm.auto import tqdm
@@ -102,6 +103,7 @@ def target_outputs(args, tokenizer, vocab_note: dict) -> list[Sequence]:
     cache = Path(args.out) / "distill" / "data.jsonl"
     if cache.exists() and args.resume:
         return load_recordings(cache.parent, len(tokenizer))
+    started = time.perf_counter()
     prompts = load_prompts(args.prompts)
     model = (
         AutoModelForCausalLM.from_pretrained(
@@ -126,7 +128,8 @@ def target_outputs(args, tokenizer, vocab_note: dict) -> list[Sequence]:
                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
             )
         out.append(Sequence(tuple(ids), tuple(y[0, len(ids) :].tolist())))
-    vocab_note["generated_tokens"] = sum(len(s.output_ids) for s in out)
+    note["generated_tokens"] = sum(len(s.output_ids) for s in out)
+    note["generation_minutes"] = (time.perf_counter() - started) / 60
     write_rows(cache, out, str(args.target_model))
     del model
     return out

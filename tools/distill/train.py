@@ -218,6 +218,16 @@ def prepare(draft, settings: TrainSettings):
     return draft
 
 
+def parent_weights_dtype(draft_path: str) -> torch.dtype:
+    """The dtype the drafter's checkpoint is stored in (its config's), float32 if unsaid:
+    the distilled drafter is saved the same way, whatever dtype it trained in."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(draft_path)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return DTYPES.get(str(dtype).replace("torch.", ""), torch.float32)
+
+
 def trainable(model) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
@@ -309,7 +319,7 @@ def distill(
     for p in target.parameters():
         p.requires_grad_(False)
     draft = AutoModelForCausalLM.from_pretrained(draft_path, dtype=DTYPES[dtype]).to(device)
-    saved_dtype = getattr(draft.config, "dtype", None) or getattr(draft.config, "torch_dtype", None)
+    parent_dtype = parent_weights_dtype(draft_path)  # what the output is saved in
     t_vocab = target.get_output_embeddings().weight.shape[0]
     d_vocab = draft.get_output_embeddings().weight.shape[0]
     if t_vocab != d_vocab:
@@ -359,8 +369,7 @@ def distill(
         model = model.merge_and_unload()  # plain weights: the drafter serves a checkpoint
     after = agreement(model, target, held, settings, device, eval_temperature)
 
-    model_dtype = DTYPES.get(str(saved_dtype).replace("torch.", ""), torch.float32)
-    model.to("cpu", dtype=model_dtype).save_pretrained(out)
+    model.to("cpu", dtype=parent_dtype).save_pretrained(out)
     AutoTokenizer.from_pretrained(draft_path).save_pretrained(out)
     version = check_version(version) if version else f"distill-{weights_digest(out)[:12]}"
     report = {
