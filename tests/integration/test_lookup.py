@@ -47,14 +47,15 @@ def lookup_stack(test_models):
         for p in procs:
             p.wait_healthy()
         http_port, metrics_port = free_port(), free_port()
+        hybrid = ["--method", "hybrid"]  # the gateway's own default, said (gateway() sets model)
         http = [
             "--http-port", str(http_port), "--metrics-port", str(metrics_port),
             "--suffix-cache-scope", "tenant", "--served-model-name", "tiny",
         ]  # fmt: skip
         gws = {
-            "own": gateway([drafter], [verifier], None, "--suffix-cache-scope", "off"),
-            "ssd": gateway([drafter], [verifier], None, "--ssd", "true"),
-            "http": gateway([drafter], [verifier], None, *http),
+            "own": gateway([drafter], [verifier], None, *hybrid, "--suffix-cache-scope", "off"),
+            "ssd": gateway([drafter], [verifier], None, *hybrid, "--ssd", "true"),
+            "http": gateway([drafter], [verifier], None, *hybrid, *http),
         }
         procs += gws.values()
         for g in gws.values():
