@@ -357,6 +357,8 @@ class Gateway:
             prediction=prediction or (),
             cache=self.suffix_cache,
             cache_key=key,
+            # A seeded sampled request stays reproducible: no drafts from other outputs.
+            draft_from_cache=not job.sampling.HasField("seed"),
         )
         return lookup
 
