@@ -47,6 +47,12 @@ def add_stack_arguments(p: argparse.ArgumentParser, port_default: int = 50051) -
     p.add_argument(
         "--ssd", action="store_true", help="gateway default: speculative speculative decoding"
     )
+    p.add_argument(
+        "--method",
+        choices=("model", "ngram", "suffix", "hybrid"),
+        default=None,
+        help="gateway default: where drafts come from (default: the gateway's, hybrid)",
+    )
     p.add_argument("--log-dir", help="write each service's log to DIR/<service>.log")
     p.add_argument(
         "--otlp-endpoint",
@@ -263,6 +269,7 @@ class LocalStack:
             str(a.default_k),
             "--ssd",
             "true" if getattr(a, "ssd", False) else "false",
+            *(["--method", a.method] if getattr(a, "method", None) else []),
             *(["--http-port", str(a.http_port)] if getattr(a, "http_port", 0) else []),
             *self._tls_flags(client_ca=False),
             *self._replica_tls_flags(),

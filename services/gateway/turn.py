@@ -517,6 +517,8 @@ class Gateway:
             prediction=prediction or (),
             cache=self.suffix_cache,
             cache_key=key,
+            # A seeded sampled request stays reproducible: no drafts from other outputs.
+            draft_from_cache=not job.sampling.HasField("seed"),
         )
         if lookup.active and job.k > 0:  # index the prompt (4k tokens: tens of ms) off the loop
             await asyncio.to_thread(lookup.follow, ctx)

@@ -47,7 +47,11 @@ def gateway(
     *flags: str,
     env: dict[str, str] | None = None,
 ) -> ServiceProcess:
-    """A gateway over the given replica processes on a free loopback port."""
+    """A gateway over the given replica processes on a free loopback port. Its default
+    method is `model` unless flags say otherwise: the tests built on it measure the draft
+    model's rounds (statistics per k, SSD); lookup drafts are tested in test_lookup.py."""
+    if "--method" not in flags:
+        flags = ("--method", "model", *flags)
     args = [
         "serve",
         "gateway",

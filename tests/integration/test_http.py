@@ -47,7 +47,8 @@ def http_gateway(
 ) -> ServiceProcess:
     return ServiceProcess.specdec(
         "gateway", "serve", "gateway", "--port", "0", "--host", "127.0.0.1",
-        "--drafter", drafter, "--verifier", verifier, "--http-port", str(http_port), *flags,
+        "--drafter", drafter, "--verifier", verifier, "--http-port", str(http_port),
+        "--method", "model", *flags,
         env=env,
     ).start()  # fmt: skip
 

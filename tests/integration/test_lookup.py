@@ -47,14 +47,15 @@ def lookup_stack(test_models):
         for p in procs:
             p.wait_healthy()
         http_port, metrics_port = free_port(), free_port()
+        hybrid = ["--method", "hybrid"]  # the gateway's own default, said (gateway() sets model)
         http = [
             "--http-port", str(http_port), "--metrics-port", str(metrics_port),
             "--suffix-cache-scope", "tenant", "--served-model-name", "tiny",
         ]  # fmt: skip
         gws = {
-            "own": gateway([drafter], [verifier], None, "--suffix-cache-scope", "off"),
-            "ssd": gateway([drafter], [verifier], None, "--ssd", "true"),
-            "http": gateway([drafter], [verifier], None, *http),
+            "own": gateway([drafter], [verifier], None, *hybrid, "--suffix-cache-scope", "off"),
+            "ssd": gateway([drafter], [verifier], None, *hybrid, "--ssd", "true"),
+            "http": gateway([drafter], [verifier], None, *hybrid, *http),
         }
         procs += gws.values()
         for g in gws.values():
@@ -287,3 +288,18 @@ def test_server_info_metrics_and_bad_input(lookup_stack):
     ):
         lines = [x for x in text.splitlines() if x.startswith(name)]
         assert lines and float(lines[0].split()[-1]) > 0, name
+
+
+def test_seeded_sampling_stays_reproducible_with_the_cache(lookup_stack, tokenizer):
+    """A seeded request drafts from its own text only: the cache of other outputs, which
+    changes between two identical requests, cannot change its seeded draws."""
+    ids = tokenizer(PROMPTS[5]).input_ids
+    with Client(lookup_stack["ssd"], timeout=300) as client:
+        client.generate(token_ids=ids, max_new_tokens=N, method="model")  # fills the cache
+        a, b = (
+            client.generate(
+                token_ids=ids, max_new_tokens=N, method="suffix", temperature=1.0, seed=11
+            )
+            for _ in range(2)
+        )
+    assert list(a.tokens) == list(b.tokens)

@@ -265,3 +265,12 @@ def test_parse_method():
     assert parse_method(" Hybrid") == gateway_pb2.SPECULATION_METHOD_HYBRID
     with pytest.raises(ValueError, match="model, ngram, suffix, hybrid"):
         parse_method("eagle")
+
+
+def test_a_seeded_request_drafts_from_its_own_text_only():
+    cache = SuffixCache(1000, SuffixParams(depth=8, max_match=4))
+    cache.add("", [1, 2, 3, 4, 5, 6, 7])
+    own = request_lookup(SUFFIX, output_from=0, cache=cache, draft_from_cache=False)
+    assert own.propose([9, 3, 4, 5], 3) is None
+    own.finish([8, 8, 8])  # its output still fills the cache
+    assert len(cache) == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from specdec.gateway.outcome import LOOKUP_SUFFIX, Outcome
 from specdec.gateway.policy import (
     ADAPTIVE,
     FIXED,
@@ -182,3 +183,31 @@ def test_probes_with_one_token_after_a_long_run_at_k0():
     rounds(policy, 12, k=4, accepted=0, verify_s=0.30, draft_s=0.40)
     ks = [policy.choose_k(4) for _ in range(12)]
     assert ks == [0] * 5 + [1] + [0] * 5 + [1]
+
+
+def lookup_outcome(k: int, accepted: int, queue: int = 0) -> Outcome:
+    return Outcome(
+        index=0, max_k=k, k=k, draft=tuple(range(k)), accepted=accepted, next_token=0,
+        source=LOOKUP_SUFFIX, draft_seconds=0.0, verify_seconds=0.01, queue_depth=queue,
+        resends=0,
+    )  # fmt: skip
+
+
+def test_lookup_drafts_are_free_so_long_ones_pay_until_the_verifier_saturates():
+    """choose_lookup_k: the bound before anything is measured; with d = 0, the whole bound
+    while lookups are accepted; short when they are mostly rejected; 0 at saturation.
+    Lookup verdicts do not move the draft model's acceptance."""
+    p = AdaptivePolicy(ssd=False, max_fan_out=1)
+    assert p.choose_lookup_k(16) == 16 and FixedPolicy().choose_lookup_k(16) == 16
+    for _ in range(20):
+        p.observe(lookup_outcome(16, 16))
+    assert p.choose_lookup_k(16) == 16
+    assert p.accepted == p.rejections == 0 and p.lookup_accepted == 320
+    bad = AdaptivePolicy(ssd=False, max_fan_out=1)
+    for _ in range(40):
+        bad.observe(lookup_outcome(16, 0))
+    assert 0 <= bad.choose_lookup_k(16) <= 2
+    busy = AdaptivePolicy(ssd=False, max_fan_out=1)
+    for _ in range(20):
+        busy.observe(lookup_outcome(8, 6, queue=8))
+    assert busy.choose_lookup_k(16) == 0

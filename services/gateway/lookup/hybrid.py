@@ -53,12 +53,16 @@ class RequestLookup:
         prediction: Sequence[int] = (),
         cache: SuffixCache | None = None,
         cache_key: str = "",
+        draft_from_cache: bool = True,
     ):
         self.method = method
         self.settings = settings
         self.output_from = output_from
         self.prediction = PredictionMatcher(prediction) if prediction else None
         self.cache = cache  # drafts under suffix / hybrid; every method's output fills it
+        # False for a seeded sampled request: its drafts, hence its seeded draws, must not
+        # depend on other requests' outputs (it stays reproducible).
+        self.draft_from_cache = draft_from_cache
         self.cache_key = cache_key
         self.ngram = (
             NgramIndex(settings.prompt_lookup_min, settings.prompt_lookup_max)
@@ -95,7 +99,7 @@ class RequestLookup:
         if self.grower is None:
             return None
         best = draft(self.grower.trie, ctx, k, self.settings.suffix)
-        if self.cache is not None:  # grower is set: the method is suffix or hybrid
+        if self.cache is not None and self.draft_from_cache:  # (the method: suffix, hybrid)
             cached = self.cache.draft(self.cache_key, ctx, k)
             if cached.score > best.score:
                 best = cached
