@@ -22,7 +22,19 @@ SUPPORTED_REQUEST_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
     "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "n",
+    "prediction",
+    "record",
 )
+
+
+def supported_request_fields(gateway: Gateway) -> list[str]:
+    """The optional request fields this gateway serves: SUPPORTED_REQUEST_FIELDS, and
+    structured_output when the grammar engine could read the model's tokenizer."""
+    return [*SUPPORTED_REQUEST_FIELDS, *(["structured_output"] if gateway.grammars else [])]
 
 
 def server_info(gateway: Gateway) -> gateway_pb2.GetServerInfoResponse:
@@ -51,7 +63,7 @@ def server_info(gateway: Gateway) -> gateway_pb2.GetServerInfoResponse:
         tokenizer_fingerprint=codec.fingerprint,
         eos_token_ids=sorted(gateway.eos_token_ids),
         bos_token_id=verifier.bos_token_id,
-        supported_request_fields=SUPPORTED_REQUEST_FIELDS,
+        supported_request_fields=supported_request_fields(gateway),
         max_stop_token_ids=MAX_STOP_TOKEN_IDS,
         max_logit_bias=MAX_LOGIT_BIAS,
         max_top_logprobs=request.MAX_TOP_LOGPROBS,

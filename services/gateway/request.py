@@ -161,6 +161,14 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
         raise InvalidRequest(
             "n > 1 cannot be used with a session id: a session continues one conversation"
         )
+    if req.HasField("structured_output") and (req.min_tokens or req.ignore_eos):
+        # A complete grammar allows only EOS: min_tokens would mask every token, and
+        # ignore_eos would ask for tokens after the grammar has ended.
+        which = "min_tokens" if req.min_tokens else "ignore_eos"
+        raise InvalidRequest(
+            f"structured_output cannot be combined with {which}: the grammar decides where "
+            "the output ends"
+        )
     method = spec.method or limits.default_method
     if method not in METHODS:
         raise InvalidRequest(

@@ -8,10 +8,9 @@ import pytest
 
 from specdec.common.errors import InvalidRequest
 from specdec.gateway.http import api
-from specdec.gateway.turn import Event
 from specdec.gateway.request import Job
 from specdec.gateway.text import Completion
-from specdec.gateway.turn import output_controls
+from specdec.gateway.turn import Event, output_controls
 from specdec.sdk.client import build_generate_request
 from specdec.v1 import common_pb2
 from tests.unit.test_text import codec  # noqa: F401  (the fixture)
@@ -148,3 +147,30 @@ def test_stream_options_continuous_usage_stats():
     assert [c["usage"]["completion_tokens"] for c in first] == [2, 2]
     (later,) = r.chunks(Event("b", [7], context_tokens=10), True, True)
     assert later["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}
+
+
+@pytest.mark.parametrize("field", ["min_tokens", "ignore_eos"])
+def test_structured_output_refuses_min_tokens_and_ignore_eos(field):
+    """A complete grammar allows only EOS: min_tokens or ignore_eos beside structured_output
+    would leave no token to draw, so the request is refused before any replica is called."""
+    from specdec.gateway.request import Limits, validate
+    from specdec.v1 import gateway_pb2
+
+    limits = Limits(
+        vocab_size=100,
+        max_context=64,
+        max_k=4,
+        default_k=2,
+        default_ssd=False,
+        default_k_policy=gateway_pb2.K_POLICY_FIXED,
+        max_new_tokens=32,
+        default_ttl=60,
+        max_session_ttl=600,
+    )
+    req = gateway_pb2.GenerateRequest(
+        prompt="hi", max_new_tokens=8, structured_output={"regex": "a+"}
+    )
+    validate(req, limits)  # alone: fine
+    setattr(req, field, 2 if field == "min_tokens" else True)
+    with pytest.raises(InvalidRequest, match=f"structured_output cannot be combined with {field}"):
+        validate(req, limits)

@@ -103,7 +103,14 @@ def test_greedy_verdict_unchanged_by_scores(runtime):
     )
     scored = runtime.drive(
         verify(
-            runtime, "lp/scored", Prefix(0, 0), PROMPT, DRAFT, None, SamplingParams(), logprobs=LogprobsAsk()
+            runtime,
+            "lp/scored",
+            Prefix(0, 0),
+            PROMPT,
+            DRAFT,
+            None,
+            SamplingParams(),
+            logprobs=LogprobsAsk(),
         )
     )
     assert (plain.accepted, plain.next_token) == (scored.accepted, scored.next_token)
@@ -147,7 +154,16 @@ def test_fork_copies_the_prefix_and_misses_cleanly(runtime, target_model):
 def test_a_one_token_prompt_has_no_prompt_scores(runtime):
     ask = LogprobsAsk(top=2, prompt=True)
     verdict = runtime.drive(
-        verify(runtime, "lp/one", Prefix(0, 0), PROMPT[:1], DRAFT[:2], None, SamplingParams(), logprobs=ask)
+        verify(
+            runtime,
+            "lp/one",
+            Prefix(0, 0),
+            PROMPT[:1],
+            DRAFT[:2],
+            None,
+            SamplingParams(),
+            logprobs=ask,
+        )
     )
     assert verdict.prompt_logprobs.chosen.shape == (0,)
     assert verdict.prompt_logprobs.top_ids.shape == (0, 2)

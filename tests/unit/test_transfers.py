@@ -120,7 +120,9 @@ def test_verify_copies_once(runtimes, params, k):
     assert counter.transfers == 1, counter.reads
     # Scores (logprobs, top_logprobs, the prompt's) travel in the same copy.
     ask = LogprobsAsk(top=3, prompt=True)
-    job = verify(verifier, session + "/lp", Prefix(0, 0), PROMPT, tokens, probs, params, logprobs=ask)
+    job = verify(
+        verifier, session + "/lp", Prefix(0, 0), PROMPT, tokens, probs, params, logprobs=ask
+    )
     scored, counter = counted(lambda: verifier.drive(job))
     assert scored.logprobs.chosen.shape == (scored.accepted + 1,)
     assert scored.prompt_logprobs.top_ids.shape == (len(PROMPT) - 1, 3)

@@ -48,7 +48,7 @@ from specdec.gateway.http.errors import (
     http_status,
 )
 from specdec.gateway.http.logprobs import LogprobsRenderer
-from specdec.gateway.info import SUPPORTED_REQUEST_FIELDS
+from specdec.gateway.info import supported_request_fields
 from specdec.gateway.turn import Gateway
 
 log = logging.getLogger(__name__)
@@ -353,7 +353,7 @@ class OpenAIServer:
             "owned_by": "specdec",
             "max_model_len": self.gateway.limits.max_context,
             # The optional request fields served (as GetServerInfo's supported_request_fields).
-            api.EXTENSION: {"supported_request_fields": list(SUPPORTED_REQUEST_FIELDS)},
+            api.EXTENSION: {"supported_request_fields": supported_request_fields(self.gateway)},
             "structured_output": (
                 {"engine": grammar.ENGINE, "kinds": list(grammar.KINDS)}
                 if self.gateway.grammars
