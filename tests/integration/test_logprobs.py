@@ -221,7 +221,10 @@ def test_grpc_stream_and_prompt_logprobs(stub, tokenizer, reference, scores):
     assert prompt.num_top == 2 and len(prompt.top_token_ids) == 2 * (len(ids) - 1)
     messages = list(stub.GenerateStream(req, timeout=300))
     assert [t for m in messages for t in m.logprobs.token_ids] == list(unary.token_ids)
-    assert [v for m in messages for v in m.logprobs.logprobs] == list(unary.logprobs.logprobs)
+    # Equal within float noise: under the hybrid default the stream's rounds may draft from
+    # the cache the unary request filled, so its forwards cover other spans.
+    streamed = [v for m in messages for v in m.logprobs.logprobs]
+    assert streamed == pytest.approx(list(unary.logprobs.logprobs), abs=ATOL)
     assert [m.HasField("prompt_logprobs") for m in messages].count(True) == 1
     assert messages[0].prompt_logprobs == prompt
 
