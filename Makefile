@@ -153,7 +153,7 @@ peer-installs:
 	@for pin in $(PEER_TOOLS); do tool=$${pin%%==*}; \
 		grep -qxF "$$pin" $(PEERS_DIR)/$$tool/.installed 2>/dev/null || rm -f $(PEERS_DIR)/$$tool/.installed; \
 	done
-	$(MAKE) $(foreach pin,$(PEER_TOOLS),$(PEERS_DIR)/$(firstword $(subst ==, ,$(pin)))/.installed)
+	$(MAKE) -j2 $(foreach pin,$(PEER_TOOLS),$(PEERS_DIR)/$(firstword $(subst ==, ,$(pin)))/.installed)
 
 test-peers: install peer-installs
 	SPECDEC_PEERS=$(abspath $(PEERS_DIR)) $(VPY) -m pytest -q tests/peers
