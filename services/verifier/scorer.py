@@ -91,12 +91,14 @@ def processed_target_logits(
     new_tokens: Sequence[int],
     draft_tokens: Sequence[int],
     controls: Controls | None,
+    grammar_masks: torch.Tensor | None = None,
     scored: int = 0,
 ) -> Generator[ForwardRequest, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The target's processed logits [k+1, vocab] at the draft's k+1 positions (the model's
     forward over new_tokens + draft_tokens, then the request's processors with the prefix
-    up to each position, specdec.common.processors.verify_logits): what the rule, greedy or
-    sampled, and the emitted tokens' log-probabilities read. Also the raw logits of the
+    up to each position, specdec.common.processors.verify_logits, then the grammar's masks,
+    specdec.common.masks.apply_masks): what the rule, greedy or sampled, and the emitted
+    tokens' log-probabilities read. Also the raw logits of the
     `scored` prompt positions before them [scored, vocab] (echo scores the prompt as the
     model sees it, without processors)."""
     k = len(draft_tokens)
@@ -104,10 +106,10 @@ def processed_target_logits(
         session, [*new_tokens, *draft_tokens], keep=scored + k + 1
     )  # [scored + k+1, vocab]
     prompt_logits, logits = logits[:scored], logits[scored:]
-    if controls is None:
-        return logits, prompt_logits
-    before = session.tokens[: len(session.tokens) - k]  # the sequence before the draft
-    return verify_logits(controls, before, draft_tokens, logits), prompt_logits
+    if controls is not None:
+        before = session.tokens[: len(session.tokens) - k]  # the sequence before the draft
+        logits = verify_logits(controls, before, draft_tokens, logits)
+    return apply_masks(logits, grammar_masks), prompt_logits
 
 
 def _verify(
@@ -130,9 +132,8 @@ def _verify(
     )
     scored = len(new_tokens) - 1 if ask is not None and ask.prompt else 0  # prompt rows
     target_logits, prompt_logits = yield from processed_target_logits(
-        runtime, session, new_tokens, draft_tokens, controls, scored
+        runtime, session, new_tokens, draft_tokens, controls, grammar_masks, scored
     )  # [k+1, vocab], [scored, vocab]
-    target_logits = apply_masks(target_logits, grammar_masks)  # the grammar after the processors
     extra: list[torch.Tensor] = []  # the scores asked for, copied with the verdict
     if params.greedy:
         # The target's choices [k+1], copied once; the rule on the host: accept while the
