@@ -73,7 +73,7 @@ class GatewayConfig:
     # Lookup drafts (specdec.gateway.lookup): the default SpeculationMethod, prompt
     # lookup's n-gram lengths, the suffix tries' depth and the cache of recent outputs.
     method: int = gateway_pb2.SPECULATION_METHOD_HYBRID
-    prompt_lookup_min: int = 3
+    prompt_lookup_min: int = 1
     prompt_lookup_max: int = 5
     suffix_depth: int = 24
     suffix_cache_tokens: int = 16384
@@ -130,10 +130,11 @@ class GatewayConfig:
             "--method",
             "where drafts come from when a request does not say: model (the drafter), "
             "ngram (prompt lookup), suffix (suffix decoding over the request and recent "
-            "outputs) or hybrid (a confident suffix match, else the drafter)",
+            "outputs) or hybrid (a prompt-lookup match of 3+ tokens or a confident match in "
+            "recent outputs, else the drafter's draft extended by prompt lookup)",
             "hybrid",
         )
-        add_setting(parser, "--prompt-lookup-min", "shortest n-gram prompt lookup matches", 3)
+        add_setting(parser, "--prompt-lookup-min", "shortest n-gram prompt lookup matches", 1)
         add_setting(parser, "--prompt-lookup-max", "longest n-gram prompt lookup matches", 5)
         add_setting(parser, "--suffix-depth", "depth of the suffix tries (tokens)", 24)
         add_setting(

@@ -81,6 +81,7 @@ class Draft:
     seconds: float = 0.0  # the gateway's wait for its Draft call
     resends: int = 0
     late_outcome: str | None = None  # the previous round's late Speculate, decided now
+    extended: int = 0  # lookup tokens appended to the draft model's draft (hybrid)
 
 
 @dataclass(slots=True)
@@ -174,12 +175,15 @@ class Speculator:
         with tracing.round_span(self._index) as span:
             draft = self._lookup(ctx, max_k, remaining)
             if draft is None:
-                draft = await self._draft(ctx, self.policy.choose_k(max_k))
+                draft = self._extend(
+                    ctx, await self._draft(ctx, self.policy.choose_k(max_k)), remaining
+                )
             draft, masks = self._constrain(draft)
             if draft.source in LOOKUP_SOURCES:
                 speculation = Speculation(SSD_OFF)
-            else:
-                speculation = self._speculate(ctx, draft.tokens, remaining)
+            else:  # SSD's branches follow the model's draft (the outcomes it can predict)
+                model_k = len(draft.tokens) - draft.extended
+                speculation = self._speculate(ctx, draft.tokens[:model_k], remaining)
             verify_sent = time.perf_counter()
             verdict, resends = await self._verify(ctx, draft, speculation, masks)
             verified = time.perf_counter()
@@ -191,6 +195,7 @@ class Speculator:
                 max_k=max_k,
                 k=len(draft.tokens),
                 draft=tuple(draft.tokens),
+                extended=draft.extended,
                 accepted=verdict.accepted_count,
                 next_token=verdict.next_token,
                 source=draft.source,
@@ -242,6 +247,22 @@ class Speculator:
         probs = () if self.greedy else [one_hot(t) for t in tokens]
         return Draft(tokens, probs, proposal.source)
 
+    def _extend(self, ctx: Sequence[int], draft: Draft, remaining: int) -> Draft:
+        """Under hybrid, the draft model's draft followed by the lookup's continuation of
+        it, up to the lookup bound: free tokens, verified in the same forward, that count
+        only when the whole model draft is accepted. q of each is one-hot."""
+        lookup, k = self.lookup, len(draft.tokens)
+        if lookup is None or lookup.method != HYBRID or k == 0:
+            return draft
+        bound = min(self.lookup_max_k, remaining - 1, self.max_context - len(ctx) - 1)
+        more = lookup.extend(ctx, draft.tokens, self.policy.choose_lookup_k(bound) - k)
+        if not more:
+            return draft
+        probs = () if self.greedy else [*draft.probs, *(one_hot(t) for t in more)]
+        return dataclasses.replace(
+            draft, tokens=[*draft.tokens, *more], probs=probs, extended=len(more)
+        )
+
     async def _draft(self, ctx: Sequence[int], k: int) -> Draft:
         """The round's draft of k tokens: the one SSD prepared for exactly this context,
         else a Draft call, else (no drafter could draft) none."""
@@ -281,7 +302,10 @@ class Speculator:
         cut = self.constraint.cut(draft.tokens)
         if cut.keep < len(draft.tokens):
             draft = dataclasses.replace(
-                draft, tokens=draft.tokens[: cut.keep], probs=draft.probs[: cut.keep]
+                draft,
+                tokens=draft.tokens[: cut.keep],
+                probs=draft.probs[: cut.keep],
+                extended=max(0, draft.extended - (len(draft.tokens) - cut.keep)),
             )
         return draft, cut.masks
 

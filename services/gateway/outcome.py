@@ -59,6 +59,9 @@ class Outcome:
     queue_depth: int  # model requests the verifier had queued when Verify arrived
     resends: int  # full-context resends of the round's Draft and Verify (miss, busy, failover)
     ssd: str = SSD_OFF  # SSD_OFF, SSD_PAUSED, SSD_HIT, SSD_MISS or SSD_LATE
+    # The last `extended` tokens of a draft model's draft are the lookup's continuation of
+    # it (hybrid); their label is LOOKUP_NGRAM.
+    extended: int = 0
     # The previous round's late Speculate, decided by this round's Draft: SSD_HIT when the
     # drafter answered it from the branch that Speculate stored, SSD_MISS otherwise.
     late_outcome: str | None = None
@@ -138,10 +141,16 @@ class RequestStats:
         self.no_match_rounds += o.source == NO_MATCH
         label = source_label(o.source) if k else None
         if label is not None:
-            row = self.by_source.setdefault(label, [0, 0, 0])
-            row[0] += 1
-            row[1] += k
-            row[2] += o.accepted
+            own = k - o.extended
+            self._count(label, own, min(o.accepted, own))
+            if o.extended:
+                self._count(LOOKUP_NGRAM, o.extended, max(0, o.accepted - own))
+
+    def _count(self, label: str, tokens: int, accepted: int) -> None:
+        row = self.by_source.setdefault(label, [0, 0, 0])
+        row[0] += 1
+        row[1] += tokens
+        row[2] += accepted
 
     @property
     def acceptance_rate(self) -> float:

@@ -149,7 +149,13 @@ class FixedPolicy:
         pass
 
     def observe_verify(
-        self, k: int, accepted: int, seconds: float, queue: int, lookup: bool = False
+        self,
+        k: int,
+        accepted: int,
+        seconds: float,
+        queue: int,
+        lookup: bool = False,
+        extended: int = 0,
     ) -> None:
         pass
 
@@ -295,16 +301,28 @@ class AdaptivePolicy:
             self.draft.add(seconds / k)
 
     def observe_verify(
-        self, k: int, accepted: int, seconds: float, queue: int, lookup: bool = False
+        self,
+        k: int,
+        accepted: int,
+        seconds: float,
+        queue: int,
+        lookup: bool = False,
+        extended: int = 0,
     ) -> None:
         """A Verify of k draft tokens: its verdict, round-trip time and reported queue;
-        `lookup`: the draft was a lookup draft (its acceptance is counted apart)."""
+        `lookup`: the draft was a lookup draft (its acceptance is counted apart);
+        `extended`: its last tokens were a lookup's continuation of a model draft (counted
+        as lookup tokens once the model's were all accepted)."""
+        own = k if lookup else k - extended
         if lookup:
             self.lookup_accepted += accepted
             self.lookup_rejections += accepted < k
         else:
-            self.accepted += accepted
-            self.rejections += accepted < k
+            self.accepted += min(accepted, own)
+            self.rejections += accepted < own
+            if extended and accepted >= own:
+                self.lookup_accepted += accepted - own
+                self.lookup_rejections += accepted < k
         self.queue.add(float(queue))
         self.verify.add(seconds / (1.0 + self.token_cost * k))
         self._verify_s = seconds
@@ -339,7 +357,12 @@ class AdaptivePolicy:
         if o.source == DRAFTED:
             self.observe_draft(o.k, o.draft_seconds)
         self.observe_verify(
-            o.k, o.accepted, o.verify_seconds, o.queue_depth, o.source in LOOKUP_SOURCES
+            o.k,
+            o.accepted,
+            o.verify_seconds,
+            o.queue_depth,
+            o.source in LOOKUP_SOURCES,
+            o.extended,
         )
         if o.ssd == SSD_LATE:
             self.observe_speculate(o.fan_out or 0, o.branch_k, None)

@@ -56,7 +56,13 @@ def lookup_stack(test_models):
             "own": gateway([drafter], [verifier], None, *hybrid, "--suffix-cache-scope", "off"),
             "ssd": gateway([drafter], [verifier], None, *hybrid, "--ssd", "true"),
             "http": gateway([drafter], [verifier], None, *hybrid, *http),
-        }
+            # n-grams of at most 2 tokens: never a confident lookup match (3), so every
+            # ngram draft is the extension of a model draft
+            "ext": gateway(
+                [drafter], [verifier], None, *hybrid, "--suffix-cache-scope", "off",
+                "--prompt-lookup-max", "2",
+            ),
+        }  # fmt: skip
         procs += gws.values()
         for g in gws.values():
             g.wait_healthy()
@@ -98,12 +104,12 @@ def test_greedy_equals_generate(lookup_stack, tokenizer, reference, method, ssd)
     if method == "model":
         assert set(sources) == {"model"}
         return
-    lookup = "ngram" if method == "ngram" else "suffix"
+    lookup = "suffix" if method == "suffix" else "ngram"
     drafts, _, accepted = sources[lookup]
     assert drafts > 0 and accepted > 0, sources
     if method == "hybrid":
         assert sources["model"][0] > 0  # the drafter where the lookup was not confident
-        mixed = [r for r in results if {"model", "suffix"} <= set(r.stats.by_source)]
+        mixed = [r for r in results if {"model", "ngram"} <= set(r.stats.by_source)]
         assert mixed  # one request went from the drafter to lookups and back
         if ssd:
             assert sum(r.stats.ssd_hits + r.stats.ssd_misses for r in results) > 0
@@ -204,6 +210,26 @@ def test_sampling_distribution_with_one_hot_lookup_drafts(lookup_stack, tokenize
     check_sequence_counts([tuple(r.tokens) for r in results], exact)
 
 
+def test_sampling_distribution_with_extended_model_drafts(lookup_stack, tokenizer, target_model):
+    """The same with model drafts of one token that prompt lookup extends (hybrid): each
+    Verify mixes the drafter's q and one-hot q. The tiny random target never continues a
+    token the way its context did, so the extensions here are proposed and rejected (the
+    residual path); their acceptance is checked on the rule itself
+    (test_sampled_model_draft_then_one_hot_extension_in_one_call)."""
+    ids = tokenizer(PROMPTS[0]).input_ids
+    # The likeliest continuations ahead of the prompt: a drafted token then occurred
+    # earlier (a 1-gram match) and the lookup has something to propose after it.
+    first = exact_sequence_probs(target_model, ids, steps=4, top_k=2)
+    ids = [t for seq in sorted(first, key=first.get, reverse=True)[:8] for t in seq] + ids
+    exact = exact_sequence_probs(target_model, ids, steps=4, top_k=2)
+    results = sample_top2(lookup_stack["ext"], ids, 1200, k=1, method="hybrid")
+    sources = by_source(results)
+    assert set(sources) == {"model", "ngram"}, sources
+    drafts, draft_tokens, _ = sources["ngram"]
+    assert drafts > 300 and draft_tokens > 600, sources
+    check_sequence_counts([tuple(r.tokens) for r in results], exact)
+
+
 def test_sampling_distribution_with_suffix_drafts(lookup_stack, tokenizer, target_model):
     """The same with drafts from the gateway's cache of outputs (method suffix, one-hot q)."""
     ids = tokenizer(PROMPTS[1]).input_ids
@@ -267,7 +293,7 @@ def test_server_info_metrics_and_bad_input(lookup_stack):
         info = client.server_info()
         assert info.default_method == "hybrid"
         assert info.lookup["suffix_cache_scope"] == "tenant"
-        assert info.lookup["prompt_lookup_min"] == 3 and info.lookup["prompt_lookup_max"] == 5
+        assert info.lookup["prompt_lookup_min"] == 1 and info.lookup["prompt_lookup_max"] == 5
         client.generate(token_ids=[5, 6, 7, 5, 6, 7, 5, 6, 7], max_new_tokens=8, method="suffix")
         with pytest.raises(InvalidArgument, match=r"prediction\.token_ids holds 999999"):
             client.generate(token_ids=[5], max_new_tokens=2, prediction=[999999])

@@ -39,9 +39,21 @@ def test_ngram_proposes_what_followed_the_longest_match():
     assert (tokens, n) == ([4, 0], 4)
 
 
-def test_ngram_latest_occurrence_wins_at_equal_length():
+def test_ngram_first_occurrence_wins_at_equal_length():
     seq = [7, 8, 1, 3, 7, 8, 2, 3, 7, 8]
-    assert ngram(seq, 2, 2).propose(1) == ([2], 2)
+    assert ngram(seq, 2, 2).propose(1) == ([1], 2)
+
+
+def test_ngram_matches_after_a_draft_that_is_not_indexed():
+    # The sequence ends "... 4"; a draft [5, 6] makes "4 5 6", seen before the 7 8.
+    seq = [1, 4, 5, 6, 7, 8, 9, 2, 4]
+    index = ngram(seq, 1, 3)
+    assert index.propose(3, [5, 6]) == ([7, 8, 9], 3)
+    assert index.propose(2, [9]) == ([2, 4], 1)  # the draft's own last token: a 1-gram
+    assert index.propose(2, [3]) == ([], 0)  # 3 never occurred
+    # "1 4 2" then the draft "1 4": the copy after "1 4" runs through the draft, then on
+    # through itself (period 3).
+    assert ngram([1, 4, 2], 1, 2).propose(4, [1, 4]) == ([2, 1, 4, 2], 2)
 
 
 def test_ngram_min_and_max():
@@ -67,6 +79,7 @@ def test_ngram_incremental_equals_built_at_once():
 def test_copy_after_continues_a_period():
     assert copy_after([1, 2, 3, 1, 2, 3, 1], 4, 6) == [2, 3, 1, 2, 3, 1]
     assert copy_after([4, 4], 1, 3) == [4, 4, 4]
+    assert copy_after([1, 2], 1, 5, [3]) == [2, 3, 2, 3, 2]  # through the draft, then itself
 
 
 # -- suffix -----------------------------------------------------------------------------
@@ -228,7 +241,7 @@ def test_methods_and_sources():
     got = request_lookup(SUFFIX, output_from=len(PATTERN)).propose(PATTERN, 4)
     assert got.source == SUFFIX and got.tokens == [3, 1, 4, 1]
     got = request_lookup(HYBRID, output_from=len(PATTERN)).propose(PATTERN, 4)
-    assert got.source == SUFFIX
+    assert got.source == NGRAM and got.tokens == [3, 1, 4, 1]
     # No repetition: hybrid falls back to the model (None), the lookups have nothing.
     fresh = list(range(40))
     for method in (NGRAM, SUFFIX, HYBRID):
@@ -239,9 +252,33 @@ def test_methods_and_sources():
 
 
 def test_hybrid_needs_a_confident_match():
-    short = [5, 6, 0, 1, 2, 3, 5, 6]  # a 2-token match: not confident
+    short = [5, 6, 0, 1, 2, 3, 5, 6]  # a 2-token match: not confident (3)
     assert request_lookup(SUFFIX, output_from=8).propose(short, 4) is not None
     assert request_lookup(HYBRID, output_from=8).propose(short, 4) is None
+    three = [5, 6, 7, 0, 1, 2, 5, 6, 7]
+    got = request_lookup(HYBRID, output_from=9).propose(three, 4)
+    assert got.source == NGRAM and got.tokens == [0, 1, 2, 5]
+
+
+def test_hybrid_takes_a_confident_cached_match_when_its_own_text_has_none():
+    cache = SuffixCache(1000, SuffixParams(depth=8, max_match=4, spec_factor=4.0))
+    cache.add("", [1, 2, 3, 4, 5, 6, 7, 8])
+    got = request_lookup(HYBRID, output_from=0, cache=cache).propose([9, 2, 3, 4, 5], 3)
+    assert got.source == SUFFIX and got.tokens == [6, 7, 8]
+    # a 2-token cached match is not confident: the draft model drafts
+    assert request_lookup(HYBRID, output_from=0, cache=cache).propose([9, 4, 5], 3) is None
+
+
+def test_hybrid_extends_a_model_draft_only():
+    ctx = [1, 2, 3, 4, 5, 6, 9, 1]
+    hybrid = request_lookup(HYBRID, output_from=4)
+    # The model drafted "2 3": "1 2 3" occurred, followed by "4 5 6".
+    assert hybrid.extend(ctx, [2, 3], 3) == [4, 5, 6]
+    assert hybrid.extend(ctx, [2, 3], 0) == []
+    assert hybrid.extend(ctx, [], 3) == []  # no model draft: nothing to extend
+    assert hybrid.extend(ctx, [7, 7], 3) == []  # "7 7" / "7" never occurred
+    for method in (MODEL, NGRAM, SUFFIX):
+        assert request_lookup(method, output_from=4).extend(ctx, [2, 3], 3) == []
 
 
 @pytest.mark.parametrize("method", [NGRAM, SUFFIX, HYBRID])

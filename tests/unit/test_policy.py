@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.gateway.outcome import LOOKUP_SUFFIX, Outcome
+from specdec.gateway.outcome import DRAFTED, LOOKUP_SUFFIX, Outcome, RequestStats
 from specdec.gateway.policy import (
     ADAPTIVE,
     FIXED,
@@ -211,3 +211,31 @@ def test_lookup_drafts_are_free_so_long_ones_pay_until_the_verifier_saturates():
     for _ in range(20):
         busy.observe(lookup_outcome(8, 6, queue=8))
     assert busy.choose_lookup_k(16) == 0
+
+
+def extended_outcome(model_k: int, extended: int, accepted: int) -> Outcome:
+    k = model_k + extended
+    return Outcome(
+        index=0, max_k=k, k=k, draft=tuple(range(k)), accepted=accepted, next_token=0,
+        source=DRAFTED, draft_seconds=0.01 * model_k, verify_seconds=0.01, queue_depth=0,
+        resends=0, extended=extended,
+    )  # fmt: skip
+
+
+def test_a_lookup_extension_counts_apart_from_the_model_draft():
+    """A model draft of 3 extended by 5 lookup tokens: the model's acceptance counts its
+    own 3 tokens; the extension counts once those were all accepted, as a lookup draft.
+    The request's statistics split the round the same way (by_source)."""
+    p = AdaptivePolicy(ssd=False, max_fan_out=1)
+    stats = RequestStats()
+    for o in (
+        extended_outcome(3, 5, 1),  # model rejected at its 2nd token: extension unseen
+        extended_outcome(3, 5, 3),  # model all accepted, the extension's 1st rejected
+        extended_outcome(3, 5, 8),  # everything accepted
+    ):
+        p.observe(o)
+        stats.observe(o)
+    assert (p.accepted, p.rejections) == (7, 1)
+    assert (p.lookup_accepted, p.lookup_rejections) == (5, 1)
+    assert stats.by_source == {"model": [3, 9, 7], "ngram": [3, 15, 5]}
+    assert stats.draft_tokens == 24 and stats.accepted_tokens == 12

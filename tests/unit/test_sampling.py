@@ -954,3 +954,36 @@ def test_greedy_verdict_is_rejection_sample_greedy():
             accepted, nxt = rejection_sample(drafts, None, logits, None, True)
             choices = logits[0].argmax(dim=-1).tolist()
             assert greedy_verdict(drafts[0].tolist(), choices) == (int(accepted), int(nxt))
+
+
+def test_sampled_model_draft_then_one_hot_extension_in_one_call():
+    """A hybrid round: the drafter's token d1 ~ q1 (dense q), then a lookup's extension e
+    with one-hot q, verified together. The first token follows p1; where d1 was accepted
+    the second follows p2: e with probability p2(e), else the residual, p2 without e."""
+    n = 60000
+    q1 = torch.tensor([0.1, 0.6, 0.3, 0.0])
+    p1 = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    p2 = torch.tensor([0.2, 0.5, 0.3, 0.0])  # the target after d1 (one row for every d1)
+    e = 1
+    d1 = torch.multinomial(q1, n, replacement=True, generator=_gen(3))
+    draft = torch.stack([d1, torch.full((n,), e)], 1)
+    draft_probs = torch.stack([q1, torch.tensor(_one_hot(e, 4))]).expand(n, 2, 4).contiguous()
+    bonus = torch.tensor(_one_hot(3, 4))
+    target = torch.stack([p1, p2, bonus]).expand(n, 3, 4).contiguous()
+    acc, nxt = rejection_sample(draft, draft_probs, target, _gen(4), greedy=False)
+    first = torch.where(acc >= 1, d1, nxt)
+    for v in range(4):
+        share = (first == v).float().mean().item()
+        assert abs(share - p1[v].item()) <= 4.5 * math.sqrt(p1[v] * (1 - p1[v]) / n) + 1e-9
+    took = acc >= 1
+    second = torch.where(acc[took] == 2, e, nxt[took])
+    m = second.numel()
+    for v in range(4):
+        share = (second == v).float().mean().item()
+        assert abs(share - p2[v].item()) <= 4.5 * math.sqrt(p2[v] * (1 - p2[v]) / m) + 1e-9
+    assert (nxt[acc == 2] == 3).all()  # the bonus row
+    # The negative control: the same deterministic e sent with a uniform q (a wrong
+    # proposal distribution) is accepted whenever p2(e) >= 1/4: the second token is off.
+    wrong = torch.stack([q1, torch.full((4,), 0.25)]).expand(n, 2, 4).contiguous()
+    acc, nxt = rejection_sample(draft, wrong, target, _gen(4), greedy=False)
+    assert (acc[acc >= 1] == 2).float().mean().item() > p2[e].item() + 0.3
