@@ -145,28 +145,8 @@ class FixedPolicy:
     def choose_lookup_k(self, bound: int) -> int:
         return max(0, bound)
 
-    def observe_draft(self, k: int, seconds: float) -> None:
-        pass
-
-    def observe_verify(
-        self,
-        k: int,
-        accepted: int,
-        seconds: float,
-        queue: int,
-        lookup: bool = False,
-        extended: int = 0,
-    ) -> None:
-        pass
-
-    def observe_speculate(self, fan_out: int, branch_k: int, seconds: float | None) -> None:
-        pass
-
-    def observe_ssd(self, hit: bool) -> None:
-        pass
-
     def observe(self, outcome: Outcome) -> None:
-        pass
+        """Nothing a round shows changes a fixed policy."""
 
 
 class AdaptivePolicy:

@@ -43,7 +43,7 @@ def test_parse_policy():
 def test_fixed_policy_keeps_the_request_k_and_fan_out():
     policy = make_policy(FIXED, ssd=True, fan_out=3)
     assert isinstance(policy, FixedPolicy)
-    policy.observe_verify(4, 0, 10.0, 50)  # nothing it sees changes it
+    policy.observe(lookup_outcome(4, 0, queue=50))  # nothing it sees changes it
     assert [policy.choose_k(k) for k in (0, 2, 4)] == [0, 2, 4]
     assert policy.choose_fan_out(4, 4) == 3
 
