@@ -87,10 +87,11 @@ def test_bench_lookup_methods_on_the_grounded_set(tmp_path):
     result = json.loads((out / "results.json").read_text())
     modes = result["modes"]
     lookup = {f"{s}{m} k=2" for m in ("ngram", "suffix", "hybrid") for s in ("", "ssd ")}
-    assert lookup | {"target", "k=0", "k=2", "ssd k=2", "assisted", "prompt lookup"} <= set(modes)
+    anchors = {"prompt lookup", "prompt lookup, 2 CPUs"}
+    assert lookup | anchors | {"target", "k=0", "k=2", "ssd k=2", "assisted"} <= set(modes)
     assert result["meta"]["prompt_kinds"] == ["edit", "refactor", "extract"]
     assert result["meta"]["methods"] == ["ngram", "suffix", "hybrid"]
-    for name in lookup | {"prompt lookup"}:
+    for name in lookup | anchors:
         assert modes[name]["exact"], name
         assert modes[name]["tokens"] == 3 * 8, name
     for name in lookup:

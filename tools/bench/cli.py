@@ -120,7 +120,8 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
         "--drafters",
         default=DEFAULT_DRAFTER,
         help="drafter variants, comma-separated, each run on its own stack one after another "
-        f"with its rows named 'k=2 [name]' (known: {', '.join(DRAFTERS)})",
+        f"with its rows named 'k=2 [name]' (known: {', '.join(DRAFTERS)}; NAME=DIR serves "
+        "the drafter in DIR, NAME=DIR:VARIANT with a known variant's flags)",
     )
     p.add_argument(
         "--quick",
@@ -227,7 +228,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from specdec.tools.stack import pin_roles
 
     try:
-        drafters = parse_drafters(args.drafters)
+        drafters = args.drafter_variants = parse_drafters(args.drafters)
     except ValueError as e:
         print(f"specdec bench: {e}", file=sys.stderr)
         return 2
@@ -325,7 +326,7 @@ def run_bench(args: argparse.Namespace) -> int:
             # Per drafter variant, through its drafter service: the c of its rows' bound.
             "drafters": {
                 d: {
-                    "flags": list(DRAFTERS[d]),
+                    "flags": list(drafters[d]),
                     "cost_ratio": round(ratios[d], 4),
                     "draft_tokens_per_second": rows[f"draft [{d}]"]["tokens_per_second"],
                     "baseline": rows[f"draft [{d}]"]["baseline"],
@@ -368,14 +369,15 @@ def _run_variant(
     from specdec.tools.stack import LocalStack
 
     variant = argparse.Namespace(**vars(args))
-    variant.drafter_flags = [*DRAFTERS[drafter], "--max-draft-tokens", str(max(16, n))]
+    flags = args.drafter_variants[drafter]
+    variant.drafter_flags = [*flags, "--max-draft-tokens", str(max(16, n))]
     # Every mode runs the same prompts: a cache of earlier modes' outputs would draft the
     # answer itself. Lookups here see the request's own text (and its prediction) only.
     variant.gateway_flags = ["--suffix-cache-scope", "off", *(args.gateway_flags or ())]
     if args.log_dir and not first:
         variant.log_dir = str(Path(args.log_dir) / drafter)
     receiver = None
-    print(f"drafter variant {drafter}: {' '.join(DRAFTERS[drafter]) or 'as loaded'}", flush=True)
+    print(f"drafter variant {drafter}: {' '.join(flags) or 'as loaded'}", flush=True)
     with contextlib.ExitStack() as resources:
         if any(m.traced for m in modes):
             from specdec.tools.otlpsink import OtlpReceiver

@@ -7,7 +7,14 @@ import contextlib
 import os
 import time
 
-from specdec.tools.bench.modes import HF_PROMPT_LOOKUP_TOKENS, Mode, Prompt, Sample, encode_prompt
+from specdec.tools.bench.modes import (
+    HF_PROMPT_LOOKUP_TOKENS,
+    PROMPT_LOOKUP_2CPU,
+    Mode,
+    Prompt,
+    Sample,
+    encode_prompt,
+)
 from specdec.tools.bench.stats import first_difference
 
 
@@ -45,8 +52,9 @@ class HFRunner:
             return None, self.default_threads
         draft_cpu, target_cpu = self.pinned
         # The target alone is its own baseline, whichever variant's ("target", "target
-        # [int8]"): the verifier's one CPU, not assisted generation's two.
-        if mode.baseline == mode.name:
+        # [int8]"): the verifier's one CPU, not assisted generation's two. Prompt lookup
+        # runs the target alone too: the verifier's CPU, as a lookup method in the stack.
+        if mode.baseline == mode.name or mode.name == "prompt lookup":
             return {target_cpu}, 1
         if mode.name == "draft":
             return {draft_cpu}, 1
@@ -82,7 +90,7 @@ class HFRunner:
         extra: dict = {}
         if mode.name == "assisted":
             extra = {"assistant_model": self.draft}
-        elif mode.name == "prompt lookup":
+        elif mode.name in ("prompt lookup", PROMPT_LOOKUP_2CPU):
             extra = {"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS}
         streamer = FirstToken()
         input_ids = torch.tensor([ids])

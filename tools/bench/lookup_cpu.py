@@ -9,7 +9,8 @@ once per request) and of the rounds after it (incremental: only the new tokens a
 indexed), median, mean and 99th percentile of this thread's CPU time (time.thread_time:
 what the round costs the gateway's CPU, whatever else the machine runs), and the wall
 median beside it. No model and no process: the proposers alone, as
-the round calls them (`RequestLookup.propose`).
+the round calls them (`RequestLookup.propose`, and under hybrid `RequestLookup.extend` of a
+3-token model draft where it proposes nothing).
 """
 
 from __future__ import annotations
@@ -48,8 +49,11 @@ def measure(method: str, context: int, rounds: int, cache: SuffixCache, seed: in
     lookup = RequestLookup(method, LookupSettings(), output_from=len(ctx), cache=cache)
     times, walls, proposed = [], [], 0
     for _ in range(rounds + 1):
+        model_draft = ctx[-3:]  # what the drafter would draft, when hybrid asks it
         started, cpu = time.perf_counter(), time.thread_time()
         proposal = lookup.propose(ctx, 16)
+        if proposal is None:  # hybrid: the drafter drafts, the lookup extends its draft
+            lookup.extend(ctx, model_draft, 16 - len(model_draft))
         times.append(time.thread_time() - cpu)
         walls.append(time.perf_counter() - started)
         proposed += proposal is not None

@@ -31,6 +31,10 @@ LOOKUP_METHODS = ("ngram", "suffix", "hybrid")
 # transformers' prompt-lookup decoding (`prompt_lookup_num_tokens`): its documented example
 # value, the anchor row of the lookup methods.
 HF_PROMPT_LOOKUP_TOKENS = 10
+# Its row runs the target alone on the verifier's one CPU, as the target alone does (it uses
+# no draft model, so it gets the hardware a lookup method gets in the stack); its twin
+# "prompt lookup, 2 CPUs" also uses the drafter's CPU, as assisted generation does.
+PROMPT_LOOKUP_2CPU = "prompt lookup, 2 CPUs"
 
 
 @dataclass(frozen=True)
@@ -105,16 +109,37 @@ def pick_quick(prompts: list[Prompt]) -> list[Prompt]:
     return list(seen.values())[:QUICK_PROMPTS]
 
 
-def parse_drafters(text: str) -> list[str]:
-    """'bf16,int8' -> the variant names, each known to DRAFTERS and named once."""
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    unknown = [x for x in names if x not in DRAFTERS]
-    if not names or unknown:
-        what = f"unknown variant {unknown[0]!r}" if unknown else "no variant named"
-        raise ValueError(f"--drafters: {what}; known: {', '.join(DRAFTERS)}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"--drafters names a variant twice: {text!r}")
-    return names
+def parse_drafters(text: str) -> dict[str, tuple[str, ...]]:
+    """'bf16,int8,distilled=DIR,distilled-int8=DIR:int8' -> each variant's name and its
+    drafter flags, in order. A DRAFTERS name is that variant; NAME=DIR serves the model in
+    DIR (a distilled drafter, say) as it is loaded; NAME=DIR:VARIANT with VARIANT's flags
+    (int8 weights, say). Every name once."""
+    out: dict[str, tuple[str, ...]] = {}
+    for entry in (x.strip() for x in text.split(",")):
+        if not entry:
+            continue
+        name, _, where = entry.partition("=")
+        name = name.strip()
+        if not where:
+            if name not in DRAFTERS:
+                raise ValueError(
+                    f"--drafters: unknown variant {name!r}; known: {', '.join(DRAFTERS)}, "
+                    "or NAME=DIR[:VARIANT]"
+                )
+            flags = DRAFTERS[name]
+        else:
+            directory, _, base = where.rpartition(":")
+            if not directory or base not in DRAFTERS:  # no ':VARIANT' (or a ':' in DIR)
+                directory, base = where, DEFAULT_DRAFTER
+            if not name:
+                raise ValueError(f"--drafters: {entry!r} names no variant (NAME=DIR)")
+            flags = (*DRAFTERS[base], "--model", directory.strip())
+        if name in out:
+            raise ValueError(f"--drafters names a variant twice: {text!r}")
+        out[name] = flags
+    if not out:
+        raise ValueError(f"--drafters: no variant named; known: {', '.join(DRAFTERS)}")
+    return out
 
 
 def variant_name(base: str, drafter: str) -> str:
@@ -140,7 +165,8 @@ def build_modes(
 
     methods: lookup methods (LOOKUP_METHODS) with a row each at the largest k of `ks`
     (`hybrid k=4`) and at the largest of `ssd_ks` with SSD (`ssd hybrid k=4`); the shared
-    run then also measures transformers' prompt-lookup decoding (`prompt lookup`)."""
+    run then also measures transformers' prompt-lookup decoding (`prompt lookup` on the
+    verifier's CPU, `prompt lookup, 2 CPUs` on both)."""
     target = "target" if shared else f"target [{drafter}]"
     modes = [Mode(target, "hf", drafter=drafter, baseline=target)]
     if shared:
@@ -173,7 +199,7 @@ def build_modes(
     if shared:
         modes += [Mode("assisted", "hf"), Mode("draft", "hf", contender=False)]
         if methods:
-            modes.append(Mode("prompt lookup", "hf"))
+            modes += [Mode("prompt lookup", "hf"), Mode(PROMPT_LOOKUP_2CPU, "hf")]
     modes.append(
         Mode(f"draft [{drafter}]", "drafter", contender=False, drafter=drafter, baseline=target)
     )
