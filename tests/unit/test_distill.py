@@ -146,3 +146,25 @@ def test_the_output_keeps_the_parents_dtype(test_models, distilled, tmp_path):
     argv[argv.index(str(test_models.draft_small))] = str(parent)
     assert specdec(argv) == 0  # trains in float32 (--dtype), saves as its parent
     assert {w.dtype for w in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
+
+
+def test_batched_target_outputs_equal_one_prompt_at_a_time(target_model, tokenizer):
+    """--gen-batch-size: prompts of different lengths continued together (left-padded)
+    give each prompt the target's own greedy continuation, cut after its end token."""
+    import argparse
+
+    from specdec.tools.distill.cli import batch_greedy
+
+    args = argparse.Namespace(device="cpu", max_new_tokens=12)
+    texts = ["def f(x):", "The history of", "a b c d e f g h i j", "import os\nimport sys\n"]
+    prompts = [tokenizer(t).input_ids for t in texts]
+    eos = tokenizer.eos_token_id
+    got = batch_greedy(target_model, prompts, args, eos, eos)
+    for ids, out in zip(prompts, got, strict=True):
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            y = target_model.generate(
+                x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=12,
+                eos_token_id=eos, pad_token_id=eos,
+            )  # fmt: skip
+        assert out == y[0, len(ids) :].tolist()

@@ -64,6 +64,12 @@ def add_distill_parser(commands) -> argparse.ArgumentParser:
     p.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha")
     p.add_argument("--holdout", type=float, default=0.2, help="share of sequences held out")
     p.add_argument("--max-new-tokens", type=int, default=128, help="--prompts: target tokens")
+    p.add_argument(
+        "--gen-batch-size",
+        type=int,
+        default=8,
+        help="--prompts: prompts the target continues together (left-padded)",
+    )
     p.add_argument("--max-length", type=int, default=1024, help="tokens per training sequence")
     p.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue OUT's checkpoint")
@@ -93,7 +99,6 @@ def run_prompts(args: argparse.Namespace) -> int:
 
 def target_outputs(args, tokenizer, note: dict) -> list[Sequence]:
     """--prompts: the target's greedy continuation of each prompt (cached in OUT)."""
-    import torch
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
 
@@ -113,25 +118,56 @@ def target_outputs(args, tokenizer, note: dict) -> list[Sequence]:
         .eval()
     )
     eos = model.generation_config.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     limit = max(1, args.max_length - args.max_new_tokens)
-    out = []
-    for prompt in tqdm(prompts, desc="target outputs", disable=args.no_progress):
-        ids = encode_prompt(tokenizer, prompt)[-limit:]
-        x = torch.tensor([ids], device=args.device)
-        with torch.inference_mode():
-            y = model.generate(
-                x,
-                attention_mask=torch.ones_like(x),
-                do_sample=False,
-                max_new_tokens=args.max_new_tokens,
-                eos_token_id=eos,
-                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
-            )
-        out.append(Sequence(tuple(ids), tuple(y[0, len(ids) :].tolist())))
+    encoded = [encode_prompt(tokenizer, prompt)[-limit:] for prompt in prompts]
+    outputs: list[list[int]] = [[] for _ in encoded]
+    size = max(1, args.gen_batch_size)
+    # Prompts of similar length share a batch (less padding), in the file's order otherwise.
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+    groups = [order[i : i + size] for i in range(0, len(order), size)]
+    with tqdm(total=len(encoded), desc="target outputs", disable=args.no_progress) as bar:
+        for group in groups:
+            batch = batch_greedy(model, [encoded[i] for i in group], args, eos, pad)
+            for i, ids in zip(group, batch, strict=True):
+                outputs[i] = ids
+            bar.update(len(group))
+    out = [Sequence(tuple(ids), tuple(o)) for ids, o in zip(encoded, outputs, strict=True)]
     note["generated_tokens"] = sum(len(s.output_ids) for s in out)
     note["generation_minutes"] = (time.perf_counter() - started) / 60
     write_rows(cache, out, str(args.target_model))
     del model
+    return out
+
+
+def batch_greedy(model, prompts: list[list[int]], args, eos, pad: int) -> list[list[int]]:
+    """The target's greedy continuation of each prompt, generated together: left-padded to
+    one length, masked, each output cut after its first end-of-sequence token. A decode
+    step of 8 rows costs a CPU little more than a step of one (the weights are read once
+    per step), so the data comes several times faster than one prompt at a time.
+    bfloat16 rows padded to different lengths can break near-ties differently from a run
+    of one: training data, not a reference."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=args.device)
+    mask = torch.tensor(
+        [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=args.device
+    )
+    with torch.inference_mode():
+        y = model.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=args.max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
+    stops = set(eos if isinstance(eos, list) else [eos]) - {None}
+    out = []
+    for row in y[:, width:].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+        out.append(row[:end])
     return out
 
 
