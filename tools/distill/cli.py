@@ -142,11 +142,12 @@ def target_outputs(args, tokenizer, note: dict) -> list[Sequence]:
 
 def batch_greedy(model, prompts: list[list[int]], args, eos, pad: int) -> list[list[int]]:
     """The target's greedy continuation of each prompt, generated together: left-padded to
-    one length, masked, each output cut after its first end-of-sequence token. A decode
-    step of 8 rows costs a CPU little more than a step of one (the weights are read once
-    per step), so the data comes several times faster than one prompt at a time.
-    bfloat16 rows padded to different lengths can break near-ties differently from a run
-    of one: training data, not a reference."""
+    one length, masked, each output cut after its first end-of-sequence token. The
+    weights are read once per step for all rows: 120 stdlib prompts x 128 tokens came at
+    16 tok/s in batches of 8 against 10.7 one prompt at a time (the 1.5B target, bfloat16,
+    2 threads, Intel Xeon with AMX, 2026-11-25; padding to the longest prompt of a batch
+    eats part of the gain). bfloat16 rows padded to different lengths can break near-ties
+    differently from a run of one: training data, not a reference."""
     import torch
 
     width = max(len(p) for p in prompts)
