@@ -4,7 +4,9 @@ What a row holds (one JSON object per line, schema ``specdec.record/1``): the to
 target saw (the session's history and the turn's prompt: ``prompt_ids``, of which the first
 ``history_tokens`` are history), the ids it produced (``output_ids``), each speculation
 round's draft length and accepted count (``round_k``, ``round_accepted``, from the rounds'
-`Outcome`s), the drafter's model version, the target's model id, the sampling settings and
+`Outcome`s), where the draft came from (``round_source``: ``drafter``, ``prepared``, a
+lookup source, ...) and how many of its last tokens a lookup appended to a model draft
+(``round_extended``), the drafter's model version, the target's model id, the sampling settings and
 the finish reason. Token ids decode to the user's text: a recording holds user data. The
 user's session id is not stored.
 
@@ -74,6 +76,8 @@ def recording_row(
         "output_ids": list(output_ids),
         "round_k": [o.k for o in rounds],
         "round_accepted": [o.accepted for o in rounds],
+        "round_source": [o.source for o in rounds],
+        "round_extended": [o.extended for o in rounds],
         "finish_reason": finish_reason,
     }
 

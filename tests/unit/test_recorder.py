@@ -9,7 +9,7 @@ import shutil
 import pytest
 from prometheus_client import REGISTRY
 
-from specdec.gateway.outcome import NO_DRAFT, Outcome
+from specdec.gateway.outcome import DRAFTED, NO_DRAFT, Outcome
 from specdec.gateway.recorder import FILE_GLOB, Recorder, recording_row
 from specdec.tools.distill.data import load_recordings, read_rows
 from specdec.v1 import common_pb2
@@ -26,7 +26,9 @@ def dropped(reason: str) -> float:
     )
 
 
-def outcome(k: int, accepted: int, index: int) -> Outcome:
+def outcome(
+    k: int, accepted: int, index: int, source: str = NO_DRAFT, extended: int = 0
+) -> Outcome:
     return Outcome(
         index=index,
         max_k=k,
@@ -34,11 +36,12 @@ def outcome(k: int, accepted: int, index: int) -> Outcome:
         draft=tuple(range(k)),
         accepted=accepted,
         next_token=7,
-        source=NO_DRAFT,
+        source=source,
         draft_seconds=0.0,
         verify_seconds=0.0,
         queue_depth=0,
         resends=0,
+        extended=extended,
     )
 
 
@@ -47,7 +50,7 @@ def row(i: int, n_out: int = 3) -> dict:
         prompt_ids=[1, 2, 3, i],
         history_tokens=1,
         output_ids=list(range(10, 10 + n_out)),
-        rounds=[outcome(3, 2, 0), outcome(0, 0, 1)],
+        rounds=[outcome(3, 2, 0, DRAFTED, extended=1), outcome(0, 0, 1)],
         drafter_version="v1",
         target_model="target",
         sampling=common_pb2.SamplingParams(temperature=0.5, top_p=0.9, top_k=4),
@@ -64,6 +67,7 @@ def test_rows_round_trip(tmp_path):
     assert read_rows(path) == rows
     first = rows[0]
     assert first["round_k"] == [3, 0] and first["round_accepted"] == [2, 0]
+    assert first["round_source"] == ["drafter", "none"] and first["round_extended"] == [1, 0]
     assert first["drafter_version"] == "v1" and first["top_k"] == 4
     seqs = load_recordings(tmp_path, vocab_size=100)
     assert [s.prompt_ids for s in seqs] == [(1, 2, 3, i) for i in range(5)]

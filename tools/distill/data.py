@@ -90,6 +90,8 @@ def write_rows(path: Path, sequences: list[Sequence], target_model: str) -> None
                 "output_ids": list(s.output_ids),
                 "round_k": [],
                 "round_accepted": [],
+                "round_source": [],
+                "round_extended": [],
                 "finish_reason": "",
             }
             f.write(json.dumps(row, separators=(",", ":")) + "\n")
