@@ -22,7 +22,8 @@ drafter degrades a round to k = 0 (the same output, slower); it never fails a re
 
 A round's draft may also come from the request's lookup proposer
 (specdec.gateway.lookup: prompt lookup, suffix decoding, a prediction), built here from
-the token ids the gateway holds, without a drafter call. Its distribution is one-hot, so
+the token ids the gateway holds, without a drafter call; under hybrid, prompt lookup also
+extends the drafter's draft in the same round (`_extend`). Its distribution is one-hot, so
 under sampling it travels as SparseProbs(token_ids=[d], probs=[1.0]) and the verifier's
 rule accepts d with probability p(d) and recovers from p without d. A lookup round sends
 no Speculate: the next round's lookup draft is computed when the verdict arrives, in
@@ -234,8 +235,7 @@ class Speculator:
         lookup = self.lookup
         if lookup is None or max_k <= 0 or not lookup.active:
             return None
-        bound = min(self.lookup_max_k, remaining - 1, self.max_context - len(ctx) - 1)
-        k = self.policy.choose_lookup_k(bound)
+        k = self._lookup_k(ctx, remaining)
         proposal = lookup.propose(ctx, k)
         if proposal is None:
             if lookup.method in (MODEL, HYBRID):
@@ -254,14 +254,20 @@ class Speculator:
         lookup, k = self.lookup, len(draft.tokens)
         if lookup is None or lookup.method != HYBRID or k == 0:
             return draft
-        bound = min(self.lookup_max_k, remaining - 1, self.max_context - len(ctx) - 1)
-        more = lookup.extend(ctx, draft.tokens, self.policy.choose_lookup_k(bound) - k)
+        more = lookup.extend(ctx, draft.tokens, self._lookup_k(ctx, remaining) - k)
         if not more:
             return draft
         probs = () if self.greedy else [*draft.probs, *(one_hot(t) for t in more)]
         return dataclasses.replace(
             draft, tokens=[*draft.tokens, *more], probs=probs, extended=len(more)
         )
+
+    def _lookup_k(self, ctx: Sequence[int], remaining: int) -> int:
+        """The longest lookup draft (a model draft's extension included) this round may
+        verify: lookup_max_k, what is left before max_new_tokens and the context bound
+        it, then the policy chooses."""
+        bound = min(self.lookup_max_k, remaining - 1, self.max_context - len(ctx) - 1)
+        return self.policy.choose_lookup_k(bound)
 
     async def _draft(self, ctx: Sequence[int], k: int) -> Draft:
         """The round's draft of k tokens: the one SSD prepared for exactly this context,

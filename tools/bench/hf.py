@@ -9,6 +9,7 @@ import time
 
 from specdec.tools.bench.modes import (
     HF_PROMPT_LOOKUP_TOKENS,
+    PROMPT_LOOKUP,
     PROMPT_LOOKUP_2CPU,
     Mode,
     Prompt,
@@ -54,7 +55,7 @@ class HFRunner:
         # The target alone is its own baseline, whichever variant's ("target", "target
         # [int8]"): the verifier's one CPU, not assisted generation's two. Prompt lookup
         # runs the target alone too: the verifier's CPU, as a lookup method in the stack.
-        if mode.baseline == mode.name or mode.name == "prompt lookup":
+        if mode.baseline == mode.name or mode.name == PROMPT_LOOKUP:
             return {target_cpu}, 1
         if mode.name == "draft":
             return {draft_cpu}, 1
@@ -90,7 +91,7 @@ class HFRunner:
         extra: dict = {}
         if mode.name == "assisted":
             extra = {"assistant_model": self.draft}
-        elif mode.name in ("prompt lookup", PROMPT_LOOKUP_2CPU):
+        elif mode.name in (PROMPT_LOOKUP, PROMPT_LOOKUP_2CPU):
             extra = {"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS}
         streamer = FirstToken()
         input_ids = torch.tensor([ids])

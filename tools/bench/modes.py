@@ -34,6 +34,7 @@ HF_PROMPT_LOOKUP_TOKENS = 10
 # Its row runs the target alone on the verifier's one CPU, as the target alone does (it uses
 # no draft model, so it gets the hardware a lookup method gets in the stack); its twin
 # "prompt lookup, 2 CPUs" also uses the drafter's CPU, as assisted generation does.
+PROMPT_LOOKUP = "prompt lookup"
 PROMPT_LOOKUP_2CPU = "prompt lookup, 2 CPUs"
 
 
@@ -199,7 +200,7 @@ def build_modes(
     if shared:
         modes += [Mode("assisted", "hf"), Mode("draft", "hf", contender=False)]
         if methods:
-            modes += [Mode("prompt lookup", "hf"), Mode(PROMPT_LOOKUP_2CPU, "hf")]
+            modes += [Mode(PROMPT_LOOKUP, "hf"), Mode(PROMPT_LOOKUP_2CPU, "hf")]
     modes.append(
         Mode(f"draft [{drafter}]", "drafter", contender=False, drafter=drafter, baseline=target)
     )

@@ -122,7 +122,7 @@ def target_outputs(args, tokenizer, note: dict) -> list[Sequence]:
     limit = max(1, args.max_length - args.max_new_tokens)
     encoded = [encode_prompt(tokenizer, prompt)[-limit:] for prompt in prompts]
     outputs: list[list[int]] = [[] for _ in encoded]
-    size = max(1, args.gen_batch_size)
+    size = args.gen_batch_size
     # Prompts of similar length share a batch (less padding), in the file's order otherwise.
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     groups = [order[i : i + size] for i in range(0, len(order), size)]
@@ -192,6 +192,10 @@ def _run_distill(args: argparse.Namespace) -> int:
         if not (args.data or args.prompts):
             names.append("--data or --prompts")
         print(f"specdec distill: missing {', '.join(names)}", file=sys.stderr)
+        return 2
+    if args.gen_batch_size < 1:
+        why = f"--gen-batch-size must be >= 1, got {args.gen_batch_size}"
+        print(f"specdec distill: {why}", file=sys.stderr)
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
