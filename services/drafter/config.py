@@ -18,12 +18,18 @@ from specdec.common.config import (
 )
 from specdec.drafter.quantize import QUANTIZE_MODES, check_quantize
 
+# How Speculate ranks verification outcomes (--ssd-outcomes; specdec.drafter.speculate).
+CONFIDENCE = "confidence"  # d_i accepted with the drafter's own probability of it
+GEOMETRIC = "geometric"  # one acceptance rate: the request's, else --ssd-acceptance-prior
+OUTCOME_MODELS = (CONFIDENCE, GEOMETRIC)
+
 
 @dataclass(frozen=True)
 class DrafterConfig(ReplicaConfig):
     ssd_fan_out: int = 6  # branches prepared per round unless the request says
     ssd_max_per_outcome: int = 3  # at most this many next tokens per accepted count
-    ssd_acceptance_prior: float = 0.7  # ranks outcomes until the request sends its rate
+    ssd_outcomes: str = CONFIDENCE  # how Speculate ranks outcomes (OUTCOME_MODELS)
+    ssd_acceptance_prior: float = 0.7  # geometric: the rate until the request sends its own
     # Bound on the batched branch cache of one Speculate (branches x their KV tokens);
     # 0: unbounded. Fan-out shrinks to fit it, down to no branch (an SSD miss).
     ssd_max_branch_tokens: int = 65536
@@ -46,8 +52,16 @@ class DrafterConfig(ReplicaConfig):
         add_setting(parser, "--ssd-max-per-outcome", "SSD: next tokens tried per accepted count", 3)
         add_setting(
             parser,
+            "--ssd-outcomes",
+            "SSD: how outcomes are ranked: confidence (the drafter's probability of each "
+            "draft token) or geometric (one acceptance rate)",
+            "confidence",
+        )
+        add_setting(
+            parser,
             "--ssd-acceptance-prior",
-            "SSD: acceptance rate that ranks outcomes before a request has its own",
+            "SSD, --ssd-outcomes geometric: acceptance rate that ranks outcomes before a "
+            "request has its own",
             0.7,
         )
         add_setting(
@@ -109,6 +123,12 @@ class DrafterConfig(ReplicaConfig):
         return {
             "ssd_fan_out": parse_value(args, "--ssd-fan-out", int, _fan_out),
             "ssd_max_per_outcome": parse_value(args, "--ssd-max-per-outcome", int, positive),
+            "ssd_outcomes": parse_value(
+                args,
+                "--ssd-outcomes",
+                str,
+                lambda v: None if v in OUTCOME_MODELS else f"must be one of {OUTCOME_MODELS}",
+            ),
             "ssd_acceptance_prior": parse_value(
                 args,
                 "--ssd-acceptance-prior",

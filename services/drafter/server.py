@@ -137,6 +137,7 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             cfg.ssd_max_per_outcome,
             cfg.ssd_max_branch_tokens,
             controls,
+            cfg.ssd_outcomes,
         )
         return ModelCall(speculate, args, request.session_id, self._speculate_response)
 

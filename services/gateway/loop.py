@@ -25,10 +25,14 @@ A round's draft may also come from the request's lookup proposer
 the token ids the gateway holds, without a drafter call; under hybrid, prompt lookup also
 extends the drafter's draft in the same round (`_extend`). Its distribution is one-hot, so
 under sampling it travels as SparseProbs(token_ids=[d], probs=[1.0]) and the verifier's
-rule accepts d with probability p(d) and recovers from p without d. A lookup round sends
-no Speculate: the next round's lookup draft is computed when the verdict arrives, in
-microseconds, so there is nothing to prepare. The drafter's cache stays behind during
-lookup rounds; the next Draft names the prefix it still holds and sends what follows
+rule accepts d with probability p(d) and recovers from p without d. The next round's
+lookup draft is computed when the verdict arrives, in microseconds, so there is nothing to
+prepare for it; but under hybrid the next round may fall back to the draft model, so with
+SSD every hybrid round's Speculate covers the whole draft under verification (a lookup
+draft, or the model's draft and its extension) and prepares the model's next draft for
+its likeliest outcomes, on the drafter's otherwise idle core. A lookup method (ngram,
+suffix) never asks the drafter: its rounds send no Speculate, and the drafter's cache
+stays behind; a later Draft names the prefix it still holds and sends what follows
 (`new_tokens`), as after any other gap.
 """
 
@@ -180,11 +184,9 @@ class Speculator:
                     ctx, await self._draft(ctx, self.policy.choose_k(max_k)), remaining
                 )
             draft, masks = self._constrain(draft)
-            if draft.source in LOOKUP_SOURCES:
-                speculation = Speculation(SSD_OFF)
-            else:  # SSD's branches follow the model's draft (the outcomes it can predict)
-                model_k = len(draft.tokens) - draft.extended
-                speculation = self._speculate(ctx, draft.tokens[:model_k], remaining)
+            speculation = self._speculate(
+                ctx, draft.tokens, remaining, self._branch_k(draft, max_k)
+            )
             verify_sent = time.perf_counter()
             verdict, resends = await self._verify(ctx, draft, speculation, masks)
             verified = time.perf_counter()
@@ -243,9 +245,13 @@ class Speculator:
             self._ready = None
             return Draft((), (), NO_DRAFT if k <= 0 else NO_MATCH)
         self._ready = None  # an SSD draft prepared for this context goes unused
+        late_outcome = None
+        if self._late:  # the last Speculate answered after its verdict: its branches go
+            # unused (a lookup drafts this round), so it missed
+            self._late, late_outcome = False, SSD_MISS
         tokens = proposal.tokens[:k]
         probs = () if self.greedy else [one_hot(t) for t in tokens]
-        return Draft(tokens, probs, proposal.source)
+        return Draft(tokens, probs, proposal.source, late_outcome=late_outcome)
 
     def _extend(self, ctx: Sequence[int], draft: Draft, remaining: int) -> Draft:
         """Under hybrid, the draft model's draft followed by the lookup's continuation of
@@ -342,13 +348,26 @@ class Speculator:
         """The fork_from of a call that names `prefix` (empty once a call was answered)."""
         return self.fork_from.get(role, "") if prefix.length else ""
 
-    def _speculate(self, ctx: Sequence[int], draft: Sequence[int], remaining: int) -> Speculation:
-        """SSD's Speculate for the draft under verification, sent now; it changes no state
-        until `_settle` reads it. Its branches add their next token and branch_k drafts
-        after ctx + draft: they must fit the context, and the outcome "nothing accepted"
-        leaves remaining - 1 tokens, room for a round of remaining - 2 drafts."""
+    def _branch_k(self, draft: Draft, max_k: int) -> int:
+        """The longest model draft a Speculate beside this round's Verify may prepare: as
+        long as the model's part of the draft (what the next model round drafts again);
+        after a lookup draft (a prediction, or a hybrid's lookup), the request's k under
+        methods that fall back to the draft model; 0 under a lookup method, whose rounds
+        never ask the draft model."""
+        if draft.source not in LOOKUP_SOURCES:
+            return len(draft.tokens) - draft.extended
+        return max_k if self.lookup is not None and self.lookup.method in (MODEL, HYBRID) else 0
+
+    def _speculate(
+        self, ctx: Sequence[int], draft: Sequence[int], remaining: int, max_branch_k: int
+    ) -> Speculation:
+        """SSD's Speculate for the draft under verification (all of it: the model's tokens,
+        their lookup extension, or a lookup draft), sent now; it changes no state until
+        `_settle` reads it. Its branches add their next token and up to max_branch_k
+        drafts after ctx + draft: they must fit the context, and the outcome "nothing
+        accepted" leaves remaining - 1 tokens, room for a round of remaining - 2 drafts."""
         k = len(draft)
-        branch_k = min(k, remaining - 2, self.max_context - len(ctx) - k - 1)
+        branch_k = min(max_branch_k, remaining - 2, self.max_context - len(ctx) - k - 1)
         if not self.ssd or k == 0 or branch_k < 1:
             return Speculation(SSD_OFF)
         fan_out = self.policy.choose_fan_out(k, branch_k)

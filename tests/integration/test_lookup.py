@@ -90,7 +90,8 @@ def by_source(results) -> dict[str, list[int]]:
 def test_greedy_equals_generate(lookup_stack, tokenizer, reference, method, ssd):
     """Every method, with and without SSD, gives generate()'s tokens; the lookup methods
     drafted and had drafts accepted; the drafter's cache, left behind by lookup rounds,
-    catches up through the prefix without a full resend."""
+    catches up through the prefix without a full resend. With SSD, hybrid speculates on
+    its lookup rounds as well, and the lookup methods never do."""
     results = []
     with Client(lookup_stack["own"], timeout=300) as client:
         for text in [*GROUNDED, *PROMPTS[:2]]:
@@ -113,9 +114,13 @@ def test_greedy_equals_generate(lookup_stack, tokenizer, reference, method, ssd)
         assert mixed  # one request went from the drafter to lookups and back
         if ssd:
             assert sum(r.stats.ssd_hits + r.stats.ssd_misses for r in results) > 0
+            # lookup rounds send a Speculate too (the next round may need the drafter):
+            # more Speculates than rounds the draft model drafted
+            assert sum(r.stats.ssd_speculates for r in results) > sources["model"][0]
     else:
         assert "model" not in sources  # a lookup method never calls the drafter
         assert sum(r.stats.lookup_no_match_rounds for r in results) > 0
+        assert sum(r.stats.ssd_speculates for r in results) == 0  # nor Speculates
 
 
 def test_lookup_drafts_respect_max_new_tokens_and_context(lookup_stack, tokenizer, reference):

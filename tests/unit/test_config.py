@@ -61,11 +61,17 @@ def test_ssd_settings():
     cfg = DrafterConfig.from_args(args)
     assert cfg.role == "drafter" and parse("--model", "m").role == "verifier"
     assert (cfg.ssd_fan_out, cfg.ssd_max_per_outcome, cfg.ssd_acceptance_prior) == (9, 3, 0.7)
+    assert cfg.ssd_outcomes == "confidence"
+    args = build_parser().parse_args(
+        ["serve", "drafter", "--model", "m", "--ssd-outcomes", "geometric"]
+    )
+    assert DrafterConfig.from_args(args).ssd_outcomes == "geometric"
     for flag, value in (
         ("--ssd-fan-out", "0"),
         ("--ssd-fan-out", "65"),
         ("--ssd-acceptance-prior", "1"),
         ("--ssd-max-per-outcome", "0"),
+        ("--ssd-outcomes", "uniform"),
     ):
         args = build_parser().parse_args(["serve", "drafter", "--model", "m", flag, value])
         with pytest.raises(ConfigError, match=flag):
