@@ -53,6 +53,8 @@ class ChoiceRun:
     held: tuple[str, list[int]] = ("", [])  # the last round's delta, sent with the end
     context_tokens: int = 0  # history + prompt: a stream's running usage counts from it
     outcomes: list | None = None  # the rounds' Outcomes, when the turn is recorded
+    # The output's scores for the recording (--record-top-logprobs), when it is recorded
+    record_track: LogprobsTrack | None = None
     _prompt_sent: bool = field(default=False, repr=False)
 
     def delta(self, tokens: list[int]) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from specdec.gateway.canary import Canary, parse_canary
 from specdec.gateway.discovery import parse_target
 from specdec.gateway.lookup import SCOPES, parse_method
 from specdec.gateway.policy import FIXED, parse_policy
+from specdec.gateway.request import MAX_TOP_LOGPROBS
 from specdec.v1 import gateway_pb2
 
 REPLICA_TRANSPORTS = ("dataplane", "grpc")
@@ -95,6 +96,10 @@ class GatewayConfig:
     record_dir: str | None = None
     record_max_bytes: int = 64 * 1024 * 1024  # per file
     record_max_files: int = 16  # the oldest are deleted past this
+    # The target's top-m log-probabilities per output token in each recorded row (0: none),
+    # from the Verify calls the request makes anyway (specdec distill's KL needs no teacher
+    # forward for those rows).
+    record_top_logprobs: int = 0
     # A share of new sessions to drafters of one model version (specdec.gateway.canary).
     drafter_canary: Canary | None = None
 
@@ -180,6 +185,13 @@ class GatewayConfig:
         )
         add_setting(
             parser,
+            "--record-top-logprobs",
+            "with --record: the target's top M log-probabilities per output token in each "
+            "row (0-20; 0: none), for specdec distill's KL",
+            0,
+        )
+        add_setting(
+            parser,
             "--drafter-canary",
             "VERSION:PERCENT: send that share of new sessions to the drafters whose model "
             "version (specdec_version.json) is VERSION, the rest to the others; empty: off",
@@ -245,6 +257,14 @@ class GatewayConfig:
             record_dir=args.record or None,
             record_max_bytes=parse_value(args, "--record-max-bytes", int, positive),
             record_max_files=parse_value(args, "--record-max-files", int, positive),
+            record_top_logprobs=parse_value(
+                args,
+                "--record-top-logprobs",
+                int,
+                lambda v: (
+                    None if 0 <= v <= MAX_TOP_LOGPROBS else f"must be in [0, {MAX_TOP_LOGPROBS}]"
+                ),
+            ),
             drafter_canary=parse_value(args, "--drafter-canary", parse_canary),
         )
         if cfg.prompt_lookup_min > cfg.prompt_lookup_max:

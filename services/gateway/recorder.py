@@ -20,9 +20,13 @@ one writer thread writes it. A full queue, a row larger than a file, or a failed
 full disk) drops the row, logs it and counts it in ``specdec_gateway_record_dropped_rows``
 by reason; the request has already been answered either way.
 
-Not recorded (yet): the target's top-m log-probabilities per output position (the
-verifier's logprobs are another branch's work); `specdec distill` computes the target's
-distributions itself with a teacher forward.
+With ``--record-top-logprobs M`` (0 by default) a row also holds the target's scores of
+its output, from the Verify calls the request made anyway (specdec.common.logprobs, the
+code behind the API's ``logprobs``: after the request's logits processors, before
+temperature, top-k and top-p): ``target_logprobs`` (each output token's), and
+``target_top_ids`` / ``target_top_logprobs`` (the M likeliest tokens at each output
+position, likeliest first), one entry per output id. `specdec distill` takes its KL
+target from them instead of a teacher forward of the target.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from specdec.v1 import common_pb2
 log = logging.getLogger(__name__)
 
 SCHEMA = "specdec.record/1"
+SCORE_DIGITS = 5  # decimals kept of a recorded log-probability (float32 has about 7)
 FILE_GLOB = "record-*.jsonl"
 QUEUE_ROWS = 1024  # rows waiting for the writer; past it, rows are dropped (counted)
 
@@ -61,9 +66,11 @@ def recording_row(
     target_model: str,
     sampling: common_pb2.SamplingParams,
     finish_reason: str,
+    scores: common_pb2.TokenLogprobs | None = None,
 ) -> dict:
-    """One finished request as a recording row (see the module docstring)."""
-    return {
+    """One finished request as a recording row (see the module docstring); `scores`: the
+    output tokens' rows from the Verify calls (--record-top-logprobs), one per output id."""
+    row = {
         "schema": SCHEMA,
         "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds"),
         "target_model": target_model,
@@ -80,6 +87,19 @@ def recording_row(
         "round_extended": [o.extended for o in rounds],
         "finish_reason": finish_reason,
     }
+    if scores is not None:
+        if len(scores.logprobs) != len(output_ids):
+            raise ValueError(f"{len(scores.logprobs)} scored tokens for {len(output_ids)} outputs")
+        m = scores.num_top
+        row["target_logprobs"] = [round(v, SCORE_DIGITS) for v in scores.logprobs]
+        row["target_top_ids"] = [
+            list(scores.top_token_ids[i * m : (i + 1) * m]) for i in range(len(output_ids))
+        ]
+        row["target_top_logprobs"] = [
+            [round(v, SCORE_DIGITS) for v in scores.top_logprobs[i * m : (i + 1) * m]]
+            for i in range(len(output_ids))
+        ]
+    return row
 
 
 class Recorder:

@@ -34,7 +34,7 @@ from specdec.gateway.choices import ChoiceRun, run_choices
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.dataplane import DataPlaneSettings
 from specdec.gateway.grammar import Grammar, Grammars
-from specdec.gateway.logprobs import LogprobsTrack
+from specdec.gateway.logprobs import LogprobsTrack, narrowed
 from specdec.gateway.lookup import method_name
 from specdec.gateway.lookup.hybrid import LookupSettings, RequestLookup
 from specdec.gateway.lookup.suffix import SuffixCache, SuffixParams
@@ -356,6 +356,7 @@ class Gateway:
             async for event in run_choices(self, job, ctx, prompt_ids, started, deadline, grammar):
                 yield event
             return
+        recording = self.recorder is not None and job.record
         run = self.choice_run(
             job,
             replica_session,
@@ -365,8 +366,8 @@ class Gateway:
             len(ctx),
             grammar=grammar,
             lookup=await self.request_lookup(job, ctx),
+            record_top=self.config.record_top_logprobs if recording else 0,
         )
-        recording = self.recorder is not None and job.record
         if recording:
             run.outcomes = []  # the rounds' outcomes, kept for the recording
         try:
@@ -401,6 +402,11 @@ class Gateway:
                         target_model=verifier.replica.info.model_id if verifier.replica else "",
                         sampling=job.sampling,
                         finish_reason=completion.finish_reason,
+                        scores=(
+                            run.record_track.rows(0, len(completion.tokens))
+                            if run.record_track is not None
+                            else None
+                        ),
                     )
                 )
             yield Event(*run.held, response, **run.delta(run.held[1]))
@@ -421,6 +427,7 @@ class Gateway:
         sampling: common_pb2.SamplingParams | None = None,
         grammar: Grammar | None = None,
         lookup: RequestLookup | None = None,
+        record_top: int = 0,
     ) -> ChoiceRun:
         """The loop state of one completion (choice `index`) on the given placements, after
         context_tokens of history and prompt."""
@@ -433,8 +440,10 @@ class Gateway:
             make_policy(job.k_policy, job.ssd, self.config.ssd_fan_out),
             ssd=job.ssd,
             max_context=self.limits.max_context,
-            logprobs=job.logprobs,
-            top_logprobs=job.top_logprobs,
+            # A recorded turn with --record-top-logprobs M scores its output too: one Verify
+            # asks for the most either reader needs, each keeps its own (`narrowed`).
+            logprobs=job.logprobs or record_top > 0,
+            top_logprobs=max(job.top_logprobs, record_top),
             prompt_logprobs=job.prompt_logprobs and index == 0,
             output=output_controls(job, context_tokens, self.eos_token_ids),
             # Structured output: this completion's own grammar state (a matcher per choice).
@@ -452,7 +461,10 @@ class Gateway:
             stop_token_ids=job.stop_token_ids,
         )
         track = LogprobsTrack(job.top_logprobs) if job.logprobs else None
-        return ChoiceRun(index, spec, completion, track, context_tokens=context_tokens)
+        run = ChoiceRun(index, spec, completion, track, context_tokens=context_tokens)
+        if record_top:  # the output's scores, kept for the recording
+            run.record_track = LogprobsTrack(record_top)
+        return run
 
     async def rounds(
         self,
@@ -477,8 +489,10 @@ class Gateway:
             ctx.extend(new)
             if run.track is not None:
                 run.track.add(outcome.logprobs)
+            if run.record_track is not None:
+                run.record_track.add(outcome.logprobs)
             if outcome.prompt_logprobs is not None:
-                run.prompt_logprobs = outcome.prompt_logprobs
+                run.prompt_logprobs = narrowed(outcome.prompt_logprobs, job.top_logprobs)
             text, tokens = completion.push(new)
             now = time.perf_counter()
             if run.first_at is None:

@@ -75,6 +75,7 @@ def test_two_versions_canary_record_and_distill(
         for p in procs:
             p.wait_healthy()
         gw = gateway([old, new], [verifier], None, "--record", str(record_dir),
+                     "--record-top-logprobs", "5",
                      "--drafter-canary", canary, "--metrics-port", str(metrics_port))  # fmt: skip
         procs.append(gw)
         gw.wait_healthy()
@@ -96,6 +97,14 @@ def test_two_versions_canary_record_and_distill(
                 assert g.stats.drafter_version == want, sid
                 assert g.stats.recorded
                 answered.append((ids_of(tokenizer, prompt), list(g.tokens), g.stats))
+            # A request's own logprobs keep their width beside the recording's 5
+            scored_prompt = "def scale(values, factor):"  # no other request's prompt
+            scored = client.generate(
+                scored_prompt, max_new_tokens=N, k=3, logprobs=True, top_logprobs=2
+            )
+            assert list(scored.tokens) == reference(ids_of(tokenizer, scored_prompt), N)
+            assert all(len(x.top) == 2 for x in scored.logprobs)
+            answered.append((ids_of(tokenizer, scored_prompt), list(scored.tokens), scored.stats))
             secret = "What is the capital of France? Paris"  # refuses recording
             refused = client.generate(secret, max_new_tokens=N, k=3, record=False)
             assert list(refused.tokens) == reference(ids_of(tokenizer, secret), N)
@@ -115,9 +124,19 @@ def test_two_versions_canary_record_and_distill(
 
     rows = [r for f in sorted(record_dir.glob("record-*.jsonl")) for r in read_rows(f)]
     assert len(rows) == len(answered)
-    by_prompt = {tuple(r["prompt_ids"]): r for r in rows}
+    for row in rows:  # the target's scores of the output (--record-top-logprobs 5)
+        assert len(row["target_top_ids"]) == len(row["output_ids"])
+        assert all(len(top) == 5 for top in row["target_top_ids"])
+        # greedy: each output token is the target's likeliest, and scored as such
+        assert [top[0] for top in row["target_top_ids"]] == row["output_ids"]
+        assert row["target_logprobs"] == [top[0] for top in row["target_top_logprobs"]]
+    scored_row = next(r for r in rows if r["prompt_ids"] == ids_of(tokenizer, scored_prompt))
+    assert [[t for t, _ in x.top] for x in scored.logprobs] == [
+        top[:2] for top in scored_row["target_top_ids"]
+    ]
+    by_prompt = {(tuple(r["prompt_ids"]), tuple(r["output_ids"])): r for r in rows}
     for prompt_ids, output_ids, stats in answered:
-        row = by_prompt[tuple(prompt_ids)]
+        row = by_prompt[(tuple(prompt_ids), tuple(output_ids))]
         assert row["output_ids"] == output_ids
         assert row["history_tokens"] == 0
         assert sum(row["round_k"]) == stats.draft_tokens
@@ -140,3 +159,6 @@ def test_two_versions_canary_record_and_distill(
     report = json.loads((out / "specdec_version.json").read_text())
     assert report["parent_version"] == "distill-test-v2"
     assert report["data"]["train_sequences"] + report["data"]["held_out_sequences"] == len(rows)
+    # every row was recorded with the target's top-m: no batch needed the teacher forward
+    assert report["data"]["train_sequences_with_recorded_top"] == report["data"]["train_sequences"]
+    assert report["cost"]["batches_without_teacher_forward"] == 3

@@ -13,7 +13,9 @@ from safetensors.torch import load_file
 from specdec.cli import main as specdec
 from specdec.common.version import VERSION_FILE, read_model_version
 from specdec.tools.bench.modes import load_prompts
+from specdec.tools.distill.data import Sequence
 from specdec.tools.distill.prompts import bench_prompts, build_prompts, write_prompts
+from specdec.tools.distill.train import collate, losses, recorded_top, teacher_top
 
 N_PROMPTS = 96
 
@@ -168,3 +170,36 @@ def test_batched_target_outputs_equal_one_prompt_at_a_time(target_model, tokeniz
                 eos_token_id=eos, pad_token_id=eos,
             )  # fmt: skip
         assert out == y[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("max_length", [64, 9, 5], ids=["whole", "prompt-cut", "output-cut"])
+def test_recorded_top_m_lines_up_with_the_teacher_forward(max_length):
+    """The KL's target from recorded rows (a gateway's --record-top-logprobs) is the one a
+    teacher forward gives, position for position, also where collate cuts the sequence;
+    so is the loss. log-probabilities and logits differ by a constant per row: the KL
+    renormalises over the m either way."""
+    torch.manual_seed(0)
+    vocab, m = 32, 4
+    prompts, outputs = [(1, 2, 3, 4), (5, 6)], [(7, 8, 9, 10, 11), (12, 13, 14)]
+    widths = [len(p) + len(o) for p, o in zip(prompts, outputs, strict=True)]
+    logits = torch.randn(2, max(widths), vocab)  # the target's, at every position
+    seqs = []
+    for b, (p, o) in enumerate(zip(prompts, outputs, strict=True)):
+        # output token j is predicted at position len(p) + j - 1
+        rows = logits[b, len(p) - 1 : len(p) - 1 + len(o)].log_softmax(-1).topk(m, dim=-1)
+        seqs.append(Sequence(p, o, tuple(map(tuple, rows.indices.tolist())),
+                             tuple(map(tuple, rows.values.tolist()))))  # fmt: skip
+    ids, _, predicts = collate(seqs, max_length, 0, "cpu")
+    # the teacher forward of the cut batch sees each sequence's kept tail
+    cut = torch.zeros(2, ids.shape[1], vocab)
+    for b, width in enumerate(widths):
+        start = max(0, width - max_length)
+        cut[b, : width - start] = logits[b, start:width]
+    teacher = teacher_top(cut, predicts, m)
+    recorded = recorded_top(seqs, max_length, m, "cpu")
+    assert torch.equal(recorded[0], teacher[0])
+    assert torch.allclose(recorded[1].log_softmax(-1), teacher[1].log_softmax(-1), atol=1e-5)
+    draft = torch.randn(2, ids.shape[1], vocab)
+    got, want = losses(draft, recorded, ids, predicts), losses(draft, teacher, ids, predicts)
+    assert [x.item() for x in got] == pytest.approx([x.item() for x in want], abs=1e-5)
+    assert recorded_top([*seqs, Sequence((1,), (2,))], max_length, m, "cpu") is None

@@ -9,6 +9,7 @@ import shutil
 import pytest
 from prometheus_client import REGISTRY
 
+from specdec.gateway.logprobs import LogprobsTrack, narrowed
 from specdec.gateway.outcome import DRAFTED, NO_DRAFT, Outcome
 from specdec.gateway.recorder import FILE_GLOB, Recorder, recording_row
 from specdec.tools.distill.data import load_recordings, read_rows
@@ -56,6 +57,18 @@ def row(i: int, n_out: int = 3) -> dict:
         sampling=common_pb2.SamplingParams(temperature=0.5, top_p=0.9, top_k=4),
         finish_reason="length",
     )
+
+
+ROW_ARGS = {  # one row's arguments: a 3-token output
+    "prompt_ids": [1, 2, 3],
+    "history_tokens": 0,
+    "output_ids": [10, 11, 12],
+    "rounds": [outcome(3, 2, 0, DRAFTED)],
+    "drafter_version": "v1",
+    "target_model": "target",
+    "sampling": common_pb2.SamplingParams(),
+    "finish_reason": "length",
+}
 
 
 def test_rows_round_trip(tmp_path):
@@ -131,3 +144,57 @@ def test_a_directory_that_cannot_be_made_stops_start_up(tmp_path):
     blocker.write_text("")
     with pytest.raises(ConfigError, match="--record"):
         Recorder(blocker / "rec", max_file_bytes=100, max_files=1)
+
+
+def scores(n: int, m: int) -> common_pb2.TokenLogprobs:
+    """Rows of n scored tokens with m alternatives each: token 10 + i, its alternatives
+    10 + i, 50 + i, ... with log-probabilities -0.1 (i + 1), -1, -2, ..."""
+    return common_pb2.TokenLogprobs(
+        token_ids=[10 + i for i in range(n)],
+        logprobs=[-0.1 * (i + 1) for i in range(n)],
+        num_top=m,
+        top_token_ids=[t for i in range(n) for t in [10 + i, *(50 * j + i for j in range(1, m))]],
+        top_logprobs=[v for i in range(n) for v in [-0.1 * (i + 1), *(-j for j in range(1, m))]],
+    )
+
+
+def test_recorded_scores_round_trip_into_distills_sequences(tmp_path):
+    rec = Recorder(tmp_path, max_file_bytes=1 << 20, max_files=4)
+    r = recording_row(**{**ROW_ARGS, "scores": scores(3, 2)})
+    assert r["target_logprobs"] == [-0.1, -0.2, -0.3]
+    assert r["target_top_ids"] == [[10, 50], [11, 51], [12, 52]]
+    assert r["target_top_logprobs"] == [[-0.1, -1.0], [-0.2, -1.0], [-0.3, -1.0]]
+    plain = recording_row(**ROW_ARGS)
+    assert "target_top_ids" not in plain  # off (--record-top-logprobs 0): not in the row
+    assert rec.submit(r) and rec.submit(plain)
+    rec.close()
+    with_scores, without = load_recordings(tmp_path, vocab_size=100)
+    assert with_scores.top_ids == ((10, 50), (11, 51), (12, 52))
+    assert with_scores.top_logprobs[2] == pytest.approx((-0.3, -1.0))
+    assert without.top_ids is None and without.top_logprobs is None
+
+
+def test_scores_that_do_not_match_the_output_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="2 scored tokens for 3 outputs"):
+        recording_row(**{**ROW_ARGS, "scores": scores(2, 2)})
+    r = recording_row(**{**ROW_ARGS, "scores": scores(3, 2)})
+    r["target_top_ids"] = r["target_top_ids"][:2]  # a row edited by hand
+    (tmp_path / "record-x.jsonl").write_text(json.dumps(r) + "\n")
+    with pytest.raises(ValueError, match=r"record-x\.jsonl: target_top_ids"):
+        load_recordings(tmp_path, vocab_size=100)
+
+
+def test_one_verify_serves_the_request_and_the_recording_each_its_own_width():
+    """A recorded request asks each Verify for max(its top_logprobs, the recorder's M);
+    the request's track keeps its own alternatives, the recording's its M."""
+    wide = scores(3, 4)
+    request, recording = LogprobsTrack(1), LogprobsTrack(4)
+    request.add(wide)
+    recording.add(wide)
+    assert request.rows(0, 3) == narrowed(wide, 1)
+    assert list(request.rows(0, 3).top_token_ids) == [10, 11, 12]
+    assert recording.rows(0, 3) == wide
+    assert narrowed(wide, 0).top_token_ids == [] and narrowed(wide, 0).logprobs == wide.logprobs
+    assert narrowed(wide, 9) is wide
+    with pytest.raises(ValueError, match="with 1 alternatives \\(4 asked\\)"):
+        recording.add(narrowed(wide, 1))  # never fewer than asked

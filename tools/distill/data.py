@@ -22,6 +22,10 @@ SCHEMA = "specdec.record/1"  # the recorder's (specdec.gateway.recorder.SCHEMA)
 class Sequence:
     prompt_ids: tuple[int, ...]  # everything the target saw before its output
     output_ids: tuple[int, ...]  # what the target produced
+    # The target's recorded top-m at each output position (--record-top-logprobs), ids and
+    # log-probabilities, likeliest first: [len(output_ids)][m]; None when not recorded.
+    top_ids: tuple[tuple[int, ...], ...] | None = None
+    top_logprobs: tuple[tuple[float, ...], ...] | None = None
 
     @property
     def ids(self) -> list[int]:
@@ -60,7 +64,9 @@ def load_recordings(directory: str | Path, vocab_size: int) -> list[Sequence]:
     out = []
     for path in files:
         for row in read_rows(path):
-            seq = Sequence(tuple(row["prompt_ids"]), tuple(row["output_ids"]))
+            seq = Sequence(
+                tuple(row["prompt_ids"]), tuple(row["output_ids"]), *recorded_scores(row, path)
+            )
             bad = [t for t in seq.ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(
@@ -72,6 +78,24 @@ def load_recordings(directory: str | Path, vocab_size: int) -> list[Sequence]:
     if not out:
         raise ValueError(f"--data {directory}: no row with a prompt and an output")
     return out
+
+
+def recorded_scores(row: dict, path: Path) -> tuple:
+    """(top_ids, top_logprobs) of a row recorded with --record-top-logprobs, else (None,
+    None); a row whose scores do not match its output is an error naming the file."""
+    ids, logprobs = row.get("target_top_ids"), row.get("target_top_logprobs")
+    if ids is None and logprobs is None:
+        return None, None
+    n = len(row["output_ids"])
+    shapes = {len(r) for r in [*(ids or []), *(logprobs or [])]}
+    if ids is None or logprobs is None or len(ids) != n or len(logprobs) != n or len(shapes) > 1:
+        raise ValueError(
+            f"{path}: target_top_ids / target_top_logprobs do not hold one row of the same "
+            f"width per output token ({n})"
+        )
+    if shapes == {0}:
+        return None, None
+    return tuple(map(tuple, ids)), tuple(map(tuple, logprobs))
 
 
 def write_rows(path: Path, sequences: list[Sequence], target_model: str) -> None:

@@ -5,8 +5,10 @@ token the target produced):
 
 - sequence-level KD: cross-entropy of the drafter on the target's output tokens;
 - token-level KL: KL(target || drafter) over the target's top-m tokens at each position,
-  the target's probabilities renormalised over those m (a teacher forward of the target
-  on the same batch, no gradient). Nothing of this needs recorded log-probabilities.
+  the target's probabilities renormalised over those m. Where every sequence of a batch
+  was recorded with the target's top-m (a gateway's --record-top-logprobs), they are the
+  KL's target and the batch needs no forward of the target; otherwise a teacher forward
+  of the target on the same batch (no gradient) gives them.
 
 Agreement (held-out split, before and after): teacher-forced greedy agreement, the share
 of positions where the drafter's argmax equals the target's (what greedy speculation
@@ -127,19 +129,48 @@ def collate(seqs: list[Sequence], max_length: int, pad_id: int, device) -> tuple
     return input_ids.to(device), attention.to(device), predicts.to(device)
 
 
+def recorded_top(
+    seqs: list[Sequence], max_length: int, top_m: int, device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The recorded top-m of the positions `collate` marks, in its order: (ids [n, m],
+    log-probabilities [n, m]), m the smaller of top_m and what was recorded; None unless
+    every sequence was recorded with them."""
+    if not seqs or any(s.top_ids is None for s in seqs):
+        return None
+    m = min(top_m, *(len(s.top_ids[0]) for s in seqs))
+    ids: list = []
+    logprobs: list = []
+    for s in seqs:
+        start = max(0, len(s.prompt_ids) + len(s.output_ids) - max_length)  # as collate cuts
+        for j in range(max(0, start + 1 - len(s.prompt_ids)), len(s.output_ids)):
+            ids.append(s.top_ids[j][:m])
+            logprobs.append(s.top_logprobs[j][:m])
+    return torch.tensor(ids, device=device), torch.tensor(logprobs, device=device)
+
+
+def teacher_top(
+    target_logits: torch.Tensor, predicts: torch.Tensor, top_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's top-m at the marked positions from a teacher forward: (ids [n, m],
+    logits [n, m]; renormalised over the m, the same as log-probabilities)."""
+    values, ids = target_logits[predicts].float().topk(top_m, dim=-1)
+    return ids, values
+
+
 def losses(
     draft_logits: torch.Tensor,  # [b, t, vocab]
-    target_logits: torch.Tensor,  # [b, t, vocab]
+    top: tuple[torch.Tensor, torch.Tensor],  # the target's top-m ids, scores [n, m]
     input_ids: torch.Tensor,  # [b, t]
     predicts: torch.Tensor,  # [b, t] bool
-    top_m: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cross-entropy on the target's output tokens, top-m KL(target || draft))."""
     labels = input_ids[:, 1:][predicts[:, :-1]]  # [n]
     draft = draft_logits[predicts].float().log_softmax(-1)  # [n, vocab]
     ce = F.nll_loss(draft, labels)
-    top_logits, top_ids = target_logits[predicts].float().topk(top_m, dim=-1)  # [n, m]
-    target_top = top_logits.log_softmax(-1)  # renormalised over the top m
+    top_ids, scores = top
+    if top_ids.shape[0] != draft.shape[0]:
+        raise ValueError(f"{top_ids.shape[0]} rows of the target's top-m for {draft.shape[0]}")
+    target_top = scores.float().log_softmax(-1)  # renormalised over the top m
     kl = (target_top.exp() * (target_top - draft.gather(-1, top_ids))).sum(-1).mean()
     return ce, kl
 
@@ -339,6 +370,7 @@ def distill(
     step = load_checkpoint(checkpoint, model, optimizer, settings) if checkpoint.exists() else 0
     pad_id = 0
     tokens = 0
+    recorded_batches = 0  # batches whose KL target was recorded (no teacher forward)
     last = {"ce": float("nan"), "kl": float("nan")}
     bar = tqdm(
         total=settings.steps, initial=step, desc="distill", unit="step", disable=not progress
@@ -347,10 +379,15 @@ def distill(
     while step < settings.steps:
         batch = [train[i] for i in batches(len(train), settings.batch_size, settings.seed, step)]
         ids, attn, predicts = collate(batch, settings.max_length, pad_id, device)
-        with torch.no_grad():
-            target_logits = target(input_ids=ids, attention_mask=attn).logits
+        top = recorded_top(batch, settings.max_length, settings.top_m, device)
+        if top is None:
+            with torch.no_grad():
+                target_logits = target(input_ids=ids, attention_mask=attn).logits
+            top = teacher_top(target_logits, predicts, settings.top_m)
+        else:
+            recorded_batches += 1
         draft_logits = model(input_ids=ids, attention_mask=attn).logits
-        ce, kl = losses(draft_logits, target_logits, ids, predicts, settings.top_m)
+        ce, kl = losses(draft_logits, top, ids, predicts)
         loss = settings.ce_weight * ce + settings.kl_weight * kl
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -383,6 +420,7 @@ def distill(
             **(data_note or {}),
             "train_sequences": len(train),
             "held_out_sequences": len(held),
+            "train_sequences_with_recorded_top": sum(s.top_ids is not None for s in train),
         },
         "held_out": {
             "positions": after.positions,
@@ -393,6 +431,7 @@ def distill(
         "cost": {
             "minutes": (time.perf_counter() - started) / 60,
             "trained_positions_this_run": tokens,
+            "batches_without_teacher_forward": recorded_batches,
             "peak_rss_mib": peak_memory_mb(),
             "device": device,
             "dtype": dtype,
