@@ -101,11 +101,14 @@ def test_loadtest_smoke_fields_and_exactness(up, tmp_path):
     doc, table = loadtest(
         up["address"],
         tmp_path / "out",
-        *("--concurrency", "1,3", "--modes", "k0,k3,ssd2,adaptive", "--num-requests", "6"),
+        *("--concurrency", "1,3", "--modes", "k0,k3,ssd2,adaptive,k3@ngram"),
+        *("--num-requests", "6"),
         *("--max-new-tokens", "10", "--prompts", str(prompts), "--check-exact"),
     )
     assert [(r["level"], r["mode"]) for r in doc["results"]] == [
-        (level, mode) for level in ("c=1", "c=3") for mode in ("k0", "k3", "ssd2", "adaptive")
+        (level, mode)
+        for level in ("c=1", "c=3")
+        for mode in ("k0", "k3", "ssd2", "adaptive", "k3@ngram")
     ]
     for r in doc["results"]:
         for name in VLLM_FIELDS:
@@ -124,18 +127,30 @@ def test_loadtest_smoke_fields_and_exactness(up, tmp_path):
     # The adaptive mode ran under k_policy adaptive with k at most 4 (the policy's own
     # choices are checked in test_adaptive.py), exactly like the fixed modes.
     assert 0 <= by_mode["adaptive"]["mean_k"] <= 4 and 0 < by_mode["k3"]["mean_k"] <= 3
-    assert doc["exact"] == {"checked": 48, "mismatches": 0}
+    # A mode's @METHOD reaches the gateway; the others run its default (hybrid)
+    assert by_mode["k3@ngram"]["served_methods"] == ["ngram"]
+    assert by_mode["k3"]["served_methods"] == ["hybrid"] and by_mode["k3"]["method"] is None
+    assert doc["exact"] == {"checked": 60, "mismatches": 0}
     assert doc["config"]["modes"][2] == {
         "name": "ssd2",
         "k": 2,
         "ssd": True,
         "k_policy": "fixed",
+        "method": None,
     }
     assert doc["config"]["modes"][3] == {
         "name": "adaptive",
         "k": 4,
         "ssd": True,
         "k_policy": "adaptive",
+        "method": None,
+    }
+    assert doc["config"]["modes"][4] == {
+        "name": "k3@ngram",
+        "k": 3,
+        "ssd": False,
+        "k_policy": "fixed",
+        "method": "ngram",
     }
     assert (tmp_path / "out" / "loadtest.png").stat().st_size > 0
     assert "| c=3 | ssd2 | 6 | 0 |" in table and "| c=1 | k0 | TTFT |" in table

@@ -38,6 +38,26 @@ def test_modes():
         parse_modes("k2,k2")
 
 
+def test_a_mode_names_its_method():
+    modes = parse_modes("k3@ngram,ssd2@hybrid,adaptive@suffix,default@model,k3")
+    assert [(m.name, m.k, m.ssd, m.method) for m in modes] == [
+        ("k3@ngram", 3, False, "ngram"),
+        ("ssd2@hybrid", 2, True, "hybrid"),
+        ("adaptive@suffix", 4, True, "suffix"),
+        ("default@model", None, None, "model"),
+        ("k3", 3, False, None),  # the gateway's --method
+    ]
+    assert modes[0].to_dict()["method"] == "ngram"
+    with pytest.raises(ValueError, match="unknown method 'lookup'; known: model, ngram"):
+        parse_modes("k3@lookup")
+    with pytest.raises(ValueError, match="k0 runs no speculation"):
+        parse_modes("k0@ngram")
+    with pytest.raises(ValueError, match="unknown mode 'x@ngram'"):
+        parse_modes("x@ngram")
+    with pytest.raises(ValueError, match="twice"):
+        parse_modes("k3@ngram,k3@ngram")
+
+
 def test_levels():
     assert [lv.label for lv in parse_levels("1,2,8", None)] == ["c=1", "c=2", "c=8"]
     rates = parse_levels(None, "0.5,2", max_concurrency=4)

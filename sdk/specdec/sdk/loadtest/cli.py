@@ -52,7 +52,8 @@ def add_loadtest_parser(commands) -> argparse.ArgumentParser:
         "--modes",
         help="modes run at every level, interleaved: kN (draft length N, k0 = none), ssdN (SSD), "
         "adaptiveN (k_policy adaptive with SSD, k at most N; adaptive: N = 4), default (the "
-        "gateway's settings); e.g. k0,k2,ssd2,adaptive",
+        "gateway's settings), each optionally @METHOD (model, ngram, suffix, hybrid; else "
+        "the gateway's --method); e.g. k0,k2,ssd2,adaptive,k3@ngram,ssd2@hybrid",
     )
     p.add_argument("--k", type=int, help="one mode with this draft length (instead of --modes)")
     p.add_argument("--ssd", action="store_true", help="with --k: speculative speculative decoding")

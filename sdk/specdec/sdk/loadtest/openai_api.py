@@ -138,6 +138,8 @@ class OpenAIBackend:
             body["ssd"] = mode.ssd
         if mode.k_policy is not None:
             body["k_policy"] = mode.k_policy
+        if mode.method is not None:
+            body["method"] = mode.method
         try:
             async for chunk in self._stream(body):
                 yield chunk

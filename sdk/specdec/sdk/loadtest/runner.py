@@ -51,6 +51,7 @@ class RequestRecord:
     accepted_tokens: int = 0
     ssd_hits: int = 0
     ssd_misses: int = 0
+    method: str = ""  # where the gateway took drafts from ("" when not reported)
 
 
 class Backend(Protocol):
@@ -104,6 +105,7 @@ class GrpcBackend:
             k=mode.k,
             ssd=mode.ssd,
             k_policy=mode.k_policy,
+            method=mode.method,
         )
 
     async def close(self) -> None:
@@ -156,6 +158,7 @@ async def run_request(
                 record.rounds, record.draft_tokens = s.rounds, s.draft_tokens
                 record.accepted_tokens = s.accepted_tokens
                 record.ssd_hits, record.ssd_misses = s.ssd_hits, s.ssd_misses
+                record.method = s.method
                 record.ok = True
     except SpecdecError as e:
         record.ok, record.error, record.details = False, e.code.name, e.details

@@ -53,6 +53,8 @@ def summarize(
         "k": cell.mode.k,
         "ssd": cell.mode.ssd,
         "k_policy": cell.mode.k_policy,
+        "method": cell.mode.method,
+        "served_methods": sorted({r.method for r in ok}),  # what the gateway reported
         "completed": len(ok),
         "failed": len(failed),
         "duration": duration,

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+
+from specdec.sdk.client import METHODS
 
 #: Upper bound on k of the mode `adaptive` (the same as `adaptive4`).
 ADAPTIVE_DEFAULT_K = 4
@@ -33,9 +36,16 @@ class Mode:
     k: int | None = None  # under k_policy "adaptive": the upper bound
     ssd: bool | None = None
     k_policy: str | None = None  # "fixed" / "adaptive"; None: the gateway's default
+    method: str | None = None  # where drafts come from (METHODS); None: the gateway's default
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "k": self.k, "ssd": self.ssd, "k_policy": self.k_policy}
+        return {
+            "name": self.name,
+            "k": self.k,
+            "ssd": self.ssd,
+            "k_policy": self.k_policy,
+            "method": self.method,
+        }
 
 
 @dataclass(frozen=True)
@@ -137,37 +147,53 @@ def parse_modes(text: str) -> list[Mode]:
     """'k0,k2,ssd2' -> modes. kN: draft length N (k0: no speculation); ssdN: speculative
     speculative decoding with draft length N; adaptiveN: k_policy adaptive with SSD and k
     at most N (`adaptive`: N = 4); default: the gateway's own settings. The fixed modes
-    ask for k_policy fixed, so a gateway started with --k-policy adaptive runs them as named."""
+    ask for k_policy fixed, so a gateway started with --k-policy adaptive runs them as named.
+    A mode may name where its drafts come from with @METHOD (model, ngram, suffix, hybrid):
+    k3@ngram, ssd2@hybrid, default@suffix; without it, the gateway's --method."""
     modes: list[Mode] = []
     for raw in text.split(","):
         name = raw.strip()
         if not name:
             continue
-        if m := re.fullmatch(r"k(\d+)", name):
-            mode = Mode(name, k=int(m.group(1)), ssd=False, k_policy="fixed")
-        elif m := re.fullmatch(r"ssd(\d+)", name):
-            if int(m.group(1)) < 1:
-                raise ValueError(f"mode {name!r}: SSD needs a draft length of at least 1")
-            mode = Mode(name, k=int(m.group(1)), ssd=True, k_policy="fixed")
-        elif m := re.fullmatch(r"adaptive(\d*)", name):
-            k = int(m.group(1)) if m.group(1) else ADAPTIVE_DEFAULT_K
-            if k < 1:
-                raise ValueError(f"mode {name!r}: adaptive needs an upper bound of at least 1")
-            mode = Mode(name, k=k, ssd=True, k_policy="adaptive")
-        elif name == "default":
-            mode = Mode(name)
-        else:
-            raise ValueError(
-                f"unknown mode {name!r}: use kN (draft length N; k0 = no speculation), "
-                "ssdN (SSD with draft length N), adaptiveN (adaptive k up to N, with SSD; "
-                "adaptive: N = 4) or default (the gateway's settings)"
-            )
+        base, at, method = name.partition("@")
+        mode = _mode(name, base)
+        if at:
+            if method not in METHODS:
+                raise ValueError(
+                    f"mode {name!r}: unknown method {method!r}; known: {', '.join(METHODS)}"
+                )
+            if mode.k == 0:
+                raise ValueError(f"mode {name!r}: k0 runs no speculation, so no method")
+            mode = dataclasses.replace(mode, name=name, method=method)
         if any(existing.name == name for existing in modes):
             raise ValueError(f"mode {name!r} is given twice")
         modes.append(mode)
     if not modes:
         raise ValueError("no mode given")
     return modes
+
+
+def _mode(name: str, base: str) -> Mode:
+    """The mode of `base` (a mode name without @METHOD); `name` for its messages."""
+    if m := re.fullmatch(r"k(\d+)", base):
+        return Mode(base, k=int(m.group(1)), ssd=False, k_policy="fixed")
+    if m := re.fullmatch(r"ssd(\d+)", base):
+        if int(m.group(1)) < 1:
+            raise ValueError(f"mode {name!r}: SSD needs a draft length of at least 1")
+        return Mode(base, k=int(m.group(1)), ssd=True, k_policy="fixed")
+    if m := re.fullmatch(r"adaptive(\d*)", base):
+        k = int(m.group(1)) if m.group(1) else ADAPTIVE_DEFAULT_K
+        if k < 1:
+            raise ValueError(f"mode {name!r}: adaptive needs an upper bound of at least 1")
+        return Mode(base, k=k, ssd=True, k_policy="adaptive")
+    if base == "default":
+        return Mode(base)
+    raise ValueError(
+        f"unknown mode {name!r}: use kN (draft length N; k0 = no speculation), "
+        "ssdN (SSD with draft length N), adaptiveN (adaptive k up to N, with SSD; "
+        "adaptive: N = 4) or default (the gateway's settings), each optionally with "
+        "@METHOD (model, ngram, suffix, hybrid)"
+    )
 
 
 def parse_levels(
