@@ -480,9 +480,10 @@ class Speculator:
             log.info("speculate failed; counted as a miss", extra={"why": why})
             return SsdVerdict(SSD_MISS)
         response, replica, answered = task.result()
-        if replica is self.drafter.replica:
-            self.drafter.cached = response.cached_length
         accepted, next_token = verdict.accepted_count, verdict.next_token
+        if replica is self.drafter.replica:  # it holds ctx + the whole draft, of which only
+            # ctx + the accepted tokens is the sequence: a call naming more would miss
+            self.drafter.cached = min(response.cached_length, len(ctx) + accepted)
         branch = next(
             (
                 b

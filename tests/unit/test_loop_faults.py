@@ -67,14 +67,18 @@ class FakeDrafter:
             raise
         if self.speculate_error is not None:
             raise RpcFailure(self.speculate_error, "sequence of 513 tokens exceeds 512")
-        return drafter_pb2.SpeculateResponse(cached_length=5)
+        # the drafter's cache after feeding what it was sent (the context and the draft)
+        return drafter_pb2.SpeculateResponse(
+            cached_length=request.prefix.length + len(request.new_tokens)
+        )
 
 
 class FakeVerifier:
-    """Accepts every draft token, then token 6."""
+    """Accepts the first `accept` draft tokens (all when None), then token 6."""
 
-    def __init__(self):
+    def __init__(self, accept: int | None = None):
         self.drafts: list[list[int]] = []
+        self.accept = accept
 
     async def Verify(self, request, timeout=None, metadata=None):
         for _ in range(10):  # a real call yields to the loop: the Speculate beside it starts
@@ -82,7 +86,8 @@ class FakeVerifier:
         self.drafts.append(list(request.draft_tokens))
         n = request.prefix.length + len(request.new_tokens)
         k = len(request.draft_tokens)
-        return verifier_pb2.VerifyResponse(accepted_count=k, next_token=6, cached_length=n + k)
+        a = k if self.accept is None else min(k, self.accept)
+        return verifier_pb2.VerifyResponse(accepted_count=a, next_token=6, cached_length=n + a)
 
 
 async def make(drafter: FakeDrafter, verifier: FakeVerifier, drafter_up: bool = True):
@@ -169,5 +174,22 @@ async def test_speculate_is_skipped_where_its_branches_cannot_fit_the_context():
         assert drafter.speculate_calls == 1  # 508 + 2 + 1 + 1 = 512 fits with branch_k = 1
         await spec.round([*ctx, 1], 2, 3)
         assert drafter.speculate_calls == 1  # 509 + 2 + 1 + 1 > 512: not sent
+    finally:
+        await fleet.close()
+
+
+async def test_an_answered_speculate_leaves_only_the_accepted_prefix_cached():
+    """A Speculate answered in time leaves the drafter holding the context and the whole
+    draft; after a rejection only the context and the accepted tokens are the sequence,
+    so that is what the next call may name (a longer prefix would be a cache miss and a
+    full resend: a hybrid lookup round's Speculate names the prefix without a Draft
+    before it)."""
+    drafter, verifier = FakeDrafter(), FakeVerifier(accept=1)
+    drafter.release.set()  # answers at once: in time
+    fleet, spec = await make(drafter, verifier)
+    try:
+        outcome = await spec.round([1, 2, 3], 2, 10)
+        assert outcome.tokens == (4, 6) and outcome.ssd == "miss"
+        assert spec.drafter.cached == 3 + 1  # [1, 2, 3, 4]; the drafter holds [.., 4, 5]
     finally:
         await fleet.close()
