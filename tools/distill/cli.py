@@ -63,7 +63,14 @@ def add_distill_parser(commands) -> argparse.ArgumentParser:
     )
     p.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha")
     p.add_argument("--holdout", type=float, default=0.2, help="share of sequences held out")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="--prompts: target tokens")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="--prompts: tokens generated")
+    p.add_argument(
+        "--on-policy",
+        action="store_true",
+        help="--prompts: the drafter continues each prompt (greedy) and the target labels "
+        "every position of those sequences (its greedy token and top-m, a teacher forward): "
+        "training where the drafter itself goes",
+    )
     p.add_argument(
         "--gen-batch-size",
         type=int,
@@ -97,8 +104,9 @@ def run_prompts(args: argparse.Namespace) -> int:
     return 0
 
 
-def target_outputs(args, tokenizer, note: dict) -> list[Sequence]:
-    """--prompts: the target's greedy continuation of each prompt (cached in OUT)."""
+def prompt_outputs(args, tokenizer, note: dict) -> list[Sequence]:
+    """--prompts: the greedy continuation of each prompt by the target, or with
+    --on-policy by the drafter (cached in OUT)."""
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
 
@@ -110,13 +118,12 @@ def target_outputs(args, tokenizer, note: dict) -> list[Sequence]:
         return load_recordings(cache.parent, len(tokenizer))
     started = time.perf_counter()
     prompts = load_prompts(args.prompts)
-    model = (
-        AutoModelForCausalLM.from_pretrained(
-            args.target_model, dtype=DTYPES[args.teacher_dtype or args.dtype]
-        )
-        .to(args.device)
-        .eval()
+    path, dtype = (
+        (args.draft_model, args.dtype)
+        if args.on_policy
+        else (args.target_model, args.teacher_dtype or args.dtype)
     )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(args.device).eval()
     eos = model.generation_config.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     limit = max(1, args.max_length - args.max_new_tokens)
@@ -126,22 +133,27 @@ def target_outputs(args, tokenizer, note: dict) -> list[Sequence]:
     # Prompts of similar length share a batch (less padding), in the file's order otherwise.
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     groups = [order[i : i + size] for i in range(0, len(order), size)]
-    with tqdm(total=len(encoded), desc="target outputs", disable=args.no_progress) as bar:
+    desc = "drafter outputs" if args.on_policy else "target outputs"
+    with tqdm(total=len(encoded), desc=desc, disable=args.no_progress) as bar:
         for group in groups:
             batch = batch_greedy(model, [encoded[i] for i in group], args, eos, pad)
             for i, ids in zip(group, batch, strict=True):
                 outputs[i] = ids
             bar.update(len(group))
-    out = [Sequence(tuple(ids), tuple(o)) for ids, o in zip(encoded, outputs, strict=True)]
+    out = [
+        Sequence(tuple(ids), tuple(o), on_policy=args.on_policy)
+        for ids, o in zip(encoded, outputs, strict=True)
+    ]
     note["generated_tokens"] = sum(len(s.output_ids) for s in out)
     note["generation_minutes"] = (time.perf_counter() - started) / 60
+    note["generated_by"] = "drafter" if args.on_policy else "target"
     write_rows(cache, out, str(args.target_model))
     del model
     return out
 
 
 def batch_greedy(model, prompts: list[list[int]], args, eos, pad: int) -> list[list[int]]:
-    """The target's greedy continuation of each prompt, generated together: left-padded to
+    """The model's greedy continuation of each prompt, generated together: left-padded to
     one length, masked, each output cut after its first end-of-sequence token. The
     weights are read once per step for all rows: 120 stdlib prompts x 128 tokens came at
     16 tok/s in batches of 8 against 10.7 one prompt at a time (the 1.5B target, bfloat16,
@@ -193,6 +205,10 @@ def _run_distill(args: argparse.Namespace) -> int:
             names.append("--data or --prompts")
         print(f"specdec distill: missing {', '.join(names)}", file=sys.stderr)
         return 2
+    if args.on_policy and not args.prompts:
+        print("specdec distill: --on-policy needs --prompts (the drafter continues them)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.gen_batch_size < 1:
         why = f"--gen-batch-size must be >= 1, got {args.gen_batch_size}"
         print(f"specdec distill: {why}", file=sys.stderr)
@@ -205,7 +221,7 @@ def _run_distill(args: argparse.Namespace) -> int:
         sequences = load_recordings(args.data, len(tokenizer))
         note["data"] = str(args.data)
     else:
-        sequences = target_outputs(args, tokenizer, note)
+        sequences = prompt_outputs(args, tokenizer, note)
         note["prompts"] = str(args.prompts)
     if not 0 < args.holdout < 1:
         raise ValueError(f"--holdout must be in (0, 1), got {args.holdout}")

@@ -21,11 +21,14 @@ SCHEMA = "specdec.record/1"  # the recorder's (specdec.gateway.recorder.SCHEMA)
 @dataclass(frozen=True)
 class Sequence:
     prompt_ids: tuple[int, ...]  # everything the target saw before its output
-    output_ids: tuple[int, ...]  # what the target produced
+    output_ids: tuple[int, ...]  # what the target produced (the drafter, when on_policy)
     # The target's recorded top-m at each output position (--record-top-logprobs), ids and
     # log-probabilities, likeliest first: [len(output_ids)][m]; None when not recorded.
     top_ids: tuple[tuple[int, ...], ...] | None = None
     top_logprobs: tuple[tuple[float, ...], ...] | None = None
+    # The output is the drafter's own (`--on-policy`): the target's labels for it come
+    # from a teacher forward (its greedy token at each position), not from output_ids.
+    on_policy: bool = False
 
     @property
     def ids(self) -> list[int]:
@@ -65,7 +68,10 @@ def load_recordings(directory: str | Path, vocab_size: int) -> list[Sequence]:
     for path in files:
         for row in read_rows(path):
             seq = Sequence(
-                tuple(row["prompt_ids"]), tuple(row["output_ids"]), *recorded_scores(row, path)
+                tuple(row["prompt_ids"]),
+                tuple(row["output_ids"]),
+                *recorded_scores(row, path),
+                on_policy=row.get("output_source", "target") == "drafter",
             )
             bad = [t for t in seq.ids if not 0 <= t < vocab_size]
             if bad:
@@ -117,6 +123,8 @@ def write_rows(path: Path, sequences: list[Sequence], target_model: str) -> None
                 "round_source": [],
                 "round_extended": [],
                 "finish_reason": "",
+                # who wrote output_ids: "target" (as in a recording) or "drafter" (on-policy)
+                "output_source": "drafter" if s.on_policy else "target",
             }
             f.write(json.dumps(row, separators=(",", ":")) + "\n")
     tmp.replace(path)

@@ -3,7 +3,10 @@
 Losses, averaged over the target's output positions of a batch (the positions whose next
 token the target produced):
 
-- sequence-level KD: cross-entropy of the drafter on the target's output tokens;
+- sequence-level KD: cross-entropy of the drafter on the target's output tokens; on a
+  sequence the drafter wrote itself (`--on-policy`, DistillSpec's on-policy data), on the
+  target's greedy token at each position instead (from the teacher forward): the positions
+  where the drafter goes are the ones it is trained on;
 - token-level KL: KL(target || drafter) over the target's top-m tokens at each position,
   the target's probabilities renormalised over those m. Where every sequence of a batch
   was recorded with the target's top-m (a gateway's --record-top-logprobs), they are the
@@ -157,14 +160,28 @@ def teacher_top(
     return ids, values
 
 
+def labels_of(
+    seqs: list[Sequence], input_ids: torch.Tensor, predicts: torch.Tensor, top_ids: torch.Tensor
+) -> torch.Tensor:
+    """The CE's label at each marked position [n]: the next token of the sequence, or on a
+    sequence the drafter wrote (on_policy) the target's greedy token there (top_ids[:, 0],
+    from a teacher forward)."""
+    following = input_ids[:, 1:][predicts[:, :-1]]  # [n]
+    own = torch.tensor([s.on_policy for s in seqs], device=input_ids.device)
+    rows = predicts.nonzero()[:, 0]  # the sequence of each marked position
+    return torch.where(own[rows], top_ids[:, 0], following)
+
+
 def losses(
     draft_logits: torch.Tensor,  # [b, t, vocab]
     top: tuple[torch.Tensor, torch.Tensor],  # the target's top-m ids, scores [n, m]
     input_ids: torch.Tensor,  # [b, t]
     predicts: torch.Tensor,  # [b, t] bool
+    labels: torch.Tensor | None = None,  # [n]; None: the sequences' own next tokens
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cross-entropy on the target's output tokens, top-m KL(target || draft))."""
-    labels = input_ids[:, 1:][predicts[:, :-1]]  # [n]
+    """(cross-entropy on the labels, top-m KL(target || draft))."""
+    if labels is None:
+        labels = input_ids[:, 1:][predicts[:, :-1]]  # [n]
     draft = draft_logits[predicts].float().log_softmax(-1)  # [n, vocab]
     ce = F.nll_loss(draft, labels)
     top_ids, scores = top
@@ -387,7 +404,8 @@ def distill(
         else:
             recorded_batches += 1
         draft_logits = model(input_ids=ids, attention_mask=attn).logits
-        ce, kl = losses(draft_logits, top, ids, predicts)
+        labels = labels_of(batch, ids, predicts, top[0])
+        ce, kl = losses(draft_logits, top, ids, predicts, labels)
         loss = settings.ce_weight * ce + settings.kl_weight * kl
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -421,6 +439,7 @@ def distill(
             "train_sequences": len(train),
             "held_out_sequences": len(held),
             "train_sequences_with_recorded_top": sum(s.top_ids is not None for s in train),
+            "train_sequences_on_policy": sum(s.on_policy for s in train),
         },
         "held_out": {
             "positions": after.positions,
