@@ -160,13 +160,18 @@ def teacher_top(
     return ids, values
 
 
+def next_tokens(input_ids: torch.Tensor, predicts: torch.Tensor) -> torch.Tensor:
+    """The token after each marked position [n], in collate's order."""
+    return input_ids[:, 1:][predicts[:, :-1]]
+
+
 def labels_of(
     seqs: list[Sequence], input_ids: torch.Tensor, predicts: torch.Tensor, top_ids: torch.Tensor
 ) -> torch.Tensor:
     """The CE's label at each marked position [n]: the next token of the sequence, or on a
     sequence the drafter wrote (on_policy) the target's greedy token there (top_ids[:, 0],
     from a teacher forward)."""
-    following = input_ids[:, 1:][predicts[:, :-1]]  # [n]
+    following = next_tokens(input_ids, predicts)
     own = torch.tensor([s.on_policy for s in seqs], device=input_ids.device)
     rows = predicts.nonzero()[:, 0]  # the sequence of each marked position
     return torch.where(own[rows], top_ids[:, 0], following)
@@ -181,7 +186,7 @@ def losses(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cross-entropy on the labels, top-m KL(target || draft))."""
     if labels is None:
-        labels = input_ids[:, 1:][predicts[:, :-1]]  # [n]
+        labels = next_tokens(input_ids, predicts)
     draft = draft_logits[predicts].float().log_softmax(-1)  # [n, vocab]
     ce = F.nll_loss(draft, labels)
     top_ids, scores = top

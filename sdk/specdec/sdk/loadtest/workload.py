@@ -39,13 +39,7 @@ class Mode:
     method: str | None = None  # where drafts come from (METHODS); None: the gateway's default
 
     def to_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "k": self.k,
-            "ssd": self.ssd,
-            "k_policy": self.k_policy,
-            "method": self.method,
-        }
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
