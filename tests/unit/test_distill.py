@@ -154,15 +154,12 @@ def test_the_output_keeps_the_parents_dtype(test_models, distilled, tmp_path):
 def test_batched_target_outputs_equal_one_prompt_at_a_time(target_model, tokenizer):
     """--gen-batch-size: prompts of different lengths continued together (left-padded)
     give each prompt the target's own greedy continuation, cut after its end token."""
-    import argparse
+    from specdec.tools.distill.cli import batch_generate
 
-    from specdec.tools.distill.cli import batch_greedy
-
-    args = argparse.Namespace(device="cpu", max_new_tokens=12)
     texts = ["def f(x):", "The history of", "a b c d e f g h i j", "import os\nimport sys\n"]
     prompts = [tokenizer(t).input_ids for t in texts]
     eos = tokenizer.eos_token_id
-    got = batch_greedy(target_model, prompts, args, eos, eos)
+    got = batch_generate(target_model, prompts, "cpu", 12, eos, eos)
     for ids, out in zip(prompts, got, strict=True):
         x = torch.tensor([ids])
         with torch.inference_mode():

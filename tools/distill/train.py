@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from specdec.common.version import VERSION_FILE, check_version, read_model_version
 from specdec.tools.distill.data import Sequence
+from specdec.tools.distill.quant_aware import QUANT_AWARE, make_quant_aware, undo_quant_aware
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STATE_DIR = "distill"  # under --out: checkpoint, generated data, report
@@ -63,6 +64,7 @@ class TrainSettings:
     lora_alpha: float = 16.0
     seed: int = 0
     max_length: int = 1024
+    quant_aware: str = "none"
 
     def check(self) -> None:
         """ValueError naming the first setting out of range."""
@@ -75,6 +77,11 @@ class TrainSettings:
             raise ValueError("--lora-rank must be >= 0 (0: full fine-tuning)")
         if self.ce_weight < 0 or self.kl_weight < 0 or self.ce_weight + self.kl_weight == 0:
             raise ValueError("--ce-weight and --kl-weight must be >= 0, not both 0")
+        if self.quant_aware not in QUANT_AWARE:
+            raise ValueError(f"--quant-aware must be one of {QUANT_AWARE}")
+
+
+_DEFAULTS = asdict(TrainSettings())
 
 
 @dataclass
@@ -218,6 +225,25 @@ def agreement(
     return Agreement(hits / max(n, 1), overlap / max(n, 1), n)
 
 
+def int8_agreement(
+    draft, target, seqs: list[Sequence], settings: TrainSettings, device, temperature: float
+) -> Agreement | None:
+    """With --quant-aware int8: the agreement of the drafter as it serves with --quantize
+    int8 (a float32 CPU copy through the drafter's own quantizer); None otherwise."""
+    if settings.quant_aware != "int8":
+        return None
+    import copy
+
+    from specdec.drafter.quantize import quantize_model
+
+    int8 = quantize_model(copy.deepcopy(draft).to("cpu", dtype=torch.float32), "int8")
+    where = next(target.parameters()).device  # int8 runs on the CPU only
+    try:
+        return agreement(int8, target.to("cpu"), seqs, settings, "cpu", temperature)
+    finally:
+        target.to(where)
+
+
 def _decoder_layers(model) -> torch.nn.ModuleList:
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
@@ -303,7 +329,10 @@ def load_checkpoint(path: Path, model, optimizer, settings: TrainSettings) -> in
     if state["settings"] != asdict(settings):
         # More --steps may be asked of a run; everything else must be what it was.
         changed = sorted(
-            k for k, v in asdict(settings).items() if k != "steps" and state["settings"].get(k) != v
+            k
+            for k, v in asdict(settings).items()
+            # a setting added since the checkpoint was saved counts as its default
+            if k != "steps" and state["settings"].get(k, _DEFAULTS[k]) != v
         )
         if changed:
             raise ValueError(
@@ -384,7 +413,9 @@ def distill(
         raise ValueError(f"--top-m must be at most the vocabulary ({t_vocab})")
 
     before = agreement(draft, target, held, settings, device, eval_temperature)
+    int8_before = int8_agreement(draft, target, held, settings, device, eval_temperature)
     model = prepare(draft, settings)
+    make_quant_aware(model, settings.quant_aware)
     params = trainable(model)
     if not params:
         raise ValueError("nothing to train: --train-layers and --train-head select no weights")
@@ -425,9 +456,11 @@ def distill(
             save_checkpoint(checkpoint, model, optimizer, step, settings)
     bar.close()
     model.eval()
+    undo_quant_aware(model)
     if settings.lora_rank:
         model = model.merge_and_unload()  # plain weights: the drafter serves a checkpoint
     after = agreement(model, target, held, settings, device, eval_temperature)
+    int8_after = int8_agreement(model, target, held, settings, device, eval_temperature)
 
     model.to("cpu", dtype=parent_dtype).save_pretrained(out)
     AutoTokenizer.from_pretrained(draft_path).save_pretrained(out)
@@ -451,6 +484,20 @@ def distill(
             "eval_temperature": eval_temperature,
             "before": {"greedy_agreement": before.greedy, "sum_min_pq": before.min_pq},
             "after": {"greedy_agreement": after.greedy, "sum_min_pq": after.min_pq},
+            **(
+                {
+                    "int8_before": {
+                        "greedy_agreement": int8_before.greedy,
+                        "sum_min_pq": int8_before.min_pq,
+                    },
+                    "int8_after": {
+                        "greedy_agreement": int8_after.greedy,
+                        "sum_min_pq": int8_after.min_pq,
+                    },
+                }
+                if int8_after
+                else {}
+            ),
         },
         "cost": {
             "minutes": (time.perf_counter() - started) / 60,
