@@ -127,3 +127,21 @@ def test_quant_aware_distillation_trains_the_int8_drafter(test_models, tmp_path)
 def test_quant_aware_refuses_an_unknown_mode():
     with pytest.raises(ValueError, match="--quant-aware"):
         make_quant_aware(Tiny(), "int4")
+
+
+def test_token_by_token_logits_are_the_whole_sequence_forwards_in_float32(test_models):
+    """The int8 agreement's drafting-shaped forward (the prompt in one call, then one
+    token per call) gives a float model's one-forward logits at the same positions."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.tools.distill.data import Sequence
+    from specdec.tools.distill.train import collate, token_by_token
+
+    model = AutoModelForCausalLM.from_pretrained(test_models.target).eval()
+    seqs = [Sequence((5, 9, 11, 3), (7, 8, 2, 40, 41)), Sequence((4,), (6, 6, 12))]
+    ids, attn, predicts = collate(seqs, 64, 0, "cpu")
+    with torch.no_grad():
+        whole = model(input_ids=ids, attention_mask=attn).logits[predicts]
+        steps = token_by_token(model)(ids, attn, predicts)
+    assert steps.shape == whole.shape
+    assert torch.allclose(steps, whole, atol=1e-4)

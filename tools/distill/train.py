@@ -206,16 +206,27 @@ def losses(
 
 @torch.no_grad()
 def agreement(
-    draft, target, seqs: list[Sequence], settings: TrainSettings, device, temperature: float
+    draft,
+    target,
+    seqs: list[Sequence],
+    settings: TrainSettings,
+    device,
+    temperature: float,
+    draft_logits=None,
 ) -> Agreement:
-    """Teacher-forced agreement of the drafter with the target over `seqs`."""
+    """Teacher-forced agreement of the drafter with the target over `seqs`. The drafter's
+    logits at the predicting positions come from one forward per batch, or from
+    `draft_logits(ids, attn, predicts)` when given."""
     draft.eval()
     hits = overlap = 0.0
     n = 0
     size = settings.batch_size
     for i in range(0, len(seqs), size):
         ids, attn, predicts = collate(seqs[i : i + size], settings.max_length, 0, device)
-        d = draft(input_ids=ids, attention_mask=attn).logits[predicts].float()
+        if draft_logits is None:
+            d = draft(input_ids=ids, attention_mask=attn).logits[predicts].float()
+        else:
+            d = draft_logits(ids, attn, predicts).float()
         t = target(input_ids=ids, attention_mask=attn).logits[predicts].float()
         hits += (d.argmax(-1) == t.argmax(-1)).sum().item()
         p = (t / temperature).softmax(-1)
@@ -225,11 +236,41 @@ def agreement(
     return Agreement(hits / max(n, 1), overlap / max(n, 1), n)
 
 
+def token_by_token(model):
+    """Logits at the predicting positions as a drafter computes them while drafting: the
+    prompt in one call, then each output token in a call of its own (a KV cache between
+    them). Under int8 this is what the drafter serves: dynamic quantization rounds a
+    call's activations with one scale, so one forward over a whole sequence rounds
+    coarser than drafting does (a distilled 0.5B drafter, 2026-11-26: 0.712 teacher-forced
+    greedy agreement as int8 in whole-sequence calls, against 0.807 in bfloat16; served
+    int8, it accepts as much as in bfloat16)."""
+
+    def logits(ids, attn, predicts):
+        out = []
+        for b in range(ids.shape[0]):
+            where = predicts[b].nonzero()[:, 0].tolist()
+            if not where:
+                continue
+            first, last = where[0], where[-1]
+            step = model(input_ids=ids[b : b + 1, : first + 1], use_cache=True)
+            rows, cache = [step.logits[0, -1]], step.past_key_values
+            for p in range(first + 1, last + 1):
+                step = model(input_ids=ids[b : b + 1, p : p + 1], past_key_values=cache,
+                             use_cache=True)  # fmt: skip
+                rows.append(step.logits[0, -1])
+                cache = step.past_key_values
+            out.append(torch.stack(rows))
+        return torch.cat(out)
+
+    return logits
+
+
 def int8_agreement(
     draft, target, seqs: list[Sequence], settings: TrainSettings, device, temperature: float
 ) -> Agreement | None:
     """With --quant-aware int8: the agreement of the drafter as it serves with --quantize
-    int8 (a float32 CPU copy through the drafter's own quantizer); None otherwise."""
+    int8 (a float32 CPU copy through the drafter's own quantizer, token by token);
+    None otherwise."""
     if settings.quant_aware != "int8":
         return None
     import copy
@@ -239,7 +280,9 @@ def int8_agreement(
     int8 = quantize_model(copy.deepcopy(draft).to("cpu", dtype=torch.float32), "int8")
     where = next(target.parameters()).device  # int8 runs on the CPU only
     try:
-        return agreement(int8, target.to("cpu"), seqs, settings, "cpu", temperature)
+        return agreement(
+            int8, target.to("cpu"), seqs, settings, "cpu", temperature, token_by_token(int8)
+        )
     finally:
         target.to(where)
 
