@@ -4,9 +4,8 @@ The standard library's prose is Python documentation, and its chat prompts are "
 function" requests. The first distillation on them (docs/features/distill.md) moved the
 bench's prose and chat acceptance by 2 points: the bench's prose is general writing ("The
 history of the printing press begins ..."), and a drafter learns where it is trained.
-With no dataset hub, a model writes the prompts itself (self-instruct, as Medusa-2's
-self-distillation does when a model's training data is not at hand), from a shipped list
-of subject areas and forms:
+With no dataset hub, a model writes the prompts itself (self-instruct: the model writes
+the instructions it is then run on), from a shipped list of subject areas and forms:
 
 - ``prose``: the model writes the opening sentences of a piece (an article, a guide, a
   story, ...) on a subject it picks within an area; the prompt is that text cut after a
