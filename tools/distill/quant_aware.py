@@ -97,12 +97,14 @@ def make_quant_aware(model, mode: str):
     for module in model.modules():
         if LoraLayer is not None and isinstance(module, LoraLayer):
             module.forward = types.MethodType(_lora_forward, module)
+            module._specdec_qat = True
             inside_lora.add(id(module.base_layer))
             changed += 1
     for module in model.modules():
         if type(module) is torch.nn.Linear and id(module) not in inside_lora:
             module._specdec_wq = _FrozenCache()
             module.forward = types.MethodType(_linear_forward, module)
+            module._specdec_qat = True
             changed += 1
     if not changed:
         raise ValueError("--quant-aware: the model has no linear layer to round")
@@ -110,9 +112,9 @@ def make_quant_aware(model, mode: str):
 
 
 def undo_quant_aware(model) -> None:
-    """Plain float forwards again (before merging and saving)."""
+    """Plain float forwards again (before merging and saving): only the forwards
+    make_quant_aware set, not another library's hooks."""
     for module in model.modules():
-        if "forward" in vars(module):
+        if vars(module).pop("_specdec_qat", False):
             del module.forward
-        if hasattr(module, "_specdec_wq"):
-            del module._specdec_wq
+            vars(module).pop("_specdec_wq", None)

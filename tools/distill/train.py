@@ -90,6 +90,10 @@ class Agreement:
     min_pq: float  # mean sum(min(p, q)) at the evaluation temperature
     positions: int
 
+    def figures(self) -> dict:
+        """The report's form: {"greedy_agreement", "sum_min_pq"}."""
+        return {"greedy_agreement": self.greedy, "sum_min_pq": self.min_pq}
+
 
 def parse_layers(spec: str, num_layers: int) -> list[int]:
     """'all', 'last:N', 'A-B' or 'A,B,C' -> decoder layer indices (ValueError otherwise)."""
@@ -525,19 +529,10 @@ def distill(
         "held_out": {
             "positions": after.positions,
             "eval_temperature": eval_temperature,
-            "before": {"greedy_agreement": before.greedy, "sum_min_pq": before.min_pq},
-            "after": {"greedy_agreement": after.greedy, "sum_min_pq": after.min_pq},
+            "before": before.figures(),
+            "after": after.figures(),
             **(
-                {
-                    "int8_before": {
-                        "greedy_agreement": int8_before.greedy,
-                        "sum_min_pq": int8_before.min_pq,
-                    },
-                    "int8_after": {
-                        "greedy_agreement": int8_after.greedy,
-                        "sum_min_pq": int8_after.min_pq,
-                    },
-                }
+                {"int8_before": int8_before.figures(), "int8_after": int8_after.figures()}
                 if int8_after
                 else {}
             ),
