@@ -28,7 +28,13 @@ def add_stack_arguments(p: argparse.ArgumentParser, port_default: int = 50051) -
     p.add_argument("--target-gguf-file", help="GGUF file of the target model")
     p.add_argument("--port", type=int, default=port_default, help="gateway port (0: any free)")
     p.add_argument("--host", default="127.0.0.1", help="address every service listens on")
-    p.add_argument("--dtype", default="float32", help="weights dtype of both models")
+    p.add_argument(
+        "--dtype",
+        default="fastest",
+        help="weights dtype of both models: fastest (each replica times float32 and bfloat16 "
+        "at start-up and keeps the faster, cached per machine), float32, bfloat16, float16 "
+        "or auto (as stored)",
+    )
     p.add_argument("--device", default="cpu", help="torch device of both models")
     p.add_argument(
         "--draft-threads",
@@ -133,6 +139,30 @@ def split_threads(
     return max(1, n // 2), max(1, n - n // 2)
 
 
+def verifier_threads(args: argparse.Namespace) -> int:
+    """The torch threads the stack gives the verifier (0: it sizes itself from its CPUs)."""
+    pinned = bool(args.draft_cpus or args.target_cpus)
+    return split_threads(args.draft_threads, args.target_threads, pinned)[1]
+
+
+def resolve_dtype(args: argparse.Namespace):
+    """For a tool that also loads the target in its own process (`specdec bench`): set
+    args.dtype to a concrete dtype, with `fastest` the one a verifier of the stack would
+    choose (its cached calibration, or measured now); the stack then starts both replicas
+    in it. Returns the specdec.common.calibrate.DtypeChoice."""
+    from specdec.common.calibrate import resolve_dtype as resolve
+
+    choice = resolve(
+        args.dtype,
+        args.target_model,
+        device=args.device,
+        threads=verifier_threads(args),
+        gguf_file=args.target_gguf_file,
+    )
+    args.dtype = choice.dtype
+    return choice
+
+
 def add_up_parser(commands) -> argparse.ArgumentParser:
     p = commands.add_parser("up", help="run drafter, verifier, gateway and Redis locally")
     p.add_argument("--draft-model", required=True, help="draft model directory (or GGUF dir)")
@@ -181,6 +211,8 @@ class LocalStack:
         self.verifier: ServiceProcess | None = None
         self.pki: Pki | None = None  # with --tls: the throwaway CA and its certificates
         self._pki_dir: str | None = None
+        # role -> (dtype, why) as each replica's Info reports it (--dtype fastest: measured)
+        self.dtypes: dict[str, tuple[str, str]] = {}
 
     def _tls_flags(self, client_ca: bool) -> list[str]:
         if self.pki is None:
@@ -251,6 +283,9 @@ class LocalStack:
         for p in (drafter, verifier):
             p.wait_healthy(timeout=1800, credentials=self._client_credentials())
             self.announce(f"{p.name:<9} {p.address} (pid {p.proc.pid})")
+        for p in (drafter, verifier):
+            dtype, why = self.dtypes[p.name] = self._replica_dtype(p)
+            self.announce(f"dtype     {p.name} {why or dtype}")
         self.gateway = self._service(
             "gateway",
             "serve",
@@ -282,6 +317,29 @@ class LocalStack:
         if getattr(a, "otlp_endpoint", None):
             self.announce(f"traces    {a.otlp_endpoint} ({a.otlp_protocol})")
         return self
+
+    def _replica_dtype(self, proc: ServiceProcess) -> tuple[str, str]:
+        """The dtype a replica runs in and why, from its Info ("", "" if it does not say)."""
+        import grpc
+
+        from specdec.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
+
+        stub = {
+            "drafter": drafter_pb2_grpc.DrafterServiceStub,
+            "verifier": verifier_pb2_grpc.VerifierServiceStub,
+        }[proc.name]
+        credentials = self._client_credentials()
+        channel = (
+            grpc.insecure_channel(proc.address)
+            if credentials is None
+            else grpc.secure_channel(proc.address, credentials)
+        )
+        try:
+            with channel:
+                info = stub(channel).Info(common_pb2.InfoRequest(), timeout=30)
+        except grpc.RpcError:
+            return "", ""
+        return info.dtype, info.dtype_reason
 
     def _replica_tls_flags(self) -> list[str]:
         if self.pki is None:

@@ -41,7 +41,10 @@ __all__ = [
 ]
 
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+# auto: as stored in the checkpoint; fastest: whichever of float32 and bfloat16 (float16 too
+# on CUDA) runs this model fastest here, measured at start-up and cached
+# (specdec.common.calibrate).
+DTYPES = ("auto", "float32", "bfloat16", "float16", "fastest")
 MAX_FAN_OUT = 64  # SSD branches per round (drafter and gateway settings, Speculate requests)
 
 
@@ -82,6 +85,9 @@ class ReplicaConfig:
     tls: Any = None  # specdec.common.tls.ServerTls, or None: plaintext
     # The data plane's port (specdec.common.dataplane): 0 any free port, -1 none.
     data_port: int = 0
+    # Time forwards of 1 to 16 tokens once loaded, the first points of the forward cost
+    # curve (specdec.common.cost) the replica reports.
+    cost_probe: bool = True
 
     ROLE: ClassVar[str] = ""
 
@@ -96,7 +102,15 @@ class ReplicaConfig:
             "for models you trust",
             False,
         )
-        add_setting(parser, "--dtype", f"weights dtype, one of {', '.join(DTYPES)}", "float32")
+        add_setting(
+            parser,
+            "--dtype",
+            f"weights dtype, one of {', '.join(DTYPES)} (auto: as stored in the checkpoint; "
+            "fastest: load in float32, time a few forwards in float32 and in bfloat16 (float16 "
+            "too on CUDA) and keep the fastest; cached per machine in "
+            "$SPECDEC_CACHE_DIR/calibration.json)",
+            "float32",
+        )
         add_setting(parser, "--device", "torch device: cpu, cuda or cuda:N", "cpu")
         add_setting(parser, "--host", "address to listen on", "0.0.0.0")
         add_setting(parser, "--port", "gRPC port (0: any free port)", default_port)
@@ -151,6 +165,14 @@ class ReplicaConfig:
             "0: never wait)",
             1.0,
         )
+        add_setting(
+            parser,
+            "--cost-probe",
+            "once loaded, time a few forwards of 1 to 16 tokens: the first points of the "
+            "forward cost curve reported to gateways (whose adaptive policy prices drafts "
+            "with it) before any request has run",
+            True,
+        )
         add_server_tls_arguments(parser)
         cls.add_role_arguments(parser)
 
@@ -201,6 +223,7 @@ class ReplicaConfig:
             ),
             tls=server_tls_from_args(args),
             data_port=parse_value(args, "--data-port", int, _data_port),
+            cost_probe=parse_value(args, "--cost-probe", boolean),
             **cls.role_settings(args),
         )
 

@@ -1,7 +1,8 @@
 """Loading a replica's model and tokenizer, and what it learns from them.
 
 ``AutoModelForCausalLM.from_pretrained`` on a directory, a hub id or a GGUF file (the
-real loading path, tests included), the tokenizer beside it, and the facts a replica
+real loading path, tests included) in the dtype asked for (``fastest``: the one measured
+fastest here, specdec.common.calibrate), the tokenizer beside it, and the facts a replica
 reports in Info: vocabulary, context, EOS/BOS, chat template, the tokenizer's canonical
 JSON and fingerprint. Models whose KV cache cannot be rolled back exactly, or that cannot
 be batched across sessions, are refused with the reason.
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from specdec.common import calibrate
 from specdec.common.config import ReplicaConfig
 from specdec.common.cpus import thread_budget
 
@@ -39,6 +41,7 @@ class LoadedModel:
     special_tokens: dict[str, str]  # bos_token, eos_token, ... (chat templates)
     tokenizer_json: bytes  # zlib-compressed canonical JSON
     tokenizer_fingerprint: str  # sha256 of the canonical JSON
+    dtype_reason: str = ""  # why the weights are in their dtype (--dtype fastest: measured)
 
 
 def load_model(cfg: ReplicaConfig, device: torch.device) -> LoadedModel:
@@ -49,9 +52,14 @@ def load_model(cfg: ReplicaConfig, device: torch.device) -> LoadedModel:
     kwargs: dict = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
     if cfg.trust_remote_code:
         kwargs["trust_remote_code"] = True
-    dtype = "auto" if cfg.dtype == "auto" else DTYPES[cfg.dtype]
+    fastest = cfg.dtype == calibrate.FASTEST  # load in float32, keep it or a cast copy
+    dtype = "auto" if cfg.dtype == "auto" else DTYPES["float32" if fastest else cfg.dtype]
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, **kwargs)
     model.to(device).eval()
+    if fastest:
+        model, choice = calibrate.choose_dtype(model, device)
+    else:
+        choice = calibrate.asked(cfg.dtype)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model, **kwargs)
     max_context = int(getattr(model.config, "max_position_embeddings", 0) or cfg.max_context or 0)
     if cfg.max_context:
@@ -71,6 +79,7 @@ def load_model(cfg: ReplicaConfig, device: torch.device) -> LoadedModel:
         special_tokens={k: str(v) for k, v in tokenizer.special_tokens_map.items()},
         tokenizer_json=zlib.compress(canonical, 6),
         tokenizer_fingerprint=hashlib.sha256(canonical).hexdigest(),
+        dtype_reason=choice.summary(),
     )
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 
+from specdec.common import cost
 from specdec.common.config import ReplicaConfig
 from specdec.common.dataplane import DataPlaneServer
 from specdec.common.errors import InvalidRequest, NotReady
@@ -106,6 +107,7 @@ class ReplicaServicer:
             max_draft_tokens=cfg.max_draft_tokens,
             eos_token_ids=rt.eos_token_ids,
             dtype=rt.dtype_name,
+            dtype_reason=rt.dtype_reason,
             device=str(rt.device),
             max_cached_tokens=cfg.max_cached_tokens,
             cached_tokens=cached_tokens,
@@ -116,10 +118,15 @@ class ReplicaServicer:
             special_tokens=rt.special_tokens,
             data_port=self.data_port,
             model_version=self.model_version,
+            forward_cost=self.forward_cost(),
         )
         if request.include_tokenizer:
             info.tokenizer_json_zlib = rt.tokenizer_json
         return info
+
+    def forward_cost(self) -> common_pb2.ForwardCost:
+        """The replica's forward cost curve as fitted now (specdec.common.cost)."""
+        return cost.to_proto(self.runtime.cost_lines)
 
     def release(self, session_id: str) -> bool:
         """Drop everything this replica keeps for the session (model thread)."""

@@ -29,6 +29,7 @@ import torch
 
 from specdec.common.batching import BranchStep, ForwardRequest, Layout, Request, Scheduler
 from specdec.common.config import ReplicaConfig
+from specdec.common.cost import CostCurve, Line, fit_points
 from specdec.common.errors import (
     BUSY_PREFIX,
     CacheMiss,
@@ -73,6 +74,7 @@ class ModelRuntime:
         self.tokenizer_fingerprint = ""
         self.chat_template = ""
         self.special_tokens: dict[str, str] = {}  # bos_token, eos_token, ... (chat templates)
+        self.dtype_reason = ""  # why the weights are in their dtype (--dtype fastest: measured)
         self.store: CacheStore | None = None
         self.obs = ReplicaObserver(self)  # metrics and spans (specdec.common.metrics)
         self._keeps_logits = False  # the model's forward takes logits_to_keep
@@ -80,6 +82,10 @@ class ModelRuntime:
         # states [..., hidden] -> fp32 logits [..., vocab], -inf outside its subset. None:
         # the model's own output layer (the verifier always).
         self.head: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # The forward cost curve (specdec.common.cost), fed on the model thread; `cost_lines`
+        # is its latest fit, an immutable snapshot the servicers read from the event loop.
+        self.cost = CostCurve()
+        self.cost_lines: list[tuple[int, Line]] = []
 
     # -- loading ------------------------------------------------------------------------
 
@@ -97,22 +103,74 @@ class ModelRuntime:
         self.special_tokens = loaded.special_tokens
         self.tokenizer_json = loaded.tokenizer_json
         self.tokenizer_fingerprint = loaded.tokenizer_fingerprint
+        self.dtype_reason = loaded.dtype_reason
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         check_rollback(self._new_cache(), cfg.model)
         if cfg.max_batch_size > 1:
             check_batchable(self.model, cfg.model)
         self.store = CacheStore(cfg.max_cached_tokens, self._new_cache)
+        if cfg.cost_probe:
+            self.probe_cost()
         log.info(
             "model loaded",
             extra={
                 "model": cfg.model,
                 "dtype": str(self.model.dtype),
+                "dtype_reason": self.dtype_reason,
                 "device": str(self.device),
                 "vocab_size": self.vocab_size,
                 "max_context": self.max_context,
                 "seconds": round(time.monotonic() - started, 2),
             },
         )
+
+    PROBE_CONTEXT = 32  # tokens cached before the probe's forwards
+    PROBE_WIDTHS = (1, 2, 4, 8, 16)
+
+    @torch.inference_mode()
+    def probe_cost(self) -> Line:
+        """Time forwards of PROBE_WIDTHS tokens after a short context on a scratch cache
+        (no session), a warm-up first; their line seeds the cost curve (model thread)."""
+        widths = [n for n in self.PROBE_WIDTHS if n <= self.config.max_draft_tokens + 1] or [1]
+        if len(widths) == 1:
+            widths.append(2)
+        vocab = max(1, self.vocab_size)
+        ids = [(7 * i + 3) % vocab for i in range(self.PROBE_CONTEXT + sum(widths) + 2)]
+        kv = self._new_cache()
+        feed = torch.tensor([ids[: self.PROBE_CONTEXT]], dtype=torch.long, device=self.device)
+        self.model_logits(1, input_ids=feed, past_key_values=kv)
+        at = self.PROBE_CONTEXT
+        self.model_logits(1, input_ids=feed[:, :1], past_key_values=kv)  # warm-up
+        points = []
+        for n in widths:
+            feed = torch.tensor([ids[at : at + n]], dtype=torch.long, device=self.device)
+            started = time.perf_counter()
+            self.model_logits(1, input_ids=feed, past_key_values=kv)
+            self._synchronize()
+            points.append((n, (time.perf_counter() - started) * 1e3))
+            at += n
+        line = fit_points(points)
+        self.cost.prior = line
+        self.cost_lines = self.cost.buckets()
+        log.info(
+            "forward cost probed",
+            extra={
+                "base_ms": round(line.base_ms, 3),
+                "per_token_ms": round(line.per_token_ms, 3),
+                "points_ms": {n: round(ms, 3) for n, ms in points},
+            },
+        )
+        return line
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _timed(self, tokens: int, rows: int, started: float) -> None:
+        """A forward of `tokens` tokens a row over `rows` rows began at `started`: fit it."""
+        self._synchronize()
+        self.cost.add(tokens, rows, time.perf_counter() - started)
+        self.cost_lines = self.cost.buckets()
 
     def _new_cache(self):
         from transformers import DynamicCache
@@ -286,10 +344,13 @@ class ModelRuntime:
             input_ids = tokens.view(1, -1)  # [1, n]
         else:
             input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, n]
+        started = time.perf_counter()
         with self.obs.forward(len(tokens), 1, fresh=request.fresh):
             logits = self.model_logits(keep, input_ids=input_ids, past_key_values=session.kv)
         session.append(tokens)
-        return logits[0].float()  # [keep, vocab]
+        logits = logits[0].float()  # [keep, vocab]
+        self._timed(len(tokens), 1, started)
+        return logits
 
     def model_logits(self, keep: int, **inputs) -> torch.Tensor:
         """One forward of the model over `inputs` (input_ids [batch, n], past_key_values,
@@ -318,6 +379,7 @@ class ModelRuntime:
             input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache
         )
         fresh = all(r.fresh for r in requests)
+        started = time.perf_counter()
         with self.obs.forward(layout.tokens, layout.rows, fresh, sessions=len(requests)):
             if len(requests) == 1 and isinstance(requests[0], BranchStep):
                 # One branch group alone (always so under --max-batch-size 1): the model's
@@ -331,6 +393,7 @@ class ModelRuntime:
                 head = self.head or self.model.get_output_embeddings()
                 logits = head(layout.kept(hidden)).float()  # [sum keeps, vocab]
         layout.write_back(cache)
+        self._timed(layout.longest, layout.rows, started)
         return layout.split(logits)
 
     def _note_member(self, request: Request, batch: int) -> None:

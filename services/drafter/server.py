@@ -94,6 +94,7 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             cached_length=draft.cached_length,
             forward_ms=draft.forward_ms,
             prepared=draft.prepared,
+            forward_cost=self.forward_cost(),
         )
 
     def speculate_call(self, request: drafter_pb2.SpeculateRequest) -> ModelCall:

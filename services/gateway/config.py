@@ -28,7 +28,7 @@ from specdec.common.tls import (
 from specdec.gateway.canary import Canary, parse_canary
 from specdec.gateway.discovery import parse_target
 from specdec.gateway.lookup import SCOPES, parse_method
-from specdec.gateway.policy import FIXED, parse_policy
+from specdec.gateway.policy import ADAPTIVE, parse_policy
 from specdec.gateway.request import MAX_TOP_LOGPROBS
 from specdec.v1 import gateway_pb2
 
@@ -70,7 +70,7 @@ class GatewayConfig:
     default_k: int = 4
     ssd: bool = False  # speculative speculative decoding when a request does not say
     ssd_fan_out: int = 0  # branches per round; 0: the drafter's --ssd-fan-out
-    k_policy: int = FIXED  # gateway_pb2.KPolicy when a request does not say
+    k_policy: int = ADAPTIVE  # gateway_pb2.KPolicy when a request does not say
     # Lookup drafts (specdec.gateway.lookup): the default SpeculationMethod, prompt
     # lookup's n-gram lengths, the suffix tries' depth and the cache of recent outputs.
     method: int = gateway_pb2.SPECULATION_METHOD_HYBRID
@@ -126,9 +126,12 @@ class GatewayConfig:
         add_setting(
             parser,
             "--k-policy",
-            "draft length per round when a request does not say: fixed (its k) or adaptive "
-            "(its k is an upper bound; k and the SSD fan-out follow acceptance and load)",
-            "fixed",
+            "how each round's draft is chosen when a request does not say: adaptive (the "
+            "source, length and SSD fan-out that maximise expected tokens per second from the "
+            "replicas' measured cost curves and each source's measured acceptance; the "
+            "request's k is an upper bound, 0 included) or fixed (the request's k every round; "
+            "seeded sampled requests always draft fixed, so they stay reproducible)",
+            "adaptive",
         )
         add_setting(
             parser,

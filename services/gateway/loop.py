@@ -147,6 +147,7 @@ class Speculator:
         self.drafter = drafter
         self.verifier = verifier
         self.policy = policy
+        policy.bind(drafter, verifier)  # it prices drafts with their replicas' cost curves
         self.ssd = ssd
         self.max_context = max_context
         # Where the request's output starts and its min_tokens mask: every replica call
@@ -188,7 +189,7 @@ class Speculator:
                 ctx, draft.tokens, remaining, self._branch_k(draft, max_k)
             )
             verify_sent = time.perf_counter()
-            verdict, resends = await self._verify(ctx, draft, speculation, masks)
+            verdict, resends, fed = await self._verify(ctx, draft, speculation, masks)
             verified = time.perf_counter()
             ssd = self._settle(speculation, verdict, ctx, verify_sent, verified)
             if ssd.state == SSD_LATE:
@@ -215,6 +216,8 @@ class Speculator:
                 speculate_bytes=speculation.request_bytes + ssd.bytes,
                 hidden_seconds=ssd.hidden,
                 seconds=time.perf_counter() - started,
+                verify_forward_ms=verdict.forward_ms,
+                verify_fed=fed,
                 logprobs=verdict.logprobs if verdict.HasField("logprobs") else None,
                 prompt_logprobs=(
                     verdict.prompt_logprobs if verdict.HasField("prompt_logprobs") else None
@@ -232,24 +235,36 @@ class Speculator:
     def _lookup(self, ctx: Sequence[int], max_k: int, remaining: int) -> Draft | None:
         """The round's lookup draft, or None when the draft model should draft (methods
         model and hybrid). A lookup draft is bounded by lookup_max_k, what is left before
-        max_new_tokens and the context, and the policy's choice for free drafts; a lookup
-        method (ngram, suffix) that finds nothing runs the round without a draft."""
+        max_new_tokens and the context; the policy then sizes it (0 included), and under
+        the methods with a draft model may prefer the model. A lookup method (ngram,
+        suffix) that finds nothing, or whose draft the policy sizes to 0, runs the round
+        without a draft."""
         lookup = self.lookup
         if lookup is None or max_k <= 0 or not lookup.active:
             return None
-        k = self._lookup_k(ctx, remaining)
-        proposal = lookup.propose(ctx, k)
+        bound = self._lookup_bound(ctx, remaining)
+        proposal = lookup.propose(ctx, bound)
+        with_model = lookup.method in (MODEL, HYBRID)
+        found = proposal is not None
+        if proposal is not None:
+            tokens = proposal.tokens[:bound]
+            if with_model:
+                k = self.policy.lookup_or_model(proposal.source, len(tokens), max_k)
+            else:
+                k = self.policy.choose_lookup_k(len(tokens), proposal.source)
+            if k == 0:
+                proposal = None
         if proposal is None:
-            if lookup.method in (MODEL, HYBRID):
+            if with_model:
                 return None
             self._ready = None
-            return Draft((), (), NO_DRAFT if k <= 0 else NO_MATCH)
+            return Draft((), (), NO_MATCH if bound > 0 and not found else NO_DRAFT)
         self._ready = None  # an SSD draft prepared for this context goes unused
         late_outcome = None
         if self._late:  # the last Speculate answered after its verdict: its branches go
             # unused (a lookup drafts this round), so it missed
             self._late, late_outcome = False, SSD_MISS
-        tokens = proposal.tokens[:k]
+        tokens = tokens[:k]
         probs = () if self.greedy else [one_hot(t) for t in tokens]
         return Draft(tokens, probs, proposal.source, late_outcome=late_outcome)
 
@@ -260,7 +275,8 @@ class Speculator:
         lookup, k = self.lookup, len(draft.tokens)
         if lookup is None or lookup.method != HYBRID or k == 0:
             return draft
-        more = lookup.extend(ctx, draft.tokens, self._lookup_k(ctx, remaining) - k)
+        more = lookup.extend(ctx, draft.tokens, self._lookup_bound(ctx, remaining) - k)
+        more = more[: self.policy.choose_extension(k, len(more))]
         if not more:
             return draft
         probs = () if self.greedy else [*draft.probs, *(one_hot(t) for t in more)]
@@ -268,12 +284,11 @@ class Speculator:
             draft, tokens=[*draft.tokens, *more], probs=probs, extended=len(more)
         )
 
-    def _lookup_k(self, ctx: Sequence[int], remaining: int) -> int:
+    def _lookup_bound(self, ctx: Sequence[int], remaining: int) -> int:
         """The longest lookup draft (a model draft's extension included) this round may
         verify: lookup_max_k, what is left before max_new_tokens and the context bound
-        it, then the policy chooses."""
-        bound = min(self.lookup_max_k, remaining - 1, self.max_context - len(ctx) - 1)
-        return self.policy.choose_lookup_k(bound)
+        it (the policy then chooses within it)."""
+        return min(self.lookup_max_k, remaining - 1, self.max_context - len(ctx) - 1)
 
     async def _draft(self, ctx: Sequence[int], k: int) -> Draft:
         """The round's draft of k tokens: the one SSD prepared for exactly this context,
@@ -301,6 +316,7 @@ class Speculator:
             log.info("drafter back; speculation resumes", extra={"replica": self.drafter.address})
             self._without_drafter = False
         d = answer.response
+        answer.replica.note_cost(d.forward_cost)
         self.fork_from.pop("drafter", None)
         self.drafter.cached = d.cached_length
         source = PREPARED if d.prepared else DRAFTED
@@ -412,13 +428,17 @@ class Speculator:
         draft: Draft,
         speculation: Speculation,
         masks: Sequence[verifier_pb2.GrammarMask] = (),
-    ) -> tuple[verifier_pb2.VerifyResponse, int]:
-        """The verdict on the draft, and the resends it took; a failure cancels the
-        Speculate beside it (the verifier's error is the one raised)."""
+    ) -> tuple[verifier_pb2.VerifyResponse, int, int]:
+        """The verdict on the draft, the resends it took and the tokens the answered call
+        fed; a failure cancels the Speculate beside it (the verifier's error is the one
+        raised)."""
 
         prompt_logprobs = self.prompt_logprobs and self._index == 0
+        fed = 0
 
         def build(prefix: common_pb2.CachedPrefix, new: list[int]) -> verifier_pb2.VerifyRequest:
+            nonlocal fed
+            fed = len(new) + len(draft.tokens)
             return verifier_pb2.VerifyRequest(
                 session_id=self.session,
                 prefix=prefix,
@@ -444,12 +464,13 @@ class Speculator:
                     task.exception()  # retrieved: not logged as never retrieved
             raise
         verdict = answer.response
+        answer.replica.note_cost(verdict.forward_cost)
         self.fork_from.pop("verifier", None)
         self.verifier.cached = verdict.cached_length
         # The drafter cached the draft (all of it with SSD, d_1..d_{k-1} without); what
         # follows the accepted tokens is stale.
         self.drafter.cached = min(self.drafter.cached, len(ctx) + verdict.accepted_count)
-        return verdict, answer.resends
+        return verdict, answer.resends, fed
 
     def _settle(
         self,

@@ -73,6 +73,8 @@ class Outcome:
     speculate_bytes: int = 0  # bytes of its request and response
     hidden_seconds: float = 0.0  # Speculate time that overlapped the Verify
     seconds: float = 0.0  # the whole round
+    verify_forward_ms: float = 0.0  # the Verify's time on the verifier, as it reported it
+    verify_fed: int = 0  # tokens the Verify fed (new tokens + the draft)
     # The Verify's scores when the request asked (common_pb2.TokenLogprobs): of `tokens`,
     # and (first round only) of the prompt.
     logprobs: Any = None

@@ -1,75 +1,91 @@
-"""How many tokens to draft per round, and how many SSD branches to ask for (k_policy).
+"""What each round drafts: the source, its length (0 included) and the SSD fan-out (k_policy).
 
-`FixedPolicy` is the behaviour from before: every round drafts the request's k (fewer only
-near max_new_tokens) and every Speculate asks for the configured fan-out.
+`FixedPolicy` drafts what it is given: the request's k every round (fewer only near
+max_new_tokens), a lookup match whole, every extension whole, the configured fan-out.
 
-`AdaptivePolicy` treats the request's k as an upper bound and picks, before each round,
-the k in [0, max_k] that maximises the expected tokens per second of this request:
+`AdaptivePolicy` (the default) treats the request's k as an upper bound and picks, before
+each round, the draft that maximises this request's expected tokens per second, from what
+was measured so far:
 
-    E(k) = (1 - a^(k+1)) / (1 - a)      tokens a round yields (accepted drafts + 1), for a
-                                         per-token acceptance a, i.i.d. across positions
-    T(k) = V(k) + D(k)                   the round's expected time
-    V(k) = v (1 + g k)                   Verify: v is the measured time of a round without a
-                                         draft; each draft token adds g of it
-    D(k) = k d (1 - h)                   Draft: d is the measured drafter time per draft
-                                         token; h the share of SSD rounds whose drafting was
-                                         hidden (a hit on a Speculate answered in time; one
-                                         that was late made the next Draft wait, so it
-                                         counts as a miss here), 0 without SSD
-    k* = argmax_k E(k) / T(k)            ties go to the smaller k
+    E(d)  = 1 + sum_{j=1..len(d)} prod_{i<j} a_s(i)    tokens the round yields: the accepted
+                                                       drafts + the next token
+    T(d)  = V(1 + len(d)) + D(d)                       the round's expected time
+    V(n)  = o + r t_v(n)                               Verify of n tokens: t_v the verifier's
+                                                       reported cost curve
+    D(d)  = k d_t (1 - h)                              drafting, for the draft model's k tokens
+    rate  = E(d) / T(d);  d* = argmax over the candidates, ties to the shorter
 
-What is measured (per request, exponential moving averages; nothing is shared between
-requests, so the module is pure and needs no processes to test):
+- a_s(i), the acceptance of draft position i of source s (the draft model, prompt lookup,
+  suffix, a prediction, and the lookup extension of a model draft under hybrid): accepted /
+  reached at that position, shrunk towards the source's pooled rate, which is shrunk
+  towards the gateway's rate for that source over earlier requests (`SourcePriors`), which
+  starts from `prior_acceptance`. So a new request starts from what the gateway has seen.
+- t_v(n) = a + b n: the verifier replica's forward cost curve (specdec.common.cost), fitted
+  on the replica from the forwards it runs and seeded by a probe at its start, reported in
+  Info and every Verify response, for the batch bucket of the load it reports (1 + its
+  queue depth rows). r corrects it for this request (its context length, say): the EMA of
+  the forward time the verifier reported over the curve's value; o is the round trip beyond
+  that forward (network, serialisation, the gateway). With no curve reported (an older
+  replica) the policy falls back to V(n) = v (1 + g (n - 1)), v measured, g from the load
+  (`idle_token_cost` idle, 1 at `saturation_queue`).
+- d_t: the drafter's time per draft token, the EMA of each Draft's round trip over its k;
+  before the first Draft, the drafter's reported t_d(1) plus o. h: the SSD hit rate, 0
+  without SSD or while SSD is paused.
 
-- a: the acceptance of a draft position reached, from the verdicts: accepted tokens over
-  accepted tokens + rejections (a round with accepted < k ended with one rejection), with
-  a prior of `prior_acceptance` worth `prior_weight` positions. This is the per-token rate
-  of the geometric model above, not the share of draft tokens accepted (which counts the
-  positions after a rejection as rejected).
-- v: each Verify's round-trip time, divided by (1 + g k) for the k it verified.
-- d: each Draft's round-trip time over its k (a Draft served from an SSD branch is not a
-  measurement of drafting).
-- the verifier's load L: the queue depth it reports in every VerifyResponse (model
-  requests of other sessions it had queued or running when the call arrived).
+The candidates of a round, each with its zero:
+- the draft model: k in [0, max_k] (`choose_k`); under hybrid, once the draft is back, its
+  lookup extension of e in [0, available] tokens (`choose_extension`), priced with the
+  extension's own per-position acceptance (it is verified only where the model's draft was
+  accepted whole) and the drafting already spent;
+- a lookup draft of source s: l in [0, its length] (`choose_lookup_k`); under hybrid a
+  confident match is taken only when its best rate is at least the draft model's
+  (`lookup_or_model`), else the round falls back to the model;
+- nothing: k = 0, the target alone through the same services.
 
-The load sets g. An idle verifier is memory-bound: checking k + 1 tokens costs little more
-than one (g = `idle_token_cost`; 0.05 matches the CPU bench, where a 3-token verification
-took 1.08x a 1-token step). A saturated verifier is compute-bound: other sessions' tokens
-fill every forward, so each extra draft token costs about what a decoding step costs
-(g -> 1), and then E(k) / (1 + k) < 1 for every k >= 1: speculation stops (k = 0) and every
-forward goes to tokens that are certain. In between g rises linearly with L up to
-`saturation_queue`. Once the load falls, g falls and k grows again: the load is measured
-by every Verify, at k = 0 too. Before anything is measured the policy drafts max_k (the
-fixed behaviour), so the first rounds measure the drafter. Acceptance and drafter time
-are only measured by drafting, so after `probe_interval` rounds in a row at k = 0 one
-round drafts a single token to refresh them.
+Once a source sits at 0 for `probe_interval` rounds in a row, one round drafts a single
+token of it, so its acceptance and cost are measured again.
 
 With SSD the policy also sizes each Speculate: a Speculate feeds the draft, then drafts
 branch_k tokens for f branches in batched steps, which takes about
-S(f) = s (branch_k + 1) (1 + b (f - 1)) (s: measured time of one step for one branch, b:
+S(f) = s (branch_k + 1) (1 + c (f - 1)) (s: measured time of one step for one branch, c:
 `branch_cost`, the extra cost of each further row of a batched step). The fan-out is the
-largest f <= f_max with S(f) <= `fit_margin` x V(k), so the Speculate is done when the
+largest f <= f_max with S(f) <= `fit_margin` x V(1 + k), so the Speculate is done when the
 verdict comes. A Speculate still running at its verdict (late) counts as having taken
 longer than that Verify; after `late_limit` late Speculates in a row at fan-out 1, SSD
-pauses for `pause_rounds` rounds (no Speculate, h = 0 in T(k)) and then tries again.
+pauses for `pause_rounds` rounds (no Speculate, h = 0) and then tries again.
 
-Why changing k is exact: every round is an ordinary speculation round (DESIGN §2): given
-the tokens so far, the tokens it appends follow the target's distribution for any draft
-length fixed before the round, k = 0 (the target alone) included. The policy fixes k
-before the round from what earlier rounds produced (verdicts and timings), never from
-this round's random draws, so by induction over rounds the whole sequence follows the
-target's distribution: a k chosen from the past is like a stopping rule, which cannot
-bias what the rule of each round guarantees. Under greedy decoding every round appends
-the target's argmax tokens whatever k is, so the output is generate()'s token for token.
-(A seeded sampled output is reproducible for a given sequence of k, not across k: the
-drafter's and the verifier's draws at a position differ between k = 0 and k > 0.)
+Why changing the draft is exact: every round is an ordinary speculation round (DESIGN §2):
+given the tokens so far, the tokens it appends follow the target's distribution for any
+draft fixed before the round, none (the target alone) included. The policy fixes the
+source and length before the round from what earlier rounds produced (verdicts and
+timings, this request's and the gateway's) and from the tokens so far, never from this
+round's random draws, so by induction over rounds the whole sequence follows the target's
+distribution: a choice made from the past is like a stopping rule, which cannot bias what
+the rule of each round guarantees. An extension's length depends on the model's draft
+tokens too: a proposal may decide to stop or go on from the draft prefix it drew (its
+next proposal is then one-hot), and the rule verifies each position against that prefix.
+Under greedy decoding every round appends the target's argmax tokens whatever it drafts,
+so the output is generate()'s token for token. A seeded sampled output is reproducible for
+a given sequence of drafts, not across them, and the adaptive policy's choices depend on
+timings: a seeded sampled request that names no policy gets the fixed one
+(specdec.gateway.request).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from specdec.gateway.outcome import DRAFTED, LOOKUP_SOURCES, SSD_HIT, SSD_LATE, SSD_MISS, Outcome
+from specdec.common.cost import Line, ReportedCost
+from specdec.gateway.outcome import (
+    DRAFTED,
+    LOOKUP_NGRAM,
+    LOOKUP_SOURCES,
+    SSD_HIT,
+    SSD_LATE,
+    SSD_MISS,
+    Outcome,
+)
 from specdec.v1 import gateway_pb2
 
 FIXED = gateway_pb2.K_POLICY_FIXED
@@ -79,6 +95,11 @@ BY_NAME = {name: value for value, name in NAMES.items()}
 # The largest fan-out the adaptive policy asks for when the gateway's --ssd-fan-out is 0:
 # the drafter's default --ssd-fan-out (replicas do not report theirs).
 ADAPTIVE_MAX_FAN_OUT = 6
+
+# Draft sources whose acceptance is measured apart (LOOKUP_SOURCES, then these two).
+MODEL = "model"
+EXTENSION = "extension"  # a lookup's continuation of a model draft (hybrid)
+MAX_POSITIONS = 32  # draft positions whose acceptance is counted one by one
 
 
 def policy_name(value: int) -> str:
@@ -97,9 +118,10 @@ def parse_policy(name: str) -> int:
 class PolicyParams:
     """The adaptive policy's constants (see the module docstring)."""
 
-    prior_acceptance: float = 0.7
-    prior_weight: float = 4.0  # pseudo-positions of the prior
-    idle_token_cost: float = 0.05  # g of an idle verifier
+    prior_acceptance: float = 0.7  # of the draft model, before the gateway has seen any
+    prior_lookup_acceptance: float = 0.5  # of lookup drafts and extensions, likewise
+    prior_weight: float = 4.0  # pseudo-positions of a prior
+    idle_token_cost: float = 0.05  # g of an idle verifier (no cost curve reported)
     saturation_queue: float = 4.0  # reported queue depth at which g reaches 1
     smoothing: float = 0.3  # weight of the newest measurement in the moving averages
     prior_hit_rate: float = 0.8  # SSD hit rate before any verdict
@@ -107,7 +129,7 @@ class PolicyParams:
     branch_cost: float = 0.15  # extra time of each further branch in a batched step
     late_limit: int = 3  # late Speculates in a row at fan-out 1 before SSD pauses
     pause_rounds: int = 16  # rounds without Speculate before SSD is tried again
-    probe_interval: int = 32  # rounds in a row at k = 0 before one round drafts 1 token
+    probe_interval: int = 32  # rounds in a row at 0 before one round drafts 1 token
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -128,13 +150,101 @@ class _Ema:
         self.value = x if self.value is None else self.value + self.weight * (x - self.value)
 
 
+class SourcePriors:
+    """The gateway's acceptance per draft source over the requests it served (decayed
+    counts): each new request's policy starts from them (one instance per gateway)."""
+
+    def __init__(self, decay: float = 0.999):
+        self.decay = decay
+        self._counts: dict[str, list[float]] = {}  # source -> [accepted, reached]
+
+    def observe(self, source: str, accepted: int, reached: int) -> None:
+        row = self._counts.setdefault(source, [0.0, 0.0])
+        row[0] = row[0] * self.decay + accepted
+        row[1] = row[1] * self.decay + reached
+
+    def rate(self, source: str, default: float, weight: float) -> float:
+        accepted, reached = self._counts.get(source, (0.0, 0.0))
+        return (accepted + weight * default) / (reached + weight)
+
+    def snapshot(self) -> dict[str, float]:
+        return {s: a / r for s, (a, r) in self._counts.items() if r > 0}
+
+
+class Acceptance:
+    """Per-position acceptance of one draft source: a(i) = P(position i accepted | the
+    positions before it were), from accepted / reached counts shrunk towards the pooled
+    rate, itself shrunk towards `prior` (`weight` pseudo-positions each)."""
+
+    def __init__(self, prior: float, weight: float):
+        self.prior = prior
+        self.weight = weight
+        self.reached = [0] * MAX_POSITIONS
+        self.accepted = [0] * MAX_POSITIONS
+
+    def observe(self, k: int, accepted: int) -> tuple[int, int]:
+        """A draft of k tokens of this source, `accepted` of them: (accepted, reached)."""
+        reached = min(k, accepted + 1)
+        for i in range(min(reached, MAX_POSITIONS)):
+            self.reached[i] += 1
+            self.accepted[i] += i < accepted
+        return accepted, reached
+
+    @property
+    def total_accepted(self) -> int:
+        return sum(self.accepted)
+
+    @property
+    def rejections(self) -> int:
+        return sum(self.reached) - sum(self.accepted)
+
+    @property
+    def pooled(self) -> float:
+        w = self.weight
+        return (sum(self.accepted) + w * self.prior) / (sum(self.reached) + w)
+
+    def rate(self, i: int) -> float:
+        pooled, w = self.pooled, self.weight
+        if i >= MAX_POSITIONS:
+            return pooled
+        return (self.accepted[i] + w * pooled) / (self.reached[i] + w)
+
+    def expected(self, k: int) -> list[float]:
+        """[k + 1]: the expected accepted tokens of a draft of 0..k tokens."""
+        out, survive, total = [0.0], 1.0, 0.0
+        for i in range(k):
+            survive *= self.rate(i)
+            total += survive
+            out.append(total)
+        return out
+
+    def survive(self, k: int) -> float:
+        """P(all of the first k positions accepted)."""
+        p = 1.0
+        for i in range(k):
+            p *= self.rate(i)
+        return p
+
+
+def _argmax(rates: list[float]) -> int:
+    """The index of the largest rate; ties (within 1e-9) go to the smaller index."""
+    best = 0
+    for i, r in enumerate(rates):
+        if r > rates[best] * (1.0 + 1e-9):
+            best = i
+    return best
+
+
 class FixedPolicy:
-    """The request's k every round; the configured fan-out for every Speculate."""
+    """The request's k every round; lookups and extensions whole; the configured fan-out."""
 
     kind = FIXED
 
     def __init__(self, fan_out: int = 0):
         self.fan_out = fan_out  # 0: the drafter's default
+
+    def bind(self, drafter: Any, verifier: Any) -> None:
+        """Nothing to read from the placements."""
 
     def choose_k(self, max_k: int) -> int:
         return max_k
@@ -142,49 +252,95 @@ class FixedPolicy:
     def choose_fan_out(self, k: int, branch_k: int) -> int | None:
         return self.fan_out
 
-    def choose_lookup_k(self, bound: int) -> int:
+    def choose_lookup_k(self, bound: int, source: str = LOOKUP_NGRAM) -> int:
         return max(0, bound)
+
+    def lookup_or_model(self, source: str, length: int, max_k: int) -> int:
+        return max(0, length)
+
+    def choose_extension(self, k: int, available: int) -> int:
+        return max(0, available)
 
     def observe(self, outcome: Outcome) -> None:
         """Nothing a round shows changes a fixed policy."""
 
 
 class AdaptivePolicy:
-    """Picks k per round (and the SSD fan-out) from what the request measured so far."""
+    """Picks each round's draft (and the SSD fan-out) to maximise expected tokens per
+    second, from what the request and the gateway measured so far."""
 
     kind = ADAPTIVE
 
-    def __init__(self, ssd: bool, max_fan_out: int, params: PolicyParams | None = None):
-        self.p = params or PolicyParams()
+    def __init__(
+        self,
+        ssd: bool,
+        max_fan_out: int,
+        params: PolicyParams | None = None,
+        priors: SourcePriors | None = None,
+    ):
+        self.p = p = params or PolicyParams()
         self.ssd = ssd
         self.max_fan_out = max(1, max_fan_out)
-        self.accepted = 0  # draft tokens accepted
-        self.rejections = 0  # rounds that ended with a rejected draft token
-        self.verify = _Ema(self.p.smoothing)  # v: seconds of a Verify without a draft
-        self.draft = _Ema(self.p.smoothing)  # d: seconds per drafted token
-        self.queue = _Ema(self.p.smoothing)  # L: the verifier's reported queue depth
-        self.hits = _Ema(self.p.smoothing)  # h: SSD hit (1) or miss (0)
-        self.step = _Ema(self.p.smoothing)  # s: seconds of one Speculate step, one branch
+        self.priors = priors
+        self.sources: dict[str, Acceptance] = {}
+        for source in (MODEL, EXTENSION, *LOOKUP_SOURCES):
+            default = p.prior_acceptance if source == MODEL else p.prior_lookup_acceptance
+            prior = priors.rate(source, default, p.prior_weight) if priors else default
+            self.sources[source] = Acceptance(prior, p.prior_weight)
+        self.verify = _Ema(p.smoothing)  # v: seconds of a Verify without a draft (no curve)
+        self.draft = _Ema(p.smoothing)  # d_t: seconds per drafted token
+        self.queue = _Ema(p.smoothing)  # the verifier's reported queue depth
+        self.hits = _Ema(p.smoothing)  # h: SSD hit (1) or miss (0)
+        self.step = _Ema(p.smoothing)  # s: seconds of one Speculate step, one branch
+        self.overhead = _Ema(p.smoothing)  # o: a Verify's round trip beyond its forward
+        self.scale = _Ema(p.smoothing)  # r: reported forward time over the curve's
         self.late_in_row = 0
         self.paused = 0  # rounds left without Speculate
-        self.k0_in_row = 0  # rounds in a row the policy chose k = 0
+        self.k0_in_row = 0  # rounds in a row the model's k was 0
+        self.lookup_k0_in_row = 0  # rounds in a row a lookup's length was 0
         self._verify_s: float | None = None  # the last Verify's time (a late Speculate's floor)
-        self.lookup_accepted = 0  # the same two counts for lookup drafts
-        self.lookup_rejections = 0
+        self._drafter: Any = None  # the request's Placements (their replica's reported cost)
+        self._verifier: Any = None
 
-    # -- the model -------------------------------------------------------------------------
+    def bind(self, drafter: Any, verifier: Any) -> None:
+        """The request's placements (specdec.gateway.caller.Placement): the policy reads
+        the cost curve their replica reports."""
+        self._drafter, self._verifier = drafter, verifier
+
+    # -- what was measured -------------------------------------------------------------------
+
+    @property
+    def model(self) -> Acceptance:
+        return self.sources[MODEL]
 
     @property
     def acceptance(self) -> float:
-        """a: accepted / (accepted + rejections), with the prior's pseudo-positions."""
-        n0 = self.p.prior_weight
-        return (self.accepted + n0 * self.p.prior_acceptance) / (
-            self.accepted + self.rejections + n0
-        )
+        """The draft model's pooled per-token acceptance."""
+        return self.model.pooled
+
+    @property
+    def accepted(self) -> int:
+        return self.model.total_accepted
+
+    @property
+    def rejections(self) -> int:
+        return self.model.rejections
+
+    @property
+    def lookup_accepted(self) -> int:
+        return sum(self.sources[s].total_accepted for s in (*LOOKUP_SOURCES, EXTENSION))
+
+    @property
+    def lookup_rejections(self) -> int:
+        return sum(self.sources[s].rejections for s in (*LOOKUP_SOURCES, EXTENSION))
+
+    @property
+    def lookup_acceptance(self) -> float:
+        return self.sources[LOOKUP_NGRAM].pooled
 
     @property
     def token_cost(self) -> float:
-        """g: the share of a verification step one more draft token costs, from the load."""
+        """g without a cost curve: the share of a step one more token costs, from the load."""
         g0 = self.p.idle_token_cost
         load = self.queue.value or 0.0
         saturation = min(1.0, load / self.p.saturation_queue) if self.p.saturation_queue else 1.0
@@ -192,67 +348,130 @@ class AdaptivePolicy:
 
     @property
     def hit_rate(self) -> float:
-        """h: the SSD hit rate used in D(k); 0 without SSD or while it is paused."""
+        """h: the SSD hit rate used in D; 0 without SSD or while it is paused."""
         if not self.ssd or self.paused:
             return 0.0
         return self.p.prior_hit_rate if self.hits.value is None else self.hits.value
 
+    def _cost(self, placement: Any) -> ReportedCost | None:
+        replica = getattr(placement, "replica", None)
+        return getattr(replica, "cost", None)
+
+    def verifier_line(self) -> Line | None:
+        """The verifier's reported t_v for the rows its load puts in a forward."""
+        cost = self._cost(self._verifier)
+        if cost is None:
+            return None
+        return cost.line(1 + round(self.queue.value or 0.0))
+
+    def verify_time(self, tokens: int) -> float | None:
+        """V(n): seconds of a Verify that feeds n tokens; None before anything is known."""
+        line = self.verifier_line()
+        if line is not None:
+            scale = self.scale.value if self.scale.value is not None else 1.0
+            return (self.overhead.value or 0.0) + scale * line.ms(tokens) / 1e3
+        if self.verify.value is None:
+            return None
+        return self.verify.value * (1.0 + self.token_cost * (tokens - 1))
+
+    def draft_time(self) -> float | None:
+        """d_t: seconds per model draft token; None before anything is known."""
+        if self.draft.value is not None:
+            return self.draft.value
+        cost = self._cost(self._drafter)
+        if cost is None:
+            return None
+        return cost.line(1).ms(1) / 1e3 + (self.overhead.value or 0.0)
+
+    # -- the model -----------------------------------------------------------------------------
+
     def round_time(self, k: int) -> float:
-        """T(k) = v (1 + g k) + k d (1 - h), in seconds (needs v and d measured)."""
-        assert self.verify.value is not None and self.draft.value is not None
-        v, d = self.verify.value, self.draft.value
-        return v * (1.0 + self.token_cost * k) + k * d * (1.0 - self.hit_rate)
+        """T(k) of a draft model round: V(1 + k) + k d_t (1 - h), in seconds."""
+        v, d = self.verify_time(1 + k), self.draft_time()
+        assert v is not None and d is not None
+        return v + k * d * (1.0 - self.hit_rate)
+
+    def rates(self, max_k: int) -> list[float]:
+        """[max_k + 1]: expected tokens per second of a model draft of 0..max_k tokens."""
+        expected = self.model.expected(max_k)
+        return [(1.0 + expected[k]) / self.round_time(k) for k in range(max_k + 1)]
 
     def rate(self, k: int) -> float:
         """E(k) / T(k): expected tokens per second at draft length k."""
-        return expected_tokens(self.acceptance, k) / self.round_time(k)
+        return self.rates(k)[k]
 
-    # -- decisions -------------------------------------------------------------------------
+    # -- decisions -----------------------------------------------------------------------------
+
+    def _probe(self, best: int, attr: str) -> int:
+        """best, except one round of 1 after probe_interval rounds in a row at 0."""
+        if best:
+            setattr(self, attr, 0)
+            return best
+        count = getattr(self, attr) + 1
+        if count > self.p.probe_interval:
+            setattr(self, attr, 0)
+            return 1
+        setattr(self, attr, count)
+        return 0
 
     def choose_k(self, max_k: int) -> int:
-        """The round's draft length in [0, max_k]."""
+        """The draft model's k in [0, max_k]."""
         if max_k <= 0:
             return 0
-        if self.verify.value is None or self.draft.value is None:
-            return max_k  # nothing measured yet: draft, so the drafter gets measured
-        best, best_rate = 0, self.rate(0)
-        for k in range(1, max_k + 1):
-            r = self.rate(k)
-            if r > best_rate * (1.0 + 1e-9):
-                best, best_rate = k, r
-        if best == 0:
-            self.k0_in_row += 1
-            if self.k0_in_row > self.p.probe_interval:
-                self.k0_in_row = 0
-                return 1  # a probe: acceptance and drafter time are measured by drafting
-        else:
-            self.k0_in_row = 0
-        return best
+        if self.verify_time(1) is None or self.draft_time() is None:
+            return max_k  # nothing known yet: draft, so the costs get measured
+        return self._probe(_argmax(self.rates(max_k)), "k0_in_row")
 
-    @property
-    def lookup_acceptance(self) -> float:
-        """a of lookup drafts (their own counts, the same prior)."""
-        n0 = self.p.prior_weight
-        return (self.lookup_accepted + n0 * self.p.prior_acceptance) / (
-            self.lookup_accepted + self.lookup_rejections + n0
-        )
+    def _lookup_rates(
+        self,
+        source: str,
+        length: int,
+        first: float = 0.0,
+        survive: float = 1.0,
+        drafting: float = 0.0,
+        model_k: int = 0,
+    ) -> list[float]:
+        """[length + 1]: rates of verifying 0..length lookup tokens of `source` after a
+        model draft of model_k tokens expected to yield `first` accepted tokens, all of
+        them accepted with probability `survive`, that took `drafting` seconds."""
+        expected = self.sources[source].expected(length)
+        out = []
+        for n in range(length + 1):
+            time = self.verify_time(1 + model_k + n)
+            assert time is not None
+            out.append((1.0 + first + survive * expected[n]) / (time + drafting))
+        return out
 
-    def choose_lookup_k(self, bound: int) -> int:
-        """The longest lookup draft worth verifying, in [0, bound]. A lookup draft costs
-        no drafting (d = 0), so k* = argmax E(k) / (1 + g k) with the lookup drafts' own
-        acceptance: long drafts pay whenever they are accepted, unless the verifier's
-        load makes every draft token cost a step (g -> 1)."""
+    def choose_lookup_k(self, bound: int, source: str = LOOKUP_NGRAM) -> int:
+        """How many tokens of a lookup draft of `source` to verify, in [0, bound]."""
         if bound <= 0:
             return 0
-        if self.verify.value is None:
+        if self.verify_time(1) is None:
             return bound
-        a, g = self.lookup_acceptance, self.token_cost
-        best, best_rate = 0, 1.0
-        for k in range(1, bound + 1):
-            r = expected_tokens(a, k) / (1.0 + g * k)
-            if r > best_rate * (1.0 + 1e-9):
-                best, best_rate = k, r
-        return best
+        best = _argmax(self._lookup_rates(source, bound))
+        return self._probe(best, "lookup_k0_in_row")
+
+    def lookup_or_model(self, source: str, length: int, max_k: int) -> int:
+        """Under hybrid, a confident lookup draft of `length` tokens against the draft
+        model: the lookup tokens to verify, or 0 when the draft model's best round is
+        expected to be faster."""
+        n = self.choose_lookup_k(length, source)
+        if n == 0 or max_k <= 0 or self.verify_time(1) is None or self.draft_time() is None:
+            return n
+        lookup = self._lookup_rates(source, n)[n]
+        return n if lookup >= max(self.rates(max_k)) else 0
+
+    def choose_extension(self, k: int, available: int) -> int:
+        """Lookup tokens to verify after a model draft of k tokens (hybrid), in
+        [0, available]: worth their verification where the model's draft survives."""
+        if available <= 0 or k <= 0:
+            return 0
+        if self.verify_time(1) is None or self.draft_time() is None:
+            return available
+        drafting = k * (self.draft_time() or 0.0) * (1.0 - self.hit_rate)
+        first = self.model.expected(k)[k]
+        rates = self._lookup_rates(EXTENSION, available, first, self.model.survive(k), drafting, k)
+        return _argmax(rates)
 
     def choose_fan_out(self, k: int, branch_k: int) -> int | None:
         """Branches to ask the next Speculate for (this round drafts k, the branches
@@ -262,9 +481,10 @@ class AdaptivePolicy:
             if self.paused == 0:
                 self.late_in_row = 0  # try again from one branch
             return None
-        if self.step.value is None or self.verify.value is None:
+        verify = self.verify_time(1 + k)
+        if self.step.value is None or verify is None:
             return self.max_fan_out
-        budget = self.p.fit_margin * self.verify.value * (1.0 + self.token_cost * k)
+        budget = self.p.fit_margin * verify
         one = self.step.value * (branch_k + 1)  # S(1)
         fan_out = 1
         for f in range(2, self.max_fan_out + 1):
@@ -273,12 +493,19 @@ class AdaptivePolicy:
             fan_out = f
         return fan_out
 
-    # -- measurements ----------------------------------------------------------------------
+    # -- measurements --------------------------------------------------------------------------
 
     def observe_draft(self, k: int, seconds: float) -> None:
         """A Draft of k tokens that ran the model took `seconds` (round trip)."""
         if k > 0:
             self.draft.add(seconds / k)
+
+    def _count(self, source: str, k: int, accepted: int) -> None:
+        if k <= 0:
+            return
+        accepted, reached = self.sources[source].observe(k, accepted)
+        if self.priors is not None:
+            self.priors.observe(source, accepted, reached)
 
     def observe_verify(
         self,
@@ -286,26 +513,32 @@ class AdaptivePolicy:
         accepted: int,
         seconds: float,
         queue: int,
-        lookup: bool = False,
+        lookup: bool | str = False,
         extended: int = 0,
+        forward_ms: float = 0.0,
+        fed: int = 0,
     ) -> None:
-        """A Verify of k draft tokens: its verdict, round-trip time and reported queue;
-        `lookup`: the draft was a lookup draft (its acceptance is counted apart);
-        `extended`: its last tokens were a lookup's continuation of a model draft (counted
-        as lookup tokens once the model's were all accepted)."""
-        own = k if lookup else k - extended
+        """A Verify of k draft tokens: its verdict, round trip and reported queue.
+        `lookup`: the draft was a lookup draft (True: prompt lookup, or its source);
+        `extended`: its last tokens were a lookup's extension of a model draft (counted
+        once the model's were all accepted); forward_ms: the time the verifier reported
+        for the call, fed: the tokens it fed (0: not known)."""
         if lookup:
-            self.lookup_accepted += accepted
-            self.lookup_rejections += accepted < k
+            self._count(lookup if isinstance(lookup, str) else LOOKUP_NGRAM, k, accepted)
         else:
-            self.accepted += min(accepted, own)
-            self.rejections += accepted < own
+            own = k - extended
+            self._count(MODEL, own, min(accepted, own))
             if extended and accepted >= own:
-                self.lookup_accepted += accepted - own
-                self.lookup_rejections += accepted < k
+                self._count(EXTENSION, extended, accepted - own)
         self.queue.add(float(queue))
-        self.verify.add(seconds / (1.0 + self.token_cost * k))
         self._verify_s = seconds
+        line = self.verifier_line()
+        if line is not None and forward_ms > 0 and 0 < fed <= 32:
+            self.overhead.add(max(0.0, seconds - forward_ms / 1e3))
+            predicted = line.ms(fed)
+            if predicted > 0:
+                self.scale.add(forward_ms / predicted)
+        self.verify.add(seconds / (1.0 + self.token_cost * k))
 
     def observe_speculate(self, fan_out: int, branch_k: int, seconds: float | None) -> None:
         """A Speculate of fan_out branches of branch_k tokens took `seconds`; None: it was
@@ -335,14 +568,16 @@ class AdaptivePolicy:
         if o.late_outcome is not None:
             self.observe_ssd(False)
         if o.source == DRAFTED:
-            self.observe_draft(o.k, o.draft_seconds)
+            self.observe_draft(o.k - o.extended, o.draft_seconds)
         self.observe_verify(
             o.k,
             o.accepted,
             o.verify_seconds,
             o.queue_depth,
-            o.source in LOOKUP_SOURCES,
+            o.source if o.source in LOOKUP_SOURCES else False,
             o.extended,
+            o.verify_forward_ms,
+            o.verify_fed,
         )
         if o.ssd == SSD_LATE:
             self.observe_speculate(o.fan_out or 0, o.branch_k, None)
@@ -351,13 +586,26 @@ class AdaptivePolicy:
         if o.ssd in (SSD_HIT, SSD_MISS):
             self.observe_ssd(o.ssd == SSD_HIT)
 
+    def summary(self) -> dict[str, Any]:
+        """What the policy measured (for the request's stats and the bench)."""
+        line = self.verifier_line()
+        return {
+            "acceptance": {s: round(a.pooled, 4) for s, a in self.sources.items()},
+            "verify_ms": None
+            if line is None
+            else [round(line.base_ms, 3), round(line.per_token_ms, 3)],
+            "draft_ms_per_token": None
+            if self.draft_time() is None
+            else round(1e3 * (self.draft_time() or 0.0), 3),
+        }
+
 
 Policy = FixedPolicy | AdaptivePolicy
 
 
-def make_policy(kind: int, ssd: bool, fan_out: int) -> Policy:
+def make_policy(kind: int, ssd: bool, fan_out: int, priors: SourcePriors | None = None) -> Policy:
     """The request's policy. fan_out: the gateway's --ssd-fan-out (0: the drafter's
     default, which the adaptive policy takes as ADAPTIVE_MAX_FAN_OUT, its largest)."""
     if kind == ADAPTIVE:
-        return AdaptivePolicy(ssd, fan_out or ADAPTIVE_MAX_FAN_OUT)
+        return AdaptivePolicy(ssd, fan_out or ADAPTIVE_MAX_FAN_OUT, priors=priors)
     return FixedPolicy(fan_out)

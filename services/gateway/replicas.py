@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec.common.cost import ReportedCost
 from specdec.common.serving import CHANNEL_OPTIONS
 from specdec.gateway import metrics
 from specdec.gateway.canary import VersionRule
@@ -59,10 +60,18 @@ class Replica:
     # How a round's calls reach it (specdec.gateway.transport); its gRPC stub until the
     # data plane is connected.
     transport: Transport | None = None
+    # Its forward cost curve as it last reported it (Info, then every Draft and Verify
+    # response; specdec.common.cost), None until one arrives.
+    cost: ReportedCost | None = None
 
     def __post_init__(self) -> None:
         if self.transport is None:
             self.transport = GrpcTransport(self.stub)
+
+    def note_cost(self, message: common_pb2.ForwardCost) -> None:
+        """Take the cost curve a response carried (an empty one changes nothing)."""
+        if message.buckets:
+            self.cost = ReportedCost.from_proto(message) or self.cost
 
     def __repr__(self) -> str:
         return f"{self.role}@{self.address}"
@@ -365,6 +374,7 @@ class Fleet:
     async def _admit(self, replica: Replica, info: common_pb2.ModelInfo) -> None:
         """Serve through a replica whose health and Info passed: its transport first."""
         replica.info = info
+        replica.note_cost(info.forward_cost)
         old, replica.transport = replica.transport, await self._transport(replica)
         if old is not replica.transport:
             await old.close()

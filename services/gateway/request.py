@@ -138,6 +138,10 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
         raise InvalidRequest(f"num_draft_tokens must be in [0, {limits.max_k}], got {k}")
     ssd = spec.ssd if spec.HasField("ssd") else limits.default_ssd
     k_policy = spec.k_policy or limits.default_k_policy
+    if not spec.k_policy and req.sampling.HasField("seed") and req.sampling.temperature > 0:
+        # A seeded sampled output is reproducible for a given sequence of drafts: the
+        # adaptive policy's depend on timings (specdec.gateway.policy), so it drafts fixed.
+        k_policy = gateway_pb2.K_POLICY_FIXED
     if k_policy not in (gateway_pb2.K_POLICY_FIXED, gateway_pb2.K_POLICY_ADAPTIVE):
         raise InvalidRequest(
             f"speculation.k_policy must be K_POLICY_UNSPECIFIED, K_POLICY_FIXED or "

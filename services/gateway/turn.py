@@ -39,7 +39,7 @@ from specdec.gateway.lookup import method_name
 from specdec.gateway.lookup.hybrid import LookupSettings, RequestLookup
 from specdec.gateway.lookup.suffix import SuffixCache, SuffixParams
 from specdec.gateway.loop import Speculator
-from specdec.gateway.policy import make_policy
+from specdec.gateway.policy import SourcePriors, make_policy
 from specdec.gateway.recorder import Recorder, recording_row
 from specdec.gateway.replicas import Fleet
 from specdec.gateway.request import Job, Limits, validate
@@ -169,6 +169,9 @@ class Gateway:
         self.eos_token_ids: frozenset[int] = frozenset()
         self.grammars: Grammars | None = None  # structured output (specdec.gateway.grammar)
         self.grammars_error = "the gateway is still connecting to its replicas"
+        # Each draft source's acceptance over the requests served: where a new request's
+        # adaptive policy starts from (specdec.gateway.policy).
+        self.source_priors = SourcePriors()
         self._background: set[asyncio.Task] = set()
         self.lookup_settings = LookupSettings(
             prompt_lookup_min=config.prompt_lookup_min,
@@ -437,7 +440,7 @@ class Gateway:
             sampling or job.sampling,
             drafter,
             verifier,
-            make_policy(job.k_policy, job.ssd, self.config.ssd_fan_out),
+            make_policy(job.k_policy, job.ssd, self.config.ssd_fan_out, self.source_priors),
             ssd=job.ssd,
             max_context=self.limits.max_context,
             # A recorded turn with --record-top-logprobs M scores its output too: one Verify

@@ -105,6 +105,7 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
             cached_length=verdict.cached_length,
             forward_ms=verdict.forward_ms,
             queue_depth=queue_depth,
+            forward_cost=self.forward_cost(),
         )
         if logprobs and verdict.logprobs is not None:
             emitted = [*draft_tokens[: verdict.accepted], verdict.next_token]

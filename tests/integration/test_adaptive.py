@@ -45,7 +45,7 @@ def adaptive_stack(test_models):
         flags = {
             "adaptive": (noisy, *adaptive),
             "adaptive-ssd": (noisy, *adaptive, "--ssd", "true"),
-            "fixed": (noisy,),
+            "fixed": (noisy, "--k-policy", "fixed"),
             "small": (small, *adaptive),
             "small-ssd": (small, *adaptive, "--ssd", "true"),
         }
@@ -73,18 +73,16 @@ def test_adaptive_greedy_equals_generate(adaptive_stack, tokenizer, reference, g
             assert list(got.tokens) == reference(ids, N), text
             check_policy_stats(got.stats, 4)
             assert got.stats.ssd is (gw == "adaptive-ssd")
-            # The first round drafts the bound (nothing is measured yet).
-            assert got.stats.rounds_by_k[4] >= 1
 
 
 @pytest.mark.parametrize("gw", ["small", "small-ssd"])
 def test_policy_turns_speculation_off_mid_request(adaptive_stack, tokenizer, reference, gw):
-    """An unrelated drafter: almost every draft token is rejected. The first round drafts
-    the bound; every drafting round that ends in a rejection lowers the acceptance
-    estimate a = (accepted + 2.8) / (accepted + rejections + 4), and once a <= 0.05 (the
-    idle verifier's cost of a draft token) no k >= 1 can pay, E(k) <= 1 + a k <= 1 + g k,
-    whatever the timings: the policy must then choose k = 0. At most 52 rejections get
-    there, so 96 tokens leave room for rounds at k = 0. Greedy output stays exact."""
+    """An unrelated drafter: almost every draft token is rejected. The policy starts from
+    the prior acceptance (0.7) and drafts; every drafting round that ends in a rejection
+    lowers the estimate of the first position's acceptance, and once a draft token is
+    expected to yield less than it costs (the verifier's measured cost of one more token
+    plus the drafter's time per token, both > 0) k = 0 has the best rate: the policy must
+    then choose it. 96 tokens leave room for rounds at k = 0. Greedy output stays exact."""
     with Client(adaptive_stack[gw], timeout=300) as client:
         for text in PROMPTS[:2]:
             ids = tokenizer(text).input_ids
@@ -93,7 +91,7 @@ def test_policy_turns_speculation_off_mid_request(adaptive_stack, tokenizer, ref
             s = got.stats
             check_policy_stats(s, 4)
             assert s.acceptance_rate < 0.2  # the premise: a drafter that rarely agrees
-            assert s.rounds_by_k[4] >= 1 and s.policy_k0_rounds >= 1, s
+            assert s.draft_tokens >= 1 and s.policy_k0_rounds >= 1, s
             assert s.rounds_by_k[0] >= s.policy_k0_rounds
 
 

@@ -42,6 +42,8 @@ def up(test_models, tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "OMP_NUM_THREADS")}
     argv = [
         "up",
+        "--dtype",
+        "float32",
         "--port",
         "0",
         "--log-dir",

@@ -421,7 +421,7 @@ def test_up_passes_otlp_settings_to_every_child(test_models, receiver, tokenizer
     parser = argparse.ArgumentParser()
     add_up_parser(parser.add_subparsers())
     args = parser.parse_args(
-        ["up", "--draft-model", str(test_models.draft_noisy), "--target-model",
+        ["up", "--dtype", "float32", "--draft-model", str(test_models.draft_noisy), "--target-model",
          str(test_models.target), "--port", "0", "--draft-threads", "1", "--target-threads",
          "1", "--otlp-endpoint", receiver.endpoint, "--ssd"]
     )  # fmt: skip

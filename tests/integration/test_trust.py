@@ -157,7 +157,7 @@ def test_up_tls_makes_a_throwaway_ca(test_models, tokenizer, reference):
     parser = argparse.ArgumentParser()
     add_up_parser(parser.add_subparsers())
     args = parser.parse_args(
-        ["up", "--draft-model", str(test_models.draft_noisy), "--target-model",
+        ["up", "--dtype", "float32", "--draft-model", str(test_models.draft_noisy), "--target-model",
          str(test_models.target), "--port", "0", "--tls", "--draft-threads", "1",
          "--target-threads", "1"]
     )  # fmt: skip

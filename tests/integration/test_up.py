@@ -36,6 +36,8 @@ def test_up_generate_and_clean_stop(test_models, tokenizer, reference, tmp_path)
             "-m",
             "specdec",
             "up",
+            "--dtype",
+            "float32",
             "--draft-model",
             str(test_models.draft_noisy),
             "--target-model",
@@ -120,7 +122,7 @@ def test_sigterm_leaves_no_temp_folder(test_models, tmp_path, when):
     env["TMPDIR"] = str(own_tmp)
     up = subprocess.Popen(
         [
-            sys.executable, "-m", "specdec", "up",
+            sys.executable, "-m", "specdec", "up", "--dtype", "float32",
             "--draft-model", str(test_models.draft_noisy),
             "--target-model", str(test_models.target),
             "--port", "0", "--http-port", str(free_port()), "--tls",

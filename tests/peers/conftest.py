@@ -124,7 +124,7 @@ def up(test_models, tmp_path_factory) -> Iterator[Stack]:
     http_port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     argv = [
-        sys.executable, "-m", "specdec", "up",
+        sys.executable, "-m", "specdec", "up", "--dtype", "float32",
         "--draft-model", str(test_models.draft_noisy), "--target-model", str(test_models.target),
         "--port", "0", "--http-port", str(http_port), "--log-dir", str(logs),
         "--draft-threads", "1", "--target-threads", "1", "--default-k", "3",

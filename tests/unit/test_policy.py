@@ -115,7 +115,8 @@ def test_partial_load_gives_an_intermediate_k():
     idle = AdaptivePolicy(ssd=False, max_fan_out=1)
     loaded = AdaptivePolicy(ssd=False, max_fan_out=1)
     for policy, queue in ((idle, 0), (loaded, 2)):
-        rounds(policy, 20, k=4, accepted=3, verify_s=0.3, draft_s=0.05, queue=queue)
+        for accepted in (8, 5, 2, 8, 6, 3, 8, 7, 4, 8) * 2:  # about 0.8 a position
+            rounds(policy, 1, k=8, accepted=accepted, verify_s=0.3, draft_s=0.16, queue=queue)
     assert 0 < loaded.choose_k(8) < idle.choose_k(8)
 
 
@@ -123,7 +124,8 @@ def test_ssd_hits_hide_drafting_so_k_is_larger():
     plain = AdaptivePolicy(ssd=False, max_fan_out=6)
     ssd = AdaptivePolicy(ssd=True, max_fan_out=6)
     for policy in (plain, ssd):
-        rounds(policy, 20, k=3, accepted=2, verify_s=0.3, draft_s=0.15)
+        for accepted in (3, 2, 1, 3, 3, 0, 2, 3) * 3:  # about 0.7 a position
+            rounds(policy, 1, k=3, accepted=accepted, verify_s=0.3, draft_s=0.15)
     for _ in range(10):
         ssd.observe_ssd(True)
     assert ssd.hit_rate > 0.95
@@ -201,16 +203,16 @@ def test_lookup_drafts_are_free_so_long_ones_pay_until_the_verifier_saturates():
     assert p.choose_lookup_k(16) == 16 and FixedPolicy().choose_lookup_k(16) == 16
     for _ in range(20):
         p.observe(lookup_outcome(16, 16))
-    assert p.choose_lookup_k(16) == 16
+    assert p.choose_lookup_k(16, LOOKUP_SUFFIX) == 16
     assert p.accepted == p.rejections == 0 and p.lookup_accepted == 320
     bad = AdaptivePolicy(ssd=False, max_fan_out=1)
     for _ in range(40):
         bad.observe(lookup_outcome(16, 0))
-    assert 0 <= bad.choose_lookup_k(16) <= 2
+    assert 0 <= bad.choose_lookup_k(16, LOOKUP_SUFFIX) <= 2
     busy = AdaptivePolicy(ssd=False, max_fan_out=1)
     for _ in range(20):
         busy.observe(lookup_outcome(8, 6, queue=8))
-    assert busy.choose_lookup_k(16) == 0
+    assert busy.choose_lookup_k(16, LOOKUP_SUFFIX) == 0
 
 
 def extended_outcome(model_k: int, extended: int, accepted: int) -> Outcome:

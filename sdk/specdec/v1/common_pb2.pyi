@@ -101,7 +101,7 @@ class InfoRequest(_message.Message):
     def __init__(self, include_tokenizer: _Optional[bool] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("role", "model_id", "vocab_size", "tokenizer_fingerprint", "max_context", "max_draft_tokens", "eos_token_ids", "dtype", "device", "max_cached_tokens", "cached_tokens", "cached_sessions", "replica_id", "tokenizer_json_zlib", "chat_template", "bos_token_id", "special_tokens", "data_port", "model_version")
+    __slots__ = ("role", "model_id", "vocab_size", "tokenizer_fingerprint", "max_context", "max_draft_tokens", "eos_token_ids", "dtype", "dtype_reason", "device", "max_cached_tokens", "cached_tokens", "cached_sessions", "replica_id", "tokenizer_json_zlib", "chat_template", "bos_token_id", "special_tokens", "data_port", "model_version", "forward_cost")
     class SpecialTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,7 @@ class ModelInfo(_message.Message):
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_REASON_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +129,7 @@ class ModelInfo(_message.Message):
     SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_COST_FIELD_NUMBER: _ClassVar[int]
     role: Role
     model_id: str
     vocab_size: int
@@ -136,6 +138,7 @@ class ModelInfo(_message.Message):
     max_draft_tokens: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
+    dtype_reason: str
     device: str
     max_cached_tokens: int
     cached_tokens: int
@@ -147,7 +150,27 @@ class ModelInfo(_message.Message):
     special_tokens: _containers.ScalarMap[str, str]
     data_port: int
     model_version: str
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_cached_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_sessions: _Optional[int] = ..., replica_id: _Optional[str] = ..., tokenizer_json_zlib: _Optional[bytes] = ..., chat_template: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., data_port: _Optional[int] = ..., model_version: _Optional[str] = ...) -> None: ...
+    forward_cost: ForwardCost
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., device: _Optional[str] = ..., max_cached_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_sessions: _Optional[int] = ..., replica_id: _Optional[str] = ..., tokenizer_json_zlib: _Optional[bytes] = ..., chat_template: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., data_port: _Optional[int] = ..., model_version: _Optional[str] = ..., forward_cost: _Optional[_Union[ForwardCost, _Mapping]] = ...) -> None: ...
+
+class ForwardCost(_message.Message):
+    __slots__ = ("buckets",)
+    class Bucket(_message.Message):
+        __slots__ = ("rows", "base_ms", "per_token_ms", "samples", "widest")
+        ROWS_FIELD_NUMBER: _ClassVar[int]
+        BASE_MS_FIELD_NUMBER: _ClassVar[int]
+        PER_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+        SAMPLES_FIELD_NUMBER: _ClassVar[int]
+        WIDEST_FIELD_NUMBER: _ClassVar[int]
+        rows: int
+        base_ms: float
+        per_token_ms: float
+        samples: float
+        widest: int
+        def __init__(self, rows: _Optional[int] = ..., base_ms: _Optional[float] = ..., per_token_ms: _Optional[float] = ..., samples: _Optional[float] = ..., widest: _Optional[int] = ...) -> None: ...
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    buckets: _containers.RepeatedCompositeFieldContainer[ForwardCost.Bucket]
+    def __init__(self, buckets: _Optional[_Iterable[_Union[ForwardCost.Bucket, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -26,18 +26,20 @@ class DraftRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prefix: _Optional[_Union[_common_pb2.CachedPrefix, _Mapping]] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[_common_pb2.OutputControls, _Mapping]] = ..., fork_from: _Optional[str] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("draft_tokens", "draft_probs", "cached_length", "forward_ms", "prepared")
+    __slots__ = ("draft_tokens", "draft_probs", "cached_length", "forward_ms", "prepared", "forward_cost")
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     CACHED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     PREPARED_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_COST_FIELD_NUMBER: _ClassVar[int]
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.DraftDistribution]
     cached_length: int
     forward_ms: float
     prepared: bool
-    def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., cached_length: _Optional[int] = ..., forward_ms: _Optional[float] = ..., prepared: _Optional[bool] = ...) -> None: ...
+    forward_cost: _common_pb2.ForwardCost
+    def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., cached_length: _Optional[int] = ..., forward_ms: _Optional[float] = ..., prepared: _Optional[bool] = ..., forward_cost: _Optional[_Union[_common_pb2.ForwardCost, _Mapping]] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
     __slots__ = ("session_id", "prefix", "new_tokens", "draft_length", "num_draft_tokens", "sampling", "fan_out", "acceptance_rate", "output")

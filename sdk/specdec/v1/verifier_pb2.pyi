@@ -54,13 +54,14 @@ class GrammarMask(_message.Message):
     def __init__(self, allowed_bits: _Optional[bytes] = ..., allowed_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted_count", "next_token", "next_token_kind", "cached_length", "forward_ms", "queue_depth", "logprobs", "prompt_logprobs")
+    __slots__ = ("accepted_count", "next_token", "next_token_kind", "cached_length", "forward_ms", "queue_depth", "forward_cost", "logprobs", "prompt_logprobs")
     ACCEPTED_COUNT_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_KIND_FIELD_NUMBER: _ClassVar[int]
     CACHED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_COST_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     accepted_count: int
@@ -69,6 +70,7 @@ class VerifyResponse(_message.Message):
     cached_length: int
     forward_ms: float
     queue_depth: int
+    forward_cost: _common_pb2.ForwardCost
     logprobs: _common_pb2.TokenLogprobs
     prompt_logprobs: _common_pb2.TokenLogprobs
-    def __init__(self, accepted_count: _Optional[int] = ..., next_token: _Optional[int] = ..., next_token_kind: _Optional[_Union[NextTokenKind, str]] = ..., cached_length: _Optional[int] = ..., forward_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
+    def __init__(self, accepted_count: _Optional[int] = ..., next_token: _Optional[int] = ..., next_token_kind: _Optional[_Union[NextTokenKind, str]] = ..., cached_length: _Optional[int] = ..., forward_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., forward_cost: _Optional[_Union[_common_pb2.ForwardCost, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...

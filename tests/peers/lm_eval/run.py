@@ -87,7 +87,7 @@ def main() -> int:
         port, http = free_port(), free_port()
         specdec = Path(sys.executable).parent / "specdec"
         command = [
-            str(specdec), "up", "--draft-model", str(models.draft_noisy),
+            str(specdec), "up", "--dtype", "float32", "--draft-model", str(models.draft_noisy),
             "--target-model", target, "--host", "127.0.0.1", "--port", str(port),
             "--http-port", str(http), "--default-k", "3", "--log-dir", str(root / "logs"),
         ]  # fmt: skip

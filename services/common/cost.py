@@ -1,0 +1,212 @@
+"""A replica's forward cost curve, measured where it runs (torch-free).
+
+Whether a speculation round pays depends on what verifying n tokens costs on this replica.
+The curve is t(n) = a + b·n milliseconds for a forward that feeds n tokens per row, one fit
+per batch bucket (the rows in the forward: 1, 2-3, 4-7, 8-15, 16+):
+
+- a: what every forward costs whatever it feeds (reading the weights, launching kernels, the
+  framework's own work);
+- b: what each further token costs. Near 0 where a forward is memory-bound (an idle GPU, a
+  CPU with bf16 matrix units at a few tokens); a real share of a step where it is
+  compute-bound (an AVX2 CPU, a bf16 model on a CPU without bf16 units, a GPU already full
+  of other sessions' tokens).
+
+`CostCurve` fits it online from the forwards the replica runs anyway (`add`): a weighted
+least squares whose sums decay by `decay` per forward (the recent past counts most, so the
+curve follows a change of load or clock), with each forward weighted down by how far it is
+from the current fit (a Huber weight: a forward stalled by a page fault or a noisy
+neighbour moves the fit little). Only forwards of at most `max_tokens` tokens a row are
+fitted: the decode and verify range speculation lives in. A long prefill chunk is
+compute-bound on every device, and a line through it would overstate b at a few tokens.
+
+While one bucket has seen a single width n only (a verifier serving k = 0 sees n = 1), its b
+is not measurable; `fit` then takes b from the `prior` (the start-up probe's fit, see
+specdec.common.replica) scaled to that bucket's a. The replicas report their curve in
+every Draft and Verify response and in Info (`ForwardCost`), so a gateway that has never
+sent this replica a request already knows it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from specdec.v1 import common_pb2
+
+# Lower edges of the batch buckets (rows in a forward).
+BUCKETS = (1, 2, 4, 8, 16)
+MAX_TOKENS = 32  # widest forward (tokens a row) that is fitted
+DECAY = 0.98  # weight of the past per fitted forward: about 50 forwards of memory
+HUBER = 2.5  # residuals beyond this many mean absolute residuals are weighted down
+
+
+def bucket_of(rows: int) -> int:
+    """The index in BUCKETS of a forward of `rows` rows."""
+    index = 0
+    for i, edge in enumerate(BUCKETS):
+        if rows >= edge:
+            index = i
+    return index
+
+
+@dataclass(frozen=True, slots=True)
+class Line:
+    """t(n) = base_ms + per_token_ms · n, fitted from `samples` forwards (decayed count)
+    over widths up to `widest` tokens."""
+
+    base_ms: float
+    per_token_ms: float
+    samples: float
+    widest: int = 1
+
+    def ms(self, tokens: int) -> float:
+        return self.base_ms + self.per_token_ms * tokens
+
+    @property
+    def step_share(self) -> float:
+        """b / t(1): what one more token costs, as a share of a one-token step."""
+        one = self.ms(1)
+        return self.per_token_ms / one if one > 0 else 0.0
+
+
+class _Fit:
+    """Decayed, Huber-weighted least squares of t against n."""
+
+    __slots__ = ("narrowest", "spread", "sw", "sx", "sxx", "sxy", "sy", "widest")
+
+    def __init__(self) -> None:
+        self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.spread: float | None = None  # decayed mean absolute residual, ms
+        self.widest = 0
+        self.narrowest = 0
+
+    def add(self, n: int, ms: float, decay: float, robust: bool = True) -> None:
+        weight = 1.0
+        line = self.line(None) if robust else None
+        if line is not None:
+            residual = abs(ms - line.ms(n))
+            if self.spread is not None and self.spread > 0 and residual > HUBER * self.spread:
+                weight = HUBER * self.spread / residual
+            if self.spread is None:
+                self.spread = residual
+            else:  # the scale itself is updated with the residual clipped: stalls do not
+                # inflate it
+                clipped = min(residual, HUBER * self.spread) if self.spread > 0 else residual
+                self.spread = decay * self.spread + (1 - decay) * clipped
+        for name in ("sw", "sx", "sy", "sxx", "sxy"):
+            setattr(self, name, getattr(self, name) * decay)
+        self.sw += weight
+        self.sx += weight * n
+        self.sy += weight * ms
+        self.sxx += weight * n * n
+        self.sxy += weight * n * ms
+        self.widest = max(self.widest, n)
+        self.narrowest = n if not self.narrowest else min(self.narrowest, n)
+
+    def line(self, prior: Line | None) -> Line | None:
+        if self.sw <= 0:
+            return None
+        mean_x, mean_y = self.sx / self.sw, self.sy / self.sw
+        var_x = self.sxx / self.sw - mean_x * mean_x
+        if self.widest > self.narrowest and var_x > 1e-6:
+            slope = (self.sxy / self.sw - mean_x * mean_y) / var_x
+            slope = max(0.0, slope)
+            base = mean_y - slope * mean_x
+            if base < 0:  # a line through the origin fits the points better than a < 0
+                base, slope = 0.0, self.sxy / self.sxx
+            return Line(base, slope, self.sw, self.widest)
+        # One width seen: t at that width is measured, the slope is not.
+        share = prior.step_share if prior is not None else 0.0
+        # t(n0) = a + b n0 with b = share · t(1) = share (a + b): solve for a and b.
+        n0 = mean_x
+        one = mean_y / (1 + share * (n0 - 1)) if share else mean_y
+        slope = share * one
+        return Line(max(0.0, one - slope), slope, self.sw, self.widest)
+
+
+class CostCurve:
+    """A replica's forward cost per batch bucket (see the module docstring)."""
+
+    def __init__(self, decay: float = DECAY, max_tokens: int = MAX_TOKENS):
+        self.decay = decay
+        self.max_tokens = max_tokens
+        self._fits = [_Fit() for _ in BUCKETS]
+        self.prior: Line | None = None  # the start-up probe's line (rows = 1)
+
+    def add(self, tokens: int, rows: int, seconds: float) -> None:
+        """A forward that fed `tokens` tokens a row (the widest row) over `rows` rows."""
+        if tokens < 1 or tokens > self.max_tokens or rows < 1 or not math.isfinite(seconds):
+            return
+        self._fits[bucket_of(rows)].add(tokens, seconds * 1e3, self.decay)
+
+    def line(self, rows: int = 1) -> Line | None:
+        """The fit for forwards of `rows` rows; a bucket with no forwards yet borrows the
+        nearest narrower one's (the prior for rows = 1); None before anything is known."""
+        index = bucket_of(rows)
+        for i in range(index, -1, -1):
+            line = self._fits[i].line(self.prior)
+            if line is not None:
+                return line
+        return self.prior
+
+    def buckets(self) -> list[tuple[int, Line]]:
+        """The fitted buckets: (lowest rows, line), narrowest first."""
+        out = []
+        for edge, fit in zip(BUCKETS, self._fits, strict=True):
+            line = fit.line(self.prior)
+            if line is not None:
+                out.append((edge, line))
+        if not out and self.prior is not None:
+            out.append((1, self.prior))
+        return out
+
+
+def fit_points(points: list[tuple[int, float]]) -> Line:
+    """An unweighted least-squares line through (tokens, ms) points (the start-up probe)."""
+    fit = _Fit()
+    for n, ms in points:
+        fit.add(n, ms, 1.0, robust=False)
+    line = fit.line(None)
+    if line is None:
+        raise ValueError("no points to fit")
+    return line
+
+
+def to_proto(buckets: list[tuple[int, Line]]) -> common_pb2.ForwardCost:
+    """The fitted buckets (`CostCurve.buckets`) as the ForwardCost a replica reports."""
+    return common_pb2.ForwardCost(
+        buckets=[
+            common_pb2.ForwardCost.Bucket(
+                rows=rows,
+                base_ms=line.base_ms,
+                per_token_ms=line.per_token_ms,
+                samples=line.samples,
+                widest=line.widest,
+            )
+            for rows, line in buckets
+        ]
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ReportedCost:
+    """A replica's reported curve, read on the gateway: the line for a forward of `rows`
+    rows is the widest bucket at or below it."""
+
+    buckets: tuple[tuple[int, Line], ...]
+
+    @classmethod
+    def from_proto(cls, message: common_pb2.ForwardCost) -> ReportedCost | None:
+        rows = tuple(
+            (b.rows, Line(b.base_ms, b.per_token_ms, b.samples, b.widest))
+            for b in sorted(message.buckets, key=lambda b: b.rows)
+            if b.rows >= 1 and math.isfinite(b.base_ms) and math.isfinite(b.per_token_ms)
+        )
+        return cls(rows) if rows else None
+
+    def line(self, rows: int = 1) -> Line:
+        chosen = self.buckets[0][1]
+        for edge, line in self.buckets:
+            if rows >= edge:
+                chosen = line
+        return chosen
