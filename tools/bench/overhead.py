@@ -3,8 +3,14 @@
 On a GPU a target step takes 5-30 ms, and the gateway, the RPCs and the services' own
 Python are what decide whether speculation pays there. This measures that cost without a
 GPU: the drafter and the verifier serve stand-in models (specdec.tools.bench.standin_model)
-whose every forward takes a fixed, known time (``--target-ms``, ``--draft-ms``) and whose
-drafter agrees with the target at a set share of positions (``--acceptance``).
+whose every forward takes a known time (``--target-ms``, ``--draft-ms``, plus
+``--target-per-token-ms``, ``--draft-per-token-ms`` per row and token for a compute-bound
+device) and whose drafter agrees with the target at a set share of positions
+(``--acceptance``). With ``--standin-period P`` the target's output cycles through P
+tokens, off the cycle at a ``--standin-noise`` share of positions, which sets the
+acceptance of lookup drafts (``--gateway-flags --method ngram``): the prompts are then cut
+to the shortest one's length and mapped onto tokens outside the cycle, and noise starts one
+period after them (see standin_model).
 
 Two runs of the same greedy requests:
 
@@ -372,6 +378,7 @@ def run_overhead(args: argparse.Namespace) -> int:
     from specdec.tools.bench.standin import build_standins
     from specdec.tools.launcher import ServiceFailed
     from specdec.tools.stack import LocalStack
+    from specdec.tools.tinymodels import _build_tokenizer
 
     ks = [int(x) for x in (args.k or "0,1,4").split(",") if x.strip()]
     ssd_ks = [
@@ -383,11 +390,18 @@ def run_overhead(args: argparse.Namespace) -> int:
     n = args.max_new_tokens
     host = machine()
     workdir = Path(tempfile.mkdtemp(prefix="specdec-overhead-"))
-    models = build_standins(workdir, args.target_ms, args.draft_ms, args.acceptance)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(models.target)
+    options = standin_options(args)
+    tokenizer = _build_tokenizer()  # the stand-ins' own
     prompts = [tokenizer(p.text).input_ids for p in load_prompts(None) if p.text]
+    if options["period"]:
+        # Prompts of one length (the shortest), so that noise starts right after one clean
+        # period of every output; made of tokens no lookup in the output matches.
+        shortest = min(map(len, prompts))
+        prompts = [ids[:shortest] for ids in prompts]
+        options["noise_start"] = shortest + options["period"]
+    models = build_standins(workdir, args.target_ms, args.draft_ms, args.acceptance, **options)
+    if models.period:
+        prompts = [models.prompt_ids(ids) for ids in prompts]
 
     print(
         f"in-process: stand-ins of {args.target_ms} ms (target) and {args.draft_ms} ms (draft)",
@@ -477,6 +491,12 @@ def run_overhead(args: argparse.Namespace) -> int:
             "target_ms": args.target_ms,
             "draft_ms": args.draft_ms,
             "acceptance": args.acceptance,
+            "target_per_token_ms": models.target_per_token_ms,
+            "draft_per_token_ms": models.draft_per_token_ms,
+            "period": models.period,
+            "noise": models.noise,
+            "noise_start": models.noise_start,
+            "noise_share": _noise_share(models, prompts, n),
             "max_new_tokens": n,
             "requests_per_session": args.requests,
             "in_process": inproc,
@@ -492,6 +512,32 @@ def run_overhead(args: argparse.Namespace) -> int:
     (out / "overhead.md").write_text(render(result))
     print(render(result))
     return 0 if all(r["exact"] for r in results.values()) else 1
+
+
+def standin_options(args: argparse.Namespace) -> dict:
+    """build_standins' options from the stand-in flags (declared with the others in
+    tools/bench/cli.py; their defaults where a namespace lacks them)."""
+    return {
+        "target_per_token_ms": getattr(args, "target_per_token_ms", 0.0),
+        "draft_per_token_ms": getattr(args, "draft_per_token_ms", 0.0),
+        "period": getattr(args, "standin_period", 0),
+        "noise": getattr(args, "standin_noise", 0.0),
+    }
+
+
+def _noise_share(models, prompts, n: int) -> float | None:
+    """The share of the outputs' positions after noise_start where the stand-in target
+    leaves its cycle (None without a period): the realised `noise` of these requests."""
+    if not models.period:
+        return None
+    from specdec.tools.bench import standin_model
+
+    cfg = standin_model.StandinConfig.from_pretrained(models.target)
+    inputs = [p for ids in prompts for p in range(len(ids) - 1, len(ids) - 1 + n)]
+    after = [p for p in inputs if p >= cfg.noise_start]
+    return (
+        round(sum(standin_model.is_noise(cfg, p) for p in after) / len(after), 4) if after else 0.0
+    )
 
 
 def _row(m: Mode, c: int, t: Tally, inproc: dict, args) -> dict:
@@ -541,6 +587,21 @@ def _projections(results: dict, args, steps: list[float]) -> list[dict]:
     return rows
 
 
+def _per_token(meta: dict) -> str:
+    t, d = meta.get("target_per_token_ms", 0.0), meta.get("draft_per_token_ms", 0.0)
+    return f" plus {t} ms and {d} ms per row and token" if t or d else ""
+
+
+def _cycle(meta: dict) -> str:
+    if not meta.get("period"):
+        return ""
+    return (
+        f"; the output cycles through {meta['period']} tokens, off the cycle (noise) at "
+        f"{meta['noise']:.0%} of positions from {meta['noise_start']} "
+        f"({meta['noise_share']:.0%} of these outputs')"
+    )
+
+
 def render(result: dict) -> str:
     meta = result["meta"]
     lines = [
@@ -548,8 +609,9 @@ def render(result: dict) -> str:
         "",
         f"`{meta['command']}` on {meta['date'][:10]}: {meta['machine']['cpu']} "
         f"({meta['machine']['cpus']} CPUs). Stand-in forwards of {meta['target_ms']} ms (target) "
-        f"and {meta['draft_ms']} ms (draft), acceptance {meta['acceptance']:.0%} by "
-        f"construction, greedy, {meta['max_new_tokens']} tokens per request. Rounds in the "
+        f"and {meta['draft_ms']} ms (draft){_per_token(meta)}, acceptance "
+        f"{meta['acceptance']:.0%} by construction{_cycle(meta)}, greedy, "
+        f"{meta['max_new_tokens']} tokens per request. Rounds in the "
         "steady state (after the first); `transformers` generate on the same stand-in in "
         f"one process: {meta['generate_tokens_per_second']:.1f} tokens/s.",
         "",
