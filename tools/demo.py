@@ -4,15 +4,20 @@ For every prompt it generates once without speculation (k = 0, the target alone 
 same services), once with speculation (streamed to the terminal) and once with speculative
 speculative decoding (SSD), then prints tokens/s, the acceptance rate, the SSD hit rate,
 the speedups measured in this run, and whether the outputs are identical (they must be:
-greedy decoding is exact).
+greedy decoding is exact). It also prints the machine (the CPU and its flags that decide
+what bf16 costs, the CUDA device), each replica's dtype and measured forward cost curve
+(specdec.common.cost), what the adaptive policy chose per prompt, and, where speculation
+did not pay, why.
 
 Models: the installed default pair (`specdec models install`), --draft-model and
 --target-model, or --tiny DIR (random models: shows the mechanics, not speed).
 
-On the CPU the drafter runs the best configuration `specdec bench` measured
-(BEST_DRAFTER: int8 weights, a draft 2.7x cheaper at about the same acceptance); int8 is
-CPU-only, so on another --device it runs the draft model as loaded (bf16). --drafter picks
-any variant of `specdec bench --drafters`. The demo prints which.
+On the CPU the drafter runs the configuration `specdec bench` measured fastest on one
+machine (BEST_DRAFTER: int8 weights, a draft 2.7x cheaper at about the same acceptance, on
+an Intel Xeon with AMX, 2026-11-22); int8 is CPU-only, so on another --device it runs the
+draft model as loaded. --drafter picks any variant of `specdec bench --drafters`. The demo
+prints which, and where the choice came from. The draft length is the adaptive policy's,
+per round: --k bounds it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import sys
 from pathlib import Path
 
 from specdec.tools.bench.modes import DRAFTERS
+from specdec.tools.costreport import machine_line, policy_line, replica_costs, verdict
 from specdec.tools.launcher import ServiceFailed
 from specdec.tools.stack import LocalStack, add_stack_arguments, pin_roles
 
@@ -30,6 +36,7 @@ from specdec.tools.stack import LocalStack, add_stack_arguments, pin_roles
 # draft's cost ratio c from 0.337 to 0.123 of a target step at about the same acceptance
 # (78% against 79% at k = 2); SSD k = 2 went from 0.74x to 1.52x of the target alone.
 BEST_DRAFTER = "int8"
+BEST_DRAFTER_FROM = "`specdec bench` on an Intel Xeon with AMX, 2026-11-22"
 
 PROMPTS = [
     ("code", "def quicksort(items):\n    "),
@@ -49,7 +56,11 @@ def add_demo_parser(commands) -> argparse.ArgumentParser:
     )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument(
-        "--k", type=int, default=2, help="draft length (2 is the fastest on a 2-core CPU)"
+        "--k",
+        type=int,
+        default=4,
+        help="most tokens a round may draft: the adaptive policy picks each round's length "
+        "(0 included) from the replicas' measured cost and the drafts' measured acceptance",
     )
     p.add_argument(
         "--drafter",
@@ -64,7 +75,7 @@ def add_demo_parser(commands) -> argparse.ArgumentParser:
         help="do not give the drafter and the verifier one CPU and one thread each",
     )
     add_stack_arguments(p, port_default=0)
-    p.set_defaults(func=run_demo, dtype="bfloat16")
+    p.set_defaults(func=run_demo, dtype="fastest")  # each replica measures its own, cached
     return p
 
 
@@ -107,11 +118,15 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.drafter is None:  # int8 (--quantize) runs on the CPU only
         args.drafter = BEST_DRAFTER if args.device == "cpu" else "bf16"
     args.drafter_flags = list(DRAFTERS[args.drafter])
-    flags = " ".join(args.drafter_flags) or f"the draft model as loaded, {args.dtype}"
+    flags = " ".join(args.drafter_flags) or f"the draft model as loaded, --dtype {args.dtype}"
     best = (
-        " (the fastest measured; --drafter bf16 for plain)" if args.drafter == BEST_DRAFTER else ""
+        f" (the fastest measured by {BEST_DRAFTER_FROM}; --drafter bf16 for plain)"
+        if args.drafter == BEST_DRAFTER
+        else ""
     )
     print(f"drafter variant {args.drafter}: {flags}{best}")
+    if not args.tiny:
+        print(machine_line())
 
     template = AutoTokenizer.from_pretrained(args.target_model, gguf_file=args.target_gguf_file)
     rows = []
@@ -139,29 +154,57 @@ def run_demo(args: argparse.Namespace) -> int:
                 print()
                 ssd = client.generate(prompt, max_new_tokens=n, k=args.k, ssd=True)
                 rows.append((kind, base, spec, ssd))
+            costs = {
+                c.role: c for c in replica_costs(stack.drafter.address, stack.verifier.address)
+            }
     except ServiceFailed as e:
         print(f"specdec demo: {e}", file=sys.stderr)
         return 1
     print(
-        f"\n{'prompt':<8}{'k=0 tok/s':>11}{f'k={args.k} tok/s':>11}{'accept':>8}"
+        f"\n{'prompt':<8}{'k=0 tok/s':>11}{f'k<={args.k} tok/s':>12}{'accept':>8}"
         f"{'tok/round':>10}{'speedup':>9}{'SSD tok/s':>11}{'hits':>6}{'speedup':>9}  identical"
     )
     for kind, base, spec, ssd in rows:
         print(
-            f"{kind:<8}{base.tokens_per_second:>11.2f}{spec.tokens_per_second:>11.2f}"
+            f"{kind:<8}{base.tokens_per_second:>11.2f}{spec.tokens_per_second:>12.2f}"
             f"{spec.stats.acceptance_rate:>8.0%}{spec.stats.mean_accepted_length:>10.2f}"
             f"{spec.tokens_per_second / base.tokens_per_second:>8.2f}x"
             f"{ssd.tokens_per_second:>11.2f}{ssd.stats.ssd_hit_rate:>6.0%}"
             f"{ssd.tokens_per_second / base.tokens_per_second:>8.2f}x  "
             f"{'yes' if spec.tokens == base.tokens == ssd.tokens else 'NO'}"
         )
+    print(
+        "accept: draft tokens accepted over drafted (model and lookup drafts); tok/round: "
+        "tokens a round appends (the accepted drafts, lookup extensions included, + 1)"
+    )
+    report_costs(rows, costs)
     if any(not spec.tokens == base.tokens == ssd.tokens for _, base, spec, ssd in rows):
-        if args.dtype == "float32":
+        dtype = stack.dtypes.get("verifier", ("",))[0] or args.dtype  # fastest: as chosen
+        if dtype == "float32":
             return 1  # no rounding excuse: a difference is a defect
         print(
-            f"\nOutputs differ. In {args.dtype}, two logits within a few units in the last "
+            f"\nOutputs differ. In {dtype}, two logits within a few units in the last "
             "place can round into a different order in a batched verification than in a "
             "one-token step, and greedy then follows the other token; `specdec bench` checks "
             "every difference for such a near-tie, and the exactness tests run in float32."
         )
     return 0
+
+
+def report_costs(rows, costs) -> None:
+    """The replicas' measured cost curves, what the policy chose per prompt, and why
+    speculation did not pay where it did not."""
+    print()
+    for role in ("verifier", "drafter"):
+        if role in costs:
+            print(costs[role].describe())
+    verifier = costs["verifier"].line if "verifier" in costs else None
+    drafter = costs["drafter"].line if "drafter" in costs else None
+    for kind, base, spec, ssd in rows:
+        for name, result in (("k", spec), ("SSD", ssd)):
+            print(f"{kind} {name}: {policy_line(result.stats)}")
+            why = verdict(
+                result.tokens_per_second / base.tokens_per_second, result.stats, verifier, drafter
+            )
+            if why:
+                print(f"  {why}")

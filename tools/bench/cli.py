@@ -155,6 +155,32 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
     o.add_argument(
         "--acceptance", type=float, default=0.75, help="share of positions the drafter gets right"
     )
+    o.add_argument(
+        "--target-per-token-ms",
+        type=float,
+        default=0.0,
+        help="plus this per row and token in each target forward (ms): a compute-bound device",
+    )
+    o.add_argument(
+        "--draft-per-token-ms",
+        type=float,
+        default=0.0,
+        help="plus this per row and token in each drafter forward (ms)",
+    )
+    o.add_argument(
+        "--standin-period",
+        type=int,
+        default=0,
+        help="the target's output cycles through this many tokens (0: off), so that lookup "
+        "drafts (n-gram) copy it exactly but at --standin-noise",
+    )
+    o.add_argument(
+        "--standin-noise",
+        type=float,
+        default=0.0,
+        help="share of positions where the output leaves the cycle (with --standin-period): "
+        "lookup drafts' rejections; the drafter's stay --acceptance",
+    )
     o.add_argument("--concurrency", default="1,8", help="sessions at once, comma-separated")
     o.add_argument("--requests", type=int, default=4, help="requests per session and mode")
     o.add_argument(
@@ -195,10 +221,10 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
         help="only re-render DIR/results.md and speedup.png from DIR/results.json",
     )
     add_stack_arguments(p, port_default=0)
-    # bfloat16: on CPU a 3-5 token float32 forward costs about 3x a one-token one, which
-    # would misstate what verification costs. bfloat16 logits can tie exactly, so where a
-    # mode differs from the baseline the bench checks whether it was such a tie-break.
-    p.set_defaults(func=run_bench, dtype="bfloat16")
+    # fastest: the dtype a verifier here measures fastest (specdec.common.calibrate), for the
+    # in-process baselines and both replicas alike. bfloat16 logits can tie exactly, so where
+    # a mode differs from the baseline the bench checks whether it was such a tie-break.
+    p.set_defaults(func=run_bench, dtype="fastest")
     return p
 
 
@@ -225,7 +251,7 @@ def run_bench(args: argparse.Namespace) -> int:
     args.ssd_k = "2,3,4" if args.ssd_k is None else args.ssd_k
     from specdec.tools.demo import resolve_models
     from specdec.tools.launcher import ServiceFailed
-    from specdec.tools.stack import pin_roles
+    from specdec.tools.stack import pin_roles, resolve_dtype
 
     try:
         drafters = args.drafter_variants = parse_drafters(args.drafters)
@@ -265,6 +291,7 @@ def run_bench(args: argparse.Namespace) -> int:
     max_k = max((m.k or 0 for _, modes in phases for m in modes), default=0)
     args.default_k = max(args.default_k, max_k)
 
+    print(f"dtype {resolve_dtype(args).summary()}", flush=True)  # fastest: measured here
     print(f"loading {args.target_model} and {args.draft_model} ({args.dtype}) ...", flush=True)
     hf = HFRunner(args.target_model, args.draft_model, args.dtype, pinned)
     encoded = [hf.encode(p) for p in prompts]
