@@ -87,6 +87,7 @@ class Draft:
     resends: int = 0
     late_outcome: str | None = None  # the previous round's late Speculate, decided now
     extended: int = 0  # lookup tokens appended to the draft model's draft (hybrid)
+    forward_ms: float = 0.0  # the Draft's forwards, as the drafter reported them
 
 
 @dataclass(slots=True)
@@ -218,6 +219,7 @@ class Speculator:
                 seconds=time.perf_counter() - started,
                 verify_forward_ms=verdict.forward_ms,
                 verify_fed=fed,
+                draft_forward_ms=draft.forward_ms,
                 logprobs=verdict.logprobs if verdict.HasField("logprobs") else None,
                 prompt_logprobs=(
                     verdict.prompt_logprobs if verdict.HasField("prompt_logprobs") else None
@@ -320,7 +322,15 @@ class Speculator:
         self.fork_from.pop("drafter", None)
         self.drafter.cached = d.cached_length
         source = PREPARED if d.prepared else DRAFTED
-        return Draft(d.draft_tokens, d.draft_probs, source, seconds, answer.resends, late_outcome)
+        return Draft(
+            d.draft_tokens,
+            d.draft_probs,
+            source,
+            seconds,
+            answer.resends,
+            late_outcome,
+            forward_ms=d.forward_ms,
+        )
 
     def _constrain(self, draft: Draft) -> tuple[Draft, list[verifier_pb2.GrammarMask]]:
         """Under a grammar: the draft cut after its first forbidden token (or its end) and

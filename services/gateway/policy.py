@@ -12,7 +12,7 @@ was measured so far:
     T(d)  = V(1 + len(d)) + D(d)                       the round's expected time
     V(n)  = o + r t_v(n)                               Verify of n tokens: t_v the verifier's
                                                        reported cost curve
-    D(d)  = k d_t (1 - h)                              drafting, for the draft model's k tokens
+    D(d)  = (o_d + k d_t) (1 - h)                      drafting, for the draft model's k tokens
     rate  = E(d) / T(d);  d* = argmax over the candidates, ties to the shorter
 
 - a_s(i), the acceptance of draft position i of source s (the draft model, prompt lookup,
@@ -28,8 +28,9 @@ was measured so far:
   that forward (network, serialisation, the gateway). With no curve reported (an older
   replica) the policy falls back to V(n) = v (1 + g (n - 1)), v measured, g from the load
   (`idle_token_cost` idle, 1 at `saturation_queue`).
-- d_t: the drafter's time per draft token, the EMA of each Draft's round trip over its k;
-  before the first Draft, the drafter's reported t_d(1) plus o. h: the SSD hit rate, 0
+- d_t: the drafter's time per draft token, the EMA of each Draft's reported forward time
+  over its k (before the first Draft, the drafter's reported t_d(1)); o_d: a Draft's round
+  trip beyond its forwards (before the first, the Verify's o). h: the SSD hit rate, 0
   without SSD or while SSD is paused.
 
 The candidates of a round, each with its zero:
@@ -288,7 +289,8 @@ class AdaptivePolicy:
             prior = priors.rate(source, default, p.prior_weight) if priors else default
             self.sources[source] = Acceptance(prior, p.prior_weight)
         self.verify = _Ema(p.smoothing)  # v: seconds of a Verify without a draft (no curve)
-        self.draft = _Ema(p.smoothing)  # d_t: seconds per drafted token
+        self.draft = _Ema(p.smoothing)  # d_t: seconds per drafted token (its forwards)
+        self.draft_overhead = _Ema(p.smoothing)  # o_d: a Draft's round trip beyond them
         self.queue = _Ema(p.smoothing)  # the verifier's reported queue depth
         self.hits = _Ema(p.smoothing)  # h: SSD hit (1) or miss (0)
         self.step = _Ema(p.smoothing)  # s: seconds of one Speculate step, one branch
@@ -381,15 +383,26 @@ class AdaptivePolicy:
         cost = self._cost(self._drafter)
         if cost is None:
             return None
-        return cost.line(1).ms(1) / 1e3 + (self.overhead.value or 0.0)
+        return cost.line(1).ms(1) / 1e3
+
+    def draft_cost(self, k: int) -> float:
+        """D(k): seconds of a Draft of k tokens, o_d + k d_t (0 for k = 0); o_d is the
+        Draft's measured round trip beyond its forwards, before one the Verify's."""
+        if k <= 0:
+            return 0.0
+        d = self.draft_time() or 0.0
+        fixed = self.draft_overhead.value
+        if fixed is None:
+            fixed = self.overhead.value or 0.0
+        return fixed + k * d
 
     # -- the model -----------------------------------------------------------------------------
 
     def round_time(self, k: int) -> float:
-        """T(k) of a draft model round: V(1 + k) + k d_t (1 - h), in seconds."""
-        v, d = self.verify_time(1 + k), self.draft_time()
-        assert v is not None and d is not None
-        return v + k * d * (1.0 - self.hit_rate)
+        """T(k) of a draft model round: V(1 + k) + D(k) (1 - h), in seconds."""
+        v = self.verify_time(1 + k)
+        assert v is not None and self.draft_time() is not None
+        return v + self.draft_cost(k) * (1.0 - self.hit_rate)
 
     def rates(self, max_k: int) -> list[float]:
         """[max_k + 1]: expected tokens per second of a model draft of 0..max_k tokens."""
@@ -468,7 +481,7 @@ class AdaptivePolicy:
             return 0
         if self.verify_time(1) is None or self.draft_time() is None:
             return available
-        drafting = k * (self.draft_time() or 0.0) * (1.0 - self.hit_rate)
+        drafting = self.draft_cost(k) * (1.0 - self.hit_rate)
         first = self.model.expected(k)[k]
         rates = self._lookup_rates(EXTENSION, available, first, self.model.survive(k), drafting, k)
         return _argmax(rates)
@@ -495,9 +508,15 @@ class AdaptivePolicy:
 
     # -- measurements --------------------------------------------------------------------------
 
-    def observe_draft(self, k: int, seconds: float) -> None:
-        """A Draft of k tokens that ran the model took `seconds` (round trip)."""
-        if k > 0:
+    def observe_draft(self, k: int, seconds: float, forward_ms: float = 0.0) -> None:
+        """A Draft of k tokens that ran the model took `seconds` (round trip), forward_ms of
+        it in the drafter's forwards as it reported (0: not known: all of it per token)."""
+        if k <= 0:
+            return
+        if forward_ms > 0:
+            self.draft.add(forward_ms / 1e3 / k)
+            self.draft_overhead.add(max(0.0, seconds - forward_ms / 1e3))
+        else:
             self.draft.add(seconds / k)
 
     def _count(self, source: str, k: int, accepted: int) -> None:
@@ -568,7 +587,7 @@ class AdaptivePolicy:
         if o.late_outcome is not None:
             self.observe_ssd(False)
         if o.source == DRAFTED:
-            self.observe_draft(o.k - o.extended, o.draft_seconds)
+            self.observe_draft(o.k - o.extended, o.draft_seconds, o.draft_forward_ms)
         self.observe_verify(
             o.k,
             o.accepted,

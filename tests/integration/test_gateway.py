@@ -48,10 +48,14 @@ def gateway(
     env: dict[str, str] | None = None,
 ) -> ServiceProcess:
     """A gateway over the given replica processes on a free loopback port. Its default
-    method is `model` unless flags say otherwise: the tests built on it measure the draft
-    model's rounds (statistics per k, SSD); lookup drafts are tested in test_lookup.py."""
+    method is `model` and its default k policy `fixed` unless flags say otherwise: the
+    tests built on it exercise the draft model's rounds at the k they ask for (statistics
+    per k, SSD, caches); lookup drafts are tested in test_lookup.py, the adaptive policy (the
+    served default) in test_adaptive.py and test_cost_model.py."""
     if "--method" not in flags:
         flags = ("--method", "model", *flags)
+    if "--k-policy" not in flags:
+        flags = ("--k-policy", "fixed", *flags)
     args = [
         "serve",
         "gateway",

@@ -48,7 +48,7 @@ def http_gateway(
     return ServiceProcess.specdec(
         "gateway", "serve", "gateway", "--port", "0", "--host", "127.0.0.1",
         "--drafter", drafter, "--verifier", verifier, "--http-port", str(http_port),
-        "--method", "model", *flags,
+        "--method", "model", "--k-policy", "fixed", *flags,
         env=env,
     ).start()  # fmt: skip
 

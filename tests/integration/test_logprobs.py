@@ -39,7 +39,7 @@ def stack(test_models):
         g = ServiceProcess.specdec(
             "gateway", "serve", "gateway", "--port", "0", "--host", "127.0.0.1",
             "--drafter", d.address, "--verifier", v.address, "--http-port", str(port),
-            "--served-model-name", "tiny",
+            "--served-model-name", "tiny", "--k-policy", "fixed",
         ).start()  # fmt: skip
         procs.append(g)
         g.wait_healthy()

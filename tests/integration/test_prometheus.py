@@ -127,7 +127,7 @@ def scraped(test_models, tmp_path_factory):
         procs += [d, v]
         d.wait_healthy(), v.wait_healthy()
         g = serve("gateway", "--drafter", d.address, "--verifier", v.address,
-                  "--metrics-port", str(ports["gateway"]))  # fmt: skip
+                  "--metrics-port", str(ports["gateway"]), "--k-policy", "fixed")  # fmt: skip
         procs.append(g)
         g.wait_healthy()
         prom = Prometheus(

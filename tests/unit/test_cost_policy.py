@@ -85,7 +85,7 @@ def simulate(policy, m: Machine, method: str, max_k: int = 6, rounds: int = 400,
             index=index, max_k=max_k, k=k, draft=tuple(range(k)), accepted=accepted,
             next_token=0, source=source, draft_seconds=draft_s, verify_seconds=verify_s,
             queue_depth=0, resends=0, extended=extended, verify_forward_ms=verify_s * 1e3,
-            verify_fed=1 + k,
+            verify_fed=1 + k, draft_forward_ms=draft_s * 1e3,
         )  # fmt: skip
         policy.observe(o)
         outcomes.append(o)
@@ -195,3 +195,15 @@ class _Fixed(FixedPolicy):
 
     def choose_k(self, max_k: int) -> int:
         return min(self.k, max_k)
+
+
+def test_a_drafts_fixed_cost_is_apart_from_its_cost_per_token():
+    """Draft round trips of 5 ms + 1 ms a token, 1 ms a token in forwards as reported: a
+    draft of k tokens is priced 5 + k ms, not k times the round trip of the k measured."""
+    policy = adaptive()
+    policy.bind(placement(None), placement(Line(10.0, 0.1, 20.0, 16)))
+    for _ in range(10):
+        policy.observe_draft(2, (5.0 + 2.0) / 1e3, forward_ms=2.0)
+    assert policy.draft_cost(4) == pytest.approx(9.0 / 1e3, rel=0.01)
+    assert policy.draft_cost(1) == pytest.approx(6.0 / 1e3, rel=0.01)
+    assert policy.draft_cost(0) == 0.0
