@@ -110,6 +110,37 @@ def test_request_overrides_the_default_policy(adaptive_stack, tokenizer, referen
         assert s.rounds_by_k[3] >= s.rounds - 2 and sum(s.rounds_by_k) == s.rounds
 
 
+def test_adaptive_multi_turn_equals_generate(adaptive_stack, tokenizer, reference):
+    """Two turns of one session under the adaptive default with SSD: the second turn's
+    caches are reused (no resend) and both turns are generate()'s tokens."""
+    p1, p2 = tokenizer(PROMPTS[2]).input_ids, tokenizer(" and then").input_ids
+    with Client(adaptive_stack["adaptive-ssd"], timeout=120) as client:
+        t1 = client.generate(token_ids=p1, max_new_tokens=N, k=4, session_id="adaptive-turns")
+        t2 = client.generate(token_ids=p2, max_new_tokens=N, k=4, session_id="adaptive-turns")
+    assert list(t1.tokens) == reference(p1, N)
+    assert list(t2.tokens) == reference([*p1, *t1.tokens, *p2], N)
+    assert t2.stats.k_policy == "adaptive" and t2.stats.cache_misses == 0
+
+
+def test_seeded_sampling_keeps_the_fixed_policy(adaptive_stack, tokenizer):
+    """A seeded sampled request that names no policy drafts fixed (its output is
+    reproducible for a given sequence of drafts): the same output twice; one that names
+    adaptive gets it."""
+    ids = tokenizer(PROMPTS[1]).input_ids
+    with Client(adaptive_stack["adaptive"], timeout=120) as client:
+        a, b = (
+            client.generate(token_ids=ids, max_new_tokens=12, k=3, temperature=1.0, seed=5)
+            for _ in range(2)
+        )
+        asked = client.generate(
+            token_ids=ids, max_new_tokens=12, k=3, temperature=1.0, seed=5, k_policy="adaptive"
+        )
+        unseeded = client.generate(token_ids=ids, max_new_tokens=12, k=3, temperature=1.0)
+    assert a.stats.k_policy == b.stats.k_policy == "fixed"
+    assert list(a.tokens) == list(b.tokens)
+    assert asked.stats.k_policy == unseeded.stats.k_policy == "adaptive"
+
+
 def test_bad_k_policy_is_invalid_argument(adaptive_stack):
     request = build_generate_request("def f():", max_new_tokens=4)
     request.speculation.k_policy = 7  # proto3 enums are open: the number arrives as sent
