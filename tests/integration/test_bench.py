@@ -12,7 +12,8 @@ pytestmark = pytest.mark.integration
 
 def test_bench_quick_on_tiny_models(tmp_path):
     """Two drafter variants (--drafters bf16,int8), each on its own stack: every row of
-    each, and each variant's cost ratio beside its acceptance."""
+    each (the fixed k rows and the default settings' adaptive rows), and each variant's
+    cost ratio beside its acceptance."""
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "specdec", "bench", "--tiny", str(tmp_path / "models")]
     cmd += ["--quick", "--max-new-tokens", "12", "--k", "2,3", "--ssd-k", "2", "--out", str(out)]
@@ -23,9 +24,14 @@ def test_bench_quick_on_tiny_models(tmp_path):
     result = json.loads((out / "results.json").read_text())
     modes = result["modes"]
     shared = {"target", "k=0", "assisted", "draft"}
-    bf16 = {"k=2", "k=3", "ssd k=2", "draft [bf16]"}
+    bf16 = {"k=2", "k=3", "ssd k=2", "draft [bf16]", "adaptive k<=3", "ssd adaptive k<=2"}
     int8 = {"target [int8]", "k=2 [int8]", "k=3 [int8]", "ssd k=2 [int8]", "draft [int8]"}
+    int8 |= {"adaptive k<=3 [int8]", "ssd adaptive k<=2 [int8]"}
     assert set(modes) == shared | bf16 | int8
+    for name in ("k=2", "ssd k=2 [int8]", "adaptive k<=3", "ssd adaptive k<=2 [int8]"):
+        policy = "adaptive" if "adaptive" in name else "fixed"
+        assert modes[name]["k_policy"] == policy, name
+        assert all(p["stats"]["k_policy"] == policy for p in modes[name]["per_prompt"]), name
     assert result["meta"]["prompt_kinds"] == ["code", "prose", "chat"]
     for name in ("draft", "draft [bf16]", "draft [int8]"):  # cost ratios, not contenders
         assert "exact" not in modes[name]
@@ -127,6 +133,7 @@ def test_bench_tracing_overhead_on_tiny_models(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "specdec", "bench", "--tiny", str(tmp_path / "models")]
     cmd += ["--quick", "--max-new-tokens", "12", "--k", "2", "--ssd-k", "2", "--tracing"]
+    cmd += ["--no-adaptive"]
     done = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((out / "results.json").read_text())

@@ -71,6 +71,8 @@ if TYPE_CHECKING:
 
 
 def machine() -> dict:
+    from specdec.tools.costreport import machine_line
+
     cpu = platform.processor() or ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -79,7 +81,12 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cpus": len(os.sched_getaffinity(0)), "platform": platform.platform()}
+    return {
+        "cpu": cpu,
+        "cpus": len(os.sched_getaffinity(0)),
+        "platform": platform.platform(),
+        "describe": machine_line(),  # the CPU flags that decide bf16's cost, CUDA's device
+    }
 
 
 def add_bench_parser(commands) -> argparse.ArgumentParser:
@@ -106,6 +113,23 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
         "'<method> k=K' at the largest --k and 'ssd <method> k=K' at the largest --ssd-k, "
         "plus transformers' prompt lookup; the gateway's cache of outputs is off (every "
         "mode repeats the same prompts)",
+    )
+    p.add_argument(
+        "--adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also the default settings' rows: the adaptive policy with the largest --k (and "
+        "--ssd-k) as its bound, plain, with SSD, and per --methods method; the k=K rows draft "
+        "k every round (k_policy fixed)",
+    )
+    p.add_argument(
+        "--peers",
+        default="",
+        help="peer engines to add rows for, comma-separated (vllm: vLLM's CPU build, its "
+        "target alone, n-gram and draft-model speculation at the largest --k; llamacpp: "
+        "llama.cpp on the pair's GGUF files, the same modes), each from its own virtualenv "
+        "(`make peer-bench-install`), after the stack's modes, on the stack's CPUs; a peer "
+        "that is not installed or fails is skipped with its reason",
     )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, help="use the first N prompts")
@@ -263,6 +287,8 @@ def run_bench(args: argparse.Namespace) -> int:
         print(problem, file=sys.stderr)
         return 2
     host = machine()  # before this process pins itself to one CPU
+    print(host["describe"], flush=True)
+    all_cpus = os.sched_getaffinity(0)
     pinned = None
     if args.pin:
         pinned = pin_roles(args)
@@ -285,7 +311,7 @@ def run_bench(args: argparse.Namespace) -> int:
         prompts = prompts[: args.num_prompts]
     ks, ssd_ks = _ints(args.k), _ints(args.ssd_k)
     phases = [
-        (d, build_modes(ks, ssd_ks, args.tracing and i == 0, d, i == 0, methods))
+        (d, build_modes(ks, ssd_ks, args.tracing and i == 0, d, i == 0, methods, args.adaptive))
         for i, d in enumerate(drafters)
     ]
     max_k = max((m.k or 0 for _, modes in phases for m in modes), default=0)
@@ -298,16 +324,23 @@ def run_bench(args: argparse.Namespace) -> int:
     runs = {m.name: ModeRun(m) for _, modes in phases for m in modes}
     receiver = None
     parents: dict[str, list[str]] = {}  # --tracing: mode -> the trace ids it sent
+    curves: dict[str, dict] = {}  # drafter variant -> each replica's fitted forward cost
     try:
         for i, (drafter, modes) in enumerate(phases):
             receiver = (
-                _run_variant(args, hf, prompts, encoded, n, drafter, modes, runs, i == 0, parents)
+                _run_variant(
+                    args, hf, prompts, encoded, n, drafter, modes, runs, i == 0, parents, curves
+                )
                 or receiver
             )
     except ServiceFailed as e:
         print(f"specdec bench: {e}", file=sys.stderr)
         return 1
 
+    peers = None
+    if args.peers.strip():
+        os.sched_setaffinity(0, all_cpus)  # the peers get the stack's CPUs
+        peers = run_peers(args, hf, prompts, n, max(ks, default=3))
     c_hf = mode_tps(runs["target"]) / mode_tps(runs["draft"])
     ratios = cost_ratios(runs)
     rows = summarize(runs, ratios)
@@ -364,13 +397,90 @@ def run_bench(args: argparse.Namespace) -> int:
                 for d in drafters
             },
             "tracing": tracing_meta,
+            # Per drafter variant: each replica's dtype and t(n) = base + per_token n (ms),
+            # fitted on the replica over the run (specdec.common.cost).
+            "cost_curves": curves,
         },
         "modes": rows,
+        "peers": peers,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     return report(out)
+
+
+VLLM_CPU_ENGINE = {"engine_args": {"enforce_eager": True, "kv_cache_memory_bytes": 2 << 30}}
+
+
+def run_peers(
+    args: argparse.Namespace, hf: HFRunner, prompts: list[Prompt], n: int, k: int
+) -> dict:
+    """The --peers rows (specdec.tools.bench.peers): each peer's target alone, n-gram and
+    draft-model speculation at k, over the same prompts as the model reads them."""
+    from specdec.tools.bench import peers as peer_engines
+    from specdec.tools.bench.modes import prompt_text
+    from specdec.tools.models import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    texts = [prompt_text(hf.tokenizer, p) for p in prompts]
+    threads = len(os.sched_getaffinity(0))
+    out: dict = {"threads": threads, "by_peer": {}}
+    for name in (x.strip() for x in args.peers.split(",") if x.strip()):
+        reason = peer_engines.peer_available(name)
+        if reason is None and (args.tiny or args.draft_model is None):
+            reason = "runs on the installed pretrained pair only"
+        if reason is not None:
+            print(f"peer {name}: skipped: {reason}", flush=True)
+            out["by_peer"][name] = {"skipped": reason}
+            continue
+        try:
+            target_gguf, target_dir = peer_engines.model_files(DEFAULT_TARGET)
+            draft_gguf, draft_dir = peer_engines.model_files(DEFAULT_DRAFT)
+        except peer_engines.PeerError as e:
+            out["by_peer"][name] = {"skipped": str(e)}
+            continue
+        modes = ["target", f"ngram k={k}", f"draft k={k}"]
+        print(f"peer {name}: {', '.join(modes)} ...", flush=True)
+        rows = peer_engines.run_peer(
+            name,
+            target_gguf=target_gguf,
+            draft_gguf=draft_gguf,
+            target_dir=target_dir,
+            draft_dir=draft_dir,
+            prompts=texts,
+            max_new_tokens=n,
+            modes=modes,
+            threads=threads,
+            dtype=args.dtype,
+            keep_going=True,
+            # vLLM's compiled mode recompiles for minutes on 2 cores before a token: eager,
+            # with a fixed KV cache, is what runs here.
+            extra=VLLM_CPU_ENGINE if name == "vllm" else None,
+        )
+        by_mode: dict[str, dict] = {}
+        for mode in modes:
+            mine = [r for r in rows if r["mode"] == mode]
+            errors = [r["error"] for r in mine if "error" in r]
+            if errors:
+                by_mode[mode] = {"error": errors[0]}
+                continue
+            tokens = sum(r["tokens"] for r in mine)
+            seconds = sum(r["seconds"] for r in mine)
+            accepts = [r["acceptance"] for r in mine if r.get("acceptance") is not None]
+            by_mode[mode] = {
+                "tokens": tokens,
+                "seconds": round(seconds, 3),
+                "tokens_per_second": round(tokens / seconds, 3) if seconds else None,
+                "acceptance": round(sum(accepts) / len(accepts), 4) if accepts else None,
+                "version": next((r["version"] for r in mine if r.get("version")), ""),
+                "per_prompt": [
+                    {"tokens": r["tokens"], "tokens_per_second": r["tokens_per_second"]}
+                    for r in mine
+                ],
+            }
+            print(f"peer {name} {mode}: {by_mode[mode]['tokens_per_second']} tok/s", flush=True)
+        out["by_peer"][name] = {"modes": by_mode}
+    return out
 
 
 def _run_variant(
@@ -384,6 +494,7 @@ def _run_variant(
     runs: dict[str, ModeRun],
     first: bool,
     parents: dict[str, list[str]],
+    curves: dict[str, dict],
 ) -> OtlpReceiver | None:
     """Every prompt through every mode of one drafter variant, on a stack of its own (its
     drafter flags added, --max-draft-tokens raised for the drafter-alone Draft of n tokens);
@@ -427,7 +538,24 @@ def _run_variant(
                     f"{len(sample.tokens) / sample.seconds:6.2f} tok/s",
                     flush=True,
                 )
+        curves[drafter] = _curves(stack)
     return receiver
+
+
+def _curves(stack) -> dict[str, dict]:
+    """Each replica's dtype and fitted forward cost (one row), as the run left them."""
+    from specdec.tools.costreport import replica_costs
+
+    out = {}
+    for c in replica_costs(stack.drafter.address, stack.verifier.address):
+        print(c.describe(), flush=True)
+        line = c.line
+        out[c.role] = {
+            "dtype": c.dtype,
+            "base_ms": round(line.base_ms, 3) if line else None,
+            "per_token_ms": round(line.per_token_ms, 4) if line else None,
+        }
+    return out
 
 
 def _sample(

@@ -56,6 +56,9 @@ class Mode:
     drafter: str = DEFAULT_DRAFTER  # the --drafters variant whose stack runs it
     baseline: str = "target"  # the mode this one's speed and tokens are compared with
     method: str = "model"  # stack: SpeculationParams.method (k=K rows: the drafter alone)
+    # stack: the request's k_policy: "fixed" (k every round: the k=K rows) or "adaptive"
+    # (k an upper bound; the gateway's default: the 'adaptive' rows)
+    k_policy: str = "fixed"
 
 
 @dataclass
@@ -90,16 +93,19 @@ def load_prompts(path: str | None, prompt_set: str = "default") -> list[Prompt]:
     return prompts
 
 
-def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
-    """A prompt's token ids as every in-process runner encodes it: the chat template (with
-    the generation prompt) for messages, the text as it is otherwise."""
+def prompt_text(tokenizer, prompt: Prompt) -> str:
+    """A prompt as the model reads it: the chat template (with the generation prompt) for
+    messages, the text as it is otherwise."""
     if prompt.messages is not None:
-        text = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             prompt.messages, tokenize=False, add_generation_prompt=True
         )
-    else:
-        text = prompt.text
-    return list(tokenizer(text).input_ids)
+    return prompt.text
+
+
+def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
+    """A prompt's token ids as every in-process runner encodes it (`prompt_text`)."""
+    return list(tokenizer(prompt_text(tokenizer, prompt)).input_ids)
 
 
 def pick_quick(prompts: list[Prompt]) -> list[Prompt]:
@@ -155,6 +161,7 @@ def build_modes(
     drafter: str = DEFAULT_DRAFTER,
     shared: bool = True,
     methods: tuple[str, ...] = (),
+    adaptive: bool = True,
 ) -> list[Mode]:
     """Every mode of one drafter variant's stack; with `tracing`, each stack mode also runs
     as '<mode> traced' on a second stack that exports every span (sampling 1.0) over OTLP.
@@ -167,7 +174,12 @@ def build_modes(
     methods: lookup methods (LOOKUP_METHODS) with a row each at the largest k of `ks`
     (`hybrid k=4`) and at the largest of `ssd_ks` with SSD (`ssd hybrid k=4`); the shared
     run then also measures transformers' prompt-lookup decoding (`prompt lookup` on the
-    verifier's CPU, `prompt lookup, 2 CPUs` on both)."""
+    verifier's CPU, `prompt lookup, 2 CPUs` on both).
+
+    adaptive: also the default settings' rows, the adaptive policy with the largest k (and
+    the largest SSD k) as its bound: `adaptive k<=4`, `ssd adaptive k<=4`, and per method
+    `hybrid adaptive k<=4`, `ssd hybrid adaptive k<=4`. The k=K rows draft k every round
+    (k_policy fixed)."""
     target = "target" if shared else f"target [{drafter}]"
     modes = [Mode(target, "hf", drafter=drafter, baseline=target)]
     if shared:
@@ -191,6 +203,19 @@ def build_modes(
                  baseline=target, method=method)
             for k in ssd_ks[-1:]
         ]  # fmt: skip
+    if adaptive:
+        for method in ("model", *methods):
+            label = "adaptive" if method == "model" else f"{method} adaptive"
+            modes += [
+                Mode(name(f"{label} k<={k}"), "stack", k=k, drafter=drafter, baseline=target,
+                     method=method, k_policy="adaptive")
+                for k in ks[-1:]
+            ]  # fmt: skip
+            modes += [
+                Mode(name(f"ssd {label} k<={k}"), "stack", k=k, ssd=True, drafter=drafter,
+                     baseline=target, method=method, k_policy="adaptive")
+                for k in ssd_ks[-1:]
+            ]  # fmt: skip
     if tracing:
         modes += [
             dataclasses.replace(m, name=f"{m.name} traced", traced=True)
@@ -214,7 +239,12 @@ def untraced_name(mode_name: str) -> str:
 def run_stack_mode(client, mode: Mode, ids: list[int], n: int) -> Sample:
     started = time.perf_counter()
     g = client.generate(
-        token_ids=ids, max_new_tokens=n, k=mode.k, ssd=mode.ssd or None, method=mode.method
+        token_ids=ids,
+        max_new_tokens=n,
+        k=mode.k,
+        ssd=mode.ssd or None,
+        method=mode.method,
+        k_policy=mode.k_policy,
     )
     seconds = time.perf_counter() - started
     stats = {

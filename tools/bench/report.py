@@ -141,7 +141,8 @@ def report(out: Path) -> int:
     exit status 1 if a mode differs from the baseline other than at near-ties."""
     result = json.loads((out / "results.json").read_text())
     rows, meta = result["modes"], result["meta"]
-    table = markdown(rows, meta["cost_ratio"], meta.get("drafters"))
+    table = machine_header(meta) + markdown(rows, meta["cost_ratio"], meta.get("drafters"))
+    table += peers_table(result.get("peers"), rows)
     (out / "results.md").write_text(table)
     chart(rows, out / "speedup.png")
     print("\n" + table)
@@ -159,3 +160,64 @@ def report(out: Path) -> int:
         print(f"NOT IDENTICAL to the target alone: {', '.join(wrong)} (see mismatched_prompts)")
         return 1
     return 0
+
+
+def peers_table(peers: dict | None, rows: dict[str, dict]) -> str:
+    """What a user would run instead (--peers), in the same run: each peer mode's tokens/s
+    over the prompts, against the peer's own target alone and against ours; peers that
+    could not run, with the reason. peers: {"threads": int, "by_peer": {name: {"modes":
+    {mode: row}} or {"skipped": reason}}}."""
+    if not peers:
+        return ""
+    ours = rows["target"]["tokens_per_second"]
+    best = max(
+        (r["tokens_per_second"], name)
+        for name, r in rows.items()
+        if r["contender"] and r.get("engine") == "stack"
+    )
+    lines, skipped = [], []
+    for peer, entry in peers["by_peer"].items():
+        if "skipped" in entry:
+            skipped.append(f"- {peer}: {entry['skipped']}")
+            continue
+        alone = entry["modes"].get("target", {}).get("tokens_per_second")
+        for mode, m in entry["modes"].items():
+            if "error" in m:
+                skipped.append(f"- {peer} {mode}: {m['error'].splitlines()[0]}")
+                continue
+            tps = m["tokens_per_second"]
+            vs_own = f"{tps / alone:.2f}x" if alone else ""
+            accept = f"{m['acceptance']:.0%}" if m.get("acceptance") is not None else ""
+            lines.append(
+                f"| {peer} {mode} | {tps:.2f} | {vs_own} | {tps / ours:.2f}x | "
+                f"{best[0] / tps:.2f}x | {accept} |"
+            )
+    head = (
+        f"\nPeers on the same machine: each in its own virtualenv, {peers['threads']} threads "
+        "(the stack's CPUs), greedy, the same prompts and length; llama.cpp runs the Q4_K_M "
+        f"GGUF files the pair was converted from. The stack's fastest row: {best[1]} at "
+        f"{best[0]:.2f} tok/s.\n\n"
+        "| peer mode | tok/s | vs its target alone | vs our target alone | our fastest vs it "
+        "| accept |\n|---|--:|--:|--:|--:|--:|\n"
+    )
+    return head + "\n".join(lines) + "\n" + ("\n".join(skipped) + "\n" if skipped else "")
+
+
+def machine_header(meta: dict) -> str:
+    """The machine and each replica's measured forward cost, above the table (runs that
+    recorded them)."""
+    lines = []
+    describe = meta.get("machine", {}).get("describe")
+    if describe:
+        lines.append(f"Machine: {describe}; dtype {meta.get('dtype')}.")
+    for variant, roles in (meta.get("cost_curves") or {}).items():
+        for role, c in roles.items():
+            if c.get("base_ms") is None:
+                continue
+            one = c["base_ms"] + c["per_token_ms"]
+            lines.append(
+                f"Forward cost [{variant}] {role} ({c['dtype']}): t(n) = {c['base_ms']:.1f} + "
+                f"{c['per_token_ms']:.2f}·n ms (4 tokens: {(c['base_ms'] + 4 * c['per_token_ms']) / one:.2f}"
+                f" steps, 9 tokens: {(c['base_ms'] + 9 * c['per_token_ms']) / one:.2f})."
+            )
+    return "\n\n".join(lines) + "\n\n" if lines else ""

@@ -30,6 +30,7 @@ def summarize(runs: dict[str, ModeRun], cost_ratio: dict[str, float] | None) -> 
             "engine": run.mode.engine,
             "k": run.mode.k,
             "ssd": run.mode.ssd,
+            "k_policy": run.mode.k_policy,
             "contender": run.mode.contender,
             "traced": run.mode.traced,
             "drafter": run.mode.drafter,
@@ -87,8 +88,11 @@ def summarize(runs: dict[str, ModeRun], cost_ratio: dict[str, float] | None) -> 
                 # the expected tokens per round; E is measured here, so is c (this
                 # drafter variant's).
                 row["cost_ratio"] = round(c, 4)
-                row["acceptance_alpha"] = round(_alpha(mean_len, run.mode.k), 4)
-                row["bound_speedup"] = round(mean_len / (c * run.mode.k + 1), 3)
+                # An adaptive row's k is a bound: its rounds drafted mean_k on average.
+                k = run.mode.k if run.mode.k_policy == "fixed" else drafted / max(1, rounds)
+                if k > 0:
+                    row["acceptance_alpha"] = round(_alpha(mean_len, k), 4)
+                row["bound_speedup"] = round(mean_len / (c * k + 1), 3)
             # Where a round's time goes, per round (gateway's view).
             row["round_ms"] = round(row["seconds"] * 1e3 / rounds, 1)
             row["drafter_wait_ms_per_round"] = round(_total(stats, "drafter_wait_ms") / rounds, 1)
