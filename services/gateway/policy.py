@@ -130,7 +130,7 @@ class PolicyParams:
     branch_cost: float = 0.15  # extra time of each further branch in a batched step
     late_limit: int = 3  # late Speculates in a row at fan-out 1 before SSD pauses
     pause_rounds: int = 16  # rounds without Speculate before SSD is tried again
-    probe_interval: int = 32  # rounds in a row at 0 before one round drafts 1 token
+    probe_interval: int = 16  # rounds in a row at 0 before one round drafts 1 token
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -151,9 +151,26 @@ class _Ema:
         self.value = x if self.value is None else self.value + self.weight * (x - self.value)
 
 
+def drafts_of(
+    k: int, accepted: int, lookup: str | None, extended: int
+) -> list[tuple[str, int, int]]:
+    """A verdict on k draft tokens split by source: (source, its tokens, accepted of them).
+    lookup: the lookup source of a lookup draft (None: the draft model's); extended: the
+    last tokens were a lookup extension of the model's draft, verified only where the
+    model's were all accepted."""
+    if lookup:
+        return [(lookup, k, accepted)]
+    own = k - extended
+    out = [(MODEL, own, min(accepted, own))]
+    if extended and accepted >= own:
+        out.append((EXTENSION, extended, accepted - own))
+    return out
+
+
 class SourcePriors:
-    """The gateway's acceptance per draft source over the requests it served (decayed
-    counts): each new request's policy starts from them (one instance per gateway)."""
+    """The gateway's acceptance per draft source over the rounds it served, whatever their
+    policy (decayed counts): each new request's adaptive policy starts from them (one
+    instance per gateway)."""
 
     def __init__(self, decay: float = 0.999):
         self.decay = decay
@@ -163,6 +180,13 @@ class SourcePriors:
         row = self._counts.setdefault(source, [0.0, 0.0])
         row[0] = row[0] * self.decay + accepted
         row[1] = row[1] * self.decay + reached
+
+    def observe_outcome(self, o: Outcome) -> None:
+        """A round's verdict, by source (rounds without a draft count nothing)."""
+        lookup = o.source if o.source in LOOKUP_SOURCES else None
+        for source, k, accepted in drafts_of(o.k, o.accepted, lookup, o.extended):
+            if k > 0:
+                self.observe(source, accepted, min(k, accepted + 1))
 
     def rate(self, source: str, default: float, weight: float) -> float:
         accepted, reached = self._counts.get(source, (0.0, 0.0))
@@ -241,8 +265,9 @@ class FixedPolicy:
 
     kind = FIXED
 
-    def __init__(self, fan_out: int = 0):
+    def __init__(self, fan_out: int = 0, priors: SourcePriors | None = None):
         self.fan_out = fan_out  # 0: the drafter's default
+        self.priors = priors  # the gateway's acceptance per source, fed by every round
 
     def bind(self, drafter: Any, verifier: Any) -> None:
         """Nothing to read from the placements."""
@@ -263,7 +288,9 @@ class FixedPolicy:
         return max(0, available)
 
     def observe(self, outcome: Outcome) -> None:
-        """Nothing a round shows changes a fixed policy."""
+        """Nothing a round shows changes a fixed policy; the gateway's priors learn from it."""
+        if self.priors is not None:
+            self.priors.observe_outcome(outcome)
 
 
 class AdaptivePolicy:
@@ -519,13 +546,6 @@ class AdaptivePolicy:
         else:
             self.draft.add(seconds / k)
 
-    def _count(self, source: str, k: int, accepted: int) -> None:
-        if k <= 0:
-            return
-        accepted, reached = self.sources[source].observe(k, accepted)
-        if self.priors is not None:
-            self.priors.observe(source, accepted, reached)
-
     def observe_verify(
         self,
         k: int,
@@ -542,13 +562,10 @@ class AdaptivePolicy:
         `extended`: its last tokens were a lookup's extension of a model draft (counted
         once the model's were all accepted); forward_ms: the time the verifier reported
         for the call, fed: the tokens it fed (0: not known)."""
-        if lookup:
-            self._count(lookup if isinstance(lookup, str) else LOOKUP_NGRAM, k, accepted)
-        else:
-            own = k - extended
-            self._count(MODEL, own, min(accepted, own))
-            if extended and accepted >= own:
-                self._count(EXTENSION, extended, accepted - own)
+        source = (lookup if isinstance(lookup, str) else LOOKUP_NGRAM) if lookup else None
+        for name, n, got in drafts_of(k, accepted, source, extended):
+            if n > 0:
+                self.sources[name].observe(n, got)
         self.queue.add(float(queue))
         self._verify_s = seconds
         line = self.verifier_line()
@@ -584,6 +601,8 @@ class AdaptivePolicy:
         A late Speculate (still running at its verdict) took longer than that Verify; the
         next round's Draft then waited for it, so even its prepared draft was on the
         critical path: a miss for h."""
+        if self.priors is not None:
+            self.priors.observe_outcome(o)
         if o.late_outcome is not None:
             self.observe_ssd(False)
         if o.source == DRAFTED:
@@ -627,4 +646,4 @@ def make_policy(kind: int, ssd: bool, fan_out: int, priors: SourcePriors | None 
     default, which the adaptive policy takes as ADAPTIVE_MAX_FAN_OUT, its largest)."""
     if kind == ADAPTIVE:
         return AdaptivePolicy(ssd, fan_out or ADAPTIVE_MAX_FAN_OUT, priors=priors)
-    return FixedPolicy(fan_out)
+    return FixedPolicy(fan_out, priors)

@@ -207,3 +207,18 @@ def test_a_drafts_fixed_cost_is_apart_from_its_cost_per_token():
     assert policy.draft_cost(4) == pytest.approx(9.0 / 1e3, rel=0.01)
     assert policy.draft_cost(1) == pytest.approx(6.0 / 1e3, rel=0.01)
     assert policy.draft_cost(0) == 0.0
+
+
+def test_rounds_of_any_policy_teach_the_next_adaptive_request():
+    """Compute-bound (verifying 4 tokens costs 2 steps): a fresh adaptive request starts
+    from the prior (0.7) and drafts little; after fixed-policy requests whose drafts were
+    accepted 95% of the time, the gateway's priors let the next one draft long at once."""
+    m = Machine(step_ms=530.0, per_token=0.34, draft_share=0.18, model_acceptance=0.95)
+    priors = SourcePriors()
+    fresh = AdaptivePolicy(ssd=False, max_fan_out=1, priors=SourcePriors())
+    fresh.bind(placement(Line(m.step_ms * m.draft_share, 0.0, 20.0, 16)), placement(m.line))
+    simulate(FixedPolicy(priors=priors), m, "model", max_k=3, rounds=40)
+    informed = AdaptivePolicy(ssd=False, max_fan_out=1, priors=priors)
+    informed.bind(placement(Line(m.step_ms * m.draft_share, 0.0, 20.0, 16)), placement(m.line))
+    assert fresh.choose_k(3) < 3
+    assert informed.choose_k(3) == 3
