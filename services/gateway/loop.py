@@ -88,6 +88,7 @@ class Draft:
     late_outcome: str | None = None  # the previous round's late Speculate, decided now
     extended: int = 0  # lookup tokens appended to the draft model's draft (hybrid)
     forward_ms: float = 0.0  # the Draft's forwards, as the drafter reported them
+    fed: int = 0  # tokens the Draft call fed (its new tokens: a prefill or resend is long)
 
 
 @dataclass(slots=True)
@@ -220,6 +221,7 @@ class Speculator:
                 verify_forward_ms=verdict.forward_ms,
                 verify_fed=fed,
                 draft_forward_ms=draft.forward_ms,
+                draft_fed=draft.fed,
                 logprobs=verdict.logprobs if verdict.HasField("logprobs") else None,
                 prompt_logprobs=(
                     verdict.prompt_logprobs if verdict.HasField("prompt_logprobs") else None
@@ -301,7 +303,8 @@ class Speculator:
         if ready is not None and ready[0] == len(ctx):
             return Draft(ready[1][:k], (), PREPARED)
         started = time.perf_counter()
-        request = self._draft_request(k)
+        fed = [0]
+        request = self._draft_request(k, fed)
         try:
             answer = await self.caller.call(Method.DRAFT, self.drafter, ctx, request)
         except (Unavailable, UpstreamError) as e:
@@ -330,6 +333,7 @@ class Speculator:
             answer.resends,
             late_outcome,
             forward_ms=d.forward_ms,
+            fed=fed[0],
         )
 
     def _constrain(self, draft: Draft) -> tuple[Draft, list[verifier_pb2.GrammarMask]]:
@@ -356,8 +360,10 @@ class Speculator:
             log.warning("no drafter could draft; continuing at k = 0", extra={"why": str(error)})
         self._without_drafter = True
 
-    def _draft_request(self, k: int):
+    def _draft_request(self, k: int, fed: list[int] | None = None):
         def build(prefix: common_pb2.CachedPrefix, new: list[int]) -> drafter_pb2.DraftRequest:
+            if fed is not None:
+                fed[0] = len(new)  # the answered call's: a resend rebuilds it
             return drafter_pb2.DraftRequest(
                 session_id=self.session,
                 prefix=prefix,

@@ -76,6 +76,7 @@ class Outcome:
     verify_forward_ms: float = 0.0  # the Verify's time on the verifier, as it reported it
     verify_fed: int = 0  # tokens the Verify fed (new tokens + the draft)
     draft_forward_ms: float = 0.0  # the Draft's forwards, as the drafter reported them
+    draft_fed: int = 0  # tokens the Draft call fed before drafting (0: not known)
     # The Verify's scores when the request asked (common_pb2.TokenLogprobs): of `tokens`,
     # and (first round only) of the prompt.
     logprobs: Any = None

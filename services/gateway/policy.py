@@ -101,6 +101,9 @@ ADAPTIVE_MAX_FAN_OUT = 6
 MODEL = "model"
 EXTENSION = "extension"  # a lookup's continuation of a model draft (hybrid)
 MAX_POSITIONS = 32  # draft positions whose acceptance is counted one by one
+# A call that fed more tokens than this (a prefill, a resend) is not a measurement of a
+# round's cost (the replicas' curves stop there too, specdec.common.cost).
+MAX_FED = 32
 
 
 def policy_name(value: int) -> str:
@@ -535,10 +538,12 @@ class AdaptivePolicy:
 
     # -- measurements --------------------------------------------------------------------------
 
-    def observe_draft(self, k: int, seconds: float, forward_ms: float = 0.0) -> None:
+    def observe_draft(self, k: int, seconds: float, forward_ms: float = 0.0, fed: int = 0) -> None:
         """A Draft of k tokens that ran the model took `seconds` (round trip), forward_ms of
-        it in the drafter's forwards as it reported (0: not known: all of it per token)."""
-        if k <= 0:
+        it in the drafter's forwards as it reported (0: not known: all of it per token),
+        after feeding `fed` new tokens. A Draft that fed more than MAX_FED (the prompt's
+        prefill, a resend after a miss) says nothing of the cost of drafting: skipped."""
+        if k <= 0 or fed > MAX_FED:
             return
         if forward_ms > 0:
             self.draft.add(forward_ms / 1e3 / k)
@@ -569,7 +574,7 @@ class AdaptivePolicy:
         self.queue.add(float(queue))
         self._verify_s = seconds
         line = self.verifier_line()
-        if line is not None and forward_ms > 0 and 0 < fed <= 32:
+        if line is not None and forward_ms > 0 and 0 < fed <= MAX_FED:
             self.overhead.add(max(0.0, seconds - forward_ms / 1e3))
             predicted = line.ms(fed)
             if predicted > 0:
@@ -606,7 +611,7 @@ class AdaptivePolicy:
         if o.late_outcome is not None:
             self.observe_ssd(False)
         if o.source == DRAFTED:
-            self.observe_draft(o.k - o.extended, o.draft_seconds, o.draft_forward_ms)
+            self.observe_draft(o.k - o.extended, o.draft_seconds, o.draft_forward_ms, o.draft_fed)
         self.observe_verify(
             o.k,
             o.accepted,

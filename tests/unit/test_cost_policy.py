@@ -222,3 +222,15 @@ def test_rounds_of_any_policy_teach_the_next_adaptive_request():
     informed.bind(placement(Line(m.step_ms * m.draft_share, 0.0, 20.0, 16)), placement(m.line))
     assert fresh.choose_k(3) < 3
     assert informed.choose_k(3) == 3
+
+
+def test_a_draft_that_prefilled_the_prompt_is_not_the_cost_of_drafting():
+    """The first Draft of a request feeds the prompt (seconds of prefill on a CPU): taken as
+    a cost per draft token it held the policy at k = 0 for the rest of the request."""
+    policy = adaptive()
+    policy.bind(placement(Line(85.0, 7.0, 20.0, 16)), placement(Line(460.0, 152.0, 20.0, 16)))
+    policy.observe_draft(3, 12.0, forward_ms=11_900.0, fed=300)  # the prompt's prefill
+    assert policy.draft.value is None  # still the drafter's reported curve
+    assert policy.choose_k(3) >= 2  # 2 at the 0.7 prior: drafting pays
+    policy.observe_draft(3, 0.30, forward_ms=280.0, fed=4)
+    assert policy.draft_time() == pytest.approx(280.0 / 3 / 1e3)
