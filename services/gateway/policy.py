@@ -367,10 +367,6 @@ class AdaptivePolicy:
         return sum(self.sources[s].rejections for s in (*LOOKUP_SOURCES, EXTENSION))
 
     @property
-    def lookup_acceptance(self) -> float:
-        return self.sources[LOOKUP_NGRAM].pooled
-
-    @property
     def token_cost(self) -> float:
         """g without a cost curve: the share of a step one more token costs, from the load."""
         g0 = self.p.idle_token_cost
@@ -628,19 +624,6 @@ class AdaptivePolicy:
             self.observe_speculate(o.fan_out or 0, o.branch_k, o.speculate_seconds)
         if o.ssd in (SSD_HIT, SSD_MISS):
             self.observe_ssd(o.ssd == SSD_HIT)
-
-    def summary(self) -> dict[str, Any]:
-        """What the policy measured (for the request's stats and the bench)."""
-        line = self.verifier_line()
-        return {
-            "acceptance": {s: round(a.pooled, 4) for s, a in self.sources.items()},
-            "verify_ms": None
-            if line is None
-            else [round(line.base_ms, 3), round(line.per_token_ms, 3)],
-            "draft_ms_per_token": None
-            if self.draft_time() is None
-            else round(1e3 * (self.draft_time() or 0.0), 3),
-        }
 
 
 Policy = FixedPolicy | AdaptivePolicy

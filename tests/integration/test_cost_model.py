@@ -90,6 +90,11 @@ def _prompt(standins) -> list[int]:
     return standins.prompt_ids(list(range(3, 15)))
 
 
+def _generate(stack: dict[str, str], gateway: str, ids: list[int], k: int = MAX_K):
+    with Client(stack[gateway], timeout=300) as client:
+        return client.generate(token_ids=ids, max_new_tokens=N, k=k)
+
+
 def test_the_verifier_reports_the_curve_it_runs_on(compute_bound):
     """Its Info carries t(n) = a + b·n fitted from its probe: b / t(1) near 0.3."""
     _, stack = compute_bound
@@ -108,15 +113,9 @@ def test_compute_bound_poor_drafts_shrink_to_nothing(compute_bound):
     25% of positions, is held at k = 0 for most rounds. Outputs equal the target alone's."""
     standins, stack = compute_bound
     ids = _prompt(standins)
-    with Client(stack["model"], timeout=300) as client:
-        alone = client.generate(token_ids=ids, max_new_tokens=N, k=0)
-        model = client.generate(token_ids=ids, max_new_tokens=N, k=MAX_K)
-    with Client(stack["ngram"], timeout=300) as client:
-        ngram = client.generate(token_ids=ids, max_new_tokens=N, k=MAX_K)
-    with Client(stack["hybrid"], timeout=300) as client:
-        hybrid = client.generate(token_ids=ids, max_new_tokens=N, k=MAX_K)
-    with Client(stack["fixed-ngram"], timeout=300) as client:
-        fixed = client.generate(token_ids=ids, max_new_tokens=N, k=MAX_K)
+    alone, model = _generate(stack, "model", ids, k=0), _generate(stack, "model", ids)
+    ngram, hybrid = _generate(stack, "ngram", ids), _generate(stack, "hybrid", ids)
+    fixed = _generate(stack, "fixed-ngram", ids)
     for got in (model, ngram, hybrid, fixed):
         assert list(got.tokens) == list(alone.tokens)
     assert [r.stats.k_policy for r in (model, ngram, hybrid)] == ["adaptive"] * 3
@@ -141,11 +140,8 @@ def test_memory_bound_k_grows_to_the_bound(memory_bound):
     would; lookups, right at 95% of positions past the first period, run long too."""
     standins, stack = memory_bound
     ids = _prompt(standins)
-    with Client(stack["model"], timeout=300) as client:
-        alone = client.generate(token_ids=ids, max_new_tokens=N, k=0)
-        model = client.generate(token_ids=ids, max_new_tokens=N, k=MAX_K)
-    with Client(stack["ngram"], timeout=300) as client:
-        ngram = client.generate(token_ids=ids, max_new_tokens=N, k=MAX_K)
+    alone, model = _generate(stack, "model", ids, k=0), _generate(stack, "model", ids)
+    ngram = _generate(stack, "ngram", ids)
     assert list(model.tokens) == list(ngram.tokens) == list(alone.tokens)
     s = model.stats
     assert s.mean_k >= MAX_K - 1.5, s

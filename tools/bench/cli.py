@@ -71,18 +71,11 @@ if TYPE_CHECKING:
 
 
 def machine() -> dict:
+    from specdec.common.calibrate import cpu_info
     from specdec.tools.costreport import machine_line
 
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
-        "cpu": cpu,
+        "cpu": cpu_info().name,
         "cpus": len(os.sched_getaffinity(0)),
         "platform": platform.platform(),
         "describe": machine_line(),  # the CPU flags that decide bf16's cost, CUDA's device
