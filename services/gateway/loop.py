@@ -149,7 +149,7 @@ class Speculator:
         self.drafter = drafter
         self.verifier = verifier
         self.policy = policy
-        policy.bind(drafter, verifier)  # it prices drafts with their replicas' cost curves
+        policy.bind(drafter, verifier, caller.fleet)  # it prices drafts with their cost curves
         self.ssd = ssd
         self.max_context = max_context
         # Where the request's output starts and its min_tokens mask: every replica call

@@ -17,9 +17,20 @@ was measured so far:
 
 - a_s(i), the acceptance of draft position i of source s (the draft model, prompt lookup,
   suffix, a prediction, and the lookup extension of a model draft under hybrid): accepted /
-  reached at that position, shrunk towards the source's pooled rate, which is shrunk
-  towards the gateway's rate for that source over earlier requests (`SourcePriors`), which
-  starts from `prior_acceptance`. So a new request starts from what the gateway has seen.
+  reached at that position, shrunk towards the request's pooled rate for the source
+  (`position_weight` pseudo-positions), which is shrunk towards the gateway's rate for that
+  source over earlier requests (`SourcePriors`). The gateway's rate weighs what it has
+  seen: as many pseudo-positions as it counted, between `prior_weight` (a gateway that has
+  seen nothing, at `prior_acceptance`) and `max_prior_weight` (requests differ, so no
+  history outweighs a request's own rounds for long). So a new request starts from what
+  the gateway has seen, and one early rejection does not undo it.
+- Each a_s(i) enters the decision optimistically, as an upper confidence bound:
+  a + c sqrt(a (1 - a) ln(e + t) / n), n the positions behind the estimate (its reached
+  count and the pseudo-positions), t the request's rounds, c `exploration`. A source
+  whose estimate rests on few rounds is tried, and one held at 0 is tried again once the
+  rounds since have grown its bound enough; a source measured well below paying (lookups
+  at 5% on a compute-bound verifier) stays at 0. This replaces a probe every fixed number
+  of rounds: exploring costs rounds in proportion to the doubt, not to the clock.
 - t_v(n) = a + b n: the verifier replica's forward cost curve (specdec.common.cost), fitted
   on the replica from the forwards it runs and seeded by a probe at its start, reported in
   Info and every Verify response, for the batch bucket of the load it reports (1 + its
@@ -42,9 +53,6 @@ The candidates of a round, each with its zero:
   confident match is taken only when its best rate is at least the draft model's
   (`lookup_or_model`), else the round falls back to the model;
 - nothing: k = 0, the target alone through the same services.
-
-Once a source sits at 0 for `probe_interval` rounds in a row, one round drafts a single
-token of it, so its acceptance and cost are measured again.
 
 With SSD the policy also sizes each Speculate: a Speculate feeds the draft, then drafts
 branch_k tokens for f branches in batched steps, which takes about
@@ -74,6 +82,7 @@ timings: a seeded sampled request that names no policy gets the fixed one
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,7 +133,10 @@ class PolicyParams:
 
     prior_acceptance: float = 0.7  # of the draft model, before the gateway has seen any
     prior_lookup_acceptance: float = 0.5  # of lookup drafts and extensions, likewise
-    prior_weight: float = 4.0  # pseudo-positions of a prior
+    prior_weight: float = 4.0  # pseudo-positions of the prior of a gateway that saw nothing
+    max_prior_weight: float = 16.0  # the most pseudo-positions the gateway's history is worth
+    position_weight: float = 8.0  # pseudo-positions pooling a position towards its source
+    exploration: float = 0.5  # c of the upper confidence bound on each acceptance
     idle_token_cost: float = 0.05  # g of an idle verifier (no cost curve reported)
     saturation_queue: float = 4.0  # reported queue depth at which g reaches 1
     smoothing: float = 0.3  # weight of the newest measurement in the moving averages
@@ -133,7 +145,6 @@ class PolicyParams:
     branch_cost: float = 0.15  # extra time of each further branch in a batched step
     late_limit: int = 3  # late Speculates in a row at fan-out 1 before SSD pauses
     pause_rounds: int = 16  # rounds without Speculate before SSD is tried again
-    probe_interval: int = 16  # rounds in a row at 0 before one round drafts 1 token
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -191,9 +202,15 @@ class SourcePriors:
             if k > 0:
                 self.observe(source, accepted, min(k, accepted + 1))
 
-    def rate(self, source: str, default: float, weight: float) -> float:
+    def prior(
+        self, source: str, default: float, weight: float, max_weight: float
+    ) -> tuple[float, float]:
+        """(rate, weight): the source's rate over the rounds seen, shrunk towards `default`
+        (`weight` pseudo-positions), and what it is worth to a new request: the positions
+        counted, between weight and max_weight."""
         accepted, reached = self._counts.get(source, (0.0, 0.0))
-        return (accepted + weight * default) / (reached + weight)
+        rate = (accepted + weight * default) / (reached + weight)
+        return rate, min(max_weight, max(weight, reached))
 
     def snapshot(self) -> dict[str, float]:
         return {s: a / r for s, (a, r) in self._counts.items() if r > 0}
@@ -202,11 +219,14 @@ class SourcePriors:
 class Acceptance:
     """Per-position acceptance of one draft source: a(i) = P(position i accepted | the
     positions before it were), from accepted / reached counts shrunk towards the pooled
-    rate, itself shrunk towards `prior` (`weight` pseudo-positions each)."""
+    rate (`position_weight` pseudo-positions), itself shrunk towards `prior` (`weight`
+    pseudo-positions). `explore` > 0 asks for an upper confidence bound instead of the
+    estimate (module docstring)."""
 
-    def __init__(self, prior: float, weight: float):
+    def __init__(self, prior: float, weight: float, position_weight: float | None = None):
         self.prior = prior
         self.weight = weight
+        self.position_weight = weight if position_weight is None else position_weight
         self.reached = [0] * MAX_POSITIONS
         self.accepted = [0] * MAX_POSITIONS
 
@@ -231,26 +251,32 @@ class Acceptance:
         w = self.weight
         return (sum(self.accepted) + w * self.prior) / (sum(self.reached) + w)
 
-    def rate(self, i: int) -> float:
-        pooled, w = self.pooled, self.weight
+    def rate(self, i: int, explore: float = 0.0) -> float:
+        """a(i); with explore = c sqrt(ln(e + t)), its upper confidence bound."""
+        pooled, w = self.pooled, self.position_weight
         if i >= MAX_POSITIONS:
-            return pooled
-        return (self.accepted[i] + w * pooled) / (self.reached[i] + w)
+            mean = pooled
+        else:
+            mean = (self.accepted[i] + w * pooled) / (self.reached[i] + w)
+        n = sum(self.reached) + self.weight  # the bound is the source's, not the position's
+        if explore <= 0.0 or n <= 0:
+            return mean
+        return min(1.0, mean + explore * math.sqrt(mean * (1.0 - mean) / n))
 
-    def expected(self, k: int) -> list[float]:
+    def expected(self, k: int, explore: float = 0.0) -> list[float]:
         """[k + 1]: the expected accepted tokens of a draft of 0..k tokens."""
         out, survive, total = [0.0], 1.0, 0.0
         for i in range(k):
-            survive *= self.rate(i)
+            survive *= self.rate(i, explore)
             total += survive
             out.append(total)
         return out
 
-    def survive(self, k: int) -> float:
+    def survive(self, k: int, explore: float = 0.0) -> float:
         """P(all of the first k positions accepted)."""
         p = 1.0
         for i in range(k):
-            p *= self.rate(i)
+            p *= self.rate(i, explore)
         return p
 
 
@@ -272,7 +298,7 @@ class FixedPolicy:
         self.fan_out = fan_out  # 0: the drafter's default
         self.priors = priors  # the gateway's acceptance per source, fed by every round
 
-    def bind(self, drafter: Any, verifier: Any) -> None:
+    def bind(self, drafter: Any, verifier: Any, fleet: Any = None) -> None:
         """Nothing to read from the placements."""
 
     def choose_k(self, max_k: int) -> int:
@@ -316,8 +342,10 @@ class AdaptivePolicy:
         self.sources: dict[str, Acceptance] = {}
         for source in (MODEL, EXTENSION, *LOOKUP_SOURCES):
             default = p.prior_acceptance if source == MODEL else p.prior_lookup_acceptance
-            prior = priors.rate(source, default, p.prior_weight) if priors else default
-            self.sources[source] = Acceptance(prior, p.prior_weight)
+            prior, weight = default, p.prior_weight
+            if priors is not None:
+                prior, weight = priors.prior(source, default, weight, p.max_prior_weight)
+            self.sources[source] = Acceptance(prior, weight, p.position_weight)
         self.verify = _Ema(p.smoothing)  # v: seconds of a Verify without a draft (no curve)
         self.draft = _Ema(p.smoothing)  # d_t: seconds per drafted token (its forwards)
         self.draft_overhead = _Ema(p.smoothing)  # o_d: a Draft's round trip beyond them
@@ -328,16 +356,18 @@ class AdaptivePolicy:
         self.scale = _Ema(p.smoothing)  # r: reported forward time over the curve's
         self.late_in_row = 0
         self.paused = 0  # rounds left without Speculate
-        self.k0_in_row = 0  # rounds in a row the model's k was 0
-        self.lookup_k0_in_row = 0  # rounds in a row a lookup's length was 0
+        self.rounds = 0  # t: the request's rounds so far
         self._verify_s: float | None = None  # the last Verify's time (a late Speculate's floor)
         self._drafter: Any = None  # the request's Placements (their replica's reported cost)
         self._verifier: Any = None
+        self._fleet: Any = None  # the gateway's pools: the cost before a placement has a replica
 
-    def bind(self, drafter: Any, verifier: Any) -> None:
+    def bind(self, drafter: Any, verifier: Any, fleet: Any = None) -> None:
         """The request's placements (specdec.gateway.caller.Placement): the policy reads
-        the cost curve their replica reports."""
-        self._drafter, self._verifier = drafter, verifier
+        the cost curve their replica reports; before the first call has placed one, the
+        curve of the replica the fleet's pool would pick (specdec.gateway.replicas.Fleet),
+        so the first round is priced too."""
+        self._drafter, self._verifier, self._fleet = drafter, verifier, fleet
 
     # -- what was measured -------------------------------------------------------------------
 
@@ -367,6 +397,11 @@ class AdaptivePolicy:
         return sum(self.sources[s].rejections for s in (*LOOKUP_SOURCES, EXTENSION))
 
     @property
+    def explore(self) -> float:
+        """c sqrt(ln(e + t)): the scale of the upper confidence bounds this round."""
+        return self.p.exploration * math.sqrt(math.log(math.e + self.rounds))
+
+    @property
     def token_cost(self) -> float:
         """g without a cost curve: the share of a step one more token costs, from the load."""
         g0 = self.p.idle_token_cost
@@ -381,13 +416,15 @@ class AdaptivePolicy:
             return 0.0
         return self.p.prior_hit_rate if self.hits.value is None else self.hits.value
 
-    def _cost(self, placement: Any) -> ReportedCost | None:
+    def _cost(self, placement: Any, role: str) -> ReportedCost | None:
         replica = getattr(placement, "replica", None)
+        if replica is None and self._fleet is not None:
+            return self._fleet.pool(role).cost(getattr(placement, "rule", None))
         return getattr(replica, "cost", None)
 
     def verifier_line(self) -> Line | None:
         """The verifier's reported t_v for the rows its load puts in a forward."""
-        cost = self._cost(self._verifier)
+        cost = self._cost(self._verifier, "verifier")
         if cost is None:
             return None
         return cost.line(1 + round(self.queue.value or 0.0))
@@ -406,7 +443,7 @@ class AdaptivePolicy:
         """d_t: seconds per model draft token; None before anything is known."""
         if self.draft.value is not None:
             return self.draft.value
-        cost = self._cost(self._drafter)
+        cost = self._cost(self._drafter, "drafter")
         if cost is None:
             return None
         return cost.line(1).ms(1) / 1e3
@@ -432,7 +469,7 @@ class AdaptivePolicy:
 
     def rates(self, max_k: int) -> list[float]:
         """[max_k + 1]: expected tokens per second of a model draft of 0..max_k tokens."""
-        expected = self.model.expected(max_k)
+        expected = self.model.expected(max_k, self.explore)
         return [(1.0 + expected[k]) / self.round_time(k) for k in range(max_k + 1)]
 
     def rate(self, k: int) -> float:
@@ -441,25 +478,13 @@ class AdaptivePolicy:
 
     # -- decisions -----------------------------------------------------------------------------
 
-    def _probe(self, best: int, attr: str) -> int:
-        """best, except one round of 1 after probe_interval rounds in a row at 0."""
-        if best:
-            setattr(self, attr, 0)
-            return best
-        count = getattr(self, attr) + 1
-        if count > self.p.probe_interval:
-            setattr(self, attr, 0)
-            return 1
-        setattr(self, attr, count)
-        return 0
-
     def choose_k(self, max_k: int) -> int:
         """The draft model's k in [0, max_k]."""
         if max_k <= 0:
             return 0
         if self.verify_time(1) is None or self.draft_time() is None:
             return max_k  # nothing known yet: draft, so the costs get measured
-        return self._probe(_argmax(self.rates(max_k)), "k0_in_row")
+        return _argmax(self.rates(max_k))
 
     def _lookup_rates(
         self,
@@ -473,7 +498,7 @@ class AdaptivePolicy:
         """[length + 1]: rates of verifying 0..length lookup tokens of `source` after a
         model draft of model_k tokens expected to yield `first` accepted tokens, all of
         them accepted with probability `survive`, that took `drafting` seconds."""
-        expected = self.sources[source].expected(length)
+        expected = self.sources[source].expected(length, self.explore)
         out = []
         for n in range(length + 1):
             time = self.verify_time(1 + model_k + n)
@@ -487,8 +512,7 @@ class AdaptivePolicy:
             return 0
         if self.verify_time(1) is None:
             return bound
-        best = _argmax(self._lookup_rates(source, bound))
-        return self._probe(best, "lookup_k0_in_row")
+        return _argmax(self._lookup_rates(source, bound))
 
     def lookup_or_model(self, source: str, length: int, max_k: int) -> int:
         """Under hybrid, a confident lookup draft of `length` tokens against the draft
@@ -508,8 +532,10 @@ class AdaptivePolicy:
         if self.verify_time(1) is None or self.draft_time() is None:
             return available
         drafting = self.draft_cost(k) * (1.0 - self.hit_rate)
-        first = self.model.expected(k)[k]
-        rates = self._lookup_rates(EXTENSION, available, first, self.model.survive(k), drafting, k)
+        explore = self.explore
+        first = self.model.expected(k, explore)[k]
+        survive = self.model.survive(k, explore)
+        rates = self._lookup_rates(EXTENSION, available, first, survive, drafting, k)
         return _argmax(rates)
 
     def choose_fan_out(self, k: int, branch_k: int) -> int | None:
@@ -567,6 +593,7 @@ class AdaptivePolicy:
         for name, n, got in drafts_of(k, accepted, source, extended):
             if n > 0:
                 self.sources[name].observe(n, got)
+        self.rounds += 1
         self.queue.add(float(queue))
         self._verify_s = seconds
         line = self.verifier_line()

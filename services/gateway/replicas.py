@@ -194,6 +194,14 @@ class ReplicaPool:
             candidates = allowed or candidates
         return min(candidates, key=lambda r: (r.in_flight, r.served))
 
+    def cost(self, rule: VersionRule | None = None) -> ReportedCost | None:
+        """The cost curve of the replica a new placement would pick (None: none up, or it
+        reported none): what a request prices its first round with."""
+        try:
+            return self.pick(rule=rule).cost
+        except NoReplica:
+            return None
+
     def mark_down(self, replica: Replica, why: str) -> None:
         if replica.up:
             log.warning(

@@ -18,7 +18,7 @@ import pytest
 
 from specdec.common.cost import Line, ReportedCost
 from specdec.gateway.outcome import DRAFTED, LOOKUP_NGRAM, NO_DRAFT, Outcome
-from specdec.gateway.policy import AdaptivePolicy, FixedPolicy, SourcePriors
+from specdec.gateway.policy import AdaptivePolicy, FixedPolicy, PolicyParams, SourcePriors
 
 
 @dataclass(frozen=True)
@@ -164,10 +164,17 @@ def test_hybrid_prices_extensions_by_their_own_acceptance():
 
 def test_priors_carry_acceptance_to_the_next_request():
     """A gateway that saw lookups fail starts a new request at 0 lookup tokens on a
-    compute-bound verifier; a fresh gateway starts by trying them."""
+    compute-bound verifier; a fresh gateway starts by trying them. The first request
+    measures only a few tokens before it stops drafting them, too little evidence to
+    hold the next one back: the second request checks again, the third does not."""
     m = Machine(**COMPUTE_BOUND, lookup_acceptance=0.02)
     priors = SourcePriors()
-    simulate(AdaptivePolicy(ssd=False, max_fan_out=1, priors=priors), m, "ngram")
+    drafted = []
+    for seed in (1, 2, 3):
+        policy = AdaptivePolicy(ssd=False, max_fan_out=1, priors=priors)
+        _, outcomes = simulate(policy, m, "ngram", rounds=50, seed=seed)
+        drafted.append(sum(o.k for o in outcomes))
+    assert drafted[0] > drafted[1] > 0 and drafted[2] <= 1, drafted
     assert priors.snapshot()[LOOKUP_NGRAM] < 0.1
     informed = AdaptivePolicy(ssd=False, max_fan_out=1, priors=priors)
     fresh = AdaptivePolicy(ssd=False, max_fan_out=1)
@@ -209,19 +216,53 @@ def test_a_drafts_fixed_cost_is_apart_from_its_cost_per_token():
     assert policy.draft_cost(0) == 0.0
 
 
+def rejected_at_once(k: int, m: Machine) -> Outcome:
+    """A model round of k drafts whose first token was rejected, on machine m."""
+    verify_s, draft_s = m.verify_s(1 + k), k * m.draft_share * m.step_ms / 1e3
+    return Outcome(
+        index=0, max_k=k, k=k, draft=tuple(range(k)), accepted=0, next_token=0,
+        source=DRAFTED, draft_seconds=draft_s, verify_seconds=verify_s, queue_depth=0,
+        resends=0, verify_forward_ms=verify_s * 1e3, verify_fed=1 + k,
+        draft_forward_ms=draft_s * 1e3, draft_fed=1,
+    )  # fmt: skip
+
+
 def test_rounds_of_any_policy_teach_the_next_adaptive_request():
-    """Compute-bound (verifying 4 tokens costs 2 steps): a fresh adaptive request starts
-    from the prior (0.7) and drafts little; after fixed-policy requests whose drafts were
-    accepted 95% of the time, the gateway's priors let the next one draft long at once."""
+    """Compute-bound (verifying 4 tokens costs 2 steps): after fixed-policy requests whose
+    drafts were accepted 95% of the time, the gateway's priors carry the weight of what
+    they counted, so the next adaptive request drafts k = 3 at once and goes on drafting 3
+    after its first two drafts were rejected at their first token. (Weighted as 4
+    positions, one such rejection moved the estimate from 0.85 to 0.54 and held a
+    48-token request at k = 0: docs/benchmarks/2026-11-26-cost-model.md.) A fresh gateway
+    starts from the 0.7 prior, with less evidence behind it."""
     m = Machine(step_ms=530.0, per_token=0.34, draft_share=0.18, model_acceptance=0.95)
+    drafter = placement(Line(m.step_ms * m.draft_share, 0.0, 20.0, 16))
     priors = SourcePriors()
-    fresh = AdaptivePolicy(ssd=False, max_fan_out=1, priors=SourcePriors())
-    fresh.bind(placement(Line(m.step_ms * m.draft_share, 0.0, 20.0, 16)), placement(m.line))
     simulate(FixedPolicy(priors=priors), m, "model", max_k=3, rounds=40)
     informed = AdaptivePolicy(ssd=False, max_fan_out=1, priors=priors)
-    informed.bind(placement(Line(m.step_ms * m.draft_share, 0.0, 20.0, 16)), placement(m.line))
-    assert fresh.choose_k(3) < 3
+    fresh = AdaptivePolicy(ssd=False, max_fan_out=1, priors=SourcePriors())
+    for policy in (informed, fresh):
+        policy.bind(drafter, placement(m.line))
+    assert informed.model.weight == PolicyParams().max_prior_weight
+    assert fresh.model.weight == PolicyParams().prior_weight
     assert informed.choose_k(3) == 3
+    for _ in range(2):
+        informed.observe(rejected_at_once(informed.choose_k(3), m))
+        assert informed.choose_k(3) >= 2
+
+
+def test_a_source_held_at_zero_is_tried_again_as_the_doubt_grows():
+    """Compute-bound, the model's draft accepted 40% of the time (below paying): the policy
+    drafts less and less often, though it comes back to check; accepted 5% of the time
+    (far below), it stays at 0 once measured (upper confidence bounds instead of probes)."""
+    below = Machine(**COMPUTE_BOUND, model_acceptance=0.4)
+    _, outcomes = simulate(adaptive(), below, "model")
+    drafted = [o.index for o in outcomes if o.k]
+    late = [i for i in drafted if i >= 50]
+    assert late and len(late) < 0.1 * (len(outcomes) - 50)
+    far = Machine(**COMPUTE_BOUND, model_acceptance=0.05)
+    _, outcomes = simulate(adaptive(), far, "model")
+    assert sum(1 for o in outcomes[20:] if o.k) <= 0.01 * len(outcomes)
 
 
 def test_a_draft_that_prefilled_the_prompt_is_not_the_cost_of_drafting():
@@ -234,3 +275,28 @@ def test_a_draft_that_prefilled_the_prompt_is_not_the_cost_of_drafting():
     assert policy.choose_k(3) >= 2  # 2 at the 0.7 prior: drafting pays
     policy.observe_draft(3, 0.30, forward_ms=280.0, fed=4)
     assert policy.draft_time() == pytest.approx(280.0 / 3 / 1e3)
+
+
+async def test_the_first_round_is_priced_before_a_replica_is_placed():
+    """A request's placements hold no replica until its first call picks one: the policy
+    prices that round with the curve of the replica the pool would pick. (Without it the
+    first round of a lookup method verified its whole 16-token match in the prompt's
+    prefill: 2.6 s more to the first token on a compute-bound CPU.)"""
+    from specdec.gateway.caller import Placement
+    from specdec.gateway.replicas import Fleet
+
+    m = Machine(**COMPUTE_BOUND)
+    fleet = Fleet(["d0:1"], ["v0:1"])
+    for pool, line in ((fleet.drafters, Line(80.0, 0.0, 20.0, 16)), (fleet.verifiers, m.line)):
+        pool.replicas[0].up, pool.replicas[0].cost = True, ReportedCost(((1, line),))
+    priors = SourcePriors()
+    priors.observe(LOOKUP_NGRAM, 1, 10)  # the gateway saw its lookups fail
+    policy = AdaptivePolicy(ssd=False, max_fan_out=1, priors=priors)
+    policy.bind(Placement(), Placement(), fleet)
+    assert policy.verifier_line() == m.line
+    assert policy.choose_lookup_k(16, LOOKUP_NGRAM) == 0
+    unplaced = AdaptivePolicy(ssd=False, max_fan_out=1, priors=priors)
+    unplaced.bind(Placement(), Placement())  # no fleet: nothing known yet, so the bound
+    assert unplaced.choose_lookup_k(16, LOOKUP_NGRAM) == 16
+    for pool in (fleet.drafters, fleet.verifiers):
+        await pool.replicas[0].channel.close()
