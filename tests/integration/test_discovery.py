@@ -111,6 +111,9 @@ def pools(test_models):
 
 
 def start_gateway(drafter: str, verifier: str, redis_url: str, *flags, env=None):
+    """A gateway over the discovered pools, on the fixed policy: discovery is under test,
+    and every round of a turn then calls a drafter (the adaptive policy may price the tiny
+    drafter out and never place one)."""
     metrics_port = free_port()
     g = ServiceProcess.specdec(
         "gateway",
@@ -128,6 +131,8 @@ def start_gateway(drafter: str, verifier: str, redis_url: str, *flags, env=None)
         redis_url,
         "--metrics-port",
         str(metrics_port),
+        "--k-policy",
+        "fixed",
         *flags,
         env=env,
     ).start()
