@@ -25,8 +25,8 @@ was measured so far:
   history outweighs a request's own rounds for long). So a new request starts from what
   the gateway has seen, and one early rejection does not undo it.
 - Each a_s(i) enters the decision optimistically, as an upper confidence bound:
-  a + c sqrt(a (1 - a) ln(e + t) / n), n the positions behind the estimate (its reached
-  count and the pseudo-positions), t the request's rounds, c `exploration`. A source
+  a + c sqrt(a (1 - a) ln(e + t) / n), n the positions behind the source's estimate (all
+  it reached and the prior's pseudo-positions), t the request's rounds, c `exploration`. A source
   whose estimate rests on few rounds is tried, and one held at 0 is tried again once the
   rounds since have grown its bound enough; a source measured well below paying (lookups
   at 5% on a compute-bound verifier) stays at 0. This replaces a probe every fixed number

@@ -187,20 +187,26 @@ class ReplicaPool:
         for r in candidates:
             if r.address == preferred:
                 return r
-        if rule is not None:
-            allowed = [r for r in candidates if rule.matches(r.info)]
-            if not allowed:
-                metrics.CANARY_FALLBACKS.inc()
-            candidates = allowed or candidates
-        return min(candidates, key=lambda r: (r.in_flight, r.served))
+        chosen, fell_back = self._least_loaded(candidates, rule)
+        if fell_back:
+            metrics.CANARY_FALLBACKS.inc()
+        return chosen
+
+    @staticmethod
+    def _least_loaded(
+        candidates: Sequence[Replica], rule: VersionRule | None
+    ) -> tuple[Replica, bool]:
+        """The least loaded of the candidates `rule` allows (all of them when it allows
+        none: the bool says so)."""
+        allowed = [r for r in candidates if rule.matches(r.info)] if rule is not None else None
+        pool = allowed or candidates
+        return min(pool, key=lambda r: (r.in_flight, r.served)), allowed == []
 
     def cost(self, rule: VersionRule | None = None) -> ReportedCost | None:
-        """The cost curve of the replica a new placement would pick (None: none up, or it
-        reported none): what a request prices its first round with."""
-        try:
-            return self.pick(rule=rule).cost
-        except NoReplica:
-            return None
+        """The cost curve of the replica a new placement would pick (None: none is up, or
+        it reported none): what a request prices its first round with. Counts nothing."""
+        up = self.up()
+        return self._least_loaded(up, rule)[0].cost if up else None
 
     def mark_down(self, replica: Replica, why: str) -> None:
         if replica.up:
