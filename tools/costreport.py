@@ -46,7 +46,7 @@ class ReplicaCost:
             return f"{self.role}: {self.dtype}, no forward cost reported"
         line = self.line
         return (
-            f"{self.role} ({self.dtype}): t(n) = {line.base_ms:.1f} + {line.per_token_ms:.2f}·n ms"
+            f"{self.role} ({self.dtype}): {line.formula()}"
             f" (a 1-token forward {line.ms(1):.1f} ms; one of 4 tokens costs"
             f" {line.ms(4) / line.ms(1):.2f} of it, of 9 tokens {line.ms(9) / line.ms(1):.2f})"
         )
@@ -86,9 +86,9 @@ def verdict(speedup: float, stats, verifier: Line | None, drafter: Line | None) 
         return None
     parts = [f"speculation ran at {speedup:.2f}x the target alone here"]
     if verifier is not None:
-        share = verifier.step_share
         parts.append(
-            f"each verified token costs {share:.2f} of a target step on this verifier "
+            f"verifying a first draft token costs {verifier.first_share:.2f} of a target step "
+            f"on this verifier and each further one {verifier.step_share:.2f} "
             f"(b = {verifier.per_token_ms:.2f} ms against one step of {verifier.ms(1):.1f} ms)"
         )
         if drafter is not None and verifier.ms(1) > 0:

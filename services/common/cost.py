@@ -19,17 +19,25 @@ neighbour moves the fit little). Only forwards of at most `max_tokens` tokens a 
 fitted: the decode and verify range speculation lives in. A long prefill chunk is
 compute-bound on every device, and a line through it would overstate b at a few tokens.
 
-While one bucket has seen a single width n only (a verifier serving k = 0 sees n = 1), its b
-is not measurable; `fit` then takes b from the `prior` (the start-up probe's fit, see
-specdec.common.replica) scaled to that bucket's a. The replicas report their curve in
-every Draft and Verify response and in Info (`ForwardCost`), so a gateway that has never
-sent this replica a request already knows it.
+The one-token forward is fitted apart: t(1) is its own decayed, Huber-weighted mean (the
+`step`), and the line is fitted through forwards of 2 tokens or more. A device may run a
+one-token forward on another path than a wider one: on a CPU without bf16 matrix units, a
+bfloat16 1.5B model took 535 ms for one token, 957 ms for two and 1,167 ms for four, where
+one line through all of them put t(1) at 713 ms and t(2) at 870 ms, pricing the first
+verified draft token at a fifth of a step when it cost four fifths. Where the paths do not
+differ (a GPU, float32 on most CPUs) the step lies on the line and nothing changes.
+
+While a bucket has seen one kind of forward only (a verifier serving k = 0 sees n = 1; a
+bucket may see one width of 2 or more), what it has not seen is taken from the `prior`
+(the start-up probe's fit, see specdec.common.replica) scaled to what it has. The replicas
+report their curve in every Draft and Verify response and in Info (`ForwardCost`), so a
+gateway that has never sent this replica a request already knows it.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specdec.v1 import common_pb2
 
@@ -51,22 +59,49 @@ def bucket_of(rows: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Line:
-    """t(n) = base_ms + per_token_ms · n, fitted from `samples` forwards (decayed count)
-    over widths up to `widest` tokens."""
+    """t(n) = base_ms + per_token_ms · n for n >= 2, and t(1) = step_ms (0: on the line),
+    fitted from `samples` forwards (decayed count) over widths up to `widest` tokens."""
 
     base_ms: float
     per_token_ms: float
     samples: float
     widest: int = 1
+    step_ms: float = 0.0
 
     def ms(self, tokens: int) -> float:
+        if tokens <= 1 and self.step_ms > 0:
+            return self.step_ms
         return self.base_ms + self.per_token_ms * tokens
+
+    def scaled(self, factor: float) -> Line:
+        """The same shape, every time times `factor`."""
+        return Line(
+            self.base_ms * factor,
+            self.per_token_ms * factor,
+            self.samples,
+            self.widest,
+            self.step_ms * factor,
+        )
 
     @property
     def step_share(self) -> float:
-        """b / t(1): what one more token costs, as a share of a one-token step."""
+        """b / t(1): what one more token costs beyond two, as a share of a one-token step."""
         one = self.ms(1)
         return self.per_token_ms / one if one > 0 else 0.0
+
+    @property
+    def first_share(self) -> float:
+        """(t(2) - t(1)) / t(1): what verifying a first draft token costs, as a share of a
+        one-token step (b / t(1) where the step lies on the line)."""
+        one = self.ms(1)
+        return (self.ms(2) - one) / one if one > 0 else 0.0
+
+    def formula(self) -> str:
+        """'t(n) = a + b·n ms', with the step when it lies off the line."""
+        text = f"t(n) = {self.base_ms:.1f} + {self.per_token_ms:.2f}·n ms"
+        if self.step_ms > 0:
+            text += f" for n >= 2, t(1) = {self.step_ms:.1f} ms"
+        return text
 
 
 class _Fit:
@@ -103,7 +138,13 @@ class _Fit:
         self.widest = max(self.widest, n)
         self.narrowest = n if not self.narrowest else min(self.narrowest, n)
 
-    def line(self, prior: Line | None) -> Line | None:
+    def mean(self) -> float | None:
+        """The weighted mean of t (None before any forward)."""
+        return self.sy / self.sw if self.sw > 0 else None
+
+    def line(self, prior: Line | None, shape_only: bool = False) -> Line | None:
+        """The least-squares line; with one width n0 seen, the prior's line scaled to pass
+        through t(n0) (flat without a prior)."""
         if self.sw <= 0:
             return None
         mean_x, mean_y = self.sx / self.sw, self.sy / self.sw
@@ -116,12 +157,41 @@ class _Fit:
                 base, slope = 0.0, self.sxy / self.sxx
             return Line(base, slope, self.sw, self.widest)
         # One width seen: t at that width is measured, the slope is not.
-        share = prior.step_share if prior is not None else 0.0
-        # t(n0) = a + b n0 with b = share · t(1) = share (a + b): solve for a and b.
-        n0 = mean_x
-        one = mean_y / (1 + share * (n0 - 1)) if share else mean_y
-        slope = share * one
-        return Line(max(0.0, one - slope), slope, self.sw, self.widest)
+        n0 = round(mean_x)
+        wide = Line(prior.base_ms, prior.per_token_ms, 0.0) if prior is not None else None
+        if wide is None or wide.ms(n0) <= 0:
+            return Line(mean_y, 0.0, self.sw, self.widest)
+        scaled = wide.scaled(mean_y / wide.ms(n0))
+        return Line(scaled.base_ms, scaled.per_token_ms, self.sw, self.widest)
+
+
+class _Bucket:
+    """One batch bucket's fit: the one-token forwards' mean (the step) and the line through
+    the wider ones."""
+
+    __slots__ = ("step", "wide")
+
+    def __init__(self) -> None:
+        self.step = _Fit()  # forwards of one token: a decayed, Huber-weighted mean
+        self.wide = _Fit()  # forwards of 2 tokens or more: the line
+
+    def add(self, n: int, ms: float, decay: float, robust: bool = True) -> None:
+        (self.step if n <= 1 else self.wide).add(n, ms, decay, robust)
+
+    def line(self, prior: Line | None) -> Line | None:
+        step = self.step.mean()
+        wide = self.wide.line(prior, shape_only=True)
+        if wide is None:
+            if step is None:
+                return None
+            if prior is None or prior.ms(1) <= 0:  # no shape known: a flat line
+                return Line(step, 0.0, self.step.sw, 1, step)
+            return replace(prior.scaled(step / prior.ms(1)), samples=self.step.sw, widest=1)
+        if step is None:  # the step from the prior's, scaled as the line was
+            prior_step = prior.ms(1) if prior is not None else 0.0
+            ratio = prior_step / prior.ms(2) if prior is not None and prior.ms(2) > 0 else 0.0
+            step = ratio * wide.ms(2) if ratio else 0.0
+        return replace(wide, samples=wide.samples + self.step.sw, step_ms=step)
 
 
 class CostCurve:
@@ -130,7 +200,7 @@ class CostCurve:
     def __init__(self, decay: float = DECAY, max_tokens: int = MAX_TOKENS):
         self.decay = decay
         self.max_tokens = max_tokens
-        self._fits = [_Fit() for _ in BUCKETS]
+        self._fits = [_Bucket() for _ in BUCKETS]
         self.prior: Line | None = None  # the start-up probe's line (rows = 1)
 
     def add(self, tokens: int, rows: int, seconds: float) -> None:
@@ -162,11 +232,12 @@ class CostCurve:
 
 
 def fit_points(points: list[tuple[int, float]]) -> Line:
-    """An unweighted least-squares line through (tokens, ms) points (the start-up probe)."""
-    fit = _Fit()
+    """An unweighted fit through (tokens, ms) points (the start-up probe): the mean of the
+    one-token points as the step, a least-squares line through the wider ones."""
+    bucket = _Bucket()
     for n, ms in points:
-        fit.add(n, ms, 1.0, robust=False)
-    line = fit.line(None)
+        bucket.add(n, ms, 1.0, robust=False)
+    line = bucket.line(None)
     if line is None:
         raise ValueError("no points to fit")
     return line
@@ -182,6 +253,7 @@ def to_proto(buckets: list[tuple[int, Line]]) -> common_pb2.ForwardCost:
                 per_token_ms=line.per_token_ms,
                 samples=line.samples,
                 widest=line.widest,
+                step_ms=line.step_ms,
             )
             for rows, line in buckets
         ]
@@ -198,9 +270,12 @@ class ReportedCost:
     @classmethod
     def from_proto(cls, message: common_pb2.ForwardCost) -> ReportedCost | None:
         rows = tuple(
-            (b.rows, Line(b.base_ms, b.per_token_ms, b.samples, b.widest))
+            (b.rows, Line(b.base_ms, b.per_token_ms, b.samples, b.widest, b.step_ms))
             for b in sorted(message.buckets, key=lambda b: b.rows)
-            if b.rows >= 1 and math.isfinite(b.base_ms) and math.isfinite(b.per_token_ms)
+            if b.rows >= 1
+            and math.isfinite(b.base_ms)
+            and math.isfinite(b.per_token_ms)
+            and math.isfinite(b.step_ms)
         )
         return cls(rows) if rows else None
 

@@ -43,12 +43,22 @@ def test_machine_header_names_the_cpu_and_the_curves():
         "cost_curves": {
             "int8": {
                 "verifier": {"dtype": "float32", "base_ms": 300.0, "per_token_ms": 100.0},
+                "drafter-old": {"dtype": "float32", "base_ms": 50.0, "per_token_ms": 5.0},
                 "drafter": {"dtype": "float32", "base_ms": None, "per_token_ms": None},
             }
         },
     }
     text = machine_header(meta)
     assert "Machine: CPU: Xeon" in text and "dtype float32" in text
-    assert "verifier (float32): t(n) = 300.0 + 100.00·n ms (4 tokens: 1.75 steps" in text
-    assert "drafter" not in text
+    assert (
+        "verifier (float32): t(n) = 300.0 + 100.00·n ms (2 tokens: 1.25 steps, 4 tokens: 1.75"
+        in text
+    )
+    # A step off the line (a one-token forward on another path), and a run recorded before
+    # steps were (no step_ms): on the line.
+    meta["cost_curves"]["int8"]["verifier"]["step_ms"] = 250.0
+    text = machine_header(meta)
+    assert "t(n) = 300.0 + 100.00·n ms for n >= 2, t(1) = 250.0 ms (2 tokens: 2.00 steps" in text
+    assert "drafter-old (float32): t(n) = 50.0 + 5.00·n ms (2 tokens: 1.09 steps" in text
+    assert "drafter (" not in text
     assert machine_header({}) == ""

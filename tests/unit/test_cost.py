@@ -80,3 +80,52 @@ def test_reported_cost_round_trips_through_the_proto():
     assert got.line(3).ms(4) == pytest.approx(5.0)
     assert got.line(20).ms(4) == pytest.approx(17.0)
     assert ReportedCost.from_proto(to_proto([])) is None
+
+
+# A bfloat16 1.5B model on a CPU without bf16 units, one thread, 300 tokens of context: ms
+# of a forward of n tokens (one token runs on another path than several).
+BF16_CPU = {1: 535.0, 2: 957.0, 3: 1054.0, 4: 1167.0, 6: 1491.0, 8: 1816.0}
+
+
+def test_the_one_token_forward_is_fitted_apart_from_the_line():
+    """One line through every width put t(1) a third too high and t(2) too low; the step
+    fitted apart keeps each width within a few percent of what it measured."""
+    curve = CostCurve()
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.choice(tuple(BF16_CPU))
+        curve.add(n, 1, BF16_CPU[n] * rng.uniform(0.98, 1.02) / 1e3)
+    line = curve.line(1)
+    for n, ms in BF16_CPU.items():
+        assert line.ms(n) == pytest.approx(ms, rel=0.05), n
+
+
+def test_the_probe_fits_a_step_and_a_line():
+    line = fit_points(list(BF16_CPU.items()))
+    assert line.step_ms == pytest.approx(535.0)
+    assert line.ms(2) == pytest.approx(957.0, rel=0.05)
+    assert line.ms(8) == pytest.approx(1816.0, rel=0.03)
+    flat = fit_points([(1, 10.0), (4, 13.0)])  # one wide width: the line is flat there
+    assert (flat.ms(1), flat.ms(4)) == (10.0, 13.0)
+
+
+def test_wide_forwards_alone_take_the_step_from_the_probe():
+    """A bucket that has seen forwards of 4 tokens only: the line is the probe's scaled to
+    them, and so is the step."""
+    curve = CostCurve()
+    curve.prior = fit_points(list(BF16_CPU.items()))
+    for _ in range(20):
+        curve.add(4, 1, 2 * BF16_CPU[4] / 1e3)  # twice as slow (another load, say)
+    line = curve.line(1)
+    assert line.ms(4) == pytest.approx(2 * BF16_CPU[4], rel=0.01)
+    prior = curve.prior
+    assert line.ms(1) / line.ms(4) == pytest.approx(prior.ms(1) / prior.ms(4), rel=0.01)
+
+
+def test_the_step_round_trips_through_the_proto():
+    lines = [(1, Line(800.0, 150.0, 12.0, 16, 535.0))]
+    got = ReportedCost.from_proto(to_proto(lines))
+    assert got is not None
+    assert (got.line(1).ms(1), got.line(1).ms(2)) == (535.0, 1100.0)
+    without = ReportedCost.from_proto(to_proto([(1, Line(800.0, 150.0, 12.0, 16))]))
+    assert without is not None and without.line(1).ms(1) == 950.0  # an older replica's

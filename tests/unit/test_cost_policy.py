@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from specdec.common.cost import Line, ReportedCost
+from specdec.common.cost import Line, ReportedCost, fit_points
 from specdec.gateway.outcome import DRAFTED, LOOKUP_NGRAM, NO_DRAFT, Outcome
 from specdec.gateway.policy import AdaptivePolicy, FixedPolicy, PolicyParams, SourcePriors
 
@@ -300,3 +300,23 @@ async def test_the_first_round_is_priced_before_a_replica_is_placed():
     assert unplaced.choose_lookup_k(16, LOOKUP_NGRAM) == 16
     for pool in (fleet.drafters, fleet.verifiers):
         await pool.replicas[0].channel.close()
+
+
+def test_a_first_token_dearer_than_the_line_says_is_priced_as_measured():
+    """A bfloat16 verifier on a CPU without bf16 units (specdec.common.cost's example): one
+    token 535 ms, two 957, four 1,167. Lookups whose first token is accepted a third of the
+    time cost more than they yield there; the single line a bench run on that machine
+    fitted (556 + 157·n ms) prices the first token at a fifth of a step, and drafts them."""
+    points = [(1, 535.0), (2, 957.0), (3, 1054.0), (4, 1167.0), (6, 1491.0), (8, 1816.0)]
+    stepped = fit_points(points)
+    one_line = Line(555.6, 157.44, 100.0, 16)
+    chosen = []
+    for line in (stepped, one_line):
+        policy = adaptive()
+        policy.bind(placement(Line(110.0, 7.0, 20.0, 16)), placement(line))
+        for _ in range(40):  # 30% of lookup tokens accepted at each position
+            policy.sources[LOOKUP_NGRAM].observe(3, 1)
+            policy.sources[LOOKUP_NGRAM].observe(3, 0)
+            policy.sources[LOOKUP_NGRAM].observe(3, 0)
+        chosen.append(policy.choose_lookup_k(8, LOOKUP_NGRAM))
+    assert chosen[0] == 0 and chosen[1] > 0, chosen

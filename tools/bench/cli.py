@@ -547,6 +547,7 @@ def _curves(stack) -> dict[str, dict]:
             "dtype": c.dtype,
             "base_ms": round(line.base_ms, 3) if line else None,
             "per_token_ms": round(line.per_token_ms, 4) if line else None,
+            "step_ms": round(line.step_ms, 3) if line else None,
         }
     return out
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specdec.common.cost import Line
 from specdec.tools.bench.hf import NEAR_TIE_ULPS, near_ties_only
 from specdec.tools.bench.modes import DEFAULT_DRAFTER
 
@@ -214,10 +215,11 @@ def machine_header(meta: dict) -> str:
         for role, c in roles.items():
             if c.get("base_ms") is None:
                 continue
-            one = c["base_ms"] + c["per_token_ms"]
+            line = Line(c["base_ms"], c["per_token_ms"], 0.0, step_ms=c.get("step_ms") or 0.0)
+            one = line.ms(1)
             lines.append(
-                f"Forward cost [{variant}] {role} ({c['dtype']}): t(n) = {c['base_ms']:.1f} + "
-                f"{c['per_token_ms']:.2f}·n ms (4 tokens: {(c['base_ms'] + 4 * c['per_token_ms']) / one:.2f}"
-                f" steps, 9 tokens: {(c['base_ms'] + 9 * c['per_token_ms']) / one:.2f})."
+                f"Forward cost [{variant}] {role} ({c['dtype']}): {line.formula()} (2 tokens: "
+                f"{line.ms(2) / one:.2f} steps, 4 tokens: {line.ms(4) / one:.2f}, 9 tokens: "
+                f"{line.ms(9) / one:.2f})."
             )
     return "\n\n".join(lines) + "\n\n" if lines else ""

@@ -156,18 +156,20 @@ class ModelInfo(_message.Message):
 class ForwardCost(_message.Message):
     __slots__ = ("buckets",)
     class Bucket(_message.Message):
-        __slots__ = ("rows", "base_ms", "per_token_ms", "samples", "widest")
+        __slots__ = ("rows", "base_ms", "per_token_ms", "samples", "widest", "step_ms")
         ROWS_FIELD_NUMBER: _ClassVar[int]
         BASE_MS_FIELD_NUMBER: _ClassVar[int]
         PER_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
         SAMPLES_FIELD_NUMBER: _ClassVar[int]
         WIDEST_FIELD_NUMBER: _ClassVar[int]
+        STEP_MS_FIELD_NUMBER: _ClassVar[int]
         rows: int
         base_ms: float
         per_token_ms: float
         samples: float
         widest: int
-        def __init__(self, rows: _Optional[int] = ..., base_ms: _Optional[float] = ..., per_token_ms: _Optional[float] = ..., samples: _Optional[float] = ..., widest: _Optional[int] = ...) -> None: ...
+        step_ms: float
+        def __init__(self, rows: _Optional[int] = ..., base_ms: _Optional[float] = ..., per_token_ms: _Optional[float] = ..., samples: _Optional[float] = ..., widest: _Optional[int] = ..., step_ms: _Optional[float] = ...) -> None: ...
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
     buckets: _containers.RepeatedCompositeFieldContainer[ForwardCost.Bucket]
     def __init__(self, buckets: _Optional[_Iterable[_Union[ForwardCost.Bucket, _Mapping]]] = ...) -> None: ...
