@@ -78,11 +78,13 @@ def test_adaptive_greedy_equals_generate(adaptive_stack, tokenizer, reference, g
 @pytest.mark.parametrize("gw", ["small", "small-ssd"])
 def test_policy_turns_speculation_off_mid_request(adaptive_stack, tokenizer, reference, gw):
     """An unrelated drafter: almost every draft token is rejected. The policy starts from
-    the prior acceptance (0.7) and drafts; every drafting round that ends in a rejection
-    lowers the estimate of the first position's acceptance, and once a draft token is
-    expected to yield less than it costs (the verifier's measured cost of one more token
-    plus the drafter's time per token, both > 0) k = 0 has the best rate: the policy must
-    then choose it. 96 tokens leave room for rounds at k = 0. Greedy output stays exact."""
+    the prior acceptance (0.7), or from what the gateway measured on earlier requests, and
+    prices the first round with the replicas' reported curves: it drafts while a draft is
+    expected to pay, and every drafting round that ends in a rejection lowers the estimate.
+    Once a draft token is expected to yield less than it costs (the verifier's measured
+    cost of one more token plus the drafter's time per token, both > 0) k = 0 has the best
+    rate: the policy must choose it for most of the request (a round now and then checks
+    the drafter again). Greedy output stays exact."""
     with Client(adaptive_stack[gw], timeout=300) as client:
         for text in PROMPTS[:2]:
             ids = tokenizer(text).input_ids
@@ -90,8 +92,9 @@ def test_policy_turns_speculation_off_mid_request(adaptive_stack, tokenizer, ref
             assert list(got.tokens) == reference(ids, 96), text
             s = got.stats
             check_policy_stats(s, 4)
-            assert s.acceptance_rate < 0.2  # the premise: a drafter that rarely agrees
-            assert s.draft_tokens >= 1 and s.policy_k0_rounds >= 1, s
+            if s.draft_tokens:
+                assert s.acceptance_rate < 0.2  # the premise: a drafter that rarely agrees
+            assert s.policy_k0_rounds >= s.rounds // 2, s
             assert s.rounds_by_k[0] >= s.policy_k0_rounds
 
 
