@@ -249,8 +249,8 @@ STREAM = {"stream": True}
         ),
         (
             {"prompt": "x", **STREAM, "stream_options": {"include_obfuscation": True}},
-            "stream_options may only hold",
-            "stream_options",
+            "unsupported field",
+            "stream_options.include_obfuscation",
         ),
         ({"prompt": "x", "ssd": "yes"}, "ssd must be true or false", "ssd"),
         (
@@ -267,10 +267,37 @@ STREAM = {"stream": True}
     ],
 )
 def test_completion_request_refusals_name_the_field(body, match, param):
-    """Every refusal of the translation names its body field in `param`."""
+    """Every refusal of the translation names its body field in `param` (unknown fields
+    are refused here because strict: --strict-fields)."""
     with pytest.raises(InvalidRequest, match=match) as e:
-        api.completion_request(body, SERVED)
+        api.completion_request(body, SERVED, strict=True)
     assert error_body(e.value)["error"]["param"] == param
+
+
+def test_unknown_fields_are_ignored_and_logged(caplog):
+    """Without --strict-fields an unknown field (top level or in stream_options) is
+    ignored, as vLLM does, and logged at debug level by name; a known OpenAI field the
+    gateway cannot honour is still refused unless neutral."""
+    body = {
+        "prompt": "x", "max_tokens": 3, "frobnicate": True, "echo": False, "stream": True,
+        "stream_options": {"include_usage": True, "include_obfuscation": False},
+    }  # fmt: skip
+    with caplog.at_level(logging.DEBUG, logger="specdec.gateway.http.api"):
+        req, opts = api.completion_request(body, SERVED)
+    assert req.prompt == "x" and req.max_new_tokens == 3 and opts.include_usage
+    logged = [
+        r.fields for r in caplog.records if r.getMessage() == "unknown request fields ignored"
+    ]
+    assert logged == [["frobnicate"], ["stream_options.include_obfuscation"]]
+    hi = [{"role": "user", "content": "hi"}]
+    _, _, messages = api.chat_request(
+        {"messages": hi, "echo": True, "service_tier": "auto"}, SERVED
+    )
+    assert messages == hi
+    with pytest.raises(FieldError, match="tools") as e:
+        api.chat_request({"messages": hi, "tools": [{"type": "function"}]}, SERVED)
+    assert e.value.param == "tools"
+    assert api.chat_request({"messages": hi, "tools": []}, SERVED)  # the neutral value
 
 
 LIMITS = Limits(
@@ -389,7 +416,7 @@ def test_unknown_model_and_chat_fields():
     with pytest.raises(InvalidRequest, match="top_logprobs needs logprobs: true"):
         api.chat_request({"messages": hi, "top_logprobs": 4}, SERVED)
     with pytest.raises(InvalidRequest, match=r"unsupported field.*echo"):
-        api.chat_request({"messages": hi, "echo": True}, SERVED)
+        api.chat_request({"messages": hi, "echo": True}, SERVED, strict=True)
     with pytest.raises(InvalidRequest, match="tools"):
         api.chat_request({"messages": hi, "tools": [{"type": "function"}]}, SERVED)
 
@@ -569,3 +596,11 @@ def test_routing_errors():
     r = client.post("/v1/completions", json={"prompt": "x", "model": "other"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     assert r.json()["error"]["code"] == "model_not_found"
+
+
+def test_strict_fields_reach_the_routes():
+    r = _client(_unused).post("/v1/completions", json={"prompt": "x", "frobnicate": 1, "model": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"  # frobnicate ignored
+    strict = _client(_unused, strict_fields=True)
+    r = strict.post("/v1/completions", json={"prompt": "x", "frobnicate": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate"

@@ -21,12 +21,17 @@ a source of drafts (GenerateRequest.prediction); usage reports
 `completion_tokens_details.accepted_prediction_tokens` and `rejected_prediction_tokens`.
 `user` names the tenant of the suffix cache under --suffix-cache-scope tenant.
 
-A bad value raises FieldError naming its body field (`param` of the error body).
+Fields the gateway does not know are ignored and logged at debug level, as vLLM and SGLang
+ignore them (benchmark tools and SDKs send extras); under --strict-fields they are refused.
+OpenAI fields the gateway cannot honour (`tools`, `best_of > 1`, ...) are refused unless
+they carry their neutral value. A bad value raises FieldError naming its body field
+(`param` of the error body).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -38,6 +43,8 @@ from specdec.gateway.http.logprobs import LogprobsRenderer
 from specdec.gateway.lookup import parse_method
 from specdec.gateway.policy import parse_policy
 from specdec.v1 import common_pb2, gateway_pb2
+
+log = logging.getLogger(__name__)
 
 EXTENSION = "specdec"
 
@@ -172,7 +179,18 @@ def _fields(body: dict, chat: bool) -> dict[str, str]:
     return fields
 
 
-def _check_fields(body: dict, allowed: set[str]) -> None:
+def _unknown(names: list[str], strict: bool, where: str = "") -> None:
+    """Fields the gateway does not know: refused (400 naming the first) under
+    --strict-fields, else ignored (as vLLM and SGLang ignore them) and logged."""
+    if not names:
+        return
+    names = sorted(where + name for name in names)
+    if strict:
+        raise FieldError(names[0], f"unsupported field(s): {', '.join(names)}")
+    log.debug("unknown request fields ignored", extra={"fields": names})
+
+
+def _check_fields(body: dict, allowed: set[str], strict: bool) -> None:
     unknown = []
     for name, value in body.items():
         if name in allowed:
@@ -182,9 +200,7 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
                 raise FieldError(name, f"{name}={value!r} is not supported")
             continue
         unknown.append(name)
-    if unknown:
-        unknown.sort()
-        raise FieldError(unknown[0], f"unsupported field(s): {', '.join(unknown)}")
+    _unknown(unknown, strict)
 
 
 def _number(body: dict, name: str, *, integer: bool = False) -> Any:
@@ -236,7 +252,7 @@ def check_model(body: dict, served: str) -> str:
     return model
 
 
-def _common(body: dict, req: gateway_pb2.GenerateRequest, served: str) -> Options:
+def _common(body: dict, req: gateway_pb2.GenerateRequest, served: str, strict: bool) -> Options:
     opts = Options(model=check_model(body, served))
     n = _number(body, "n", integer=True)
     if n is not None:
@@ -274,12 +290,10 @@ def _common(body: dict, req: gateway_pb2.GenerateRequest, served: str) -> Option
     opts.stream = bool(_bool(body, "stream"))
     stream_options = body.get("stream_options")
     if stream_options is not None:
-        allowed = {"include_usage", "continuous_usage_stats"}
-        if not isinstance(stream_options, dict) or set(stream_options) - allowed:
-            raise FieldError(
-                "stream_options",
-                "stream_options may only hold include_usage and continuous_usage_stats",
-            )
+        if not isinstance(stream_options, dict):
+            raise FieldError("stream_options", "stream_options must be an object")
+        known = {"include_usage", "continuous_usage_stats"}
+        _unknown([k for k in stream_options if k not in known], strict, "stream_options.")
         if not opts.stream:
             raise FieldError("stream_options", "stream_options is only allowed with stream: true")
         opts.include_usage = bool(_bool(stream_options, "include_usage", "stream_options."))
@@ -462,11 +476,14 @@ def _prediction(prediction: Any, req: gateway_pb2.GenerateRequest) -> None:
         req.prediction.text = content
 
 
-def completion_request(body: Any, served: str) -> tuple[gateway_pb2.GenerateRequest, Options]:
-    """POST /v1/completions body -> (GenerateRequest, Options)."""
+def completion_request(
+    body: Any, served: str, strict: bool = False
+) -> tuple[gateway_pb2.GenerateRequest, Options]:
+    """POST /v1/completions body -> (GenerateRequest, Options). `strict`: unknown fields
+    are refused (--strict-fields)."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
-    _check_fields(body, COMPLETION_FIELDS)
+    _check_fields(body, COMPLETION_FIELDS, strict)
     req = gateway_pb2.GenerateRequest(max_new_tokens=DEFAULT_COMPLETION_TOKENS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -482,7 +499,7 @@ def completion_request(body: Any, served: str) -> tuple[gateway_pb2.GenerateRequ
         raise FieldError("prompt", "one prompt per request: batches of prompts are not supported")
     else:
         raise FieldError("prompt", "prompt must be a string or a list of token ids")
-    opts = _common(body, req, served)
+    opts = _common(body, req, served, strict)
     opts.fields = _fields(body, chat=False)
     logprobs = _number(body, "logprobs", integer=True)  # alternatives per token (legacy)
     if logprobs is not None:
@@ -495,7 +512,9 @@ def completion_request(body: Any, served: str) -> tuple[gateway_pb2.GenerateRequ
     return req, opts
 
 
-def chat_request(body: Any, served: str) -> tuple[gateway_pb2.GenerateRequest, Options, list[dict]]:
+def chat_request(
+    body: Any, served: str, strict: bool = False
+) -> tuple[gateway_pb2.GenerateRequest, Options, list[dict]]:
     """POST /v1/chat/completions body -> (GenerateRequest without its prompt, Options,
     messages). The caller renders the messages into `prompt`. Without max_tokens a chat
     may use what is left of the context, up to the gateway's --max-new-tokens: ChatTurn
@@ -504,13 +523,13 @@ def chat_request(body: Any, served: str) -> tuple[gateway_pb2.GenerateRequest, O
 
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
-    _check_fields(body, CHAT_FIELDS)
+    _check_fields(body, CHAT_FIELDS, strict)
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
         raise FieldError(
             "max_completion_tokens", "give max_tokens or max_completion_tokens, not both"
         )
     req = gateway_pb2.GenerateRequest(max_new_tokens=1)
-    opts = _common(body, req, served)
+    opts = _common(body, req, served, strict)
     opts.prompt_field, opts.fields = "messages", _fields(body, chat=True)
     if not opts.max_tokens_given:  # ChatTurn sets it from the context; min_tokens must fit
         req.max_new_tokens = max(1, req.min_tokens)

@@ -265,10 +265,15 @@ class OpenAIServer:
     """The routes, over one Gateway."""
 
     def __init__(
-        self, gateway: Gateway, served_model_name: str = "", tokens: frozenset[str] = frozenset()
+        self,
+        gateway: Gateway,
+        served_model_name: str = "",
+        tokens: frozenset[str] = frozenset(),
+        strict_fields: bool = False,
     ):
         self.gateway = gateway
         self.served_model_name = served_model_name
+        self.strict_fields = strict_fields  # --strict-fields: unknown body fields are 400
         self.tokens = tuple(t.encode() for t in tokens)  # --auth-tokens-file, as gRPC
         self.created = int(time.time())
         self._chat_template: tuple[str, ChatTemplate] | None = None
@@ -365,7 +370,9 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         self._authorize(request)
         self._ready()
-        req, opts = api.completion_request(await self._body(request), self.model)
+        req, opts = api.completion_request(
+            await self._body(request), self.model, strict=self.strict_fields
+        )
         renderer = api.Renderer(chat=False, model=opts.model)
         self._scores(renderer, req, opts)
         span = request_span(request, "/v1/completions", req, opts.model)
@@ -375,7 +382,9 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         self._authorize(request)
         self._ready()
-        req, opts, messages = api.chat_request(await self._body(request), self.model)
+        req, opts, messages = api.chat_request(
+            await self._body(request), self.model, strict=self.strict_fields
+        )
         template = self.chat_template()
         req.prompt = await asyncio.to_thread(template.render, messages, True)
         limits = self.gateway.limits
@@ -543,7 +552,10 @@ class HttpServer:
 
 async def start_http(gateway: Gateway, config) -> HttpServer:
     """Serve the OpenAI-compatible API on config.http_port (GatewayConfig)."""
-    app = CountResponses(OpenAIServer(gateway, config.served_model_name, config.auth_tokens).app())
+    routes = OpenAIServer(
+        gateway, config.served_model_name, config.auth_tokens, config.strict_fields
+    )
+    app = CountResponses(routes.app())
     server = HttpServer(app, config.host, config.http_port, config.grace_seconds, config.tls)
     await server.start()
     return server
