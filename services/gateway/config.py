@@ -66,7 +66,7 @@ class GatewayConfig:
     port: int = 50051
     metrics_port: int = 0
     http_port: int = 0  # the OpenAI-compatible HTTP API (specdec.gateway.http); 0: off
-    served_model_name: str = ""  # the HTTP API's model name; "": the verifier's model_id
+    served_model_name: str = ""  # the HTTP API's model name; "": the verifier's model folder
     strict_fields: bool = False  # the HTTP API refuses unknown body fields (400), else ignores
     default_k: int = 4
     ssd: bool = False  # speculative speculative decoding when a request does not say
@@ -119,7 +119,10 @@ class GatewayConfig:
         add_setting(parser, "--metrics-port", "Prometheus /metrics port (0: off)", 0)
         add_setting(parser, "--http-port", "OpenAI-compatible HTTP API port (0: off)", 0)
         add_setting(
-            parser, "--served-model-name", "HTTP API model name (default: the verifier's)", ""
+            parser,
+            "--served-model-name",
+            "HTTP API model name (default: the name of the verifier's model folder)",
+            "",
         )
         add_setting(
             parser,

@@ -154,7 +154,7 @@ def test_models_and_health(stack, oai):
 @pytest.fixture(scope="module")
 def strict(stack, test_models):
     """A second gateway over the same replicas: --strict-fields, no --served-model-name
-    (the verifier's model path), no bearer tokens."""
+    (the model's folder name), no bearer tokens."""
     port = free_port()
     g = http_gateway(
         stack["drafter"].address, stack["verifier"].address, port, "--strict-fields", "true"
@@ -168,6 +168,17 @@ def strict(stack, test_models):
         client.close()
     finally:
         g.stop()
+
+
+def test_the_default_model_name_is_the_folders(strict, test_models):
+    """Without --served-model-name the model is named by its folder (vLLM-style short
+    names); the verifier's whole model path stays accepted as an alias."""
+    folder = test_models.target.name
+    assert [m.id for m in strict.models.list().data] == [folder]
+    assert strict.models.retrieve(folder).id == folder
+    whole = str(test_models.target)
+    got = strict.completions.create(model=whole, prompt="x", max_tokens=2)
+    assert got.model == folder and got.usage.completion_tokens == 2
 
 
 def test_unknown_fields_are_ignored_unless_strict(stack, oai, strict, test_models):
@@ -185,7 +196,7 @@ def test_unknown_fields_are_ignored_unless_strict(stack, oai, strict, test_model
     assert chat.usage.completion_tokens == 2
     with pytest.raises(openai.BadRequestError) as e:
         strict.completions.create(
-            model=str(test_models.target), prompt="x", max_tokens=2, extra_body=extras
+            model=test_models.target.name, prompt="x", max_tokens=2, extra_body=extras
         )
     assert e.value.status_code == 400 and _error(e)["param"] == "frobnicate"
     assert "unsupported field(s): frobnicate, service_tier" in _error(e)["message"]
@@ -455,7 +466,7 @@ def busy(stack, test_models):
         port = free_port()
         g = http_gateway(stack["drafter"].address, v.address, port)
         g.wait_healthy()
-        yield {"http": f"http://127.0.0.1:{port}", "model": str(test_models.target)}
+        yield {"http": f"http://127.0.0.1:{port}", "model": test_models.target.name}
     finally:
         if g is not None:
             g.stop()

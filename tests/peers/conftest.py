@@ -109,7 +109,7 @@ class Recorder:
 class Stack:
     http: str  # http://127.0.0.1:PORT of the recording proxy
     direct: str  # the gateway's own HTTP address
-    model: str  # the served model's id (/v1/models)
+    model: str  # the target's path, as the tools send it (/v1/models lists its folder name)
     tokenizer: str  # the tiny tokenizer's folder
     recorder: Recorder
     logs: Path

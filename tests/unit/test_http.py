@@ -15,7 +15,7 @@ import pytest
 from specdec.common.errors import BUSY_PREFIX, CapacityExceeded, InvalidRequest, ReplicaBusy
 from specdec.gateway.caller import UpstreamError
 from specdec.gateway.http import api
-from specdec.gateway.http.app import OpenAIServer
+from specdec.gateway.http.app import OpenAIServer, model_folder_name
 from specdec.gateway.http.chat import ChatTemplate, ChatTurn, messages_from_json
 from specdec.gateway.http.errors import (
     BodyTooLarge,
@@ -419,6 +419,24 @@ def test_unknown_model_and_chat_fields():
         api.chat_request({"messages": hi, "echo": True}, SERVED, strict=True)
     with pytest.raises(InvalidRequest, match="tools"):
         api.chat_request({"messages": hi, "tools": [{"type": "function"}]}, SERVED)
+    # The model's whole id is an alias of its served name (the default name before).
+    _, opts, _ = api.chat_request({"messages": hi, "model": "/m/tiny"}, SERVED, ("/m/tiny",))
+    assert opts.model == SERVED
+
+
+def test_model_folder_name():
+    assert model_folder_name("/tmp/tiny/target") == "target"
+    assert model_folder_name("/models/qwen-coder/") == "qwen-coder"
+    assert model_folder_name("/models/qwen#qwen-q8_0.gguf") == "qwen"
+    assert model_folder_name("Qwen/Qwen2.5-0.5B") == "Qwen2.5-0.5B"
+    assert model_folder_name("target") == "target"
+    assert (
+        model_folder_name("/cache/qwen2.5-coder-1.5b-instruct/model")
+        == "qwen2.5-coder-1.5b-instruct"
+    )
+    hub = "/hf/hub/models--Qwen--Qwen2.5-Coder-1.5B/snapshots/2e1fd397ee46e1388853d2af2c993145b0f1098a"
+    assert model_folder_name(hub) == "Qwen2.5-Coder-1.5B"
+    assert model_folder_name("/") == "/"
 
 
 def test_chat_without_max_tokens_fills_the_context(test_models, tokenizer):
@@ -604,3 +622,16 @@ def test_strict_fields_reach_the_routes():
     strict = _client(_unused, strict_fields=True)
     r = strict.post("/v1/completions", json={"prompt": "x", "frobnicate": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate"
+
+
+def test_the_default_model_name_is_the_folders():
+    """No --served-model-name: the verifier's model folder names the model; its whole path
+    is accepted too."""
+    client = _client(_unused)
+    r = client.post("/v1/completions", json={"prompt": "x", "model": "other"})
+    assert "this server serves 'tiny-target'" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"prompt": "x", "model": "/models/tiny-target", "n": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"  # past the model check
+    named = _client(_unused, served_model_name="tiny")
+    r = named.post("/v1/completions", json={"prompt": "x", "model": "/models/tiny-target"})
+    assert r.status_code == 404  # a name given: no alias

@@ -34,6 +34,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -241,19 +242,26 @@ def _choice(body: dict, name: str, parse, choices: str) -> int | None:
         raise FieldError(name, f"{name} {e}") from None
 
 
-def check_model(body: dict, served: str) -> str:
+def check_model(body: dict, served: str, aliases: Collection[str] = ()) -> str:
+    """The served name, when the body's `model` is it or one of its aliases (or absent)."""
     model = body.get("model")
     if model is None:
         return served
     if not isinstance(model, str):
         raise FieldError("model", "model must be a string")
-    if model != served:
+    if model != served and model not in aliases:
         raise ModelNotFound(f"the model {model!r} does not exist; this server serves {served!r}")
-    return model
+    return served
 
 
-def _common(body: dict, req: gateway_pb2.GenerateRequest, served: str, strict: bool) -> Options:
-    opts = Options(model=check_model(body, served))
+def _common(
+    body: dict,
+    req: gateway_pb2.GenerateRequest,
+    served: str,
+    aliases: Collection[str],
+    strict: bool,
+) -> Options:
+    opts = Options(model=check_model(body, served, aliases))
     n = _number(body, "n", integer=True)
     if n is not None:
         if n < 1:
@@ -477,10 +485,10 @@ def _prediction(prediction: Any, req: gateway_pb2.GenerateRequest) -> None:
 
 
 def completion_request(
-    body: Any, served: str, strict: bool = False
+    body: Any, served: str, aliases: Collection[str] = (), strict: bool = False
 ) -> tuple[gateway_pb2.GenerateRequest, Options]:
-    """POST /v1/completions body -> (GenerateRequest, Options). `strict`: unknown fields
-    are refused (--strict-fields)."""
+    """POST /v1/completions body -> (GenerateRequest, Options). `aliases`: other names
+    `model` may give; `strict`: unknown fields are refused (--strict-fields)."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     _check_fields(body, COMPLETION_FIELDS, strict)
@@ -499,7 +507,7 @@ def completion_request(
         raise FieldError("prompt", "one prompt per request: batches of prompts are not supported")
     else:
         raise FieldError("prompt", "prompt must be a string or a list of token ids")
-    opts = _common(body, req, served, strict)
+    opts = _common(body, req, served, aliases, strict)
     opts.fields = _fields(body, chat=False)
     logprobs = _number(body, "logprobs", integer=True)  # alternatives per token (legacy)
     if logprobs is not None:
@@ -513,7 +521,7 @@ def completion_request(
 
 
 def chat_request(
-    body: Any, served: str, strict: bool = False
+    body: Any, served: str, aliases: Collection[str] = (), strict: bool = False
 ) -> tuple[gateway_pb2.GenerateRequest, Options, list[dict]]:
     """POST /v1/chat/completions body -> (GenerateRequest without its prompt, Options,
     messages). The caller renders the messages into `prompt`. Without max_tokens a chat
@@ -529,7 +537,7 @@ def chat_request(
             "max_completion_tokens", "give max_tokens or max_completion_tokens, not both"
         )
     req = gateway_pb2.GenerateRequest(max_new_tokens=1)
-    opts = _common(body, req, served, strict)
+    opts = _common(body, req, served, aliases, strict)
     opts.prompt_field, opts.fields = "messages", _fields(body, chat=True)
     if not opts.max_tokens_given:  # ChatTurn sets it from the context; min_tokens must fit
         req.max_new_tokens = max(1, req.min_tokens)

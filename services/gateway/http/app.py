@@ -18,6 +18,7 @@ import json
 import logging
 import time
 from http import HTTPStatus
+from pathlib import PurePosixPath
 from ssl import CERT_REQUIRED
 from typing import Any
 
@@ -73,6 +74,20 @@ SSE_HEADERS = [
 def error_response(e: BaseException, context: ErrorContext | None = None) -> JSONResponse:
     a = answer(e, context)
     return JSONResponse(a.body, status_code=a.status, headers=a.headers)
+
+
+def model_folder_name(model_id: str) -> str:
+    """The served model's default name: the name of the verifier's model folder, the last
+    component of its model path (a GGUF model's `#file` left out). Where that component
+    names no model, the folder that does: `specdec models install` keeps a model in
+    `<name>/model`, a Hugging Face cache in `models--<org>--<name>/snapshots/<revision>`."""
+    path = PurePosixPath(model_id.split("#", 1)[0].rstrip("/") or "/")
+    parent = path.parent
+    if parent.name == "snapshots" and parent.parent.name.startswith("models--"):
+        return parent.parent.name.split("--", 2)[-1]
+    if path.name == "model" and parent.name:
+        return parent.name
+    return path.name or model_id
 
 
 def _sse(obj: Any) -> bytes:
@@ -292,7 +307,14 @@ class OpenAIServer:
 
     @property
     def model(self) -> str:
-        return self.served_model_name or self._verifier_info().model_id
+        """--served-model-name, else the verifier's model folder's name."""
+        return self.served_model_name or model_folder_name(self._verifier_info().model_id)
+
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        """Other names a request's `model` may give: without --served-model-name, the
+        verifier's whole model id (the default name before it was the folder's)."""
+        return () if self.served_model_name else (self._verifier_info().model_id,)
 
     def chat_template(self) -> ChatTemplate:
         info = self._verifier_info()
@@ -345,7 +367,7 @@ class OpenAIServer:
         self._authorize(request)
         self._ready()
         name = request.path_params["model"]
-        if name != self.model:
+        if name != self.model and name not in self.aliases:
             raise ModelNotFound(
                 f"the model {name!r} does not exist; this server serves {self.model!r}"
             )
@@ -371,7 +393,7 @@ class OpenAIServer:
         self._authorize(request)
         self._ready()
         req, opts = api.completion_request(
-            await self._body(request), self.model, strict=self.strict_fields
+            await self._body(request), self.model, self.aliases, self.strict_fields
         )
         renderer = api.Renderer(chat=False, model=opts.model)
         self._scores(renderer, req, opts)
@@ -383,7 +405,7 @@ class OpenAIServer:
         self._authorize(request)
         self._ready()
         req, opts, messages = api.chat_request(
-            await self._body(request), self.model, strict=self.strict_fields
+            await self._body(request), self.model, self.aliases, self.strict_fields
         )
         template = self.chat_template()
         req.prompt = await asyncio.to_thread(template.render, messages, True)
