@@ -116,7 +116,12 @@ class GatewayConfig:
         add_setting(parser, "--redis", "Redis URL for sessions (empty: in-process only)", "")
         add_setting(parser, "--host", "address to listen on", "0.0.0.0")
         add_setting(parser, "--port", "gRPC port (0: any free port)", 50051)
-        add_setting(parser, "--metrics-port", "Prometheus /metrics port (0: off)", 0)
+        add_setting(
+            parser,
+            "--metrics-port",
+            "Prometheus /metrics port (0: off; the HTTP API's port serves /metrics too)",
+            0,
+        )
         add_setting(parser, "--http-port", "OpenAI-compatible HTTP API port (0: off)", 0)
         add_setting(
             parser,

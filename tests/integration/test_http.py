@@ -736,6 +736,30 @@ def test_answers_are_counted_by_path_and_status(stack, oai):
     assert _answers(stack, "/v1/completions", 404) == before_404 + 1
 
 
+def _families(text: str) -> set[str]:
+    return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+
+
+def test_metrics_on_the_http_port(stack):
+    """GET /metrics on the API port, as vLLM serves it: the registry --metrics-port
+    serves, in Prometheus' text format, behind the bearer tokens like the API."""
+    req = urllib.request.Request(
+        stack["http"] + "/metrics", headers={"Authorization": f"Bearer {KEY}"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    with urllib.request.urlopen(stack["metrics"], timeout=30) as r:
+        port_text = r.read().decode()
+    assert "specdec_gateway_http_responses_total{" in text
+    assert "specdec_gateway_requests_total{" in text
+    assert _families(text) == _families(port_text)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(stack["http"] + "/metrics", timeout=30)
+    assert e.value.code == 401
+    assert _settled(stack, "/metrics", 200, 1) >= 1  # the API counts its own scrapes
+
+
 def test_https_with_the_gateways_tls_settings(tmp_path):
     """--tls-cert/--tls-key (and --tls-client-ca) cover the HTTP port as the gRPC one: a
     gateway whose replicas never answer still serves /health (503) over TLS only."""

@@ -2,7 +2,8 @@
 gateway's own event loop, next to grpc.aio, so every request calls `Gateway.run` directly.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-GET /v1/models/{model}, GET /health. Each generation is one `Gateway.run` (validation, the
+GET /v1/models/{model}, GET /health, GET /metrics (the gateway's Prometheus registry, the
+one --metrics-port serves). Each generation is one `Gateway.run` (validation, the
 turn lock, the loop and the session write are the gRPC path's own); this module only
 translates (specdec.gateway.http.api), streams server-sent events, enforces the request's
 `timeout` and cancels the generation when the client goes away: cancelling the turn's
@@ -25,7 +26,7 @@ from typing import Any
 import uvicorn
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
-from prometheus_client import Counter
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -57,7 +58,7 @@ from specdec.gateway.turn import Gateway
 
 log = logging.getLogger(__name__)
 
-ROUTES = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions")
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
 HTTP_RESPONSES = Counter(
     "specdec_gateway_http_responses",
     "HTTP API answers by path and status (499: the client went away first)",
@@ -358,6 +359,12 @@ class OpenAIServer:
         self._ready()
         return JSONResponse({"status": "ok"})
 
+    async def metrics(self, request: Request) -> Response:
+        """The gateway's Prometheus registry, as --metrics-port serves it (behind the
+        bearer tokens when --auth-tokens-file is set, as the rest of the API)."""
+        self._authorize(request)
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
     async def models(self, request: Request) -> Response:
         self._authorize(request)
         self._ready()
@@ -440,6 +447,7 @@ class OpenAIServer:
         return Starlette(
             routes=[
                 Route("/health", _answering(self.health), methods=["GET"]),
+                Route("/metrics", _answering(self.metrics), methods=["GET"]),
                 Route("/v1/models", _answering(self.models), methods=["GET"]),
                 Route(
                     "/v1/models/{model:path}", _answering(self.model_card, "model"), methods=["GET"]
