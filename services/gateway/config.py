@@ -66,7 +66,8 @@ class GatewayConfig:
     port: int = 50051
     metrics_port: int = 0
     http_port: int = 0  # the OpenAI-compatible HTTP API (specdec.gateway.http); 0: off
-    served_model_name: str = ""  # the HTTP API's model name; "": the verifier's model_id
+    served_model_name: str = ""  # the HTTP API's model name; "": the verifier's model folder
+    strict_fields: bool = False  # the HTTP API refuses unknown body fields (400), else ignores
     default_k: int = 4
     ssd: bool = False  # speculative speculative decoding when a request does not say
     ssd_fan_out: int = 0  # branches per round; 0: the drafter's --ssd-fan-out
@@ -115,10 +116,25 @@ class GatewayConfig:
         add_setting(parser, "--redis", "Redis URL for sessions (empty: in-process only)", "")
         add_setting(parser, "--host", "address to listen on", "0.0.0.0")
         add_setting(parser, "--port", "gRPC port (0: any free port)", 50051)
-        add_setting(parser, "--metrics-port", "Prometheus /metrics port (0: off)", 0)
+        add_setting(
+            parser,
+            "--metrics-port",
+            "Prometheus /metrics port (0: off; the HTTP API's port serves /metrics too)",
+            0,
+        )
         add_setting(parser, "--http-port", "OpenAI-compatible HTTP API port (0: off)", 0)
         add_setting(
-            parser, "--served-model-name", "HTTP API model name (default: the verifier's)", ""
+            parser,
+            "--served-model-name",
+            "HTTP API model name (default: the name of the verifier's model folder)",
+            "",
+        )
+        add_setting(
+            parser,
+            "--strict-fields",
+            "HTTP API: refuse request fields it does not know with 400 (default: ignore them "
+            "and log them at debug level, as vLLM does)",
+            False,
         )
         add_setting(parser, "--default-k", "draft length when a request sets none", 4)
         add_setting(parser, "--ssd", "SSD (pre-draft during verification) by default", False)
@@ -221,6 +237,7 @@ class GatewayConfig:
             metrics_port=parse_value(args, "--metrics-port", int, port_number),
             http_port=parse_value(args, "--http-port", int, port_number),
             served_model_name=parse_value(args, "--served-model-name", str),
+            strict_fields=parse_value(args, "--strict-fields", boolean),
             default_k=parse_value(args, "--default-k", int, non_negative),
             ssd=parse_value(args, "--ssd", boolean),
             ssd_fan_out=parse_value(args, "--ssd-fan-out", int, _fan_out),

@@ -27,6 +27,12 @@ MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 16
 
 
+class ContextLengthExceeded(InvalidRequest):
+    """A request whose history, prompt and max_new_tokens cannot fit the model's context:
+    INVALID_ARGUMENT on gRPC like any bad request; the HTTP API answers OpenAI's
+    400 `context_length_exceeded` (specdec.gateway.http.errors)."""
+
+
 @dataclass(frozen=True)
 class Limits:
     """What a request may ask for, known once the replicas have answered Info."""
@@ -80,7 +86,7 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
         if not req.prompt:
             raise InvalidRequest("prompt is empty")
         if len(req.prompt) > limits.max_context * MAX_CHARS_PER_TOKEN:
-            raise InvalidRequest(
+            raise ContextLengthExceeded(
                 f"prompt of {len(req.prompt)} characters cannot fit the model's context "
                 f"of {limits.max_context} tokens"
             )

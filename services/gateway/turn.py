@@ -42,7 +42,7 @@ from specdec.gateway.loop import Speculator
 from specdec.gateway.policy import SourcePriors, make_policy
 from specdec.gateway.recorder import Recorder, recording_row
 from specdec.gateway.replicas import Fleet
-from specdec.gateway.request import Job, Limits, validate
+from specdec.gateway.request import ContextLengthExceeded, Job, Limits, validate
 from specdec.gateway.response import record_metrics
 from specdec.gateway.sessions import (
     SessionIndex,
@@ -337,7 +337,7 @@ class Gateway:
         ctx = [*history, *prompt_ids]
         max_context = self.limits.max_context
         if len(ctx) + job.max_new_tokens > max_context:
-            raise InvalidRequest(
+            raise ContextLengthExceeded(
                 f"the model's context is {max_context} tokens; this request needs "
                 f"{len(ctx) + job.max_new_tokens} ({len(history)} history + "
                 f"{len(prompt_ids)} prompt + {job.max_new_tokens} max_new_tokens)"

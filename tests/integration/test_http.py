@@ -3,7 +3,10 @@
 A drafter, a verifier, a real Redis and a gateway serving gRPC and HTTP (--http-port,
 --auth-tokens-file); tiny fp32 models, so greedy output must equal transformers' generate().
 The verifier's KV cache bound (--max-cached-tokens) is set low enough that one long
-prompt exceeds it, which is how RESOURCE_EXHAUSTED (429) is reached.
+prompt exceeds it: the replica's RESOURCE_EXHAUSTED, which the HTTP API answers as OpenAI
+does a prompt over the context, 400 context_length_exceeded (never 429, which the `openai`
+client retries). Backpressure (429 with Retry-After) comes from a verifier that lets
+nothing wait (--max-queue 0).
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ def stack(test_models, receiver, tmp_path_factory):
             g.wait_healthy()
             yield {
                 "gateway": g,
+                "drafter": d,
                 "verifier": v,
                 "http": f"http://127.0.0.1:{port}",
                 "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
@@ -145,6 +149,61 @@ def test_models_and_health(stack, oai):
     assert oai.models.retrieve("tiny").id == "tiny"
     with urllib.request.urlopen(stack["http"] + "/health", timeout=30) as r:
         assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
+
+
+@pytest.fixture(scope="module")
+def strict(stack, test_models):
+    """A second gateway over the same replicas: --strict-fields, no --served-model-name
+    (the model's folder name), no bearer tokens."""
+    port = free_port()
+    g = http_gateway(
+        stack["drafter"].address, stack["verifier"].address, port, "--strict-fields", "true"
+    )
+    try:
+        g.wait_healthy()
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=300
+        )
+        yield client
+        client.close()
+    finally:
+        g.stop()
+
+
+def test_the_default_model_name_is_the_folders(strict, test_models):
+    """Without --served-model-name the model is named by its folder (vLLM-style short
+    names); the verifier's whole model path stays accepted as an alias."""
+    folder = test_models.target.name
+    assert [m.id for m in strict.models.list().data] == [folder]
+    assert strict.models.retrieve(folder).id == folder
+    whole = str(test_models.target)
+    got = strict.completions.create(model=whole, prompt="x", max_tokens=2)
+    assert got.model == folder and got.usage.completion_tokens == 2
+
+
+def test_unknown_fields_are_ignored_unless_strict(stack, oai, strict, test_models):
+    """Benchmark tools and SDKs send fields the gateway does not know: ignored, as vLLM and
+    SGLang do; --strict-fields refuses them, naming the field in `param`."""
+    extras = {"frobnicate": True, "service_tier": "auto"}
+    got = oai.completions.create(
+        model="tiny", prompt="x", max_tokens=2, extra_body=extras,
+        stream=True, stream_options={"include_usage": True, "include_obfuscation": False},
+    )  # fmt: skip
+    assert [c for c in got if not c.choices][-1].usage.completion_tokens == 2
+    chat = oai.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_body=extras
+    )
+    assert chat.usage.completion_tokens == 2
+    with pytest.raises(openai.BadRequestError) as e:
+        strict.completions.create(
+            model=test_models.target.name, prompt="x", max_tokens=2, extra_body=extras
+        )
+    assert e.value.status_code == 400 and _error(e)["param"] == "frobnicate"
+    assert "unsupported field(s): frobnicate, service_tier" in _error(e)["message"]
+    # A field the gateway knows but cannot honour is refused either way.
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="tiny", prompt="x", extra_body={"best_of": 3})
+    assert _error(e)["param"] == "best_of"
 
 
 @pytest.mark.parametrize("k", [0, 4])
@@ -301,20 +360,18 @@ def test_errors(stack, oai):
     assert e.value.status_code == 400
     assert "temperature must be a finite number >= 0" in _error(e)["message"]
     assert _error(e)["type"] == "invalid_request_error" and _error(e)["code"] == "invalid_argument"
+    assert _error(e)["param"] == "temperature"
     with pytest.raises(openai.BadRequestError, match="n > 1 cannot be used with a session id"):
         oai.completions.create(model="tiny", prompt="x", n=2, extra_body={"session_id": "n"})
     with pytest.raises(
         openai.BadRequestError, match=r"max_new_tokens must be in \[1, 4096\], got 0"
     ):
         oai.completions.create(model="tiny", prompt="x", max_tokens=0)
-    with pytest.raises(openai.BadRequestError, match="num_draft_tokens must be in"):
+    with pytest.raises(openai.BadRequestError, match="num_draft_tokens must be in") as e:
         oai.completions.create(model="tiny", prompt="x", extra_body={"k": 999})
-    with pytest.raises(openai.BadRequestError, match="context is 512 tokens"):
-        oai.completions.create(model="tiny", prompt="x", max_tokens=4000)
+    assert _error(e)["param"] == "k"
     status, body = post(stack, "/v1/completions", b"{not json")
     assert status == 400 and "not valid JSON" in body["error"]["message"]
-    status, body = post(stack, "/v1/completions", {"prompt": "x", "frobnicate": True})
-    assert status == 400 and "unsupported field(s): frobnicate" in body["error"]["message"]
 
     # A body over the gRPC message limit is refused from its Content-Length, unread.
     host, port = stack["http"].removeprefix("http://").split(":")
@@ -338,16 +395,18 @@ def test_errors(stack, oai):
     with pytest.raises(openai.NotFoundError) as e:
         oai.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
     assert e.value.status_code == 404 and _error(e)["code"] == "model_not_found"
+    assert (_error(e)["type"], _error(e)["param"]) == ("invalid_request_error", "model")
     with pytest.raises(openai.NotFoundError):
         oai.models.retrieve("gpt-4o")
-
-    # A prompt beyond the verifier's KV cache bound: RESOURCE_EXHAUSTED -> 429.
-    with pytest.raises(openai.RateLimitError) as e:
-        oai.completions.create(
-            model="tiny", prompt=[5] * (VERIFIER_CACHE + 20), max_tokens=2, temperature=0
-        )
-    assert e.value.status_code == 429 and _error(e)["code"] == "resource_exhausted"
-    assert _error(e)["type"] == "rate_limit_error"
+    # An unknown path, an unknown method: OpenAI's shape, the status's name as code.
+    status, body = post(stack, "/v1/embeddings", {"input": "x"})
+    assert status == 404 and body["error"]["code"] == "not_found"
+    assert body["error"]["type"] == "invalid_request_error"
+    req = urllib.request.Request(stack["http"] + "/v1/models", data=b"{}", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as raw:
+        urllib.request.urlopen(req, timeout=30)
+    assert raw.value.code == 405 and raw.value.headers["Allow"] == "HEAD, GET"
+    assert json.loads(raw.value.read())["error"]["code"] == "method_not_allowed"
 
     # A deadline that cannot be met: 504 (unary); a stream that has started ends with the
     # same error as an event (the openai client raises it while iterating).
@@ -368,6 +427,81 @@ def test_errors(stack, oai):
     assert (
         oai.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens == 2
     )
+
+
+def test_a_prompt_that_cannot_fit_is_400_and_not_retried(stack):
+    """Over the model's context or over a replica's KV cache bound: 400
+    context_length_exceeded naming the prompt's field, as OpenAI answers. The `openai`
+    client with its default retries raises at once: the gateway answers it exactly once."""
+    client = openai.OpenAI(base_url=stack["http"] + "/v1", api_key=KEY, timeout=300)
+    assert client.max_retries == 2  # retries 408, 409, 429 and 5xx, never a 400
+    cases = [
+        # the verifier's KV cache bound (its RESOURCE_EXHAUSTED)
+        ("/v1/completions", "prompt", {"prompt": [5] * (VERIFIER_CACHE + 20), "max_tokens": 2}),
+        # the model's context (512 tokens), checked by the gateway
+        ("/v1/completions", "prompt", {"prompt": "x", "max_tokens": 4000}),
+        ("/v1/chat/completions", "messages", {"messages": [{"role": "user", "content": "x"}],
+                                              "max_tokens": 4000}),
+    ]  # fmt: skip
+    for path, param, body in cases:
+        before = _answers(stack, path, 400)
+        create = client.completions.create if "prompt" in body else client.chat.completions.create
+        with pytest.raises(openai.BadRequestError) as e:
+            create(model="tiny", temperature=0, **body)
+        assert _error(e)["code"] == "context_length_exceeded", _error(e)
+        assert (_error(e)["type"], _error(e)["param"]) == ("invalid_request_error", param)
+        assert _settled(stack, path, 400, before + 1) == before + 1  # no retry
+    assert "512 tokens" in _error(e)["message"]
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def busy(stack, test_models):
+    """A gateway whose only verifier lets nothing wait (--max-queue 0): concurrent
+    requests find its queue full, which is backpressure."""
+    v = replica("verifier", test_models.target, "--max-queue", "0")
+    g = None
+    try:
+        v.wait_healthy()
+        port = free_port()
+        g = http_gateway(stack["drafter"].address, v.address, port)
+        g.wait_healthy()
+        yield {"http": f"http://127.0.0.1:{port}", "model": test_models.target.name}
+    finally:
+        if g is not None:
+            g.stop()
+        v.stop()
+
+
+def test_backpressure_is_429_with_retry_after(busy):
+    """Every verifier's queue full: 429 rate_limit_error with Retry-After (the `openai`
+    client waits that long before its retry); the gateway keeps serving."""
+    client = openai.OpenAI(base_url=busy["http"] + "/v1", api_key="x", max_retries=0, timeout=300)
+    results: list = [None] * 16
+
+    def one(i: int) -> None:
+        try:
+            results[i] = client.completions.create(
+                model=busy["model"], prompt=PROMPTS[i % len(PROMPTS)] * 3, max_tokens=8,
+                temperature=0, extra_body={"k": 0},
+            )  # fmt: skip
+        except openai.APIStatusError as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(results))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    refused = [r for r in results if isinstance(r, openai.APIStatusError)]
+    assert refused, "a verifier that lets nothing wait refused nothing"
+    for e in refused:
+        assert e.status_code == 429, e
+        assert e.response.headers["retry-after"] == "1"
+        assert e.body["type"] == "rate_limit_error" and e.body["code"] == "resource_exhausted"
+        assert "replica busy" in e.body["message"] and "@" not in e.body["message"]
+    assert client.completions.create(model=busy["model"], prompt="x", max_tokens=2).usage
+    client.close()
 
 
 def test_not_ready_is_503():
@@ -584,6 +718,14 @@ def _answers(stack, path: str, status: int) -> float:
     return float(lines[0].split()[-1]) if lines else 0.0
 
 
+def _settled(stack, path: str, status: int, least: float) -> float:
+    """_answers once it has reached `least` (an answer is counted just after it has left)."""
+    deadline = time.monotonic() + 30
+    while (n := _answers(stack, path, status)) < least and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return n
+
+
 def test_answers_are_counted_by_path_and_status(stack, oai):
     before_ok = _answers(stack, "/v1/completions", 200)
     before_404 = _answers(stack, "/v1/completions", 404)
@@ -592,6 +734,30 @@ def test_answers_are_counted_by_path_and_status(stack, oai):
         oai.completions.create(model="nope", prompt="x", max_tokens=2)
     assert _answers(stack, "/v1/completions", 200) == before_ok + 1
     assert _answers(stack, "/v1/completions", 404) == before_404 + 1
+
+
+def _families(text: str) -> set[str]:
+    return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+
+
+def test_metrics_on_the_http_port(stack):
+    """GET /metrics on the API port, as vLLM serves it: the registry --metrics-port
+    serves, in Prometheus' text format, behind the bearer tokens like the API."""
+    req = urllib.request.Request(
+        stack["http"] + "/metrics", headers={"Authorization": f"Bearer {KEY}"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    with urllib.request.urlopen(stack["metrics"], timeout=30) as r:
+        port_text = r.read().decode()
+    assert "specdec_gateway_http_responses_total{" in text
+    assert "specdec_gateway_requests_total{" in text
+    assert _families(text) == _families(port_text)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(stack["http"] + "/metrics", timeout=30)
+    assert e.value.code == 401
+    assert _settled(stack, "/metrics", 200, 1) >= 1  # the API counts its own scrapes
 
 
 def test_https_with_the_gateways_tls_settings(tmp_path):

@@ -109,7 +109,7 @@ class Recorder:
 class Stack:
     http: str  # http://127.0.0.1:PORT of the recording proxy
     direct: str  # the gateway's own HTTP address
-    model: str  # the served model's id (/v1/models)
+    model: str  # the target's path, as the tools send it (/v1/models lists its folder name)
     tokenizer: str  # the tiny tokenizer's folder
     recorder: Recorder
     logs: Path
@@ -123,6 +123,9 @@ def up(test_models, tmp_path_factory) -> Iterator[Stack]:
     logs = tmp_path_factory.mktemp("peer-logs")
     http_port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    # The gateway refuses fields it does not know (it ignores them by default), so that
+    # `refusals` names every field a tool sends that the gateway does not serve.
+    env["SPECDEC_STRICT_FIELDS"] = "true"
     argv = [
         sys.executable, "-m", "specdec", "up", "--dtype", "float32",
         "--draft-model", str(test_models.draft_noisy), "--target-model", str(test_models.target),

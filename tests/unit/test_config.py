@@ -89,6 +89,22 @@ def test_ssd_settings():
         build_parser().parse_args(["serve", "verifier", "--model", "m", "--ssd-fan-out", "2"])
 
 
+def test_gateway_http_settings(monkeypatch):
+    from specdec.gateway.config import GatewayConfig
+
+    def gateway(*argv):
+        base = ["serve", "gateway", "--drafter", "h:1", "--verifier", "h:2"]
+        return GatewayConfig.from_args(build_parser().parse_args([*base, *argv]))
+
+    assert gateway().strict_fields is False and gateway().served_model_name == ""
+    assert gateway("--strict-fields", "true").strict_fields is True
+    with pytest.raises(ConfigError, match="--strict-fields / SPECDEC_STRICT_FIELDS"):
+        gateway("--strict-fields", "maybe")
+    monkeypatch.setenv("SPECDEC_STRICT_FIELDS", "1")
+    assert gateway().strict_fields is True
+    assert gateway("--strict-fields", "false").strict_fields is False  # the flag wins
+
+
 def test_cli_exits_with_the_message():
     result = subprocess.run(
         [sys.executable, "-m", "specdec", "serve", "drafter", "--model", "m", "--dtype", "fp7"],

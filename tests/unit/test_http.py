@@ -1,21 +1,37 @@
 """The HTTP API's pieces without processes: chat templates against transformers' own
-rendering, chat-session continuation, the OpenAI body translation and the error table."""
+rendering, chat-session continuation, the OpenAI body translation, the error table and
+the answers of the app itself over a stand-in gateway (a 500 tells nothing of its cause)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+from types import SimpleNamespace
 
 import grpc
 import pytest
 
-from specdec.common.errors import CapacityExceeded, InvalidRequest
+from specdec.common.errors import BUSY_PREFIX, CapacityExceeded, InvalidRequest, ReplicaBusy
+from specdec.gateway.caller import UpstreamError
 from specdec.gateway.http import api
+from specdec.gateway.http.app import OpenAIServer, model_folder_name
 from specdec.gateway.http.chat import ChatTemplate, ChatTurn, messages_from_json
-from specdec.gateway.http.errors import BodyTooLarge, ModelNotFound, error_body, http_status
+from specdec.gateway.http.errors import (
+    BodyTooLarge,
+    ErrorContext,
+    FieldError,
+    ModelNotFound,
+    answer,
+    error_body,
+    http_status,
+)
 from specdec.gateway.loop import Unavailable
+from specdec.gateway.request import ContextLengthExceeded, Limits, validate
 from specdec.gateway.sessions import SessionRecord
 from specdec.gateway.text import TextCodec
-from specdec.gateway.turn import Aborted
+from specdec.gateway.transport import CallFailed
+from specdec.gateway.turn import Aborted, Event
 from specdec.v1 import gateway_pb2
 
 # A template in the style of Qwen2.5's: a default system message, namespace, loop
@@ -92,16 +108,21 @@ def test_messages_from_json():
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
     ]
     assert messages_from_json(parts) == [{"role": "user", "content": "a\nb"}]
-    for bad, match in [
-        ([], "non-empty"),
-        ([{"role": "robot", "content": "x"}], "role"),
-        ([{"role": "user"}], "content is required"),
-        ([{"role": "user", "content": 3}], "string or a list"),
-        ([{"role": "user", "content": [{"type": "image_url"}]}], "only text"),
-        ([{"role": "assistant", "content": None, "tool_calls": [{}]}], "tool calls"),
+    for bad, match, param in [
+        ([], "non-empty", "messages"),
+        ([{"role": "robot", "content": "x"}], "role", "messages[0].role"),
+        ([{"role": "user"}], "content is required", "messages[0].content"),
+        ([{"role": "user", "content": 3}], "string or a list", "messages[0].content"),
+        (
+            [{"role": "user", "content": [{"type": "image_url"}]}],
+            "only text",
+            "messages[0].content[0]",
+        ),
+        ([{"role": "assistant", "content": None, "tool_calls": [{}]}], "tool calls", "messages[0]"),
     ]:
-        with pytest.raises(InvalidRequest, match=match):
+        with pytest.raises(FieldError, match=match) as e:
             messages_from_json(bad)
+        assert error_body(e.value)["error"]["param"] == param
 
 
 def chat_ids(tokenizer, messages) -> list[int]:
@@ -193,37 +214,191 @@ def test_completion_request_translation():
     assert req.speculation.k_policy == gateway_pb2.K_POLICY_UNSPECIFIED  # the gateway's default
 
 
+STREAM = {"stream": True}
+
+
 @pytest.mark.parametrize(
-    "body, match",
+    "body, match, param",
     [
-        ([], "JSON object"),
-        ({"prompt": "x", "n": 0}, "n must be at least 1"),
-        ({"prompt": "x", "best_of": 3}, "best_of=3 is not supported"),
-        ({"prompt": "x", "logprobs": -1}, "logprobs must be >= 0"),
-        ({"prompt": "x", "logprobs": True}, "logprobs must be an integer"),
-        ({"prompt": "x", "logprobs": 1 << 40}, "logprobs.*out of range"),
-        ({"prompt": "x", "echo": 1}, "echo must be true or false"),
-        ({"prompt": "x", "top_logprobs": 2}, "unsupported field.*top_logprobs"),
-        ({"prompt": "x", "frobnicate": 1}, "unsupported field"),
-        ({"prompt": ["a", "b"]}, "batches"),
-        ({"prompt": 5}, "prompt must be"),
-        ({"prompt": "x", "max_tokens": "9"}, "max_tokens must be an integer"),
-        ({"prompt": "x", "max_tokens": 1 << 40}, "max_tokens.*out of range"),
-        ({"prompt": "x", "temperature": "hot"}, "temperature must be a number"),
-        ({"prompt": "x", "top_p": 0}, "top_p"),
-        ({"prompt": "x", "seed": -1}, "seed.*out of range"),
-        ({"prompt": "x", "stop": [1]}, "stop must be"),
-        ({"prompt": "x", "stream_options": {"include_usage": True}}, "only allowed with stream"),
-        ({"prompt": "x", "ssd": "yes"}, "ssd must be true or false"),
-        ({"prompt": "x", "k_policy": "auto"}, "k_policy must be one of fixed, adaptive"),
-        ({"prompt": "x", "k_policy": 2}, 'k_policy must be "fixed" or "adaptive"'),
-        ({"prompt": "x", "session_id": ""}, "session_id"),
-        ({"prompt": "x", "timeout": 0}, "timeout"),
+        ([], "JSON object", None),
+        ({"prompt": "x", "n": 0}, "n must be at least 1", "n"),
+        ({"prompt": "x", "best_of": 3}, "best_of=3 is not supported", "best_of"),
+        ({"prompt": "x", "logprobs": -1}, "logprobs must be >= 0", "logprobs"),
+        ({"prompt": "x", "logprobs": True}, "logprobs must be an integer", "logprobs"),
+        ({"prompt": "x", "logprobs": 1 << 40}, "logprobs.*out of range", "logprobs"),
+        ({"prompt": "x", "echo": 1}, "echo must be true or false", "echo"),
+        ({"prompt": "x", "top_logprobs": 2}, "unsupported field.*top_logprobs", "top_logprobs"),
+        ({"prompt": "x", "zeta": 1, "alpha": 2}, r"unsupported field\(s\): alpha, zeta", "alpha"),
+        ({"prompt": ["a", "b"]}, "batches", "prompt"),
+        ({"prompt": 5}, "prompt must be", "prompt"),
+        ({"prompt": "x", "max_tokens": "9"}, "max_tokens must be an integer", "max_tokens"),
+        ({"prompt": "x", "max_tokens": 1 << 40}, "max_tokens.*out of range", "max_tokens"),
+        ({"prompt": "x", "temperature": "hot"}, "temperature must be a number", "temperature"),
+        ({"prompt": "x", "top_p": 0}, "top_p", "top_p"),
+        ({"prompt": "x", "seed": -1}, "seed.*out of range", "seed"),
+        ({"prompt": "x", "stop": [1]}, "stop must be", "stop"),
+        (
+            {"prompt": "x", "stream_options": {"include_usage": True}},
+            "only allowed with stream",
+            "stream_options",
+        ),
+        (
+            {"prompt": "x", **STREAM, "stream_options": {"include_usage": 1}},
+            "stream_options.include_usage must be true or false",
+            "stream_options.include_usage",
+        ),
+        (
+            {"prompt": "x", **STREAM, "stream_options": {"include_obfuscation": True}},
+            "unsupported field",
+            "stream_options.include_obfuscation",
+        ),
+        ({"prompt": "x", "ssd": "yes"}, "ssd must be true or false", "ssd"),
+        (
+            {"prompt": "x", "k_policy": "auto"},
+            "k_policy must be one of fixed, adaptive",
+            "k_policy",
+        ),
+        ({"prompt": "x", "k_policy": 2}, 'k_policy must be "fixed" or "adaptive"', "k_policy"),
+        ({"prompt": "x", "session_id": ""}, "session_id", "session_id"),
+        ({"prompt": "x", "timeout": 0}, "timeout", "timeout"),
+        ({"prompt": "x", "guided_regex": 3}, "guided_regex", "guided_regex"),
+        ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", "logit_bias"),
+        ({"prompt": "x", "model": 3}, "model must be a string", "model"),
     ],
 )
-def test_completion_request_refusals(body, match):
-    with pytest.raises(InvalidRequest, match=match):
-        api.completion_request(body, SERVED)
+def test_completion_request_refusals_name_the_field(body, match, param):
+    """Every refusal of the translation names its body field in `param` (unknown fields
+    are refused here because strict: --strict-fields)."""
+    with pytest.raises(InvalidRequest, match=match) as e:
+        api.completion_request(body, SERVED, strict=True)
+    assert error_body(e.value)["error"]["param"] == param
+
+
+def test_unknown_fields_are_ignored_and_logged(caplog):
+    """Without --strict-fields an unknown field (top level or in stream_options) is
+    ignored, as vLLM does, and logged at debug level by name; a known OpenAI field the
+    gateway cannot honour is still refused unless neutral."""
+    body = {
+        "prompt": "x", "max_tokens": 3, "frobnicate": True, "echo": False, "stream": True,
+        "stream_options": {"include_usage": True, "include_obfuscation": False},
+    }  # fmt: skip
+    with caplog.at_level(logging.DEBUG, logger="specdec.gateway.http.api"):
+        req, opts = api.completion_request(body, SERVED)
+    assert req.prompt == "x" and req.max_new_tokens == 3 and opts.include_usage
+    logged = [
+        r.fields for r in caplog.records if r.getMessage() == "unknown request fields ignored"
+    ]
+    assert logged == [["frobnicate"], ["stream_options.include_obfuscation"]]
+    hi = [{"role": "user", "content": "hi"}]
+    _, _, messages = api.chat_request(
+        {"messages": hi, "echo": True, "service_tier": "auto"}, SERVED
+    )
+    assert messages == hi
+    with pytest.raises(FieldError, match="tools") as e:
+        api.chat_request({"messages": hi, "tools": [{"type": "function"}]}, SERVED)
+    assert e.value.param == "tools"
+    assert api.chat_request({"messages": hi, "tools": []}, SERVED)  # the neutral value
+
+
+LIMITS = Limits(
+    vocab_size=100,
+    max_context=64,
+    max_k=8,
+    default_k=4,
+    default_ssd=False,
+    default_k_policy=gateway_pb2.K_POLICY_FIXED,
+    max_new_tokens=32,
+    default_ttl=60,
+    max_session_ttl=3600,
+)
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"messages": [], "max_completion_tokens": 99}, "max_completion_tokens"),
+        ({"messages": [], "min_tokens": 99}, "min_tokens"),
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": "x", "presence_penalty": 9}, "presence_penalty"),
+        ({"prompt": "x", "logit_bias": {"500": 1}}, "logit_bias"),
+        ({"prompt": "x", "k": 99}, "k"),
+        ({"prompt": "x", "stop": ["a"] * 17}, "stop"),
+        ({"prompt": "x", "stop": [""]}, "stop"),
+        ({"prompt": "x", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"prompt": "x", "stop_token_ids": [500]}, "stop_token_ids"),
+        ({"prompt": "x", "n": 2, "session_id": "s"}, "n"),
+        ({"prompt": "x", "n": 17}, "n"),
+        ({"prompt": [500]}, "prompt"),
+        ({"messages": [], "session_id": "s" * 300}, "session_id"),
+        ({"prompt": "x", "session_reset": True}, "session_reset"),
+        ({"prompt": "x", "logprobs": 25}, "logprobs"),
+        ({"messages": [], "logprobs": True, "top_logprobs": 25}, "top_logprobs"),
+        ({"prompt": "x", "echo": True, "logprobs": 1, "session_id": "s"}, "echo"),
+        ({"prompt": "x", "guided_regex": "a", "min_tokens": 1}, "guided_regex"),
+        ({"prompt": "x", "prediction": {"type": "content", "content": "y" * 5000}}, "prediction"),
+    ],
+)
+def test_shared_validation_errors_name_the_body_field(body, param):
+    """The gateway's own validation (the gRPC path's) speaks of GenerateRequest fields;
+    the error body's `param` is the field of this request they come from."""
+    chat = "messages" in body
+    if chat:
+        req, opts, _ = api.chat_request(
+            {**body, "messages": [{"role": "user", "content": "a"}]}, SERVED
+        )
+        req.prompt = "a"
+    else:
+        req, opts = api.completion_request(body, SERVED)
+    with pytest.raises(InvalidRequest) as e:
+        validate(req, LIMITS)
+    context = ErrorContext(prompt=opts.prompt_field, fields=opts.fields)
+    error = error_body(e.value, context)["error"]
+    assert (error["param"], error["code"]) == (param, "invalid_argument"), error["message"]
+
+
+class _Replica:
+    """What UpstreamError names: a replica's role and address."""
+
+    def __repr__(self) -> str:
+        return "verifier@10.1.2.3:50052"
+
+
+def test_a_prompt_that_cannot_fit_is_context_length_exceeded():
+    """Over the context (the gateway's check) or a replica's KV cache bound (its
+    RESOURCE_EXHAUSTED): 400 context_length_exceeded naming the prompt's field, never 429."""
+    req, _ = api.completion_request({"prompt": "x" * (64 * 64 + 1)}, SERVED)
+    with pytest.raises(ContextLengthExceeded) as e:
+        validate(req, LIMITS)
+    kv = UpstreamError(
+        _Replica(),
+        CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, "session needs 340 cached tokens"),
+    )
+    for err, prompt in ((e.value, "prompt"), (kv, "messages"), (CapacityExceeded("x"), "prompt")):
+        a = answer(err, ErrorContext(prompt=prompt))
+        assert a.status == 400 and "Retry-After" not in a.headers
+        assert a.body["error"] == {
+            "message": a.body["error"]["message"],
+            "type": "invalid_request_error",
+            "param": prompt,
+            "code": "context_length_exceeded",
+        }
+    message = answer(kv).body["error"]["message"]
+    assert (
+        message == "the request does not fit a replica's KV cache: session needs 340 cached tokens"
+    )
+
+
+def test_backpressure_is_429_with_retry_after():
+    busy = UpstreamError(
+        _Replica(), CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{BUSY_PREFIX}: 3 queued")
+    )
+    for err in (busy, ReplicaBusy(f"{BUSY_PREFIX}: 3 queued")):
+        a = answer(err)
+        assert a.status == 429 and a.headers == {"Retry-After": "1"}
+        assert a.body["error"]["type"] == "rate_limit_error"
+        assert a.body["error"]["code"] == "resource_exhausted"
+        assert a.body["error"]["message"] == f"{BUSY_PREFIX}: 3 queued"  # no replica address
 
 
 def test_unknown_model_and_chat_fields():
@@ -241,9 +416,27 @@ def test_unknown_model_and_chat_fields():
     with pytest.raises(InvalidRequest, match="top_logprobs needs logprobs: true"):
         api.chat_request({"messages": hi, "top_logprobs": 4}, SERVED)
     with pytest.raises(InvalidRequest, match=r"unsupported field.*echo"):
-        api.chat_request({"messages": hi, "echo": True}, SERVED)
+        api.chat_request({"messages": hi, "echo": True}, SERVED, strict=True)
     with pytest.raises(InvalidRequest, match="tools"):
         api.chat_request({"messages": hi, "tools": [{"type": "function"}]}, SERVED)
+    # The model's whole id is an alias of its served name (the default name before).
+    _, opts, _ = api.chat_request({"messages": hi, "model": "/m/tiny"}, SERVED, ("/m/tiny",))
+    assert opts.model == SERVED
+
+
+def test_model_folder_name():
+    assert model_folder_name("/tmp/tiny/target") == "target"
+    assert model_folder_name("/models/qwen-coder/") == "qwen-coder"
+    assert model_folder_name("/models/qwen#qwen-q8_0.gguf") == "qwen"
+    assert model_folder_name("Qwen/Qwen2.5-0.5B") == "Qwen2.5-0.5B"
+    assert model_folder_name("target") == "target"
+    assert (
+        model_folder_name("/cache/qwen2.5-coder-1.5b-instruct/model")
+        == "qwen2.5-coder-1.5b-instruct"
+    )
+    hub = "/hf/hub/models--Qwen--Qwen2.5-Coder-1.5B/snapshots/2e1fd397ee46e1388853d2af2c993145b0f1098a"
+    assert model_folder_name(hub) == "Qwen2.5-Coder-1.5B"
+    assert model_folder_name("/") == "/"
 
 
 def test_chat_without_max_tokens_fills_the_context(test_models, tokenizer):
@@ -255,25 +448,29 @@ def test_chat_without_max_tokens_fills_the_context(test_models, tokenizer):
     turn = ChatTurn(codec, rendered, None, fill_context=True, max_context=64, max_new_tokens=4)
     assert asyncio.run(turn(None))[2] == 4
     turn = ChatTurn(codec, rendered, None, fill_context=True, max_context=n, max_new_tokens=4)
-    with pytest.raises(InvalidRequest, match="fills the model's context"):
+    with pytest.raises(ContextLengthExceeded, match="fills the model's context"):
         asyncio.run(turn(None))
 
 
 def test_error_table_and_shape():
     cases = [
-        (InvalidRequest("bad"), 400, "invalid_request_error", "invalid_argument"),
-        (ModelNotFound("no"), 404, "not_found_error", "model_not_found"),
-        (BodyTooLarge("big"), 413, "invalid_request_error", "invalid_argument"),
-        (Aborted("busy"), 409, "conflict_error", "aborted"),
-        (CapacityExceeded("full"), 429, "rate_limit_error", "resource_exhausted"),
-        (Unavailable("down"), 503, "service_unavailable_error", "unavailable"),
-        (RuntimeError("bug"), 500, "server_error", "internal"),
+        (InvalidRequest("bad"), 400, "invalid_request_error", "invalid_argument", None),
+        (FieldError("top_k", "bad"), 400, "invalid_request_error", "invalid_argument", "top_k"),
+        (ModelNotFound("no"), 404, "invalid_request_error", "model_not_found", "model"),
+        (BodyTooLarge("big"), 413, "invalid_request_error", "invalid_argument", None),
+        (Aborted("busy"), 409, "conflict_error", "aborted", None),
+        (ReplicaBusy("full"), 429, "rate_limit_error", "resource_exhausted", None),
+        (CapacityExceeded("kv"), 400, "invalid_request_error", "context_length_exceeded", None),
+        (Unavailable("down"), 503, "service_unavailable_error", "unavailable", None),
+        (RuntimeError("bug"), 500, "server_error", "internal", None),
+        (_with_code(grpc.StatusCode.INTERNAL), 500, "server_error", "internal", None),
     ]
-    for err, status, kind, code in cases:
+    for err, status, kind, code, param in cases:
         assert http_status(err) == status
         body = error_body(err)
         assert set(body["error"]) == {"message", "type", "param", "code"}
         assert (body["error"]["type"], body["error"]["code"]) == (kind, code)
+        assert body["error"]["param"] == param
     assert http_status(_with_code(grpc.StatusCode.DEADLINE_EXCEEDED)) == 504
     assert http_status(_with_code(grpc.StatusCode.UNAUTHENTICATED)) == 401
 
@@ -321,8 +518,10 @@ def test_loadtest_backend_reads_openai_errors():
     assert base_url("https://h/v1/") == "https://h/v1"
     e = error_from(400, error_body(InvalidRequest("bad k")))
     assert isinstance(e, InvalidArgument) and e.details == "bad k"
-    e = error_from(429, error_body(CapacityExceeded("full")))
+    e = error_from(429, error_body(ReplicaBusy(f"{BUSY_PREFIX}: full")))
     assert isinstance(e, ResourceExhausted)
+    e = error_from(400, error_body(CapacityExceeded("kv")))  # context_length_exceeded
+    assert isinstance(e, InvalidArgument)
     e = error_from(409, {"error": {"message": "busy", "code": "aborted"}})
     assert e.code == grpc.StatusCode.ABORTED and type(e) is SpecdecError
     e = error_from(504, "<html>gateway timeout</html>")  # a proxy's page: by status
@@ -336,3 +535,103 @@ def test_record_extension():
     assert not req.HasField("record")  # the gateway's default: recorded when it records
     with pytest.raises(InvalidRequest, match="record must be true or false"):
         api.completion_request({"prompt": "x", "record": "no"}, SERVED)
+
+
+class _Gateway:
+    """What OpenAIServer reads of a Gateway, with `run` given by the test."""
+
+    def __init__(self, run):
+        self.limits = LIMITS
+        self.codec = object()
+        info = SimpleNamespace(model_id="/models/tiny-target", chat_template="")
+        self.fleet = SimpleNamespace(
+            verifiers=SimpleNamespace(replicas=[SimpleNamespace(info=info)])
+        )
+        self.run = run
+
+
+def _client(run, **kw):
+    from starlette.testclient import TestClient
+
+    return TestClient(OpenAIServer(_Gateway(run), **kw).app())
+
+
+SECRET = "token sk-live-123 in /srv/secret/state.py line 42"
+
+
+def test_a_500_tells_nothing_of_its_cause(caplog):
+    """An unexpected exception in a generation: 500 with a generic message naming the
+    request's id; the exception itself is logged under that id, never sent."""
+
+    async def broken(req, **kw):
+        raise KeyError(SECRET)
+        yield  # an async generator, as Gateway.run
+
+    async def broken_later(req, **kw):
+        yield Event("a", [1])
+        raise KeyError(SECRET)
+
+    with caplog.at_level(logging.ERROR, logger="specdec.gateway.http.errors"):
+        r = _client(broken).post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 500
+    error = r.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == ("server_error", "internal", None)
+    assert SECRET not in r.text and "KeyError" not in r.text
+    (record,) = [x for x in caplog.records if x.getMessage().startswith("internal error")]
+    assert record.request_id.startswith("cmpl-") and record.request_id in error["message"]
+    assert SECRET in caplog.text  # the whole exception is in the log
+    # After the stream has started the same body arrives as an event.
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="specdec.gateway.http.errors"):
+        r = _client(broken_later).post("/v1/completions", json={"prompt": "x", "stream": True})
+    assert r.status_code == 200 and SECRET not in r.text and "KeyError" not in r.text
+    events = [json.loads(line[6:]) for line in r.text.split("\n\n") if line.startswith("data: {")]
+    (record,) = [x for x in caplog.records if x.getMessage().startswith("internal error")]
+    assert events[-1]["error"]["code"] == "internal"
+    assert record.request_id in events[-1]["error"]["message"]
+    assert r.text.endswith("data: [DONE]\n\n")
+
+
+async def _unused(req, **kw):
+    raise AssertionError("not called")
+    yield
+
+
+def test_routing_errors():
+    client = _client(_unused)
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404
+    assert r.json()["error"] == {
+        "message": "GET /v1/nothing: Not Found",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "not_found",
+    }
+    r = client.get("/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["code"] == "method_not_allowed"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    r = client.post("/v1/completions", json={"prompt": "x", "model": "other"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert r.json()["error"]["code"] == "model_not_found"
+
+
+def test_strict_fields_reach_the_routes():
+    r = _client(_unused).post("/v1/completions", json={"prompt": "x", "frobnicate": 1, "model": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"  # frobnicate ignored
+    strict = _client(_unused, strict_fields=True)
+    r = strict.post("/v1/completions", json={"prompt": "x", "frobnicate": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate"
+
+
+def test_the_default_model_name_is_the_folders():
+    """No --served-model-name: the verifier's model folder names the model; its whole path
+    is accepted too."""
+    client = _client(_unused)
+    r = client.post("/v1/completions", json={"prompt": "x", "model": "other"})
+    assert "this server serves 'tiny-target'" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"prompt": "x", "model": "/models/tiny-target", "n": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"  # past the model check
+    named = _client(_unused, served_model_name="tiny")
+    r = named.post("/v1/completions", json={"prompt": "x", "model": "/models/tiny-target"})
+    assert r.status_code == 404  # a name given: no alias

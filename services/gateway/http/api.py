@@ -20,22 +20,32 @@ OpenAI's `prediction` ({"type": "content", "content": text or a list of text par
 a source of drafts (GenerateRequest.prediction); usage reports
 `completion_tokens_details.accepted_prediction_tokens` and `rejected_prediction_tokens`.
 `user` names the tenant of the suffix cache under --suffix-cache-scope tenant.
+
+Fields the gateway does not know are ignored and logged at debug level, as vLLM and SGLang
+ignore them (benchmark tools and SDKs send extras); under --strict-fields they are refused.
+OpenAI fields the gateway cannot honour (`tools`, `best_of > 1`, ...) are refused unless
+they carry their neutral value. A bad value raises FieldError naming its body field
+(`param` of the error body).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 from specdec.common.errors import InvalidRequest
-from specdec.gateway.http.errors import ModelNotFound
+from specdec.gateway.http.errors import FieldError, ModelNotFound
 from specdec.gateway.http.logprobs import LogprobsRenderer
 from specdec.gateway.lookup import parse_method
 from specdec.gateway.policy import parse_policy
 from specdec.v1 import common_pb2, gateway_pb2
+
+log = logging.getLogger(__name__)
 
 EXTENSION = "specdec"
 
@@ -119,20 +129,79 @@ class Options:
     max_tokens_given: bool = False
     echo: bool = False  # completions: the prompt's text (and scores) before the completion
     user: str = ""  # OpenAI's end-user id: the suffix cache's tenant
+    # The body field a request that cannot fit is about (errors.ErrorContext.prompt), and
+    # the gRPC names of the shared validation's messages -> this body's fields.
+    prompt_field: str = "prompt"
+    fields: dict[str, str] = field(default_factory=dict)
 
 
-def _check_fields(body: dict, allowed: set[str]) -> None:
+# The gRPC names the shared validation's messages start with (errors.leading_field) -> the
+# body field each comes from; `_fields` adjusts them to one request.
+VALIDATION_FIELDS = {
+    "prompt": "prompt",
+    "prompt_token_ids": "prompt",
+    "max_new_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "seed": "seed",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "logit_bias": "logit_bias",
+    "min_tokens": "min_tokens",
+    "stop_token_ids": "stop_token_ids",
+    "stop strings": "stop",
+    "session id": "session_id",
+    "session options": "session_reset",
+    "num_draft_tokens": "k",
+    "top_logprobs": "top_logprobs",
+    "prompt_logprobs": "echo",
+    "n": "n",
+    "prediction": "prediction",
+    "structured_output": "response_format",
+}
+STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
+
+
+def _fields(body: dict, chat: bool) -> dict[str, str]:
+    fields = dict(VALIDATION_FIELDS)
+    if chat:
+        fields["prompt"] = fields["prompt_token_ids"] = "messages"
+        if body.get("max_completion_tokens") is not None:
+            fields["max_new_tokens"] = "max_completion_tokens"
+        elif body.get("max_tokens") is None:
+            fields["max_new_tokens"] = "min_tokens"  # the request's only length field
+    else:
+        fields["top_logprobs"] = "logprobs"
+    structured = [name for name in STRUCTURED_FIELDS if body.get(name) is not None]
+    if structured:
+        fields["structured_output"] = structured[0]
+    return fields
+
+
+def _unknown(names: list[str], strict: bool, where: str = "") -> None:
+    """Fields the gateway does not know: refused (400 naming the first) under
+    --strict-fields, else ignored (as vLLM and SGLang ignore them) and logged."""
+    if not names:
+        return
+    names = sorted(where + name for name in names)
+    if strict:
+        raise FieldError(names[0], f"unsupported field(s): {', '.join(names)}")
+    log.debug("unknown request fields ignored", extra={"fields": names})
+
+
+def _check_fields(body: dict, allowed: set[str], strict: bool) -> None:
     unknown = []
     for name, value in body.items():
         if name in allowed:
             continue
         if name in NEUTRAL:
             if value not in NEUTRAL[name]:
-                raise InvalidRequest(f"{name}={value!r} is not supported")
+                raise FieldError(name, f"{name}={value!r} is not supported")
             continue
         unknown.append(name)
-    if unknown:
-        raise InvalidRequest(f"unsupported field(s): {', '.join(sorted(unknown))}")
+    _unknown(unknown, strict)
 
 
 def _number(body: dict, name: str, *, integer: bool = False) -> Any:
@@ -141,14 +210,14 @@ def _number(body: dict, name: str, *, integer: bool = False) -> Any:
         return None
     ok = isinstance(value, int) if integer else isinstance(value, int | float)
     if isinstance(value, bool) or not ok:
-        raise InvalidRequest(f"{name} must be {'an integer' if integer else 'a number'}")
+        raise FieldError(name, f"{name} must be {'an integer' if integer else 'a number'}")
     return value
 
 
-def _bool(body: dict, name: str) -> bool | None:
+def _bool(body: dict, name: str, where: str = "") -> bool | None:
     value = body.get(name)
     if value is not None and not isinstance(value, bool):
-        raise InvalidRequest(f"{name} must be true or false")
+        raise FieldError(where + name, f"{where}{name} must be true or false")
     return value
 
 
@@ -157,7 +226,7 @@ def _set(msg, attr: str, value, name: str) -> None:
     try:
         setattr(msg, attr, value)
     except (ValueError, TypeError) as e:
-        raise InvalidRequest(f"{name}: {value!r} is out of range ({e})") from None
+        raise FieldError(name, f"{name}: {value!r} is out of range ({e})") from None
 
 
 def _choice(body: dict, name: str, parse, choices: str) -> int | None:
@@ -166,30 +235,37 @@ def _choice(body: dict, name: str, parse, choices: str) -> int | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        raise InvalidRequest(f"{name} must be {choices}")
+        raise FieldError(name, f"{name} must be {choices}")
     try:
         return parse(value)
     except ValueError as e:
-        raise InvalidRequest(f"{name} {e}") from None
+        raise FieldError(name, f"{name} {e}") from None
 
 
-def check_model(body: dict, served: str) -> str:
+def check_model(body: dict, served: str, aliases: Collection[str] = ()) -> str:
+    """The served name, when the body's `model` is it or one of its aliases (or absent)."""
     model = body.get("model")
     if model is None:
         return served
     if not isinstance(model, str):
-        raise InvalidRequest("model must be a string")
-    if model != served:
+        raise FieldError("model", "model must be a string")
+    if model != served and model not in aliases:
         raise ModelNotFound(f"the model {model!r} does not exist; this server serves {served!r}")
-    return model
+    return served
 
 
-def _common(body: dict, req: gateway_pb2.GenerateRequest, served: str) -> Options:
-    opts = Options(model=check_model(body, served))
+def _common(
+    body: dict,
+    req: gateway_pb2.GenerateRequest,
+    served: str,
+    aliases: Collection[str],
+    strict: bool,
+) -> Options:
+    opts = Options(model=check_model(body, served, aliases))
     n = _number(body, "n", integer=True)
     if n is not None:
         if n < 1:
-            raise InvalidRequest(f"n must be at least 1, got {n}")
+            raise FieldError("n", f"n must be at least 1, got {n}")
         _set(req, "n", n, "n")  # the upper bound is validated as gRPC's
     for name in ("max_tokens", "max_completion_tokens"):
         value = _number(body, name, integer=True)
@@ -202,7 +278,7 @@ def _common(body: dict, req: gateway_pb2.GenerateRequest, served: str) -> Option
     top_p = _number(body, "top_p")
     if top_p is not None:
         if top_p == 0:
-            raise InvalidRequest("sampling: top_p must be in (0, 1], got 0")
+            raise FieldError("top_p", "sampling: top_p must be in (0, 1], got 0")
         sampling.top_p = top_p
     top_k = _number(body, "top_k", integer=True)
     if top_k is not None:
@@ -217,20 +293,19 @@ def _common(body: dict, req: gateway_pb2.GenerateRequest, served: str) -> Option
         stop = [stop]
     if stop is not None:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise InvalidRequest("stop must be a string or a list of strings")
+            raise FieldError("stop", "stop must be a string or a list of strings")
         req.stop.extend(stop)
     opts.stream = bool(_bool(body, "stream"))
     stream_options = body.get("stream_options")
     if stream_options is not None:
-        allowed = {"include_usage", "continuous_usage_stats"}
-        if not isinstance(stream_options, dict) or set(stream_options) - allowed:
-            raise InvalidRequest(
-                "stream_options may only hold include_usage and continuous_usage_stats"
-            )
+        if not isinstance(stream_options, dict):
+            raise FieldError("stream_options", "stream_options must be an object")
+        known = {"include_usage", "continuous_usage_stats"}
+        _unknown([k for k in stream_options if k not in known], strict, "stream_options.")
         if not opts.stream:
-            raise InvalidRequest("stream_options is only allowed with stream: true")
-        opts.include_usage = bool(_bool(stream_options, "include_usage"))
-        continuous = bool(_bool(stream_options, "continuous_usage_stats"))
+            raise FieldError("stream_options", "stream_options is only allowed with stream: true")
+        opts.include_usage = bool(_bool(stream_options, "include_usage", "stream_options."))
+        continuous = bool(_bool(stream_options, "continuous_usage_stats", "stream_options."))
         opts.continuous_usage = opts.include_usage and continuous  # as vLLM
     k = _number(body, "k", integer=True)
     if k is not None:
@@ -248,12 +323,12 @@ def _common(body: dict, req: gateway_pb2.GenerateRequest, served: str) -> Option
     user = body.get("user")
     if user is not None:
         if not isinstance(user, str):
-            raise InvalidRequest("user must be a string")
+            raise FieldError("user", "user must be a string")
         opts.user = user
     session_id = body.get("session_id")
     if session_id is not None:
         if not isinstance(session_id, str) or not session_id:
-            raise InvalidRequest("session_id must be a non-empty string")
+            raise FieldError("session_id", "session_id must be a non-empty string")
         req.session.id = session_id
         opts.session_id = session_id
     if _bool(body, "session_reset"):  # forget the session's history first (validated as gRPC)
@@ -264,7 +339,7 @@ def _common(body: dict, req: gateway_pb2.GenerateRequest, served: str) -> Option
     timeout = _number(body, "timeout")
     if timeout is not None:
         if not timeout > 0:
-            raise InvalidRequest(f"timeout must be > 0 seconds, got {timeout}")
+            raise FieldError("timeout", f"timeout must be > 0 seconds, got {timeout}")
         opts.timeout = float(timeout)
     _structured(body, req)
     return opts
@@ -281,25 +356,33 @@ def _controls(
     repetition = _number(body, "repetition_penalty")
     if repetition is not None:
         if not repetition > 0:  # proto3 reads 0 as unset
-            raise InvalidRequest(f"repetition_penalty must be > 0, got {repetition}")
+            raise FieldError(
+                "repetition_penalty", f"repetition_penalty must be > 0, got {repetition}"
+            )
         _set(sampling, "repetition_penalty", repetition, "repetition_penalty")
     bias = body.get("logit_bias")
     if bias is not None:
         if not isinstance(bias, dict):
-            raise InvalidRequest("logit_bias must be an object mapping token ids to numbers")
+            raise FieldError(
+                "logit_bias", "logit_bias must be an object mapping token ids to numbers"
+            )
         for key, value in bias.items():
             try:
                 token = int(key)
             except ValueError:
-                raise InvalidRequest(
-                    f"logit_bias: key {key!r} is not a token id (an integer)"
+                raise FieldError(
+                    "logit_bias", f"logit_bias: key {key!r} is not a token id (an integer)"
                 ) from None
             if isinstance(value, bool) or not isinstance(value, int | float):
-                raise InvalidRequest(f"logit_bias: the bias of token {key} must be a number")
+                raise FieldError(
+                    "logit_bias", f"logit_bias: the bias of token {key} must be a number"
+                )
             try:
                 sampling.logit_bias[token] = value
             except (ValueError, TypeError) as e:
-                raise InvalidRequest(f"logit_bias: token id {key} is out of range ({e})") from None
+                raise FieldError(
+                    "logit_bias", f"logit_bias: token id {key} is out of range ({e})"
+                ) from None
     ignore_eos = _bool(body, "ignore_eos")
     if ignore_eos is not None:
         req.ignore_eos = ignore_eos
@@ -309,11 +392,13 @@ def _controls(
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
         if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
-            raise InvalidRequest("stop_token_ids must be a list of token ids (integers)")
+            raise FieldError(
+                "stop_token_ids", "stop_token_ids must be a list of token ids (integers)"
+            )
         try:
             req.stop_token_ids.extend(stop_ids)
         except ValueError:
-            raise InvalidRequest("stop_token_ids must fit in int64") from None
+            raise FieldError("stop_token_ids", "stop_token_ids must fit in int64") from None
 
 
 def _structured(body: dict, req: gateway_pb2.GenerateRequest) -> None:
@@ -323,11 +408,11 @@ def _structured(body: dict, req: gateway_pb2.GenerateRequest) -> None:
     fmt = body.get("response_format")
     if fmt is not None:
         if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
-            raise InvalidRequest('response_format must be an object with a "type"')
+            raise FieldError("response_format", 'response_format must be an object with a "type"')
         if fmt["type"] != "text":
             given.append("response_format")
     if len(given) > 1:
-        raise InvalidRequest(f"give one of {', '.join(given)}, not several")
+        raise FieldError(given[0], f"give one of {', '.join(given)}, not several")
     if not given:
         return
     out = req.structured_output
@@ -339,13 +424,15 @@ def _structured(body: dict, req: gateway_pb2.GenerateRequest) -> None:
             out.json_object.SetInParent()
             return
         if kind != "json_schema":
-            raise InvalidRequest(
-                f'response_format type must be "text", "json_object" or "json_schema", got {kind!r}'
+            raise FieldError(
+                "response_format",
+                f'response_format type must be "text", "json_object" or "json_schema", got {kind!r}',
             )
         spec = value.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict | bool):
-            raise InvalidRequest(
-                'response_format json_schema must be an object holding the "schema" object'
+            raise FieldError(
+                "response_format",
+                'response_format json_schema must be an object holding the "schema" object',
             )
         out.json_schema = json.dumps(spec.get("schema", {}))
     elif name == "guided_json":
@@ -354,14 +441,16 @@ def _structured(body: dict, req: gateway_pb2.GenerateRequest) -> None:
         elif isinstance(value, dict):
             out.json_schema = json.dumps(value)
         else:
-            raise InvalidRequest("guided_json must be a JSON schema (an object or its text)")
+            raise FieldError(
+                "guided_json", "guided_json must be a JSON schema (an object or its text)"
+            )
     elif name == "guided_regex":
         if not isinstance(value, str):
-            raise InvalidRequest("guided_regex must be a string")
+            raise FieldError("guided_regex", "guided_regex must be a string")
         out.regex = value
     else:
         if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
-            raise InvalidRequest("guided_choice must be a list of strings")
+            raise FieldError("guided_choice", "guided_choice must be a list of strings")
         out.choice.choices.extend(value)
         out.choice.SetInParent()
 
@@ -372,30 +461,37 @@ def _prediction(prediction: Any, req: gateway_pb2.GenerateRequest) -> None:
     if prediction is None:
         return
     if not isinstance(prediction, dict) or prediction.get("type") != "content":
-        raise InvalidRequest('prediction must be {"type": "content", "content": ...}')
+        raise FieldError("prediction", 'prediction must be {"type": "content", "content": ...}')
     if set(prediction) - {"type", "content"}:
-        raise InvalidRequest("prediction may only hold type and content")
+        raise FieldError("prediction", "prediction may only hold type and content")
     content = prediction.get("content")
     if isinstance(content, list):
         parts = []
         for i, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text":
-                raise InvalidRequest(f"prediction.content[{i}]: only text parts are supported")
+                raise FieldError(
+                    "prediction", f"prediction.content[{i}]: only text parts are supported"
+                )
             if not isinstance(part.get("text"), str):
-                raise InvalidRequest(f"prediction.content[{i}].text must be a string")
+                raise FieldError("prediction", f"prediction.content[{i}].text must be a string")
             parts.append(part["text"])
         content = "".join(parts)
     if not isinstance(content, str):
-        raise InvalidRequest("prediction.content must be a string or a list of text parts")
+        raise FieldError(
+            "prediction", "prediction.content must be a string or a list of text parts"
+        )
     if content:
         req.prediction.text = content
 
 
-def completion_request(body: Any, served: str) -> tuple[gateway_pb2.GenerateRequest, Options]:
-    """POST /v1/completions body -> (GenerateRequest, Options)."""
+def completion_request(
+    body: Any, served: str, aliases: Collection[str] = (), strict: bool = False
+) -> tuple[gateway_pb2.GenerateRequest, Options]:
+    """POST /v1/completions body -> (GenerateRequest, Options). `aliases`: other names
+    `model` may give; `strict`: unknown fields are refused (--strict-fields)."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
-    _check_fields(body, COMPLETION_FIELDS)
+    _check_fields(body, COMPLETION_FIELDS, strict)
     req = gateway_pb2.GenerateRequest(max_new_tokens=DEFAULT_COMPLETION_TOKENS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -406,16 +502,17 @@ def completion_request(body: Any, served: str) -> tuple[gateway_pb2.GenerateRequ
         try:
             req.prompt_token_ids.ids.extend(prompt)
         except ValueError:
-            raise InvalidRequest("prompt token ids must fit in int32") from None
+            raise FieldError("prompt", "prompt token ids must fit in int32") from None
     elif isinstance(prompt, list) and len(prompt) > 1:
-        raise InvalidRequest("one prompt per request: batches of prompts are not supported")
+        raise FieldError("prompt", "one prompt per request: batches of prompts are not supported")
     else:
-        raise InvalidRequest("prompt must be a string or a list of token ids")
-    opts = _common(body, req, served)
+        raise FieldError("prompt", "prompt must be a string or a list of token ids")
+    opts = _common(body, req, served, aliases, strict)
+    opts.fields = _fields(body, chat=False)
     logprobs = _number(body, "logprobs", integer=True)  # alternatives per token (legacy)
     if logprobs is not None:
         if logprobs < 0:
-            raise InvalidRequest(f"logprobs must be >= 0, got {logprobs}")
+            raise FieldError("logprobs", f"logprobs must be >= 0, got {logprobs}")
         req.logprobs = True
         _set(req, "top_logprobs", logprobs, "logprobs")
     opts.echo = bool(_bool(body, "echo"))
@@ -423,7 +520,9 @@ def completion_request(body: Any, served: str) -> tuple[gateway_pb2.GenerateRequ
     return req, opts
 
 
-def chat_request(body: Any, served: str) -> tuple[gateway_pb2.GenerateRequest, Options, list[dict]]:
+def chat_request(
+    body: Any, served: str, aliases: Collection[str] = (), strict: bool = False
+) -> tuple[gateway_pb2.GenerateRequest, Options, list[dict]]:
     """POST /v1/chat/completions body -> (GenerateRequest without its prompt, Options,
     messages). The caller renders the messages into `prompt`. Without max_tokens a chat
     may use what is left of the context, up to the gateway's --max-new-tokens: ChatTurn
@@ -432,20 +531,23 @@ def chat_request(body: Any, served: str) -> tuple[gateway_pb2.GenerateRequest, O
 
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
-    _check_fields(body, CHAT_FIELDS)
+    _check_fields(body, CHAT_FIELDS, strict)
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
-        raise InvalidRequest("give max_tokens or max_completion_tokens, not both")
+        raise FieldError(
+            "max_completion_tokens", "give max_tokens or max_completion_tokens, not both"
+        )
     req = gateway_pb2.GenerateRequest(max_new_tokens=1)
-    opts = _common(body, req, served)
+    opts = _common(body, req, served, aliases, strict)
+    opts.prompt_field, opts.fields = "messages", _fields(body, chat=True)
     if not opts.max_tokens_given:  # ChatTurn sets it from the context; min_tokens must fit
         req.max_new_tokens = max(1, req.min_tokens)
     req.logprobs = bool(_bool(body, "logprobs"))
     top = _number(body, "top_logprobs", integer=True)
     if top is not None:
         if not req.logprobs:
-            raise InvalidRequest("top_logprobs needs logprobs: true")
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         if top < 0:
-            raise InvalidRequest(f"top_logprobs must be >= 0, got {top}")
+            raise FieldError("top_logprobs", f"top_logprobs must be >= 0, got {top}")
         _set(req, "top_logprobs", top, "top_logprobs")
     return req, opts, messages_from_json(body.get("messages"))
 

@@ -2,7 +2,8 @@
 gateway's own event loop, next to grpc.aio, so every request calls `Gateway.run` directly.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-GET /v1/models/{model}, GET /health. Each generation is one `Gateway.run` (validation, the
+GET /v1/models/{model}, GET /health, GET /metrics (the gateway's Prometheus registry, the
+one --metrics-port serves). Each generation is one `Gateway.run` (validation, the
 turn lock, the loop and the session write are the gRPC path's own); this module only
 translates (specdec.gateway.http.api), streams server-sent events, enforces the request's
 `timeout` and cancels the generation when the client goes away: cancelling the turn's
@@ -17,13 +18,15 @@ import hmac
 import json
 import logging
 import time
+from http import HTTPStatus
+from pathlib import PurePosixPath
 from ssl import CERT_REQUIRED
 from typing import Any
 
 import uvicorn
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
-from prometheus_client import Counter
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -32,19 +35,21 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from specdec.common import telemetry
-from specdec.common.errors import InvalidRequest, SpecdecError
+from specdec.common.errors import InvalidRequest
 from specdec.common.serving import MAX_MESSAGE_BYTES
 from specdec.common.tls import ServerTls, pem_files
 from specdec.gateway import grammar, tracing
 from specdec.gateway.http import api
 from specdec.gateway.http.chat import ChatTemplate, ChatTurn
 from specdec.gateway.http.errors import (
+    ERROR_TYPE,
     BodyTooLarge,
     DeadlineExceeded,
+    ErrorContext,
     ModelNotFound,
     NotReady,
     Unauthenticated,
-    error_body,
+    answer,
     http_status,
 )
 from specdec.gateway.http.logprobs import LogprobsRenderer
@@ -53,7 +58,7 @@ from specdec.gateway.turn import Gateway
 
 log = logging.getLogger(__name__)
 
-ROUTES = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions")
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
 HTTP_RESPONSES = Counter(
     "specdec_gateway_http_responses",
     "HTTP API answers by path and status (499: the client went away first)",
@@ -67,8 +72,23 @@ SSE_HEADERS = [
 ]
 
 
-def error_response(e: BaseException) -> JSONResponse:
-    return JSONResponse(error_body(e), status_code=http_status(e))
+def error_response(e: BaseException, context: ErrorContext | None = None) -> JSONResponse:
+    a = answer(e, context)
+    return JSONResponse(a.body, status_code=a.status, headers=a.headers)
+
+
+def model_folder_name(model_id: str) -> str:
+    """The served model's default name: the name of the verifier's model folder, the last
+    component of its model path (a GGUF model's `#file` left out). Where that component
+    names no model, the folder that does: `specdec models install` keeps a model in
+    `<name>/model`, a Hugging Face cache in `models--<org>--<name>/snapshots/<revision>`."""
+    path = PurePosixPath(model_id.split("#", 1)[0].rstrip("/") or "/")
+    parent = path.parent
+    if parent.name == "snapshots" and parent.parent.name.startswith("models--"):
+        return parent.parent.name.split("--", 2)[-1]
+    if path.name == "model" and parent.name:
+        return parent.name
+    return path.name or model_id
 
 
 def _sse(obj: Any) -> bytes:
@@ -172,10 +192,7 @@ class Generation:
                 )
             else:
                 await JSONResponse(r.body(final))(self.scope, _no_receive, send)
-        except SpecdecError as e:
-            await self._send_error(send, e)
-        except Exception as e:
-            log.exception("unexpected error in an HTTP generation", exc_info=e)
+        except Exception as e:  # a 500 is logged with its exception by errors.answer
             await self._send_error(send, e)
         finally:
             await self.events.aclose()
@@ -192,15 +209,24 @@ class Generation:
             session["restarted"] = self.turn.restarted
         self.renderer.session = session
 
+    def _error_context(self) -> ErrorContext:
+        return ErrorContext(
+            prompt=self.opts.prompt_field,
+            fields=self.opts.fields,
+            request_id=telemetry.trace_id_hex(self.span) or self.renderer.id,
+        )
+
     async def _send_error(self, send: Send, e: BaseException) -> None:
         if self.span is not None:
             self.span.set_attribute("http.response.status_code", http_status(e))
             self.span.set_status(Status(StatusCode.ERROR, f"{type(e).__name__}: {e}"[:500]))
+        a = answer(e, self._error_context())
         if not self.started:
-            await error_response(e)(self.scope, _no_receive, send)
+            response = JSONResponse(a.body, status_code=a.status, headers=a.headers)
+            await response(self.scope, _no_receive, send)
             self.started = True
             return
-        await send({"type": "http.response.body", "body": _sse(error_body(e)), "more_body": True})
+        await send({"type": "http.response.body", "body": _sse(a.body), "more_body": True})
         await send({"type": "http.response.body", "body": _sse("[DONE]"), "more_body": False})
 
 
@@ -255,10 +281,15 @@ class OpenAIServer:
     """The routes, over one Gateway."""
 
     def __init__(
-        self, gateway: Gateway, served_model_name: str = "", tokens: frozenset[str] = frozenset()
+        self,
+        gateway: Gateway,
+        served_model_name: str = "",
+        tokens: frozenset[str] = frozenset(),
+        strict_fields: bool = False,
     ):
         self.gateway = gateway
         self.served_model_name = served_model_name
+        self.strict_fields = strict_fields  # --strict-fields: unknown body fields are 400
         self.tokens = tuple(t.encode() for t in tokens)  # --auth-tokens-file, as gRPC
         self.created = int(time.time())
         self._chat_template: tuple[str, ChatTemplate] | None = None
@@ -277,7 +308,14 @@ class OpenAIServer:
 
     @property
     def model(self) -> str:
-        return self.served_model_name or self._verifier_info().model_id
+        """--served-model-name, else the verifier's model folder's name."""
+        return self.served_model_name or model_folder_name(self._verifier_info().model_id)
+
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        """Other names a request's `model` may give: without --served-model-name, the
+        verifier's whole model id (the default name before it was the folder's)."""
+        return () if self.served_model_name else (self._verifier_info().model_id,)
 
     def chat_template(self) -> ChatTemplate:
         info = self._verifier_info()
@@ -318,32 +356,29 @@ class OpenAIServer:
     # -- routes --------------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        try:
-            self._ready()
-        except SpecdecError as e:
-            return error_response(e)
+        self._ready()
         return JSONResponse({"status": "ok"})
 
+    async def metrics(self, request: Request) -> Response:
+        """The gateway's Prometheus registry, as --metrics-port serves it (behind the
+        bearer tokens when --auth-tokens-file is set, as the rest of the API)."""
+        self._authorize(request)
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
     async def models(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-            self._ready()
-            return JSONResponse({"object": "list", "data": [self._model_card()]})
-        except SpecdecError as e:
-            return error_response(e)
+        self._authorize(request)
+        self._ready()
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
 
     async def model_card(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-            self._ready()
-            name = request.path_params["model"]
-            if name != self.model:
-                raise ModelNotFound(
-                    f"the model {name!r} does not exist; this server serves {self.model!r}"
-                )
-            return JSONResponse(self._model_card())
-        except SpecdecError as e:
-            return error_response(e)
+        self._authorize(request)
+        self._ready()
+        name = request.path_params["model"]
+        if name != self.model and name not in self.aliases:
+            raise ModelNotFound(
+                f"the model {name!r} does not exist; this server serves {self.model!r}"
+            )
+        return JSONResponse(self._model_card())
 
     def _model_card(self) -> dict[str, Any]:
         return {
@@ -362,12 +397,11 @@ class OpenAIServer:
         }
 
     async def completions(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-            self._ready()
-            req, opts = api.completion_request(await self._body(request), self.model)
-        except SpecdecError as e:
-            return error_response(e)
+        self._authorize(request)
+        self._ready()
+        req, opts = api.completion_request(
+            await self._body(request), self.model, self.aliases, self.strict_fields
+        )
         renderer = api.Renderer(chat=False, model=opts.model)
         self._scores(renderer, req, opts)
         span = request_span(request, "/v1/completions", req, opts.model)
@@ -375,14 +409,13 @@ class OpenAIServer:
         return Generation(events, renderer, opts, None, span)
 
     async def chat_completions(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-            self._ready()
-            req, opts, messages = api.chat_request(await self._body(request), self.model)
-            template = self.chat_template()
-            req.prompt = await asyncio.to_thread(template.render, messages, True)
-        except SpecdecError as e:
-            return error_response(e)
+        self._authorize(request)
+        self._ready()
+        req, opts, messages = api.chat_request(
+            await self._body(request), self.model, self.aliases, self.strict_fields
+        )
+        template = self.chat_template()
+        req.prompt = await asyncio.to_thread(template.render, messages, True)
         limits = self.gateway.limits
         turn = ChatTurn(
             self.gateway.codec,
@@ -411,28 +444,54 @@ class OpenAIServer:
             )
 
     def app(self) -> Starlette:
-        async def http_error(request: Request, exc: HTTPException) -> Response:
-            status = exc.status_code
-            body = {
-                "error": {
-                    "message": f"{request.method} {request.url.path}: {exc.detail}",
-                    "type": "not_found_error" if status == 404 else "invalid_request_error",
-                    "param": None,
-                    "code": str(status),
-                }
-            }
-            return JSONResponse(body, status_code=status)
-
         return Starlette(
             routes=[
-                Route("/health", self.health, methods=["GET"]),
-                Route("/v1/models", self.models, methods=["GET"]),
-                Route("/v1/models/{model:path}", self.model_card, methods=["GET"]),
-                Route("/v1/completions", self.completions, methods=["POST"]),
-                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/health", _answering(self.health), methods=["GET"]),
+                Route("/metrics", _answering(self.metrics), methods=["GET"]),
+                Route("/v1/models", _answering(self.models), methods=["GET"]),
+                Route(
+                    "/v1/models/{model:path}", _answering(self.model_card, "model"), methods=["GET"]
+                ),
+                Route("/v1/completions", _answering(self.completions, "prompt"), methods=["POST"]),
+                Route(
+                    "/v1/chat/completions",
+                    _answering(self.chat_completions, "messages"),
+                    methods=["POST"],
+                ),
             ],
-            exception_handlers={HTTPException: http_error},
+            exception_handlers={HTTPException: routing_error},
         )
+
+
+def _answering(handler, prompt: str | None = None):
+    """A route that answers every error of `handler` in OpenAI's shape (a generation's
+    own errors are answered by Generation): its status, or a 500 that names a request id
+    and tells nothing else. prompt: the field a request that cannot fit is about."""
+
+    async def route(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except Exception as e:
+            return error_response(e, ErrorContext(prompt=prompt))
+
+    return route
+
+
+async def routing_error(request: Request, exc: HTTPException) -> Response:
+    """An unknown path (404) or method (405, with its Allow header) in OpenAI's shape:
+    `invalid_request_error` with the status's name as code ("not_found",
+    "method_not_allowed")."""
+    status = exc.status_code
+    phrase = HTTPStatus(status).phrase
+    body = {
+        "error": {
+            "message": f"{request.method} {request.url.path}: {phrase}",
+            "type": ERROR_TYPE.get(status, "invalid_request_error"),
+            "param": None,
+            "code": phrase.lower().replace(" ", "_"),
+        }
+    }
+    return JSONResponse(body, status_code=status, headers=dict(exc.headers or {}))
 
 
 class CountResponses:
@@ -523,7 +582,10 @@ class HttpServer:
 
 async def start_http(gateway: Gateway, config) -> HttpServer:
     """Serve the OpenAI-compatible API on config.http_port (GatewayConfig)."""
-    app = CountResponses(OpenAIServer(gateway, config.served_model_name, config.auth_tokens).app())
+    routes = OpenAIServer(
+        gateway, config.served_model_name, config.auth_tokens, config.strict_fields
+    )
+    app = CountResponses(routes.app())
     server = HttpServer(app, config.host, config.http_port, config.grace_seconds, config.tls)
     await server.start()
     return server

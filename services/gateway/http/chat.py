@@ -34,6 +34,8 @@ import jinja2.ext
 import jinja2.sandbox
 
 from specdec.common.errors import InvalidRequest
+from specdec.gateway.http.errors import FieldError
+from specdec.gateway.request import ContextLengthExceeded
 from specdec.gateway.sessions import SessionRecord
 from specdec.gateway.text import TextCodec
 
@@ -141,47 +143,59 @@ class ChatTemplate:
                 **self.special_tokens,
             )
         except jinja2.TemplateError as e:  # raise_exception() in the template, or a bug in it
-            raise InvalidRequest(f"chat template: {e}") from None
+            raise FieldError("messages", f"chat template: {e}") from None
 
 
 def messages_from_json(raw: Any) -> list[dict[str, Any]]:
-    """OpenAI's `messages` as the dicts a chat template expects (InvalidRequest if bad).
+    """OpenAI's `messages` as the dicts a chat template expects (FieldError naming the
+    field if bad).
 
     Content given as a list of parts is joined into one string (text parts only), as vLLM
     does for string-content templates.
     """
     if not isinstance(raw, list) or not raw:
-        raise InvalidRequest("messages must be a non-empty list")
+        raise FieldError("messages", "messages must be a non-empty list")
     out = []
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
-            raise InvalidRequest(f"messages[{i}] must be an object")
+            raise FieldError(f"messages[{i}]", f"messages[{i}] must be an object")
         role = m.get("role")
         if role not in ROLES:
-            raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}")
+            raise FieldError(
+                f"messages[{i}].role", f"messages[{i}].role must be one of {', '.join(ROLES)}"
+            )
         if m.get("tool_calls") or m.get("function_call"):
-            raise InvalidRequest(f"messages[{i}]: tool calls are not supported")
+            raise FieldError(f"messages[{i}]", f"messages[{i}]: tool calls are not supported")
         content = m.get("content")
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text":
-                    raise InvalidRequest(
-                        f"messages[{i}].content[{j}]: only text parts are supported"
+                    raise FieldError(
+                        f"messages[{i}].content[{j}]",
+                        f"messages[{i}].content[{j}]: only text parts are supported",
                     )
                 if not isinstance(part.get("text"), str):
-                    raise InvalidRequest(f"messages[{i}].content[{j}].text must be a string")
+                    raise FieldError(
+                        f"messages[{i}].content[{j}].text",
+                        f"messages[{i}].content[{j}].text must be a string",
+                    )
                 texts.append(part["text"])
             content = "\n".join(texts)
         elif content is not None and not isinstance(content, str):
-            raise InvalidRequest(f"messages[{i}].content must be a string or a list of parts")
+            raise FieldError(
+                f"messages[{i}].content",
+                f"messages[{i}].content must be a string or a list of parts",
+            )
         if content is None and role != "assistant":
-            raise InvalidRequest(f"messages[{i}].content is required")
+            raise FieldError(f"messages[{i}].content", f"messages[{i}].content is required")
         message = {"role": role, "content": content}
         for key in ("name", "tool_call_id", "reasoning_content"):
             if key in m:
                 if not isinstance(m[key], str):
-                    raise InvalidRequest(f"messages[{i}].{key} must be a string")
+                    raise FieldError(
+                        f"messages[{i}].{key}", f"messages[{i}].{key} must be a string"
+                    )
                 message[key] = m[key]
         out.append(message)
     return out
@@ -215,7 +229,7 @@ class ChatTurn:
             return record, ids, None
         room = self.max_context - len(ids) - (len(record.tokens) if record else 0)
         if room < 1:
-            raise InvalidRequest(
+            raise ContextLengthExceeded(
                 f"the conversation fills the model's context of {self.max_context} tokens"
             )
         return record, ids, min(room, self.max_new_tokens)
@@ -243,7 +257,7 @@ class ChatTurn:
             )
         ids = await asyncio.to_thread(self.codec.encode, self.rendered, False)
         if not ids:
-            raise InvalidRequest("the rendered chat is empty after tokenization")
+            raise FieldError("messages", "the rendered chat is empty after tokenization")
         return None, ids
 
     def _decode(self, tokens: list[int]) -> str:

@@ -1,15 +1,33 @@
-"""Errors of the HTTP API: gRPC status codes to HTTP statuses, in OpenAI's error shape.
+"""Errors of the HTTP API: gRPC status codes to HTTP answers, in OpenAI's error shape.
 
 The gateway's errors are `SpecdecError`s carrying a gRPC status code (mapped for gRPC in
-specdec.common.serving); this table is the one place they become HTTP statuses. The body
-is OpenAI's: ``{"error": {"message", "type", "param", "code"}}``.
+specdec.common.serving); this module is the one place they become HTTP answers. The body
+is OpenAI's, ``{"error": {"message", "type", "param", "code"}}``, and where OpenAI's clients
+act on an answer it is OpenAI's answer:
+
+- a request that cannot fit, the model's context or a replica's KV cache bound (gRPC's
+  RESOURCE_EXHAUSTED from the replica), is 400 ``context_length_exceeded`` with ``param``
+  the prompt's field: no retry can help, and the `openai` client retries every 429;
+- backpressure (every replica of a role has a full queue) is 429 with ``Retry-After``;
+- ``param`` names the request field an error is about;
+- a 500 tells nothing of its cause: a generic message naming the request's id (its trace
+  id when traced), and the exception logged under that id.
 """
 
 from __future__ import annotations
 
+import logging
+import re
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
 import grpc
 
-from specdec.common.errors import SpecdecError
+from specdec.common.errors import InvalidRequest, ReplicaBusy, SpecdecError
+from specdec.gateway.request import ContextLengthExceeded
+
+log = logging.getLogger(__name__)
 
 HTTP_STATUS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -20,7 +38,7 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.ABORTED: 409,  # a session's turn is already in flight
     grpc.StatusCode.ALREADY_EXISTS: 409,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,  # backpressure only: see `http_status`
     grpc.StatusCode.CANCELLED: 499,
     grpc.StatusCode.UNIMPLEMENTED: 501,
     grpc.StatusCode.UNAVAILABLE: 503,
@@ -30,10 +48,11 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
 ERROR_TYPE: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
-    413: "invalid_request_error",
     403: "permission_error",
-    404: "not_found_error",
+    404: "invalid_request_error",  # as OpenAI: an unknown model or path
+    405: "invalid_request_error",
     409: "conflict_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     499: "cancelled",
     501: "not_implemented_error",
@@ -41,10 +60,24 @@ ERROR_TYPE: dict[int, str] = {
     504: "timeout_error",
 }
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+# Seconds a client should wait after a 429 (backpressure: a replica's queue drains in
+# about a forward's time); the `openai` client honours Retry-After up to a minute.
+RETRY_AFTER_SECONDS = 1
+
 
 class ModelNotFound(SpecdecError):
     code = grpc.StatusCode.NOT_FOUND
     error_code = "model_not_found"
+    param = "model"
+
+
+class FieldError(InvalidRequest):
+    """A bad value of one field of the request body; `param` is its name there."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 class Unauthenticated(SpecdecError):
@@ -68,27 +101,130 @@ class NotReady(SpecdecError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+def is_backpressure(e: BaseException) -> bool:
+    """Every replica of a role answered busy (full queues, --max-queue): a retry later may
+    succeed. The caller's UpstreamError says so (`busy`), a replica's own ReplicaBusy too."""
+    return isinstance(e, ReplicaBusy) or bool(getattr(e, "busy", False))
+
+
+def is_context_length(e: BaseException) -> bool:
+    """The request cannot fit: the model's context, or a replica's KV cache bound (the one
+    RESOURCE_EXHAUSTED that is not backpressure: the same request never fits there)."""
+    if isinstance(e, ContextLengthExceeded):
+        return True
+    return (
+        isinstance(e, SpecdecError)
+        and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        and getattr(e, "http_status", None) is None
+        and not is_backpressure(e)
+    )
+
+
 def http_status(e: BaseException) -> int:
     """The HTTP status of an error (500 for anything that is not a SpecdecError)."""
-    if isinstance(e, SpecdecError):
-        return getattr(e, "http_status", None) or HTTP_STATUS.get(e.code, 500)
-    return 500
+    if not isinstance(e, SpecdecError):
+        return 500
+    if is_context_length(e):
+        return 400
+    return getattr(e, "http_status", None) or HTTP_STATUS.get(e.code, 500)
 
 
-def error_body(e: BaseException) -> dict:
-    """OpenAI's error object for an exception."""
+# The request field a message of the shared validation names first (specdec.gateway.request,
+# the grammar, the sampling checks): "sampling: top_p must be ...", "at most 16 stop
+# strings", "structured_output.regex is empty", "session id is longer ...".
+_LEADING_FIELD = re.compile(
+    r"(?:sampling: )?(?:at most \d+ )?(\w+)(?:\.\w+)?(?: (strings|id|options)\b)?"
+)
+
+
+def leading_field(message: str) -> str:
+    """The gRPC field a validation message starts with ("stop strings", "session id",
+    "max_new_tokens", ...), "" when it names none."""
+    m = _LEADING_FIELD.match(message)
+    if m is None:
+        return ""
+    return f"{m.group(1)} {m.group(2)}" if m.group(2) else m.group(1)
+
+
+@dataclass(frozen=True)
+class ErrorContext:
+    """What the HTTP layer knows of the request an error answers.
+
+    prompt: the body field a request that cannot fit is about ("prompt" or "messages").
+    fields: the gRPC names the shared validation's messages start with -> the body field
+    they come from in this request ("max_new_tokens" -> "max_tokens", "num_draft_tokens"
+    -> "k", ...). request_id: names a 500 (the request's trace id when traced).
+    """
+
+    prompt: str | None = None
+    fields: Mapping[str, str] = field(default_factory=dict)
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class ErrorAnswer:
+    status: int
+    body: dict
+    headers: dict[str, str]
+
+
+def _upstream_details(e: BaseException) -> str:
+    """A replica's message without the "role@address: " the caller puts before it."""
+    text = str(e)
+    where, sep, rest = text.partition(": ")
+    return rest if sep and "@" in where and " " not in where else text
+
+
+def _param(e: BaseException, context: ErrorContext) -> str | None:
+    if is_context_length(e):
+        return context.prompt
+    given = getattr(e, "param", None)
+    if given:
+        return given
+    if isinstance(e, InvalidRequest):
+        return context.fields.get(leading_field(str(e)))
+    return None
+
+
+def answer(e: BaseException, context: ErrorContext | None = None) -> ErrorAnswer:
+    """The HTTP answer to an exception: status, OpenAI's error body, headers. A 500 is
+    logged here, with its exception, under the id its message names."""
+    context = context or ErrorContext()
     status = http_status(e)
-    if isinstance(e, SpecdecError):
-        message = str(e)
-        code = getattr(e, "error_code", None) or e.code.name.lower()
-    else:
-        message = f"internal error: {type(e).__name__}: {e}"
+    headers: dict[str, str] = {}
+    if status == 500:
+        request_id = context.request_id or uuid.uuid4().hex
+        log.error(
+            "internal error answering an HTTP request",
+            exc_info=e,
+            extra={"request_id": request_id},
+        )
+        message = (
+            "The server had an error while processing the request "
+            f"(request id {request_id}); it is logged under that id"
+        )
         code = "internal"
-    return {
+    elif is_context_length(e):
+        message = str(e)
+        if not isinstance(e, ContextLengthExceeded):
+            message = f"the request does not fit a replica's KV cache: {_upstream_details(e)}"
+        code = CONTEXT_LENGTH_EXCEEDED
+    else:
+        message = _upstream_details(e) if is_backpressure(e) else str(e)
+        code = getattr(e, "error_code", None) or e.code.name.lower()
+        if status == 429:
+            headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+    body = {
         "error": {
             "message": message,
             "type": ERROR_TYPE.get(status, "server_error"),
-            "param": getattr(e, "param", None),
+            "param": _param(e, context) if status != 500 else None,
             "code": code,
         }
     }
+    return ErrorAnswer(status, body, headers)
+
+
+def error_body(e: BaseException, context: ErrorContext | None = None) -> dict:
+    """OpenAI's error object for an exception."""
+    return answer(e, context).body
