@@ -12,7 +12,13 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from specdec.common.errors import BUSY_PREFIX, CapacityExceeded, InvalidRequest, ReplicaBusy
+from specdec.common.errors import (
+    BUSY_PREFIX,
+    CapacityExceeded,
+    InvalidRequest,
+    ReplicaBusy,
+    SpecdecError,
+)
 from specdec.gateway.caller import UpstreamError
 from specdec.gateway.http import api
 from specdec.gateway.http.app import OpenAIServer, model_folder_name
@@ -635,3 +641,25 @@ def test_the_default_model_name_is_the_folders():
     named = _client(_unused, served_model_name="tiny")
     r = named.post("/v1/completions", json={"prompt": "x", "model": "/models/tiny-target"})
     assert r.status_code == 404  # a name given: no alias
+
+
+def test_a_replica_deadline_within_the_request_timeout_answers_as_the_timeout():
+    """The request's `timeout` bounds its replica calls too: whichever fires first, the
+    answer is the same 504 (a replica's DEADLINE_EXCEEDED answered first under load)."""
+
+    class Late(SpecdecError):
+        code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+    async def deadline(req, **kw):
+        raise Late("verifier@127.0.0.1:1: Deadline Exceeded")
+        yield
+
+    r = _client(deadline).post("/v1/completions", json={"prompt": "x", "timeout": 5})
+    assert r.status_code == 504
+    assert r.json()["error"]["type"] == "timeout_error"
+    assert (
+        "did not finish within timeout=5.0s (tokens generated: 0)" in r.json()["error"]["message"]
+    )
+    # Without a request timeout, the replica's deadline is the answer.
+    r = _client(deadline).post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 504 and "verifier@127.0.0.1:1" in r.json()["error"]["message"]

@@ -23,6 +23,7 @@ from pathlib import PurePosixPath
 from ssl import CERT_REQUIRED
 from typing import Any
 
+import grpc
 import uvicorn
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
@@ -35,7 +36,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from specdec.common import telemetry
-from specdec.common.errors import InvalidRequest
+from specdec.common.errors import InvalidRequest, SpecdecError
 from specdec.common.serving import MAX_MESSAGE_BYTES
 from specdec.common.tls import ServerTls, pem_files
 from specdec.gateway import grammar, tracing
@@ -157,12 +158,14 @@ class Generation:
                 extra={"session_id": self.opts.session_id, "tokens": self.tokens},
             )
             return
-        err = DeadlineExceeded(
+        with contextlib.suppress(OSError):
+            await self._send_error(send, self._timed_out())
+
+    def _timed_out(self) -> DeadlineExceeded:
+        return DeadlineExceeded(
             f"the generation did not finish within timeout={self.opts.timeout}s "
             f"(tokens generated: {self.tokens})"
         )
-        with contextlib.suppress(OSError):
-            await self._send_error(send, err)
 
     async def _pump(self, send: Send) -> None:
         r, opts = self.renderer, self.opts
@@ -193,6 +196,13 @@ class Generation:
             else:
                 await JSONResponse(r.body(final))(self.scope, _no_receive, send)
         except Exception as e:  # a 500 is logged with its exception by errors.answer
+            if (
+                self.opts.timeout
+                and isinstance(e, SpecdecError)
+                and e.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            ):  # a replica call ran into the request's timeout (it bounds them) before the
+                # wait above did: the same answer, whichever timer fired first
+                e = self._timed_out()
             await self._send_error(send, e)
         finally:
             await self.events.aclose()
