@@ -91,9 +91,12 @@ format: install
 
 # Every test: unit, integration (real processes on loopback), and the chart's (checkov in its
 # own virtualenv). The image tests in tests/images skip here and run in `make image-test`,
-# which builds the images first.
+# which builds the images first. One pytest worker per CPU (pytest-xdist), a test file per
+# worker at a time: the services a file starts wait on each other's calls much of the time,
+# so two files at once use the CPUs that one leaves idle. TEST_WORKERS=0 runs them in turn.
+TEST_WORKERS ?= auto
 test: install test-deps $(CHECKOV_VENV)/.installed
-	CHECKOV=$(abspath $(CHECKOV_VENV))/bin/checkov $(VPY) -m pytest -q
+	CHECKOV=$(abspath $(CHECKOV_VENV))/bin/checkov $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Programs the tests run that no Python package carries: a Prometheus server and promtool
 # (the metrics test, the documented alert rules), openssl (TLS tests, `specdec up --tls`),
