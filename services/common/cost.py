@@ -142,7 +142,7 @@ class _Fit:
         """The weighted mean of t (None before any forward)."""
         return self.sy / self.sw if self.sw > 0 else None
 
-    def line(self, prior: Line | None, shape_only: bool = False) -> Line | None:
+    def line(self, prior: Line | None) -> Line | None:
         """The least-squares line; with one width n0 seen, the prior's line scaled to pass
         through t(n0) (flat without a prior)."""
         if self.sw <= 0:
@@ -180,7 +180,7 @@ class _Bucket:
 
     def line(self, prior: Line | None) -> Line | None:
         step = self.step.mean()
-        wide = self.wide.line(prior, shape_only=True)
+        wide = self.wide.line(prior)
         if wide is None:
             if step is None:
                 return None
