@@ -21,7 +21,7 @@ compute-bound on every device, and a line through it would overstate b at a few 
 
 While one bucket has seen a single width n only (a verifier serving k = 0 sees n = 1), its b
 is not measurable; `fit` then takes b from the `prior` (the start-up probe's fit, see
-specdec.common.replica) scaled to that bucket's a. The replicas report their curve in
+specdec.replica.replica) scaled to that bucket's a. The replicas report their curve in
 every Draft and Verify response and in Info (`ForwardCost`), so a gateway that has never
 sent this replica a request already knows it.
 """

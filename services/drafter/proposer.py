@@ -1,6 +1,6 @@
 """The drafter's domain logic: propose k tokens and the distributions they came from.
 
-`propose` is a model-thread job (specdec.common.batching): each of its k forwards is batched
+`propose` is a model-thread job (specdec.replica.batching): each of its k forwards is batched
 with the forwards of other sessions drafting at the same time (lock-step)."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.common.batching import ForwardRequest
 from specdec.common.controls import Controls
-from specdec.common.host import to_host
-from specdec.common.processors import TokenCounts
-from specdec.common.runtime import ModelRuntime, Prefix
-from specdec.common.sampling import EncodedProbs, SamplingParams, encoded_rows
 from specdec.drafter.sampler import sampler_for
 from specdec.drafter.speculate import BranchStore, DraftRows, take_prepared
+from specdec.replica.batching import ForwardRequest
+from specdec.replica.host import to_host
+from specdec.replica.processors import TokenCounts
+from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.sampling import EncodedProbs, SamplingParams, encoded_rows
 
 
 @dataclass

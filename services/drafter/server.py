@@ -13,17 +13,17 @@ from typing import Any
 
 from specdec.common.config import MAX_FAN_OUT
 from specdec.common.controls import controls_from_proto
-from specdec.common.convert import encoded_to_proto, prefix_from_proto
 from specdec.common.errors import InvalidRequest
 from specdec.common.metrics import observed_rpc
 from specdec.common.params import sampling_from_proto
-from specdec.common.replica import ModelCall, ReplicaServicer, check_fork, run_replica
-from specdec.common.runtime import ModelRuntime
 from specdec.common.serving import rpc_errors
 from specdec.drafter.config import DrafterConfig
 from specdec.drafter.proposer import propose
 from specdec.drafter.runtime import DrafterRuntime
 from specdec.drafter.speculate import BranchStore, speculate
+from specdec.replica.convert import encoded_to_proto, prefix_from_proto
+from specdec.replica.replica import ModelCall, ReplicaServicer, check_fork, run_replica
+from specdec.replica.runtime import ModelRuntime
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name

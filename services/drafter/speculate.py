@@ -39,7 +39,7 @@ fed at its true position L + a. Each of the branch_k steps is then one forward
 over all branches (a `BranchStep`). A group keeps only its rows' own new keys/values
 between steps (fan_out x branch_k slots); the session's own cache only gained the draft.
 
-Batching across sessions (specdec.common.batching): `speculate` is a model-thread job; its
+Batching across sessions (specdec.replica.batching): `speculate` is a model-thread job; its
 first forward (feeding the draft) and each of its branch steps are requests the scheduler
 batches with other sessions' forwards, so the branch steps of several sessions (and their
 Draft steps) run as one padded forward.
@@ -59,15 +59,15 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.common.batching import BranchGroup, BranchStep, ForwardRequest, Request
 from specdec.common.controls import Controls
-from specdec.common.host import to_host
 from specdec.common.prefix import prefix_hash
-from specdec.common.processors import TokenCounts, verify_logits
-from specdec.common.runtime import ModelRuntime, Prefix, SessionCache
-from specdec.common.sampling import EncodedProbs, SamplingParams, encoded_rows, warp
 from specdec.drafter.config import CONFIDENCE, GEOMETRIC, OUTCOME_MODELS
 from specdec.drafter.sampler import Sampler, sampler_for
+from specdec.replica.batching import BranchGroup, BranchStep, ForwardRequest, Request
+from specdec.replica.host import to_host
+from specdec.replica.processors import TokenCounts, verify_logits
+from specdec.replica.runtime import ModelRuntime, Prefix, SessionCache
+from specdec.replica.sampling import EncodedProbs, SamplingParams, encoded_rows, warp
 
 MAX_PREPARED_SESSIONS = 32
 # Outcome probabilities are ranked with acceptance probabilities clamped away from 0 and

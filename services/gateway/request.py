@@ -21,7 +21,7 @@ MAX_SESSION_ID_CHARS = 256
 # A prompt longer than this many characters per context token cannot fit: refused before
 # it is tokenized, so one huge prompt cannot hold the event loop.
 MAX_CHARS_PER_TOKEN = 64
-# Alternatives per scored token (specdec.common.logprobs.MAX_TOP_LOGPROBS, which the
+# Alternatives per scored token (specdec.replica.logprobs.MAX_TOP_LOGPROBS, which the
 # gateway cannot import: no torch there) and completions per request.
 MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 16

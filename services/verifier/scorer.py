@@ -1,6 +1,6 @@
 """The verifier's domain logic: one target forward over new tokens + draft, then the rule.
 
-`verify` is a model-thread job (specdec.common.batching): its forward is batched with the
+`verify` is a model-thread job (specdec.replica.batching): its forward is batched with the
 forwards of other sessions' Verify calls waiting at the same time."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.common.batching import ForwardRequest
 from specdec.common.controls import Controls
-from specdec.common.host import to_host
-from specdec.common.logprobs import LogprobRows, LogprobsAsk, emitted_tokens, token_logprobs
-from specdec.common.masks import apply_masks
-from specdec.common.processors import verify_logits
-from specdec.common.runtime import ModelRuntime, Prefix, SessionCache
-from specdec.common.sampling import (
+from specdec.replica.batching import ForwardRequest
+from specdec.replica.host import to_host
+from specdec.replica.logprobs import LogprobRows, LogprobsAsk, emitted_tokens, token_logprobs
+from specdec.replica.masks import apply_masks
+from specdec.replica.processors import verify_logits
+from specdec.replica.runtime import ModelRuntime, Prefix, SessionCache
+from specdec.replica.sampling import (
     SamplingParams,
     greedy_verdict,
     make_generator,
@@ -64,7 +64,7 @@ def verify(
 
     A job for the model thread (`ModelRuntime.run`). The cache ends holding prefix +
     new_tokens + accepted drafts. logprobs: also score the emitted tokens (and the prompt)
-    (specdec.common.logprobs). fork_from: start the session as a copy of that session's
+    (specdec.replica.logprobs). fork_from: start the session as a copy of that session's
     cache (CacheStore.acquire).
     """
     with runtime.guarded(session_id):
@@ -96,8 +96,8 @@ def processed_target_logits(
 ) -> Generator[ForwardRequest, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The target's processed logits [k+1, vocab] at the draft's k+1 positions (the model's
     forward over new_tokens + draft_tokens, then the request's processors with the prefix
-    up to each position, specdec.common.processors.verify_logits, then the grammar's masks,
-    specdec.common.masks.apply_masks): what the rule, greedy or sampled, and the emitted
+    up to each position, specdec.replica.processors.verify_logits, then the grammar's masks,
+    specdec.replica.masks.apply_masks): what the rule, greedy or sampled, and the emitted
     tokens' log-probabilities read. Also the raw logits of the
     `scored` prompt positions before them [scored, vocab] (echo scores the prompt as the
     model sees it, without processors)."""

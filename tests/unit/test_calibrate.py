@@ -1,4 +1,4 @@
-"""`--dtype fastest` (specdec.common.calibrate): the replica loads float32, times it and a
+"""`--dtype fastest` (specdec.replica.calibrate): the replica loads float32, times it and a
 bfloat16 copy, keeps the faster, and caches the choice. On the tiny random models: no
 wall-clock assertions (which dtype wins here is the machine's business), only that the
 choice is one of the candidates, the model kept is exactly a load in that dtype, and the
@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdec.common import calibrate
-from specdec.common.calibrate import DtypeChoice, choose_dtype, cpu_info, fastest_dtype
 from specdec.common.config import DTYPES
-from specdec.common.loading import load_model
+from specdec.replica import calibrate
+from specdec.replica.calibrate import DtypeChoice, choose_dtype, cpu_info, fastest_dtype
+from specdec.replica.loading import load_model
 from specdec.verifier.config import VerifierConfig
 
 CPU = torch.device("cpu")
@@ -167,7 +167,7 @@ def test_corrupt_cache_is_ignored(test_models, monkeypatch, cache_dir, caplog, c
     cache_dir.mkdir()
     (cache_dir / "calibration.json").write_text(content)
     asked = fake_timings(monkeypatch, float32=(10.0, 10.0), bfloat16=(20.0, 30.0))
-    with caplog.at_level(logging.WARNING, logger="specdec.common.calibrate"):
+    with caplog.at_level(logging.WARNING, logger="specdec.replica.calibrate"):
         _, choice = choose_dtype(fp32(test_models.target), CPU, threads=1)
     assert asked == ["float32", "bfloat16"] and choice.dtype == "float32"
     assert any(r.getMessage() == "calibration cache ignored" for r in caplog.records)

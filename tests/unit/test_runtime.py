@@ -7,8 +7,8 @@ import torch
 
 from specdec.common.errors import CacheMiss, CapacityExceeded, InvalidRequest
 from specdec.common.prefix import prefix_hash
-from specdec.common.runtime import ModelRuntime, Prefix
 from specdec.drafter.config import DrafterConfig
+from specdec.replica.runtime import ModelRuntime, Prefix
 from specdec.verifier.config import VerifierConfig
 
 

@@ -8,7 +8,7 @@ token alike come out of a Verify. A caller that processes the logits (penalties,
 masks) passes the processed ones.
 
 Everything stays on the device: the results join the Verify's one copy to the host
-(specdec.common.host.to_host).
+(specdec.replica.host.to_host).
 """
 
 from __future__ import annotations

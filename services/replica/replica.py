@@ -19,10 +19,10 @@ from specdec.common.dataplane import DataPlaneServer
 from specdec.common.errors import InvalidRequest, NotReady
 from specdec.common.logs import setup_logging
 from specdec.common.metrics import start_metrics_server
-from specdec.common.runtime import ModelRuntime, Prefix
 from specdec.common.serving import rpc_errors, serve
 from specdec.common.telemetry import setup_tracing
 from specdec.common.version import note_model_version, read_model_version
+from specdec.replica.runtime import ModelRuntime, Prefix
 from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
