@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-# Largest top_logprobs a request may ask for (OpenAI's chat limit; vLLM's default).
-MAX_TOP_LOGPROBS = 20
+from specdec.common.params import MAX_TOP_LOGPROBS
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from typing import Any
 from specdec.common.controls import controls_from_proto
 from specdec.common.errors import InvalidRequest
 from specdec.common.metrics import observed_rpc
-from specdec.common.params import sampling_from_proto
+from specdec.common.params import MAX_TOP_LOGPROBS, sampling_from_proto
 from specdec.common.serving import rpc_errors
 from specdec.replica.convert import decode_draft_probs, decode_grammar_masks, prefix_from_proto
-from specdec.replica.logprobs import MAX_TOP_LOGPROBS, LogprobRows, LogprobsAsk
+from specdec.replica.logprobs import LogprobRows, LogprobsAsk
 from specdec.replica.replica import ModelCall, ReplicaServicer, check_fork, run_replica
 from specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.verifier.config import VerifierConfig

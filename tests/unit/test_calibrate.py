@@ -14,8 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specdec.common.config import DTYPES
+from specdec.common.cpus import cpu_info
 from specdec.replica import calibrate
-from specdec.replica.calibrate import DtypeChoice, choose_dtype, cpu_info, fastest_dtype
+from specdec.replica.calibrate import DtypeChoice, choose_dtype, fastest_dtype
 from specdec.replica.loading import load_model
 from specdec.verifier.config import VerifierConfig
 
@@ -133,17 +134,6 @@ def test_reason_names_the_ratio_and_the_cpu(test_models, monkeypatch):
         f"({cpu_info().bf16_note()})"
     )
     assert choice.cpu == cpu_info().describe()
-
-
-def test_cpu_flags_in_the_note(tmp_path):
-    lines = "model name\t: Some CPU\nflags\t\t: fpu sse avx2 avx512f avx512_vnni\n"
-    (tmp_path / "plain").write_text(lines * 2)
-    cpu = cpu_info(tmp_path / "plain")
-    assert cpu == calibrate.Cpu("Some CPU", ("avx2", "avx512f"))
-    assert cpu.bf16_note() == "no avx512_bf16/amx on this CPU, avx512f at best"
-    (tmp_path / "amx").write_text(lines.replace("avx512f", "avx512f avx512_bf16 amx_tile amx_bf16"))
-    assert cpu_info(tmp_path / "amx").bf16_note() == "amx_bf16/avx512_bf16 on this CPU"
-    assert cpu_info(tmp_path / "missing").flags == ()
 
 
 def test_cache_is_keyed_and_reused(test_models, monkeypatch, cache_dir):

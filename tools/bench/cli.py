@@ -71,7 +71,7 @@ if TYPE_CHECKING:
 
 
 def machine() -> dict:
-    from specdec.replica.calibrate import cpu_info
+    from specdec.common.cpus import cpu_info
     from specdec.tools.costreport import machine_line
 
     return {
