@@ -15,9 +15,10 @@ from specdec.common.controls import Controls
 from specdec.drafter.sampler import sampler_for
 from specdec.drafter.speculate import BranchStore, DraftRows, take_prepared
 from specdec.replica.batching import ForwardRequest
+from specdec.replica.engine import Engine
 from specdec.replica.host import to_host
 from specdec.replica.processors import TokenCounts
-from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.runtime import Prefix
 from specdec.replica.sampling import EncodedProbs, SamplingParams, encoded_rows
 
 
@@ -31,7 +32,7 @@ class Draft:
 
 
 def propose(
-    runtime: ModelRuntime,
+    runtime: Engine,
     branches: BranchStore,
     session_id: str,
     prefix: Prefix,
@@ -42,7 +43,7 @@ def propose(
     fork_from: str = "",
 ) -> Generator[ForwardRequest, torch.Tensor, Draft]:
     """Draft k tokens after prefix + new_tokens (a job for the model thread,
-    `ModelRuntime.run`), each step under the request's logits processors (controls).
+    `Engine.run`), each step under the request's logits processors (controls).
 
     If Speculate prepared a draft for exactly this sequence it is returned without a
     forward and the cache stays at the prefix. Otherwise the cache ends holding

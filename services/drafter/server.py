@@ -22,15 +22,15 @@ from specdec.drafter.proposer import propose
 from specdec.drafter.runtime import DrafterRuntime
 from specdec.drafter.speculate import BranchStore, speculate
 from specdec.replica.convert import encoded_to_proto, prefix_from_proto
+from specdec.replica.engine import Engine
 from specdec.replica.replica import ModelCall, ReplicaServicer, check_fork, run_replica
-from specdec.replica.runtime import ModelRuntime
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name
 
 
 class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
-    def __init__(self, runtime: ModelRuntime):
+    def __init__(self, runtime: Engine):
         super().__init__(runtime)
         self.branches = BranchStore()  # SSD: prepared next-round drafts (model thread only)
 

@@ -64,9 +64,10 @@ from specdec.common.prefix import prefix_hash
 from specdec.drafter.config import CONFIDENCE, GEOMETRIC, OUTCOME_MODELS
 from specdec.drafter.sampler import Sampler, sampler_for
 from specdec.replica.batching import BranchGroup, BranchStep, ForwardRequest, Request
+from specdec.replica.engine import Engine, Session
 from specdec.replica.host import to_host
 from specdec.replica.processors import TokenCounts, verify_logits
-from specdec.replica.runtime import ModelRuntime, Prefix, SessionCache
+from specdec.replica.runtime import Prefix
 from specdec.replica.sampling import EncodedProbs, SamplingParams, encoded_rows, warp
 
 MAX_PREPARED_SESSIONS = 32
@@ -158,7 +159,7 @@ class Speculation:
 
 
 def speculate(
-    runtime: ModelRuntime,
+    runtime: Engine,
     store: BranchStore,
     session_id: str,
     prefix: Prefix,
@@ -174,7 +175,7 @@ def speculate(
     outcomes: str = CONFIDENCE,
 ) -> Generator[Request, torch.Tensor, Speculation]:
     """Prepare next-round drafts for the draft at the end of prefix + new_tokens (a job for
-    the model thread, `ModelRuntime.run`): branches of branch_k tokens for the k-token draft
+    the model thread, `Engine.run`): branches of branch_k tokens for the k-token draft
     that ends prefix + new_tokens (which holds at least k + 1 tokens); new_tokens may start inside the draft when the session's last Draft cached
     its beginning (see the module docstring).
 
@@ -224,9 +225,9 @@ def speculate(
 
 
 def draft_rows(
-    runtime: ModelRuntime,
+    runtime: Engine,
     store: BranchStore,
-    session: SessionCache,
+    session: Session,
     memo: DraftRows | None,
     prefix: Prefix,
     new_tokens: Sequence[int],
@@ -312,7 +313,7 @@ def rank_outcomes(
 
 
 def draft_branches(
-    session: SessionCache,
+    session: Session,
     base: int,
     keys: Sequence[tuple[int, int]],
     branch_k: int,
@@ -352,7 +353,7 @@ def draft_branches(
 def take_prepared(
     store: BranchStore,
     session_id: str,
-    session: SessionCache,
+    session: Session,
     new_tokens: Sequence[int],
     k: int,
     params: SamplingParams,

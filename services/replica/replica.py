@@ -22,6 +22,7 @@ from specdec.common.metrics import start_metrics_server
 from specdec.common.serving import rpc_errors, serve
 from specdec.common.telemetry import setup_tracing
 from specdec.common.version import note_model_version, read_model_version
+from specdec.replica.engine import Engine
 from specdec.replica.runtime import ModelRuntime, Prefix
 from specdec.v1 import common_pb2
 
@@ -59,9 +60,9 @@ class ModelCall:
 
 class ReplicaServicer:
     """Info and Release, shared by DrafterService and VerifierService, and the model calls
-    of the role (`model_calls`)."""
+    of the role (`model_calls`), over the replica's engine (specdec.replica.engine)."""
 
-    def __init__(self, runtime: ModelRuntime):
+    def __init__(self, runtime: Engine):
         self.runtime = runtime
         self.replica_id = runtime.config.replica_id
         self.data_port = 0  # the data plane's port (specdec.common.dataplane); 0: none
@@ -82,7 +83,7 @@ class ReplicaServicer:
         if not self.replica_id:
             self.replica_id = f"{socket.gethostname()}:{port}"
 
-    def ready_runtime(self) -> ModelRuntime:
+    def ready_runtime(self) -> Engine:
         if self.runtime.store is None:
             raise NotReady("model is still loading")
         return self.runtime
@@ -146,11 +147,12 @@ def run_replica(
     config_type: type[ReplicaConfig],
     args: argparse.Namespace,
     service_name: str,
-    make_servicer: Callable[[ModelRuntime], ReplicaServicer],
+    make_servicer: Callable[[Engine], ReplicaServicer],
     add_to_server: Callable[[ReplicaServicer, grpc.aio.Server], None],
-    runtime_type: type[ModelRuntime] = ModelRuntime,
+    runtime_type: Callable[[ReplicaConfig], Engine] = ModelRuntime,
 ) -> None:
-    """`specdec serve drafter|verifier`: config, logging, serve until SIGTERM."""
+    """`specdec serve drafter|verifier`: config, logging, serve until SIGTERM. runtime_type
+    makes the engine (the transformers ModelRuntime, or the drafter's DrafterRuntime)."""
     config = config_type.from_args(args)
     setup_logging(config.role)
     tracing = setup_tracing(config.role)

@@ -13,11 +13,12 @@ import torch
 
 from specdec.common.controls import Controls
 from specdec.replica.batching import ForwardRequest
+from specdec.replica.engine import Engine, Session
 from specdec.replica.host import to_host
 from specdec.replica.logprobs import LogprobRows, LogprobsAsk, emitted_tokens, token_logprobs
 from specdec.replica.masks import apply_masks
 from specdec.replica.processors import verify_logits
-from specdec.replica.runtime import ModelRuntime, Prefix, SessionCache
+from specdec.replica.runtime import Prefix
 from specdec.replica.sampling import (
     SamplingParams,
     greedy_verdict,
@@ -44,7 +45,7 @@ class Verdict:
 
 
 def verify(
-    runtime: ModelRuntime,
+    runtime: Engine,
     session_id: str,
     prefix: Prefix,
     new_tokens: Sequence[int],
@@ -62,7 +63,7 @@ def verify(
     grammar_masks [k+1, vocab] bool (structured output): the tokens allowed at each verified
     position; the target's other logits are -inf before the rule. None: no grammar.
 
-    A job for the model thread (`ModelRuntime.run`). The cache ends holding prefix +
+    A job for the model thread (`Engine.run`). The cache ends holding prefix +
     new_tokens + accepted drafts. logprobs: also score the emitted tokens (and the prompt)
     (specdec.replica.logprobs). fork_from: start the session as a copy of that session's
     cache (CacheStore.acquire).
@@ -86,8 +87,8 @@ def verify(
 
 
 def processed_target_logits(
-    runtime: ModelRuntime,
-    session: SessionCache,
+    runtime: Engine,
+    session: Session,
     new_tokens: Sequence[int],
     draft_tokens: Sequence[int],
     controls: Controls | None,
