@@ -230,7 +230,7 @@ class DataPlaneServer:
             if self.loading:
                 raise NotReady("model is still loading")
             plan = prepare(request)
-            future = self.runtime.submit(plan.job, *plan.args, session=plan.session)
+            future = self.runtime.submit(plan.job, session=plan.session)
         except Exception as e:
             code, message = status_of(e, rpc)
             record.finish(code, message)

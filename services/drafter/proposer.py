@@ -31,6 +31,34 @@ class Draft:
     prepared: bool = False  # served from a Speculate branch, no forward
 
 
+@dataclass(frozen=True)
+class DraftCall:
+    """A validated Draft: the arguments of `propose`."""
+
+    runtime: Engine
+    branches: BranchStore
+    session_id: str
+    prefix: Prefix
+    new_tokens: list[int]
+    k: int
+    params: SamplingParams
+    controls: Controls | None
+    fork_from: str
+
+    def job(self) -> Generator[ForwardRequest, torch.Tensor, Draft]:
+        return propose(
+            self.runtime,
+            self.branches,
+            self.session_id,
+            self.prefix,
+            self.new_tokens,
+            self.k,
+            self.params,
+            controls=self.controls,
+            fork_from=self.fork_from,
+        )
+
+
 def propose(
     runtime: Engine,
     branches: BranchStore,

@@ -158,6 +158,44 @@ class Speculation:
     forward_ms: float
 
 
+@dataclass(frozen=True)
+class SpeculateCall:
+    """A validated Speculate: the arguments of `speculate`."""
+
+    runtime: Engine
+    branches: BranchStore
+    session_id: str
+    prefix: Prefix
+    new_tokens: list[int]
+    k: int
+    branch_k: int
+    params: SamplingParams
+    fan_out: int
+    alpha: float
+    max_per_outcome: int
+    max_branch_tokens: int
+    controls: Controls | None
+    outcomes: str
+
+    def job(self) -> Generator[Request, torch.Tensor, Speculation]:
+        return speculate(
+            self.runtime,
+            self.branches,
+            self.session_id,
+            self.prefix,
+            self.new_tokens,
+            self.k,
+            self.branch_k,
+            self.params,
+            self.fan_out,
+            self.alpha,
+            self.max_per_outcome,
+            max_branch_tokens=self.max_branch_tokens,
+            controls=self.controls,
+            outcomes=self.outcomes,
+        )
+
+
 def speculate(
     runtime: Engine,
     store: BranchStore,

@@ -9,7 +9,7 @@ import logging
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -45,17 +45,35 @@ def check_fork(fork_from: str) -> None:
         raise InvalidRequest(f"fork_from is longer than {MAX_SESSION_ID_LEN} characters")
 
 
+class JobCall(Protocol):
+    """A request's validated arguments for the model (DraftCall, SpeculateCall, VerifyCall):
+    a frozen dataclass with named fields, the session its job works on, and the job."""
+
+    @property
+    def session_id(self) -> str: ...
+
+    def job(self) -> Any:
+        """The job for the model thread over these arguments (a generator of forwards)."""
+        ...
+
+
 @dataclass(frozen=True)
 class ModelCall:
-    """A request validated for the model: the job to run on the model thread with its
-    arguments, the session whose jobs run one at a time in order, and how the job's
+    """A request validated for the model: its arguments (`call`, whose job runs on the
+    model thread; the jobs of its session run one at a time, in order) and how the job's
     result becomes the response message. The gRPC methods and the data plane
     (specdec.common.dataplane) both build and answer their calls through these."""
 
-    job: Callable[..., Any]
-    args: tuple
-    session: str
+    call: JobCall
     respond: Callable[[Any], Any]
+
+    @property
+    def job(self) -> Callable[[], Any]:
+        return self.call.job
+
+    @property
+    def session(self) -> str:
+        return self.call.session_id
 
 
 class ReplicaServicer:
@@ -77,7 +95,7 @@ class ReplicaServicer:
     async def answer(self, call: ModelCall) -> Any:
         """Run a model call on the model thread (bounded by --max-queue) and respond."""
         rt = self.runtime
-        return call.respond(await rt.run(call.job, *call.args, session=call.session))
+        return call.respond(await rt.run(call.job, session=call.session))
 
     def on_port(self, port: int) -> None:
         if not self.replica_id:

@@ -44,6 +44,38 @@ class Verdict:
     prompt_logprobs: LogprobRows | None = None
 
 
+@dataclass(frozen=True)
+class VerifyCall:
+    """A validated Verify: the arguments of `verify`."""
+
+    runtime: Engine
+    session_id: str
+    prefix: Prefix
+    new_tokens: list[int]
+    draft_tokens: list[int]
+    draft_probs: torch.Tensor | None  # [k, vocab]
+    params: SamplingParams
+    controls: Controls | None
+    logprobs: LogprobsAsk | None
+    fork_from: str
+    grammar_masks: torch.Tensor | None  # [k+1, vocab] bool
+
+    def job(self) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
+        return verify(
+            self.runtime,
+            self.session_id,
+            self.prefix,
+            self.new_tokens,
+            self.draft_tokens,
+            self.draft_probs,
+            self.params,
+            controls=self.controls,
+            logprobs=self.logprobs,
+            fork_from=self.fork_from,
+            grammar_masks=self.grammar_masks,
+        )
+
+
 def verify(
     runtime: Engine,
     session_id: str,
