@@ -16,13 +16,12 @@ from dataclasses import dataclass
 import grpc
 
 from specdec.common.cost import Line, ReportedCost
+from specdec.common.cpus import cpu_info
 from specdec.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 
 
 def machine_line() -> str:
     """'CPU: <model> (<flags>)[; CUDA: <device>]'."""
-    from specdec.common.calibrate import cpu_info
-
     cpu = cpu_info()
     text = f"CPU: {cpu.describe()}; {cpu.bf16_note()}"
     try:

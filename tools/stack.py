@@ -149,8 +149,8 @@ def resolve_dtype(args: argparse.Namespace):
     """For a tool that also loads the target in its own process (`specdec bench`): set
     args.dtype to a concrete dtype, with `fastest` the one a verifier of the stack would
     choose (its cached calibration, or measured now); the stack then starts both replicas
-    in it. Returns the specdec.common.calibrate.DtypeChoice."""
-    from specdec.common.calibrate import resolve_dtype as resolve
+    in it. Returns the specdec.replica.calibrate.DtypeChoice."""
+    from specdec.replica.calibrate import resolve_dtype as resolve
 
     choice = resolve(
         args.dtype,

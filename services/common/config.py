@@ -43,7 +43,7 @@ __all__ = [
 
 # auto: as stored in the checkpoint; fastest: whichever of float32 and bfloat16 (float16 too
 # on CUDA) runs this model fastest here, measured at start-up and cached
-# (specdec.common.calibrate).
+# (specdec.replica.calibrate).
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fastest")
 MAX_FAN_OUT = 64  # SSD branches per round (drafter and gateway settings, Speculate requests)
 
@@ -75,12 +75,12 @@ class ReplicaConfig:
     replica_id: str = ""  # empty: hostname:port, known once the port is bound
     grace_seconds: float = 10.0
     prefill_chunk: int = 512  # tokens per forward when feeding a long input; 0: one forward
-    # Batching across sessions (specdec.common.batching): sessions per forward (1: none) and
+    # Batching across sessions (specdec.replica.batching): sessions per forward (1: none) and
     # padded tokens per forward (rows x longest input).
     max_batch_size: int = 16
     max_batch_tokens: int = 2048
     # How long a forward may wait for the sessions of the previous one to come back
-    # (specdec.common.batching.Scheduler._gathering); never more than a quarter of a forward.
+    # (specdec.replica.batching.Scheduler._gathering); never more than a quarter of a forward.
     max_batch_wait_ms: float = 1.0
     tls: Any = None  # specdec.common.tls.ServerTls, or None: plaintext
     # The data plane's port (specdec.common.dataplane): 0 any free port, -1 none.

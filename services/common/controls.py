@@ -1,5 +1,5 @@
 """The request's logits processors as parameters: one validated, torch-free type for the
-gateway and the replicas (the math itself: specdec.common.processors).
+gateway and the replicas (the math itself: specdec.replica.processors).
 
 A request's processors come from two messages: SamplingParams (presence, frequency and
 repetition penalties, logit_bias: what the client asked) and OutputControls (where the
@@ -26,7 +26,7 @@ MAX_MIN_TOKENS_IDS = MAX_STOP_TOKEN_IDS + 64
 
 @dataclass(frozen=True)
 class Controls:
-    """The logits processors of one request (what specdec.common.processors applies).
+    """The logits processors of one request (what specdec.replica.processors applies).
 
     Order: logit_bias, the min_tokens mask, repetition, frequency, presence penalties.
     presence / frequency count the tokens from sequence index output_start on;

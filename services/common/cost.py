@@ -29,7 +29,7 @@ differ (a GPU, float32 on most CPUs) the step lies on the line and nothing chang
 
 While a bucket has seen one kind of forward only (a verifier serving k = 0 sees n = 1; a
 bucket may see one width of 2 or more), what it has not seen is taken from the `prior`
-(the start-up probe's fit, see specdec.common.replica) scaled to what it has. The replicas
+(the start-up probe's fit, see specdec.replica.replica) scaled to what it has. The replicas
 report their curve in every Draft and Verify response and in Info (`ForwardCost`), so a
 gateway that has never sent this replica a request already knows it.
 """

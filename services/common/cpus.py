@@ -3,18 +3,25 @@
 torch sizes its thread pool from the machine's cores. A replica pinned to a core, or a pod
 under a CPU limit, then runs more threads than it has CPUs, and two busy replicas on two
 cores thrash (issue 14: 3.5 requests/s at concurrency 8 against about 42 at concurrency 1).
-``usable_cpus`` gives the count a replica should size its threads to. Torch-free.
+``usable_cpus`` gives the count a replica should size its threads to. ``cpu_info`` names
+the CPU and the flags that decide what a bf16 matmul costs (--dtype fastest, the bench's
+machine line). Torch-free.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+CPUINFO = Path("/proc/cpuinfo")
+# The CPU flags that decide what a bf16 matmul costs (x86: AVX2, AVX-512, its BF16
+# extension, AMX; Arm: the BF16 and SVE features).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "bf16", "sve")
 
 
 @dataclass(frozen=True)
@@ -104,3 +111,43 @@ def thread_budget(requested: int) -> CpuBudget:
     if requested > 0:
         return CpuBudget(requested, "--threads")
     return usable_cpus()
+
+
+# -- what the CPU is ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cpu:
+    name: str
+    flags: tuple[str, ...]  # those of CPU_FLAGS it has
+
+    def describe(self) -> str:
+        return f"{self.name} ({' '.join(self.flags) or 'none of ' + '/'.join(CPU_FLAGS[:3])})"
+
+    def bf16_note(self) -> str:
+        """What the CPU has for bf16 matmuls, for the reason."""
+        units = [f for f in ("amx_bf16", "avx512_bf16", "bf16") if f in self.flags]
+        if units:
+            return f"{'/'.join(units)} on this CPU"
+        widest = next((f for f in ("avx512f", "avx2", "sve") if f in self.flags), None)
+        return "no avx512_bf16/amx on this CPU" + (f", {widest} at best" if widest else "")
+
+
+def cpu_info(path: Path = CPUINFO) -> Cpu:
+    """The CPU's model name and the CPU_FLAGS it has, from /proc/cpuinfo (Linux)."""
+    name, flags = "", set()
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in ("model name", "cpu model", "hardware") and not name:
+            name = value.strip()
+        elif key in ("flags", "features") and not flags:
+            flags = set(value.split())
+    return Cpu(
+        name or platform.processor() or platform.machine() or "unknown CPU",
+        tuple(f for f in CPU_FLAGS if f in flags),
+    )

@@ -4,7 +4,7 @@ protos/specdec/v1/dataplane.proto; the gateway's end: specdec.gateway.dataplane)
 
 Why. A unary gRPC call costs about half a millisecond of round trip on the development
 machine, and handing a call from the servicers' event loop to the model thread and back
-costs wake-ups on both sides. Here the model thread's own loop (specdec.common.batching
+costs wake-ups on both sides. Here the model thread's own loop (specdec.replica.batching
 `Scheduler`) sleeps in a selector that holds the listening socket and the connections:
 it reads a frame, validates the request and queues its job right there, batches it with
 every other job as usual, and writes the reply when the job ends. No event loop and no
@@ -78,7 +78,7 @@ def listen(host: str, port: int) -> socket.socket:
 class DataPlaneServer:
     """The data plane of one replica (see the module docstring).
 
-    servicer: the replica's servicer (specdec.common.replica.ReplicaServicer): its runtime,
+    servicer: the replica's servicer (specdec.replica.replica.ReplicaServicer): its runtime,
     whose scheduler's selector (`Scheduler.io`) this serves on, and its model_calls().
     """
 
@@ -230,7 +230,7 @@ class DataPlaneServer:
             if self.loading:
                 raise NotReady("model is still loading")
             plan = prepare(request)
-            future = self.runtime.submit(plan.job, *plan.args, session=plan.session)
+            future = self.runtime.submit(plan.job, session=plan.session)
         except Exception as e:
             code, message = status_of(e, rpc)
             record.finish(code, message)

@@ -13,7 +13,7 @@ Every name is ``specdec_<role>_...`` and follows vLLM's where one exists
 - `ReplicaObserver.forward` (around every model forward): latency, tokens fed and batch
   size (rows) by kind (``prefill``: a forward into an empty cache; ``verify``;
   ``draft_step``; ``speculate``), sessions per forward (batching across sessions,
-  specdec.common.batching), and a child span per forward (in the context of the batch's
+  specdec.replica.batching), and a child span per forward (in the context of the batch's
   oldest job; the others count the forward through `ReplicaObserver.member`);
 - `note_cache`, `note_rollback`, `note_eviction` (called by the cache store): whether a
   job reused the session's cache, how many cached tokens it rolled back, evictions.
@@ -219,7 +219,7 @@ class ReplicaObserver:
         on_done: Callable | None = None,
         key: str | None = None,
     ) -> T:
-        """fn(*args) on the model thread (a specdec.common.batching.Scheduler), in a copy of
+        """fn(*args) on the model thread (a specdec.replica.batching.Scheduler), in a copy of
         the caller's context, counted in the queue until the thread picks it up. fn may be
         a job (a generator of forward requests). key: the session (one job at a time each).
         on_done(future) runs once the job has ended or was cancelled before it started (also

@@ -16,6 +16,10 @@ MAX_TOP_K = 1 << 20
 # inf, and such a distribution is a one-hot argmax to every digit fp32 can hold anyway.
 GREEDY_BELOW = 1e-5
 
+# Largest top_logprobs a request may ask for (OpenAI's chat limit; vLLM's default): the
+# gateway's request limit and the verifier's (specdec.replica.logprobs).
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -1,6 +1,6 @@
 """The drafter's domain logic: propose k tokens and the distributions they came from.
 
-`propose` is a model-thread job (specdec.common.batching): each of its k forwards is batched
+`propose` is a model-thread job (specdec.replica.batching): each of its k forwards is batched
 with the forwards of other sessions drafting at the same time (lock-step)."""
 
 from __future__ import annotations
@@ -11,14 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.common.batching import ForwardRequest
 from specdec.common.controls import Controls
-from specdec.common.host import to_host
-from specdec.common.processors import TokenCounts
-from specdec.common.runtime import ModelRuntime, Prefix
-from specdec.common.sampling import EncodedProbs, SamplingParams, encoded_rows
 from specdec.drafter.sampler import sampler_for
 from specdec.drafter.speculate import BranchStore, DraftRows, take_prepared
+from specdec.replica.batching import ForwardRequest
+from specdec.replica.engine import Engine
+from specdec.replica.host import to_host
+from specdec.replica.processors import TokenCounts
+from specdec.replica.runtime import Prefix
+from specdec.replica.sampling import EncodedProbs, SamplingParams, encoded_rows
 
 
 @dataclass
@@ -30,8 +31,36 @@ class Draft:
     prepared: bool = False  # served from a Speculate branch, no forward
 
 
+@dataclass(frozen=True)
+class DraftCall:
+    """A validated Draft: the arguments of `propose`."""
+
+    runtime: Engine
+    branches: BranchStore
+    session_id: str
+    prefix: Prefix
+    new_tokens: list[int]
+    k: int
+    params: SamplingParams
+    controls: Controls | None
+    fork_from: str
+
+    def job(self) -> Generator[ForwardRequest, torch.Tensor, Draft]:
+        return propose(
+            self.runtime,
+            self.branches,
+            self.session_id,
+            self.prefix,
+            self.new_tokens,
+            self.k,
+            self.params,
+            controls=self.controls,
+            fork_from=self.fork_from,
+        )
+
+
 def propose(
-    runtime: ModelRuntime,
+    runtime: Engine,
     branches: BranchStore,
     session_id: str,
     prefix: Prefix,
@@ -42,7 +71,7 @@ def propose(
     fork_from: str = "",
 ) -> Generator[ForwardRequest, torch.Tensor, Draft]:
     """Draft k tokens after prefix + new_tokens (a job for the model thread,
-    `ModelRuntime.run`), each step under the request's logits processors (controls).
+    `Engine.run`), each step under the request's logits processors (controls).
 
     If Speculate prepared a draft for exactly this sequence it is returned without a
     forward and the cache stays at the prefix. Otherwise the cache ends holding

@@ -15,7 +15,6 @@ import logging
 import torch
 
 from specdec.common.config import ConfigError
-from specdec.common.runtime import ModelRuntime
 from specdec.drafter.quantize import quantize_model
 from specdec.drafter.vocab import (
     VOCAB_FLAG,
@@ -25,6 +24,7 @@ from specdec.drafter.vocab import (
     subset_ids,
     where,
 )
+from specdec.replica.runtime import ModelRuntime
 
 log = logging.getLogger(__name__)
 

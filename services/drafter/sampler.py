@@ -3,7 +3,7 @@
 Everything stays on the model's device: a drawn token is a device tensor that the next
 forward takes as its input, and the distributions drawn from are kept as device rows.
 The job that drew them copies tokens and distributions to the host once, at its end
-(`payload`, specdec.common.host.to_host, specdec.common.sampling.encoded_rows), so no draw
+(`payload`, specdec.replica.host.to_host, specdec.replica.sampling.encoded_rows), so no draw
 makes the host wait for the device.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from specdec.common.processors import TokenCounts
-from specdec.common.sampling import (
+from specdec.replica.processors import TokenCounts
+from specdec.replica.sampling import (
     SamplingParams,
     as_sent,
     make_generator,
@@ -99,7 +99,7 @@ class Sampler:
     def payload(self, proposals: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The distributions drawn from ([n, vocab] rows on the device; none under greedy)
         as they travel, still on the device: copy it to the host with the job's tokens
-        (specdec.common.host.to_host), then `encoded_rows`."""
+        (specdec.replica.host.to_host), then `encoded_rows`."""
         if not proposals:
             return ()
         rows = torch.cat(proposals)

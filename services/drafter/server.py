@@ -13,24 +13,24 @@ from typing import Any
 
 from specdec.common.config import MAX_FAN_OUT
 from specdec.common.controls import controls_from_proto
-from specdec.common.convert import encoded_to_proto, prefix_from_proto
 from specdec.common.errors import InvalidRequest
 from specdec.common.metrics import observed_rpc
 from specdec.common.params import sampling_from_proto
-from specdec.common.replica import ModelCall, ReplicaServicer, check_fork, run_replica
-from specdec.common.runtime import ModelRuntime
 from specdec.common.serving import rpc_errors
 from specdec.drafter.config import DrafterConfig
-from specdec.drafter.proposer import propose
+from specdec.drafter.proposer import DraftCall
 from specdec.drafter.runtime import DrafterRuntime
-from specdec.drafter.speculate import BranchStore, speculate
+from specdec.drafter.speculate import BranchStore, SpeculateCall
+from specdec.replica.convert import encoded_to_proto, prefix_from_proto
+from specdec.replica.engine import Engine
+from specdec.replica.replica import ModelCall, ReplicaServicer, check_fork, run_replica
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name
 
 
 class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
-    def __init__(self, runtime: ModelRuntime):
+    def __init__(self, runtime: Engine):
         super().__init__(runtime)
         self.branches = BranchStore()  # SSD: prepared next-round drafts (model thread only)
 
@@ -72,18 +72,18 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             request.sampling, request.output, rt.vocab_size, prefix.length + len(new_tokens)
         )
         check_fork(request.fork_from)
-        args = (
-            rt,
-            self.branches,
-            request.session_id,
-            prefix,
-            new_tokens,
-            k,
-            params,
-            controls,
-            request.fork_from,
+        call = DraftCall(
+            runtime=rt,
+            branches=self.branches,
+            session_id=request.session_id,
+            prefix=prefix,
+            new_tokens=new_tokens,
+            k=k,
+            params=params,
+            controls=controls,
+            fork_from=request.fork_from,
         )
-        return ModelCall(propose, args, request.session_id, self._draft_response)
+        return ModelCall(call, self._draft_response)
 
     def _draft_response(self, draft) -> drafter_pb2.DraftResponse:
         if draft.prepared:
@@ -124,23 +124,23 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
         controls = controls_from_proto(  # the sequence before the draft under verification
             request.sampling, request.output, rt.vocab_size, prefix.length + len(new_tokens) - k
         )
-        args = (
-            rt,
-            self.branches,
-            request.session_id,
-            prefix,
-            new_tokens,
-            k,
-            branch_k,
-            params,
-            fan_out,
-            alpha,
-            cfg.ssd_max_per_outcome,
-            cfg.ssd_max_branch_tokens,
-            controls,
-            cfg.ssd_outcomes,
+        call = SpeculateCall(
+            runtime=rt,
+            branches=self.branches,
+            session_id=request.session_id,
+            prefix=prefix,
+            new_tokens=new_tokens,
+            k=k,
+            branch_k=branch_k,
+            params=params,
+            fan_out=fan_out,
+            alpha=alpha,
+            max_per_outcome=cfg.ssd_max_per_outcome,
+            max_branch_tokens=cfg.ssd_max_branch_tokens,
+            controls=controls,
+            outcomes=cfg.ssd_outcomes,
         )
-        return ModelCall(speculate, args, request.session_id, self._speculate_response)
+        return ModelCall(call, self._speculate_response)
 
     def _speculate_response(self, result) -> drafter_pb2.SpeculateResponse:
         self.runtime.obs.ssd_prepared(len(result.branches))

@@ -39,7 +39,7 @@ fed at its true position L + a. Each of the branch_k steps is then one forward
 over all branches (a `BranchStep`). A group keeps only its rows' own new keys/values
 between steps (fan_out x branch_k slots); the session's own cache only gained the draft.
 
-Batching across sessions (specdec.common.batching): `speculate` is a model-thread job; its
+Batching across sessions (specdec.replica.batching): `speculate` is a model-thread job; its
 first forward (feeding the draft) and each of its branch steps are requests the scheduler
 batches with other sessions' forwards, so the branch steps of several sessions (and their
 Draft steps) run as one padded forward.
@@ -59,15 +59,16 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.common.batching import BranchGroup, BranchStep, ForwardRequest, Request
 from specdec.common.controls import Controls
-from specdec.common.host import to_host
 from specdec.common.prefix import prefix_hash
-from specdec.common.processors import TokenCounts, verify_logits
-from specdec.common.runtime import ModelRuntime, Prefix, SessionCache
-from specdec.common.sampling import EncodedProbs, SamplingParams, encoded_rows, warp
 from specdec.drafter.config import CONFIDENCE, GEOMETRIC, OUTCOME_MODELS
 from specdec.drafter.sampler import Sampler, sampler_for
+from specdec.replica.batching import BranchGroup, BranchStep, ForwardRequest, Request
+from specdec.replica.engine import Engine, Session
+from specdec.replica.host import to_host
+from specdec.replica.processors import TokenCounts, verify_logits
+from specdec.replica.runtime import Prefix
+from specdec.replica.sampling import EncodedProbs, SamplingParams, encoded_rows, warp
 
 MAX_PREPARED_SESSIONS = 32
 # Outcome probabilities are ranked with acceptance probabilities clamped away from 0 and
@@ -157,8 +158,46 @@ class Speculation:
     forward_ms: float
 
 
+@dataclass(frozen=True)
+class SpeculateCall:
+    """A validated Speculate: the arguments of `speculate`."""
+
+    runtime: Engine
+    branches: BranchStore
+    session_id: str
+    prefix: Prefix
+    new_tokens: list[int]
+    k: int
+    branch_k: int
+    params: SamplingParams
+    fan_out: int
+    alpha: float
+    max_per_outcome: int
+    max_branch_tokens: int
+    controls: Controls | None
+    outcomes: str
+
+    def job(self) -> Generator[Request, torch.Tensor, Speculation]:
+        return speculate(
+            self.runtime,
+            self.branches,
+            self.session_id,
+            self.prefix,
+            self.new_tokens,
+            self.k,
+            self.branch_k,
+            self.params,
+            self.fan_out,
+            self.alpha,
+            self.max_per_outcome,
+            max_branch_tokens=self.max_branch_tokens,
+            controls=self.controls,
+            outcomes=self.outcomes,
+        )
+
+
 def speculate(
-    runtime: ModelRuntime,
+    runtime: Engine,
     store: BranchStore,
     session_id: str,
     prefix: Prefix,
@@ -174,7 +213,7 @@ def speculate(
     outcomes: str = CONFIDENCE,
 ) -> Generator[Request, torch.Tensor, Speculation]:
     """Prepare next-round drafts for the draft at the end of prefix + new_tokens (a job for
-    the model thread, `ModelRuntime.run`): branches of branch_k tokens for the k-token draft
+    the model thread, `Engine.run`): branches of branch_k tokens for the k-token draft
     that ends prefix + new_tokens (which holds at least k + 1 tokens); new_tokens may start inside the draft when the session's last Draft cached
     its beginning (see the module docstring).
 
@@ -224,9 +263,9 @@ def speculate(
 
 
 def draft_rows(
-    runtime: ModelRuntime,
+    runtime: Engine,
     store: BranchStore,
-    session: SessionCache,
+    session: Session,
     memo: DraftRows | None,
     prefix: Prefix,
     new_tokens: Sequence[int],
@@ -312,7 +351,7 @@ def rank_outcomes(
 
 
 def draft_branches(
-    session: SessionCache,
+    session: Session,
     base: int,
     keys: Sequence[tuple[int, int]],
     branch_k: int,
@@ -352,7 +391,7 @@ def draft_branches(
 def take_prepared(
     store: BranchStore,
     session_id: str,
-    session: SessionCache,
+    session: Session,
     new_tokens: Sequence[int],
     k: int,
     params: SamplingParams,

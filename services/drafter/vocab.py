@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from specdec.common.config import ConfigError, env_name
-from specdec.common.runtime import ModelRuntime
+from specdec.replica.runtime import ModelRuntime
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ drafter and a verifier. Every other choice then starts on those same replicas, i
 replica session of its own, with its first Draft and Verify naming choice 0's session in
 `fork_from`: the replica copies that cache's first len(prompt) - 1 tokens (the prompt but
 its last token, which the call feeds to get the logits it needs) instead of computing them
-again (specdec.common.kvstore.CacheStore.fork). A fork named in the request rather than a
+again (specdec.replica.kvstore.CacheStore.fork). A fork named in the request rather than a
 Fork RPC: the copy happens on the model thread inside the call that needs it, with the
 same prefix check as any call, so a fork source that was evicted or failed over is an
 ordinary cache miss (the caller resends the whole prompt) and costs no extra round trip.

@@ -16,6 +16,7 @@ from specdec.common.config import (
     port_number,
     positive,
 )
+from specdec.common.params import MAX_TOP_LOGPROBS
 from specdec.common.tls import (
     ClientTls,
     ServerTls,
@@ -29,7 +30,6 @@ from specdec.gateway.canary import Canary, parse_canary
 from specdec.gateway.discovery import parse_target
 from specdec.gateway.lookup import SCOPES, parse_method
 from specdec.gateway.policy import ADAPTIVE, parse_policy
-from specdec.gateway.request import MAX_TOP_LOGPROBS
 from specdec.v1 import gateway_pb2
 
 REPLICA_TRANSPORTS = ("dataplane", "grpc")

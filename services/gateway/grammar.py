@@ -17,7 +17,7 @@ A round under a grammar (specdec.gateway.loop):
    A draft that reaches an end the grammar accepts (EOS) is cut after it the same way.
 3. The verifier gets the k+1 masks (`GrammarMask`: a bitset of ceil(vocab/8) bytes, or the
    allowed ids when fewer than vocab/32) and sets the target's forbidden logits to -inf
-   before temperature, top-k and top-p (specdec.common.masks). Exactness never depends on
+   before temperature, top-k and top-p (specdec.replica.masks). Exactness never depends on
    the drafter, which drafts without the grammar: the cut only spares the verifier the
    tokens after a certain rejection.
 4. The round's tokens advance the request's matcher. EOS is allowed only where the grammar

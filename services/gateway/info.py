@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from specdec.common.controls import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from specdec.common.errors import NotReady
+from specdec.common.params import MAX_TOP_LOGPROBS
 from specdec.gateway import grammar, request
 from specdec.v1 import gateway_pb2
 
@@ -66,7 +67,7 @@ def server_info(gateway: Gateway) -> gateway_pb2.GetServerInfoResponse:
         supported_request_fields=supported_request_fields(gateway),
         max_stop_token_ids=MAX_STOP_TOKEN_IDS,
         max_logit_bias=MAX_LOGIT_BIAS,
-        max_top_logprobs=request.MAX_TOP_LOGPROBS,
+        max_top_logprobs=MAX_TOP_LOGPROBS,
         max_choices=request.MAX_CHOICES,
         structured_output_engine=grammar.ENGINE if gateway.grammars else "",
         structured_output_kinds=grammar.KINDS if gateway.grammars else (),

@@ -1,5 +1,5 @@
 """A completion's log-probabilities in the gateway (torch-free): the rows each Verify
-returns (specdec.common.logprobs computes them on the verifier), kept aligned with the
+returns (specdec.replica.logprobs computes them on the verifier), kept aligned with the
 completion's tokens.
 
 A round emits its accepted drafts and its next token, each scored; the completion may keep

@@ -21,7 +21,7 @@ full disk) drops the row, logs it and counts it in ``specdec_gateway_record_drop
 by reason; the request has already been answered either way.
 
 With ``--record-top-logprobs M`` (0 by default) a row also holds the target's scores of
-its output, from the Verify calls the request made anyway (specdec.common.logprobs, the
+its output, from the Verify calls the request made anyway (specdec.replica.logprobs, the
 code behind the API's ``logprobs``: after the request's logits processors, before
 temperature, top-k and top-p): ``target_logprobs`` (each output token's), and
 ``target_top_ids`` / ``target_top_logprobs`` (the M likeliest tokens at each output

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from specdec.common.controls import MAX_STOP_TOKEN_IDS, check_sampling_controls
 from specdec.common.errors import InvalidRequest
-from specdec.common.params import sampling_from_proto
+from specdec.common.params import MAX_TOP_LOGPROBS, sampling_from_proto
 from specdec.gateway.lookup import METHODS
 from specdec.v1 import common_pb2, gateway_pb2
 
@@ -21,9 +21,8 @@ MAX_SESSION_ID_CHARS = 256
 # A prompt longer than this many characters per context token cannot fit: refused before
 # it is tokenized, so one huge prompt cannot hold the event loop.
 MAX_CHARS_PER_TOKEN = 64
-# Alternatives per scored token (specdec.common.logprobs.MAX_TOP_LOGPROBS, which the
-# gateway cannot import: no torch there) and completions per request.
-MAX_TOP_LOGPROBS = 20
+# Completions per request (alternatives per scored token: MAX_TOP_LOGPROBS, which the
+# verifier enforces too).
 MAX_CHOICES = 16
 
 

@@ -1,6 +1,6 @@
 """The verifier's domain logic: one target forward over new tokens + draft, then the rule.
 
-`verify` is a model-thread job (specdec.common.batching): its forward is batched with the
+`verify` is a model-thread job (specdec.replica.batching): its forward is batched with the
 forwards of other sessions' Verify calls waiting at the same time."""
 
 from __future__ import annotations
@@ -11,14 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.common.batching import ForwardRequest
 from specdec.common.controls import Controls
-from specdec.common.host import to_host
-from specdec.common.logprobs import LogprobRows, LogprobsAsk, emitted_tokens, token_logprobs
-from specdec.common.masks import apply_masks
-from specdec.common.processors import verify_logits
-from specdec.common.runtime import ModelRuntime, Prefix, SessionCache
-from specdec.common.sampling import (
+from specdec.replica.batching import ForwardRequest
+from specdec.replica.engine import Engine, Session
+from specdec.replica.host import to_host
+from specdec.replica.logprobs import LogprobRows, LogprobsAsk, emitted_tokens, token_logprobs
+from specdec.replica.masks import apply_masks
+from specdec.replica.processors import verify_logits
+from specdec.replica.runtime import Prefix
+from specdec.replica.sampling import (
     SamplingParams,
     greedy_verdict,
     make_generator,
@@ -43,8 +44,40 @@ class Verdict:
     prompt_logprobs: LogprobRows | None = None
 
 
+@dataclass(frozen=True)
+class VerifyCall:
+    """A validated Verify: the arguments of `verify`."""
+
+    runtime: Engine
+    session_id: str
+    prefix: Prefix
+    new_tokens: list[int]
+    draft_tokens: list[int]
+    draft_probs: torch.Tensor | None  # [k, vocab]
+    params: SamplingParams
+    controls: Controls | None
+    logprobs: LogprobsAsk | None
+    fork_from: str
+    grammar_masks: torch.Tensor | None  # [k+1, vocab] bool
+
+    def job(self) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
+        return verify(
+            self.runtime,
+            self.session_id,
+            self.prefix,
+            self.new_tokens,
+            self.draft_tokens,
+            self.draft_probs,
+            self.params,
+            controls=self.controls,
+            logprobs=self.logprobs,
+            fork_from=self.fork_from,
+            grammar_masks=self.grammar_masks,
+        )
+
+
 def verify(
-    runtime: ModelRuntime,
+    runtime: Engine,
     session_id: str,
     prefix: Prefix,
     new_tokens: Sequence[int],
@@ -62,9 +95,9 @@ def verify(
     grammar_masks [k+1, vocab] bool (structured output): the tokens allowed at each verified
     position; the target's other logits are -inf before the rule. None: no grammar.
 
-    A job for the model thread (`ModelRuntime.run`). The cache ends holding prefix +
+    A job for the model thread (`Engine.run`). The cache ends holding prefix +
     new_tokens + accepted drafts. logprobs: also score the emitted tokens (and the prompt)
-    (specdec.common.logprobs). fork_from: start the session as a copy of that session's
+    (specdec.replica.logprobs). fork_from: start the session as a copy of that session's
     cache (CacheStore.acquire).
     """
     with runtime.guarded(session_id):
@@ -86,8 +119,8 @@ def verify(
 
 
 def processed_target_logits(
-    runtime: ModelRuntime,
-    session: SessionCache,
+    runtime: Engine,
+    session: Session,
     new_tokens: Sequence[int],
     draft_tokens: Sequence[int],
     controls: Controls | None,
@@ -96,8 +129,8 @@ def processed_target_logits(
 ) -> Generator[ForwardRequest, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The target's processed logits [k+1, vocab] at the draft's k+1 positions (the model's
     forward over new_tokens + draft_tokens, then the request's processors with the prefix
-    up to each position, specdec.common.processors.verify_logits, then the grammar's masks,
-    specdec.common.masks.apply_masks): what the rule, greedy or sampled, and the emitted
+    up to each position, specdec.replica.processors.verify_logits, then the grammar's masks,
+    specdec.replica.masks.apply_masks): what the rule, greedy or sampled, and the emitted
     tokens' log-probabilities read. Also the raw logits of the
     `scored` prompt positions before them [scored, vocab] (echo scores the prompt as the
     model sees it, without processors)."""

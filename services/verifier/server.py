@@ -12,16 +12,16 @@ from collections.abc import Callable
 from typing import Any
 
 from specdec.common.controls import controls_from_proto
-from specdec.common.convert import decode_draft_probs, decode_grammar_masks, prefix_from_proto
 from specdec.common.errors import InvalidRequest
-from specdec.common.logprobs import MAX_TOP_LOGPROBS, LogprobRows, LogprobsAsk
 from specdec.common.metrics import observed_rpc
-from specdec.common.params import sampling_from_proto
-from specdec.common.replica import ModelCall, ReplicaServicer, check_fork, run_replica
+from specdec.common.params import MAX_TOP_LOGPROBS, sampling_from_proto
 from specdec.common.serving import rpc_errors
+from specdec.replica.convert import decode_draft_probs, decode_grammar_masks, prefix_from_proto
+from specdec.replica.logprobs import LogprobRows, LogprobsAsk
+from specdec.replica.replica import ModelCall, ReplicaServicer, check_fork, run_replica
 from specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.verifier.config import VerifierConfig
-from specdec.verifier.scorer import verify
+from specdec.verifier.scorer import VerifyCall
 
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name
 
@@ -66,23 +66,23 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
         ask = logprobs_ask(request)
         check_fork(request.fork_from)
         queue_depth = rt.pending  # the load this call waits behind (itself not counted yet)
-        args = (
-            rt,
-            request.session_id,
-            prefix,
-            new_tokens,
-            draft_tokens,
-            draft_probs,
-            params,
-            controls,
-            ask,
-            request.fork_from,
-            masks,
+        call = VerifyCall(
+            runtime=rt,
+            session_id=request.session_id,
+            prefix=prefix,
+            new_tokens=new_tokens,
+            draft_tokens=draft_tokens,
+            draft_probs=draft_probs,
+            params=params,
+            controls=controls,
+            logprobs=ask,
+            fork_from=request.fork_from,
+            grammar_masks=masks,
         )
         respond = functools.partial(
             self._verify_response, k, queue_depth, new_tokens, draft_tokens, request.logprobs
         )
-        return ModelCall(verify, args, request.session_id, respond)
+        return ModelCall(call, respond)
 
     def _verify_response(
         self,

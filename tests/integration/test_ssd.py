@@ -128,7 +128,7 @@ def exact_sequence_probs(model, prompt: list[int], steps: int, top_k: int, allow
     import torch
 
     from specdec.common.params import SamplingParams
-    from specdec.common.sampling import warp
+    from specdec.replica.sampling import warp
 
     params = SamplingParams(temperature=1.0, top_k=top_k)
     probs: dict[tuple[int, ...], float] = {}

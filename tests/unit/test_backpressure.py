@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from specdec.common.errors import CapacityExceeded, ReplicaBusy
-from specdec.common.runtime import ModelRuntime
+from specdec.replica.runtime import ModelRuntime
 from specdec.verifier.config import VerifierConfig
 
 

@@ -1,4 +1,4 @@
-"""Batching across sessions (specdec.common.batching) in-process on the tiny fp32 target:
+"""Batching across sessions (specdec.replica.batching) in-process on the tiny fp32 target:
 the padded forward against each row's own forward, the write-back of each row's KV, and the
 scheduler (continuous batching, per-session order, limits, one job's failure alone)."""
 
@@ -10,12 +10,12 @@ import threading
 import pytest
 import torch
 
-from specdec.common.batching import ForwardRequest, Scheduler, _Task
 from specdec.common.errors import CacheMiss
 from specdec.common.prefix import prefix_hash
-from specdec.common.runtime import ModelRuntime, Prefix
-from specdec.common.sampling import SamplingParams
 from specdec.drafter.config import DrafterConfig
+from specdec.replica.batching import ForwardRequest, Scheduler, _Task
+from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.sampling import SamplingParams
 from specdec.verifier.config import VerifierConfig
 from specdec.verifier.scorer import verify
 

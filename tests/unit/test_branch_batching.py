@@ -1,4 +1,4 @@
-"""SSD branch steps batched across sessions (specdec.common.batching, issue 14 item 2)
+"""SSD branch steps batched across sessions (specdec.replica.batching, issue 14 item 2)
 in-process on the tiny fp32 target: two sessions' branch groups (different lengths,
 different accepted counts) and a session's own row in one padded forward against each run
 alone and against a plain forward of each branch's own sequence; the scheduler running two
@@ -12,12 +12,12 @@ import asyncio
 import pytest
 import torch
 
-from specdec.common.batching import BranchGroup, BranchStep, ForwardRequest, Scheduler, _Task
 from specdec.common.params import SamplingParams
-from specdec.common.runtime import ModelRuntime, Prefix
 from specdec.drafter.config import DrafterConfig
 from specdec.drafter.proposer import propose
 from specdec.drafter.speculate import BranchStore, speculate
+from specdec.replica.batching import BranchGroup, BranchStep, ForwardRequest, Scheduler, _Task
+from specdec.replica.runtime import ModelRuntime, Prefix
 from tests.unit.test_batching import TOL, _held, _runtime, _seq
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from specdec.common.params import SamplingParams
-from specdec.common.runtime import ModelRuntime, Prefix
 from specdec.drafter.config import DrafterConfig
 from specdec.drafter.speculate import BranchStore, branch_budget, speculate
+from specdec.replica.runtime import ModelRuntime, Prefix
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""`--dtype fastest` (specdec.common.calibrate): the replica loads float32, times it and a
+"""`--dtype fastest` (specdec.replica.calibrate): the replica loads float32, times it and a
 bfloat16 copy, keeps the faster, and caches the choice. On the tiny random models: no
 wall-clock assertions (which dtype wins here is the machine's business), only that the
 choice is one of the candidates, the model kept is exactly a load in that dtype, and the
@@ -13,10 +13,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdec.common import calibrate
-from specdec.common.calibrate import DtypeChoice, choose_dtype, cpu_info, fastest_dtype
 from specdec.common.config import DTYPES
-from specdec.common.loading import load_model
+from specdec.common.cpus import cpu_info
+from specdec.replica import calibrate
+from specdec.replica.calibrate import DtypeChoice, choose_dtype, fastest_dtype
+from specdec.replica.loading import load_model
 from specdec.verifier.config import VerifierConfig
 
 CPU = torch.device("cpu")
@@ -135,17 +136,6 @@ def test_reason_names_the_ratio_and_the_cpu(test_models, monkeypatch):
     assert choice.cpu == cpu_info().describe()
 
 
-def test_cpu_flags_in_the_note(tmp_path):
-    lines = "model name\t: Some CPU\nflags\t\t: fpu sse avx2 avx512f avx512_vnni\n"
-    (tmp_path / "plain").write_text(lines * 2)
-    cpu = cpu_info(tmp_path / "plain")
-    assert cpu == calibrate.Cpu("Some CPU", ("avx2", "avx512f"))
-    assert cpu.bf16_note() == "no avx512_bf16/amx on this CPU, avx512f at best"
-    (tmp_path / "amx").write_text(lines.replace("avx512f", "avx512f avx512_bf16 amx_tile amx_bf16"))
-    assert cpu_info(tmp_path / "amx").bf16_note() == "amx_bf16/avx512_bf16 on this CPU"
-    assert cpu_info(tmp_path / "missing").flags == ()
-
-
 def test_cache_is_keyed_and_reused(test_models, monkeypatch, cache_dir):
     asked = fake_timings(monkeypatch, float32=(10.0, 30.0), bfloat16=(5.0, 10.0))
     _, first = choose_dtype(fp32(test_models.target), CPU, threads=1)
@@ -167,7 +157,7 @@ def test_corrupt_cache_is_ignored(test_models, monkeypatch, cache_dir, caplog, c
     cache_dir.mkdir()
     (cache_dir / "calibration.json").write_text(content)
     asked = fake_timings(monkeypatch, float32=(10.0, 10.0), bfloat16=(20.0, 30.0))
-    with caplog.at_level(logging.WARNING, logger="specdec.common.calibrate"):
+    with caplog.at_level(logging.WARNING, logger="specdec.replica.calibrate"):
         _, choice = choose_dtype(fp32(test_models.target), CPU, threads=1)
     assert asked == ["float32", "bfloat16"] and choice.dtype == "float32"
     assert any(r.getMessage() == "calibration cache ignored" for r in caplog.records)

@@ -1,10 +1,11 @@
-"""Thread sizing from the affinity mask and the cgroup CPU quota (fake cgroup trees)."""
+"""Thread sizing from the affinity mask and the cgroup CPU quota (fake cgroup trees), and
+the CPU's name and flags from /proc/cpuinfo (fake files)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from specdec.common.cpus import cgroup_quota, thread_budget, usable_cpus
+from specdec.common.cpus import Cpu, cgroup_quota, cpu_info, thread_budget, usable_cpus
 from specdec.tools.stack import split_threads
 
 
@@ -89,3 +90,14 @@ def test_up_divides_the_cpus_between_the_replicas():
     assert split_threads(2, 2, pinned=False, cpus=8) == (2, 2)
     # Pinned replicas size themselves from their affinity masks.
     assert split_threads(0, 0, pinned=True, cpus=8) == (0, 0)
+
+
+def test_cpu_flags_in_the_note(tmp_path):
+    lines = "model name\t: Some CPU\nflags\t\t: fpu sse avx2 avx512f avx512_vnni\n"
+    (tmp_path / "plain").write_text(lines * 2)
+    cpu = cpu_info(tmp_path / "plain")
+    assert cpu == Cpu("Some CPU", ("avx2", "avx512f"))
+    assert cpu.bf16_note() == "no avx512_bf16/amx on this CPU, avx512f at best"
+    (tmp_path / "amx").write_text(lines.replace("avx512f", "avx512f avx512_bf16 amx_tile amx_bf16"))
+    assert cpu_info(tmp_path / "amx").bf16_note() == "amx_bf16/avx512_bf16 on this CPU"
+    assert cpu_info(tmp_path / "missing").flags == ()

@@ -11,13 +11,13 @@ import torch
 from specdec.cli import build_parser
 from specdec.common.config import ConfigError
 from specdec.common.prefix import prefix_hash
-from specdec.common.runtime import ModelRuntime, Prefix
-from specdec.common.sampling import SamplingParams, decode_probs, warp
 from specdec.drafter.config import DrafterConfig
 from specdec.drafter.proposer import propose
 from specdec.drafter.runtime import DrafterRuntime
 from specdec.drafter.speculate import BranchStore, speculate
 from specdec.drafter.vocab import read_ranking, subset_ids
+from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.sampling import SamplingParams, decode_probs, warp
 
 N = 64  # kept tokens (the tiny tokenizer has a few hundred)
 PROMPT = [5, 17, 42, 99, 7, 120]

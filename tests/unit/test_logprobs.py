@@ -1,4 +1,4 @@
-"""The verifier's scores (specdec.common.logprobs) and the KV fork of n > 1, in-process on
+"""The verifier's scores (specdec.replica.logprobs) and the KV fork of n > 1, in-process on
 the fp32 tiny target: every score equals log_softmax of transformers' own logits at its
 position, for greedy and sampled verdicts, with the prompt's (echo) and without."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from specdec.common.errors import CacheMiss
-from specdec.common.logprobs import LogprobsAsk, emitted_tokens, token_logprobs
 from specdec.common.params import SamplingParams
 from specdec.common.prefix import prefix_hash
-from specdec.common.runtime import ModelRuntime, Prefix
+from specdec.replica.logprobs import LogprobsAsk, emitted_tokens, token_logprobs
+from specdec.replica.runtime import ModelRuntime, Prefix
 from specdec.verifier.config import VerifierConfig
 from specdec.verifier.scorer import verify
 

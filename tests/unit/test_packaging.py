@@ -47,7 +47,7 @@ def test_gateway_and_cli_import_no_torch():
 
 def test_control_torch_is_seen_when_imported():
     """The probe above can fail: importing a replica's runtime does pull torch in."""
-    assert "torch" in _fresh_modules("import specdec.common.runtime")
+    assert "torch" in _fresh_modules("import specdec.replica.runtime")
 
 
 def _names(reqs: list[str] | None) -> set[str]:

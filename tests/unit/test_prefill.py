@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec.common.prefix import prefix_hash
-from specdec.common.runtime import ModelRuntime, Prefix
+from specdec.replica.runtime import ModelRuntime, Prefix
 from specdec.verifier.config import VerifierConfig
 
 

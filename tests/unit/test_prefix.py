@@ -10,7 +10,7 @@ import pytest
 
 from specdec.common import prefix as prefix_module
 from specdec.common.prefix import BLOCK, PrefixChain, prefix_hash
-from specdec.common.runtime import CacheStore, SessionCache
+from specdec.replica.runtime import CacheStore, SessionCache
 from tests.unit.test_loop_faults import FakeDrafter, FakeVerifier, make, speculator
 
 

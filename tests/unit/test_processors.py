@@ -1,4 +1,4 @@
-"""The logits processors (specdec.common.processors, specdec.common.controls): each against
+"""The logits processors (specdec.replica.processors, specdec.common.controls): each against
 transformers' own processor (or an independent reference where transformers has none), the
 vectorised Verify rows against one row at a time, the drafter's running counts against
 the Verify rows, range checks, and the statistical test of DESIGN §2 with a penalty: a
@@ -23,8 +23,8 @@ from transformers import (
 
 from specdec.common.controls import Controls, check_sampling_controls, controls_from_proto
 from specdec.common.errors import InvalidRequest
-from specdec.common.processors import TokenCounts, draft_position_logits, verify_logits
-from specdec.common.sampling import SamplingParams, make_generator, rejection_sample, warp
+from specdec.replica.processors import TokenCounts, draft_position_logits, verify_logits
+from specdec.replica.sampling import SamplingParams, make_generator, rejection_sample, warp
 from specdec.v1 import common_pb2
 from tests.unit.test_sampling import N_SAMPLES, N_TOKENS, VOCAB, _check, _counts
 

@@ -8,15 +8,15 @@ import math
 
 import torch
 
-from specdec.common.convert import encoded_to_proto
-from specdec.common.host import to_host
-from specdec.common.sampling import (
+from specdec.drafter.sampler import Sampler
+from specdec.replica.convert import encoded_to_proto
+from specdec.replica.host import to_host
+from specdec.replica.sampling import (
     SamplingParams,
     encoded_rows,
     rejection_sample,
     truncate_proposal,
 )
-from specdec.drafter.sampler import Sampler
 
 VOCAB = 151_936  # the Qwen2.5 vocabulary of the measurement
 

@@ -8,10 +8,10 @@ import torch
 
 from specdec.cli import build_parser
 from specdec.common.config import ConfigError
-from specdec.common.runtime import Prefix
 from specdec.drafter.config import DrafterConfig
 from specdec.drafter.quantize import quantize_model, quantized_layers
 from specdec.drafter.runtime import DrafterRuntime
+from specdec.replica.runtime import Prefix
 
 
 def drafter(*argv: str) -> DrafterConfig:

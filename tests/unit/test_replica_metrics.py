@@ -1,5 +1,5 @@
 """The replica's queue, miss and cache accounting (specdec.common.metrics), on the real
-model-thread scheduler (specdec.common.batching, plain calls: no model); the runtime is a
+model-thread scheduler (specdec.replica.batching, plain calls: no model); the runtime is a
 stand-in holding only what the observer reads."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import REGISTRY
 
-from specdec.common.batching import Scheduler
 from specdec.common.errors import CacheMiss
 from specdec.common.metrics import ReplicaObserver, note_cache, note_eviction, note_rollback
+from specdec.replica.batching import Scheduler
 
 
 def value(name: str, **labels) -> float:

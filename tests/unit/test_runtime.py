@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
 from specdec.common.errors import CacheMiss, CapacityExceeded, InvalidRequest
 from specdec.common.prefix import prefix_hash
-from specdec.common.runtime import ModelRuntime, Prefix
 from specdec.drafter.config import DrafterConfig
+from specdec.replica.engine import Engine, Session, SessionStore
+from specdec.replica.runtime import ModelRuntime, Prefix
 from specdec.verifier.config import VerifierConfig
 
 
@@ -113,3 +116,26 @@ def test_refuses_models_whose_cache_cannot_roll_back(tmp_path, test_models):
     with pytest.raises(ValueError, match="sliding-window"):
         rt.load()
     rt.shutdown()
+
+
+def _parameters(fn) -> list[tuple[str, object]]:
+    return [(p.name, p.kind) for p in inspect.signature(fn).parameters.values()]
+
+
+def _same_operations(protocol, impl) -> None:
+    """impl has every member of protocol, each method with the protocol's parameters."""
+    assert isinstance(impl, protocol)
+    for name, member in vars(protocol).items():
+        if inspect.isfunction(member) and not name.startswith("_"):
+            assert _parameters(member)[1:] == _parameters(getattr(impl, name)), name
+
+
+def test_model_runtime_is_the_engine(runtime):
+    """The one implementation of the engine's seam (specdec.replica.engine) has every
+    operation the servicers use, with the protocol's parameters."""
+    _same_operations(Engine, runtime)
+    _same_operations(SessionStore, runtime.store)
+    toks = list(range(3, 9))
+    session = runtime.store.acquire("engine", 0, 0, len(toks))
+    assert isinstance(session, Session)
+    runtime.release("engine")

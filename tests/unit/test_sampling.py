@@ -1,4 +1,4 @@
-"""Unit tests for the speculation math (specdec.common.sampling, DESIGN §2).
+"""Unit tests for the speculation math (specdec.replica.sampling, DESIGN §2).
 
 Two kinds of test, as STYLE §9 asks:
 - table cases with hand-built distributions where the outcome is forced;
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specdec.common.params import MAX_TOP_K
-from specdec.common.sampling import (
+from specdec.replica.sampling import (
     EncodedProbs,
     InvalidDistribution,
     SamplingParams,
@@ -944,7 +944,7 @@ def test_negative_control_draft_alone_fails_the_check():
 def test_greedy_verdict_is_rejection_sample_greedy():
     """The host-side rule the verifier applies under greedy decoding gives what the
     batched rule gives, on random drafts and targets (ties included: argmax's first)."""
-    from specdec.common.sampling import greedy_verdict
+    from specdec.replica.sampling import greedy_verdict
 
     gen = torch.Generator().manual_seed(4)
     for k in range(0, 6):

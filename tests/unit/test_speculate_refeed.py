@@ -7,10 +7,10 @@ import pytest
 
 from specdec.common.params import SamplingParams
 from specdec.common.prefix import prefix_hash
-from specdec.common.runtime import ModelRuntime, Prefix
 from specdec.drafter.config import DrafterConfig
 from specdec.drafter.proposer import propose
 from specdec.drafter.speculate import BranchStore, speculate
+from specdec.replica.runtime import ModelRuntime, Prefix
 
 CONTEXT = list(range(10, 40))
 K = 4

@@ -1,5 +1,5 @@
 """Structured output's pieces alone: the masks on the wire and on the logits
-(specdec.common.masks), the gateway's cut of a draft (specdec.gateway.grammar), and why the
+(specdec.replica.masks), the gateway's cut of a draft (specdec.gateway.grammar), and why the
 cut keeps the first forbidden draft token (the rule stays exact)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from specdec.common.errors import InvalidRequest
-from specdec.common.masks import InvalidMask, apply_masks, decode_mask, stack_masks
-from specdec.common.sampling import rejection_sample
 from specdec.gateway.grammar import Grammars, encode_mask
+from specdec.replica.masks import InvalidMask, apply_masks, decode_mask, stack_masks
+from specdec.replica.sampling import rejection_sample
 from specdec.v1 import gateway_pb2, verifier_pb2
 
 

@@ -13,7 +13,7 @@ from specdec.gateway.text import Completion, TextCodec
 def codec(test_models):
     from transformers import AutoTokenizer
 
-    from specdec.common.loading import canonical_tokenizer_json
+    from specdec.replica.loading import canonical_tokenizer_json
 
     tok = AutoTokenizer.from_pretrained(test_models.tokenizer)
     return TextCodec(canonical_tokenizer_json(tok))

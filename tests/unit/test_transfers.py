@@ -3,7 +3,7 @@
 On a GPU every read of a tensor's values on the host (`.item()`, `.tolist()`, `.cpu()`,
 `int(t)`, ...) waits for everything queued on the device: the host stops feeding it.
 Each call of the round therefore copies its results once, at its end
-(specdec.common.host.to_host): a Verify one copy, a Draft one (its k tokens and, when
+(specdec.replica.host.to_host): a Verify one copy, a Draft one (its k tokens and, when
 sampling, their distributions), a Speculate two (its ranking of outcomes, then its
 branches). `TransferCounter` stands in for a device: it counts to_host's copies and every
 other read of tensor values on the host, on tensors to_host did not return. The models
@@ -17,17 +17,17 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from specdec.common import host
-from specdec.common.batching import BranchStep
-from specdec.common.logprobs import LogprobsAsk
 from specdec.common.params import SamplingParams
 from specdec.common.prefix import PrefixChain
-from specdec.common.runtime import ModelRuntime, Prefix
-from specdec.common.sampling import decode_probs
 from specdec.drafter.config import DrafterConfig
 from specdec.drafter.proposer import propose
 from specdec.drafter.runtime import DrafterRuntime
 from specdec.drafter.speculate import BranchStore, speculate
+from specdec.replica import host
+from specdec.replica.batching import BranchStep
+from specdec.replica.logprobs import LogprobsAsk
+from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.sampling import decode_probs
 from specdec.tools.bench.standin import build_standins
 from specdec.verifier.config import VerifierConfig
 from specdec.verifier.scorer import verify

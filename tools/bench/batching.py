@@ -23,11 +23,11 @@ import statistics
 import time
 
 from specdec.common.prefix import prefix_hash
-from specdec.common.runtime import ModelRuntime, Prefix
-from specdec.common.sampling import SamplingParams
 from specdec.drafter.config import DrafterConfig
 from specdec.drafter.proposer import propose
 from specdec.drafter.speculate import BranchStore
+from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.sampling import SamplingParams
 from specdec.verifier.scorer import verify
 
 GREEDY = SamplingParams(temperature=0.0)

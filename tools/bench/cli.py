@@ -71,7 +71,7 @@ if TYPE_CHECKING:
 
 
 def machine() -> dict:
-    from specdec.common.calibrate import cpu_info
+    from specdec.common.cpus import cpu_info
     from specdec.tools.costreport import machine_line
 
     return {
@@ -238,7 +238,7 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
         help="only re-render DIR/results.md and speedup.png from DIR/results.json",
     )
     add_stack_arguments(p, port_default=0)
-    # fastest: the dtype a verifier here measures fastest (specdec.common.calibrate), for the
+    # fastest: the dtype a verifier here measures fastest (specdec.replica.calibrate), for the
     # in-process baselines and both replicas alike. bfloat16 logits can tie exactly, so where
     # a mode differs from the baseline the bench checks whether it was such a tie-break.
     p.set_defaults(func=run_bench, dtype="fastest")

@@ -45,8 +45,8 @@ CONTEXT = 128  # tokens of context before the timed steps (about a shipped promp
 
 def load(name: str, variant: str):
     """The model as the drafter would serve it: through ModelRuntime.load (one thread)."""
-    from specdec.common.runtime import ModelRuntime
     from specdec.drafter.config import DrafterConfig
+    from specdec.replica.runtime import ModelRuntime
     from specdec.tools.models import installed_path
 
     path = installed_path(name)

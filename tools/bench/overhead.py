@@ -131,10 +131,10 @@ class InProcess:
     """Both stand-ins in this process, driven by the replicas' own jobs without threads."""
 
     def __init__(self, draft_model: Path, target_model: Path):
-        from specdec.common.runtime import ModelRuntime
         from specdec.drafter.config import DrafterConfig
         from specdec.drafter.runtime import DrafterRuntime
         from specdec.drafter.speculate import BranchStore
+        from specdec.replica.runtime import ModelRuntime
         from specdec.verifier.config import VerifierConfig
 
         common = dict(trust_remote_code=True, threads=1, max_batch_size=1)
@@ -156,8 +156,8 @@ class InProcess:
         and its whole time."""
         from specdec.common.params import sampling_from_proto
         from specdec.common.prefix import PrefixChain
-        from specdec.common.runtime import Prefix
         from specdec.drafter.proposer import propose
+        from specdec.replica.runtime import Prefix
         from specdec.v1 import common_pb2
         from specdec.verifier.scorer import verify
 

@@ -15,12 +15,12 @@ import dataclasses
 import json
 from importlib import resources
 
-from specdec.common.convert import encoded_to_proto
 from specdec.common.params import SamplingParams
-from specdec.common.runtime import ModelRuntime, Prefix
 from specdec.drafter.config import DrafterConfig
 from specdec.drafter.proposer import propose
 from specdec.drafter.speculate import BranchStore
+from specdec.replica.convert import encoded_to_proto
+from specdec.replica.runtime import ModelRuntime, Prefix
 from specdec.v1 import drafter_pb2
 
 

@@ -13,8 +13,8 @@ import resource
 import sys
 import time
 
-from specdec.common.runtime import ModelRuntime, Prefix
 from specdec.drafter.config import DrafterConfig
+from specdec.replica.runtime import ModelRuntime, Prefix
 from specdec.tools.models import installed_path
 
 

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import torch
 
 from specdec.common.errors import InvalidRequest
-from specdec.common.masks import InvalidMask, decode_mask, stack_masks
-from specdec.common.runtime import Prefix
-from specdec.common.sampling import EncodedProbs, InvalidDistribution, decode_probs
+from specdec.replica.masks import InvalidMask, decode_mask, stack_masks
+from specdec.replica.runtime import Prefix
+from specdec.replica.sampling import EncodedProbs, InvalidDistribution, decode_probs
 from specdec.v1 import common_pb2
 
 

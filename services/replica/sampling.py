@@ -220,7 +220,7 @@ def proposal_payload(proposals: torch.Tensor, entries: int) -> tuple[torch.Tenso
     """What of proposals [n, vocab] (as `as_sent` left them) travels, still on their device:
     sparse, the top `entries` (fp32 values [n, m], int32 ids [n, m]); dense, the rows in
     fp16 ([n, vocab]). Copy it to the host with the job's other results in one transfer
-    (specdec.common.host.to_host), then `encoded_rows`."""
+    (specdec.replica.host.to_host), then `encoded_rows`."""
     if entries:
         values, ids = proposals.topk(entries, dim=-1)
         return values, ids.to(torch.int32)

@@ -2,7 +2,7 @@
 
 ``AutoModelForCausalLM.from_pretrained`` on a directory, a hub id or a GGUF file (the
 real loading path, tests included) in the dtype asked for (``fastest``: the one measured
-fastest here, specdec.common.calibrate), the tokenizer beside it, and the facts a replica
+fastest here, specdec.replica.calibrate), the tokenizer beside it, and the facts a replica
 reports in Info: vocabulary, context, EOS/BOS, chat template, the tokenizer's canonical
 JSON and fingerprint. Models whose KV cache cannot be rolled back exactly, or that cannot
 be batched across sessions, are refused with the reason.
@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from specdec.common import calibrate
 from specdec.common.config import ReplicaConfig
 from specdec.common.cpus import thread_budget
+from specdec.replica import calibrate
 
 log = logging.getLogger(__name__)
 

@@ -106,7 +106,7 @@ class ForwardRequest:
     """One session's share of a forward: feed `tokens` after its cache, return the logits
     of the last `keep` of them [keep, vocab] fp32. One row of the batch."""
 
-    session: Any  # specdec.common.runtime.SessionCache
+    session: Any  # specdec.replica.runtime.SessionCache
     tokens: list[int] | torch.Tensor  # [n]: a device tensor for tokens drawn there
     keep: int
     fresh: bool  # part of a prefill (metrics)
@@ -127,7 +127,7 @@ class BranchGroup:
     cache, then the tokens fed to it so far (its own keys/values, kept here). The session's
     cache is read, never changed: its job is in flight, so no other job touches it."""
 
-    session: Any  # specdec.common.runtime.SessionCache
+    session: Any  # specdec.replica.runtime.SessionCache
     visible: list[int]  # [rows]
     keys: list[torch.Tensor] = field(default_factory=list)  # per layer [rows, heads, fed, dim]
     values: list[torch.Tensor] = field(default_factory=list)  # per layer [rows, heads, fed, dim]

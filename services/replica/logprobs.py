@@ -8,7 +8,7 @@ token alike come out of a Verify. A caller that processes the logits (penalties,
 masks) passes the processed ones.
 
 Everything stays on the device: the results join the Verify's one copy to the host
-(specdec.common.host.to_host).
+(specdec.replica.host.to_host).
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-# Largest top_logprobs a request may ask for (OpenAI's chat limit; vLLM's default).
-MAX_TOP_LOGPROBS = 20
+from specdec.common.params import MAX_TOP_LOGPROBS
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import logging
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -19,10 +19,11 @@ from specdec.common.dataplane import DataPlaneServer
 from specdec.common.errors import InvalidRequest, NotReady
 from specdec.common.logs import setup_logging
 from specdec.common.metrics import start_metrics_server
-from specdec.common.runtime import ModelRuntime, Prefix
 from specdec.common.serving import rpc_errors, serve
 from specdec.common.telemetry import setup_tracing
 from specdec.common.version import note_model_version, read_model_version
+from specdec.replica.engine import Engine
+from specdec.replica.runtime import ModelRuntime, Prefix
 from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -44,24 +45,42 @@ def check_fork(fork_from: str) -> None:
         raise InvalidRequest(f"fork_from is longer than {MAX_SESSION_ID_LEN} characters")
 
 
+class JobCall(Protocol):
+    """A request's validated arguments for the model (DraftCall, SpeculateCall, VerifyCall):
+    a frozen dataclass with named fields, the session its job works on, and the job."""
+
+    @property
+    def session_id(self) -> str: ...
+
+    def job(self) -> Any:
+        """The job for the model thread over these arguments (a generator of forwards)."""
+        ...
+
+
 @dataclass(frozen=True)
 class ModelCall:
-    """A request validated for the model: the job to run on the model thread with its
-    arguments, the session whose jobs run one at a time in order, and how the job's
+    """A request validated for the model: its arguments (`call`, whose job runs on the
+    model thread; the jobs of its session run one at a time, in order) and how the job's
     result becomes the response message. The gRPC methods and the data plane
     (specdec.common.dataplane) both build and answer their calls through these."""
 
-    job: Callable[..., Any]
-    args: tuple
-    session: str
+    call: JobCall
     respond: Callable[[Any], Any]
+
+    @property
+    def job(self) -> Callable[[], Any]:
+        return self.call.job
+
+    @property
+    def session(self) -> str:
+        return self.call.session_id
 
 
 class ReplicaServicer:
     """Info and Release, shared by DrafterService and VerifierService, and the model calls
-    of the role (`model_calls`)."""
+    of the role (`model_calls`), over the replica's engine (specdec.replica.engine)."""
 
-    def __init__(self, runtime: ModelRuntime):
+    def __init__(self, runtime: Engine):
         self.runtime = runtime
         self.replica_id = runtime.config.replica_id
         self.data_port = 0  # the data plane's port (specdec.common.dataplane); 0: none
@@ -76,13 +95,13 @@ class ReplicaServicer:
     async def answer(self, call: ModelCall) -> Any:
         """Run a model call on the model thread (bounded by --max-queue) and respond."""
         rt = self.runtime
-        return call.respond(await rt.run(call.job, *call.args, session=call.session))
+        return call.respond(await rt.run(call.job, session=call.session))
 
     def on_port(self, port: int) -> None:
         if not self.replica_id:
             self.replica_id = f"{socket.gethostname()}:{port}"
 
-    def ready_runtime(self) -> ModelRuntime:
+    def ready_runtime(self) -> Engine:
         if self.runtime.store is None:
             raise NotReady("model is still loading")
         return self.runtime
@@ -146,11 +165,12 @@ def run_replica(
     config_type: type[ReplicaConfig],
     args: argparse.Namespace,
     service_name: str,
-    make_servicer: Callable[[ModelRuntime], ReplicaServicer],
+    make_servicer: Callable[[Engine], ReplicaServicer],
     add_to_server: Callable[[ReplicaServicer, grpc.aio.Server], None],
-    runtime_type: type[ModelRuntime] = ModelRuntime,
+    runtime_type: Callable[[ReplicaConfig], Engine] = ModelRuntime,
 ) -> None:
-    """`specdec serve drafter|verifier`: config, logging, serve until SIGTERM."""
+    """`specdec serve drafter|verifier`: config, logging, serve until SIGTERM. runtime_type
+    makes the engine (the transformers ModelRuntime, or the drafter's DrafterRuntime)."""
     config = config_type.from_args(args)
     setup_logging(config.role)
     tracing = setup_tracing(config.role)

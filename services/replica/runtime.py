@@ -1,16 +1,16 @@
 """Model runtime shared by the drafter and the verifier: forwards on the model thread.
 
-A `ModelRuntime` holds the loaded model (specdec.common.loading) and its sessions' KV
-caches (specdec.common.kvstore), bounds the model requests that may queue (backpressure),
+A `ModelRuntime` holds the loaded model (specdec.replica.loading) and its sessions' KV
+caches (specdec.replica.kvstore), bounds the model requests that may queue (backpressure),
 and runs every forward in one dedicated thread so the event loop never blocks. What only
 the drafter does (a reduced output layer, int8 weights) lives in specdec.drafter.runtime;
 the generic hook it uses is `head`.
 
 Threading rule: everything that touches the model or a ``SessionCache`` runs on the model
-thread (``ModelRuntime.scheduler``, specdec.common.batching), so sessions need no locks;
+thread (``ModelRuntime.scheduler``, specdec.replica.batching), so sessions need no locks;
 the event loop only validates requests and awaits ``ModelRuntime.run``. A model call is a
 job that yields its forwards (`forward_steps`); the scheduler batches the forwards of
-concurrent jobs of different sessions into one (see specdec.common.batching).
+concurrent jobs of different sessions into one (see specdec.replica.batching).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from typing import TypeVar
 
 import torch
 
-from specdec.common.batching import BranchStep, ForwardRequest, Layout, Request, Scheduler
 from specdec.common.config import ReplicaConfig
 from specdec.common.cost import CostCurve, Line, fit_points
 from specdec.common.errors import (
@@ -37,9 +36,10 @@ from specdec.common.errors import (
     InvalidRequest,
     ReplicaBusy,
 )
-from specdec.common.kvstore import CacheStore, Prefix, SessionCache
-from specdec.common.loading import check_batchable, check_rollback, load_model
 from specdec.common.metrics import ReplicaObserver
+from specdec.replica.batching import BranchStep, ForwardRequest, Layout, Request, Scheduler
+from specdec.replica.kvstore import CacheStore, Prefix, SessionCache
+from specdec.replica.loading import check_batchable, check_rollback, load_model
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -371,7 +371,7 @@ class ModelRuntime:
     @torch.inference_mode()
     def _forward_batch(self, requests: list[Request]) -> list[torch.Tensor]:
         """One forward over several sessions' caches and branch groups, padded
-        (specdec.common.batching); each request's logits."""
+        (specdec.replica.batching); each request's logits."""
         layout = Layout(requests)
         input_ids, mask, positions = layout.inputs(self.device)  # [R, N], [R, L + N], [R, N]
         cache = layout.cache(self.model.config)

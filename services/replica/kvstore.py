@@ -3,7 +3,7 @@
 A session's cache is a transformers ``DynamicCache`` with the tokens it holds; rollback of
 rejected draft tokens is a crop, a cache miss a dict lookup, eviction dropping one
 object. `CacheStore` bounds the tokens cached over all sessions (least recently used go
-first). Everything here runs on the replica's model thread (specdec.common.runtime), so
+first). Everything here runs on the replica's model thread (specdec.replica.runtime), so
 it needs no locks.
 """
 

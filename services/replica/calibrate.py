@@ -36,7 +36,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -45,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from specdec.common.cpus import cpu_info, thread_budget
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +61,7 @@ WARMUP_S = 0.25  # a first forward this slow is a sample, not a discarded warm-u
 # Another dtype replaces float32 only when its t(1) + t(8) is this much smaller: float32 is
 # exact (greedy output equals the float32 reference), so a near tie goes to it.
 FP32_MARGIN = 0.10
-# The CPU flags that decide what a bf16 matmul costs (x86: AVX2, AVX-512, its BF16
-# extension, AMX; Arm: the BF16 and SVE features).
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "bf16", "sve")
 CACHE_VERSION = 1  # bump when what is measured changes: older entries are then ignored
-CPUINFO = Path("/proc/cpuinfo")
 
 
 @dataclass(frozen=True)
@@ -115,43 +112,6 @@ def asked(dtype: str) -> DtypeChoice:
 
 
 # -- the hardware ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Cpu:
-    name: str
-    flags: tuple[str, ...]  # those of CPU_FLAGS it has
-
-    def describe(self) -> str:
-        return f"{self.name} ({' '.join(self.flags) or 'none of ' + '/'.join(CPU_FLAGS[:3])})"
-
-    def bf16_note(self) -> str:
-        """What the CPU has for bf16 matmuls, for the reason."""
-        units = [f for f in ("amx_bf16", "avx512_bf16", "bf16") if f in self.flags]
-        if units:
-            return f"{'/'.join(units)} on this CPU"
-        widest = next((f for f in ("avx512f", "avx2", "sve") if f in self.flags), None)
-        return "no avx512_bf16/amx on this CPU" + (f", {widest} at best" if widest else "")
-
-
-def cpu_info(path: Path = CPUINFO) -> Cpu:
-    """The CPU's model name and the CPU_FLAGS it has, from /proc/cpuinfo (Linux)."""
-    name, flags = "", set()
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        text = ""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip().lower()
-        if key in ("model name", "cpu model", "hardware") and not name:
-            name = value.strip()
-        elif key in ("flags", "features") and not flags:
-            flags = set(value.split())
-    return Cpu(
-        name or platform.processor() or platform.machine() or "unknown CPU",
-        tuple(f for f in CPU_FLAGS if f in flags),
-    )
 
 
 def device_name(device: torch.device) -> str:
@@ -488,8 +448,6 @@ def fastest_dtype(
     `threads` threads (0: the CPUs this process may use) runs in: the cached choice, or
     one measured now (loading the model in float32 here, then freeing it)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from specdec.common.cpus import thread_budget
 
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
     if trust_remote_code:

@@ -2,7 +2,7 @@
 drafter and the verifier (DESIGN §8). Torch only: no gRPC, no protobuf.
 
 A request's processors (specdec.common.controls.Controls) run on raw logits before
-warping (temperature, top-k, top-p: specdec.common.sampling.warp), in this order:
+warping (temperature, top-k, top-p: specdec.replica.sampling.warp), in this order:
 
 1. ``logit_bias``: a constant added to the logits of some token ids (OpenAI).
 2. ``min_tokens``: the ids of ``min_tokens_ids`` (EOS, stop token ids) get -inf while

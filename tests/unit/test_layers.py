@@ -1,0 +1,57 @@
+"""The layers: torch and transformers stay in specdec.replica (the engine the drafter and
+the verifier run). Every module of specdec.common, the gateway and the SDK import neither,
+and nor does the engine's seam (specdec.replica.engine). Each probe runs in a fresh
+interpreter, so that what this test process has imported does not count."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_PACKAGES = ("torch", "transformers")
+
+
+def modules_in(folder: Path, package: str) -> list[str]:
+    """The import names of the modules in a package's folder, subpackages included."""
+    names = []
+    for path in sorted(folder.rglob("*.py")):
+        parts = path.relative_to(folder).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        names.append(".".join((package, *parts)))
+    return names
+
+
+TORCH_FREE = [
+    *modules_in(ROOT / "services" / "common", "specdec.common"),
+    "specdec.gateway.server",
+    "specdec.gateway.turn",
+    *modules_in(ROOT / "sdk" / "specdec" / "sdk", "specdec.sdk"),
+    "specdec.replica.engine",
+]
+
+
+def engine_packages_after(modules: list[str]) -> set[str]:
+    """Which of ENGINE_PACKAGES a fresh interpreter holds after importing `modules`."""
+    probe = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        f"print(' '.join(p for p in {ENGINE_PACKAGES!r} if p in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return set(done.stdout.split())
+
+
+def test_common_gateway_and_sdk_import_neither_torch_nor_transformers():
+    assert {"specdec.common", "specdec.common.errors", "specdec.common.metrics"} <= set(TORCH_FREE)
+    assert {"specdec.sdk", "specdec.sdk.client", "specdec.sdk.loadtest.runner"} <= set(TORCH_FREE)
+    assert engine_packages_after(TORCH_FREE) == set()
+
+
+def test_the_probe_sees_the_engine():
+    """The probe above can fail: the engine's runtime pulls torch in."""
+    assert "torch" in engine_packages_after(["specdec.replica.runtime"])
