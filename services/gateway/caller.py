@@ -12,7 +12,9 @@ tokens after it, and recovers from what a replica may answer:
   RESOURCE_EXHAUSTED;
 - **UNAVAILABLE** (it died, restarts, or left discovery): mark it down, fail over to
   another replica with the whole context; the only verifier left is retried a few times
-  with a back-off first (a restart must not fail every request at once).
+  with a back-off first (a restart must not fail every request at once);
+- a **moved session** (a later turn whose replica is down or gone): the whole context to
+  another replica, counted as a resend like a miss.
 
 Misses and failover cost time, never tokens: every call names exactly the tokens it builds
 on, and a replica answers only for those. The caller keeps no statistics; each call
@@ -135,6 +137,12 @@ class ReplicaCaller:
                 except NoReplica as e:
                     raise Unavailable(str(e)) from None
                 if chosen is not placement.replica:
+                    if placement.cached:
+                        # The session's cache was on a replica that is down or gone
+                        # (between turns, or a failover below): the whole context goes
+                        # to another one, a resend like a miss's.
+                        resends += 1
+                        tracing.note_moved(method.role, placement.address, chosen.address)
                     placement.replica, placement.cached = chosen, 0
             replica = placement.replica
             n = min(placement.cached, len(ctx) + len(tail) - 1)

@@ -197,6 +197,12 @@ def note_cache_miss(role: str, address: str) -> None:
     telemetry.event("cache miss", specdec__role=role, specdec__replica=address)
 
 
+def note_moved(role: str, previous: str | None, address: str) -> None:
+    telemetry.event(
+        "session moved", specdec__role=role, specdec__from=previous or "", specdec__replica=address
+    )
+
+
 def note_failover(role: str, address: str, why: str) -> None:
     telemetry.event("failover", specdec__role=role, specdec__replica=address, specdec__why=why)
 

@@ -286,7 +286,7 @@ def prefix_cache(model, device: torch.device):
     ids = (torch.arange(PREFIX_TOKENS, device=device) * 7919 + 11) % vocab  # [prefix]
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(input_ids=ids[:1].view(1, 1), past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:1].view(1, 1), cache=cache, use_cache=True)
         if _layers(cache) and cache.get_seq_length() == 1:
             for layer in cache.layers:  # keys, values: [batch, heads, 1, head_dim]
                 layer.keys = layer.keys.repeat(1, 1, PREFIX_TOKENS, 1)
@@ -294,7 +294,7 @@ def prefix_cache(model, device: torch.device):
             if cache.get_seq_length() == PREFIX_TOKENS:
                 return cache
         cache = DynamicCache(config=model.config)
-        model(input_ids=ids.view(1, -1), past_key_values=cache, use_cache=True)
+        model(input_ids=ids.view(1, -1), cache=cache, use_cache=True)
     return cache
 
 
@@ -343,7 +343,7 @@ def time_forwards(model, device: torch.device, sizes=SIZES, cache=None) -> dict[
             for i in range(1 + MAX_REPEATS):
                 sync()
                 t0 = time.perf_counter()
-                model(input_ids=tokens, past_key_values=cache, use_cache=True)
+                model(input_ids=tokens, cache=cache, use_cache=True)
                 sync()
                 took = time.perf_counter() - t0
                 cache.crop(PREFIX_TOKENS - cache.get_seq_length())

@@ -32,6 +32,21 @@ MAX_SESSION_ID_LEN = 256
 _ROLES = {"drafter": common_pb2.ROLE_DRAFTER, "verifier": common_pb2.ROLE_VERIFIER}
 
 
+def log_libraries_as_json() -> None:
+    """A replica writes JSON lines only (specdec.common.logs). transformers and
+    huggingface_hub write progress bars (weight loading) and warnings to stderr on their
+    own: turn the bars off and send their records, and Python warnings, through the root
+    logger instead."""
+    import huggingface_hub.utils
+    from transformers.utils import logging as hf_logging
+
+    logging.captureWarnings(True)
+    hf_logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
+
+
 def check_session_id(session_id: str) -> None:
     if not session_id:
         raise InvalidRequest("session_id is empty")
@@ -173,6 +188,7 @@ def run_replica(
     makes the engine (the transformers ModelRuntime, or the drafter's DrafterRuntime)."""
     config = config_type.from_args(args)
     setup_logging(config.role)
+    log_libraries_as_json()
     tracing = setup_tracing(config.role)
     if config.metrics_port:
         start_metrics_server(config.metrics_port, config.host)

@@ -138,14 +138,14 @@ class ModelRuntime:
         ids = [(7 * i + 3) % vocab for i in range(self.PROBE_CONTEXT + sum(widths) + 2)]
         kv = self._new_cache()
         feed = torch.tensor([ids[: self.PROBE_CONTEXT]], dtype=torch.long, device=self.device)
-        self.model_logits(1, input_ids=feed, past_key_values=kv)
+        self.model_logits(1, input_ids=feed, cache=kv)
         at = self.PROBE_CONTEXT
-        self.model_logits(1, input_ids=feed[:, :1], past_key_values=kv)  # warm-up
+        self.model_logits(1, input_ids=feed[:, :1], cache=kv)  # warm-up
         points = []
         for n in widths:
             feed = torch.tensor([ids[at : at + n]], dtype=torch.long, device=self.device)
             started = time.perf_counter()
-            self.model_logits(1, input_ids=feed, past_key_values=kv)
+            self.model_logits(1, input_ids=feed, cache=kv)
             self._synchronize()
             points.append((n, (time.perf_counter() - started) * 1e3))
             at += n
@@ -346,14 +346,14 @@ class ModelRuntime:
             input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, n]
         started = time.perf_counter()
         with self.obs.forward(len(tokens), 1, fresh=request.fresh):
-            logits = self.model_logits(keep, input_ids=input_ids, past_key_values=session.kv)
+            logits = self.model_logits(keep, input_ids=input_ids, cache=session.kv)
         session.append(tokens)
         logits = logits[0].float()  # [keep, vocab]
         self._timed(len(tokens), 1, started)
         return logits
 
     def model_logits(self, keep: int, **inputs) -> torch.Tensor:
-        """One forward of the model over `inputs` (input_ids [batch, n], past_key_values,
+        """One forward of the model over `inputs` (input_ids [batch, n], cache,
         optionally attention_mask and position_ids), updating the cache it is given; the
         logits of the last `keep` positions [batch, keep, vocab].
 
@@ -375,9 +375,7 @@ class ModelRuntime:
         layout = Layout(requests)
         input_ids, mask, positions = layout.inputs(self.device)  # [R, N], [R, L + N], [R, N]
         cache = layout.cache(self.model.config)
-        inputs = dict(
-            input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache
-        )
+        inputs = dict(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache)
         fresh = all(r.fresh for r in requests)
         started = time.perf_counter()
         with self.obs.forward(layout.tokens, layout.rows, fresh, sessions=len(requests)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import grpc
@@ -768,3 +769,19 @@ def test_speculate_prepares_drafts_that_a_matching_draft_takes(stubs, tokenizer)
     # The branches were for one round only: the same request again drafts with a forward.
     again = drafter.Draft(after, timeout=30)
     assert not again.prepared and again.cached_length == len(ctx) + 1
+
+
+def test_replicas_write_json_lines_only(services, stubs, tokenizer):
+    """Every line either service wrote, stdout and stderr together, from start-up (weight
+    loading) through forwards, is one JSON object: transformers' progress bars and
+    warnings go through the logger, not straight to stderr."""
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    Loop(*stubs, session="json-lines").generate(ids, 6, 3, eos=-1)
+    for proc in services:
+        lines = [line for line in proc.lines if line.strip()]
+        assert any('"listening"' in line for line in lines), "start-up lines are kept"
+        for line in lines:
+            try:
+                assert isinstance(json.loads(line), dict), line
+            except json.JSONDecodeError:
+                pytest.fail(f"{proc.name} wrote a line that is not JSON: {line!r}")

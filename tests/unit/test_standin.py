@@ -238,9 +238,9 @@ def test_batched_path_equals_the_model(options):
             assert torch.equal(batched[r, : len(tokens)], alone)
             # step by step on a cache
             cache = DynamicCache()
-            steps = [m(torch.tensor([pre + tokens[:1]]), past_key_values=cache).logits[0, -1]]
+            steps = [m(torch.tensor([pre + tokens[:1]]), cache=cache).logits[0, -1]]
             for t in tokens[1:]:
-                steps.append(m(torch.tensor([[t]]), past_key_values=cache).logits[0, -1])
+                steps.append(m(torch.tensor([[t]]), cache=cache).logits[0, -1])
             assert cache.get_seq_length() == starts[r] + len(tokens)
             assert torch.equal(torch.stack(steps), alone)
 

@@ -165,8 +165,8 @@ def test_logits_well_separated_and_incremental_exact(target, tokenizer):
 
         past, steps = None, []
         for i in range(seq.shape[1]):
-            out = target(seq[:, i : i + 1], past_key_values=past, use_cache=True)
-            past = out.past_key_values
+            out = target(seq[:, i : i + 1], cache=past, use_cache=True)
+            past = out.cache
             steps.append(out.logits[0, -1])
         inc = torch.stack(steps)
         assert torch.equal(inc.argmax(-1), full.argmax(-1))

@@ -85,7 +85,7 @@ class Stepper:
         """Prefill `context` for `batch` rows, then the mean ms of `steps` one-token steps."""
         ids = torch.tensor([context] * batch)  # [batch, n]
         cache = self._cache(batch, len(context) + steps + 1)
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         token = out.logits[:, -1].argmax(-1, keepdim=True)  # [batch, 1]
         position = len(context)
         started = time.perf_counter()
@@ -94,7 +94,7 @@ class Stepper:
             if self.static:  # a static cache needs the step's positions spelled out
                 kwargs["cache_position"] = torch.tensor([position])
             out = self.forward(
-                input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1, **kwargs
+                input_ids=token, cache=cache, use_cache=True, logits_to_keep=1, **kwargs
             )
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             position += 1

@@ -222,11 +222,11 @@ class _DecoderOutput:
     """The decoder's output: what the runtime's batched path reads (a transformers
     ModelOutput costs more Python than the rest of this model's forward)."""
 
-    __slots__ = ("last_hidden_state", "past_key_values")
+    __slots__ = ("cache", "last_hidden_state")
 
-    def __init__(self, last_hidden_state, past_key_values):
+    def __init__(self, last_hidden_state, cache):
         self.last_hidden_state = last_hidden_state
-        self.past_key_values = past_key_values
+        self.cache = cache
 
 
 class StandinModel(PreTrainedModel):
@@ -303,23 +303,23 @@ class StandinModel(PreTrainedModel):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        past_key_values=None,
+        cache=None,
         use_cache: bool | None = True,
         **kwargs,
     ) -> _DecoderOutput:
         b, n = input_ids.shape
         if position_ids is None:
-            past = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(past, past + n, device=input_ids.device)[None].expand(b, n)
-        if past_key_values is not None:
+        if cache is not None:
             slots = input_ids[:, None, :, None].float()  # [b, 1, n, 1]
-            past_key_values.update(slots, slots, 0)
+            cache.update(slots, slots, 0)
         wait(forward_ms(self.config, b, n))
         first, second = self.next_tokens(input_ids, position_ids)
         hidden = input_ids.new_zeros((b, n, self.config.vocab_size), dtype=torch.float32)
         hidden.scatter_(-1, second[..., None], SECOND_LOGIT)
         hidden.scatter_(-1, first[..., None], LOGIT)
-        return _DecoderOutput(hidden, past_key_values)
+        return _DecoderOutput(hidden, cache)
 
 
 class StandinForCausalLM(PreTrainedModel, GenerationMixin):
@@ -352,15 +352,13 @@ class StandinForCausalLM(PreTrainedModel, GenerationMixin):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        past_key_values=None,
+        cache=None,
         use_cache: bool | None = True,
         logits_to_keep: int = 0,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        out = self.model(input_ids, attention_mask, position_ids, past_key_values, use_cache)
+        out = self.model(input_ids, attention_mask, position_ids, cache, use_cache)
         hidden = out.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        return CausalLMOutputWithPast(
-            logits=self.lm_head(hidden), past_key_values=out.past_key_values
-        )
+        return CausalLMOutputWithPast(logits=self.lm_head(hidden), cache=out.cache)

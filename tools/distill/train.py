@@ -257,12 +257,12 @@ def token_by_token(model):
                 continue
             first, last = where[0], where[-1]
             step = model(input_ids=ids[b : b + 1, : first + 1], use_cache=True)
-            rows, cache = [step.logits[0, -1]], step.past_key_values
+            rows, cache = [step.logits[0, -1]], step.cache
             for p in range(first + 1, last + 1):
-                step = model(input_ids=ids[b : b + 1, p : p + 1], past_key_values=cache,
+                step = model(input_ids=ids[b : b + 1, p : p + 1], cache=cache,
                              use_cache=True)  # fmt: skip
                 rows.append(step.logits[0, -1])
-                cache = step.past_key_values
+                cache = step.cache
             out.append(torch.stack(rows))
         return torch.cat(out)
 

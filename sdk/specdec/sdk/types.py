@@ -69,7 +69,8 @@ class SpeculationStats:
     ssd: bool = False
     ssd_hits: int = 0
     ssd_misses: int = 0
-    #: Full-context resends after a replica cache miss or failover.
+    #: Full-context resends: a replica cache miss, a failover, or a session continued on
+    #: another replica than the one holding its cache (it was down or gone).
     cache_misses: int = 0
     #: SSD: next-round drafts the drafter prepared, over all rounds.
     ssd_branches: int = 0
