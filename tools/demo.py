@@ -69,10 +69,11 @@ def add_demo_parser(commands) -> argparse.ArgumentParser:
         "on the CPU, the fastest measured; bf16, the draft model as loaded, elsewhere)",
     )
     p.add_argument(
-        "--no-pin",
-        dest="pin",
-        action="store_false",
-        help="do not give the drafter and the verifier one CPU and one thread each",
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="give the drafter and the verifier one CPU and one thread each (--no-pin: "
+        "they share the CPUs)",
     )
     add_stack_arguments(p, port_default=0)
     p.set_defaults(func=run_demo, dtype="fastest")  # each replica measures its own, cached

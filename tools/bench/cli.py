@@ -142,17 +142,20 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--quick",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help=f"{QUICK_PROMPTS} prompts (one per kind), {QUICK_TOKENS} new tokens: a smoke run",
     )
     p.add_argument(
         "--pin",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="drafter on CPU 0, verifier on CPU 1, one thread each (needs 2 CPUs)",
     )
     p.add_argument(
         "--tracing",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="also run every stack mode traced: the stack exports sampled spans (OTLP/gRPC "
         "to a receiver in this process) and each request's traceparent is sampled for the "
         "'<mode> traced' rows and not for their twins, interleaved on the same processes: "
@@ -163,7 +166,8 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
     )
     o.add_argument(
         "--overhead",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="measure the stack's cost per round on stand-in models of a fixed forward time "
         "against the same rounds in-process (no real model is loaded)",
     )
@@ -208,12 +212,12 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
     )
     o.add_argument("--profile", metavar="DIR", help="also sample every service with py-spy")
     o.add_argument("--profile-seconds", type=float, default=10.0, help="py-spy per mode")
-    o.add_argument(
-        "--gateway-flags", nargs=argparse.REMAINDER, help="extra flags for the gateway (last)"
-    )
+    # The spelling of an earlier release (now --gateway-arg, as `specdec up`), still read.
+    o.add_argument("--gateway-flags", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.add_argument(
         "--structured",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="structured output against free generation (a JSON schema): tokens/s, "
         "acceptance, equality with the target's constrained generate() "
         "(tools/bench/structured.py); k is the first of --k (default 3)",
@@ -223,7 +227,8 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
     )
     lk.add_argument(
         "--lookup-cpu",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="time the lookup proposers per round (no model, no process)",
     )
     lk.add_argument("--context", type=int, default=4096, help="context tokens of the request")
@@ -250,6 +255,14 @@ def _ints(text: str) -> list[int]:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.gateway_flags:
+        print(
+            "specdec bench: --gateway-flags is deprecated and goes in the next release: "
+            "write --gateway-arg '" + shlex.join(args.gateway_flags) + "'",
+            file=sys.stderr,
+        )
+        args.gateway_args = [*args.gateway_args, shlex.join(args.gateway_flags)]
+        args.gateway_flags = None
     if args.report:
         return report(Path(args.report))
     if args.lookup_cpu:
@@ -308,7 +321,7 @@ def run_bench(args: argparse.Namespace) -> int:
         for i, d in enumerate(drafters)
     ]
     max_k = max((m.k or 0 for _, modes in phases for m in modes), default=0)
-    args.default_k = max(args.default_k, max_k)
+    args.default_k = max(4, max_k)  # the gateway's, for the adaptive rows' bound
 
     print(f"dtype {resolve_dtype(args).summary()}", flush=True)  # fastest: measured here
     print(f"loading {args.target_model} and {args.draft_model} ({args.dtype}) ...", flush=True)
@@ -504,7 +517,7 @@ def _run_variant(
     variant.drafter_flags = [*flags, "--max-draft-tokens", str(max(16, n))]
     # Every mode runs the same prompts: a cache of earlier modes' outputs would draft the
     # answer itself. Lookups here see the request's own text (and its prediction) only.
-    variant.gateway_flags = ["--suffix-cache-scope", "off", *(args.gateway_flags or ())]
+    variant.gateway_flags = ["--suffix-cache-scope", "off"]  # before --gateway-arg's
     if args.log_dir and not first:
         variant.log_dir = str(Path(args.log_dir) / drafter)
     receiver = None
