@@ -28,7 +28,7 @@ from pathlib import Path
 
 from specdec.tools.bench.modes import DRAFTERS
 from specdec.tools.costreport import machine_line, policy_line, replica_costs, verdict
-from specdec.tools.launcher import ServiceFailed
+from specdec.tools.launcher import ServiceFailed, stopping_children
 from specdec.tools.stack import LocalStack, add_stack_arguments, pin_roles
 
 # The drafter variant of `specdec bench --drafters` that made speculation fastest on the
@@ -105,6 +105,7 @@ def resolve_models(args: argparse.Namespace, command: str) -> str | None:
     return None
 
 
+@stopping_children  # SIGINT or SIGTERM: every process it started stops
 def run_demo(args: argparse.Namespace) -> int:
     problem = resolve_models(args, "demo")
     if problem:

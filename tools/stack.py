@@ -11,16 +11,23 @@ import argparse
 import os
 import shlex
 import shutil
-import signal
 import sys
 import tempfile
-import threading
+import time
 from pathlib import Path
 
 from specdec.common.cpus import usable_cpus
 from specdec.drafter.quantize import QUANTIZE_MODES
 from specdec.tools.certs import Pki, make_pki
-from specdec.tools.launcher import ServiceFailed, ServiceProcess
+from specdec.tools.launcher import (
+    Interrupted,
+    ServiceFailed,
+    ServiceProcess,
+    forget,
+    guarded,
+    register,
+    stopping_children,
+)
 from specdec.tools.redisproc import RedisProcess
 
 
@@ -305,7 +312,11 @@ class LocalStack:
             self.announce(f"tls       throwaway CA {self.pki.ca}")
         redis_url = os.environ.get("REDIS_URL")
         if not redis_url:
-            self.redis = RedisProcess().start()
+            with guarded():  # recorded before a signal can interrupt
+                self.redis = RedisProcess()
+                self.redis.start()
+                assert self.redis.process is not None
+                register(self.redis.process)
             redis_url = self.redis.url
         self.announce(
             f"redis     {redis_url}"
@@ -406,7 +417,10 @@ class LocalStack:
         for p in reversed(self.procs):
             p.stop()
         if self.redis:
+            proc = self.redis.process
             self.redis.stop()
+            if proc is not None:
+                forget(proc)
         if self._pki_dir:
             shutil.rmtree(self._pki_dir, ignore_errors=True)
 
@@ -421,32 +435,26 @@ class LocalStack:
         self.stop()
 
 
+@stopping_children
 def run_up(args: argparse.Namespace) -> int:
-    stop = threading.Event()
-    loading = True
-
-    def on_signal(*_):
-        if loading:  # interrupt the model loading: __enter__ stops what has started
-            raise KeyboardInterrupt
-        stop.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
+    """Until SIGINT or SIGTERM (exit 0: the way to stop it), or until a service exits (1)."""
     try:
         with LocalStack(args, announce=say) as stack:
-            loading = False
             tls = f" --tls-ca {stack.pki.ca}" if stack.pki else ""
             say(
                 f"ready: specdec generate --gateway {stack.gateway.address}{tls} "
                 "--prompt 'def fib(n):'"
             )
-            while not stop.wait(0.5):
-                stack.check_alive()
-            say("stopping ...")
+            try:
+                while True:
+                    time.sleep(0.5)
+                    stack.check_alive()
+            except Interrupted:
+                say("stopping ...")
     except ServiceFailed as e:
         print(f"specdec up: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except Interrupted:
         say("interrupted while starting")
     say("stopped")
     return 0

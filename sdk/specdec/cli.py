@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import signal
 import sys
 from importlib.metadata import PackageNotFoundError, entry_points, version
 
@@ -72,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args) or 0
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM where a command turns it into one
+        return 128 + getattr(e, "signum", signal.SIGINT)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,7 @@ from specdec.tools.bench.modes import (
 )
 from specdec.tools.bench.report import report
 from specdec.tools.bench.stats import cost_ratios, mode_tps, summarize
+from specdec.tools.launcher import stopping_children
 
 if TYPE_CHECKING:
     from specdec.tools.otlpsink import OtlpReceiver
@@ -254,6 +255,7 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+@stopping_children  # SIGINT or SIGTERM: every process it started stops
 def run_bench(args: argparse.Namespace) -> int:
     if args.gateway_flags:
         print(
