@@ -176,13 +176,14 @@ def test_up_stops_everything(command, test_models, moment, signum):
 
 def test_bench_stops_everything(command, test_models, tmp_path):
     """SIGTERM while the bench's stack loads its models (the bench once left its Redis,
-    drafter, verifier and gateway running), then SIGINT while it measures."""
+    drafter, verifier and gateway running), then SIGINT while it measures, once its
+    progress (--progress: on stderr, which is no terminal here) has shown the time left."""
     argv = ["bench", *_models(test_models), "--quick", "--k", "2", "--ssd-k", "2"]
     bench = command(*argv, "--out", str(tmp_path / "a"))
     bench.wait_for(r"^loading models")
     assert bench.signal_and_check(signal.SIGTERM, 3) == 128 + signal.SIGTERM
-    bench = command(*argv, "--out", str(tmp_path / "b"))
-    bench.wait_for(r"^warming up every mode")
+    bench = command(*argv, "--out", str(tmp_path / "b"), "--progress")
+    bench.wait_for(r"^\[[#-]+\] 1/\d+ \d+:\d\d elapsed, \d+:\d\d left  prompt 1/")
     assert bench.signal_and_check(signal.SIGINT, 4) == 128 + signal.SIGINT
 
 

@@ -120,6 +120,12 @@ def test_one_name_per_setting():
             assert isinstance(action, argparse._AppendAction), role
 
 
+def test_long_commands_take_progress():
+    for command in ("specdec bench", "specdec loadtest", "specdec distill"):
+        action = _flags(command)["--progress"]
+        assert isinstance(action, argparse.BooleanOptionalAction) and action.default is None
+
+
 def test_version():
     out = subprocess.run(
         [sys.executable, "-m", "specdec", "--version"], capture_output=True, text=True, timeout=60

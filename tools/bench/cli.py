@@ -43,6 +43,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from specdec.sdk.progress import Progress, add_progress_argument, progress_enabled
 from specdec.tools.bench.hf import HFRunner, tie_break
 from specdec.tools.bench.modes import (
     DEFAULT_DRAFTER,
@@ -238,6 +239,7 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
         "--cache-tokens", type=int, default=16384, help="tokens of outputs cached first"
     )
     p.add_argument("--out", default="bench-results", help="folder for JSON, markdown and PNG")
+    add_progress_argument(p)
     p.add_argument(
         "--report",
         metavar="DIR",
@@ -333,17 +335,33 @@ def run_bench(args: argparse.Namespace) -> int:
     receiver = None
     parents: dict[str, list[str]] = {}  # --tracing: mode -> the trace ids it sent
     curves: dict[str, dict] = {}  # drafter variant -> each replica's fitted forward cost
+    # One step per measured sample (warm-ups and stack starts are not counted, their time is).
+    steps = sum(len(modes) * len(encoded) for _, modes in phases)
+    progress = Progress(sys.stderr, steps, enabled=progress_enabled(args))
     try:
         for i, (drafter, modes) in enumerate(phases):
             receiver = (
                 _run_variant(
-                    args, hf, prompts, encoded, n, drafter, modes, runs, i == 0, parents, curves
+                    args,
+                    hf,
+                    prompts,
+                    encoded,
+                    n,
+                    drafter,
+                    modes,
+                    runs,
+                    i == 0,
+                    parents,
+                    curves,
+                    progress,
                 )
                 or receiver
             )
     except ServiceFailed as e:
         print(f"specdec bench: {e}", file=sys.stderr)
         return 1
+    finally:
+        progress.close()
 
     peers = None
     if args.peers.strip():
@@ -503,6 +521,7 @@ def _run_variant(
     first: bool,
     parents: dict[str, list[str]],
     curves: dict[str, dict],
+    progress: Progress,
 ) -> OtlpReceiver | None:
     """Every prompt through every mode of one drafter variant, on a stack of its own (its
     drafter flags added, --max-draft-tokens raised for the drafter-alone Draft of n tokens);
@@ -535,17 +554,24 @@ def _run_variant(
         client = resources.enter_context(Client(stack.gateway.address))
         print("warming up every mode ...", flush=True)
         for m in modes:
+            progress.begin(f"{drafter}: warming up {m.name}")
             _sample(hf, client, stack, m, encoded[0], 4, {})
+        if first:
+            progress.restart()  # the time left from the measured samples' pace
         for i, ids in enumerate(encoded):
             order = modes[i % len(modes) :] + modes[: i % len(modes)]
             for m in order:
+                progress.begin(f"prompt {i + 1}/{len(encoded)} {m.name}")
                 sample = _sample(hf, client, stack, m, ids, n, parents)
                 runs[m.name].samples.append(sample)
+                progress.clear()
                 print(
                     f"prompt {i + 1}/{len(encoded)} ({prompts[i].kind:<5}) {m.name:<14} "
                     f"{len(sample.tokens) / sample.seconds:6.2f} tok/s",
                     flush=True,
                 )
+                progress.step()
+        progress.clear()
         curves[drafter] = _curves(stack)
     return receiver
 

@@ -64,6 +64,7 @@ class Progress:
         self.failed = 0
         self.started = time.monotonic()
         self.label = ""
+        self._hidden = False  # cleared for a line of output; drawn again by the next call
         self._lock = threading.Lock()
         self._closed = threading.Event()
         if self.tty and tick_s > 0:
@@ -76,13 +77,21 @@ class Progress:
     def begin(self, label: str) -> None:
         """What runs now (redrawn on a terminal)."""
         self.label = label
+        self._hidden = False
         self._draw()
+
+    def clear(self) -> None:
+        """Erase the bar before a line of other output (it comes back at the next call)."""
+        self._hidden = True
+        if self.tty:
+            self._write("\r\033[K")
 
     def advance(self, ok: bool = True, steps: int = 1) -> None:
         """Steps finished (drawn on a terminal; see end_slice for other streams)."""
         with self._lock:
             self.done += steps
             self.failed += 0 if ok else steps
+        self._hidden = False
         self._draw()
 
     def step(self, ok: bool = True, label: str | None = None) -> None:
@@ -136,4 +145,5 @@ class Progress:
 
     def _tick(self, every: float) -> None:
         while not self._closed.wait(every):
-            self._draw()
+            if not self._hidden:
+                self._draw()
