@@ -28,7 +28,7 @@ from pathlib import Path
 
 from specdec.tools.bench.modes import DRAFTERS
 from specdec.tools.costreport import machine_line, policy_line, replica_costs, verdict
-from specdec.tools.launcher import ServiceFailed
+from specdec.tools.launcher import ServiceFailed, stopping_children
 from specdec.tools.stack import LocalStack, add_stack_arguments, pin_roles
 
 # The drafter variant of `specdec bench --drafters` that made speculation fastest on the
@@ -69,10 +69,11 @@ def add_demo_parser(commands) -> argparse.ArgumentParser:
         "on the CPU, the fastest measured; bf16, the draft model as loaded, elsewhere)",
     )
     p.add_argument(
-        "--no-pin",
-        dest="pin",
-        action="store_false",
-        help="do not give the drafter and the verifier one CPU and one thread each",
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="give the drafter and the verifier one CPU and one thread each (--no-pin: "
+        "they share the CPUs)",
     )
     add_stack_arguments(p, port_default=0)
     p.set_defaults(func=run_demo, dtype="fastest")  # each replica measures its own, cached
@@ -104,6 +105,7 @@ def resolve_models(args: argparse.Namespace, command: str) -> str | None:
     return None
 
 
+@stopping_children  # SIGINT or SIGTERM: every process it started stops
 def run_demo(args: argparse.Namespace) -> int:
     problem = resolve_models(args, "demo")
     if problem:

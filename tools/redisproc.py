@@ -122,6 +122,11 @@ class RedisProcess:
         return self._proc is not None and self._proc.poll() is None
 
     @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        """The redis-server child (None when stopped)."""
+        return self._proc
+
+    @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 

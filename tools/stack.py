@@ -9,16 +9,25 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
-import signal
 import sys
 import tempfile
-import threading
+import time
 from pathlib import Path
 
 from specdec.common.cpus import usable_cpus
+from specdec.drafter.quantize import QUANTIZE_MODES
 from specdec.tools.certs import Pki, make_pki
-from specdec.tools.launcher import ServiceFailed, ServiceProcess
+from specdec.tools.launcher import (
+    Interrupted,
+    ServiceFailed,
+    ServiceProcess,
+    forget,
+    guarded,
+    register,
+    stopping_children,
+)
 from specdec.tools.redisproc import RedisProcess
 
 
@@ -49,10 +58,6 @@ def add_stack_arguments(p: argparse.ArgumentParser, port_default: int = 50051) -
         "--draft-cpus", type=_cpu_list, help="pin the drafter to these CPUs, e.g. 0 or 0-3"
     )
     p.add_argument("--target-cpus", type=_cpu_list, help="pin the verifier to these CPUs")
-    p.add_argument("--default-k", type=int, default=4, help="gateway's default draft length")
-    p.add_argument(
-        "--ssd", action="store_true", help="gateway default: speculative speculative decoding"
-    )
     p.add_argument(
         "--method",
         choices=("model", "ngram", "suffix", "hybrid"),
@@ -77,6 +82,28 @@ def add_stack_arguments(p: argparse.ArgumentParser, port_default: int = 50051) -
         default=1.0,
         help="share of requests traced with --otlp-endpoint (parentbased_traceidratio)",
     )
+    for role in ROLES:
+        p.add_argument(
+            f"--{role}-arg",
+            dest=f"{role}_args",
+            action="append",
+            default=[],
+            metavar="ARGS",
+            help=f"more arguments for `specdec serve {role}`, after the stack's own (so they "
+            f"win), split as a shell would; repeatable, e.g. --{role}-arg=--metrics-port=9100 "
+            f"or --{role}-arg '--metrics-port 9100'",
+        )
+
+
+ROLES = ("drafter", "verifier", "gateway")
+
+
+def service_args(args: argparse.Namespace, role: str) -> list[str]:
+    """The --ROLE-arg values of `args` as one argument list (each value split as a shell
+    would split it)."""
+    return [
+        word for value in getattr(args, f"{role}_args", None) or () for word in shlex.split(value)
+    ]
 
 
 def _ratio(text: str) -> float:
@@ -168,12 +195,33 @@ def add_up_parser(commands) -> argparse.ArgumentParser:
     p.add_argument("--draft-model", required=True, help="draft model directory (or GGUF dir)")
     p.add_argument("--target-model", required=True, help="target model directory (or GGUF dir)")
     add_stack_arguments(p)
+    # The settings of the services that `up` names itself, spelled as the service does
+    # (`specdec serve gateway --default-k`, ...); any other goes through --ROLE-arg.
+    p.add_argument("--default-k", type=int, default=4, help="gateway's default draft length")
+    p.add_argument(
+        "--ssd",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="gateway default: speculative speculative decoding",
+    )
     p.add_argument(
         "--http-port", type=int, default=0, help="gateway's OpenAI-compatible HTTP port (0: off)"
     )
     p.add_argument(
+        "--served-model-name",
+        default="",
+        help="the HTTP API's model name (default: the name of the target model's folder)",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=QUANTIZE_MODES,
+        default="none",
+        help="weights of the draft model (int8: int8 matmuls, CPU only, needs --dtype float32)",
+    )
+    p.add_argument(
         "--tls",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="a throwaway CA for this stack: TLS on the gateway, mTLS between it and the replicas",
     )
     p.set_defaults(func=run_up)
@@ -247,8 +295,11 @@ class LocalStack:
             argv += ["--gguf-file", gguf]
         if role == "drafter":  # a drafter variant's own flags (specdec bench --drafters)
             argv += list(getattr(a, "drafter_flags", ()))
+            if getattr(a, "quantize", "none") != "none":  # specdec up --quantize
+                argv += ["--quantize", a.quantize]
         argv += list(getattr(a, "replica_flags", None) or ())  # both replicas (bench --overhead)
         argv += self._tls_flags(client_ca=True)  # only the gateway's certificate gets in
+        argv += service_args(a, role)  # --drafter-arg / --verifier-arg: last, so they win
         return self._service(role, *argv, cpus=cpus)
 
     def start(self) -> LocalStack:
@@ -261,7 +312,11 @@ class LocalStack:
             self.announce(f"tls       throwaway CA {self.pki.ca}")
         redis_url = os.environ.get("REDIS_URL")
         if not redis_url:
-            self.redis = RedisProcess().start()
+            with guarded():  # recorded before a signal can interrupt
+                self.redis = RedisProcess()
+                self.redis.start()
+                assert self.redis.process is not None
+                register(self.redis.process)
             redis_url = self.redis.url
         self.announce(
             f"redis     {redis_url}"
@@ -301,14 +356,19 @@ class LocalStack:
             "--redis",
             redis_url,
             "--default-k",
-            str(a.default_k),
-            "--ssd",
-            "true" if getattr(a, "ssd", False) else "false",
+            str(getattr(a, "default_k", 4)),
+            "--ssd" if getattr(a, "ssd", False) else "--no-ssd",
             *(["--method", a.method] if getattr(a, "method", None) else []),
             *(["--http-port", str(a.http_port)] if getattr(a, "http_port", 0) else []),
+            *(
+                ["--served-model-name", a.served_model_name]
+                if getattr(a, "served_model_name", "")
+                else []
+            ),
             *self._tls_flags(client_ca=False),
             *self._replica_tls_flags(),
             *(getattr(a, "gateway_flags", None) or ()),
+            *service_args(a, "gateway"),
         )
         self.gateway.wait_healthy(timeout=300, credentials=self._client_credentials())
         self.announce(f"gateway   {self.gateway.address} (pid {self.gateway.proc.pid})")
@@ -357,7 +417,10 @@ class LocalStack:
         for p in reversed(self.procs):
             p.stop()
         if self.redis:
+            proc = self.redis.process
             self.redis.stop()
+            if proc is not None:
+                forget(proc)
         if self._pki_dir:
             shutil.rmtree(self._pki_dir, ignore_errors=True)
 
@@ -372,32 +435,26 @@ class LocalStack:
         self.stop()
 
 
+@stopping_children
 def run_up(args: argparse.Namespace) -> int:
-    stop = threading.Event()
-    loading = True
-
-    def on_signal(*_):
-        if loading:  # interrupt the model loading: __enter__ stops what has started
-            raise KeyboardInterrupt
-        stop.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
+    """Until SIGINT or SIGTERM (exit 0: the way to stop it), or until a service exits (1)."""
     try:
         with LocalStack(args, announce=say) as stack:
-            loading = False
             tls = f" --tls-ca {stack.pki.ca}" if stack.pki else ""
             say(
                 f"ready: specdec generate --gateway {stack.gateway.address}{tls} "
                 "--prompt 'def fib(n):'"
             )
-            while not stop.wait(0.5):
-                stack.check_alive()
-            say("stopping ...")
+            try:
+                while True:
+                    time.sleep(0.5)
+                    stack.check_alive()
+            except Interrupted:
+                say("stopping ...")
     except ServiceFailed as e:
         print(f"specdec up: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except Interrupted:
         say("interrupted while starting")
     say("stopped")
     return 0

@@ -9,8 +9,10 @@ point group; without them, those commands say what to install.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
-from importlib.metadata import entry_points
+from importlib.metadata import PackageNotFoundError, entry_points, version
 
 ENTRY_POINT_GROUP = "specdec.commands"
 # Commands of the other distributions, named here so their absence gets a clear message:
@@ -34,12 +36,27 @@ def _build() -> tuple[argparse.ArgumentParser, set[str]]:
     from specdec.sdk.loadtest.cli import add_loadtest_parser
 
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--version", action="version", version=version_line(), help="print the version and exit"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(commands)
     add_loadtest_parser(commands)
     for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
         ep.load()(commands)
     return parser, set(commands.choices)
+
+
+def version_line() -> str:
+    """`specdec 0.1.0`, plus the version of each other distribution installed beside the SDK
+    when it differs (a mixed install is worth seeing)."""
+    found = {}
+    for dist in ("specdec-sdk", "specdec-server", "specdec-tools"):
+        with contextlib.suppress(PackageNotFoundError):
+            found[dist] = version(dist)
+    sdk = found.get("specdec-sdk", "unknown")
+    others = [f"{d} {v}" for d, v in found.items() if d != "specdec-sdk" and v != sdk]
+    return f"specdec {sdk}" + (f" ({', '.join(others)})" if others else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args) or 0
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM where a command turns it into one
+        return 128 + getattr(e, "signum", signal.SIGINT)
 
 
 if __name__ == "__main__":

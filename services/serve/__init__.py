@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 
 from specdec.common.config import ConfigError
+from specdec.common.settings import SettingsParser
 
 PORTS = {"drafter": 50061, "verifier": 50062}
 
@@ -41,7 +42,7 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     from specdec.verifier.config import VerifierConfig
 
     serve = commands.add_parser("serve", help="run one service")
-    services = serve.add_subparsers(dest="service", required=True)
+    services = serve.add_subparsers(dest="service", required=True, parser_class=SettingsParser)
     for role, config in (("drafter", DrafterConfig), ("verifier", VerifierConfig)):
         p = services.add_parser(role, help=f"the {role} service")
         config.add_arguments(p, default_port=PORTS[role])

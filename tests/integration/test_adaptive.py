@@ -44,10 +44,10 @@ def adaptive_stack(test_models):
         adaptive = ("--k-policy", "adaptive")
         flags = {
             "adaptive": (noisy, *adaptive),
-            "adaptive-ssd": (noisy, *adaptive, "--ssd", "true"),
+            "adaptive-ssd": (noisy, *adaptive, "--ssd"),
             "fixed": (noisy, "--k-policy", "fixed"),
             "small": (small, *adaptive),
-            "small-ssd": (small, *adaptive, "--ssd", "true"),
+            "small-ssd": (small, *adaptive, "--ssd"),
         }
         gws = started(*(gateway([d], [verifier], None, *rest) for d, *rest in flags.values()))
         yield {name: g.address for name, g in zip(flags, gws, strict=True)}

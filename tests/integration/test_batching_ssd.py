@@ -34,8 +34,8 @@ def ssd_batch_stack(test_models):
         procs += [d, v]
         d.wait_healthy(), v.wait_healthy()
         gws = {
-            "wide": gateway([d], [v], None, "--ssd", "true"),
-            "one": gateway([d], [v], None, "--ssd", "true", "--ssd-fan-out", "1"),
+            "wide": gateway([d], [v], None, "--ssd"),
+            "one": gateway([d], [v], None, "--ssd", "--ssd-fan-out", "1"),
         }
         procs += gws.values()
         for g in gws.values():

@@ -30,7 +30,7 @@ def _stack(running: ExitStack, standins, *flags: str) -> dict[str, str]:
     """A drafter and a verifier on the stand-ins; gateways with the default policy
     (adaptive) under each method, and one with the fixed policy."""
     procs = [
-        replica(role, model, "--trust-remote-code", "true", "--max-batch-size", "1")
+        replica(role, model, "--trust-remote-code", "--max-batch-size", "1")
         for role, model in (("drafter", standins.draft), ("verifier", standins.target))
     ]
     for p in procs:

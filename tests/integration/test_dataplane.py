@@ -223,7 +223,7 @@ def slow_verifier(standins):
     """A stand-in verifier whose forward takes FORWARD_MS, one job at a time, at most one
     waiting (--max-queue 1), one forward per new token (--prefill-chunk 1: a call of 3
     tokens runs 3 forwards, and the data plane reads what arrived between them)."""
-    return replica("verifier", standins.target, "--trust-remote-code", "true",
+    return replica("verifier", standins.target, "--trust-remote-code",
                    "--max-queue", "1", "--max-batch-size", "1",
                    "--prefill-chunk", "1")  # fmt: skip
 

@@ -91,9 +91,7 @@ def stack(test_models, tmp_path_factory, excluded, sampling_excluded):
         gws = {
             "same": gateway([same], [verifier]),
             "noisy": gateway([noisy], [verifier]),
-            "sampler-ssd-1": gateway(
-                [sampler], [verifier], None, "--ssd", "true", "--ssd-fan-out", "1"
-            ),
+            "sampler-ssd-1": gateway([sampler], [verifier], None, "--ssd", "--ssd-fan-out", "1"),
         }
         procs += gws.values()
         for g in gws.values():

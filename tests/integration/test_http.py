@@ -156,9 +156,7 @@ def strict(stack, test_models):
     """A second gateway over the same replicas: --strict-fields, no --served-model-name
     (the model's folder name), no bearer tokens."""
     port = free_port()
-    g = http_gateway(
-        stack["drafter"].address, stack["verifier"].address, port, "--strict-fields", "true"
-    )
+    g = http_gateway(stack["drafter"].address, stack["verifier"].address, port, "--strict-fields")
     try:
         g.wait_healthy()
         client = openai.OpenAI(

@@ -54,7 +54,7 @@ def lookup_stack(test_models):
         ]  # fmt: skip
         gws = {
             "own": gateway([drafter], [verifier], None, *hybrid, "--suffix-cache-scope", "off"),
-            "ssd": gateway([drafter], [verifier], None, *hybrid, "--ssd", "true"),
+            "ssd": gateway([drafter], [verifier], None, *hybrid, "--ssd"),
             "http": gateway([drafter], [verifier], None, *hybrid, *http),
             # n-grams of at most 2 tokens: never a confident lookup match (3), so every
             # ngram draft is the extension of a model draft

@@ -33,10 +33,10 @@ def ssd_stack(test_models):
         for p in procs:
             p.wait_healthy()
         gws = {
-            "noisy": gateway([noisy], [verifier], None, "--ssd", "true"),
-            "hit": gateway([same], [verifier], None, "--ssd", "true"),
-            "miss": gateway([small], [verifier], None, "--ssd", "true", "--ssd-fan-out", "1"),
-            "noisy-1": gateway([noisy], [verifier], None, "--ssd", "true", "--ssd-fan-out", "1"),
+            "noisy": gateway([noisy], [verifier], None, "--ssd"),
+            "hit": gateway([same], [verifier], None, "--ssd"),
+            "miss": gateway([small], [verifier], None, "--ssd", "--ssd-fan-out", "1"),
+            "noisy-1": gateway([noisy], [verifier], None, "--ssd", "--ssd-fan-out", "1"),
         }
         procs += gws.values()
         for g in gws.values():

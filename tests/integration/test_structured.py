@@ -105,7 +105,7 @@ def stack(test_models):
         plain = gateway(
             [d], [v], None, "--http-port", str(http_port), "--served-model-name", "tiny"
         )
-        ssd = gateway([d], [v], None, "--ssd", "true", "--ssd-fan-out", "1")
+        ssd = gateway([d], [v], None, "--ssd", "--ssd-fan-out", "1")
         procs += [plain, ssd]
         plain.wait_healthy(), ssd.wait_healthy()
         yield {

@@ -154,3 +154,64 @@ def test_sigterm_leaves_no_temp_folder(test_models, tmp_path, when):
     finally:
         if up.poll() is None:
             up.kill()
+
+
+def test_up_passes_settings_to_the_services(test_models, tmp_path):
+    """`up`'s own options for the services (--served-model-name, --quantize) and any other
+    setting through --drafter-arg / --verifier-arg / --gateway-arg reach the services it
+    starts: metrics on the ports given, the HTTP API's model name, int8 draft weights."""
+    import urllib.request
+
+    from specdec.tools.redisproc import free_port
+
+    http, gateway_metrics, drafter_metrics, verifier_metrics = (free_port() for _ in range(4))
+    logs = tmp_path / "logs"
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    up = subprocess.Popen(
+        [
+            sys.executable, "-m", "specdec", "up", "--dtype", "float32",
+            "--draft-model", str(test_models.draft_noisy),
+            "--target-model", str(test_models.target),
+            "--port", "0", "--log-dir", str(logs),
+            "--draft-threads", "1", "--target-threads", "1",
+            "--http-port", str(http), "--served-model-name", "tiny-target",
+            "--quantize", "int8",
+            f"--gateway-arg=--metrics-port={gateway_metrics}",
+            "--drafter-arg", f"--metrics-port {drafter_metrics}",
+            f"--verifier-arg=--metrics-port={verifier_metrics}",
+            "--verifier-arg=--max-queue 7",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )  # fmt: skip
+    lines: list[str] = []
+    try:
+        for line in up.stdout:
+            lines.append(line)
+            if line.startswith("ready:"):
+                break
+        assert lines and lines[-1].startswith("ready:"), "".join(lines)
+
+        def get(port: int, path: str) -> str:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
+                assert r.status == 200
+                return r.read().decode()
+
+        models = json.loads(get(http, "/v1/models"))
+        assert [m["id"] for m in models["data"]] == ["tiny-target"]
+        assert "specdec_gateway" in get(gateway_metrics, "/metrics")
+        assert "specdec_drafter" in get(drafter_metrics, "/metrics")
+        assert "specdec_verifier" in get(verifier_metrics, "/metrics")
+        drafter_log = (logs / "drafter.log").read_text()
+        assert any(
+            json.loads(line).get("quantize") == "int8"
+            for line in drafter_log.splitlines()
+            if "drafter weights quantized" in line
+        ), drafter_log[-2000:]
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(120) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()

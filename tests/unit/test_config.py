@@ -81,12 +81,41 @@ def test_ssd_settings():
         base = ["serve", "gateway", "--drafter", "h:1", "--verifier", "h:2"]
         return GatewayConfig.from_args(build_parser().parse_args([*base, *argv]))
 
-    assert gateway().ssd is False and gateway("--ssd", "on").ssd is True
+    assert gateway().ssd is False and gateway("--ssd").ssd is True
+    assert gateway("--ssd", "--no-ssd").ssd is False  # the last one wins
     assert gateway("--ssd-fan-out", "4").ssd_fan_out == 4
-    with pytest.raises(ConfigError, match="--ssd "):
-        gateway("--ssd", "maybe")
     with pytest.raises(SystemExit):  # SSD settings belong to the drafter
         build_parser().parse_args(["serve", "verifier", "--model", "m", "--ssd-fan-out", "2"])
+
+
+def test_switches_take_no_value_and_their_variable_true_or_false(monkeypatch, capsys):
+    """A boolean setting is --flag / --no-flag; its variable reads true/false, and a
+    malformed one names the setting. The value form of older releases (--ssd true) still
+    parses, with a deprecation warning."""
+    from specdec.gateway.config import GatewayConfig
+
+    def gateway(*argv):
+        base = ["serve", "gateway", "--drafter", "h:1", "--verifier", "h:2"]
+        return GatewayConfig.from_args(build_parser().parse_args([*base, *argv]))
+
+    with pytest.raises(SystemExit):
+        gateway("--ssd", "maybe")
+    monkeypatch.setenv("SPECDEC_SSD", "maybe")
+    with pytest.raises(ConfigError, match="--ssd / SPECDEC_SSD"):
+        gateway()
+    assert gateway("--ssd").ssd is True  # the flag wins over the variable
+    monkeypatch.setenv("SPECDEC_SSD", "true")
+    assert gateway().ssd is True and gateway("--no-ssd").ssd is False
+    monkeypatch.delenv("SPECDEC_SSD")
+    capsys.readouterr()
+    assert gateway("--ssd", "true").ssd is True
+    assert gateway("--ssd=false").ssd is False
+    assert parse("--model", "m", "--trust-remote-code", "yes").trust_remote_code is True
+    warnings = capsys.readouterr().err
+    assert "`--ssd true` is deprecated" in warnings and "write `--ssd`" in warnings
+    assert "write `--no-ssd`" in warnings and "write `--trust-remote-code`" in warnings
+    assert parse("--model", "m").cost_probe is True
+    assert parse("--model", "m", "--no-cost-probe").cost_probe is False
 
 
 def test_gateway_http_settings(monkeypatch):
@@ -97,12 +126,13 @@ def test_gateway_http_settings(monkeypatch):
         return GatewayConfig.from_args(build_parser().parse_args([*base, *argv]))
 
     assert gateway().strict_fields is False and gateway().served_model_name == ""
-    assert gateway("--strict-fields", "true").strict_fields is True
+    assert gateway("--strict-fields").strict_fields is True
+    monkeypatch.setenv("SPECDEC_STRICT_FIELDS", "maybe")
     with pytest.raises(ConfigError, match="--strict-fields / SPECDEC_STRICT_FIELDS"):
-        gateway("--strict-fields", "maybe")
+        gateway()
     monkeypatch.setenv("SPECDEC_STRICT_FIELDS", "1")
     assert gateway().strict_fields is True
-    assert gateway("--strict-fields", "false").strict_fields is False  # the flag wins
+    assert gateway("--no-strict-fields").strict_fields is False  # the flag wins
 
 
 def test_cli_exits_with_the_message():

@@ -116,6 +116,8 @@ def test_cli_reference_is_complete():
         for action in parser._actions:
             if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
                 continue
+            if action.help == argparse.SUPPRESS:  # an old spelling, still read, not shown
+                continue
             for option in action.option_strings or [action.metavar or action.dest]:
                 flags += 1
                 rows = [line for line in body.splitlines() if f"`{option}" in line]

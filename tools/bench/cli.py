@@ -43,6 +43,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from specdec.sdk.progress import Progress, add_progress_argument, progress_enabled
 from specdec.tools.bench.hf import HFRunner, tie_break
 from specdec.tools.bench.modes import (
     DEFAULT_DRAFTER,
@@ -65,6 +66,7 @@ from specdec.tools.bench.modes import (
 )
 from specdec.tools.bench.report import report
 from specdec.tools.bench.stats import cost_ratios, mode_tps, summarize
+from specdec.tools.launcher import stopping_children
 
 if TYPE_CHECKING:
     from specdec.tools.otlpsink import OtlpReceiver
@@ -142,17 +144,20 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--quick",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help=f"{QUICK_PROMPTS} prompts (one per kind), {QUICK_TOKENS} new tokens: a smoke run",
     )
     p.add_argument(
         "--pin",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="drafter on CPU 0, verifier on CPU 1, one thread each (needs 2 CPUs)",
     )
     p.add_argument(
         "--tracing",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="also run every stack mode traced: the stack exports sampled spans (OTLP/gRPC "
         "to a receiver in this process) and each request's traceparent is sampled for the "
         "'<mode> traced' rows and not for their twins, interleaved on the same processes: "
@@ -163,7 +168,8 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
     )
     o.add_argument(
         "--overhead",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="measure the stack's cost per round on stand-in models of a fixed forward time "
         "against the same rounds in-process (no real model is loaded)",
     )
@@ -208,12 +214,12 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
     )
     o.add_argument("--profile", metavar="DIR", help="also sample every service with py-spy")
     o.add_argument("--profile-seconds", type=float, default=10.0, help="py-spy per mode")
-    o.add_argument(
-        "--gateway-flags", nargs=argparse.REMAINDER, help="extra flags for the gateway (last)"
-    )
+    # The spelling of an earlier release (now --gateway-arg, as `specdec up`), still read.
+    o.add_argument("--gateway-flags", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.add_argument(
         "--structured",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="structured output against free generation (a JSON schema): tokens/s, "
         "acceptance, equality with the target's constrained generate() "
         "(tools/bench/structured.py); k is the first of --k (default 3)",
@@ -223,7 +229,8 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
     )
     lk.add_argument(
         "--lookup-cpu",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="time the lookup proposers per round (no model, no process)",
     )
     lk.add_argument("--context", type=int, default=4096, help="context tokens of the request")
@@ -232,6 +239,7 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
         "--cache-tokens", type=int, default=16384, help="tokens of outputs cached first"
     )
     p.add_argument("--out", default="bench-results", help="folder for JSON, markdown and PNG")
+    add_progress_argument(p)
     p.add_argument(
         "--report",
         metavar="DIR",
@@ -249,7 +257,16 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+@stopping_children  # SIGINT or SIGTERM: every process it started stops
 def run_bench(args: argparse.Namespace) -> int:
+    if args.gateway_flags:
+        print(
+            "specdec bench: --gateway-flags is deprecated and goes in the next release: "
+            "write --gateway-arg '" + shlex.join(args.gateway_flags) + "'",
+            file=sys.stderr,
+        )
+        args.gateway_args = [*args.gateway_args, shlex.join(args.gateway_flags)]
+        args.gateway_flags = None
     if args.report:
         return report(Path(args.report))
     if args.lookup_cpu:
@@ -308,7 +325,7 @@ def run_bench(args: argparse.Namespace) -> int:
         for i, d in enumerate(drafters)
     ]
     max_k = max((m.k or 0 for _, modes in phases for m in modes), default=0)
-    args.default_k = max(args.default_k, max_k)
+    args.default_k = max(4, max_k)  # the gateway's, for the adaptive rows' bound
 
     print(f"dtype {resolve_dtype(args).summary()}", flush=True)  # fastest: measured here
     print(f"loading {args.target_model} and {args.draft_model} ({args.dtype}) ...", flush=True)
@@ -318,17 +335,33 @@ def run_bench(args: argparse.Namespace) -> int:
     receiver = None
     parents: dict[str, list[str]] = {}  # --tracing: mode -> the trace ids it sent
     curves: dict[str, dict] = {}  # drafter variant -> each replica's fitted forward cost
+    # One step per measured sample (warm-ups and stack starts are not counted, their time is).
+    steps = sum(len(modes) * len(encoded) for _, modes in phases)
+    progress = Progress(sys.stderr, steps, enabled=progress_enabled(args))
     try:
         for i, (drafter, modes) in enumerate(phases):
             receiver = (
                 _run_variant(
-                    args, hf, prompts, encoded, n, drafter, modes, runs, i == 0, parents, curves
+                    args,
+                    hf,
+                    prompts,
+                    encoded,
+                    n,
+                    drafter,
+                    modes,
+                    runs,
+                    i == 0,
+                    parents,
+                    curves,
+                    progress,
                 )
                 or receiver
             )
     except ServiceFailed as e:
         print(f"specdec bench: {e}", file=sys.stderr)
         return 1
+    finally:
+        progress.close()
 
     peers = None
     if args.peers.strip():
@@ -488,6 +521,7 @@ def _run_variant(
     first: bool,
     parents: dict[str, list[str]],
     curves: dict[str, dict],
+    progress: Progress,
 ) -> OtlpReceiver | None:
     """Every prompt through every mode of one drafter variant, on a stack of its own (its
     drafter flags added, --max-draft-tokens raised for the drafter-alone Draft of n tokens);
@@ -504,7 +538,7 @@ def _run_variant(
     variant.drafter_flags = [*flags, "--max-draft-tokens", str(max(16, n))]
     # Every mode runs the same prompts: a cache of earlier modes' outputs would draft the
     # answer itself. Lookups here see the request's own text (and its prediction) only.
-    variant.gateway_flags = ["--suffix-cache-scope", "off", *(args.gateway_flags or ())]
+    variant.gateway_flags = ["--suffix-cache-scope", "off"]  # before --gateway-arg's
     if args.log_dir and not first:
         variant.log_dir = str(Path(args.log_dir) / drafter)
     receiver = None
@@ -520,17 +554,24 @@ def _run_variant(
         client = resources.enter_context(Client(stack.gateway.address))
         print("warming up every mode ...", flush=True)
         for m in modes:
+            progress.begin(f"{drafter}: warming up {m.name}")
             _sample(hf, client, stack, m, encoded[0], 4, {})
+        if first:
+            progress.restart()  # the time left from the measured samples' pace
         for i, ids in enumerate(encoded):
             order = modes[i % len(modes) :] + modes[: i % len(modes)]
             for m in order:
+                progress.begin(f"prompt {i + 1}/{len(encoded)} {m.name}")
                 sample = _sample(hf, client, stack, m, ids, n, parents)
                 runs[m.name].samples.append(sample)
+                progress.clear()
                 print(
                     f"prompt {i + 1}/{len(encoded)} ({prompts[i].kind:<5}) {m.name:<14} "
                     f"{len(sample.tokens) / sample.seconds:6.2f} tok/s",
                     flush=True,
                 )
+                progress.step()
+        progress.clear()
         curves[drafter] = _curves(stack)
     return receiver
 

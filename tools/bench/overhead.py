@@ -8,7 +8,7 @@ whose every forward takes a known time (``--target-ms``, ``--draft-ms``, plus
 device) and whose drafter agrees with the target at a set share of positions
 (``--acceptance``). With ``--standin-period P`` the target's output cycles through P
 tokens, off the cycle at a ``--standin-noise`` share of positions, which sets the
-acceptance of lookup drafts (``--gateway-flags --method ngram``): the prompts are then cut
+acceptance of lookup drafts (``--gateway-arg '--method ngram'``): the prompts are then cut
 to the shortest one's length and mapped onto tokens outside the cycle, and noise starts one
 period after them (see standin_model).
 
@@ -441,8 +441,9 @@ def run_overhead(args: argparse.Namespace) -> int:
         target_gguf_file=None, port=0, host="127.0.0.1", dtype="float32", device="cpu",
         draft_threads=1, target_threads=1, draft_cpus=None, target_cpus=None,
         default_k=max(m.k for m in modes), ssd=False, log_dir=args.log_dir,
-        replica_flags=["--trust-remote-code", "true"], drafter_flags=[],
-        gateway_flags=list(args.gateway_flags or []),
+        replica_flags=["--trust-remote-code"], drafter_flags=[],
+        drafter_args=args.drafter_args, verifier_args=args.verifier_args,
+        gateway_args=args.gateway_args,
     )  # fmt: skip
     results: dict[str, dict] = {}
     profiles: dict[str, dict] = {}

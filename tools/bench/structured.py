@@ -114,7 +114,7 @@ def run_structured(args: argparse.Namespace) -> int:
         print(problem, file=sys.stderr)
         return 2
     k = int((args.k or "3").split(",")[0])
-    args.default_k = max(args.default_k, k)
+    args.default_k = max(4, k)
     n = args.max_new_tokens
     prompts = PROMPTS[: args.num_prompts or len(PROMPTS)]
     print(f"dtype {resolve_dtype(args).summary()}", flush=True)  # fastest: measured here

@@ -19,6 +19,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
+from specdec.sdk.progress import add_progress_argument, progress_enabled
 from specdec.tools.distill.data import Sequence, load_recordings, split, write_rows
 from specdec.tools.distill.prompts import bench_prompts, build_prompts, write_prompts
 
@@ -50,7 +51,7 @@ def add_distill_parser(commands) -> argparse.ArgumentParser:
         help="--writer: the writer's dtype",
     )  # fmt: skip
     pp.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    pp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_progress_argument(pp)
     pp.set_defaults(func=run_prompts)
 
     p.add_argument("--target-model", help="the target (a model directory)")
@@ -70,7 +71,12 @@ def add_distill_parser(commands) -> argparse.ArgumentParser:
     p.add_argument(
         "--train-layers", default="all", help="decoder layers that train: all, last:N, A-B, A,B"
     )
-    p.add_argument("--train-head", action="store_true", help="train the output head too")
+    p.add_argument(
+        "--train-head",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="train the output head too",
+    )
     p.add_argument(
         "--lora-rank", type=int, default=0, help="LoRA (peft) of this rank; 0: full fine-tuning"
     )
@@ -87,7 +93,8 @@ def add_distill_parser(commands) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128, help="--prompts: tokens generated")
     p.add_argument(
         "--on-policy",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="--prompts: the drafter continues each prompt (greedy) and the target labels "
         "every position of those sequences (its greedy token and top-m, a teacher forward): "
         "training where the drafter itself goes",
@@ -100,7 +107,12 @@ def add_distill_parser(commands) -> argparse.ArgumentParser:
     )
     p.add_argument("--max-length", type=int, default=1024, help="tokens per training sequence")
     p.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
-    p.add_argument("--resume", action="store_true", help="continue OUT's checkpoint")
+    p.add_argument(
+        "--resume",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="continue OUT's checkpoint",
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument(
@@ -112,7 +124,7 @@ def add_distill_parser(commands) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--version", help="version id (default: distill-<sha256 of the weights>)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_progress_argument(p)
     p.set_defaults(func=run_distill)
     return p
 
@@ -137,7 +149,7 @@ def run_prompts(args: argparse.Namespace) -> int:
                     banned,
                     device=args.device,
                     dtype=args.dtype,
-                    progress=not args.no_progress,
+                    progress=progress_enabled(args),
                 )
             )
         except ValueError as e:
@@ -180,7 +192,7 @@ def prompt_outputs(args, tokenizer, note: dict) -> list[Sequence]:
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     groups = [order[i : i + size] for i in range(0, len(order), size)]
     desc = "drafter outputs" if args.on_policy else "target outputs"
-    with tqdm(total=len(encoded), desc=desc, disable=args.no_progress) as bar:
+    with tqdm(total=len(encoded), desc=desc, disable=not progress_enabled(args)) as bar:
         for group in groups:
             batch = batch_generate(
                 model, [encoded[i] for i in group], args.device, args.max_new_tokens, eos, pad
@@ -292,7 +304,7 @@ def _run_distill(args: argparse.Namespace) -> int:
         save_every=args.save_every,
         eval_temperature=args.eval_temperature,
         version=args.version,
-        progress=not args.no_progress,
+        progress=progress_enabled(args),
         data_note=note,
     )
     h = report["held_out"]

@@ -153,6 +153,10 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
         "variable beside it (the flag wins); a malformed value stops start-up with a message "
         "naming the setting. See [Configuration](configuration.md) for what the settings do.",
         "",
+        "Every boolean is a pair of flags, `--flag` and `--no-flag` (the environment variable "
+        "of a `serve` setting reads `true` or `false`). `specdec --version` prints the "
+        "version.",
+        "",
         "| command | what it does |",
         "| --- | --- |",
     ]

@@ -62,7 +62,8 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tls",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="connect with TLS (implied by --tls-ca / --tls-cert)",
     )
     p.add_argument("--tls-ca", metavar="PEM", help="CA to trust (default: the system's roots)")
@@ -133,7 +134,10 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--session", metavar="ID", default=None, help="continue this session")
     p.add_argument(
-        "--reset-session", action="store_true", help="forget the session's earlier history"
+        "--reset-session",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="forget the session's earlier history",
     )
     p.add_argument(
         "--session-ttl",
@@ -149,7 +153,12 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help=f"deadline of the call (default: {DEFAULT_TIMEOUT:g})",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object, no streaming")
+    p.add_argument(
+        "--json",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="print one JSON object, no streaming",
+    )
     p.set_defaults(func=run_generate)
     return p
 

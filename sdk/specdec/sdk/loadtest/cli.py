@@ -16,6 +16,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from specdec.sdk.progress import add_progress_argument, progress_enabled
+
 DEFAULT_NUM_REQUESTS = 32
 
 
@@ -56,7 +58,12 @@ def add_loadtest_parser(commands) -> argparse.ArgumentParser:
         "the gateway's --method); e.g. k0,k2,ssd2,adaptive,k3@ngram,ssd2@hybrid",
     )
     p.add_argument("--k", type=int, help="one mode with this draft length (instead of --modes)")
-    p.add_argument("--ssd", action="store_true", help="with --k: speculative speculative decoding")
+    p.add_argument(
+        "--ssd",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="with --k: speculative speculative decoding",
+    )
     p.add_argument("--prompts", help="JSONL prompts or conversations (default: the shipped set)")
     p.add_argument("--num-prompts", type=int, help="use the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -73,11 +80,12 @@ def add_loadtest_parser(commands) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--check-exact",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="greedy: compare every response with the same request run alone at k=0",
     )
     p.add_argument("--out", help="write loadtest.json and loadtest.png into DIR")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_progress_argument(p)
     p.set_defaults(func=run_loadtest)
     return p
 
@@ -176,7 +184,10 @@ async def _run(args, conversations, modes, levels, settings, num_requests, slice
     total = None
     if num_requests is not None and args.duration is None:
         total = num_requests * len(levels) * len(modes)
-    progress = Progress(sys.stderr, total, enabled=not args.no_progress)
+    # By --duration every level and mode runs that long (with --num-requests, at most).
+    deadline = args.duration * len(levels) * len(modes) if args.duration else None
+    shown = progress_enabled(args)
+    progress = Progress(sys.stderr, total, enabled=shown, deadline_s=deadline)
     try:
         test = LoadTest(
             backend,
@@ -192,12 +203,13 @@ async def _run(args, conversations, modes, levels, settings, num_requests, slice
         )
         references = None
         if args.check_exact:
-            if not args.no_progress:
+            if shown:
                 print("running every prompt alone at k=0 for --check-exact ...", file=sys.stderr)
             # A cell starts at most num_requests conversations, from the first one on.
             used = conversations if args.duration else conversations[:num_requests]
             references = await reference_outputs(backend, used, settings, test.run_id)
         started = dt.datetime.now(dt.timezone.utc)
+        progress.restart()  # the time left is the load's, not the references'
         cells = await test.run()
     finally:
         await backend.close()

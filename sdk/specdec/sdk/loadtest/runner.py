@@ -26,6 +26,7 @@ from typing import Protocol
 from specdec.sdk.client import AsyncClient
 from specdec.sdk.errors import SpecdecError
 from specdec.sdk.loadtest.workload import Conversation, Level, Mode, RequestSettings
+from specdec.sdk.progress import Progress
 from specdec.sdk.types import StreamChunk
 
 
@@ -174,56 +175,6 @@ class Cell:
     records: list[RequestRecord] = field(default_factory=list)
     duration_s: float = 0.0  # sum of its slices' wall times
     conversations_started: int = 0
-
-
-class Progress:
-    """A one-line progress bar on a terminal; one line per slice otherwise."""
-
-    def __init__(self, stream, total: int | None, enabled: bool = True):
-        self.stream = stream
-        self.total = total
-        self.enabled = enabled
-        self.tty = enabled and hasattr(stream, "isatty") and stream.isatty()
-        self.done = 0
-        self.failed = 0
-        self.started = time.monotonic()
-        self.label = ""
-
-    def begin(self, label: str) -> None:
-        self.label = label
-        self._draw()
-
-    def advance(self, ok: bool) -> None:
-        self.done += 1
-        self.failed += not ok
-        if self.tty:
-            self._draw()
-
-    def end_slice(self) -> None:
-        if self.enabled and not self.tty:
-            self.stream.write(self._line() + "\n")
-            self.stream.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
-
-    def _line(self) -> str:
-        elapsed = time.monotonic() - self.started
-        if self.total:
-            width = 30
-            filled = min(width, width * self.done // self.total)
-            bar = "#" * filled + "-" * (width - filled)
-            count = f"[{bar}] {self.done}/{self.total}"
-        else:
-            count = f"{self.done} requests"
-        return f"{count} failed {self.failed} {elapsed:6.1f}s  {self.label}"
-
-    def _draw(self) -> None:
-        if self.tty:
-            self.stream.write("\r\033[K" + self._line())
-            self.stream.flush()
 
 
 class LoadTest:
