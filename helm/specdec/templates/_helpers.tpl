@@ -51,12 +51,20 @@ labels:
   {{- include "specdec.labels" . | nindent 2 }}
 {{- end }}
 
-{{/* image reference of an image block (dict root image) */}}
+{{/* The image reference of an image block (dict root image [role]): a specdec role's empty
+repository is images.prefix-ROLE, its empty tag images.tag (or appVersion), followed by
+-torchVariant for the drafter and verifier: what `make images` tags. */}}
 {{- define "specdec.image" -}}
+{{- $repo := .image.repository }}
+{{- if not $repo }}
+{{- $repo = printf "%s-%s" .root.Values.images.prefix .role }}
+{{- end }}
 {{- if .image.digest -}}
-{{ .image.repository }}@{{ .image.digest }}
+{{ $repo }}@{{ .image.digest }}
+{{- else if .image.tag -}}
+{{ $repo }}:{{ .image.tag }}
 {{- else -}}
-{{ .image.repository }}:{{ default .root.Chart.AppVersion .image.tag }}
+{{ $repo }}:{{ .root.Values.images.tag | default .root.Chart.AppVersion }}{{ with .image.torchVariant }}-{{ . }}{{ end }}
 {{- end }}
 {{- end }}
 

@@ -5,6 +5,9 @@
 {{- $cfg := index $root.Values $role }}
 {{- $m := $root.Values.models }}
 {{- include "specdec.checkGrace" (dict "cfg" $cfg "role" $role) }}
+{{- if and (hasPrefix "cuda" $cfg.device) (eq $cfg.image.torchVariant "cpu") }}
+{{- fail (printf "%s.device is %s but %s.image.torchVariant is cpu: a CPU build of torch cannot use the GPU; set %s.image.torchVariant to a CUDA build (cu128) or %s.device to cpu" $role $cfg.device $role $role $role) }}
+{{- end }}
 {{- if not (has $m.source (list "install" "pvc" "hostPath" "hub")) }}
 {{- fail (printf "models.source must be install, pvc, hostPath or hub, not %q" $m.source) }}
 {{- end }}
@@ -63,7 +66,7 @@ spec:
       {{- if eq $m.source "install" }}
       initContainers:
         - name: models
-          image: {{ include "specdec.image" (dict "root" $root "image" $cfg.image) }}
+          image: {{ include "specdec.image" (dict "root" $root "image" $cfg.image "role" $role) }}
           imagePullPolicy: {{ $cfg.image.pullPolicy }}
           command: [specdec, models, install, {{ $cfg.model.name | quote }}{{ range $m.install.extraArgs }}, {{ . | quote }}{{ end }}]
           env:
@@ -83,7 +86,7 @@ spec:
       {{- end }}
       containers:
         - name: {{ $role }}
-          image: {{ include "specdec.image" (dict "root" $root "image" $cfg.image) }}
+          image: {{ include "specdec.image" (dict "root" $root "image" $cfg.image "role" $role) }}
           imagePullPolicy: {{ $cfg.image.pullPolicy }}
           command: [specdec]
           args:
