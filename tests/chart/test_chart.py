@@ -248,36 +248,6 @@ def test_tracing_sets_otel_env_and_jaeger():
 
 
 @pytest.mark.parametrize(
-    ("source", "model_env", "volume_kind"),
-    [
-        ("install", "/models/qwen2.5-coder-0.5b-instruct/model", "emptyDir"),
-        ("pvc", "/models/qwen2.5-coder-0.5b-instruct", "persistentVolumeClaim"),
-        ("hostPath", "/models/qwen2.5-coder-0.5b-instruct", "hostPath"),
-        ("hub", "qwen2.5-coder-0.5b-instruct", None),
-    ],
-)
-def test_model_sources(source, model_env, volume_kind):
-    objs = objects({"models": {"source": source}})
-    dep = find(objs, "Deployment", role_name("drafter"))
-    spec = dep["spec"]["template"]["spec"]
-    assert env_of(container(dep, "drafter"))["SPECDEC_MODEL"] == model_env
-    volumes = {v["name"]: v for v in spec["volumes"]}
-    if volume_kind:
-        assert volume_kind in volumes["models"]
-    else:
-        assert "models" not in volumes and "hf-cache" in volumes
-    inits = spec.get("initContainers", [])
-    if source == "install":
-        (init,) = inits
-        assert init["command"] == ["specdec", "models", "install", "qwen2.5-coder-0.5b-instruct"]
-        assert env_of(init)["SPECDEC_MODELS_DIR"] == "/models"
-    else:
-        assert inits == []
-    pvcs = [o for o in objs if o["kind"] == "PersistentVolumeClaim"]
-    assert len(pvcs) == (source == "pvc")
-
-
-@pytest.mark.parametrize(
     ("values", "message"),
     [
         ({"discovery": {"mode": "consul"}}, "/discovery/mode"),

@@ -62,7 +62,9 @@ RENDERINGS: dict[str, dict] = {
     "builtin-redis-without-volume": {"redis": {"persistence": {"enabled": False}}},
     "replicas-only": {"gateway": {"enabled": False}},
     "gateway-only": {"drafter": {"enabled": False}, "verifier": {"enabled": False}},
-    "models-on-a-claim": {"models": {"source": "pvc"}},
+    "models-from-the-hub": {"models": {"source": "hub", "hub": {"tokenSecret": {"name": "hub"}}}},
+    "models-on-your-claim": {"models": {"source": "pvc", "pvc": {"existingClaim": "filled"}}},
+    "models-on-the-nodes": {"models": {"source": "hostPath"}},
 }
 
 

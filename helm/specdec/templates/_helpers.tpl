@@ -319,3 +319,53 @@ dns:{{ $svc }}.{{ .root.Release.Namespace }}.svc.{{ .root.Values.clusterDomain }
 {{- end }}
 {{- end }}
 {{- end }}
+
+{{/* The models claim: models.pvc.existingClaim, else the one the chart creates */}}
+{{- define "specdec.modelsClaim" -}}
+{{- .Values.models.pvc.existingClaim | default (include "specdec.roleName" (dict "root" . "role" "models")) }}
+{{- end }}
+
+{{/* The commands of the models Job's init containers, one per download (a YAML list of argv) */}}
+{{- define "specdec.modelsFetch" -}}
+{{- $m := .Values.models }}
+{{- $out := list }}
+{{- $names := list }}
+{{- range $role := list "drafter" "verifier" }}
+{{- $cfg := index $.Values $role }}
+{{- if $cfg.enabled }}
+{{- if eq $m.source "install" }}
+{{- $names = append $names $cfg.model.name }}
+{{- else }}
+{{- $argv := list "hf" "download" $cfg.model.name }}
+{{- with $cfg.model.ggufFile }}
+{{- $argv = append $argv . }}
+{{- end }}
+{{- $out = append $out (concat $argv (list "--local-dir" (printf "%s/%s" $m.mountPath $cfg.model.name))) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if $names }}
+{{- $out = append $out (concat (list "specdec" "models" "install") (uniq $names) $m.install.extraArgs) }}
+{{- end }}
+{{- toYaml $out }}
+{{- end }}
+
+{{/* What the Job fetches, hashed: the marker file's name changes with it */}}
+{{- define "specdec.modelsHash" -}}
+{{- include "specdec.modelsFetch" . | sha256sum | trunc 10 }}
+{{- end }}
+
+{{/* The file the models Job writes once everything is fetched */}}
+{{- define "specdec.modelsMarker" -}}
+{{- printf "%s/.specdec-ready-%s" .Values.models.mountPath (include "specdec.modelsHash" .) }}
+{{- end }}
+
+{{/* Requests and limits of a container that only waits or touches a file */}}
+{{- define "specdec.smallResources" -}}
+requests:
+  cpu: 10m
+  memory: 16Mi
+limits:
+  cpu: 100m
+  memory: 64Mi
+{{- end }}
