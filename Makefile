@@ -220,7 +220,8 @@ docs-serve: install
 	$(VENV)/bin/mkdocs serve
 
 # Rewrite the pages generated from the source: docs/reference/cli.md (argparse parsers),
-# grpc.md (protos/ comments), helm-values.md (values.yaml). A unit test fails while stale.
+# grpc.md (protos/ comments), helm-values.md and helm/specdec/README.md (values.yaml). A
+# test fails while one is stale.
 docs-gen: install
 	$(VPY) -m specdec.tools.docs
 
