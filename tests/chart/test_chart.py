@@ -181,8 +181,11 @@ def test_only_the_gateway_reaches_replicas_and_redis():
     for role in ("drafter", "verifier", "redis"):
         pol = find(objs, "NetworkPolicy", role_name(role))
         assert pol["spec"]["policyTypes"] == ["Ingress"]
-        (rule,) = pol["spec"]["ingress"]
+        rule, *others = pol["spec"]["ingress"]
         assert rule["from"] == [{"podSelector": {"matchLabels": gateway_labels}}]
+        # anything else reaches the metrics port only (networkPolicy.metricsFrom)
+        metrics = [] if role == "redis" else [{"port": 9090, "protocol": "TCP"}]
+        assert [r["ports"] for r in others] == ([metrics] if metrics else [])
 
 
 def test_discovery_rbac_and_token_only_for_k8s_mode():
@@ -436,7 +439,7 @@ def test_replica_data_ports_are_exposed_to_the_gateways_only():
         assert env_of(c)["SPECDEC_DATA_PORT"] == str(port)
         ports = {p["name"]: p for p in find(objs, "Service", name)["spec"]["ports"]}
         assert ports["data"]["port"] == port and ports["data"]["targetPort"] == "data"
-        (rule,) = find(objs, "NetworkPolicy", name)["spec"]["ingress"]
+        rule = find(objs, "NetworkPolicy", name)["spec"]["ingress"][0]  # the gateways'
         assert {"port": port, "protocol": "TCP"} in rule["ports"]
     off = objects({"drafter": {"dataPort": 0}})
     c = container(find(off, "Deployment", role_name("drafter")), "drafter")

@@ -369,3 +369,60 @@ limits:
   cpu: 100m
   memory: 64Mi
 {{- end }}
+
+{{/* An Ingress to one of the gateway Service's ports (dict root cfg port name) */}}
+{{- define "specdec.gatewayIngress" -}}
+apiVersion: networking.k8s.io/v1
+kind: Ingress
+metadata:
+  {{- include "specdec.metadata" (dict "root" .root "role" "gateway" "name" .name) | nindent 2 }}
+  {{- with .cfg.annotations }}
+  annotations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+spec:
+  {{- with .cfg.className }}
+  ingressClassName: {{ . }}
+  {{- end }}
+  {{- if .cfg.tlsSecretName }}
+  tls:
+    - hosts: [{{ .cfg.host | quote }}]
+      secretName: {{ .cfg.tlsSecretName }}
+  {{- end }}
+  rules:
+    - host: {{ .cfg.host | quote }}
+      http:
+        paths:
+          - path: /
+            pathType: Prefix
+            backend:
+              service:
+                name: {{ include "specdec.roleName" (dict "root" .root "role" "gateway") }}
+                port:
+                  name: {{ .port }}
+{{- end }}
+
+{{/* A Gateway API route to the gateway Service (dict root kind value cfg rules port) */}}
+{{- define "specdec.gatewayRoute" -}}
+{{- if not .cfg.parentRefs }}
+{{- fail (printf "%s.enabled needs %s.parentRefs (the Gateway to attach to)" .value .value) }}
+{{- end }}
+{{- $backend := dict "name" (include "specdec.roleName" (dict "root" .root "role" "gateway")) "port" (int .port) }}
+{{- $rules := list }}
+{{- range .rules }}
+{{- $rules = append $rules (merge (dict "backendRefs" (list $backend)) .) }}
+{{- end }}
+apiVersion: gateway.networking.k8s.io/v1
+kind: {{ .kind }}
+metadata:
+  {{- include "specdec.metadata" (dict "root" .root "role" "gateway") | nindent 2 }}
+spec:
+  parentRefs:
+    {{- toYaml .cfg.parentRefs | nindent 4 }}
+  {{- with .cfg.hostnames }}
+  hostnames:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  rules:
+    {{- toYaml $rules | nindent 4 }}
+{{- end }}

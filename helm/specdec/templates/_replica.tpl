@@ -16,7 +16,7 @@ kind: Deployment
 metadata:
   {{- include "specdec.metadata" . | nindent 2 }}
 spec:
-  {{- if not $cfg.keda.enabled }}
+  {{- if not (include "specdec.autoscaled" (dict "cfg" $cfg "role" $role)) }}
   replicas: {{ $cfg.replicas }}
   {{- end }}
   revisionHistoryLimit: 5
