@@ -179,10 +179,13 @@ test-unit: install
 test-integration: install
 	$(VPY) -m pytest -q tests/integration
 
-# Container images (docker/, README "Container images"). With a Docker engine, `docker build`
+# Container images (docker/, docs/deploy/images.md). With a Docker engine, `docker build`
 # (network: python:3.11-slim-bookworm and the package indexes). Without one, buildah (vfs
 # storage under build/containers) on a local Debian base made by debootstrap, installing
 # from docker/wheels/ that the host's pip fills. BUILDER=docker|buildah forces one.
+# Names: IMAGE_PREFIX-ROLE:IMAGE_TAG, the drafter's and verifier's tag ending in
+# -TORCH_VARIANT (`docker/images.sh name ROLE` prints one); the defaults
+# (localhost/specdec, the chart's appVersion, cu128) are the Helm chart's defaults.
 IMAGE_ROLES ?= drafter verifier gateway
 
 # Debian bookworm minbase + python3 in buildah's storage (about a minute; needs debootstrap).
@@ -200,10 +203,11 @@ images: install
 # filesystem gateway against a drafter and a verifier on this host, checked against generate().
 # IMAGE_TEST_ROLES="gateway drafter verifier" also builds the replica images and runs the whole
 # stack from images (the models mounted read-only).
+# The tests run on CPUs: the replica images get a CPU torch (tag ...-cpu).
 IMAGE_TEST_ROLES ?= gateway
 image-test: install
-	BUILDER=buildah docker/images.sh build $(IMAGE_TEST_ROLES)
-	SPECDEC_IMAGE_TEST=1 SPECDEC_IMAGE_ROLES="$(IMAGE_TEST_ROLES)" $(VPY) -m pytest -q tests/images
+	TORCH_VARIANT=cpu BUILDER=buildah docker/images.sh build $(IMAGE_TEST_ROLES)
+	TORCH_VARIANT=cpu SPECDEC_IMAGE_TEST=1 SPECDEC_IMAGE_ROLES="$(IMAGE_TEST_ROLES)" $(VPY) -m pytest -q tests/images
 
 # The documentation site (MkDocs + Material, mkdocs.yml): strict, so a broken link, a missing
 # anchor or a page left out of the nav fails the build.
@@ -216,7 +220,8 @@ docs-serve: install
 	$(VENV)/bin/mkdocs serve
 
 # Rewrite the pages generated from the source: docs/reference/cli.md (argparse parsers),
-# grpc.md (protos/ comments), helm-values.md (values.yaml). A unit test fails while stale.
+# grpc.md (protos/ comments), helm-values.md and helm/specdec/README.md (values.yaml). A
+# test fails while one is stale.
 docs-gen: install
 	$(VPY) -m specdec.tools.docs
 

@@ -5,15 +5,20 @@
 #   docker/images.sh wheels           fill docker/wheels/ for offline builds (host pip)
 #   docker/images.sh build ROLE...    build specdec-ROLE images (drafter, verifier, gateway)
 #   docker/images.sh size ROLE...     print each image's size
+#   docker/images.sh name ROLE...     print each image's reference (what the chart defaults to)
 # Settings (environment): BUILDER (auto|docker|buildah), IMAGE_PREFIX, IMAGE_TAG, BASE_IMAGE,
 # TORCH_VARIANT, PYTHON (the host Python whose pip fills docker/wheels/), BUILDAH_ROOT.
+# Names: IMAGE_PREFIX-gateway:IMAGE_TAG, IMAGE_PREFIX-drafter:IMAGE_TAG-TORCH_VARIANT (and the
+# verifier's alike), the scheme the Helm chart's images.prefix / images.tag /
+# <role>.image.torchVariant follow; IMAGE_TAG defaults to the chart's appVersion and
+# TORCH_VARIANT to cu128, so the defaults build what `helm install` pulls by default.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 IMAGE_PREFIX=${IMAGE_PREFIX:-localhost/specdec}
-IMAGE_TAG=${IMAGE_TAG:-dev}
+IMAGE_TAG=${IMAGE_TAG:-$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\} *$/\1/p' helm/specdec/Chart.yaml)}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
-TORCH_VARIANT=${TORCH_VARIANT:-cpu}
+TORCH_VARIANT=${TORCH_VARIANT:-cu128}
 PYTHON=${PYTHON:-.venv/bin/python}
 BUILDAH_ROOT=${BUILDAH_ROOT:-$PWD/build/containers}
 LOCAL_BASE=localhost/specdec-python:3.11-bookworm
@@ -113,14 +118,17 @@ build() {
     done
     if [ "$b" = buildah ]; then
         buildah_ inspect --type image "$LOCAL_BASE" >/dev/null 2>&1 || base
-        # (re)fill docker/wheels/ when the dependencies changed since it was filled
+        # (re)fill docker/wheels/ when the dependencies changed since it was filled, or it
+        # lacks this TORCH_VARIANT's torch
         local stamp=docker/wheels/.filled
-        if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ sdk/pyproject.toml -nt "$stamp" ]; then
+        if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ sdk/pyproject.toml -nt "$stamp" ] ||
+            ! compgen -G "docker/wheels/torch-$TORCH_VERSION+$TORCH_VARIANT-*.whl" >/dev/null; then
             wheels
         fi
     fi
     for role in "$@"; do
-        local tag="$IMAGE_PREFIX-$role:$IMAGE_TAG" start=$SECONDS
+        local tag start=$SECONDS
+        tag=$(name "$role")
         local args=(--file "docker/Dockerfile.$role" --tag "$tag")
         [ "$role" = gateway ] || args+=(--build-arg "TORCH_VARIANT=$TORCH_VARIANT")
         if [ "$b" = docker ]; then
@@ -148,13 +156,26 @@ size() {
     local b role
     b=$(builder)
     for role in "$@"; do
-        echo "$IMAGE_PREFIX-$role:$IMAGE_TAG $(size_of "$b" "$IMAGE_PREFIX-$role:$IMAGE_TAG")"
+        echo "$(name "$role") $(size_of "$b" "$(name "$role")")"
+    done
+}
+
+# The reference of a role's image: the model replicas' tags name their torch build.
+name() {
+    [ $# -gt 0 ] || die "name: name at least one of drafter, verifier, gateway"
+    local role
+    for role in "$@"; do
+        case $role in
+        gateway) echo "$IMAGE_PREFIX-$role:$IMAGE_TAG" ;;
+        drafter | verifier) echo "$IMAGE_PREFIX-$role:$IMAGE_TAG-$TORCH_VARIANT" ;;
+        *) die "no image for role '$role' (drafter, verifier, gateway)" ;;
+        esac
     done
 }
 
 cmd=${1:-}
 shift || true
 case $cmd in
-base | wheels | build | size) "$cmd" "$@" ;;
-*) die "usage: docker/images.sh base | wheels | build ROLE... | size ROLE..." ;;
+base | wheels | build | size | name) "$cmd" "$@" ;;
+*) die "usage: docker/images.sh base | wheels | build ROLE... | size ROLE... | name ROLE..." ;;
 esac

@@ -15,7 +15,14 @@ RELEASE, NAMESPACE = "sd", "specdec"
 KUBE_VERSION = "1.29.0"
 # Kinds that come from CRDs (KEDA, Gateway API, Prometheus Operator): kubernetes-validate
 # has no schema for them.
-CRD_KINDS = {"ScaledObject", "GRPCRoute", "PrometheusRule"}
+CRD_KINDS = {
+    "ScaledObject",
+    "GRPCRoute",
+    "HTTPRoute",
+    "PrometheusRule",
+    "ServiceMonitor",
+    "PodMonitor",
+}
 
 
 def values_sets() -> dict[str, dict]:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
 
 import helm_python
 import kubernetes_validate
@@ -179,8 +181,11 @@ def test_only_the_gateway_reaches_replicas_and_redis():
     for role in ("drafter", "verifier", "redis"):
         pol = find(objs, "NetworkPolicy", role_name(role))
         assert pol["spec"]["policyTypes"] == ["Ingress"]
-        (rule,) = pol["spec"]["ingress"]
+        rule, *others = pol["spec"]["ingress"]
         assert rule["from"] == [{"podSelector": {"matchLabels": gateway_labels}}]
+        # anything else reaches the metrics port only (networkPolicy.metricsFrom)
+        metrics = [] if role == "redis" else [{"port": 9090, "protocol": "TCP"}]
+        assert [r["ports"] for r in others] == ([metrics] if metrics else [])
 
 
 def test_discovery_rbac_and_token_only_for_k8s_mode():
@@ -246,36 +251,6 @@ def test_tracing_sets_otel_env_and_jaeger():
 
 
 @pytest.mark.parametrize(
-    ("source", "model_env", "volume_kind"),
-    [
-        ("install", "/models/qwen2.5-coder-0.5b-instruct/model", "emptyDir"),
-        ("pvc", "/models/qwen2.5-coder-0.5b-instruct", "persistentVolumeClaim"),
-        ("hostPath", "/models/qwen2.5-coder-0.5b-instruct", "hostPath"),
-        ("hub", "qwen2.5-coder-0.5b-instruct", None),
-    ],
-)
-def test_model_sources(source, model_env, volume_kind):
-    objs = objects({"models": {"source": source}})
-    dep = find(objs, "Deployment", role_name("drafter"))
-    spec = dep["spec"]["template"]["spec"]
-    assert env_of(container(dep, "drafter"))["SPECDEC_MODEL"] == model_env
-    volumes = {v["name"]: v for v in spec["volumes"]}
-    if volume_kind:
-        assert volume_kind in volumes["models"]
-    else:
-        assert "models" not in volumes and "hf-cache" in volumes
-    inits = spec.get("initContainers", [])
-    if source == "install":
-        (init,) = inits
-        assert init["command"] == ["specdec", "models", "install", "qwen2.5-coder-0.5b-instruct"]
-        assert env_of(init)["SPECDEC_MODELS_DIR"] == "/models"
-    else:
-        assert inits == []
-    pvcs = [o for o in objs if o["kind"] == "PersistentVolumeClaim"]
-    assert len(pvcs) == (source == "pvc")
-
-
-@pytest.mark.parametrize(
     ("values", "message"),
     [
         ({"discovery": {"mode": "consul"}}, "/discovery/mode"),
@@ -289,6 +264,7 @@ def test_model_sources(source, model_env, volume_kind):
         ({"gateway": {"grpcRoute": {"enabled": True}}}, "gateway.grpcRoute.parentRefs"),
         ({"tls": {"replicas": {"secretName": "r"}}}, "tls.replicas.serverName"),
         ({"tls": {"healthPort": 0}}, "/tls/healthPort"),
+        ({"verifier": {"image": {"torchVariant": "cpu"}}}, "verifier.image.torchVariant is cpu"),
     ],
 )
 def test_bad_values_fail_naming_the_setting(values, message):
@@ -463,7 +439,7 @@ def test_replica_data_ports_are_exposed_to_the_gateways_only():
         assert env_of(c)["SPECDEC_DATA_PORT"] == str(port)
         ports = {p["name"]: p for p in find(objs, "Service", name)["spec"]["ports"]}
         assert ports["data"]["port"] == port and ports["data"]["targetPort"] == "data"
-        (rule,) = find(objs, "NetworkPolicy", name)["spec"]["ingress"]
+        rule = find(objs, "NetworkPolicy", name)["spec"]["ingress"][0]  # the gateways'
         assert {"port": port, "protocol": "TCP"} in rule["ports"]
     off = objects({"drafter": {"dataPort": 0}})
     c = container(find(off, "Deployment", role_name("drafter")), "drafter")
@@ -471,3 +447,51 @@ def test_replica_data_ports_are_exposed_to_the_gateways_only():
     assert "data" not in [p["name"] for p in c["ports"]]
     service = find(off, "Service", role_name("drafter"))
     assert "data" not in [p["name"] for p in service["spec"]["ports"]]
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        {},  # `make images` with its defaults and the chart's defaults
+        {"IMAGE_PREFIX": "registry.example.com/team/specdec", "IMAGE_TAG": "1.2.3"},
+        {"IMAGE_PREFIX": "registry.example.com/specdec", "TORCH_VARIANT": "cpu"},
+    ],
+)
+def test_images_are_what_make_images_tags(build):
+    """The chart's image references equal `docker/images.sh name ROLE` (what `make images`
+    tags) for the same prefix, tag and torch build."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("IMAGE_PREFIX", "IMAGE_TAG", "TORCH_VARIANT")
+    }
+    values: dict = {"images": {}}
+    if "IMAGE_PREFIX" in build:
+        values["images"]["prefix"] = build["IMAGE_PREFIX"]
+    if "IMAGE_TAG" in build:
+        values["images"]["tag"] = build["IMAGE_TAG"]
+    if "TORCH_VARIANT" in build:
+        for role in ("drafter", "verifier"):
+            values[role] = {"image": {"torchVariant": build["TORCH_VARIANT"]}, "device": "cpu"}
+    objs = objects(values)
+    for role in ("drafter", "verifier", "gateway"):
+        made = subprocess.run(
+            [str(CHART.parents[1] / "docker" / "images.sh"), "name", role],
+            env={**env, **build},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        assert container(find(objs, "Deployment", role_name(role)), role)["image"] == made
+
+
+def test_default_replica_images_carry_a_torch_for_the_default_device():
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    for role in ("drafter", "verifier"):
+        assert defaults[role]["device"] == "cuda" and defaults[role]["gpus"] >= 1
+        assert defaults[role]["image"]["torchVariant"].startswith("cu")
+        image = container(find(objects(), "Deployment", role_name(role)), role)["image"]
+        assert image.endswith("-" + defaults[role]["image"]["torchVariant"])
+    dev = values_sets()["cpu-dev"]
+    for role in ("drafter", "verifier"):
+        assert dev[role]["device"] == "cpu" and dev[role]["image"]["torchVariant"] == "cpu"

@@ -95,8 +95,11 @@ def open_image(role: str) -> Iterator[Image]:
         pytest.fail("buildah is not installed (apt-get install -y buildah)")
     if os.geteuid() != 0:
         pytest.fail("the read-only run needs root (mount namespaces, chroot)")
-    prefix = os.environ.get("IMAGE_PREFIX", "localhost/specdec")
-    name = f"{prefix}-{role}:{os.environ.get('IMAGE_TAG', 'dev')}"
+    # the image's reference as `make images` tags it (IMAGE_PREFIX, IMAGE_TAG, TORCH_VARIANT)
+    name = subprocess.run(
+        [str(ROOT / "docker" / "images.sh"), "name", role],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
     inspect = buildah("inspect", "--type", "image", name)
     if inspect.returncode != 0:
         pytest.fail(f"no image {name} in buildah's storage (make image-test builds it):\n"

@@ -1,7 +1,8 @@
 """`python -m specdec.tools.docs [--root DIR] [--check]`: write (or check) the generated pages.
 
 `make docs-gen` runs it. The pages: docs/reference/cli.md (argparse parsers),
-docs/reference/grpc.md (protos/ comments), docs/reference/helm-values.md (values.yaml).
+docs/reference/grpc.md (protos/ comments), docs/reference/helm-values.md and the chart's
+helm/specdec/README.md (values.yaml).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ def pages(root: Path) -> dict[Path, Callable[[], str]]:
         Path("docs/reference/cli.md"): cli.render,
         Path("docs/reference/grpc.md"): lambda: grpc.render(root),
         Path("docs/reference/helm-values.md"): lambda: helm.render(root),
+        Path("helm/specdec/README.md"): lambda: helm.readme(root),
     }
 
 

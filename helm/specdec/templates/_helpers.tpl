@@ -51,12 +51,20 @@ labels:
   {{- include "specdec.labels" . | nindent 2 }}
 {{- end }}
 
-{{/* image reference of an image block (dict root image) */}}
+{{/* The image reference of an image block (dict root image [role]): a specdec role's empty
+repository is images.prefix-ROLE, its empty tag images.tag (or appVersion), followed by
+-torchVariant for the drafter and verifier: what `make images` tags. */}}
 {{- define "specdec.image" -}}
+{{- $repo := .image.repository }}
+{{- if not $repo }}
+{{- $repo = printf "%s-%s" .root.Values.images.prefix .role }}
+{{- end }}
 {{- if .image.digest -}}
-{{ .image.repository }}@{{ .image.digest }}
+{{ $repo }}@{{ .image.digest }}
+{{- else if .image.tag -}}
+{{ $repo }}:{{ .image.tag }}
 {{- else -}}
-{{ .image.repository }}:{{ default .root.Chart.AppVersion .image.tag }}
+{{ $repo }}:{{ .root.Values.images.tag | default .root.Chart.AppVersion }}{{ with .image.torchVariant }}-{{ . }}{{ end }}
 {{- end }}
 {{- end }}
 
@@ -310,4 +318,111 @@ dns:{{ $svc }}.{{ .root.Release.Namespace }}.svc.{{ .root.Values.clusterDomain }
         path: tokens
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{/* The models claim: models.pvc.existingClaim, else the one the chart creates */}}
+{{- define "specdec.modelsClaim" -}}
+{{- .Values.models.pvc.existingClaim | default (include "specdec.roleName" (dict "root" . "role" "models")) }}
+{{- end }}
+
+{{/* The commands of the models Job's init containers, one per download (a YAML list of argv) */}}
+{{- define "specdec.modelsFetch" -}}
+{{- $m := .Values.models }}
+{{- $out := list }}
+{{- $names := list }}
+{{- range $role := list "drafter" "verifier" }}
+{{- $cfg := index $.Values $role }}
+{{- if $cfg.enabled }}
+{{- if eq $m.source "install" }}
+{{- $names = append $names $cfg.model.name }}
+{{- else }}
+{{- $argv := list "hf" "download" $cfg.model.name }}
+{{- with $cfg.model.ggufFile }}
+{{- $argv = append $argv . }}
+{{- end }}
+{{- $out = append $out (concat $argv (list "--local-dir" (printf "%s/%s" $m.mountPath $cfg.model.name))) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if $names }}
+{{- $out = append $out (concat (list "specdec" "models" "install") (uniq $names) $m.install.extraArgs) }}
+{{- end }}
+{{- toYaml $out }}
+{{- end }}
+
+{{/* What the Job fetches, hashed: the marker file's name changes with it */}}
+{{- define "specdec.modelsHash" -}}
+{{- include "specdec.modelsFetch" . | sha256sum | trunc 10 }}
+{{- end }}
+
+{{/* The file the models Job writes once everything is fetched */}}
+{{- define "specdec.modelsMarker" -}}
+{{- printf "%s/.specdec-ready-%s" .Values.models.mountPath (include "specdec.modelsHash" .) }}
+{{- end }}
+
+{{/* Requests and limits of a container that only waits or touches a file */}}
+{{- define "specdec.smallResources" -}}
+requests:
+  cpu: 10m
+  memory: 16Mi
+limits:
+  cpu: 100m
+  memory: 64Mi
+{{- end }}
+
+{{/* An Ingress to one of the gateway Service's ports (dict root cfg port name) */}}
+{{- define "specdec.gatewayIngress" -}}
+apiVersion: networking.k8s.io/v1
+kind: Ingress
+metadata:
+  {{- include "specdec.metadata" (dict "root" .root "role" "gateway" "name" .name) | nindent 2 }}
+  {{- with .cfg.annotations }}
+  annotations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+spec:
+  {{- with .cfg.className }}
+  ingressClassName: {{ . }}
+  {{- end }}
+  {{- if .cfg.tlsSecretName }}
+  tls:
+    - hosts: [{{ .cfg.host | quote }}]
+      secretName: {{ .cfg.tlsSecretName }}
+  {{- end }}
+  rules:
+    - host: {{ .cfg.host | quote }}
+      http:
+        paths:
+          - path: /
+            pathType: Prefix
+            backend:
+              service:
+                name: {{ include "specdec.roleName" (dict "root" .root "role" "gateway") }}
+                port:
+                  name: {{ .port }}
+{{- end }}
+
+{{/* A Gateway API route to the gateway Service (dict root kind value cfg rules port) */}}
+{{- define "specdec.gatewayRoute" -}}
+{{- if not .cfg.parentRefs }}
+{{- fail (printf "%s.enabled needs %s.parentRefs (the Gateway to attach to)" .value .value) }}
+{{- end }}
+{{- $backend := dict "name" (include "specdec.roleName" (dict "root" .root "role" "gateway")) "port" (int .port) }}
+{{- $rules := list }}
+{{- range .rules }}
+{{- $rules = append $rules (merge (dict "backendRefs" (list $backend)) .) }}
+{{- end }}
+apiVersion: gateway.networking.k8s.io/v1
+kind: {{ .kind }}
+metadata:
+  {{- include "specdec.metadata" (dict "root" .root "role" "gateway") | nindent 2 }}
+spec:
+  parentRefs:
+    {{- toYaml .cfg.parentRefs | nindent 4 }}
+  {{- with .cfg.hostnames }}
+  hostnames:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  rules:
+    {{- toYaml $rules | nindent 4 }}
 {{- end }}

@@ -5,15 +5,18 @@
 {{- $cfg := index $root.Values $role }}
 {{- $m := $root.Values.models }}
 {{- include "specdec.checkGrace" (dict "cfg" $cfg "role" $role) }}
-{{- if not (has $m.source (list "install" "pvc" "hostPath" "hub")) }}
-{{- fail (printf "models.source must be install, pvc, hostPath or hub, not %q" $m.source) }}
+{{- if and (hasPrefix "cuda" $cfg.device) (eq $cfg.image.torchVariant "cpu") }}
+{{- fail (printf "%s.device is %s but %s.image.torchVariant is cpu: a CPU build of torch cannot use the GPU; set %s.image.torchVariant to a CUDA build (cu128) or %s.device to cpu" $role $cfg.device $role $role $role) }}
+{{- end }}
+{{- if and (eq $m.source "pvc") (not $m.pvc.existingClaim) }}
+{{- fail "models.source pvc needs models.pvc.existingClaim (a claim that holds the models); source install or hub fills a claim with a Job" }}
 {{- end }}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
   {{- include "specdec.metadata" . | nindent 2 }}
 spec:
-  {{- if not $cfg.keda.enabled }}
+  {{- if not (include "specdec.autoscaled" (dict "cfg" $cfg "role" $role)) }}
   replicas: {{ $cfg.replicas }}
   {{- end }}
   revisionHistoryLimit: 5
@@ -60,30 +63,29 @@ spec:
       topologySpreadConstraints:
         {{- include "specdec.topologySpread" (dict "root" $root "role" $role "list" .) | nindent 8 }}
       {{- end }}
-      {{- if eq $m.source "install" }}
+      {{- if has $m.source (list "install" "hub") }}
       initContainers:
-        - name: models
-          image: {{ include "specdec.image" (dict "root" $root "image" $cfg.image) }}
+        # Waits for the models Job (job-models.yaml) to have filled the claim.
+        - name: wait-for-models
+          image: {{ include "specdec.image" (dict "root" $root "image" $cfg.image "role" $role) }}
           imagePullPolicy: {{ $cfg.image.pullPolicy }}
-          command: [specdec, models, install, {{ $cfg.model.name | quote }}{{ range $m.install.extraArgs }}, {{ . | quote }}{{ end }}]
-          env:
-            - name: SPECDEC_MODELS_DIR
-              value: {{ $m.mountPath | quote }}
-            - name: HOME
-              value: /tmp
+          command:
+            - sh
+            - -c
+            - 'until [ -e "$0" ]; do echo "waiting for the models Job to write $0"; sleep 10; done'
+            - {{ include "specdec.modelsMarker" $root | quote }}
           securityContext:
             {{- include "specdec.containerSecurityContext" $root | nindent 12 }}
           resources:
-            {{- toYaml $m.install.resources | nindent 12 }}
+            {{- include "specdec.smallResources" $root | nindent 12 }}
           volumeMounts:
             - name: models
               mountPath: {{ $m.mountPath }}
-            - name: tmp
-              mountPath: /tmp
+              readOnly: true
       {{- end }}
       containers:
         - name: {{ $role }}
-          image: {{ include "specdec.image" (dict "root" $root "image" $cfg.image) }}
+          image: {{ include "specdec.image" (dict "root" $root "image" $cfg.image "role" $role) }}
           imagePullPolicy: {{ $cfg.image.pullPolicy }}
           command: [specdec]
           args:
@@ -119,8 +121,6 @@ spec:
             - name: SPECDEC_MODEL
               {{- if eq $m.source "install" }}
               value: {{ printf "%s/%s/model" $m.mountPath $cfg.model.name | quote }}
-              {{- else if eq $m.source "hub" }}
-              value: {{ $cfg.model.name | quote }}
               {{- else }}
               value: {{ printf "%s/%s" $m.mountPath $cfg.model.name | quote }}
               {{- end }}
@@ -148,10 +148,6 @@ spec:
             {{- end }}
             - name: HOME
               value: /tmp
-            {{- if eq $m.source "hub" }}
-            - name: HF_HOME
-              value: /hf-cache
-            {{- end }}
             {{- include "specdec.threadsEnv" (dict "cfg" $cfg) | nindent 12 }}
             {{- include "specdec.trustEnv" . | nindent 12 }}
             {{- with $cfg.settings }}
@@ -181,14 +177,9 @@ spec:
             - name: dshm
               mountPath: /dev/shm
             {{- include "specdec.trustMounts" . | nindent 12 }}
-            {{- if eq $m.source "hub" }}
-            - name: hf-cache
-              mountPath: /hf-cache
-            {{- else }}
             - name: models
               mountPath: {{ $m.mountPath }}
               readOnly: true
-            {{- end }}
       volumes:
         - name: tmp
           emptyDir: {}
@@ -197,23 +188,15 @@ spec:
             medium: Memory
             sizeLimit: {{ $cfg.shmSize }}
         {{- include "specdec.trustVolumes" . | nindent 8 }}
-        {{- if eq $m.source "install" }}
-        - name: models
-          emptyDir:
-            sizeLimit: {{ $m.install.sizeLimit }}
-        {{- else if eq $m.source "pvc" }}
-        - name: models
-          persistentVolumeClaim:
-            claimName: {{ default (include "specdec.roleName" (dict "root" $root "role" "models")) $m.pvc.existingClaim }}
-            readOnly: true
-        {{- else if eq $m.source "hostPath" }}
+        {{- if eq $m.source "hostPath" }}
         - name: models
           hostPath:
             path: {{ $m.hostPath.path }}
             type: Directory
         {{- else }}
-        - name: hf-cache
-          emptyDir:
-            sizeLimit: {{ $m.hub.cacheSizeLimit }}
+        - name: models
+          persistentVolumeClaim:
+            claimName: {{ include "specdec.modelsClaim" $root }}
+            readOnly: true
         {{- end }}
 {{- end }}
