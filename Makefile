@@ -13,7 +13,7 @@ LM_EVAL_VER  ?= 0.4.13
 
 .PHONY: install dist models demo demo-tiny bench bench-quick bench-structured up proto proto-check lint lint-proto format test test-unit test-integration test-lm-eval lm-eval-install test-peers peer-installs clean \
         chart-test system-deps test-deps base-image wheels images image-test lint-docker \
-        docs docs-serve docs-gen docs-screenshots
+        docs docs-serve docs-gen docs-screenshots gpu-check gpu-wheels
 
 # Create .venv/ with the three distributions (sdk/, the services, tools/) and the dev
 # tools. torch goes first so that transformers does not pull a multi-GB CUDA build.
@@ -60,6 +60,26 @@ bench: models
 # A smoke run of the same (3 prompts x 32 tokens, under 10 minutes per drafter variant).
 bench-quick: models
 	$(VENV)/bin/specdec bench $(BENCH_ARGS) --quick --out bench-results/quick
+
+# The engine on a GPU machine (specdec.tools.gpucheck, docs/tune/gpu-check.md): forwards of the
+# 1.5B- and 0.5B-shaped models eager and compiled beside the bandwidth bound, the stack at
+# k = 0 against the model alone, self-drafting at k = 4. The GPU machine has no network:
+# `make gpu-wheels` here fetches what its image lacks into .whl/ (carry it there); gpu-check
+# installs those wheels and this tree into GPU_SITE with pip --no-index, then runs.
+GPU_PYTHON ?= python3
+GPU_SITE ?= /tmp/specdec-gpu-site
+GPU_CHECK_OUT ?= gpu-check-results
+GPU_CHECK_ARGS ?=
+gpu-check:
+	@if ls .whl/*.whl >/dev/null 2>&1; then \
+	  $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) .whl/*.whl; fi
+	PYTHONPATH=$(GPU_SITE) $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-build-isolation \
+	  --upgrade --target $(GPU_SITE) ./sdk . ./tools
+	PYTHONPATH=$(GPU_SITE) PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m specdec.tools.gpucheck \
+	  --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
+
+gpu-wheels: install
+	$(VPY) -m specdec.tools.gpucheck --download-wheels .whl
 
 # Structured output (a JSON schema) against free generation on the installed pair: 3 prompts
 # x 64 tokens, k=3 with and without SSD, and the target's own constrained generate().

@@ -55,7 +55,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-__all__ = ["TestModels", "build_test_models"]
+__all__ = ["TestModels", "build_shaped_model", "build_test_models"]
 
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
@@ -339,3 +339,13 @@ def build_test_models(root: Path, seed: int = 0) -> TestModels:
         vocab_size=len(tokenizer),
         eos_token_id=tokenizer.eos_token_id,
     )
+
+
+def build_shaped_model(path: Path, shape: dict, name: str, seed: int = 0) -> Path:
+    """One model of another shape (e.g. a real model's layers and widths) with the test
+    tokenizer and the same initialisation, saved under ``path`` (float32): a stand-in
+    for timing a real shape through the whole stack (specdec.tools.gpucheck)."""
+    tokenizer = _build_tokenizer()
+    config = _make_config(shape, tokenizer)
+    model = _new_model(config, _generator(seed, name), _suppressed_ids(tokenizer))
+    return _save(model, tokenizer, Path(path))
