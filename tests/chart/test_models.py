@@ -89,7 +89,7 @@ def test_install_job_runs_the_cli_once_for_both_models():
     (fetch,) = spec["initContainers"]
     assert fetch["command"][0] == "specdec"
     args = build_parser().parse_args(fetch["command"][1:])  # the CLI accepts it as rendered
-    assert sorted(args.names) == sorted([DRAFT, TARGET]) and args.no_index
+    assert sorted(args.names) == sorted([DRAFT, TARGET]) and not args.index
     assert set(args.names) <= set(MODELS)
     env = {e["name"]: e.get("value") for e in fetch["env"]}
     assert env["SPECDEC_MODELS_DIR"] == "/models" and "HF_TOKEN" not in env

@@ -403,7 +403,7 @@ def test_errors(stack, oai):
     req = urllib.request.Request(stack["http"] + "/v1/models", data=b"{}", method="POST")
     with pytest.raises(urllib.error.HTTPError) as raw:
         urllib.request.urlopen(req, timeout=30)
-    assert raw.value.code == 405 and raw.value.headers["Allow"] == "HEAD, GET"
+    assert raw.value.code == 405 and set(raw.value.headers["Allow"].split(", ")) == {"GET", "HEAD"}
     assert json.loads(raw.value.read())["error"]["code"] == "method_not_allowed"
 
     # A deadline that cannot be met: 504 (unary); a stream that has started ends with the
