@@ -20,7 +20,7 @@ that it is known to work before a GPU is at hand. Four measurements:
    accepted under greedy, against the stack at k = 0; the ideal is 5x, reached only where
    drafting is free and verifying 5 tokens costs one step.
 
-The stack's models have the target's and drafter's shapes but the test tokenizer's small
+The stack's model (on both replicas) has the target's shape but the test tokenizer's small
 vocabulary (specdec.tools.tinymodels: its "loud" initialisation keeps greedy choices clear
 of near-ties, so the self-drafting acceptance is 100% in float32 and close to it in
 bfloat16). Without a GPU, `--shapes tiny` gives the same table for the tiny test models.
@@ -279,14 +279,11 @@ def _shapes(args) -> dict:
     return {**SHAPES[args.shapes], "common": QWEN_COMMON}
 
 
-def build_stack_models(root: Path, args) -> tuple[Path, Path]:
-    """The target- and drafter-shaped models with the test tokenizer, saved in float32."""
+def build_stack_model(root: Path, args) -> Path:
+    """The target-shaped model with the test tokenizer, saved in float32."""
     from specdec.tools import tinymodels
 
-    shapes = _shapes(args)
-    target = tinymodels.build_shaped_model(root / "target", shapes["target"], name="target")
-    drafter = tinymodels.build_shaped_model(root / "drafter", shapes["drafter"], name="drafter")
-    return target, drafter
+    return tinymodels.build_shaped_model(root / "target", _shapes(args)["target"], name="target")
 
 
 def in_process_ms_per_token(model_dir: Path, prompt: list[int], new: int, device, dtype) -> float:
@@ -303,35 +300,34 @@ def in_process_ms_per_token(model_dir: Path, prompt: list[int], new: int, device
     return _median_ms(run, device, iters=3, warmup=1) / new
 
 
-def stack_ms_per_token(target: Path, drafter: Path, prompt, new, args) -> dict:
-    """Greedy through drafter, verifier and gateway processes: k = 0 with the drafter model,
-    and k = 4 with the target as its own drafter."""
+def stack_ms_per_token(target: Path, prompt, new, args) -> dict:
+    """Greedy through drafter, verifier and gateway processes, the target on both replicas:
+    k = 0 (the drafter is not called), and k = 4 with the target as its own drafter."""
     from specdec.sdk import Client
     from specdec.tools.launcher import ServiceProcess
 
-    dtype = args.stack_dtype
     out: dict = {}
-    for label, draft_model, k in (("k0", drafter, 0), ("self_k4", target, 4)):
-        procs = []
-        try:
-            for role, model in (("drafter", draft_model), ("verifier", target)):
-                procs.append(
-                    ServiceProcess.specdec(
-                        role,
-                        *("serve", role, "--model", str(model), "--port", "0"),
-                        *("--host", "127.0.0.1", "--dtype", dtype, "--device", args.device),
-                    ).start()
-                )
-            for p in procs:
-                p.wait_healthy(timeout=1200)
-            gateway = ServiceProcess.specdec(
-                "gateway",
-                *("serve", "gateway", "--port", "0", "--host", "127.0.0.1"),
-                *("--drafter", procs[0].address, "--verifier", procs[1].address),
-            ).start()
-            procs.append(gateway)
-            gateway.wait_healthy(timeout=300)
-            with Client(gateway.address, timeout=1200) as client:
+    procs = []
+    try:
+        for role in ("drafter", "verifier"):
+            procs.append(
+                ServiceProcess.specdec(
+                    role,
+                    *("serve", role, "--model", str(target), "--port", "0", "--host"),
+                    *("127.0.0.1", "--dtype", args.stack_dtype, "--device", args.device),
+                ).start()
+            )
+        for p in procs:
+            p.wait_healthy(timeout=1200)
+        gateway = ServiceProcess.specdec(
+            "gateway",
+            *("serve", "gateway", "--port", "0", "--host", "127.0.0.1"),
+            *("--drafter", procs[0].address, "--verifier", procs[1].address),
+        ).start()
+        procs.append(gateway)
+        gateway.wait_healthy(timeout=300)
+        with Client(gateway.address, timeout=1200) as client:
+            for label, k in (("k0", 0), ("self_k4", 4)):
 
                 def run(k=k):
                     return client.generate(
@@ -343,24 +339,24 @@ def stack_ms_per_token(target: Path, drafter: Path, prompt, new, args) -> dict:
                         method="model",
                     )
 
-                run()  # warm-up: the first call opens channels and fills no cache
+                run()  # warm-up: opens the replicas' caches of the prompt for this k
                 times, stats = [], None
                 for _ in range(3):
                     started = time.perf_counter()
                     generation = run()
                     times.append((time.perf_counter() - started) * 1e3)
                     stats = generation.stats
-            out[label] = {
-                "ms_per_token": statistics.median(times) / new,
-                "tokens": new,
-                "rounds": stats.rounds,
-                "draft_tokens": stats.draft_tokens,
-                "accepted_tokens": stats.accepted_tokens,
-            }
-            _say(f"stack {label}: {out[label]['ms_per_token']:.2f} ms/token")
-        finally:
-            for p in procs:
-                p.stop()
+                out[label] = {
+                    "ms_per_token": statistics.median(times) / new,
+                    "tokens": new,
+                    "rounds": stats.rounds,
+                    "draft_tokens": stats.draft_tokens,
+                    "accepted_tokens": stats.accepted_tokens,
+                }
+                _say(f"stack {label}: {out[label]['ms_per_token']:.2f} ms/token")
+    finally:
+        for p in procs:
+            p.stop()
     return out
 
 
@@ -387,9 +383,9 @@ def run(args) -> Report:
     time_forwards(report, args, device, dtype)
     if args.stack:
         with tempfile.TemporaryDirectory(prefix="specdec-gpucheck-") as tmp:
-            target, drafter = build_stack_models(Path(tmp), args)
+            target = build_stack_model(Path(tmp), args)
             prompt = [(7 * i + 11) % 300 + 3 for i in range(args.prompt_tokens)]
-            stack = stack_ms_per_token(target, drafter, prompt, args.new_tokens, args)
+            stack = stack_ms_per_token(target, prompt, args.new_tokens, args)
             stack["in_process_ms_per_token"] = in_process_ms_per_token(
                 target, prompt, args.new_tokens, device, getattr(torch, args.stack_dtype)
             )
