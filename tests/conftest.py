@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
+# One torch thread in this process and in every service a test starts (their --threads
+# default reads SPECDEC_THREADS): the tiny models gain nothing from a second thread, and
+# with a pytest worker per CPU (make test) every extra thread only competes for the CPUs.
+# Set before torch is first imported, which reads OMP_NUM_THREADS once.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("SPECDEC_THREADS", "1")
+
 import pytest
 
 from specdec.tools.tinymodels import TestModels, build_test_models

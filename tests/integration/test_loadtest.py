@@ -39,7 +39,11 @@ VLLM_FIELDS = [
 def up(test_models, tmp_path_factory):
     """`specdec up` with no thread flags: it divides the usable CPUs itself."""
     logs = tmp_path_factory.mktemp("up-logs")
-    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "OMP_NUM_THREADS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("REDIS_URL", "OMP_NUM_THREADS", "SPECDEC_THREADS")
+    }
     argv = [
         "up",
         "--dtype",

@@ -179,6 +179,7 @@ def test_bench_stops_everything(command, test_models, tmp_path):
     drafter, verifier and gateway running), then SIGINT while it measures, once its
     progress (--progress: on stderr, which is no terminal here) has shown the time left."""
     argv = ["bench", *_models(test_models), "--quick", "--k", "2", "--ssd-k", "2"]
+    argv += ["--max-new-tokens", "4"]
     bench = command(*argv, "--out", str(tmp_path / "a"))
     bench.wait_for(r"^loading models")
     assert bench.signal_and_check(signal.SIGTERM, 3) == 128 + signal.SIGTERM
