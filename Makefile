@@ -12,7 +12,7 @@ LM_EVAL_VENV ?= .cache/peers/lm-eval
 LM_EVAL_VER  ?= 0.4.13
 
 .PHONY: install dist models demo demo-tiny bench bench-quick bench-structured up proto proto-check lint lint-proto format test test-unit test-integration test-lm-eval lm-eval-install test-peers peer-installs clean \
-        chart-test system-deps test-deps base-image wheels images image-test lint-docker \
+        chart-test system-deps test-deps base-image wheels images image-build image-check image-test lint-docker \
         docs docs-serve docs-gen docs-screenshots gpu-check gpu-wheels
 
 # Create .venv/ with the three distributions (sdk/, the services, tools/) and the dev
@@ -225,9 +225,16 @@ images: install
 # stack from images (the models mounted read-only).
 # The tests run on CPUs: the replica images get a CPU torch (tag ...-cpu).
 IMAGE_TEST_ROLES ?= gateway
-image-test: install
-	TORCH_VARIANT=cpu BUILDER=buildah docker/images.sh build $(IMAGE_TEST_ROLES)
+# image-build builds them and image-check runs the tests (CI builds beside the unit and
+# integration tests: the build is mostly downloads and unpacking).
+image-test: image-build
+	$(MAKE) image-check
+
+image-check: install
 	TORCH_VARIANT=cpu SPECDEC_IMAGE_TEST=1 SPECDEC_IMAGE_ROLES="$(IMAGE_TEST_ROLES)" $(VPY) -m pytest -q tests/images
+
+image-build: install
+	TORCH_VARIANT=cpu BUILDER=buildah docker/images.sh build $(IMAGE_TEST_ROLES)
 
 # The documentation site (MkDocs + Material, mkdocs.yml): strict, so a broken link, a missing
 # anchor or a page left out of the nav fails the build.
