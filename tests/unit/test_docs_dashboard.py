@@ -76,3 +76,23 @@ def test_axis_labels():
     ticks = dashboard.nice_ticks(0, 0.93)
     assert ticks[0] == 0 and ticks[-1] >= 0.93 and 3 <= len(ticks) <= 7
     assert all(math.isclose(b - a, ticks[1] - ticks[0]) for a, b in itertools.pairwise(ticks))
+
+
+def test_legend_in_natural_order_and_capped():
+    def query_range(expr, start, end, step):
+        return [{"metric": {"position": str(p)}, "values": [[START, "1"]]} for p in (10, 2, 0)]
+
+    board = {"panels": [{"type": "timeseries", "title": "t", "gridPos": {"x": 0, "y": 0, "w": 4,
+             "h": 4}, "targets": [{"expr": "x", "legendFormat": "position {{position}}"}]}]}  # fmt: skip
+    (panel,) = dashboard.query_panels(board, query_range, START, START, 1, 1)
+    assert [s.name for s in panel.series] == ["position 0", "position 2", "position 10"]
+    rows, hidden = dashboard._legend_rows([f"series {i}" for i in range(40)], 400, max_rows=2)
+    assert len(rows) == 2 and hidden == 40 - sum(len(r) for r in rows) > 0
+
+
+def test_the_panels_min_and_max_fix_the_axis():
+    clipped = Panel("ratio", "timeseries", {"x": 0, "y": 0, "w": 12, "h": 8}, "percentunit",
+                    axis=(0, 1), series=[Series("a", [(START, 0.2), (START + 1, 1.5)])])  # fmt: skip
+    page = dashboard.render({"title": "T"}, [clipped], START, START + 1, "note")
+    assert ">100%<" in page and ">150%<" not in page
+    assert dashboard.load()["panels"][1]["fieldConfig"]["defaults"]["max"] == 1

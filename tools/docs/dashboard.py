@@ -49,6 +49,7 @@ class Panel:
     kind: str  # "row" or "timeseries"
     grid: dict[str, int]  # Grafana's gridPos: x, y, w, h in grid units
     unit: str = "short"
+    axis: tuple[float | None, float | None] = (None, None)  # fieldConfig's min and max
     queries: list[str] = field(default_factory=list)  # the PromQL sent, expanded
     series: list[Series] = field(default_factory=list)
     plot: tuple[int, int, int, int] = (0, 0, 0, 0)  # the plot area on the page: x, y, w, h
@@ -96,15 +97,18 @@ def query_panels(
             kind="row" if p["type"] == "row" else "timeseries",
             grid=dict(p["gridPos"]),
             unit=p.get("fieldConfig", {}).get("defaults", {}).get("unit", "short"),
+            axis=tuple(p.get("fieldConfig", {}).get("defaults", {}).get(k) for k in ("min", "max")),
         )
         for target in p.get("targets", []):
             expr = target["expr"].replace("$__rate_interval", interval)
             panel.queries.append(expr)
+            found = []
             for result in query_range(expr, start, end, step):
                 points = [(float(t), float(v)) for t, v in result["values"]]
                 points = [(t, v) for t, v in points if math.isfinite(v)]
                 name = legend_name(target.get("legendFormat", ""), result["metric"])
-                panel.series.append(Series(name, points))
+                found.append(Series(name, points))
+            panel.series += sorted(found, key=lambda s: _natural(s.name))
         panels.append(panel)
     return panels
 
@@ -156,18 +160,26 @@ def time_ticks(start: float, end: float, width: int) -> list[float]:
     return [first + i * step for i in range(int((end - first) // step) + 1)]
 
 
-def _legend_rows(names: list[str], width: int) -> list[list[tuple[int, str]]]:
-    """Legend items wrapped into rows like Grafana's list legend: [(x, name), ...] per row."""
-    rows: list[list[tuple[int, str]]] = [[]]
+def _legend_rows(names: list[str], width: int, max_rows: int) -> tuple[list[list], int]:
+    """Legend items wrapped into rows like Grafana's list legend, [(x, series index), ...]
+    per row, at most `max_rows` (Grafana scrolls a long legend); and how many did not fit."""
+    rows: list[list[tuple[int, int]]] = [[]]
     x = 8
-    for name in names:
+    for i, name in enumerate(names):
         w = 24 + 7 * len(name) + 16  # swatch, text at ~7 px a character, gap
-        if rows[-1] and x + w > width:
+        if rows[-1] and x + w > width - 70:  # room for "+N more"
+            if len(rows) == max_rows:
+                return rows, len(names) - i
             rows.append([])
             x = 8
-        rows[-1].append((x, name))
+        rows[-1].append((x, i))
         x += w
-    return rows
+    return rows, 0
+
+
+def _natural(name: str) -> list:
+    """Sort key: "position 2" before "position 10"."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
 def _panel_svg(
@@ -176,7 +188,7 @@ def _panel_svg(
     """One panel's SVG and its plot area (x, y, w, h) inside the panel."""
     esc = html.escape
     names = [s.name for s in panel.series]
-    legend = _legend_rows(names, width) if names else []
+    legend, hidden = _legend_rows(names, width, max(1, int(height * 0.3) // LEGEND_ROW))
     plot_x, plot_y = AXIS_W, TITLE_H
     plot_w = width - AXIS_W - 14
     plot_h = height - TITLE_H - AXIS_H - LEGEND_ROW * len(legend) - 6
@@ -194,6 +206,9 @@ def _panel_svg(
     lo, hi = min(0.0, min(values)), max(values)
     if panel.unit == "percentunit" and hi <= 1:
         hi = max(hi, 0.01)
+    # The panel's own min / max fix the axis, and values beyond it are clipped, as in Grafana.
+    lo = lo if panel.axis[0] is None else panel.axis[0]
+    hi = hi if panel.axis[1] is None else panel.axis[1]
     ticks = nice_ticks(lo, hi if hi > lo else lo + 1)
     lo, hi = ticks[0], ticks[-1]
 
@@ -201,7 +216,7 @@ def _panel_svg(
         return plot_x + (t - start) / (end - start) * plot_w
 
     def sy(v: float) -> float:
-        return plot_y + plot_h - (v - lo) / (hi - lo) * plot_h
+        return plot_y + plot_h - (min(max(v, lo), hi) - lo) / (hi - lo) * plot_h
 
     for v in ticks:
         y = sy(v)
@@ -232,10 +247,14 @@ def _panel_svg(
     legend_y = plot_y + plot_h + AXIS_H + 8
     for r, row in enumerate(legend):
         y = legend_y + r * LEGEND_ROW
-        for x, name in row:
-            color = PALETTE[names.index(name) % len(PALETTE)]
+        for x, i in row:
+            color = PALETTE[i % len(PALETTE)]
             out.append(f'<rect x="{x}" y="{y + 5}" width="14" height="4" rx="1" fill="{color}"/>')
-            out.append(f'<text x="{x + 20}" y="{y + 11}" class="legend">{esc(name)}</text>')
+            out.append(f'<text x="{x + 20}" y="{y + 11}" class="legend">{esc(names[i])}</text>')
+    if hidden:
+        y = legend_y + (len(legend) - 1) * LEGEND_ROW
+        out.append(f'<text x="{width - 10}" y="{y + 11}" class="axis" text-anchor="end">'
+                   f"+{hidden} more</text>")  # fmt: skip
     out.append("</svg>")
     return "".join(out), (plot_x, plot_y, plot_w, plot_h)
 

@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import random
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -34,7 +36,6 @@ from pathlib import Path
 from specdec.tools.docs import dashboard, traceview
 from specdec.tools.otlpsink import OtlpReceiver, ReceivedSpan
 from specdec.tools.promproc import PrometheusProcess
-from specdec.tools.redisproc import free_port
 
 PROMPTS = (
     "def fibonacci(n):",
@@ -112,8 +113,8 @@ def traffic(address: str, seconds: float, clients: int = 2) -> int:
             while time.monotonic() < deadline:
                 i = w + done * clients
                 mix = dict(mixes[i % len(mixes)])
-                if i % len(mixes) == len(mixes) - 1:
-                    mix["session_id"] = f"docs-{w}"
+                if i % len(mixes) == len(mixes) - 1:  # six turns a conversation: < 512 tokens
+                    mix["session_id"] = f"docs-{w}-{i // (6 * len(mixes))}"
                 if "temperature" in mix:
                     mix["seed"] = i
                 client.generate(PROMPTS[i % len(PROMPTS)], max_new_tokens=24, **mix)
@@ -152,6 +153,21 @@ def _stack_args(models, endpoint: str, ports: dict[str, int]) -> argparse.Namesp
     return parser.parse_args(argv)
 
 
+def _fixed_port() -> int:
+    """A free port below Linux's ephemeral range (32768 and up), so that no service binding
+    port 0 in the meantime takes it before the service it is meant for starts."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32767")
+
+
 def _one_trace(receiver: OtlpReceiver, trace_id: str, timeout: float = 30) -> list[ReceivedSpan]:
     """The trace's spans once the gateway's request span is in and no more come for 1 s."""
     deadline = time.monotonic() + timeout
@@ -184,7 +200,7 @@ def run(out_dir: Path, seconds: float = 60, work_dir: Path | None = None, models
 
             models = build_test_models(work_dir / "models")
         receiver = stack.enter_context(OtlpReceiver())
-        ports = {role: free_port() for role in ("drafter", "verifier", "gateway")}
+        ports = {role: _fixed_port() for role in ("drafter", "verifier", "gateway")}
         with _env(OTEL_BSP_SCHEDULE_DELAY="200"):
             local = stack.enter_context(
                 LocalStack(_stack_args(models, receiver.endpoint, ports), announce=print)
@@ -200,7 +216,7 @@ def run(out_dir: Path, seconds: float = 60, work_dir: Path | None = None, models
         print(f"{requests} requests in {end - start:.0f} s; tracing one more ...", flush=True)
         with Client(local.gateway.address, timeout=120) as client:
             gen = client.generate(
-                PROMPTS[0], max_new_tokens=16, k=4, ssd=True, method="model", session_id="trace"
+                PROMPTS[0], max_new_tokens=12, k=4, ssd=True, method="model", session_id="trace"
             )
         spans = _one_trace(receiver, gen.trace_id)
 

@@ -62,6 +62,12 @@ def summary(spans: list[ReceivedSpan]) -> dict:
     }
 
 
+def _dark(hex_color: str) -> bool:
+    """Whether white text reads on this colour (relative luminance below 0.5)."""
+    r, g, b = (int(hex_color[i : i + 2], 16) / 255 for i in (1, 3, 5))
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b < 0.5
+
+
 def _ms(ns: float) -> str:
     ms = ns / 1e6
     return f"{ms:.2f}ms" if ms < 10 else f"{ms:.1f}ms" if ms < 1000 else f"{ms / 1000:.2f}s"
@@ -104,14 +110,16 @@ def render(spans: list[ReceivedSpan], expand: str = "") -> str:
     for r in ordered:
         s = r.span
         left, width = pct(s.start_ns - start), max(pct(s.end_ns - s.start_ns), 0.1)
-        label_left = left + width > 80
         err = '<span class="err">!</span>' if s.status == 2 else ""
-        label = (
-            f'<span class="dur" style="{"right" if label_left else "left"}:'
-            f"{(100 - left) if label_left else (left + width):.3f}%;"
-            f'{"margin-right" if label_left else "margin-left"}:6px">{_ms(s.end_ns - s.start_ns)}'
-            "</span>"
-        )
+        duration = _ms(s.end_ns - s.start_ns)
+        if width > 25:  # a long bar carries its duration inside, as Jaeger's does
+            ink = "#fff" if _dark(color[s.service]) else "#333"
+            place = f"left:{left:.3f}%;margin-left:6px;color:{ink}"
+        elif left + width > 80:  # near the right edge: the label goes left of the bar
+            place = f"right:{100 - left:.3f}%;margin-right:6px"
+        else:
+            place = f"left:{left + width:.3f}%;margin-left:6px"
+        label = f'<span class="dur" style="{place}">{duration}</span>'
         body.append(
             f'<div class="span-row{" open" if s.span_id == expand else ""}">'
             f'<div class="name" style="padding-left:{12 + 16 * r.depth}px;'
