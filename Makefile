@@ -135,12 +135,14 @@ test-deps:
 	fi
 
 # Debian packages the tests and image builds use: what `make test-deps` installs (prometheus,
-# openssl, curl), and buildah and debootstrap (images without a Docker engine). Needs root.
+# openssl, curl), buildah and debootstrap (images without a Docker engine), and chromium
+# (`make docs-screenshots` and its test, which skips without it). Needs root.
+SYSTEM_PACKAGES := prometheus buildah debootstrap openssl curl chromium
 system-deps:
-	@missing=$$(for p in prometheus buildah debootstrap openssl curl; do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
-	else echo "system packages present: prometheus buildah debootstrap openssl curl"; fi
+	else echo "system packages present: $(SYSTEM_PACKAGES)"; fi
 
 # The lm-eval peer test: lm-eval's local-completions client against `specdec up --http-port`
 # on the tiny test models scores tests/peers/lm_eval's loglikelihood task exactly as its own
@@ -252,11 +254,17 @@ docs-serve: install
 docs-gen: install
 	$(VPY) -m specdec.tools.docs
 
-# The README's screenshots of the built site, with headless Chromium from Debian's packages
-# (installed here as root when missing).
-docs-screenshots: docs
-	command -v chromium >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
-	$(VPY) -m specdec.tools.docs.screenshots site docs/images
+# The docs' screenshots, docs/images/dashboard.png and trace.png, from a real local run:
+# `specdec up` on the tiny test models with metrics and traces on, a real Prometheus
+# scraping it, requests through the SDK for SCREENSHOT_SECONDS; then the chart's Grafana
+# dashboard drawn from Prometheus's answers to its queries and one request's trace as a
+# Jaeger-style timeline, shot in headless Chromium (Debian's; `make system-deps`). About
+# SCREENSHOT_SECONDS + 30 s and two CPUs busy, so `make docs` does not run it: rerun it
+# when the dashboard, the metrics or the spans change. tests/integration/test_screenshots.py
+# checks the same run (shorter) draws data in every panel.
+SCREENSHOT_SECONDS ?= 60
+docs-screenshots: install
+	$(VPY) -m specdec.tools.docs.screenshots --out docs/images --seconds $(SCREENSHOT_SECONDS)
 
 clean:
 	rm -rf $(VENV) $(CHECKOV_VENV) build dist *.egg-info sdk/*.egg-info .pytest_cache .cache site
