@@ -103,7 +103,14 @@ class Command:
     def signal_and_check(self, signum: int, children_at_least: int) -> int:
         """Send the signal; the command must exit and leave no process behind. Returns its
         exit status."""
-        started = {(p, s) for p, s in tree(self.tag, self.proc.pid) if p != self.proc.pid}
+        # The line a test waits for is printed just before the next child starts: wait
+        # (bounded) for that child to show in the process tree.
+        deadline = time.monotonic() + 30
+        while True:
+            started = {(p, s) for p, s in tree(self.tag, self.proc.pid) if p != self.proc.pid}
+            if len(started) >= children_at_least or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
         assert len(started) >= children_at_least, (started, self.output())
         self.proc.send_signal(signum)
         try:
