@@ -15,7 +15,7 @@ from specdec.common.controls import Controls
 from specdec.drafter.sampler import sampler_for
 from specdec.drafter.speculate import BranchStore, DraftRows, take_prepared
 from specdec.replica.batching import ForwardRequest
-from specdec.replica.engine import Engine
+from specdec.replica.engine import Engine, arguments
 from specdec.replica.host import to_host
 from specdec.replica.processors import TokenCounts
 from specdec.replica.runtime import Prefix
@@ -46,17 +46,7 @@ class DraftCall:
     fork_from: str
 
     def job(self) -> Generator[ForwardRequest, torch.Tensor, Draft]:
-        return propose(
-            self.runtime,
-            self.branches,
-            self.session_id,
-            self.prefix,
-            self.new_tokens,
-            self.k,
-            self.params,
-            controls=self.controls,
-            fork_from=self.fork_from,
-        )
+        return propose(**arguments(self))
 
 
 def propose(

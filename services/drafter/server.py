@@ -126,7 +126,7 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
         )
         call = SpeculateCall(
             runtime=rt,
-            branches=self.branches,
+            store=self.branches,
             session_id=request.session_id,
             prefix=prefix,
             new_tokens=new_tokens,

@@ -64,7 +64,7 @@ from specdec.common.prefix import prefix_hash
 from specdec.drafter.config import CONFIDENCE, GEOMETRIC, OUTCOME_MODELS
 from specdec.drafter.sampler import Sampler, sampler_for
 from specdec.replica.batching import BranchGroup, BranchStep, ForwardRequest, Request
-from specdec.replica.engine import Engine, Session
+from specdec.replica.engine import Engine, Session, arguments
 from specdec.replica.host import to_host
 from specdec.replica.processors import TokenCounts, verify_logits
 from specdec.replica.runtime import Prefix
@@ -163,7 +163,7 @@ class SpeculateCall:
     """A validated Speculate: the arguments of `speculate`."""
 
     runtime: Engine
-    branches: BranchStore
+    store: BranchStore
     session_id: str
     prefix: Prefix
     new_tokens: list[int]
@@ -178,22 +178,7 @@ class SpeculateCall:
     outcomes: str
 
     def job(self) -> Generator[Request, torch.Tensor, Speculation]:
-        return speculate(
-            self.runtime,
-            self.branches,
-            self.session_id,
-            self.prefix,
-            self.new_tokens,
-            self.k,
-            self.branch_k,
-            self.params,
-            self.fan_out,
-            self.alpha,
-            self.max_per_outcome,
-            max_branch_tokens=self.max_branch_tokens,
-            controls=self.controls,
-            outcomes=self.outcomes,
-        )
+        return speculate(**arguments(self))
 
 
 def speculate(

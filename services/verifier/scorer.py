@@ -13,7 +13,7 @@ import torch
 
 from specdec.common.controls import Controls
 from specdec.replica.batching import ForwardRequest
-from specdec.replica.engine import Engine, Session
+from specdec.replica.engine import Engine, Session, arguments
 from specdec.replica.host import to_host
 from specdec.replica.logprobs import LogprobRows, LogprobsAsk, emitted_tokens, token_logprobs
 from specdec.replica.masks import apply_masks
@@ -61,19 +61,7 @@ class VerifyCall:
     grammar_masks: torch.Tensor | None  # [k+1, vocab] bool
 
     def job(self) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
-        return verify(
-            self.runtime,
-            self.session_id,
-            self.prefix,
-            self.new_tokens,
-            self.draft_tokens,
-            self.draft_probs,
-            self.params,
-            controls=self.controls,
-            logprobs=self.logprobs,
-            fork_from=self.fork_from,
-            grammar_masks=self.grammar_masks,
-        )
+        return verify(**arguments(self))
 
 
 def verify(
