@@ -516,8 +516,6 @@ def carried_requirements() -> list[str]:
             if sub.marker is None or any(
                 sub.marker.evaluate({"extra": e}) for e in (extras or {""})
             ):
-                if sub.marker is not None and "extra" in str(sub.marker) and not extras:
-                    continue
                 todo.append(sub)
     keep = []
     for name, version in sorted(seen.items()):
