@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 # One torch thread in this process and in every service a test starts (their --threads
 # default reads SPECDEC_THREADS): the tiny models gain nothing from a second thread, and
@@ -69,3 +71,20 @@ def reference(target_model, tokenizer):
         return cache[key]
 
     return generate
+
+
+def start_up_error(role: str, model, *flags: str) -> str:
+    """`specdec serve <role>` on a loopback port with these flags, expected to refuse its
+    configuration: asserts it exits 2 and returns its stderr."""
+    result = subprocess.run(
+        [
+            *(sys.executable, "-m", "specdec", "serve", role),
+            *("--model", str(model), "--port", "0", "--host", "127.0.0.1"),
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    return result.stderr

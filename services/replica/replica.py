@@ -20,6 +20,7 @@ from specdec.common.errors import InvalidRequest, NotReady
 from specdec.common.logs import setup_logging
 from specdec.common.metrics import start_metrics_server
 from specdec.common.serving import rpc_errors, serve
+from specdec.common.settings import ConfigError, env_name
 from specdec.common.telemetry import setup_tracing
 from specdec.common.version import note_model_version, read_model_version
 from specdec.replica.engine import Engine
@@ -176,6 +177,16 @@ class ReplicaServicer:
         return common_pb2.ReleaseResponse(released=released)
 
 
+def check_device(device: str) -> None:
+    """ConfigError unless this machine has the --device the replica was given (its
+    spelling was checked with the rest of the config)."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        where = f"--device / {env_name('--device')}"
+        raise ConfigError(f"{where}: CUDA is not available on this machine (got {device!r})")
+
+
 def run_replica(
     config_type: type[ReplicaConfig],
     args: argparse.Namespace,
@@ -187,6 +198,7 @@ def run_replica(
     """`specdec serve drafter|verifier`: config, logging, serve until SIGTERM. runtime_type
     makes the engine (the transformers ModelRuntime, or the drafter's DrafterRuntime)."""
     config = config_type.from_args(args)
+    check_device(config.device)
     setup_logging(config.role)
     log_libraries_as_json()
     tracing = setup_tracing(config.role)

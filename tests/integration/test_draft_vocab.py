@@ -5,13 +5,11 @@ excludes tokens the target chooses (so some of its drafts can never be right).""
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import pytest
 
 from specdec.sdk import Client
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, start_up_error
 from tests.integration.test_gateway import gateway, replica
 from tests.integration.test_ssd import check_sequence_counts, exact_sequence_probs, sample_top2
 
@@ -161,15 +159,5 @@ def test_sampling_distribution_with_a_reduced_vocabulary(
 def test_bad_vocabulary_settings_fail_start_up(test_models, flags, message):
     """The first is only found once the model is loaded (its vocabulary), the others
     before; either way the drafter exits 2 with the setting named."""
-    result = subprocess.run(
-        [
-            *(sys.executable, "-m", "specdec", "serve", "drafter"),
-            *("--model", str(test_models.draft_small), "--port", "0", "--host", "127.0.0.1"),
-            *flags,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert f"configuration error: {message}" in result.stderr
+    stderr = start_up_error("drafter", test_models.draft_small, *flags)
+    assert f"configuration error: {message}" in stderr

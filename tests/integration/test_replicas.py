@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from specdec.common.prefix import prefix_hash
 from specdec.tools.launcher import ServiceProcess
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, start_up_error
 
 pytestmark = pytest.mark.integration
 
@@ -785,3 +785,22 @@ def test_replicas_write_json_lines_only(services, stubs, tokenizer):
                 assert isinstance(json.loads(line), dict), line
             except json.JSONDecodeError:
                 pytest.fail(f"{proc.name} wrote a line that is not JSON: {line!r}")
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("tpu", "--device / SPECDEC_DEVICE: must be cpu, cuda or cuda:N (got 'tpu')"),
+        ("cuda:0", "--device / SPECDEC_DEVICE: CUDA is not available on this machine"),
+    ],
+)
+def test_a_device_the_machine_lacks_fails_start_up(test_models, device, message):
+    """The spelling is checked with the rest of the config; whether the machine has the
+    device, by the replica before it loads anything (so the shared config stays
+    torch-free). Either way the verifier exits 2 with the setting named."""
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    stderr = start_up_error("verifier", test_models.target, "--device", device)
+    assert f"configuration error: {message}" in stderr
