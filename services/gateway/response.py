@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from specdec.gateway import metrics
 from specdec.gateway.outcome import LOOKUP_PREDICTION, RequestStats
@@ -10,6 +11,27 @@ from specdec.gateway.policy import policy_name
 from specdec.gateway.request import Job
 from specdec.gateway.text import Completion
 from specdec.v1 import common_pb2, gateway_pb2
+
+
+@dataclass
+class Event:
+    """What one step of a request produced: a delta, and the response when finished."""
+
+    text: str
+    tokens: list[int]
+    final: gateway_pb2.GenerateResponse | None = None
+    # On the first delta only: ms from the request's arrival to its first token (progress).
+    time_to_first_token_ms: float | None = None
+    # Tokens the completion is conditioned on (history + prompt): a stream's running usage.
+    context_tokens: int = 0
+    # With logprobs: the delta's tokens scored; with prompt_logprobs, on the first delta
+    # (or the final event), the prompt's scores (common_pb2.TokenLogprobs).
+    logprobs: common_pb2.TokenLogprobs | None = None
+    prompt_logprobs: common_pb2.TokenLogprobs | None = None
+    # n > 1: the choice of this delta, and at a choice's end its GenerateChoice.
+    index: int = 0
+    choice: gateway_pb2.GenerateChoice | None = None
+
 
 FINISH = {
     "length": gateway_pb2.FINISH_REASON_LENGTH,

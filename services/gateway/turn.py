@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
 import time
-import uuid
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 
 import grpc
 
@@ -43,12 +40,13 @@ from specdec.gateway.policy import SourcePriors, make_policy
 from specdec.gateway.recorder import Recorder, recording_row
 from specdec.gateway.replicas import Fleet
 from specdec.gateway.request import ContextLengthExceeded, Job, Limits, validate
-from specdec.gateway.response import record_metrics
+from specdec.gateway.response import Event, record_metrics
 from specdec.gateway.sessions import (
     SessionIndex,
     SessionRecord,
     TurnLease,
     TurnLocks,
+    replica_session_id,
 )
 from specdec.gateway.text import Completion, TextCodec
 from specdec.v1 import common_pb2, gateway_pb2
@@ -74,42 +72,8 @@ class Aborted(SpecdecError):
     code = grpc.StatusCode.ABORTED
 
 
-@dataclass
-class Event:
-    """What one step of a request produced: a delta, and the response when finished."""
-
-    text: str
-    tokens: list[int]
-    final: gateway_pb2.GenerateResponse | None = None
-    # On the first delta only: ms from the request's arrival to its first token (progress).
-    time_to_first_token_ms: float | None = None
-    # Tokens the completion is conditioned on (history + prompt): a stream's running usage.
-    context_tokens: int = 0
-    # With logprobs: the delta's tokens scored; with prompt_logprobs, on the first delta
-    # (or the final event), the prompt's scores (common_pb2.TokenLogprobs).
-    logprobs: common_pb2.TokenLogprobs | None = None
-    prompt_logprobs: common_pb2.TokenLogprobs | None = None
-    # n > 1: the choice of this delta, and at a choice's end its GenerateChoice.
-    index: int = 0
-    choice: gateway_pb2.GenerateChoice | None = None
-
-
 def _ms(seconds: float) -> float:
     return seconds * 1e3
-
-
-def replica_session_id(session_id: str | None) -> str:
-    """The id under which the replicas cache a request's KV (34 characters).
-
-    A user session is `s/<blake2b-128 of its id>`, so its turns reuse one cache; the user's
-    id itself (up to MAX_SESSION_ID_CHARS of anything, which may identify a person) never
-    reaches a replica, its logs or its spans, and no id is too long for the replicas'
-    bound. A one-off request gets `r/<random>`, released when it ends. The prefixes keep
-    the two apart: no session id a user picks can name a one-off request's cache.
-    """
-    if not session_id:
-        return f"r/{uuid.uuid4().hex}"
-    return "s/" + hashlib.blake2b(session_id.encode(), digest_size=16).hexdigest()
 
 
 def output_controls(

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specdec.gateway.turn import replica_session_id
+from specdec.gateway.sessions import replica_session_id
 from specdec.sdk import AsyncClient
 from specdec.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 from tests.conftest import PROMPTS

@@ -13,7 +13,7 @@ import pytest
 
 from specdec.cli import main as specdec
 from specdec.gateway.canary import parse_canary, version_rule
-from specdec.gateway.turn import replica_session_id
+from specdec.gateway.sessions import replica_session_id
 from specdec.sdk import Client
 from specdec.tools.distill.data import read_rows
 from specdec.tools.distill.prompts import bench_prompts, build_prompts, write_prompts

@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import format_span_id, format_trace_id
 
-from specdec.gateway.turn import replica_session_id
+from specdec.gateway.sessions import replica_session_id
 from specdec.sdk import Client
 from specdec.tools.otlpsink import OtlpReceiver, ReceivedSpan, render_tree
 from specdec.tools.redisproc import RedisProcess

@@ -9,7 +9,7 @@ import pytest
 from specdec.common.config import ConfigError
 from specdec.common.version import read_model_version
 from specdec.gateway.canary import Canary, VersionRule, parse_canary, session_share, version_rule
-from specdec.gateway.turn import replica_session_id
+from specdec.gateway.sessions import replica_session_id
 from specdec.v1 import common_pb2
 
 

@@ -9,8 +9,9 @@ import pytest
 from specdec.common.errors import InvalidRequest
 from specdec.gateway.http import api
 from specdec.gateway.request import Job
+from specdec.gateway.response import Event
 from specdec.gateway.text import Completion
-from specdec.gateway.turn import Event, output_controls
+from specdec.gateway.turn import output_controls
 from specdec.sdk.client import build_generate_request
 from specdec.v1 import common_pb2
 from tests.unit.test_text import codec  # noqa: F401  (the fixture)

@@ -34,10 +34,11 @@ from specdec.gateway.http.errors import (
 )
 from specdec.gateway.loop import Unavailable
 from specdec.gateway.request import ContextLengthExceeded, Limits, validate
+from specdec.gateway.response import Event
 from specdec.gateway.sessions import SessionRecord
 from specdec.gateway.text import TextCodec
 from specdec.gateway.transport import CallFailed
-from specdec.gateway.turn import Aborted, Event
+from specdec.gateway.turn import Aborted
 from specdec.v1 import gateway_pb2
 
 # A template in the style of Qwen2.5's: a default system message, namespace, loop

@@ -677,7 +677,7 @@ class Renderer:
     def chunks(
         self, event, include_usage: bool, continuous_usage: bool = False
     ) -> list[dict[str, Any]]:
-        """The stream chunks for one event (specdec.gateway.turn.Event): the delta of its
+        """The stream chunks for one event (specdec.gateway.response.Event): the delta of its
         choice, then at a choice's end a chunk with its finish reason and, on the last
         event, the statistics and the usage chunk if asked. continuous_usage: every chunk
         carries the usage so far (prompt_tokens: the event's context_tokens, a session's
