@@ -176,7 +176,8 @@ def resolve_dtype(args: argparse.Namespace):
     """For a tool that also loads the target in its own process (`specdec bench`): set
     args.dtype to a concrete dtype, with `fastest` the one a verifier of the stack would
     choose (its cached calibration, or measured now); the stack then starts both replicas
-    in it. Returns the specdec.replica.calibrate.DtypeChoice."""
+    in it, and the verifier with its linear weights packed when that was chosen
+    (args.pack_weights). Returns the specdec.replica.calibrate.DtypeChoice."""
     from specdec.replica.calibrate import resolve_dtype as resolve
 
     choice = resolve(
@@ -187,6 +188,7 @@ def resolve_dtype(args: argparse.Namespace):
         gguf_file=args.target_gguf_file,
     )
     args.dtype = choice.dtype
+    args.pack_weights = "true" if choice.packed else "false"
     return choice
 
 
@@ -293,6 +295,8 @@ class LocalStack:
         argv += ["--dtype", a.dtype, "--device", a.device, "--threads", str(threads)]
         if gguf:
             argv += ["--gguf-file", gguf]
+        if role == "verifier" and getattr(a, "pack_weights", None):  # resolve_dtype's choice
+            argv += ["--pack-weights", a.pack_weights]
         if role == "drafter":  # a drafter variant's own flags (specdec bench --drafters)
             argv += list(getattr(a, "drafter_flags", ()))
             if getattr(a, "quantize", "none") != "none":  # specdec up --quantize

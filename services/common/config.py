@@ -45,6 +45,9 @@ __all__ = [
 # on CUDA) runs this model fastest here, measured at start-up and cached
 # (specdec.replica.calibrate).
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fastest")
+# Linear layers in oneDNN's blocked layout on a CPU (specdec.replica.packing): auto: when
+# --dtype fastest measures it faster; true: always; false: never.
+PACK_WEIGHTS = ("auto", "true", "false")
 MAX_FAN_OUT = 64  # SSD branches per round (drafter and gateway settings, Speculate requests)
 
 
@@ -63,6 +66,7 @@ class ReplicaConfig:
     # trust_remote_code: only for model directories you trust.
     trust_remote_code: bool = False
     dtype: str = "float32"
+    pack_weights: str = "auto"
     device: str = "cpu"
     host: str = "0.0.0.0"
     port: int = 50051
@@ -110,6 +114,14 @@ class ReplicaConfig:
             "too on CUDA) and keep the fastest; cached per machine in "
             "$SPECDEC_CACHE_DIR/calibration.json)",
             "float32",
+        )
+        add_setting(
+            parser,
+            "--pack-weights",
+            "CPU only: hold the linear layers' weights in oneDNN's blocked layout, so a "
+            "forward of several tokens (a verify, a batch) reads each weight once; one of "
+            f"{', '.join(PACK_WEIGHTS)} (auto: when --dtype fastest measures it faster)",
+            "auto",
         )
         add_setting(parser, "--device", "torch device: cpu, cuda or cuda:N", "cpu")
         add_setting(parser, "--host", "address to listen on", "0.0.0.0")
@@ -195,6 +207,17 @@ class ReplicaConfig:
             args, "--dtype", str, lambda v: None if v in DTYPES else f"must be one of {DTYPES}"
         )
         device = parse_value(args, "--device", str, _check_device)
+        pack = parse_value(
+            args,
+            "--pack-weights",
+            str,
+            lambda v: None if v in PACK_WEIGHTS else f"must be one of {PACK_WEIGHTS}",
+        )
+        if pack == "true" and device != "cpu":
+            raise ConfigError(
+                f"--pack-weights / {env_name('--pack-weights')}: packed weights are for "
+                f"--device cpu (got --device {device})"
+            )
         port = parse_value(args, "--port", int, port_number)
         return cls(
             role=cls.ROLE,
@@ -202,6 +225,7 @@ class ReplicaConfig:
             gguf_file=gguf,
             trust_remote_code=parse_value(args, "--trust-remote-code", boolean),
             dtype=dtype,
+            pack_weights=pack,
             device=device,
             host=parse_value(args, "--host", str),
             port=port,

@@ -116,6 +116,11 @@ class DrafterConfig(ReplicaConfig):
                 "--draft-vocab / --draft-vocab-file with --quantize is not built yet: the "
                 "reduced head slices the rows of a float output layer, and int8 packs it"
             )
+        if settings["quantize"] != "none" and str(args.pack_weights) == "true":
+            raise ConfigError(
+                "--pack-weights true with --quantize: int8 layers have their own kernels; "
+                "pack float weights, or quantize them, not both"
+            )
         return settings
 
     @classmethod

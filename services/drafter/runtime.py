@@ -24,6 +24,7 @@ from specdec.drafter.vocab import (
     subset_ids,
     where,
 )
+from specdec.replica.packing import PackedLinear
 from specdec.replica.runtime import ModelRuntime
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ class DrafterRuntime(ModelRuntime):
         ranking = read_ranking(cfg.draft_vocab_file) if cfg.draft_vocab_file else None
         ids = subset_ids(cfg.draft_vocab, ranking, self.vocab_size, self.eos_token_ids)
         layer = self.model.get_output_embeddings()
+        if isinstance(layer, PackedLinear):  # the reduced head slices the plain rows
+            layer = layer.unpacked()
         if not isinstance(layer, torch.nn.Linear):
             raise ConfigError(
                 f"{where(VOCAB_FLAG)}: {cfg.model}'s output layer is a "

@@ -1,4 +1,5 @@
-"""``--dtype fastest``: the weights' dtype a replica runs fastest in here, measured once.
+"""``--dtype fastest``: the weights' dtype (and layout) a replica runs fastest in here,
+measured once.
 
 Whether bfloat16 beats float32 depends on the hardware, not on the model. On a CPU with
 bf16 matrix units (AMX, AVX-512 BF16) and on CUDA a bf16 forward is faster; on one without
@@ -13,14 +14,20 @@ torch picks, the memory bandwidth, the thread count all count), so `choose_dtype
   model on one core);
 - then a copy cast to bfloat16 (and float16 on CUDA), timed the same way after the same
   prefix (made once, its cache cast). The copy's weights are the float32 weights cast,
-  as ``from_pretrained(dtype=...)`` gives them; the float32 model's are never touched;
-- it keeps the dtype whose t(1) + t(8) is smallest (float32 unless another is more than
-  FP32_MARGIN faster: float32 is exact, so a near tie goes to it) and frees the others.
+  as ``from_pretrained(dtype=...)`` gives them;
+- on a CPU with oneDNN (unless --pack-weights false), each candidate's linear layers are
+  then packed in place (specdec.replica.packing) and timed again (``float32+packed``,
+  ``bfloat16+packed``); unpacking restores them bit for bit when that is slower, and
+  the float32 model is left as it was unless it is kept;
+- it keeps the candidate that costs the replica least (`score`: a verifier's t(1) + t(8),
+  a drafter's t(1), its one-token draft step): a float32 one unless another is more than
+  FP32_MARGIN cheaper (float32 is exact, so a near tie goes to it), and frees the others.
 
 The choice is cached in ``$SPECDEC_CACHE_DIR/calibration.json`` (default
 ``~/.cache/specdec/calibration.json``), keyed by the CPU (model name and the flags that
-matter), torch's version, the device, the thread count and the model's shape, so the next
-start-up on the same machine reuses it without measuring. A corrupt or unwritable cache is
+matter), torch's version, the device, the thread count, the model's shape, the role and
+whether packing was a candidate, so the next start-up on the same machine reuses it
+without measuring. A corrupt or unwritable cache is
 ignored with a warning.
 
 `fastest_dtype` gives the choice for a model path (from the cache, or by loading and
@@ -46,6 +53,7 @@ from typing import Any
 import torch
 
 from specdec.common.cpus import cpu_info, thread_budget
+from specdec.replica import packing
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +69,8 @@ WARMUP_S = 0.25  # a first forward this slow is a sample, not a discarded warm-u
 # Another dtype replaces float32 only when its t(1) + t(8) is this much smaller: float32 is
 # exact (greedy output equals the float32 reference), so a near tie goes to it.
 FP32_MARGIN = 0.10
-CACHE_VERSION = 1  # bump when what is measured changes: older entries are then ignored
+CACHE_VERSION = 2  # bump when what is measured changes: older entries are then ignored
+PACKED = "+packed"  # the suffix of a candidate whose linear layers are packed
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,12 @@ class DtypeChoice:
     timings_ms: dict[str, dict[int, float]] = field(default_factory=dict)
     cpu: str = ""
     cached: bool = False
+    packed: bool = False  # the linear layers' weights are packed (specdec.replica.packing)
+
+    @property
+    def label(self) -> str:
+        """The candidate kept: its dtype, `+packed` when packed."""
+        return self.dtype + (PACKED if self.packed else "")
 
     def summary(self) -> str:
         """The reason, saying where a cached choice came from (for Info and logs)."""
@@ -91,6 +106,7 @@ class DtypeChoice:
                 d: {str(n): ms for n, ms in t.items()} for d, t in self.timings_ms.items()
             },
             "cpu": self.cpu,
+            "packed": self.packed,
         }
 
     @classmethod
@@ -101,7 +117,11 @@ class DtypeChoice:
             str(d): {int(n): float(ms) for n, ms in t.items()}
             for d, t in (entry.get("timings_ms") or {}).items()
         }
-        return cls(entry["dtype"], entry["reason"], timings, str(entry.get("cpu", "")), True)
+        packed = entry.get("packed", False)
+        if not isinstance(packed, bool):
+            raise ValueError(f"not a calibration entry: packed is {packed!r:.50}")
+        cpu = str(entry.get("cpu", ""))
+        return cls(entry["dtype"], entry["reason"], timings, cpu, True, packed)
 
 
 def asked(dtype: str) -> DtypeChoice:
@@ -192,10 +212,18 @@ def _read_cache(path: Path) -> dict[str, Any]:
         return {}
 
 
-def cached_choice(config, device: torch.device, threads: int) -> DtypeChoice | None:
-    """The cached choice for this model shape, device and thread count, if any."""
+def cached_choice(
+    config, device: torch.device, threads: int, pack: bool = True
+) -> DtypeChoice | None:
+    """The cached choice for this model shape, device and thread count, with packed weights
+    a candidate or not, if any."""
+    pack = pack and packing.available(device) is None
+    return _cached({**cache_key(config, device, threads), "pack": pack})
+
+
+def _cached(key: dict[str, Any]) -> DtypeChoice | None:
     path = cache_path()
-    entry = _read_cache(path).get(_entry_id(cache_key(config, device, threads)))
+    entry = _read_cache(path).get(_entry_id(key))
     if entry is None:
         return None
     try:
@@ -361,11 +389,11 @@ def _total(t: dict[int, float]) -> float:
     return sum(t.values())
 
 
-def _reason(chosen: str, timings: dict[str, dict[int, float]], note: str) -> str:
+def _reason(chosen: str, timings: dict[str, dict[int, float]], note: str, role: str) -> str:
     others = [d for d in timings if d != chosen]
     if not others:
-        return f"{chosen}: the only dtype measured ({note})"
-    other = min(others, key=lambda d: _total(timings[d]))
+        return f"{chosen}: the only layout measured ({note})"
+    other = min(others, key=lambda d: score(timings[d], role))
     widest, narrowest = max(SIZES), min(SIZES)
     r_wide = timings[other][widest] / timings[chosen][widest]
     r_narrow = timings[other][narrowest] / timings[chosen][narrowest]
@@ -373,45 +401,86 @@ def _reason(chosen: str, timings: dict[str, dict[int, float]], note: str) -> str
         f"{chosen}: {other} took {r_wide:.2f}x as long at {widest} tokens and "
         f"{r_narrow:.2f}x at {narrowest} ({note})"
     )
-    if chosen == "float32" and _total(timings[other]) < _total(timings[chosen]):
+    if chosen.startswith("float32") and score(timings[other], role) < score(timings[chosen], role):
         text += f"; within the {FP32_MARGIN:.0%} margin float32 keeps a near tie by"
+    if role == "drafter":
+        text += "; a drafter's cost is its one-token step"
     return text
 
 
-def choose_dtype(model, device: torch.device, threads: int | None = None):
-    """Keep `model` (loaded in float32, on device, in eval mode) or a cast copy, whichever
-    runs fastest here; returns (the model kept, DtypeChoice). Reuses a cached choice
-    without measuring. threads: for the cache key (default: torch's intra-op threads)."""
+def score(timings: dict[int, float], role: str = "verifier") -> float:
+    """What a candidate costs a replica of this role: a verifier runs forwards of 1 token
+    (k = 0) and of several (a verify of k + 1, a batch): t(1) + t(8); a drafter's forwards
+    are one-token draft steps: t(1)."""
+    return timings[min(SIZES)] if role == "drafter" else _total(timings)
+
+
+def choose_dtype(
+    model,
+    device: torch.device,
+    threads: int | None = None,
+    pack: bool = True,
+    role: str = "verifier",
+):
+    """Keep `model` (loaded in float32, on device, in eval mode) or a cast copy, plain or
+    with its linear layers packed, whichever costs a replica of `role` least here (`score`);
+    returns (the model kept, DtypeChoice). Reuses a cached choice without measuring.
+    threads: for the cache key (default: torch's intra-op threads). pack: whether packed
+    layouts are candidates (where `packing.available`)."""
     threads = torch.get_num_threads() if threads is None else threads
     if model.dtype != torch.float32:
         raise ValueError(f"--dtype {FASTEST} measures from a float32 model, got {model.dtype}")
-    key = cache_key(model.config, device, threads)
+    pack = pack and packing.available(device) is None
+    key = {**cache_key(model.config, device, threads), "pack": pack, "role": role}
     cpu = cpu_info()
     note = f"on {device_name(device)[5:]}" if device.type == "cuda" else cpu.bf16_note()
-    choice = cached_choice(model.config, device, threads)
+    choice = _cached(key)
     if choice is None:
         started = time.monotonic()
         prefix = prefix_cache(model, device)
-        timings = {"float32": time_forwards(model, device, cache=prefix)}
-        best, best_model = "float32", model
-        for name in candidates(device)[1:]:
+        timings: dict[str, dict[int, float]] = {}
+        kept: dict[bool, tuple[str, Any]] = {}  # float32 or not -> (best label, its model)
+        for name in candidates(device):
             dtype = DTYPES[name]
-            if not _can_cast(model, dtype):
+            if name != "float32" and not _can_cast(model, dtype):
                 log.info("dtype not measured", extra={"dtype": name, "why": "keep_in_fp32"})
                 continue
-            trial = cast_copy(model, dtype)
-            timings[name] = time_forwards(trial, device, cache=cast_cache(prefix, dtype))
-            bar = _total(timings[best]) * ((1 - FP32_MARGIN) if best == "float32" else 1)
-            if _total(timings[name]) < bar:
-                best, best_model = name, trial
-            del trial
+            trial = model if name == "float32" else cast_copy(model, dtype)
+            cache = prefix if name == "float32" else cast_cache(prefix, dtype)
+            timings[name] = time_forwards(trial, device, cache=cache)
+            label = name
+            if pack:  # the same weights packed in place; unpacked (bit for bit) if slower
+                packing.pack_linears(trial)
+                timings[name + PACKED] = time_forwards(trial, device, cache=cache)
+                if score(timings[name + PACKED], role) < score(timings[name], role):
+                    label = name + PACKED
+                if label == name or trial is model:  # float32 stays plain: the copies
+                    packing.unpack_linears(trial)  # are cast from it (packed again below)
+            family = name == "float32"
+            if family not in kept or score(timings[label], role) < score(
+                timings[kept[family][0]], role
+            ):
+                kept[family] = (label, trial)
+            del trial, cache
             _free(device)
-        del prefix
-        choice = DtypeChoice(best, _reason(best, timings, note), timings, cpu.describe())
+        best, best_model = kept[True]
+        if False in kept:  # another dtype replaces float32 only by more than the margin
+            other, other_model = kept[False]
+            if score(timings[other], role) < score(timings[best], role) * (1 - FP32_MARGIN):
+                best, best_model = other, other_model
+            del other_model
+        del kept, prefix
+        dtype, packed = best.removesuffix(PACKED), best.endswith(PACKED)
+        if best_model is model and packed:
+            packing.pack_linears(model)
+        reason = _reason(best, timings, note, role)
+        choice = DtypeChoice(dtype, reason, timings, cpu.describe(), packed=packed)
         store_choice(choice, key)
         log.info("dtype measured", extra={"seconds": round(time.monotonic() - started, 2)})
     else:
         best_model = model if choice.dtype == "float32" else cast_copy(model, DTYPES[choice.dtype])
+        if choice.packed:
+            packing.pack_linears(best_model)
     if best_model is not model:
         del model
         _free(device)
@@ -419,6 +488,7 @@ def choose_dtype(model, device: torch.device, threads: int | None = None):
         "dtype chosen",
         extra={
             "dtype": choice.dtype,
+            "packed": choice.packed,
             "reason": choice.reason,
             "cached": choice.cached,
             "timings_ms": choice.timings_ms,

@@ -10,6 +10,7 @@ be batched across sessions, are refused with the reason.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -21,7 +22,8 @@ import torch
 
 from specdec.common.config import ReplicaConfig
 from specdec.common.cpus import thread_budget
-from specdec.replica import calibrate
+from specdec.common.settings import ConfigError, env_name
+from specdec.replica import calibrate, packing
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +58,22 @@ def load_model(cfg: ReplicaConfig, device: torch.device) -> LoadedModel:
     dtype = "auto" if cfg.dtype == "auto" else DTYPES["float32" if fastest else cfg.dtype]
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, **kwargs)
     model.to(device).eval()
+    # int8 layers (the drafter's --quantize, applied after loading) have their own kernels
+    pack = cfg.pack_weights if getattr(cfg, "quantize", "none") == "none" else "false"
     if fastest:
-        model, choice = calibrate.choose_dtype(model, device)
+        model, choice = calibrate.choose_dtype(model, device, pack=pack != "false", role=cfg.role)
     else:
         choice = calibrate.asked(cfg.dtype)
+    if pack == "true" and not choice.packed:
+        why = packing.available(device)
+        if why:
+            raise ConfigError(f"--pack-weights / {env_name('--pack-weights')}: {why}")
+        packing.pack_linears(model)
+        choice = dataclasses.replace(
+            choice,
+            packed=True,
+            reason=choice.reason + ", linear weights packed (--pack-weights true)",
+        )
     tokenizer = AutoTokenizer.from_pretrained(cfg.model, **kwargs)
     max_context = int(getattr(model.config, "max_position_embeddings", 0) or cfg.max_context or 0)
     if cfg.max_context:

@@ -189,3 +189,23 @@ def test_bench_structured_on_tiny_models(tmp_path):
     for name in ("k=3", "k=3 json", "ssd k=3", "ssd k=3 json"):
         assert rows[name]["tokens_per_second"] > 0 and rows[name]["acceptance_rate"] is not None
     assert "| k=3 json |" in (out / "results.md").read_text()
+
+
+def test_bench_shapes_on_tiny_models(tmp_path):
+    """`specdec bench --shapes`: every layout asked for is timed at every shape, each cell
+    over its layout's own one-token step; an unknown layout is refused."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "specdec", "bench", "--shapes", "--tiny", str(tmp_path / "m")]
+    cmd += ["--shape-tokens", "1,4", "--shape-rows", "1,2", "--shape-prefix", "8"]
+    cmd += ["--shape-repeats", "1", "--target-threads", "1", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ms = json.loads((out / "results.json").read_text())["ms"]
+    assert list(ms) == ["float32", "float32+packed", "bfloat16", "bfloat16+packed"]
+    for cells in ms.values():
+        assert set(cells) == {"1x1", "1x4", "2x1", "2x4"} and all(t > 0 for t in cells.values())
+    table = (out / "results.md").read_text()
+    assert "| float32+packed |" in table and " (1.00) |" in table
+    bad = [sys.executable, "-m", "specdec", "bench", "--shapes", "--tiny", str(tmp_path / "m")]
+    refused = subprocess.run([*bad, "--shape-variants", "int4"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "unknown ['int4']" in refused.stderr

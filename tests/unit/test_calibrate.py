@@ -1,5 +1,5 @@
-"""`--dtype fastest` (specdec.replica.calibrate): the replica loads float32, times it and a
-bfloat16 copy, keeps the faster, and caches the choice. On the tiny random models: no
+"""`--dtype fastest` (specdec.replica.calibrate): the replica loads float32, times it, a
+bfloat16 copy and its own linear layers packed, keeps the fastest, and caches the choice. On the tiny random models: no
 wall-clock assertions (which dtype wins here is the machine's business), only that the
 choice is one of the candidates, the model kept is exactly a load in that dtype, and the
 cache is written, reused without a forward, and survives corruption."""
@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from specdec.common.config import DTYPES
 from specdec.common.cpus import cpu_info
-from specdec.replica import calibrate
+from specdec.replica import calibrate, packing
 from specdec.replica.calibrate import DtypeChoice, choose_dtype, fastest_dtype
 from specdec.replica.loading import load_model
 from specdec.verifier.config import VerifierConfig
@@ -63,19 +63,30 @@ def assert_same_model(got, want) -> None:
     assert (head.weight is embed.weight) == tied
 
 
-def fake_timings(monkeypatch, **per_dtype) -> list[str]:
-    """time_forwards answers per_dtype[dtype name] (ms for n = 1, 8); returns the dtypes
-    it was asked for, in order."""
+SLOW = (1e6, 1e6)  # packing loses, where a test is about the dtypes
+
+
+def fake_timings(monkeypatch, packed=None, **per_dtype) -> list[str]:
+    """time_forwards answers per_dtype[dtype name] (ms for n = 1, 8), and packed[label]
+    for a model with its linear layers packed ("float32+packed": SLOW unless given);
+    returns the candidates it was asked for, in order."""
     asked: list[str] = []
 
     def timed(model, device, sizes=calibrate.SIZES, cache=None):
         assert cache is None or cache.layers[0].keys.dtype == model.dtype
         name = str(model.dtype).removeprefix("torch.")
+        if packing.is_packed(model):
+            name += calibrate.PACKED
         asked.append(name)
-        return dict(zip(sizes, per_dtype[name], strict=True))
+        times = (packed or {}).get(name, SLOW) if name.endswith("+packed") else per_dtype[name]
+        return dict(zip(sizes, times, strict=True))
 
     monkeypatch.setattr(calibrate, "time_forwards", timed)
     return asked
+
+
+BOTH = ["float32", "float32+packed", "bfloat16", "bfloat16+packed"]  # measured, in order
+F32P, BF16P = "float32+packed", "bfloat16+packed"
 
 
 def test_fastest_is_a_replica_dtype():
@@ -93,7 +104,7 @@ def test_load_model_fastest_measures_both_and_keeps_one(test_models, cache_dir, 
     entries = json.loads((cache_dir / "calibration.json").read_text())["entries"]
     (entry,) = entries.values()
     assert entry["dtype"] == kept and entry["key"]["threads"] == 1
-    assert set(entry["timings_ms"]) == {"float32", "bfloat16"}
+    assert set(entry["timings_ms"]) == set(BOTH)
     for timing in entry["timings_ms"].values():
         assert set(timing) == {"1", "8"} and all(ms > 0 for ms in timing.values())
     direct = AutoModelForCausalLM.from_pretrained(test_models.target, dtype=getattr(torch, kept))
@@ -107,23 +118,67 @@ def test_load_model_fastest_measures_both_and_keeps_one(test_models, cache_dir, 
 
 
 @pytest.mark.parametrize(
-    ("timings", "kept"),
+    ("timings", "packed", "kept"),
     [
-        ({"float32": (10.0, 30.0), "bfloat16": (5.0, 10.0)}, "bfloat16"),
-        ({"float32": (10.0, 10.0), "bfloat16": (20.0, 30.0)}, "float32"),
-        ({"float32": (10.0, 10.0), "bfloat16": (9.5, 9.5)}, "float32"),  # near tie: float32
+        ({"float32": (10.0, 30.0), "bfloat16": (5.0, 10.0)}, {}, "bfloat16"),
+        ({"float32": (10.0, 10.0), "bfloat16": (20.0, 30.0)}, {}, "float32"),
+        ({"float32": (10.0, 10.0), "bfloat16": (9.5, 9.5)}, {}, "float32"),  # near tie
+        ({"float32": (10.0, 30.0), "bfloat16": (7.0, 25.0)}, {F32P: (11.0, 12.0)}, F32P),
+        # packed float32 keeps a near tie with bfloat16 too, and plain float32 none
+        ({"float32": (10.0, 30.0), "bfloat16": (5.0, 10.0)}, {F32P: (8.0, 8.0)}, F32P),
+        ({"float32": (10.0, 10.0), "bfloat16": (20.0, 30.0)}, {F32P: (10.0, 10.5)}, "float32"),
+        # packed bfloat16 against the best float32, packed or not
+        (
+            {"float32": (10.0, 30.0), "bfloat16": (7.0, 25.0)},
+            {F32P: (11.0, 12.0), BF16P: (4.0, 10.0)},
+            BF16P,
+        ),
+        ({"float32": (10.0, 30.0), "bfloat16": (5.0, 10.0)}, {BF16P: (9.0, 9.0)}, "bfloat16"),
     ],
 )
-def test_kept_model_is_exactly_a_load_in_its_dtype(test_models, monkeypatch, timings, kept):
-    asked = fake_timings(monkeypatch, **timings)
+def test_kept_model_is_exactly_a_load_in_its_dtype(test_models, monkeypatch, timings, packed, kept):
+    asked = fake_timings(monkeypatch, packed, **timings)
     original = fp32(test_models.target)
     model, choice = choose_dtype(original, CPU, threads=1)
-    assert asked == ["float32", "bfloat16"] and choice.dtype == kept and not choice.cached
-    assert choice.timings_ms == {d: dict(zip((1, 8), t, strict=True)) for d, t in timings.items()}
-    direct = AutoModelForCausalLM.from_pretrained(test_models.target, dtype=getattr(torch, kept))
+    assert asked == BOTH and choice.label == kept and not choice.cached
+    want = {d: dict(zip((1, 8), t, strict=True)) for d, t in timings.items()}
+    for label in (F32P, BF16P):
+        want[label] = dict(zip((1, 8), packed.get(label, SLOW), strict=True))
+    assert choice.timings_ms == want
+    assert choice.packed == packing.is_packed(model) == kept.endswith("+packed")
+    dtype = getattr(torch, choice.dtype)
+    direct = AutoModelForCausalLM.from_pretrained(test_models.target, dtype=dtype)
+    packing.unpack_linears(model)  # the plain layers back, bit for bit
     assert_same_model(model, direct.eval())
-    assert (model is original) == (kept == "float32")
+    assert (model is original) == (choice.dtype == "float32")
     assert_same_model(original, fp32(test_models.target))  # float32 weights untouched
+
+
+def test_packing_is_not_measured_when_refused(test_models, monkeypatch, cache_dir):
+    """--pack-weights false (or int8 layers): only the dtypes, and a cache entry of its own."""
+    fast = {F32P: (1.0, 1.0)}
+    asked = fake_timings(monkeypatch, fast, float32=(10.0, 30.0), bfloat16=(5.0, 10.0))
+    model, choice = choose_dtype(fp32(test_models.target), CPU, threads=1, pack=False)
+    assert asked == ["float32", "bfloat16"] and choice.label == "bfloat16"
+    assert not packing.is_packed(model)
+    _, packed = choose_dtype(fp32(test_models.target), CPU, threads=1)  # another key
+    assert asked[2:] == BOTH and packed.label == F32P and not packed.cached
+
+
+def test_a_drafter_is_priced_by_its_one_token_step(test_models, monkeypatch):
+    """The same timings: the verifier keeps the layout cheapest at 1 + 8 tokens, the
+    drafter the one cheapest at 1 (its draft steps), each in a cache entry of its own."""
+    fake_timings(
+        monkeypatch,
+        {F32P: (10.0, 11.0), BF16P: (6.0, 40.0)},
+        float32=(9.0, 30.0),
+        bfloat16=(8.0, 30.0),
+    )
+    _, verifier = choose_dtype(fp32(test_models.target), CPU, threads=1)
+    model, drafter = choose_dtype(fp32(test_models.target), CPU, threads=1, role="drafter")
+    assert verifier.label == F32P and drafter.label == BF16P and not drafter.cached
+    assert model.dtype == torch.bfloat16 and packing.is_packed(model)
+    assert drafter.reason.endswith("a drafter's cost is its one-token step")
 
 
 def test_reason_names_the_ratio_and_the_cpu(test_models, monkeypatch):
@@ -140,14 +195,14 @@ def test_cache_is_keyed_and_reused(test_models, monkeypatch, cache_dir):
     asked = fake_timings(monkeypatch, float32=(10.0, 30.0), bfloat16=(5.0, 10.0))
     _, first = choose_dtype(fp32(test_models.target), CPU, threads=1)
     model, second = choose_dtype(fp32(test_models.target), CPU, threads=1)
-    assert asked == ["float32", "bfloat16"]  # measured once
+    assert asked == BOTH  # measured once
     assert second == DtypeChoice(first.dtype, first.reason, first.timings_ms, first.cpu, True)
     assert model.dtype == torch.bfloat16
     direct = AutoModelForCausalLM.from_pretrained(test_models.target, dtype=torch.bfloat16)
     assert_same_model(model, direct.eval())
     choose_dtype(fp32(test_models.target), CPU, threads=2)  # another key: measured
     choose_dtype(fp32(test_models.draft_small), CPU, threads=1)  # another model shape
-    assert len(asked) == 6
+    assert len(asked) == 12
     assert len(json.loads((cache_dir / "calibration.json").read_text())["entries"]) == 3
     assert not [p.name for p in cache_dir.iterdir() if p.suffix == ".tmp"]
 
@@ -159,10 +214,10 @@ def test_corrupt_cache_is_ignored(test_models, monkeypatch, cache_dir, caplog, c
     asked = fake_timings(monkeypatch, float32=(10.0, 10.0), bfloat16=(20.0, 30.0))
     with caplog.at_level(logging.WARNING, logger="specdec.replica.calibrate"):
         _, choice = choose_dtype(fp32(test_models.target), CPU, threads=1)
-    assert asked == ["float32", "bfloat16"] and choice.dtype == "float32"
+    assert asked == BOTH and choice.dtype == "float32"
     assert any(r.getMessage() == "calibration cache ignored" for r in caplog.records)
     _, again = choose_dtype(fp32(test_models.target), CPU, threads=1)  # rewritten, whole
-    assert again.cached and len(asked) == 2
+    assert again.cached and len(asked) == 4
 
 
 def test_bad_entry_and_unwritable_cache_are_not_fatal(test_models, monkeypatch, cache_dir):
@@ -173,11 +228,11 @@ def test_bad_entry_and_unwritable_cache_are_not_fatal(test_models, monkeypatch, 
         entry["dtype"] = "int3"
     (cache_dir / "calibration.json").write_text(json.dumps(data))
     _, choice = choose_dtype(fp32(test_models.target), CPU, threads=1)
-    assert not choice.cached and len(asked) == 4
+    assert not choice.cached and len(asked) == 8
     (cache_dir / "calibration.json").unlink()
     (cache_dir / "calibration.json").mkdir()  # neither readable nor replaceable
     _, choice = choose_dtype(fp32(test_models.target), CPU, threads=1)
-    assert not choice.cached and choice.dtype == "float32" and len(asked) == 6
+    assert not choice.cached and choice.dtype == "float32" and len(asked) == 12
 
 
 def test_fastest_dtype_reads_what_the_replica_cached(test_models, forwards):
@@ -194,7 +249,7 @@ def test_fastest_dtype_reads_what_the_replica_cached(test_models, forwards):
 def test_fastest_dtype_measures_on_a_miss(test_models, forwards, cache_dir):
     choice = fastest_dtype(str(test_models.draft_small), threads=1)
     assert not choice.cached and choice.dtype in ("float32", "bfloat16") and forwards[0] > 0
-    assert set(choice.timings_ms) == {"float32", "bfloat16"}
+    assert set(choice.timings_ms) == set(BOTH)
     assert (cache_dir / "calibration.json").exists()
 
 

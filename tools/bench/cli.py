@@ -65,6 +65,7 @@ from specdec.tools.bench.modes import (
     untraced_name,
 )
 from specdec.tools.bench.report import report
+from specdec.tools.bench.shapes import add_shape_arguments
 from specdec.tools.bench.stats import cost_ratios, mode_tps, summarize
 from specdec.tools.launcher import stopping_children
 
@@ -224,6 +225,7 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
         "acceptance, equality with the target's constrained generate() "
         "(tools/bench/structured.py); k is the first of --k (default 3)",
     )
+    add_shape_arguments(p)
     lk = p.add_argument_group(
         "--lookup-cpu", "the gateway's CPU per round for lookup drafts (tools/bench/lookup_cpu.py)"
     )
@@ -281,6 +283,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from specdec.tools.bench.structured import run_structured
 
         return run_structured(args)
+    if args.shapes:
+        from specdec.tools.bench.shapes import run_shapes
+
+        return run_shapes(args)
     args.k = "2,3,4" if args.k is None else args.k
     args.ssd_k = "2,3,4" if args.ssd_k is None else args.ssd_k
     from specdec.tools.demo import resolve_models
