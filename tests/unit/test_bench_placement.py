@@ -69,3 +69,59 @@ def test_unpinned_runs_everything_with_the_default_threads():
     for m in build_modes([2], [2], drafter="int8", shared=False):
         if m.engine == "hf":
             assert hf._placement(m) == (None, 7)
+
+
+def test_the_target_alone_in_its_fastest_step_layout():
+    """When the calibration timed another layout's one-token step faster than the stack's
+    (a verifier prices several-token forwards too), the shared run also measures the
+    target alone in it, on the verifier's CPU, and every row is compared with the faster
+    target alone; the report says so."""
+    from specdec.replica.calibrate import DtypeChoice
+    from specdec.tools.bench.cli import fastest_step
+    from specdec.tools.bench.modes import Mode, ModeRun, Sample
+    from specdec.tools.bench.report import fastest_target
+    from specdec.tools.bench.stats import summarize
+
+    timings = {
+        "float32": {1: 600.0, 8: 1800.0},
+        "float32+packed": {1: 650.0, 8: 800.0},
+        "bfloat16+packed": {1: 400.0, 8: 2000.0},
+    }
+    chosen = DtypeChoice("float32", "r", timings, packed=True)
+    assert fastest_step(chosen) == "bfloat16+packed"
+    assert fastest_step(DtypeChoice("bfloat16", "r", timings | {"bfloat16": {1: 1, 8: 9}})) is None
+    assert fastest_step(DtypeChoice("float32", "as asked")) is None  # nothing measured
+
+    modes = build_modes([3], [], shared=True, step_layout="bfloat16+packed", adaptive=False)
+    step = next(m for m in modes if m.name == "target, fastest step [bfloat16+packed]")
+    assert not step.contender and step.baseline == step.name and step.engine == "hf"
+    assert runner((0, 1))._placement(step) == ({1}, 1)
+    assert not any("fastest step" in m.name for m in build_modes([3], [], shared=False))
+
+    stats = {
+        "rounds": 4,
+        "draft_tokens": 12,
+        "accepted_tokens": 6,
+        "accepted_per_position": [3, 2, 1],
+        "cache_misses": 0,
+        "drafter_wait_ms": 0.0,
+    }
+
+    def run(mode, seconds):
+        r = ModeRun(mode)
+        r.samples = [Sample([1] * 10, seconds, 1.0, dict(stats))]
+        return r
+
+    by_name = {m.name: m for m in modes}
+    runs = {
+        "target": run(by_name["target"], 10.0),  # 1 tok/s
+        step.name: run(step, 5.0),  # 2 tok/s
+        "k=0": run(by_name["k=0"], 10.0),
+        "k=3": run(by_name["k=3"], 4.0),  # 2.5 tok/s
+    }
+    rows = summarize(runs, None)
+    assert rows["k=3"]["speedup_vs_target"] == 2.5
+    assert rows["k=3"]["speedup_vs_fastest_target"] == 1.25
+    text = fastest_target(rows)
+    assert "2.00x the target alone in the stack's layout" in text
+    assert "the fastest stack row (k=3) is 1.25x" in text

@@ -11,6 +11,7 @@ from specdec.tools.bench.modes import (
     HF_PROMPT_LOOKUP_TOKENS,
     PROMPT_LOOKUP,
     PROMPT_LOOKUP_2CPU,
+    STEP_TARGET,
     Mode,
     Prompt,
     Sample,
@@ -31,14 +32,32 @@ def pin_process(cpus: set[int] | None) -> None:
 class HFRunner:
     """The target (and the draft) loaded in this process with transformers."""
 
-    def __init__(self, target: str, draft: str, dtype: str, pinned: tuple[int, int] | None):
+    def __init__(
+        self,
+        target: str,
+        draft: str,
+        dtype: str,
+        pinned: tuple[int, int] | None,
+        step_layout: str | None = None,
+    ):
+        """step_layout: also the target in that layout ("bfloat16+packed": its dtype, its
+        linear layers packed), for the `target, fastest step` mode."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from specdec.replica import packing
 
         self.torch = torch
         dt_ = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
         self.target = AutoModelForCausalLM.from_pretrained(target, dtype=dt_[dtype]).eval()
         self.draft = AutoModelForCausalLM.from_pretrained(draft, dtype=dt_[dtype]).eval()
+        self.step_target = None
+        if step_layout:
+            step_dtype, _, packed = step_layout.partition("+")
+            model = AutoModelForCausalLM.from_pretrained(target, dtype=dt_[step_dtype]).eval()
+            if packed:
+                packing.pack_linears(model)
+            self.step_target = model
         self.tokenizer = AutoTokenizer.from_pretrained(target)
         self.pinned = pinned  # (drafter cpu, verifier cpu)
         self.default_threads = torch.get_num_threads()
@@ -82,6 +101,8 @@ class HFRunner:
         torch.set_num_threads(threads)
         pin_process(cpus)
         model = self.draft if mode.name == "draft" else self.target
+        if mode.name.startswith(STEP_TARGET):
+            model = self.step_target
         config = GenerationConfig(
             max_new_tokens=n,
             do_sample=False,

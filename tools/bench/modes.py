@@ -38,6 +38,11 @@ PROMPT_LOOKUP = "prompt lookup"
 PROMPT_LOOKUP_2CPU = "prompt lookup, 2 CPUs"
 
 
+# The target alone in the weights layout whose one-token step is fastest here, when that is
+# not the stack's (build_modes' step_layout).
+STEP_TARGET = "target, fastest step"
+
+
 @dataclass(frozen=True)
 class Prompt:
     kind: str  # code | prose | chat
@@ -162,6 +167,7 @@ def build_modes(
     shared: bool = True,
     methods: tuple[str, ...] = (),
     adaptive: bool = True,
+    step_layout: str | None = None,
 ) -> list[Mode]:
     """Every mode of one drafter variant's stack; with `tracing`, each stack mode also runs
     as '<mode> traced' on a second stack that exports every span (sampling 1.0) over OTLP.
@@ -179,9 +185,17 @@ def build_modes(
     adaptive: also the default settings' rows, the adaptive policy with the largest k (and
     the largest SSD k) as its bound: `adaptive k<=4`, `ssd adaptive k<=4`, and per method
     `hybrid adaptive k<=4`, `ssd hybrid adaptive k<=4`. The k=K rows draft k every round
-    (k_policy fixed)."""
+    (k_policy fixed).
+
+    step_layout: the weights' layout in which the target's one-token step is fastest here
+    (the calibration's timings), when it is not the stack's: the shared run then also
+    measures the target alone in it (`target [bfloat16+packed]`), the fastest target alone
+    every row is also compared with (`speedup_vs_fastest_target`)."""
     target = "target" if shared else f"target [{drafter}]"
     modes = [Mode(target, "hf", drafter=drafter, baseline=target)]
+    if shared and step_layout:
+        name = step_target_name(step_layout)
+        modes.append(Mode(name, "hf", contender=False, drafter=drafter, baseline=name))
     if shared:
         modes.append(Mode("k=0", "stack", k=0, drafter=drafter))
     name = lambda base: variant_name(base, drafter)  # noqa: E731
@@ -230,6 +244,11 @@ def build_modes(
         Mode(f"draft [{drafter}]", "drafter", contender=False, drafter=drafter, baseline=target)
     )
     return modes
+
+
+def step_target_name(layout: str) -> str:
+    """The mode of the target alone in another weights layout (build_modes' step_layout)."""
+    return f"{STEP_TARGET} [{layout}]"
 
 
 def untraced_name(mode_name: str) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from specdec.common.cost import Line
 from specdec.tools.bench.hf import NEAR_TIE_ULPS, near_ties_only
-from specdec.tools.bench.modes import DEFAULT_DRAFTER
+from specdec.tools.bench.modes import DEFAULT_DRAFTER, STEP_TARGET
 
 
 def markdown(
@@ -44,7 +44,28 @@ def markdown(
             f"vs target alone {rows['target']['tokens_per_second']:.2f} tok/s). "
             "bound = tokens per round / (c k + 1).\n"
         )
+    tail += fastest_target(rows)
     return head + "\n".join(lines) + "\n" + tail + drafter_table(drafters) + tracing_overhead(rows)
+
+
+def fastest_target(rows: dict[str, dict]) -> str:
+    """With the target alone also measured in its fastest one-token layout: how fast, and
+    the best stack row against the fastest target alone."""
+    step = next((n for n in rows if n.startswith(STEP_TARGET)), None)
+    if step is None or "target" not in rows:
+        return ""
+    stack = [(r["speedup_vs_fastest_target"], n) for n, r in rows.items() if r["engine"] == "stack"]
+    best = max(stack, default=None)
+    ratio = rows[step]["tokens_per_second"] / rows["target"]["tokens_per_second"]
+    text = (
+        f"\nThe target alone in `{step}` ran {rows[step]['tokens_per_second']:.2f} tok/s, "
+        f"{ratio:.2f}x the target alone in the stack's layout."
+    )
+    if best is not None:
+        text += (
+            f" Against the faster of the two, the fastest stack row ({best[1]}) is {best[0]:.2f}x."
+        )
+    return text + "\n"
 
 
 AS_LOADED = "(the stack's --dtype)"  # a variant with no flags of its own

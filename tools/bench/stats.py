@@ -21,6 +21,11 @@ def summarize(runs: dict[str, ModeRun], cost_ratio: dict[str, float] | None) -> 
     Each mode is compared with its own baseline (the target alone, interleaved with it on
     the same drafter variant's stack); cost_ratio: c per drafter variant (cost_ratios)."""
     k0 = runs.get("k=0")
+    # The fastest target alone: the stack's layout, or the fastest one-token step's.
+    targets = [
+        r for r in runs.values() if r.mode.engine == "hf" and r.mode.name.startswith("target")
+    ]
+    fastest = max((mode_tps(r) for r in targets), default=None)
     out = {}
     for name, run in runs.items():
         base = runs[run.mode.baseline]
@@ -41,6 +46,7 @@ def summarize(runs: dict[str, ModeRun], cost_ratio: dict[str, float] | None) -> 
             "ttft_ms": round(sum(s.ttft_ms for s in run.samples) / len(run.samples), 1),
             "speedup_vs_target": round(tps / mode_tps(base), 3),
             "speedup_vs_k0": round(tps / mode_tps(k0), 3) if same_run else None,
+            "speedup_vs_fastest_target": round(tps / fastest, 3) if fastest else None,
         }
         c = (cost_ratio or {}).get(run.mode.drafter)
         if run.mode.engine == "drafter" and c is not None:
