@@ -16,13 +16,17 @@ from specdec.v1 import verifier_pb2
 BUSY = CallFailed(
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     "replica busy: 3 requests queued for the model (at most 2 wait, --max-queue)",
+    "REASON_BUSY",
 )
 FULL = CallFailed(
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     "session needs 900 cached tokens, this replica holds at most 512 (--max-cached-tokens)",
+    "REASON_CAPACITY",
 )
 MISS = CallFailed(
-    grpc.StatusCode.FAILED_PRECONDITION, "cache miss: session 's/x' is not cached here"
+    grpc.StatusCode.FAILED_PRECONDITION,
+    "cache miss: session 's/x' is not cached here",
+    "REASON_CACHE_MISS",
 )
 DOWN = CallFailed(grpc.StatusCode.UNAVAILABLE, "connection refused")
 OK = verifier_pb2.VerifyResponse(next_token=7, cached_length=4)
