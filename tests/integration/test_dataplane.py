@@ -184,7 +184,7 @@ async def test_speculate_and_errors_are_the_same_as_grpc(pair, tokenizer):
                 target = verifier if method is Method.VERIFY else drafter
                 with pytest.raises(CallFailed) as failed:
                     await target.call(method, request, 30)
-                got.append((failed.value.code, failed.value.details))
+                got.append((failed.value.code, failed.value.details, failed.value.reason))
             answers[name] = got
     finally:
         for drafter, verifier in transports.values():
@@ -192,9 +192,12 @@ async def test_speculate_and_errors_are_the_same_as_grpc(pair, tokenizer):
         await d_channel.close(), await v_channel.close()
     assert answers["data"][0].branches, "Speculate prepared no branch"
     assert answers["data"] == answers["grpc"]
-    codes = [code for code, _ in answers["data"][1:]]
+    codes = [code for code, _, _ in answers["data"][1:]]
     assert codes[0] == grpc.StatusCode.FAILED_PRECONDITION
     assert answers["data"][1][1].startswith("cache miss")
+    # The reason travels too: the error frame's field, gRPC's trailing metadata.
+    reasons = [reason for _, _, reason in answers["data"][1:]]
+    assert reasons == ["REASON_CACHE_MISS"] + ["REASON_UNSPECIFIED"] * (len(reasons) - 1)
     assert set(codes[1:]) == {grpc.StatusCode.INVALID_ARGUMENT}
 
 
