@@ -226,3 +226,25 @@ async def test_error_frames_carry_their_reason_and_the_caller_acts_on_it():
 def test_settings_refuse_a_keepalive_interval_not_below_its_timeout():
     with pytest.raises(ValueError, match="shorter than the keepalive timeout"):
         DataPlaneSettings(keepalive_interval=5.0, keepalive_timeout=5.0)
+
+
+def test_the_gateways_keepalive_flags_reach_its_settings():
+    from specdec.cli import build_parser
+    from specdec.common.config import ConfigError
+    from specdec.gateway.config import GatewayConfig
+    from specdec.gateway.turn import data_plane_settings
+
+    def gateway(*argv):
+        base = ["serve", "gateway", "--drafter", "h:1", "--verifier", "h:2"]
+        return GatewayConfig.from_args(build_parser().parse_args([*base, *argv]))
+
+    settings = data_plane_settings(gateway())
+    assert (settings.keepalive_interval, settings.keepalive_timeout) == (1.0, 10.0)
+    settings = data_plane_settings(
+        gateway("--data-keepalive", "0.5", "--data-keepalive-timeout", "3")
+    )
+    assert (settings.keepalive_interval, settings.keepalive_timeout) == (0.5, 3.0)
+    with pytest.raises(ConfigError, match=r"--data-keepalive .* must be shorter than"):
+        gateway("--data-keepalive", "5", "--data-keepalive-timeout", "5")
+    with pytest.raises(ConfigError, match="--data-keepalive-timeout"):
+        gateway("--data-keepalive-timeout", "0")
