@@ -22,12 +22,16 @@ While the model loads, the model thread is busy loading, so a stand-in thread po
 same selector and answers every call UNAVAILABLE "model is still loading"
 (`while_loading`). On SIGTERM (`stop`), new calls are answered UNAVAILABLE "the service
 is stopping", calls in flight finish within the grace period, then every connection
-closes. A gateway's keepalive Ping is echoed as a pong when it is read (between two
-forwards), and a connection whose unsent replies pass MAX_UNSENT_BYTES (its gateway stopped
-reading) is closed rather than grow. Error frames carry the error's Reason
-(`serving.reason_of`). TLS: the replica's own certificates (--tls-cert/--tls-key, client certificates
-required with --tls-client-ca) through ssl.MemoryBIO, so the selector loop only ever
-moves bytes; a replica configured for TLS never reads a plaintext frame.
+closes.
+
+Liveness and bounds. A gateway's keepalive Ping is echoed as a pong when it is read
+(between two forwards), and a connection whose unsent replies pass MAX_UNSENT_BYTES (its
+gateway stopped reading) is closed rather than grow. Error frames carry the error's Reason
+(`serving.reason_of`).
+
+TLS: the replica's own certificates (--tls-cert/--tls-key, client certificates required
+with --tls-client-ca) through ssl.MemoryBIO, so the selector loop only ever moves bytes; a
+replica configured for TLS never reads a plaintext frame.
 """
 
 from __future__ import annotations
