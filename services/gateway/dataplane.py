@@ -253,7 +253,7 @@ class _Protocol(asyncio.Protocol):
 
     @property
     def full(self) -> bool:
-        return self.paused or self.buffered >= self.settings.max_buffered
+        return self.paused or self.buffered > self.settings.max_buffered
 
     async def room(self) -> None:
         """Return once a frame may be queued (the buffer below its bound); raises the
