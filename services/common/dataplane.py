@@ -22,9 +22,16 @@ While the model loads, the model thread is busy loading, so a stand-in thread po
 same selector and answers every call UNAVAILABLE "model is still loading"
 (`while_loading`). On SIGTERM (`stop`), new calls are answered UNAVAILABLE "the service
 is stopping", calls in flight finish within the grace period, then every connection
-closes. TLS: the replica's own certificates (--tls-cert/--tls-key, client certificates
-required with --tls-client-ca) through ssl.MemoryBIO, so the selector loop only ever
-moves bytes; a replica configured for TLS never reads a plaintext frame.
+closes.
+
+Liveness and bounds. A gateway's keepalive Ping is echoed as a pong when it is read
+(between two forwards), and a connection whose unsent replies pass MAX_UNSENT_BYTES (its
+gateway stopped reading) is closed rather than grow. Error frames carry the error's Reason
+(`serving.reason_of`).
+
+TLS: the replica's own certificates (--tls-cert/--tls-key, client certificates required
+with --tls-client-ca) through ssl.MemoryBIO, so the selector loop only ever moves bytes; a
+replica configured for TLS never reads a plaintext frame.
 """
 
 from __future__ import annotations
@@ -45,9 +52,16 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from specdec.common.errors import NotReady
-from specdec.common.frames import PREFACE, FrameReader, ProtocolError, encode, with_message
+from specdec.common.frames import (
+    MAX_FRAME_BYTES,
+    PREFACE,
+    FrameReader,
+    ProtocolError,
+    encode,
+    with_message,
+)
 from specdec.common.metrics import CallRecord, ReplicaMetrics
-from specdec.common.serving import status_of
+from specdec.common.serving import reason_of, status_of
 from specdec.v1 import dataplane_pb2
 
 log = logging.getLogger(__name__)
@@ -59,6 +73,9 @@ REPLY_NUMBERS = {k: dataplane_pb2.DataReply.DESCRIPTOR.fields_by_name[k].number 
 STOPPING = "the service is stopping"
 CANCELLED = "cancelled by the caller"
 READ_BYTES = 256 * 1024
+# Bytes a connection may hold unsent (the gateway does not read them): past it the
+# connection closes rather than grow. One frame of the largest size always fits.
+MAX_UNSENT_BYTES = MAX_FRAME_BYTES + 16 * 1024 * 1024
 
 _READ = selectors.EVENT_READ
 _WRITE = selectors.EVENT_WRITE
@@ -185,6 +202,11 @@ class DataPlaneServer:
     def dispatch(self, conn: _Connection, call: dataplane_pb2.DataCall) -> None:
         """One DataCall frame (model thread)."""
         kind = call.WhichOneof("call")
+        if kind == "ping":  # the gateway's keepalive: echo it at once
+            conn.send(
+                encode(dataplane_pb2.DataReply(id=call.id, pong=call.ping).SerializeToString())
+            )
+            return
         if kind == "cancel":
             future = conn.calls.get(call.id)
             if future is not None:
@@ -201,7 +223,7 @@ class DataPlaneServer:
             )
             return
         if self.stopping:
-            conn.reply_error(call.id, grpc.StatusCode.UNAVAILABLE, STOPPING)
+            conn.reply_error(call.id, grpc.StatusCode.UNAVAILABLE, STOPPING, "REASON_STOPPING")
             return
         self.metrics.child(self.metrics.data_calls, rpc).inc()
         context = contextvars.Context()
@@ -234,7 +256,7 @@ class DataPlaneServer:
         except Exception as e:
             code, message = status_of(e, rpc)
             record.finish(code, message)
-            conn.reply_error(call_id, code, message)
+            conn.reply_error(call_id, code, message, reason_of(e))
             return
         conn.calls[call_id] = future
         self.in_flight += 1
@@ -252,6 +274,7 @@ class DataPlaneServer:
         conn.calls.pop(call_id, None)
         self.in_flight -= 1
         response = None
+        reason = "REASON_UNSPECIFIED"
         if future.cancelled():
             code, message = grpc.StatusCode.CANCELLED, CANCELLED
         else:
@@ -265,9 +288,10 @@ class DataPlaneServer:
                 code, message = grpc.StatusCode.OK, ""
             else:
                 code, message = status_of(error, record.method)
+                reason = reason_of(error)
         context.run(record.finish, code, message)
         if response is None:
-            conn.reply_error(call_id, code, message)
+            conn.reply_error(call_id, code, message, reason)
         else:
             conn.reply(call_id, kind, response)
 
@@ -370,10 +394,11 @@ class _Connection:
         head = dataplane_pb2.DataReply(id=call_id).SerializeToString()
         self.send(encode(with_message(head, REPLY_NUMBERS[kind], response.SerializeToString())))
 
-    def reply_error(self, call_id: int, code: grpc.StatusCode, message: str) -> None:
-        reply = dataplane_pb2.DataReply(
-            id=call_id, error=dataplane_pb2.CallError(code=code.value[0], message=message)
-        )
+    def reply_error(
+        self, call_id: int, code: grpc.StatusCode, message: str, reason: str = "REASON_UNSPECIFIED"
+    ) -> None:
+        error = dataplane_pb2.CallError(code=code.value[0], message=message, reason=reason)
+        reply = dataplane_pb2.DataReply(id=call_id, error=error)
         self.send(encode(reply.SerializeToString()))
 
     def send(self, data: bytes) -> None:
@@ -386,6 +411,12 @@ class _Connection:
             data = self.outgoing.read()
         self.out += data
         self.server.unsent.add(self)
+        if len(self.out) > MAX_UNSENT_BYTES:  # the gateway stopped reading: bound it
+            self.flush()
+            if len(self.out) > MAX_UNSENT_BYTES:
+                unsent = len(self.out)
+                self.out.clear()
+                self.close(f"{unsent} bytes unsent, over the bound of {MAX_UNSENT_BYTES}")
 
     def flush(self) -> None:
         while self.out:

@@ -9,6 +9,10 @@ class SpecdecError(Exception):
     """Base class: an error the caller can act on, with the gRPC status it maps to."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    # Why, beyond the code: a name of the Reason enum (protos/specdec/v1/dataplane.proto),
+    # sent in data-plane error frames and in gRPC's trailing metadata REASON_KEY, so a
+    # client acts on the type, not on the message's wording.
+    reason: str = "REASON_UNSPECIFIED"
 
 
 class InvalidRequest(SpecdecError, ValueError):
@@ -21,12 +25,14 @@ class CacheMiss(SpecdecError):
     """The replica does not hold the prefix the request builds on; resend the full context."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "REASON_CACHE_MISS"
 
 
 class CapacityExceeded(SpecdecError):
     """The request cannot fit the replica's bounded KV cache even after evicting others."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "REASON_CAPACITY"
 
 
 class ReplicaBusy(SpecdecError):
@@ -35,13 +41,18 @@ class ReplicaBusy(SpecdecError):
     the status code and means the KV cache bound, which no retry fixes)."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "REASON_BUSY"
 
 
 class NotReady(SpecdecError):
     """The model is still loading."""
 
     code = grpc.StatusCode.UNAVAILABLE
+    reason = "REASON_LOADING"
 
+
+# The gRPC trailing metadata key that carries a failed call's reason (SpecdecError.reason).
+REASON_KEY = "specdec-reason"
 
 # Message prefix of every cache-miss status, so clients can tell it from other
 # FAILED_PRECONDITION answers.

@@ -1,6 +1,8 @@
 """The data plane's wire format (protos/specdec/v1/dataplane.proto), both ends' framing.
 
-A connection starts with PREFACE from each side (after the TLS handshake, if any), then
+A connection starts with PREFACE from each side (after the TLS handshake, if any):
+"SPECDEC/DATA/", the protocol's VERSION (one digit), "\r\n". A peer whose preface names
+another version is refused with VersionMismatch, which names both versions. Then it
 carries frames: a 4-byte little-endian length, then that many bytes of a serialized
 DataCall (client to replica) or DataReply (replica to client). A frame longer than
 MAX_FRAME_BYTES, the gRPC message limit of every service, is a protocol error, and so is
@@ -13,7 +15,9 @@ import struct
 
 from specdec.common.serving import MAX_MESSAGE_BYTES
 
-PREFACE = b"SPECDEC/DATA/1\r\n"
+VERSION = 2  # 2: keepalive pings and typed reasons in error frames
+MAGIC = b"SPECDEC/DATA/"
+PREFACE = MAGIC + b"%d\r\n" % VERSION
 HEADER = struct.Struct("<I")  # the payload's length in bytes
 MAX_FRAME_BYTES = MAX_MESSAGE_BYTES
 
@@ -43,6 +47,26 @@ class ProtocolError(Exception):
     connection closes."""
 
 
+class VersionMismatch(ProtocolError):
+    """The peer speaks another version of the data plane."""
+
+    def __init__(self, theirs: int):
+        super().__init__(
+            f"the peer speaks data plane version {theirs}, this side speaks version {VERSION}"
+        )
+        self.theirs = theirs
+
+
+def _refuse(sent: bytes) -> None:
+    """Raise for a preface that is not ours: VersionMismatch when it is the data plane's
+    with another version (known once its version digit has arrived), else ProtocolError."""
+    head = len(MAGIC)
+    digit, rest = sent[head : head + 1], sent[head + 1 :]
+    if sent[:head] == MAGIC and digit.isdigit() and b"\r\n".startswith(rest):
+        raise VersionMismatch(int(digit))
+    raise ProtocolError(f"the peer does not speak the data plane: it sent {sent!r}")
+
+
 def encode(payload: bytes) -> bytes:
     """A frame of `payload` (a serialized message)."""
     if len(payload) > MAX_FRAME_BYTES:
@@ -70,9 +94,7 @@ class FrameReader:
         if self._preface < len(PREFACE):
             seen = min(len(buffer), len(PREFACE))
             if buffer[:seen] != PREFACE[:seen]:
-                raise ProtocolError(
-                    f"the peer does not speak the data plane: it sent {bytes(buffer[:seen])!r}"
-                )
+                _refuse(bytes(buffer[:seen]))
             self._preface = seen
             if seen < len(PREFACE):
                 return []

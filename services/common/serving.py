@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from specdec.common.errors import SpecdecError
+from specdec.common.errors import REASON_KEY, SpecdecError
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +118,18 @@ def status_of(e: Exception, method_name: str) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
 
 
+def reason_of(e: Exception) -> str:
+    """Why a call failed, beyond its status code: a name of the Reason enum
+    (dataplane.proto), REASON_UNSPECIFIED for anything but a SpecdecError that names one."""
+    return e.reason if isinstance(e, SpecdecError) else "REASON_UNSPECIFIED"
+
+
 async def _abort(context: grpc.aio.ServicerContext, method_name: str, e: Exception):
-    await context.abort(*status_of(e, method_name))
+    code, message = status_of(e, method_name)
+    reason = reason_of(e)
+    if reason != "REASON_UNSPECIFIED":
+        context.set_trailing_metadata(((REASON_KEY, reason),))
+    await context.abort(code, message)
 
 
 def rpc_errors(method):

@@ -93,6 +93,10 @@ class GatewayConfig:
     # How the round's calls reach a replica: "dataplane" (its data port when its Info has
     # one, specdec.gateway.dataplane) or "grpc" (unary calls, specdec.gateway.transport).
     replica_transport: str = "dataplane"
+    # The data plane's keepalive: a ping every interval, a replica silent for the timeout
+    # is dead (its calls fail over). The timeout must exceed a replica's longest forward.
+    data_keepalive: float = 1.0
+    data_keepalive_timeout: float = 10.0
     # Recording of finished requests (specdec.gateway.recorder); None: off.
     record_dir: str | None = None
     record_max_bytes: int = 64 * 1024 * 1024  # per file
@@ -193,6 +197,19 @@ class GatewayConfig:
         )
         add_setting(
             parser,
+            "--data-keepalive",
+            "seconds between two keepalive pings on each data-plane connection",
+            1.0,
+        )
+        add_setting(
+            parser,
+            "--data-keepalive-timeout",
+            "seconds of silence after which a replica's data-plane connection is held dead "
+            "and its calls fail over (longer than a replica's longest forward)",
+            10.0,
+        )
+        add_setting(
+            parser,
             "--record",
             "directory where finished requests are recorded for `specdec distill` (token "
             "ids: user data; a request with record: false is not); empty: off",
@@ -274,6 +291,8 @@ class GatewayConfig:
                     None if v in REPLICA_TRANSPORTS else f"must be one of {REPLICA_TRANSPORTS}"
                 ),
             ),
+            data_keepalive=parse_value(args, "--data-keepalive", float, seconds),
+            data_keepalive_timeout=parse_value(args, "--data-keepalive-timeout", float, seconds),
             record_dir=args.record or None,
             record_max_bytes=parse_value(args, "--record-max-bytes", int, positive),
             record_max_files=parse_value(args, "--record-max-files", int, positive),
@@ -291,6 +310,11 @@ class GatewayConfig:
             raise ConfigError(
                 f"--prompt-lookup-min ({cfg.prompt_lookup_min}) is above --prompt-lookup-max "
                 f"({cfg.prompt_lookup_max})"
+            )
+        if cfg.data_keepalive >= cfg.data_keepalive_timeout:
+            raise ConfigError(
+                f"--data-keepalive ({cfg.data_keepalive:g} s) must be shorter than "
+                f"--data-keepalive-timeout ({cfg.data_keepalive_timeout:g} s)"
             )
         if cfg.redis_url and not cfg.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(

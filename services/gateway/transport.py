@@ -11,9 +11,12 @@ A round's calls (`Draft`, `Speculate`, `Verify`) go through a replica's `Transpo
   more than the whole per-round budget of a GPU deployment.
 
 Both answer the same request messages with the same response messages, and fail the same
-way: `CallFailed` with the status code and message the replica answered (the replicas'
-status codes, protos/specdec/v1/common.proto), or UNAVAILABLE when the replica cannot be
-reached. Nothing above this module knows which transport a replica uses.
+way: `CallFailed` with the status code, message and Reason the replica answered (the
+replicas' status codes, protos/specdec/v1/common.proto; the Reason enum,
+protos/specdec/v1/dataplane.proto, from the error frame or from gRPC's trailing metadata
+"specdec-reason"), or UNAVAILABLE when the replica cannot be reached. The caller tells a
+cache miss or a busy replica by its Reason, never by the message's wording. Nothing above
+this module knows which transport a replica uses.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from specdec.common.errors import BUSY_PREFIX, CACHE_MISS_PREFIX, SpecdecError
+from specdec.common.errors import REASON_KEY, SpecdecError
 from specdec.v1 import drafter_pb2, verifier_pb2
 
 
@@ -42,26 +45,24 @@ class Method(enum.Enum):
 
 class CallFailed(SpecdecError):
     """A replica answered a call with an error status, or could not be reached
-    (UNAVAILABLE); the replica's status code and message are kept."""
+    (UNAVAILABLE); the replica's status code, message and reason (a name of the Reason
+    enum) are kept."""
 
-    def __init__(self, code: grpc.StatusCode, details: str):
+    def __init__(self, code: grpc.StatusCode, details: str, reason: str = "REASON_UNSPECIFIED"):
         super().__init__(details)
         self.code = code
         self.details = details
+        self.reason = reason
 
     @property
     def cache_miss(self) -> bool:
         """The replica does not hold the named prefix: resend the full context."""
-        return self.code == grpc.StatusCode.FAILED_PRECONDITION and self.details.startswith(
-            CACHE_MISS_PREFIX
-        )
+        return self.reason == "REASON_CACHE_MISS"
 
     @property
     def busy(self) -> bool:
         """Backpressure (the replica's queue is full): try another replica."""
-        return self.code == grpc.StatusCode.RESOURCE_EXHAUSTED and self.details.startswith(
-            BUSY_PREFIX
-        )
+        return self.reason == "REASON_BUSY"
 
 
 class Transport(Protocol):
@@ -84,6 +85,15 @@ class Transport(Protocol):
         ...
 
 
+def reason_of(err: grpc.aio.AioRpcError) -> str:
+    """The Reason a failed gRPC call's trailing metadata names (REASON_UNSPECIFIED when it
+    names none)."""
+    for key, value in err.trailing_metadata() or ():
+        if key == REASON_KEY:
+            return value if isinstance(value, str) else value.decode()
+    return "REASON_UNSPECIFIED"
+
+
 class GrpcTransport:
     """One unary gRPC call per round call, on the replica's channel."""
 
@@ -97,7 +107,7 @@ class GrpcTransport:
         try:
             return await getattr(self.stub, method.rpc)(request, timeout=timeout, metadata=metadata)
         except grpc.aio.AioRpcError as err:
-            raise CallFailed(err.code(), err.details() or "") from None
+            raise CallFailed(err.code(), err.details() or "", reason_of(err)) from None
 
     async def close(self) -> None:  # the channel belongs to the replica (health, Info)
         pass

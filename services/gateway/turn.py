@@ -97,9 +97,12 @@ def data_plane_settings(config: GatewayConfig) -> DataPlaneSettings | None:
     if config.replica_transport != "dataplane":
         return None
     tls = config.replica_tls
-    if tls is None:
-        return DataPlaneSettings()
-    return DataPlaneSettings(tls=tls.ssl_context(), server_name=tls.server_name)
+    return DataPlaneSettings(
+        tls=tls.ssl_context() if tls is not None else None,
+        server_name=tls.server_name if tls is not None else "",
+        keepalive_interval=config.data_keepalive,
+        keepalive_timeout=config.data_keepalive_timeout,
+    )
 
 
 def drafter_version(placement: Placement) -> str:

@@ -184,7 +184,7 @@ async def test_speculate_and_errors_are_the_same_as_grpc(pair, tokenizer):
                 target = verifier if method is Method.VERIFY else drafter
                 with pytest.raises(CallFailed) as failed:
                     await target.call(method, request, 30)
-                got.append((failed.value.code, failed.value.details))
+                got.append((failed.value.code, failed.value.details, failed.value.reason))
             answers[name] = got
     finally:
         for drafter, verifier in transports.values():
@@ -192,9 +192,12 @@ async def test_speculate_and_errors_are_the_same_as_grpc(pair, tokenizer):
         await d_channel.close(), await v_channel.close()
     assert answers["data"][0].branches, "Speculate prepared no branch"
     assert answers["data"] == answers["grpc"]
-    codes = [code for code, _ in answers["data"][1:]]
+    codes = [code for code, _, _ in answers["data"][1:]]
     assert codes[0] == grpc.StatusCode.FAILED_PRECONDITION
     assert answers["data"][1][1].startswith("cache miss")
+    # The reason travels too: the error frame's field, gRPC's trailing metadata.
+    reasons = [reason for _, _, reason in answers["data"][1:]]
+    assert reasons == ["REASON_CACHE_MISS"] + ["REASON_UNSPECIFIED"] * (len(reasons) - 1)
     assert set(codes[1:]) == {grpc.StatusCode.INVALID_ARGUMENT}
 
 
@@ -319,19 +322,32 @@ def test_a_cancel_frame_stops_a_queued_call(slow):
     assert third.id == 4 and third.WhichOneof("reply") == "verify"
 
 
-def test_a_wrong_peer_is_disconnected(slow):
+@pytest.mark.parametrize(
+    ("first", "why"),
+    [
+        (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", "does not speak the data plane"),
+        (b"SPECDEC/DATA/1\r\n", "the peer speaks data plane version 1, this side speaks version 2"),
+    ],
+)
+def test_a_wrong_peer_is_disconnected(slow, first, why):
+    """Another protocol, or another version of this one (whose error names both)."""
     with socket.create_connection(("127.0.0.1", data_port(slow)), timeout=10) as sock:
-        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        sock.sendall(first)
         data = b""
         while chunk := sock.recv(4096):
             data += chunk
     assert data == PREFACE  # the replica's own preface, then it closed
+    deadline = time.monotonic() + 10  # the log line is read by another thread
+    while not any(why in line for line in slow.lines):
+        assert time.monotonic() < deadline, slow.tail()
+        time.sleep(0.05)
 
 
 async def test_deadline_then_sigkill_fails_calls_with_unavailable(slow):
     """A call past its deadline: DEADLINE_EXCEEDED (and a cancel frame). Then the replica
     is killed with calls in flight: each fails with UNAVAILABLE at once, and so does the
-    next call, after one attempt to reconnect. (Last in the module: it kills `slow`.)"""
+    next call (during the reconnect back-off, or after an attempt that failed). (Last in
+    the module: it kills `slow`.)"""
     transport = DataPlaneTransport("127.0.0.1", data_port(slow))
     try:
         running = asyncio.ensure_future(transport.call(Method.VERIFY, verify("s/kill-1"), 30))
@@ -353,7 +369,8 @@ async def test_deadline_then_sigkill_fails_calls_with_unavailable(slow):
         with pytest.raises(CallFailed) as again:
             await transport.call(Method.VERIFY, verify("s/kill-4"), 30)
         assert again.value.code == grpc.StatusCode.UNAVAILABLE
-        assert "unreachable" in again.value.details
+        assert again.value.reason == "REASON_DISCONNECTED"
+        assert "next attempt in" in again.value.details or "unreachable" in again.value.details
     finally:
         await transport.close()
 

@@ -5,6 +5,8 @@ mid-stream (issue 11, items 2-4)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -125,44 +127,70 @@ def test_drafter_killed_mid_stream(test_models, redis_server, tokenizer, referen
             p.stop()
 
 
-def test_verifier_killed_mid_stream_with_another_up(
-    test_models, redis_server, tokenizer, reference
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_verifier_lost_mid_stream_with_another_up(
+    test_models, redis_server, tokenizer, reference, fault
 ):
+    """The verifier that holds a session is lost mid-stream: the stream fails over to the
+    other verifier with the history resent, and its output is exact.
+
+    SIGKILL closes the replica's sockets. SIGSTOP keeps them open and answers nothing (a
+    hung host, a network cut that closed nothing): the data plane's keepalive
+    (--data-keepalive-timeout 2) notices. The calls' deadline is the default --rpc-timeout
+    of 120 s: the elapsed time, asserted far below it, shows the failover came from the
+    keepalive, not from the deadline (a margin for a loaded machine, no tighter bound)."""
     d = replica("drafter", test_models.draft_noisy)
     va = replica("verifier", test_models.target)
     vb = replica("verifier", test_models.target)
     procs = [d, va, vb]
+    stopped = None
     try:
         for p in procs:
             p.wait_healthy()
-        g = gateway([d], [va, vb], redis_server.url)
+        g = gateway(
+            [d], [va, vb], redis_server.url,
+            "--data-keepalive", "0.25", "--data-keepalive-timeout", "2",
+        )  # fmt: skip
         procs.append(g)
         g.wait_healthy()
         ids = ids_of(tokenizer, PROMPTS[4])
-        with Client(g.address, timeout=120) as client:
-            first = client.generate(token_ids=ids, max_new_tokens=16, k=2, session_id="v-kill")
+        n, session = 160, f"v-lost-{fault}"  # a session of its own on the module's Redis
+        with Client(g.address, timeout=600) as client:
+            first = client.generate(token_ids=ids, max_new_tokens=16, k=2, session_id=session)
             assert list(first.tokens) == reference(ids, 16)
 
             async def placed() -> str:
                 index = SessionIndex(redis_server.url)
                 try:
-                    record = await index.get("v-kill")
-                    return record.verifier
+                    return (await index.get(session)).verifier
                 finally:
                     await index.close()
 
             holder = {va.address: va, vb.address: vb}[asyncio.run(placed())]
             follow = tokenizer(" and then", add_special_tokens=False).input_ids
-            stream = client.stream(token_ids=follow, max_new_tokens=120, k=2, session_id="v-kill")
+            stream = client.stream(token_ids=follow, max_new_tokens=n, k=2, session_id=session)
             chunks = [next(stream)]
-            holder.kill()
+            if fault == "SIGKILL":
+                holder.kill()
+            else:
+                os.kill(holder.proc.pid, signal.SIGSTOP)
+                stopped = holder
+            started = time.monotonic()
             chunks += list(stream)
+            elapsed = time.monotonic() - started
             final = chunks[-1].final
             assert final is not None
             ctx = [*ids, *first.tokens, *follow]
-            assert list(final.tokens) == reference(ctx, 120)
-            assert "replica taken out" in g.tail(400)  # it did fail over
+            assert list(final.tokens) == reference(ctx, n)
+        tail = g.tail(400)
+        assert "replica taken out" in tail  # it did fail over
+        assert final.stats.cache_misses > 0  # the history was resent to the other verifier
+        if fault == "SIGSTOP":
+            assert "REASON_KEEPALIVE_TIMEOUT" in tail  # on the keepalive
+            assert elapsed < 60, f"the failover took {elapsed:.1f} s of a 120 s deadline"
     finally:
+        if stopped is not None:
+            os.kill(stopped.proc.pid, signal.SIGCONT)
         for p in procs:
             p.stop()
 

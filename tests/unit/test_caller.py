@@ -16,13 +16,17 @@ from specdec.v1 import verifier_pb2
 BUSY = CallFailed(
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     "replica busy: 3 requests queued for the model (at most 2 wait, --max-queue)",
+    "REASON_BUSY",
 )
 FULL = CallFailed(
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     "session needs 900 cached tokens, this replica holds at most 512 (--max-cached-tokens)",
+    "REASON_CAPACITY",
 )
 MISS = CallFailed(
-    grpc.StatusCode.FAILED_PRECONDITION, "cache miss: session 's/x' is not cached here"
+    grpc.StatusCode.FAILED_PRECONDITION,
+    "cache miss: session 's/x' is not cached here",
+    "REASON_CACHE_MISS",
 )
 DOWN = CallFailed(grpc.StatusCode.UNAVAILABLE, "connection refused")
 OK = verifier_pb2.VerifyResponse(next_token=7, cached_length=4)
@@ -152,4 +156,17 @@ async def test_other_errors_are_the_callers_with_their_code():
     with pytest.raises(UpstreamError) as err:
         await ReplicaCaller(fleet, 5.0).call(Method.VERIFY, Placement(), [1, 2, 3], verify)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "999" in str(err.value)
+    await fleet.close()
+
+
+@pytest.mark.parametrize("failure", [MISS, BUSY])
+async def test_a_miss_or_busy_is_told_by_its_reason_not_its_wording(failure):
+    """The same code and message without the reason is an error like any other: the
+    caller resends or redirects only on the reason a replica sent."""
+    untyped = CallFailed(failure.code, failure.details)
+    replica = ScriptedReplica(untyped, OK)
+    fleet = fleet_of([replica, ScriptedReplica(OK)])
+    with pytest.raises(UpstreamError) as err:
+        await ReplicaCaller(fleet, 5.0).call(Method.VERIFY, Placement(), [1, 2, 3], verify)
+    assert err.value.code == failure.code and len(replica.requests) == 1
     await fleet.close()

@@ -10,8 +10,10 @@ import pytest
 from specdec.common.frames import (
     MAX_FRAME_BYTES,
     PREFACE,
+    VERSION,
     FrameReader,
     ProtocolError,
+    VersionMismatch,
     encode,
 )
 from specdec.v1 import dataplane_pb2, verifier_pb2
@@ -68,13 +70,19 @@ def test_a_partial_frame_waits_for_the_rest():
     [
         b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",  # a gRPC (HTTP/2) client
         b"\x16\x03\x01\x02\x00",  # a TLS ClientHello to a plaintext port
-        b"SPECDEC/DATA/2\r\n",  # another version
         b"X",  # refused on the first wrong byte
     ],
 )
 def test_a_wrong_preface_is_refused_at_once(first):
     with pytest.raises(ProtocolError, match="does not speak the data plane"):
         FrameReader().feed(first)
+
+
+@pytest.mark.parametrize("sent", [b"SPECDEC/DATA/1\r\n", b"SPECDEC/DATA/1", b"SPECDEC/DATA/9\r"])
+def test_another_version_is_named_as_soon_as_its_digit_arrives(sent):
+    with pytest.raises(VersionMismatch, match=r"speaks data plane version [19], this side") as e:
+        FrameReader().feed(sent)
+    assert e.value.theirs == int(sent[13:14]) and PREFACE == b"SPECDEC/DATA/%d\r\n" % VERSION
 
 
 def test_a_preface_in_pieces_is_accepted():

@@ -398,7 +398,8 @@ def test_a_prompt_that_cannot_fit_is_context_length_exceeded():
 
 def test_backpressure_is_429_with_retry_after():
     busy = UpstreamError(
-        _Replica(), CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{BUSY_PREFIX}: 3 queued")
+        _Replica(),
+        CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{BUSY_PREFIX}: 3 queued", "REASON_BUSY"),
     )
     for err in (busy, ReplicaBusy(f"{BUSY_PREFIX}: 3 queued")):
         a = answer(err)

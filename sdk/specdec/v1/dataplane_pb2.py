@@ -26,19 +26,23 @@ from specdec.v1 import drafter_pb2 as specdec_dot_v1_dot_drafter__pb2
 from specdec.v1 import verifier_pb2 as specdec_dot_v1_dot_verifier__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecdec/v1/dataplane.proto\x12\nspecdec.v1\x1a\x18specdec/v1/drafter.proto\x1a\x19specdec/v1/verifier.proto\"\xe8\x01\n\x08\x44\x61taCall\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x13\n\x0btraceparent\x18\x02 \x01(\t\x12)\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x18.specdec.v1.DraftRequestH\x00\x12\x31\n\tspeculate\x18\x04 \x01(\x0b\x32\x1c.specdec.v1.SpeculateRequestH\x00\x12+\n\x06verify\x18\x05 \x01(\x0b\x32\x19.specdec.v1.VerifyRequestH\x00\x12(\n\x06\x63\x61ncel\x18\x06 \x01(\x0b\x32\x16.specdec.v1.CancelCallH\x00\x42\x06\n\x04\x63\x61ll\"\x0c\n\nCancelCall\"\xd6\x01\n\tDataReply\x12\n\n\x02id\x18\x01 \x01(\x04\x12*\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x19.specdec.v1.DraftResponseH\x00\x12\x32\n\tspeculate\x18\x03 \x01(\x0b\x32\x1d.specdec.v1.SpeculateResponseH\x00\x12,\n\x06verify\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.VerifyResponseH\x00\x12&\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x15.specdec.v1.CallErrorH\x00\x42\x07\n\x05reply\"*\n\tCallError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecdec/v1/dataplane.proto\x12\nspecdec.v1\x1a\x18specdec/v1/drafter.proto\x1a\x19specdec/v1/verifier.proto\"\x8a\x02\n\x08\x44\x61taCall\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x13\n\x0btraceparent\x18\x02 \x01(\t\x12)\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x18.specdec.v1.DraftRequestH\x00\x12\x31\n\tspeculate\x18\x04 \x01(\x0b\x32\x1c.specdec.v1.SpeculateRequestH\x00\x12+\n\x06verify\x18\x05 \x01(\x0b\x32\x19.specdec.v1.VerifyRequestH\x00\x12(\n\x06\x63\x61ncel\x18\x06 \x01(\x0b\x32\x16.specdec.v1.CancelCallH\x00\x12 \n\x04ping\x18\x07 \x01(\x0b\x32\x10.specdec.v1.PingH\x00\x42\x06\n\x04\x63\x61ll\"\x0c\n\nCancelCall\"\x15\n\x04Ping\x12\r\n\x05nonce\x18\x01 \x01(\x04\"\xf8\x01\n\tDataReply\x12\n\n\x02id\x18\x01 \x01(\x04\x12*\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x19.specdec.v1.DraftResponseH\x00\x12\x32\n\tspeculate\x18\x03 \x01(\x0b\x32\x1d.specdec.v1.SpeculateResponseH\x00\x12,\n\x06verify\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.VerifyResponseH\x00\x12&\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x15.specdec.v1.CallErrorH\x00\x12 \n\x04pong\x18\x06 \x01(\x0b\x32\x10.specdec.v1.PingH\x00\x42\x07\n\x05reply\"N\n\tCallError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\"\n\x06reason\x18\x03 \x01(\x0e\x32\x12.specdec.v1.Reason*\xf5\x01\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11REASON_CACHE_MISS\x10\x01\x12\x0f\n\x0bREASON_BUSY\x10\x02\x12\x13\n\x0fREASON_CAPACITY\x10\x03\x12\x12\n\x0eREASON_LOADING\x10\x04\x12\x13\n\x0fREASON_STOPPING\x10\x05\x12\x1c\n\x18REASON_KEEPALIVE_TIMEOUT\x10\x06\x12\x17\n\x13REASON_DISCONNECTED\x10\x07\x12\x1b\n\x17REASON_VERSION_MISMATCH\x10\x08\x12\x19\n\x15REASON_PROTOCOL_ERROR\x10\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.dataplane_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_REASON']._serialized_start=733
+  _globals['_REASON']._serialized_end=978
   _globals['_DATACALL']._serialized_start=96
-  _globals['_DATACALL']._serialized_end=328
-  _globals['_CANCELCALL']._serialized_start=330
-  _globals['_CANCELCALL']._serialized_end=342
-  _globals['_DATAREPLY']._serialized_start=345
-  _globals['_DATAREPLY']._serialized_end=559
-  _globals['_CALLERROR']._serialized_start=561
-  _globals['_CALLERROR']._serialized_end=603
+  _globals['_DATACALL']._serialized_end=362
+  _globals['_CANCELCALL']._serialized_start=364
+  _globals['_CANCELCALL']._serialized_end=376
+  _globals['_PING']._serialized_start=378
+  _globals['_PING']._serialized_end=399
+  _globals['_DATAREPLY']._serialized_start=402
+  _globals['_DATAREPLY']._serialized_end=650
+  _globals['_CALLERROR']._serialized_start=652
+  _globals['_CALLERROR']._serialized_end=730
 # @@protoc_insertion_point(module_scope)
