@@ -78,7 +78,7 @@ def test_the_target_alone_in_its_fastest_step_layout():
     target alone; the report says so."""
     from specdec.replica.calibrate import DtypeChoice
     from specdec.tools.bench.cli import fastest_step
-    from specdec.tools.bench.modes import Mode, ModeRun, Sample
+    from specdec.tools.bench.modes import ModeRun, Sample
     from specdec.tools.bench.report import fastest_target
     from specdec.tools.bench.stats import summarize
 
