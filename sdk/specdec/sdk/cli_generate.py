@@ -46,7 +46,7 @@ def _positive_float(value: str) -> float:
 
 def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``generate`` subcommand to an ``add_subparsers()`` object; returns its parser."""
-    p = subparsers.add_parser(
+    p: argparse.ArgumentParser = subparsers.add_parser(
         "generate",
         help="generate text through a gateway",
         description=(

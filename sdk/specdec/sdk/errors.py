@@ -7,6 +7,8 @@ server's ``details`` message. Statuses without a dedicated class become a plain
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 __all__ = [
@@ -33,7 +35,9 @@ class SpecdecError(Exception):
         self.details: str = details
         super().__init__(f"{self.code.name}: {details}" if details else self.code.name)
 
-    def __reduce__(self):  # keep exceptions picklable (multiprocessing, loadtest workers)
+    def __reduce__(
+        self,
+    ) -> tuple[Any, ...]:  # keep exceptions picklable (multiprocessing, loadtest workers)
         return (type(self), (self.details, self.code))
 
 

@@ -58,7 +58,7 @@ class Progress:
         self.stream = stream
         self.total = total
         self.enabled = enabled and stream is not None
-        self.tty = self.enabled and bool(getattr(stream, "isatty", None) and stream.isatty())
+        self.tty = self.enabled and stream is not None and bool(stream.isatty())
         self.deadline_s = deadline_s
         self.done = 0
         self.failed = 0

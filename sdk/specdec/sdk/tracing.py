@@ -20,10 +20,11 @@ def trace_metadata() -> tuple[tuple[str, str], ...] | None:
     global _propagate
     if _propagate is None:
         try:
-            from opentelemetry import propagate
+            from opentelemetry import propagate as module
         except ImportError:
-            propagate = False
-        _propagate = propagate
+            _propagate = False
+        else:
+            _propagate = module
     if _propagate is False:
         return None
     carrier: dict[str, str] = {}

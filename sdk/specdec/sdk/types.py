@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.sdk.errors import InternalError
-from specdec.v1 import gateway_pb2
+from specdec.v1 import common_pb2, gateway_pb2
 
 __all__ = [
     "Choice",
@@ -28,7 +28,7 @@ __all__ = [
     "usage_from_proto",
 ]
 
-_FINISH_REASONS = {
+_FINISH_REASONS: dict[int, str] = {
     gateway_pb2.FINISH_REASON_LENGTH: "length",
     gateway_pb2.FINISH_REASON_EOS: "eos",
     gateway_pb2.FINISH_REASON_STOP: "stop",
@@ -131,7 +131,7 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-def logprobs_from_proto(msg) -> tuple[TokenLogprob, ...]:
+def logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> tuple[TokenLogprob, ...]:
     """A TokenLogprobs message as TokenLogprob rows (its scores cover its last tokens)."""
     n, m, top = len(msg.token_ids), len(msg.logprobs), msg.num_top
     out = []

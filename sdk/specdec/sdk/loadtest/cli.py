@@ -15,14 +15,15 @@ import datetime as dt
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 from specdec.sdk.progress import add_progress_argument, progress_enabled
 
 DEFAULT_NUM_REQUESTS = 32
 
 
-def add_loadtest_parser(commands) -> argparse.ArgumentParser:
-    p = commands.add_parser(
+def add_loadtest_parser(commands: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = commands.add_parser(
         "loadtest",
         help="load-test a gateway: throughput and latency per concurrency (or rate) and mode",
         description=__doc__.splitlines()[0],
@@ -176,9 +177,18 @@ def run_loadtest(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _run(args, conversations, modes, levels, settings, num_requests, slices) -> dict:
-    from specdec.sdk.loadtest.runner import BACKENDS, LoadTest, Progress, reference_outputs
+async def _run(
+    args: argparse.Namespace,
+    conversations: Any,
+    modes: Any,
+    levels: Any,
+    settings: Any,
+    num_requests: int,
+    slices: Any,
+) -> dict[str, Any]:
+    from specdec.sdk.loadtest.runner import BACKENDS, LoadTest, reference_outputs
     from specdec.sdk.loadtest.summary import summarize
+    from specdec.sdk.progress import Progress
 
     backend = BACKENDS[args.api](args.gateway, settings.timeout)
     total = None

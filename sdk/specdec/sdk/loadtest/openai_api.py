@@ -59,7 +59,7 @@ def error_from(status: int, body: Any) -> SpecdecError:
     return _BY_CODE.get(code, SpecdecError)(details, code)
 
 
-def _stats(raw: dict) -> SpeculationStats:
+def _stats(raw: dict[str, Any]) -> SpeculationStats:
     fields = SpeculationStats.__dataclass_fields__
     values = {k: v for k, v in raw.items() if k in fields}
     if "accepted_per_position" in values:
@@ -149,7 +149,10 @@ class OpenAIBackend:
     async def _stream(self, body: dict[str, Any]) -> AsyncIterator[StreamChunk]:
         texts: list[str] = []
         tokens: list[int] = []
-        finish, stats, timings, usage = "", {}, {}, {}
+        finish = ""
+        stats: dict[str, Any] = {}
+        timings: dict[str, Any] = {}
+        usage: dict[str, Any] = {}
         async with self.client.stream("POST", "/completions", json=body) as r:
             if r.status_code != 200:
                 raise error_from(r.status_code, _json(await r.aread()))

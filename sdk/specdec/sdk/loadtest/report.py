@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from specdec.sdk.loadtest.summary import LATENCIES
 
@@ -22,7 +23,7 @@ def _errors(errors: dict[str, int]) -> str:
     return ", ".join(f"{code} {n}" for code, n in errors.items()) or "-"
 
 
-def tables(results: Sequence[dict]) -> str:
+def tables(results: Sequence[dict[str, Any]]) -> str:
     """Throughput and speculation per level and mode, then latency percentiles (ms)."""
     exact = any("exact_checked" in r for r in results)
     head = [
@@ -69,7 +70,7 @@ def tables(results: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_json(out: Path, document: dict) -> Path:
+def write_json(out: Path, document: dict[str, Any]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / JSON_NAME
     path.write_text(json.dumps(document, indent=2) + "\n")
@@ -80,7 +81,7 @@ class NoMatplotlib(RuntimeError):
     """The PNG needs matplotlib, an optional extra of the SDK."""
 
 
-def write_png(out: Path, results: Sequence[dict], by_rate: bool) -> Path:
+def write_png(out: Path, results: Sequence[dict[str, Any]], by_rate: bool) -> Path:
     """Output throughput against the load level, and p50/p90/p99 end-to-end latency and
     TTFT against it, one line per mode."""
     try:
@@ -95,7 +96,11 @@ def write_png(out: Path, results: Sequence[dict], by_rate: bool) -> Path:
         ) from None
     modes = list(dict.fromkeys(r["mode"] for r in results))
     xlabel = "request rate (requests/s)" if by_rate else "concurrency"
-    x_of = (lambda r: r["request_rate"]) if by_rate else (lambda r: r["concurrency"])
+    key = "request_rate" if by_rate else "concurrency"
+
+    def x_of(r: dict[str, Any]) -> float:
+        return float(r[key])
+
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     styles = {"median": "-", "p90": "--", "p99": ":"}
     for mode in modes:

@@ -19,7 +19,7 @@ import asyncio
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -294,11 +294,17 @@ class LoadTest:
         cell.duration_s += time.perf_counter() - started
         self.progress.end_slice()
 
-    async def _poisson(self, level: Level, claim, expired, converse) -> None:
+    async def _poisson(
+        self,
+        level: Level,
+        claim: Callable[[], bool],
+        expired: Callable[[], bool],
+        converse: Callable[[], Awaitable[None]],
+    ) -> None:
         """Start a conversation at exponential intervals of mean 1/rate (a Poisson process)."""
         assert level.rate is not None
         cap = asyncio.Semaphore(level.max_concurrency) if level.max_concurrency else None
-        tasks: set[asyncio.Task] = set()
+        tasks: set[asyncio.Task[None]] = set()
 
         async def limited() -> None:
             if cap is None:

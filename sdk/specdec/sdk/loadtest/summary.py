@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from specdec.sdk.loadtest.runner import Cell, RequestRecord
 
@@ -35,7 +36,7 @@ def _latency_fields(name: str, values_s: Sequence[float]) -> dict[str, float]:
 
 def summarize(
     cell: Cell, references: Mapping[tuple[int, int], tuple[int, ...]] | None = None
-) -> dict:
+) -> dict[str, Any]:
     """The metrics of one cell; with references, the exactness counters too."""
     ok: list[RequestRecord] = [r for r in cell.records if r.ok]
     failed = [r for r in cell.records if not r.ok]
@@ -46,7 +47,7 @@ def summarize(
     drafted = sum(r.draft_tokens for r in ok)
     accepted = sum(r.accepted_tokens for r in ok)
     ssd = sum(r.ssd_hits + r.ssd_misses for r in ok)
-    result: dict = {
+    result: dict[str, Any] = {
         "level": cell.level.label,
         **cell.level.to_dict(),
         "mode": cell.mode.name,

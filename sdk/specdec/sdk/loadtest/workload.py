@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from specdec.sdk.client import METHODS
 
@@ -38,7 +39,7 @@ class Mode:
     k_policy: str | None = None  # "fixed" / "adaptive"; None: the gateway's default
     method: str | None = None  # where drafts come from (METHODS); None: the gateway's default
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
@@ -58,9 +59,11 @@ class Level:
 
     @property
     def value(self) -> float:
-        return float(self.concurrency if self.concurrency is not None else self.rate)
+        value = self.concurrency if self.concurrency is not None else self.rate
+        assert value is not None  # a Level has one of the two
+        return float(value)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "label": self.label,
             "concurrency": self.concurrency,
@@ -203,10 +206,10 @@ def parse_levels(
             continue
         try:
             if concurrency is not None:
-                value = int(part)
-                if value < 1:
+                count = int(part)
+                if count < 1:
                     raise ValueError
-                levels.append(Level(concurrency=value))
+                levels.append(Level(concurrency=count))
             else:
                 value = float(part)
                 if not value > 0 or value == float("inf"):
