@@ -54,22 +54,8 @@ class NotReady(SpecdecError):
 # The gRPC trailing metadata key that carries a failed call's reason (SpecdecError.reason).
 REASON_KEY = "specdec-reason"
 
-# Message prefix of every cache-miss status, so clients can tell it from other
-# FAILED_PRECONDITION answers.
+# The first words of every cache-miss and ReplicaBusy message, for people reading logs;
+# programs tell them apart by their reason (REASON_KEY), never by the wording.
 CACHE_MISS_PREFIX = "cache miss"
-# Message prefix of every ReplicaBusy status.
 BUSY_PREFIX = "replica busy"
 
-
-def is_cache_miss(err: grpc.RpcError) -> bool:
-    """True when a client-side RpcError is a replica's cache-miss answer."""
-    return err.code() == grpc.StatusCode.FAILED_PRECONDITION and (err.details() or "").startswith(
-        CACHE_MISS_PREFIX
-    )
-
-
-def is_busy(err: grpc.RpcError) -> bool:
-    """True when a client-side RpcError is a replica's backpressure answer (ReplicaBusy)."""
-    return err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (err.details() or "").startswith(
-        BUSY_PREFIX
-    )

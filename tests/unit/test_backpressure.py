@@ -109,21 +109,13 @@ async def test_failing_call_frees_its_place():
 
 
 def test_busy_and_capacity_are_told_apart():
-    """Both are RESOURCE_EXHAUSTED; only the busy one is worth another replica."""
-    from specdec.common.errors import is_busy
+    """Both are RESOURCE_EXHAUSTED; only the busy one is worth another replica, and their
+    reasons (what callers act on, tests/unit/test_caller.py) say which."""
+    from specdec.common.errors import CapacityExceeded, ReplicaBusy
 
-    class FakeRpcError(grpc.RpcError):  # stands in for a client-side AioRpcError
-        def __init__(self, details: str):
-            self._details = details
-
-        def code(self):
-            return grpc.StatusCode.RESOURCE_EXHAUSTED
-
-        def details(self):
-            return self._details
-
-    assert is_busy(FakeRpcError("replica busy: 3 requests queued for the model"))
-    assert not is_busy(FakeRpcError("session needs 900 cached tokens, this replica holds 512"))
+    busy, full = ReplicaBusy("replica busy: 3 queued"), CapacityExceeded("needs 900 tokens")
+    assert busy.code == full.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (busy.reason, full.reason) == ("REASON_BUSY", "REASON_CAPACITY")
 
 
 def test_max_queue_setting(monkeypatch):
