@@ -1,7 +1,8 @@
-"""Batching across sessions through real processes on the tiny fp32 models: eight
-concurrent sessions of different prompt lengths are exactly generate() (greedy, k 0 and 3,
-with and without SSD) while the replicas' metrics show forwards of several sessions, and a
-session whose caches were dropped misses and resends without disturbing the others."""
+"""Batching across sessions through real processes on the tiny fp32 models, with each KV
+engine (--engine dense and paged): eight concurrent sessions of different prompt lengths
+are exactly generate() (greedy, k 0 and 3, with and without SSD) while the replicas'
+metrics show forwards of several sessions, and a session whose caches were dropped misses
+and resends its second turn without disturbing the others."""
 
 from __future__ import annotations
 
@@ -23,16 +24,18 @@ pytestmark = pytest.mark.integration
 N = 24  # new tokens per session
 
 
-@pytest.fixture(scope="module")
-def batch_stack(test_models):
-    """A drafter and a verifier batching up to 8 sessions, with /metrics; one gateway."""
+@pytest.fixture(scope="module", params=["dense", "paged"])
+def batch_stack(test_models, request):
+    """A drafter and a verifier batching up to 8 sessions, with /metrics, on one KV engine;
+    one gateway."""
     procs = []
     try:
         ports = {"drafter": _free_port(), "verifier": _free_port()}
+        engine = ("--engine", request.param)
         d = replica("drafter", test_models.draft_noisy, "--metrics-port", str(ports["drafter"]),
-                    "--max-batch-size", "8")  # fmt: skip
+                    "--max-batch-size", "8", *engine)  # fmt: skip
         v = replica("verifier", test_models.target, "--metrics-port", str(ports["verifier"]),
-                    "--max-batch-size", "8")  # fmt: skip
+                    "--max-batch-size", "8", *engine)  # fmt: skip
         procs += [d, v]
         d.wait_healthy(), v.wait_healthy()
         g = gateway([d], [v])
