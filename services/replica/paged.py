@@ -72,7 +72,8 @@ NULL_BLOCK = 0  # all zeros, never handed out: what a pad reads
 class BlockPool:
     """Blocks of block_size slots in per-layer key/value tensors [heads, slots, dim],
     reference-counted. The tensors are made at the first write (the model's heads, head
-    dim, dtype and device), `blocks` blocks at first, doubled whenever none is free."""
+    dim, dtype and device) for `blocks` blocks (the store's token bound: memory the OS
+    commits only as slots are written), and doubled whenever none is free (a copy)."""
 
     def __init__(self, layers: int, block_size: int, blocks: int = 64):
         if block_size < 1:
@@ -134,8 +135,11 @@ class BlockPool:
         if self.keys[layer] is None:
             _, heads, _, dim = like.shape
             slots = self.blocks * self.block_size
-            self.keys[layer] = like.new_zeros(heads, slots, dim)
-            self.values[layer] = like.new_zeros(heads, slots, dim)
+            for tensors in (self.keys, self.values):
+                # Uninitialised: only the null block is read before it is written, and
+                # the memory of a slot becomes resident when first written.
+                tensors[layer] = like.new_empty(heads, slots, dim)
+                tensors[layer][:, : self.block_size] = 0
         return self.keys[layer], self.values[layer]
 
     def _grow(self, blocks: int) -> None:
@@ -151,7 +155,7 @@ class BlockPool:
 
 
 def _extended(pool: torch.Tensor, slots: int) -> torch.Tensor:
-    grown = pool.new_zeros(pool.shape[0], slots, pool.shape[2])
+    grown = pool.new_empty(pool.shape[0], slots, pool.shape[2])
     grown[:, : pool.shape[1]] = pool
     return grown
 

@@ -110,7 +110,9 @@ class ModelRuntime:
         if cfg.max_batch_size > 1 or cfg.engine == "paged":
             check_batchable(self.model, cfg.model)
         if cfg.engine == "paged":
-            pool = BlockPool(self.model.config.num_hidden_layers, cfg.kv_block_size)
+            # Blocks for the token bound, and one partial block for each of 64 sessions.
+            blocks = cfg.max_cached_tokens // cfg.kv_block_size + 64
+            pool = BlockPool(self.model.config.num_hidden_layers, cfg.kv_block_size, blocks)
             self.store = PagedStore(cfg.max_cached_tokens, pool)
         else:
             self.store = CacheStore(cfg.max_cached_tokens, self._new_cache)
