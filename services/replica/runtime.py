@@ -109,13 +109,7 @@ class ModelRuntime:
         check_rollback(self._new_cache(), cfg.model)
         if cfg.max_batch_size > 1 or cfg.engine == "paged":
             check_batchable(self.model, cfg.model)
-        if cfg.engine == "paged":
-            # Blocks for the token bound, and one partial block for each of 64 sessions.
-            blocks = cfg.max_cached_tokens // cfg.kv_block_size + 64
-            pool = BlockPool(self.model.config.num_hidden_layers, cfg.kv_block_size, blocks)
-            self.store = PagedStore(cfg.max_cached_tokens, pool)
-        else:
-            self.store = CacheStore(cfg.max_cached_tokens, self._new_cache)
+        self.store = self.new_store(cfg.engine)
         if cfg.cost_probe:
             self.probe_cost()
         log.info(
@@ -179,6 +173,16 @@ class ModelRuntime:
         self._synchronize()
         self.cost.add(tokens, rows, time.perf_counter() - started)
         self.cost_lines = self.cost.buckets()
+
+    def new_store(self, engine: str) -> CacheStore:
+        """An empty store of the engine (--engine) for the loaded model."""
+        cfg = self.config
+        if engine == "paged":
+            # Blocks for the token bound, and one partial block for each of 64 sessions.
+            blocks = cfg.max_cached_tokens // cfg.kv_block_size + 64
+            pool = BlockPool(self.model.config.num_hidden_layers, cfg.kv_block_size, blocks)
+            return PagedStore(cfg.max_cached_tokens, pool)
+        return CacheStore(cfg.max_cached_tokens, self._new_cache)
 
     def _new_cache(self):
         from transformers import DynamicCache

@@ -41,7 +41,7 @@ def batch_stack(test_models, request):
         g = gateway([d], [v])
         procs.append(g)
         g.wait_healthy()
-        yield {"gateway": g, "drafter": d, "verifier": v, "ports": ports}
+        yield {"gateway": g, "drafter": d, "verifier": v, "ports": ports, "engine": request.param}
     finally:
         for p in procs:
             p.stop()
@@ -97,6 +97,16 @@ def test_eight_concurrent_sessions_are_exact_and_batched(batch_stack, tokenizer,
     if k:
         total, several = batched_forwards(before["drafter"], after["drafter"], "drafter")
         assert several > 0, f"no Draft forward of more than one session in {total}"
+
+
+def test_info_names_the_engine(batch_stack):
+    for role, stub_type in (
+        ("drafter", drafter_pb2_grpc.DrafterServiceStub),
+        ("verifier", verifier_pb2_grpc.VerifierServiceStub),
+    ):
+        with grpc.insecure_channel(batch_stack[role].address) as channel:
+            info = stub_type(channel).Info(common_pb2.InfoRequest(), timeout=30)
+        assert info.engine == batch_stack["engine"], role
 
 
 def _release(address: str, stub_type, session_id: str) -> bool:
