@@ -393,6 +393,8 @@ class ModelRuntime:
         else:
             cache = layout.cache(self.model.config)
         inputs = dict(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache)
+        if len(requests) == 1 and isinstance(requests[0], ForwardRequest):
+            del inputs["attention_mask"]  # one row, no pads (the paged engine): plain causal
         fresh = all(r.fresh for r in requests)
         started = time.perf_counter()
         with self.obs.forward(layout.tokens, layout.rows, fresh, sessions=len(requests)):

@@ -9,7 +9,8 @@ layers, 2 KV heads of 128) but a narrow hidden size (256), so weights and activa
 small next to the KV; its numbers are the engines' KV, not the model's. Run each engine in
 its own process (peak RSS is per process). Prints one JSON line: the sessions' resident
 KV (dense: their DynamicCaches' tensors; paged: the pool's, and the blocks in use), peak
-RSS before the forward and after it, and the rise.
+RSS before the forward and after it, the rise, and the median time of --steps more such
+forwards (alternate the engines' processes to compare them on a shared machine).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
+import time
 from pathlib import Path
 
 from specdec.replica.batching import ForwardRequest
@@ -45,6 +48,7 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--steps", type=int, default=5, help="decode forwards timed after")
     parser.add_argument("--model-dir", default="/tmp/specdec-kv-shaped")
     a = parser.parse_args()
     model = Path(a.model_dir)
@@ -59,14 +63,14 @@ def main() -> None:
         threads=1,
         engine=a.engine,
         cost_probe=False,
-        max_cached_tokens=a.sessions * (a.tokens + 8),
+        max_cached_tokens=a.sessions * (a.tokens + a.steps + 8),
         max_batch_size=a.sessions,
     )
     rt = ModelRuntime(cfg)
     rt.load()
     sessions = []
     for i in range(a.sessions):
-        s = rt.store.acquire(f"s{i}", 0, 0, a.tokens + 1)
+        s = rt.store.acquire(f"s{i}", 0, 0, a.tokens + a.steps + 1)
         rt.forward(s, [(7 * i + 13 * j) % 200 + 5 for j in range(a.tokens)], keep=1)
         sessions.append(s)
     if isinstance(rt.store, PagedStore):
@@ -80,6 +84,11 @@ def main() -> None:
     before = _peak_mb()
     rt._run_batch([ForwardRequest(s, [9], 1, False) for s in sessions])
     after = _peak_mb()
+    times = []
+    for _ in range(a.steps):  # more decode steps of all sessions, timed
+        started = time.perf_counter()
+        rt._run_batch([ForwardRequest(s, [9], 1, False) for s in sessions])
+        times.append(time.perf_counter() - started)
     rt.shutdown()
     print(
         json.dumps(
@@ -93,6 +102,7 @@ def main() -> None:
                 "peak_rss_before_forward_mb": round(before),
                 "peak_rss_after_forward_mb": round(after),
                 "forward_rise_mb": round(after - before),
+                "decode_forward_ms": round(statistics.median(times) * 1e3, 1) if times else None,
             }
         )
     )
