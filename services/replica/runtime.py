@@ -107,7 +107,9 @@ class ModelRuntime:
         self.dtype_reason = loaded.dtype_reason
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         check_rollback(self._new_cache(), cfg.model)
-        if cfg.max_batch_size > 1 or cfg.engine == "paged":
+        if cfg.engine == "paged":
+            check_batchable(self.model, cfg.model, "run it with --engine dense --max-batch-size 1")
+        elif cfg.max_batch_size > 1:
             check_batchable(self.model, cfg.model)
         self.store = self.new_store(cfg.engine)
         if cfg.cost_probe:

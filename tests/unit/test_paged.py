@@ -14,6 +14,7 @@ from specdec.replica.batching import BranchGroup, BranchStep, ForwardRequest
 from specdec.replica.paged import NULL_BLOCK, BlockPool, PagedStore
 from specdec.replica.runtime import ModelRuntime
 from specdec.verifier.config import VerifierConfig
+from tests.unit.test_batching import ROWS, _seq  # the padded forward's rows
 
 BS = 4  # tokens per block in the store tests
 TOL = {"atol": 1e-4, "rtol": 1e-4}
@@ -131,14 +132,6 @@ def engines(test_models):
     yield rts
     for rt in rts.values():
         rt.shutdown()
-
-
-def _seq(seed: int, n: int, vocab: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n,), generator=g).tolist()
-
-
-ROWS = [(0, 7, 7), (12, 1, 1), (5, 4, 4), (0, 1, 1), (30, 3, 2), (9, 6, 1)]
 
 
 def test_paged_forwards_equal_the_dense_engines(engines):
