@@ -14,8 +14,9 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -60,6 +61,7 @@ class CacheStore:
         self.max_cached_tokens = max_cached_tokens
         self._new_cache = new_cache
         self._sessions: OrderedDict[str, SessionCache] = OrderedDict()
+        self._held: Counter[str] = Counter()  # sessions a job works on (`held`)
 
     @property
     def cached_tokens(self) -> int:
@@ -161,6 +163,22 @@ class CacheStore:
         self._drop(session)
         return True
 
+    @contextmanager
+    def held(self, session_id: str) -> Iterator[None]:
+        """Around a job's work on its session (ModelRuntime.guarded): the session is in use."""
+        self._held[session_id] += 1
+        try:
+            yield
+        finally:
+            self._held[session_id] -= 1
+            if not self._held[session_id]:
+                del self._held[session_id]
+
+    def _evictable(self, session_id: str) -> bool:
+        """Whether eviction may drop the session. The dense engine evicts a session in use
+        too: its job keeps the DynamicCache object, and its next request misses."""
+        return True
+
     # -- the KV operations (the dense engine's; PagedStore overrides them) --------------
 
     def _new_session(self) -> SessionCache:
@@ -187,8 +205,8 @@ class CacheStore:
         """Evict least recently used sessions (never `keep`) until `need` more tokens fit."""
         total = self.cached_tokens - len(self._sessions[keep].tokens) + need
         while total > self.max_cached_tokens:
-            victim_id = next(iter(self._sessions))
-            if victim_id == keep:  # only `keep` is left; the bound check above makes this rare
+            victim_id = next((v for v in self._sessions if v != keep and self._evictable(v)), None)
+            if victim_id is None:  # only `keep` (and held sessions) left: rare
                 break
             victim = self._sessions.pop(victim_id)
             self._drop(victim)

@@ -22,7 +22,8 @@ The block operations (`PagedStore`, the CacheStore of this engine):
   written while another table holds it: the writer then copies that block first (copy on
   write: its first p % bs slots, once, per layer);
 - prefix reuse: the session's table already holds the prefix (a rollback to it);
-- eviction and release: drop the table's references.
+- eviction and release: drop the table's references. Eviction passes over a session a job
+  is working on (`CacheStore.held`), whose blocks its forwards still read and write.
 
 The forward (`PagedForward`, a transformers ``Cache`` whose layers are `PagedLayer`s). The
 batch is laid out as the dense engine's (specdec.replica.batching.Layout: R rows, each
@@ -175,6 +176,10 @@ class PagedStore(CacheStore):
     def __init__(self, max_cached_tokens: int, pool: BlockPool):
         super().__init__(max_cached_tokens)
         self.pool = pool
+
+    def _evictable(self, session_id: str) -> bool:
+        """Not a session a job works on: its blocks would go back to the pool under it."""
+        return session_id not in self._held
 
     def _new_session(self) -> PagedSession:
         return PagedSession(tokens=[])

@@ -287,12 +287,13 @@ class ModelRuntime:
         and silently hurt acceptance. The caller gets the error; the next request misses
         and resends the full context. Cache misses and capacity errors leave it alone.
         """
+        assert self.store is not None
         try:
-            yield
+            with self.store.held(session_id):
+                yield
         except (CacheMiss, CapacityExceeded, InvalidRequest):
             raise
         except BaseException:
-            assert self.store is not None
             self.store.release(session_id)
             raise
 

@@ -108,6 +108,23 @@ def test_release_eviction_and_capacity_free_blocks():
     assert store.pool.used == 0 and len(store) == 0
 
 
+def test_eviction_passes_over_a_session_in_use():
+    """A job's session keeps its blocks while the job works on it (its forwards write
+    them); the least recently used session not in use goes instead."""
+    store = _store(max_tokens=24)
+    with store.held("a"):
+        a = store.acquire("a", 0, 0, 8)
+        _feed(store, a, list(range(1, 9)))
+        b = store.acquire("b", 0, 0, 8)
+        _feed(store, b, list(range(11, 19)))
+        store.acquire("c", 0, 0, 12)  # 8 + 8 + 12 > 24: b goes, not a (older, held)
+        assert "a" in store and "b" not in store and not b.blocks
+        _feed(store, a, [9])
+        assert _read(store, a) == list(range(1, 10))
+    store.acquire("d", 0, 0, 20)  # a is not held any more: it goes now
+    assert "a" not in store
+
+
 # -- forwards on the tiny target against the dense engine -----------------------------------
 
 
