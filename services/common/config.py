@@ -27,6 +27,7 @@ from specdec.common.tls import add_server_tls_arguments, server_tls_from_args
 
 __all__ = [
     "DTYPES",
+    "ENGINES",
     "ENV_PREFIX",
     "MAX_FAN_OUT",
     "ConfigError",
@@ -48,6 +49,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "fastest")
 # Linear layers in oneDNN's blocked layout on a CPU (specdec.replica.packing): auto: when
 # --dtype fastest measures it faster; true: always; false: never.
 PACK_WEIGHTS = ("auto", "true", "false")
+ENGINES = ("dense", "paged")  # the sessions' KV: specdec.replica.paged
 MAX_FAN_OUT = 64  # SSD branches per round (drafter and gateway settings, Speculate requests)
 
 
@@ -86,6 +88,10 @@ class ReplicaConfig:
     # How long a forward may wait for the sessions of the previous one to come back
     # (specdec.replica.batching.Scheduler._gathering); never more than a quarter of a forward.
     max_batch_wait_ms: float = 1.0
+    # The sessions' KV (specdec.replica.paged): "dense", a DynamicCache per session and a
+    # padded copy per batched forward, or "paged", blocks of a per-layer pool read in place.
+    engine: str = "dense"
+    kv_block_size: int = 16  # tokens per block of the paged engine
     tls: Any = None  # specdec.common.tls.ServerTls, or None: plaintext
     # The data plane's port (specdec.common.dataplane): 0 any free port, -1 none.
     data_port: int = 0
@@ -179,6 +185,15 @@ class ReplicaConfig:
         )
         add_setting(
             parser,
+            "--engine",
+            "the sessions' KV: dense (a transformers DynamicCache per session, a padded copy "
+            "of the batch's KV per batched forward) or paged (blocks of one pool per layer, "
+            "read in place; forks share blocks copy-on-write)",
+            "dense",
+        )
+        add_setting(parser, "--kv-block-size", "tokens per KV block of the paged engine", 16)
+        add_setting(
+            parser,
             "--cost-probe",
             "once loaded, time a few forwards of 1 to 16 tokens: the first points of the "
             "forward cost curve reported to gateways (whose adaptive policy prices drafts "
@@ -245,6 +260,13 @@ class ReplicaConfig:
             max_batch_wait_ms=parse_value(
                 args, "--max-batch-wait-ms", float, lambda v: None if v >= 0 else "must be >= 0"
             ),
+            engine=parse_value(
+                args,
+                "--engine",
+                str,
+                lambda v: None if v in ENGINES else f"must be one of {ENGINES}",
+            ),
+            kv_block_size=parse_value(args, "--kv-block-size", int, positive),
             tls=server_tls_from_args(args),
             data_port=parse_value(args, "--data-port", int, _data_port),
             cost_probe=parse_value(args, "--cost-probe", boolean),

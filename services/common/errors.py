@@ -58,4 +58,3 @@ REASON_KEY = "specdec-reason"
 # programs tell them apart by their reason (REASON_KEY), never by the wording.
 CACHE_MISS_PREFIX = "cache miss"
 BUSY_PREFIX = "replica busy"
-

@@ -1,12 +1,14 @@
 """Batching across sessions: the model thread's scheduler loop and the padded batch forward.
 
-Why this mechanism. Each session keeps its own transformers ``DynamicCache`` (rollback is a
-crop, a miss is a dict lookup, eviction drops one object: none of that changes). A forward
-over several sessions gathers their caches into one *padded* batch for the duration of that
-forward and writes each row's new key/value slice back to its own cache afterwards. A
-block-based (paged) cache would avoid the copy, but needs attention kernels that read
-blocks, which plain ``transformers`` on CPU does not have; the padded batch uses the model's
-own forward unchanged.
+Why this mechanism. With the dense engine (--engine dense) each session keeps its own
+transformers ``DynamicCache`` (rollback is a crop, a miss is a dict lookup, eviction drops
+one object: none of that changes). A forward over several sessions gathers their caches
+into one *padded* batch for the duration of that forward and writes each row's new
+key/value slice back to its own cache afterwards; the padded batch uses the model's own
+forward unchanged. The paged engine (--engine paged, specdec.replica.paged) lays the batch
+out the same way (`Layout`: the same rows, mask and positions) but reads the sessions'
+keys/values from blocks of a shared pool in place, one layer at a time, and writes the new
+ones there once: no padded copy of every layer, no write-back.
 
 How a forward of B rows is laid out. A session's request is one row; an SSD branch step (a
 `BranchStep` of a `BranchGroup`, specdec.drafter.speculate) is one row per branch, each
@@ -36,8 +38,9 @@ to floating-point reduction order (tests/unit/test_batching.py and
 tests/unit/test_branch_batching.py check fp32 tolerance; the integration tests check greedy
 output equals ``generate()`` token for token).
 
-Memory cost: during a batched forward the padded copy of the batch's KV, B x (L + N) slots
-per layer (keys and values), exists next to the sessions' own caches, and the model's
+Memory cost (the dense engine; the paged engine's is in specdec.replica.paged): during a
+batched forward the padded copy of the batch's KV, B x (L + N) slots per layer (keys and
+values), exists next to the sessions' own caches, and the model's
 concatenation of the new slots briefly doubles one layer of it. For the Qwen2.5-Coder 1.5B
 target in bfloat16 (28 layers, 2 KV heads of 128) a slot costs 28 KB: 8 sessions at 2,048
 tokens is about 460 MB, freed when the forward returns. A batch of one session's request

@@ -1,11 +1,13 @@
 """The replica engine's seam: what the drafter's and the verifier's servicers, and the jobs
 they run on the model thread, need from the model engine.
 
-One implementation today: `ModelRuntime` (specdec.replica.runtime) over transformers, with
-its sessions' KV caches in a `CacheStore` (specdec.replica.kvstore) and its forwards
-batched across sessions by a `Scheduler` (specdec.replica.batching); the drafter's
-`DrafterRuntime` is a ModelRuntime. `run_replica` (specdec.replica.replica) is the one place
-that picks it; the servicers and the jobs are written against these protocols.
+One implementation: `ModelRuntime` (specdec.replica.runtime) over transformers, its
+forwards batched across sessions by a `Scheduler` (specdec.replica.batching); the drafter's
+`DrafterRuntime` is a ModelRuntime. Its sessions' KV is one of two stores, picked by
+--engine: `CacheStore` (specdec.replica.kvstore, "dense": a DynamicCache per session) or
+`PagedStore` (specdec.replica.paged, "paged": blocks of a per-layer pool, forks sharing
+blocks copy-on-write). `run_replica` (specdec.replica.replica) is the one place that picks
+the runtime; the servicers and the jobs are written against these protocols.
 
 How a model call uses the engine. A servicer validates a request on the event loop
 (`Engine.validate_tokens`, `validate_extent`, the model facts Info reports) and hands a

@@ -1,10 +1,12 @@
 """Per-session KV caches of a replica and the tokens each covers.
 
-A session's cache is a transformers ``DynamicCache`` with the tokens it holds; rollback of
-rejected draft tokens is a crop, a cache miss a dict lookup, eviction dropping one
-object. `CacheStore` bounds the tokens cached over all sessions (least recently used go
-first). Everything here runs on the replica's model thread (specdec.replica.runtime), so
-it needs no locks.
+The dense engine's store: a session's cache is a transformers ``DynamicCache`` with the
+tokens it holds; rollback of rejected draft tokens is a crop, a cache miss a dict lookup,
+eviction dropping one object, a fork a deep copy. `CacheStore` bounds the tokens cached
+over all sessions (least recently used go first); the paged engine's store
+(specdec.replica.paged.PagedStore) keeps all of that and overrides the four KV operations
+(`_new_session`, `_copy`, `_crop`, `_drop`) with block operations. Everything here runs on
+the replica's model thread (specdec.replica.runtime), so it needs no locks.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -54,10 +57,11 @@ class CacheStore:
     Only ever used from the runtime's executor thread.
     """
 
-    def __init__(self, max_cached_tokens: int, new_cache: Callable[[], object]):
+    def __init__(self, max_cached_tokens: int, new_cache: Callable[[], object] | None = None):
         self.max_cached_tokens = max_cached_tokens
         self._new_cache = new_cache
         self._sessions: OrderedDict[str, SessionCache] = OrderedDict()
+        self._held: Counter[str] = Counter()  # sessions a job works on (`held`)
 
     @property
     def cached_tokens(self) -> int:
@@ -99,7 +103,9 @@ class CacheStore:
         session = self._sessions.get(session_id)
         if prefix_len == 0:
             if session is None or session.tokens:
-                session = SessionCache(tokens=[], kv=self._new_cache())
+                if session is not None:
+                    self._drop(session)
+                session = self._new_session()
                 self._sessions[session_id] = session
         else:
             session = _holding(session, f"session {session_id!r}", prefix_len)
@@ -124,11 +130,10 @@ class CacheStore:
         # The tokens after `length` may still be in flight in the source's own job (device
         # tokens not filled in yet): only the first `length` are taken, and a forward never
         # runs half-way here (one model thread), so their KV is complete.
-        kv = copy.deepcopy(source.kv)
-        drop = len(source.tokens) - length
-        if drop:
-            kv.crop(-drop)
-        forked = SessionCache(tokens=source.tokens[:length], kv=kv)
+        forked = self._copy(source, length)
+        old = self._sessions.get(session_id)
+        if old is not None:
+            self._drop(old)
         self._sessions[session_id] = forked
         self._sessions.move_to_end(session_id)
         note_fork(length)
@@ -142,27 +147,69 @@ class CacheStore:
             assert all(t == UNKNOWN_TOKEN for t in tail), "fill: those tokens are known"
             session.tokens[-len(tokens) :] = tokens
 
-    @staticmethod
-    def truncate(session: SessionCache, length: int) -> None:
+    def truncate(self, session: SessionCache, length: int) -> None:
         """Roll the session back to its first `length` tokens."""
         drop = len(session.tokens) - length
         if drop > 0:
-            session.kv.crop(-drop)
+            self._crop(session, length)
             del session.tokens[length:]
             session.chain.crop(length)
             note_rollback(drop)
 
     def release(self, session_id: str) -> bool:
-        return self._sessions.pop(session_id, None) is not None
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return False
+        self._drop(session)
+        return True
+
+    @contextmanager
+    def held(self, session_id: str) -> Iterator[None]:
+        """Around a job's work on its session (ModelRuntime.guarded): the session is in use."""
+        self._held[session_id] += 1
+        try:
+            yield
+        finally:
+            self._held[session_id] -= 1
+            if not self._held[session_id]:
+                del self._held[session_id]
+
+    def _evictable(self, session_id: str) -> bool:
+        """Whether eviction may drop the session. The dense engine evicts a session in use
+        too: its job keeps the DynamicCache object, and its next request misses."""
+        return True
+
+    # -- the KV operations (the dense engine's; PagedStore overrides them) --------------
+
+    def _new_session(self) -> SessionCache:
+        """An empty session."""
+        return SessionCache(tokens=[], kv=self._new_cache())
+
+    def _copy(self, source: SessionCache, length: int) -> SessionCache:
+        """A new session holding source's first `length` tokens and their KV: a deep copy."""
+        kv = copy.deepcopy(source.kv)
+        drop = len(source.tokens) - length
+        if drop:
+            kv.crop(-drop)
+        return SessionCache(tokens=source.tokens[:length], kv=kv)
+
+    def _crop(self, session: SessionCache, length: int) -> None:
+        """Drop the KV of the session's tokens after its first `length`."""
+        session.kv.crop(length - len(session.tokens))
+
+    def _drop(self, session: SessionCache) -> None:
+        """The session leaves the store (released, evicted or replaced): nothing to free
+        here, its DynamicCache goes with it."""
 
     def _make_room(self, keep: str, need: int) -> None:
         """Evict least recently used sessions (never `keep`) until `need` more tokens fit."""
         total = self.cached_tokens - len(self._sessions[keep].tokens) + need
         while total > self.max_cached_tokens:
-            victim_id = next(iter(self._sessions))
-            if victim_id == keep:  # only `keep` is left; the bound check above makes this rare
+            victim_id = next((v for v in self._sessions if v != keep and self._evictable(v)), None)
+            if victim_id is None:  # only `keep` (and held sessions) left: rare
                 break
             victim = self._sessions.pop(victim_id)
+            self._drop(victim)
             total -= len(victim.tokens)
             note_eviction(len(victim.tokens))
             log.info(

@@ -140,20 +140,21 @@ def check_rollback(cache, model: str) -> None:
         )
 
 
-def check_batchable(model, name: str) -> None:
-    """Batched forwards run the model's decoder, then its output head on the kept rows:
-    refuse models whose causal-LM head does more than that."""
+def check_batchable(model, name: str, remedy: str = "run it with --max-batch-size 1") -> None:
+    """Batched forwards (and every forward of the paged engine) run the model's decoder,
+    then its output head on the kept rows: refuse models whose causal-LM head does more
+    than that. remedy: how to run it anyway."""
     if getattr(model.config, "final_logit_softcapping", None):
         raise ValueError(
             f"{name} caps its logits (final_logit_softcapping); batching across sessions "
-            "does not apply that; run it with --max-batch-size 1"
+            f"does not apply that; {remedy}"
         )
     try:
         model.get_decoder()
     except (AttributeError, ValueError) as e:
         raise ValueError(
             f"{name}: cannot find the decoder of {type(model).__name__} ({e}); batching "
-            "across sessions needs it; run it with --max-batch-size 1"
+            f"across sessions needs it; {remedy}"
         ) from None
 
 

@@ -153,6 +153,7 @@ class ReplicaServicer:
             special_tokens=rt.special_tokens,
             data_port=self.data_port,
             model_version=self.model_version,
+            engine=cfg.engine,
             forward_cost=self.forward_cost(),
         )
         if request.include_tokenizer:

@@ -40,6 +40,7 @@ from specdec.common.metrics import ReplicaObserver
 from specdec.replica.batching import BranchStep, ForwardRequest, Layout, Request, Scheduler
 from specdec.replica.kvstore import CacheStore, Prefix, SessionCache
 from specdec.replica.loading import check_batchable, check_rollback, load_model
+from specdec.replica.paged import BlockPool, PagedForward, PagedStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -106,9 +107,11 @@ class ModelRuntime:
         self.dtype_reason = loaded.dtype_reason
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         check_rollback(self._new_cache(), cfg.model)
-        if cfg.max_batch_size > 1:
+        if cfg.engine == "paged":
+            check_batchable(self.model, cfg.model, "run it with --engine dense --max-batch-size 1")
+        elif cfg.max_batch_size > 1:
             check_batchable(self.model, cfg.model)
-        self.store = CacheStore(cfg.max_cached_tokens, self._new_cache)
+        self.store = self.new_store(cfg.engine)
         if cfg.cost_probe:
             self.probe_cost()
         log.info(
@@ -118,6 +121,7 @@ class ModelRuntime:
                 "dtype": str(self.model.dtype),
                 "dtype_reason": self.dtype_reason,
                 "device": str(self.device),
+                "engine": cfg.engine,
                 "vocab_size": self.vocab_size,
                 "max_context": self.max_context,
                 "seconds": round(time.monotonic() - started, 2),
@@ -171,6 +175,16 @@ class ModelRuntime:
         self._synchronize()
         self.cost.add(tokens, rows, time.perf_counter() - started)
         self.cost_lines = self.cost.buckets()
+
+    def new_store(self, engine: str) -> CacheStore:
+        """An empty store of the engine (--engine) for the loaded model."""
+        cfg = self.config
+        if engine == "paged":
+            # Blocks for the token bound, and one partial block for each of 64 sessions.
+            blocks = cfg.max_cached_tokens // cfg.kv_block_size + 64
+            pool = BlockPool(self.model.config.num_hidden_layers, cfg.kv_block_size, blocks)
+            return PagedStore(cfg.max_cached_tokens, pool)
+        return CacheStore(cfg.max_cached_tokens, self._new_cache)
 
     def _new_cache(self):
         from transformers import DynamicCache
@@ -273,12 +287,13 @@ class ModelRuntime:
         and silently hurt acceptance. The caller gets the error; the next request misses
         and resends the full context. Cache misses and capacity errors leave it alone.
         """
+        assert self.store is not None
         try:
-            yield
+            with self.store.held(session_id):
+                yield
         except (CacheMiss, CapacityExceeded, InvalidRequest):
             raise
         except BaseException:
-            assert self.store is not None
             self.store.release(session_id)
             raise
 
@@ -332,7 +347,8 @@ class ModelRuntime:
 
     def _run_batch(self, requests: list[Request]) -> list[torch.Tensor]:
         """One forward over the requests (the scheduler's run_batch)."""
-        if len(requests) == 1 and isinstance(requests[0], ForwardRequest):
+        paged = isinstance(self.store, PagedStore)
+        if len(requests) == 1 and isinstance(requests[0], ForwardRequest) and not paged:
             return [self._forward(requests[0])]
         return self._forward_batch(requests)
 
@@ -371,11 +387,17 @@ class ModelRuntime:
     @torch.inference_mode()
     def _forward_batch(self, requests: list[Request]) -> list[torch.Tensor]:
         """One forward over several sessions' caches and branch groups, padded
-        (specdec.replica.batching); each request's logits."""
+        (specdec.replica.batching), or read in place from their blocks (the paged engine,
+        specdec.replica.paged); each request's logits."""
         layout = Layout(requests)
         input_ids, mask, positions = layout.inputs(self.device)  # [R, N], [R, L + N], [R, N]
-        cache = layout.cache(self.model.config)
+        if isinstance(self.store, PagedStore):
+            cache = PagedForward(self.store, layout, self.model.config.num_hidden_layers)
+        else:
+            cache = layout.cache(self.model.config)
         inputs = dict(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache)
+        if len(requests) == 1 and isinstance(requests[0], ForwardRequest):
+            del inputs["attention_mask"]  # one row, no pads (the paged engine): plain causal
         fresh = all(r.fresh for r in requests)
         started = time.perf_counter()
         with self.obs.forward(layout.tokens, layout.rows, fresh, sessions=len(requests)):
@@ -390,7 +412,10 @@ class ModelRuntime:
                 # the drafter's reduced head, if any, else the model's own output layer
                 head = self.head or self.model.get_output_embeddings()
                 logits = head(layout.kept(hidden)).float()  # [sum keeps, vocab]
-        layout.write_back(cache)
+        if isinstance(cache, PagedForward):
+            cache.finish()
+        else:
+            layout.write_back(cache)
         self._timed(layout.longest, layout.rows, started)
         return layout.split(logits)
 

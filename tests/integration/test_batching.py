@@ -1,7 +1,8 @@
-"""Batching across sessions through real processes on the tiny fp32 models: eight
-concurrent sessions of different prompt lengths are exactly generate() (greedy, k 0 and 3,
-with and without SSD) while the replicas' metrics show forwards of several sessions, and a
-session whose caches were dropped misses and resends without disturbing the others."""
+"""Batching across sessions through real processes on the tiny fp32 models, with each KV
+engine (--engine dense and paged): eight concurrent sessions of different prompt lengths
+are exactly generate() (greedy, k 0 and 3, with and without SSD) while the replicas'
+metrics show forwards of several sessions, and a session whose caches were dropped misses
+and resends its second turn without disturbing the others."""
 
 from __future__ import annotations
 
@@ -23,22 +24,24 @@ pytestmark = pytest.mark.integration
 N = 24  # new tokens per session
 
 
-@pytest.fixture(scope="module")
-def batch_stack(test_models):
-    """A drafter and a verifier batching up to 8 sessions, with /metrics; one gateway."""
+@pytest.fixture(scope="module", params=["dense", "paged"])
+def batch_stack(test_models, request):
+    """A drafter and a verifier batching up to 8 sessions, with /metrics, on one KV engine;
+    one gateway."""
     procs = []
     try:
         ports = {"drafter": _free_port(), "verifier": _free_port()}
+        engine = ("--engine", request.param)
         d = replica("drafter", test_models.draft_noisy, "--metrics-port", str(ports["drafter"]),
-                    "--max-batch-size", "8")  # fmt: skip
+                    "--max-batch-size", "8", *engine)  # fmt: skip
         v = replica("verifier", test_models.target, "--metrics-port", str(ports["verifier"]),
-                    "--max-batch-size", "8")  # fmt: skip
+                    "--max-batch-size", "8", *engine)  # fmt: skip
         procs += [d, v]
         d.wait_healthy(), v.wait_healthy()
         g = gateway([d], [v])
         procs.append(g)
         g.wait_healthy()
-        yield {"gateway": g, "drafter": d, "verifier": v, "ports": ports}
+        yield {"gateway": g, "drafter": d, "verifier": v, "ports": ports, "engine": request.param}
     finally:
         for p in procs:
             p.stop()
@@ -94,6 +97,16 @@ def test_eight_concurrent_sessions_are_exact_and_batched(batch_stack, tokenizer,
     if k:
         total, several = batched_forwards(before["drafter"], after["drafter"], "drafter")
         assert several > 0, f"no Draft forward of more than one session in {total}"
+
+
+def test_info_names_the_engine(batch_stack):
+    for role, stub_type in (
+        ("drafter", drafter_pb2_grpc.DrafterServiceStub),
+        ("verifier", verifier_pb2_grpc.VerifierServiceStub),
+    ):
+        with grpc.insecure_channel(batch_stack[role].address) as channel:
+            info = stub_type(channel).Info(common_pb2.InfoRequest(), timeout=30)
+        assert info.engine == batch_stack["engine"], role
 
 
 def _release(address: str, stub_type, session_id: str) -> bool:

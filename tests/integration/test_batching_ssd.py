@@ -21,16 +21,18 @@ SESSIONS = 8
 ROWS = 16  # the drafter's --max-batch-size
 
 
-@pytest.fixture(scope="module")
-def ssd_batch_stack(test_models):
-    """A drafter batching up to 16 rows (with /metrics), a verifier batching 8 sessions; a
-    gateway with SSD on at the drafter's fan-out (6) and one with fan-out 1."""
+@pytest.fixture(scope="module", params=["dense", "paged"])
+def ssd_batch_stack(test_models, request):
+    """A drafter batching up to 16 rows (with /metrics), a verifier batching 8 sessions,
+    both on one KV engine; a gateway with SSD on at the drafter's fan-out (6) and one with
+    fan-out 1."""
     procs = []
     try:
         port = _free_port()
+        engine = ("--engine", request.param)
         d = replica("drafter", test_models.draft_noisy, "--metrics-port", str(port),
-                    "--max-batch-size", str(ROWS), "--ssd-fan-out", "6")  # fmt: skip
-        v = replica("verifier", test_models.target, "--max-batch-size", str(SESSIONS))
+                    "--max-batch-size", str(ROWS), "--ssd-fan-out", "6", *engine)  # fmt: skip
+        v = replica("verifier", test_models.target, "--max-batch-size", str(SESSIONS), *engine)
         procs += [d, v]
         d.wait_healthy(), v.wait_healthy()
         gws = {

@@ -23,6 +23,13 @@ def test_defaults_and_flags():
     assert (cfg.model, cfg.port, cfg.max_cached_tokens, cfg.device) == ("/m", 0, 100, "cpu")
 
 
+def test_engine_setting(monkeypatch):
+    assert parse("--model", "m").engine == "dense"
+    monkeypatch.setenv("SPECDEC_ENGINE", "paged")
+    cfg = parse("--model", "m", "--kv-block-size", "32")
+    assert (cfg.engine, cfg.kv_block_size) == ("paged", 32)
+
+
 def test_environment_variables(monkeypatch):
     monkeypatch.setenv("SPECDEC_MODEL", "/env-model")
     monkeypatch.setenv("SPECDEC_MAX_DRAFT_TOKENS", "7")
@@ -38,6 +45,8 @@ def test_environment_variables(monkeypatch):
         (("--model", "m", "--port", "70000"), "--port"),
         (("--model", "m", "--port", "x"), "--port"),
         (("--model", "m", "--dtype", "int3"), "--dtype"),
+        (("--model", "m", "--engine", "vllm"), "--engine"),
+        (("--model", "m", "--kv-block-size", "0"), "--kv-block-size"),
         (("--model", "m", "--device", "tpu"), "--device"),
         (("--model", "m", "--max-cached-tokens", "0"), "--max-cached-tokens"),
         (("--model", "m", "--max-draft-tokens", "-1"), "--max-draft-tokens"),

@@ -7,10 +7,17 @@ measured in one process on one loaded model (so machine load hits both alike).
 For each N and repeat it prefills N sessions (prompts of different lengths, not timed),
 then times N concurrent callers through `ModelRuntime.run`, each taking --tokens tokens:
 `step`: one Verify with an empty draft per token (a plain target step, k = 0); `draft`:
-Drafts of --k tokens (the drafter's k lock-step forwards). "serial" runs with
---max-batch-size 1 (the scheduler runs one job at a time), "batched" with N. The two
-alternate within each repeat. Prints one JSON line per N: tokens/s of each (median over
-repeats, and every repeat), their ratio, and the load average before and after.
+Drafts of --k tokens (the drafter's k lock-step forwards); `verify`: a Verify of a
+k-token draft per round (the target's side of a k = --k round: k + 1 tokens scored, the
+rejected rolled back; the draft repeats the last token, so a round mostly yields one
+token; tokens/s counts what the rounds yield). "serial" runs with --max-batch-size 1 (the
+scheduler runs one job at a time), "batched" with N. The two alternate within each
+repeat. Prints one JSON line per N: tokens/s of each (median over repeats, and every
+repeat), their ratio, and the load average before and after.
+
+--engines dense,paged: instead of serial against batched, the KV engines (--engine)
+against each other, batched, on the one loaded model (its store swapped between runs),
+alternating within each repeat; each line has every engine's tokens/s.
 """
 
 from __future__ import annotations
@@ -43,10 +50,11 @@ async def _session(rt: ModelRuntime, sid: str, mode: str, tokens: int, k: int, c
     branches = BranchStore()
     while made < tokens:
         prefix = Prefix(len(ctx) - 1, prefix_hash(ctx[:-1]))
-        if mode == "step":
-            v = await rt.run(verify, rt, sid, prefix, ctx[-1:], [], None, GREEDY, session=sid)
-            ctx.append(v.next_token)
-            made += 1
+        if mode in ("step", "verify"):
+            draft = [ctx[-1]] * k if mode == "verify" else []
+            v = await rt.run(verify, rt, sid, prefix, ctx[-1:], draft, None, GREEDY, session=sid)
+            ctx.extend([*draft[: v.accepted], v.next_token])
+            made += v.accepted + 1
         else:
             d = await rt.run(propose, rt, branches, sid, prefix, ctx[-1:], k, GREEDY, session=sid)
             ctx.extend(d.tokens)  # the cache holds all but the last draft token
@@ -72,6 +80,24 @@ async def _measure(rt: ModelRuntime, n: int, batch: int, a: argparse.Namespace) 
     return n * a.tokens / seconds
 
 
+async def _engines(rt: ModelRuntime, a: argparse.Namespace) -> None:
+    engines = a.engines.split(",")
+    for n in map(int, a.sessions.split(",")):
+        load = os.getloadavg()[0]
+        runs: dict[str, list[float]] = {e: [] for e in engines}
+        for _ in range(a.repeats):
+            for engine in engines:
+                rt.store = rt.new_store(engine)
+                runs[engine].append(await _measure(rt, n, n, a))
+        row = {"mode": a.mode, "k": a.k if a.mode != "step" else 0, "sessions": n}
+        for engine in engines:
+            row[f"{engine}_tok_s"] = round(statistics.median(runs[engine]), 1)
+        for engine in engines:
+            row[f"{engine}_runs"] = [round(x, 1) for x in runs[engine]]
+        row["load_before_after"] = [round(load, 2), round(os.getloadavg()[0], 2)]
+        print(json.dumps(row), flush=True)
+
+
 async def _main(a: argparse.Namespace) -> None:
     cfg = DrafterConfig(
         role="drafter", model=a.model, dtype=a.dtype, threads=a.threads, max_batch_size=16
@@ -79,6 +105,10 @@ async def _main(a: argparse.Namespace) -> None:
     rt = ModelRuntime(cfg)
     await rt.run(rt.load, bounded=False)
     await _measure(rt, 2, 2, a)  # warm-up
+    if a.engines:
+        await _engines(rt, a)
+        rt.shutdown()
+        return
     for n in map(int, a.sessions.split(",")):
         load = os.getloadavg()[0]
         serial, batched = [], []
@@ -108,7 +138,8 @@ def main() -> None:
     parser.add_argument("--sessions", default="1,2,4,8")
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--mode", choices=("step", "draft"), default="step")
+    parser.add_argument("--mode", choices=("step", "draft", "verify"), default="step")
+    parser.add_argument("--engines", default="", help="e.g. dense,paged: compare KV engines")
     parser.add_argument("--k", type=int, default=4)
     asyncio.run(_main(parser.parse_args()))
 

@@ -132,6 +132,8 @@ spec:
               value: {{ $cfg.device | quote }}
             - name: SPECDEC_DTYPE
               value: {{ $cfg.dtype | quote }}
+            - name: SPECDEC_ENGINE
+              value: {{ $cfg.engine | default "dense" | quote }}
             - name: SPECDEC_HOST
               value: "0.0.0.0"
             - name: SPECDEC_PORT
