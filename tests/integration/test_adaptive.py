@@ -176,6 +176,10 @@ def test_adaptive_sampling_distribution(adaptive_stack, tokenizer, target_model)
     for r in results:
         check_policy_stats(r.stats, 3)
     policy_k0 = sum(r.stats.policy_k0_rounds for r in results)
-    changed = sum(1 for r in results if r.stats.rounds_by_k[3] and r.stats.policy_k0_rounds)
+    # rounds_by_k reaches only as far as the largest k a request drafted
+    at_bound = [len(r.stats.rounds_by_k) > 3 and r.stats.rounds_by_k[3] for r in results]
+    changed = sum(
+        1 for r, b in zip(results, at_bound, strict=True) if b and r.stats.policy_k0_rounds
+    )
     assert policy_k0 > 0 and changed > 0, (policy_k0, changed)
     check_sequence_counts([tuple(r.tokens) for r in results], exact)
