@@ -3,6 +3,7 @@ measured in one process on one loaded model (so machine load hits both alike).
 
     python -m specdec.tools.bench.batching MODEL_DIR [--dtype bfloat16] [--threads 1]
         [--sessions 1,2,4,8] [--tokens 16] [--repeats 3] [--mode step|draft] [--k 4]
+        [--pack-weights true]
 
 For each N and repeat it prefills N sessions (prompts of different lengths, not timed),
 then times N concurrent callers through `ModelRuntime.run`, each taking --tokens tokens:
@@ -100,7 +101,12 @@ async def _engines(rt: ModelRuntime, a: argparse.Namespace) -> None:
 
 async def _main(a: argparse.Namespace) -> None:
     cfg = DrafterConfig(
-        role="drafter", model=a.model, dtype=a.dtype, threads=a.threads, max_batch_size=16
+        role="drafter",
+        model=a.model,
+        dtype=a.dtype,
+        pack_weights=a.pack_weights,
+        threads=a.threads,
+        max_batch_size=16,
     )
     rt = ModelRuntime(cfg)
     await rt.run(rt.load, bounded=False)
@@ -141,6 +147,9 @@ def main() -> None:
     parser.add_argument("--mode", choices=("step", "draft", "verify"), default="step")
     parser.add_argument("--engines", default="", help="e.g. dense,paged: compare KV engines")
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument(
+        "--pack-weights", default="false", help="the replicas' --pack-weights (true: packed)"
+    )
     asyncio.run(_main(parser.parse_args()))
 
 
