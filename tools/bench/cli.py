@@ -259,7 +259,6 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-@stopping_children  # SIGINT or SIGTERM: every process it started stops
 def fastest_step(choice) -> str | None:
     """The weights layout whose one-token forward the calibration measured fastest, when
     it is not the layout the stack runs in (a verifier prices several-token forwards too):
@@ -271,6 +270,7 @@ def fastest_step(choice) -> str | None:
     return None if step == choice.label else step
 
 
+@stopping_children  # SIGINT or SIGTERM: every process it started stops
 def run_bench(args: argparse.Namespace) -> int:
     if args.gateway_flags:
         print(
