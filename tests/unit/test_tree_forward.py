@@ -6,10 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdec.common.errors import InvalidRequest
 from specdec.common.prefix import prefix_hash
 from specdec.replica.runtime import Prefix
 from specdec.replica.sampling import SamplingParams
+from specdec.v1 import verifier_pb2
 from specdec.verifier.scorer import verify
+from specdec.verifier.server import tree_parents
 from tests.unit import test_runtime
 
 full_logits = test_runtime.full_logits
@@ -97,3 +100,23 @@ def _greedy_walk(rt, nodes, parents):
         path.append(step)
         seq.append(nodes[step])
         at = step
+
+
+@pytest.mark.parametrize(
+    "parents, k, message",
+    [
+        ([-1, 0], 3, "2 entries for 3 draft tokens"),
+        ([-1, 1], 2, r"draft_parents\[1\] is 1"),
+        ([0], 1, r"draft_parents\[0\] is 0"),
+        ([-1, -2], 2, r"draft_parents\[1\] is -2"),
+    ],
+)
+def test_bad_parents_are_invalid(parents, k, message):
+    request = verifier_pb2.VerifyRequest(draft_tokens=[1] * k, draft_parents=parents)
+    with pytest.raises(InvalidRequest, match=message):
+        tree_parents(request, k)
+
+
+def test_parents_of_a_tree_and_of_a_chain():
+    assert tree_parents(verifier_pb2.VerifyRequest(draft_parents=[-1, 0, -1]), 3) == [-1, 0, -1]
+    assert tree_parents(verifier_pb2.VerifyRequest(), 3) is None

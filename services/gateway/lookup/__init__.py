@@ -31,6 +31,16 @@ BY_NAME = {name: value for value, name in METHODS.items()}
 
 SCOPES = ("global", "tenant", "off")
 
+# Candidate continuations a lookup round may verify as one token tree (specdec.gateway.loop).
+MAX_TREE_WIDTH = 8
+
+
+def tree_width(value: int) -> str | None:
+    """Why a tree width is invalid (None: it is valid)."""
+    if 1 <= value <= MAX_TREE_WIDTH:
+        return None
+    return f"must be in [1, {MAX_TREE_WIDTH}]"
+
 
 def method_name(value: int) -> str:
     return METHODS[value]
