@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 
 from specdec.sdk import Client
-from specdec.tools.launcher import ServiceProcess
 from tests.conftest import PROMPTS
-from tests.integration.test_gateway import gateway, replica
+from tests.integration.test_gateway import small_stack
 from tests.integration.test_lookup import GROUNDED, LOOKUP_METHODS
 from tests.integration.test_ssd import check_sequence_counts, exact_sequence_probs, sample_top2
 
@@ -24,25 +23,14 @@ N = 48
 def tree_stack(test_models):
     """One verifier, one drafter, gateways verifying trees of up to 4 branches: `own`
     (lookups over the request's own text), `ssd` (SSD on, the global cache of outputs)."""
-    procs: list[ServiceProcess] = []
-    try:
-        verifier = replica("verifier", test_models.target)
-        drafter = replica("drafter", test_models.draft_noisy)
-        procs += [verifier, drafter]
-        for p in procs:
-            p.wait_healthy()
-        trees = ["--tree-width", "4", "--k-policy", "fixed"]
-        gws = {
-            "own": gateway([drafter], [verifier], None, *trees, "--suffix-cache-scope", "off"),
-            "ssd": gateway([drafter], [verifier], None, *trees, "--ssd"),
-        }
-        procs += gws.values()
-        for g in gws.values():
-            g.wait_healthy()
-        yield {name: g.address for name, g in gws.items()}
-    finally:
-        for p in procs:
-            p.stop()
+    trees = ("--tree-width", "4", "--k-policy", "fixed")
+    with small_stack(
+        test_models.draft_noisy,
+        test_models.target,
+        gateway_flags=(*trees, "--suffix-cache-scope", "off"),
+        more_gateways={"ssd": (*trees, "--ssd")},
+    ) as procs:
+        yield {"own": procs["gateway"].address, "ssd": procs["ssd"].address}
 
 
 @pytest.mark.parametrize("ssd", [False, True], ids=["plain", "ssd"])
