@@ -71,3 +71,13 @@ def test_adaptive_tree_on_a_flat_curve_chain_on_a_steep_one():
     chain, share = _adaptive(0.05).tree_sizes(8, 2, 16, "ngram")
     assert share > 0 and chain + 2 * share <= 16
     assert _adaptive(10.0).tree_sizes(8, 2, 16, "ngram")[1] == 0
+
+
+def test_bench_rows_with_trees_beside_their_chains():
+    from specdec.tools.bench.modes import build_modes
+
+    modes = {m.name: m for m in build_modes([8], [4], methods=("ngram",), tree_width=3)}
+    for name in ("ngram tree3 k=8", "ssd ngram tree3 k=4", "ngram tree3 adaptive k<=8"):
+        assert modes[name].tree_width == 3 and modes[name].method == "ngram", name
+    assert modes["ngram k=8"].tree_width is None  # the chain it is compared with
+    assert not any("tree" in m for m in {m.name for m in build_modes([8], [4], methods=("ngram",))})

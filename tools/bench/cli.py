@@ -110,6 +110,13 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
         "mode repeats the same prompts)",
     )
     p.add_argument(
+        "--tree-width",
+        type=int,
+        default=1,
+        help="with --methods: also each method's rows verifying token trees of this width "
+        "('<method> treeW k=K', adaptive and SSD too) beside their chains (1: none)",
+    )
+    p.add_argument(
         "--adaptive",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -321,7 +328,19 @@ def run_bench(args: argparse.Namespace) -> int:
         prompts = prompts[: args.num_prompts]
     ks, ssd_ks = _ints(args.k), _ints(args.ssd_k)
     phases = [
-        (d, build_modes(ks, ssd_ks, args.tracing and i == 0, d, i == 0, methods, args.adaptive))
+        (
+            d,
+            build_modes(
+                ks,
+                ssd_ks,
+                args.tracing and i == 0,
+                d,
+                i == 0,
+                methods,
+                args.adaptive,
+                args.tree_width,
+            ),
+        )
         for i, d in enumerate(drafters)
     ]
     max_k = max((m.k or 0 for _, modes in phases for m in modes), default=0)
