@@ -5,7 +5,9 @@
   a bounded cache of recent outputs of this gateway (per tenant or global);
 - a prediction (specdec.gateway.lookup.prediction): OpenAI's Predicted Outputs;
 - `hybrid` (specdec.gateway.lookup.hybrid): a lookup draft where its match is confident,
-  otherwise the draft model's draft, extended by prompt lookup.
+  otherwise the draft model's draft, extended by prompt lookup;
+- `tree` (specdec.gateway.lookup.tree): a source's candidate continuations merged into
+  one token tree (SpeculationParams.tree_width).
 
 A lookup draft is a deterministic proposal: its distribution is one-hot, so the verifier's
 rule (DESIGN §2) accepts it with probability p(d) and recovers from p without d.
