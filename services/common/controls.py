@@ -116,13 +116,25 @@ def controls_from_proto(
         raise InvalidRequest(
             f"output.min_tokens_ids holds {bad[0]}, outside the vocabulary [0, {vocab_size})"
         )
-    controls = Controls(
+    controls = _controls(sampling, output)
+    return controls if controls.active else None
+
+
+def processes_logits(
+    sampling: common_pb2.SamplingParams, output: common_pb2.OutputControls | None
+) -> bool:
+    """Whether a request's processors change the logits (the replicas then read the
+    sequence before each position: a token tree cannot be verified with them yet)."""
+    return _controls(sampling, output or common_pb2.OutputControls()).active
+
+
+def _controls(sampling: common_pb2.SamplingParams, output: common_pb2.OutputControls) -> Controls:
+    return Controls(
         presence_penalty=float(sampling.presence_penalty),
         frequency_penalty=float(sampling.frequency_penalty),
         repetition_penalty=float(sampling.repetition_penalty) or 1.0,
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in sampling.logit_bias.items())),
         output_start=int(output.output_start),
         min_tokens=int(output.min_tokens),
-        min_tokens_ids=tuple(sorted(set(ids))),
+        min_tokens_ids=tuple(sorted(set(output.min_tokens_ids))),
     )
-    return controls if controls.active else None

@@ -21,6 +21,12 @@ class InvalidRequest(SpecdecError, ValueError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class Unimplemented(SpecdecError):
+    """A valid request for something this replica does not do yet (the message says what)."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
 class CacheMiss(SpecdecError):
     """The replica does not hold the prefix the request builds on; resend the full context."""
 

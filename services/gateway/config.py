@@ -28,7 +28,7 @@ from specdec.common.tls import (
 )
 from specdec.gateway.canary import Canary, parse_canary
 from specdec.gateway.discovery import parse_target
-from specdec.gateway.lookup import SCOPES, parse_method
+from specdec.gateway.lookup import MAX_TREE_WIDTH, SCOPES, parse_method, tree_width
 from specdec.gateway.policy import ADAPTIVE, parse_policy
 from specdec.v1 import gateway_pb2
 
@@ -75,6 +75,7 @@ class GatewayConfig:
     # Lookup drafts (specdec.gateway.lookup): the default SpeculationMethod, prompt
     # lookup's n-gram lengths, the suffix tries' depth and the cache of recent outputs.
     method: int = gateway_pb2.SPECULATION_METHOD_HYBRID
+    tree_width: int = 1  # candidate continuations a lookup round verifies as a tree
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 5
     suffix_depth: int = 24
@@ -161,6 +162,13 @@ class GatewayConfig:
             "outputs) or hybrid (a prompt-lookup match of 3+ tokens or a confident match in "
             "recent outputs, else the drafter's draft extended by prompt lookup)",
             "hybrid",
+        )
+        add_setting(
+            parser,
+            "--tree-width",
+            "candidate continuations a lookup round may verify together as one token tree "
+            f"when a request does not say (1: chains; at most {MAX_TREE_WIDTH})",
+            1,
         )
         add_setting(parser, "--prompt-lookup-min", "shortest n-gram prompt lookup matches", 1)
         add_setting(parser, "--prompt-lookup-max", "longest n-gram prompt lookup matches", 5)
@@ -260,6 +268,7 @@ class GatewayConfig:
             ssd_fan_out=parse_value(args, "--ssd-fan-out", int, _fan_out),
             k_policy=parse_value(args, "--k-policy", parse_policy),
             method=parse_value(args, "--method", parse_method),
+            tree_width=parse_value(args, "--tree-width", int, tree_width),
             prompt_lookup_min=parse_value(args, "--prompt-lookup-min", int, positive),
             prompt_lookup_max=parse_value(args, "--prompt-lookup-max", int, positive),
             suffix_depth=parse_value(

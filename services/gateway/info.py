@@ -8,6 +8,7 @@ from specdec.common.controls import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from specdec.common.errors import NotReady
 from specdec.common.params import MAX_TOP_LOGPROBS
 from specdec.gateway import grammar, request
+from specdec.gateway.lookup import MAX_TREE_WIDTH
 from specdec.v1 import gateway_pb2
 
 if TYPE_CHECKING:
@@ -80,6 +81,8 @@ def server_info(gateway: Gateway) -> gateway_pb2.GetServerInfoResponse:
                 gateway.config.suffix_cache_tokens if gateway.suffix_cache is not None else 0
             ),
             suffix_cache_scope=gateway.config.suffix_cache_scope,
+            tree_width=limits.default_tree_width,
+            max_tree_width=MAX_TREE_WIDTH,
         ),
         recording=gateway.recorder is not None,
         drafter_versions=sorted(

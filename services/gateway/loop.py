@@ -34,6 +34,15 @@ its likeliest outcomes, on the drafter's otherwise idle core. A lookup method (n
 suffix) never asks the drafter: its rounds send no Speculate, and the drafter's cache
 stays behind; a later Draft names the prefix it still holds and sends what follows
 (`new_tokens`), as after any other gap.
+
+With a tree width above 1 (SpeculationParams.tree_width) a lookup round verifies its
+source's other candidate continuations beside its draft, as one token tree
+(specdec.gateway.lookup.tree, VerifyRequest.draft_parents): the draft is the first
+branch, cut to the length the policy chose; each other branch starts with another token
+and gets an equal share of what the policy sizes for them (`Policy.tree_sizes`).
+The verdict's accepted path is the round's accepted tokens. A tree round sends no
+Speculate (SSD prepares for a chain's outcomes), and a request with logits processors
+that read the sequence, a grammar or logprobs verifies chains only.
 """
 
 from __future__ import annotations
@@ -46,12 +55,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from specdec.common.controls import processes_logits
 from specdec.common.params import sampling_from_proto
 from specdec.gateway import metrics, tracing
 from specdec.gateway.caller import Placement, ReplicaCaller, Unavailable, UpstreamError
 from specdec.gateway.grammar import Constraint
 from specdec.gateway.lookup import HYBRID, MODEL
 from specdec.gateway.lookup.hybrid import RequestLookup
+from specdec.gateway.lookup.tree import is_chain, merge
 from specdec.gateway.outcome import (
     DRAFTED,
     LOOKUP_SOURCES,
@@ -89,6 +100,8 @@ class Draft:
     extended: int = 0  # lookup tokens appended to the draft model's draft (hybrid)
     forward_ms: float = 0.0  # the Draft's forwards, as the drafter reported them
     fed: int = 0  # tokens the Draft call fed (its new tokens: a prefill or resend is long)
+    parents: Sequence[int] = ()  # a token tree's (VerifyRequest.draft_parents); (): a chain
+    chain: int = 0  # a tree's first branch: its tokens (the first nodes)
 
 
 @dataclass(slots=True)
@@ -142,6 +155,7 @@ class Speculator:
         constraint: Constraint | None = None,
         lookup: RequestLookup | None = None,
         lookup_max_k: int = 0,
+        tree_width: int = 1,
     ):
         self.caller = caller
         self.session = replica_session
@@ -161,6 +175,15 @@ class Speculator:
         self.lookup = lookup  # the request's lookup proposer (None: the draft model alone)
         self.lookup_max_k = lookup_max_k  # bound of a lookup draft (the replicas' largest k)
         self.greedy = sampling_from_proto(sampling).greedy
+        # Candidate continuations a lookup round verifies as a tree (1: a chain); what the
+        # verifier cannot score on a tree yet keeps chains.
+        tree_ok = not (
+            constraint is not None
+            or logprobs
+            or prompt_logprobs
+            or processes_logits(sampling, output)
+        )
+        self.tree_width = tree_width if tree_ok else 1
         self.stats = RequestStats(adaptive=policy.kind == ADAPTIVE)
         self._ready: tuple[int, list[int]] | None = None  # greedy SSD hit: (ctx length, draft)
         self._late = False  # the last Speculate was still running at its verdict
@@ -187,11 +210,14 @@ class Speculator:
                     ctx, await self._draft(ctx, self.policy.choose_k(max_k)), remaining
                 )
             draft, masks = self._constrain(draft)
-            speculation = self._speculate(
-                ctx, draft.tokens, remaining, self._branch_k(draft, max_k)
+            speculation = (
+                Speculation(SSD_OFF)
+                if draft.parents
+                else self._speculate(ctx, draft.tokens, remaining, self._branch_k(draft, max_k))
             )
             verify_sent = time.perf_counter()
             verdict, resends, fed = await self._verify(ctx, draft, speculation, masks)
+            path = list(verdict.accepted_path)
             verified = time.perf_counter()
             ssd = self._settle(speculation, verdict, ctx, verify_sent, verified)
             if ssd.state == SSD_LATE:
@@ -200,7 +226,11 @@ class Speculator:
                 index=self._index,
                 max_k=max_k,
                 k=len(draft.tokens),
-                draft=tuple(draft.tokens),
+                # a tree's accepted path first, then its other nodes
+                draft=_path_first(draft.tokens, path),
+                width=_width(draft.parents),
+                branch=_branch(draft.parents, path),
+                chain=draft.chain,
                 extended=draft.extended,
                 accepted=verdict.accepted_count,
                 next_token=verdict.next_token,
@@ -268,9 +298,31 @@ class Speculator:
         if self._late:  # the last Speculate answered after its verdict: its branches go
             # unused (a lookup drafts this round), so it missed
             self._late, late_outcome = False, SSD_MISS
-        tokens = tokens[:k]
+        tokens, parents, chain = self._tree(tokens[:k], proposal.others, bound, proposal.source)
         probs = () if self.greedy else [one_hot(t) for t in tokens]
-        return Draft(tokens, probs, proposal.source, late_outcome=late_outcome)
+        return Draft(
+            tokens,
+            probs,
+            proposal.source,
+            late_outcome=late_outcome,
+            parents=parents,
+            chain=chain if parents else 0,
+        )
+
+    def _tree(
+        self, tokens: list[int], others: Sequence[Sequence[int]], bound: int, source: str
+    ) -> tuple[list[int], list[int], int]:
+        """The round's lookup draft with its source's other candidates as a token tree:
+        (tokens, parents, the draft's own tokens); parents empty: a chain. The policy
+        sizes the draft and each other branch (at most bound nodes in all)."""
+        others = others[: self.tree_width - 1]
+        if not others or not tokens:
+            return tokens, [], len(tokens)
+        own, share = self.policy.tree_sizes(len(tokens), len(others), bound, source)
+        if share <= 0:
+            return tokens[:own], [], own
+        tree, parents = merge([tokens[:own], *(b[:share] for b in others)], bound)
+        return (tokens[:own], [], own) if is_chain(parents) else (tree, parents, own)
 
     def _extend(self, ctx: Sequence[int], draft: Draft, remaining: int) -> Draft:
         """Under hybrid, the draft model's draft followed by the lookup's continuation of
@@ -468,6 +520,7 @@ class Speculator:
                 prompt_logprobs=prompt_logprobs,
                 fork_from=self._fork("verifier", prefix),
                 grammar_masks=masks,
+                draft_parents=draft.parents,
             )
 
         try:
@@ -539,3 +592,26 @@ class Speculator:
             bytes=response.ByteSize(),
             hidden=max(0.0, min(answered, verified) - max(speculation.sent, verify_sent)),
         )
+
+
+def _path_first(tokens: Sequence[int], path: Sequence[int]) -> tuple[int, ...]:
+    """A draft's tokens with a tree's accepted path first (a chain's as they are)."""
+    if not path:
+        return tuple(tokens)
+    on = set(path)
+    return (*(tokens[i] for i in path), *(t for i, t in enumerate(tokens) if i not in on))
+
+
+def _width(parents: Sequence[int]) -> int:
+    """Branches at a tree's root (1: a chain)."""
+    return sum(p == -1 for p in parents) if parents else 1
+
+
+def _branch(parents: Sequence[int], path: Sequence[int]) -> int | None:
+    """Which of the root's branches the accepted path took (0: the first, the chain's
+    own draft), None when nothing was accepted."""
+    if not path:
+        return None
+    if not parents:
+        return 0
+    return [i for i, p in enumerate(parents) if p == -1].index(path[0])

@@ -101,6 +101,12 @@ LOOKUP_NO_MATCH = Counter(
     PREFIX + "lookup_no_match_rounds",
     "Rounds of a lookup method (ngram, suffix) that found nothing to draft",
 )
+TREE_ROUNDS = Counter(PREFIX + "tree_rounds", "Rounds that verified a token tree")
+TREE_NODES = Counter(PREFIX + "tree_nodes", "Nodes of the token trees verified")
+TREE_OTHER_BRANCH = Counter(
+    PREFIX + "tree_other_branch_rounds",
+    "Tree rounds whose accepted path took another branch than the draft's own",
+)
 # The cache of recent outputs for suffix drafts. Hit rate = hits / lookups.
 SUFFIX_CACHE_TOKENS = Gauge(PREFIX + "suffix_cache_tokens", "Tokens of outputs in the suffix cache")
 SUFFIX_CACHE_ENTRIES = Gauge(PREFIX + "suffix_cache_entries", "Outputs in the suffix cache")

@@ -49,7 +49,7 @@ class Outcome:
     index: int  # the round's index in its request
     max_k: int  # the bound of the round's draft length (the request's k, less near the end)
     k: int  # draft tokens verified (0: the round was a plain target step)
-    draft: tuple[int, ...]  # the draft, [k]
+    draft: tuple[int, ...]  # the draft, [k] (a tree's: its accepted path first)
     accepted: int  # draft tokens the verifier accepted, 0..k
     next_token: int  # the recovered (accepted < k) or bonus (accepted == k) token
     source: str  # where the draft came from: DRAFTED, PREPARED, a LOOKUP_SOURCES entry,
@@ -81,6 +81,17 @@ class Outcome:
     # and (first round only) of the prompt.
     logprobs: Any = None
     prompt_logprobs: Any = None
+    width: int = 1  # a token tree's branches at the root (1: a chain)
+    branch: int | None = None  # the root branch the accepted path took (None: none)
+    chain: int = 0  # a tree's first branch (the draft a chain would be): its tokens
+
+    @property
+    def chain_verdict(self) -> tuple[int, int]:
+        """(k, accepted) of the draft a chain would have verified: a tree's first branch
+        (accepted only when the path took it), a chain's own."""
+        if self.width <= 1:
+            return self.k, self.accepted
+        return self.chain, self.accepted if self.branch == 0 else 0
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -115,6 +126,9 @@ class RequestStats:
     # source label -> [drafts, draft tokens, accepted tokens] (see source_label)
     by_source: dict[str, list[int]] = field(default_factory=dict)
     no_match_rounds: int = 0  # lookup rounds that found nothing to draft
+    tree_rounds: int = 0  # rounds that verified a token tree
+    tree_nodes: int = 0  # their nodes
+    tree_other_branch_rounds: int = 0  # of them, whose path took another branch than the first
 
     def observe(self, o: Outcome) -> None:
         self.rounds += 1
@@ -143,6 +157,10 @@ class RequestStats:
         self.ssd_bytes += o.speculate_bytes
         self.ssd_hidden_ms += o.hidden_seconds * 1e3
         self.no_match_rounds += o.source == NO_MATCH
+        if o.width > 1:
+            self.tree_rounds += 1
+            self.tree_nodes += o.k
+            self.tree_other_branch_rounds += bool(o.branch)
         label = source_label(o.source) if k else None
         if label is not None:
             own = k - o.extended

@@ -198,7 +198,7 @@ class SourcePriors:
     def observe_outcome(self, o: Outcome) -> None:
         """A round's verdict, by source (rounds without a draft count nothing)."""
         lookup = o.source if o.source in LOOKUP_SOURCES else None
-        for source, k, accepted in drafts_of(o.k, o.accepted, lookup, o.extended):
+        for source, k, accepted in drafts_of(*o.chain_verdict, lookup, o.extended):
             if k > 0:
                 self.observe(source, accepted, min(k, accepted + 1))
 
@@ -316,6 +316,18 @@ class FixedPolicy:
     def choose_extension(self, k: int, available: int) -> int:
         return max(0, available)
 
+    def tree_sizes(
+        self, k: int, branches: int, bound: int, source: str = LOOKUP_NGRAM
+    ) -> tuple[int, int]:
+        """A lookup draft the policy sized to k tokens, with `branches` other candidates,
+        as a tree of at most bound nodes: (the draft's tokens, each other branch's). Here
+        each other branch gets k / (2 branches) tokens (at least one) and the draft what
+        is left of the bound."""
+        if k <= 0 or branches <= 0:
+            return k, 0
+        share = max(1, k // (2 * branches))
+        return max(1, min(k, bound - branches * share)), share
+
     def observe(self, outcome: Outcome) -> None:
         """Nothing a round shows changes a fixed policy; the gateway's priors learn from it."""
         if self.priors is not None:
@@ -346,6 +358,9 @@ class AdaptivePolicy:
             if priors is not None:
                 prior, weight = priors.prior(source, default, weight, p.max_prior_weight)
             self.sources[source] = Acceptance(prior, weight, p.position_weight)
+        # A tree's other branches, in the rounds whose first branch failed at its first
+        # token: a(0) = P(one of them accepted), then along the one accepted.
+        self.alternatives = Acceptance(p.prior_lookup_acceptance / 2, p.prior_weight)
         self.verify = _Ema(p.smoothing)  # v: seconds of a Verify without a draft (no curve)
         self.draft = _Ema(p.smoothing)  # d_t: seconds per drafted token (its forwards)
         self.draft_overhead = _Ema(p.smoothing)  # o_d: a Draft's round trip beyond them
@@ -623,6 +638,31 @@ class AdaptivePolicy:
     def observe_ssd(self, hit: bool) -> None:
         self.hits.add(1.0 if hit else 0.0)
 
+    def tree_sizes(
+        self, k: int, branches: int, bound: int, source: str = LOOKUP_NGRAM
+    ) -> tuple[int, int]:
+        """A lookup draft of `source` the policy sized to k tokens, with `branches` other
+        candidates, as a tree of at most bound nodes: (the draft's tokens c, each other
+        branch's s), the pair that maximises expected tokens per second,
+        (1 + E_draft(c) + (1 - a(0)) E_other(s)) / V(1 + c + s branches), from the
+        verifier's cost curve V, the source's acceptance a and the measured acceptance of
+        the other branches in rounds whose draft failed at its first token. s = 0 is a
+        chain of k: a steep curve (compute-bound verification) gives it."""
+        if k <= 0 or branches <= 0 or self.verify_time(1) is None:
+            return FixedPolicy.tree_sizes(self, k, branches, bound, source)
+        own = self.sources[source].expected(k, self.explore)
+        missed = 1.0 - self.sources[source].rate(0, self.explore)
+        other = self.alternatives.expected(max(0, (bound - 1) // branches), self.explore)
+        best, best_rate = (k, 0), 0.0
+        for c in range(1, k + 1):
+            for s in range((bound - c) // branches + 1):
+                time = self.verify_time(1 + c + s * branches)
+                assert time is not None
+                rate = (1.0 + own[c] + missed * other[s]) / time
+                if rate > best_rate * (1.0 + 1e-9):
+                    best, best_rate = (c, s), rate
+        return best
+
     def observe(self, o: Outcome) -> None:
         """Learn from a round's outcome (specdec.gateway.outcome): the drafter's time when
         its model ran, the verdict and its time, the Speculate's time, SSD hit or miss.
@@ -635,9 +675,13 @@ class AdaptivePolicy:
             self.observe_ssd(False)
         if o.source == DRAFTED:
             self.observe_draft(o.k - o.extended, o.draft_seconds, o.draft_forward_ms, o.draft_fed)
+        k, accepted = o.chain_verdict
+        if o.width > 1 and (o.branch is None or o.branch > 0):  # the first branch failed
+            share = (o.k - o.chain) // (o.width - 1)
+            self.alternatives.observe(share, o.accepted if o.branch else 0)
         self.observe_verify(
-            o.k,
-            o.accepted,
+            k,
+            accepted,
             o.verify_seconds,
             o.queue_depth,
             o.source if o.source in LOOKUP_SOURCES else False,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from specdec.common.controls import MAX_STOP_TOKEN_IDS, check_sampling_controls
 from specdec.common.errors import InvalidRequest
 from specdec.common.params import MAX_TOP_LOGPROBS, sampling_from_proto
-from specdec.gateway.lookup import METHODS
+from specdec.gateway.lookup import METHODS, tree_width
 from specdec.v1 import common_pb2, gateway_pb2
 
 MAX_STOP_STRINGS = 16
@@ -46,6 +46,7 @@ class Limits:
     default_ttl: int  # seconds
     max_session_ttl: int  # seconds
     default_method: int = gateway_pb2.SPECULATION_METHOD_HYBRID
+    default_tree_width: int = 1
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class Job:
     # The grammar the output follows (compiled by specdec.gateway.grammar); None: none.
     structured: gateway_pb2.StructuredOutput | None = None
     method: int = gateway_pb2.SPECULATION_METHOD_MODEL  # never UNSPECIFIED
+    tree_width: int = 1  # candidate continuations per lookup round (1: chains)
     # GenerateRequest.prediction: text (tokenized by the turn), ids, or None
     prediction: str | list[int] | None = None
     tenant: str = ""  # who the request is for (gRPC metadata specdec-tenant, HTTP `user`)
@@ -184,6 +186,10 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
             "speculation.method must be SPECULATION_METHOD_UNSPECIFIED, _MODEL, _NGRAM, "
             f"_SUFFIX or _HYBRID, got {spec.method}"
         )
+    width = spec.tree_width if spec.HasField("tree_width") else limits.default_tree_width
+    why = tree_width(width)
+    if why is not None:
+        raise InvalidRequest(f"speculation.tree_width {why}, got {width}")
     return Job(
         prompt=prompt,
         max_new_tokens=req.max_new_tokens,
@@ -204,6 +210,7 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
         n=n,
         structured=req.structured_output if req.HasField("structured_output") else None,
         method=method,
+        tree_width=width,
         prediction=_prediction(req, limits),
         record=req.record if req.HasField("record") else True,
     )

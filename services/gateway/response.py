@@ -99,6 +99,9 @@ def build_response(
                 for source, row in sorted(stats.by_source.items())
             ],
             lookup_no_match_rounds=stats.no_match_rounds,
+            tree_rounds=stats.tree_rounds,
+            tree_nodes=stats.tree_nodes,
+            tree_other_branch_rounds=stats.tree_other_branch_rounds,
         ),
         session_id=job.session_id or "",
     )
@@ -179,3 +182,6 @@ def record_metrics(
         metrics.DRAFT_TOKENS_BY_METHOD.labels(method=source).inc(draft_tokens)
         metrics.ACCEPTED_BY_METHOD.labels(method=source).inc(accepted)
     metrics.LOOKUP_NO_MATCH.inc(s.no_match_rounds)
+    metrics.TREE_ROUNDS.inc(s.tree_rounds)
+    metrics.TREE_NODES.inc(s.tree_nodes)
+    metrics.TREE_OTHER_BRANCH.inc(s.tree_other_branch_rounds)

@@ -178,6 +178,7 @@ class Gateway:
             default_ttl=self.config.session_ttl,
             max_session_ttl=self.config.max_session_ttl,
             default_method=self.config.method,
+            default_tree_width=self.config.tree_width,
         )
         self.eos_token_ids = frozenset(info.eos_token_ids)
         try:
@@ -420,6 +421,7 @@ class Gateway:
             constraint=self.grammars.matcher(grammar) if grammar is not None else None,
             lookup=lookup,
             lookup_max_k=self.limits.max_k,
+            tree_width=job.tree_width,
         )
         completion = Completion(
             self.codec,
@@ -503,6 +505,7 @@ class Gateway:
             cache_key=key,
             # A seeded sampled request stays reproducible: no drafts from other outputs.
             draft_from_cache=not job.sampling.HasField("seed"),
+            width=job.tree_width,
         )
         if lookup.active and job.k > 0:  # index the prompt (4k tokens: tens of ms) off the loop
             await asyncio.to_thread(lookup.follow, ctx)

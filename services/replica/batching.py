@@ -113,6 +113,9 @@ class ForwardRequest:
     tokens: list[int] | torch.Tensor  # [n]: a device tensor for tokens drawn there
     keep: int
     fresh: bool  # part of a prefill (metrics)
+    # A token tree over the last len(tree) tokens: each one's parent among them (-1: the
+    # token before the tree). The runtime runs such a request alone (ModelRuntime._run_batch).
+    tree: list[int] | None = None
 
     @property
     def rows(self) -> int:

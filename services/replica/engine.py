@@ -173,11 +173,16 @@ class Engine(Protocol[S]):
         ...
 
     def forward_steps(
-        self, session: S, tokens: Sequence[int] | torch.Tensor, keep: int | None = None
+        self,
+        session: S,
+        tokens: Sequence[int] | torch.Tensor,
+        keep: int | None = None,
+        tree: Sequence[int] | None = None,
     ) -> Generator[ForwardRequest, torch.Tensor, torch.Tensor]:
         """A job's forwards feeding tokens (a list, or a device tensor [n]) after the
         session's cache: the logits of the last `keep` of them [keep, vocab] fp32 (all when
-        None). `yield from` it in a job."""
+        None). tree: the parents of the last len(tree) tokens, a token tree (-1: the token
+        before it), each scored after its ancestors only. `yield from` it in a job."""
         ...
 
     def release(self, session_id: str) -> bool:

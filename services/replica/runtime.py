@@ -319,7 +319,11 @@ class ModelRuntime:
             return stop.value
 
     def forward_steps(
-        self, session: SessionCache, tokens: Sequence[int] | torch.Tensor, keep: int | None = None
+        self,
+        session: SessionCache,
+        tokens: Sequence[int] | torch.Tensor,
+        keep: int | None = None,
+        tree: Sequence[int] | None = None,
     ) -> Generator[ForwardRequest, torch.Tensor, torch.Tensor]:
         """Append tokens (a list, or a device tensor [n] of tokens drawn there) to the
         session's cache; the logits of the last `keep` of them [keep, vocab] fp32 (all when
@@ -330,6 +334,9 @@ class ModelRuntime:
         0.9 MB in bf16 for a 152k vocabulary, plus its fp32 copy). An input longer than
         --prefill-chunk is fed in chunks of that many tokens, so the activations of a long
         prompt never exceed one chunk's; the last chunk holds at least the kept rows.
+
+        tree: the parents of the last len(tree) tokens, a token tree (`_forward_tree`); the
+        last chunk holds all of it.
         """
         if not isinstance(tokens, torch.Tensor):  # a device tensor [n] is fed as it is
             tokens = list(tokens)
@@ -337,20 +344,74 @@ class ModelRuntime:
         fresh = not session.tokens  # a prefill (metrics and spans), in however many chunks
         chunk = self.config.prefill_chunk
         start = 0
+        tail = len(tree) if tree else 0
         if chunk and len(tokens) > chunk:
-            head = len(tokens) - max(chunk, keep)  # fed before the last forward
+            head = len(tokens) - max(chunk, keep, tail)  # fed before the last forward
             while start < head:
                 end = min(start + chunk, head)
                 yield ForwardRequest(session, tokens[start:end], 1, fresh)
                 start = end
-        return (yield ForwardRequest(session, tokens[start:], keep, fresh))
+        last = ForwardRequest(session, tokens[start:], keep, fresh, list(tree) if tree else None)
+        return (yield last)
 
     def _run_batch(self, requests: list[Request]) -> list[torch.Tensor]:
-        """One forward over the requests (the scheduler's run_batch)."""
+        """One forward over the requests (the scheduler's run_batch). A token tree's
+        request runs alone, a forward of its own (`_forward_tree`), before the others'."""
+        trees = {i: self._forward_tree(r) for i, r in enumerate(requests) if _is_tree(r)}
+        rest = [r for i, r in enumerate(requests) if i not in trees]
         paged = isinstance(self.store, PagedStore)
-        if len(requests) == 1 and isinstance(requests[0], ForwardRequest) and not paged:
-            return [self._forward(requests[0])]
-        return self._forward_batch(requests)
+        if not rest:
+            out = []
+        elif len(rest) == 1 and isinstance(rest[0], ForwardRequest) and not paged:
+            out = [self._forward(rest[0])]
+        else:
+            out = self._forward_batch(rest)
+        others = iter(out)
+        return [trees[i] if i in trees else next(others) for i in range(len(requests))]
+
+    @torch.inference_mode()
+    def _forward_tree(self, request: ForwardRequest) -> torch.Tensor:
+        """One session's forward over h plain tokens then a token tree of m nodes, on its
+        own cache: each node attends to the cache, the plain tokens and its ancestors
+        (a 4D additive mask), at position cached + h + its depth. The cache then holds
+        every node's keys/values after the plain tokens, in node order; the caller keeps
+        one path (specdec.verifier.scorer.keep_path)."""
+        assert not isinstance(self.store, PagedStore), "trees are refused on --engine paged"
+        session, tokens, parents = request.session, list(request.tokens), request.tree
+        assert parents is not None
+        cached, n, m = len(session.tokens), len(tokens), len(parents)
+        h = n - m
+        depth: list[int] = []
+        sees = torch.zeros(n, n, dtype=torch.bool)  # query i may attend input j
+        sees[:h, :h] = torch.ones(h, h, dtype=torch.bool).tril()
+        for i, parent in enumerate(parents):
+            row = h + i
+            if parent >= 0:
+                sees[row] = sees[h + parent]
+            else:
+                sees[row, :h] = True
+            sees[row, row] = True
+            depth.append(depth[parent] + 1 if parent >= 0 else 0)
+        visible = torch.cat([torch.ones(n, cached, dtype=torch.bool), sees], dim=1)
+        dtype = self.model.dtype
+        mask = torch.zeros(1, 1, n, cached + n, dtype=dtype)
+        mask.masked_fill_(~visible[None, None], torch.finfo(dtype).min)
+        positions = torch.tensor(
+            [[*range(cached, cached + h), *(cached + h + d for d in depth)]], dtype=torch.long
+        )
+        input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        started = time.perf_counter()
+        with self.obs.forward(n, 1, fresh=request.fresh):
+            logits = self.model_logits(
+                request.keep,
+                input_ids=input_ids,
+                attention_mask=mask.to(self.device),
+                position_ids=positions.to(self.device),
+                cache=session.kv,
+            )
+        session.append(tokens)
+        self._timed(n, 1, started)
+        return logits[0].float()  # [keep, vocab]
 
     @torch.inference_mode()
     def _forward(self, request: ForwardRequest) -> torch.Tensor:
@@ -426,3 +487,7 @@ class ModelRuntime:
     def release(self, session_id: str) -> bool:
         assert self.store is not None
         return self.store.release(session_id)
+
+
+def _is_tree(request: Request) -> bool:
+    return isinstance(request, ForwardRequest) and bool(request.tree)

@@ -10,6 +10,11 @@ that drafter and verifier share one implementation:
    if every draft token is accepted, sample the *bonus* token from the last target row.
 3. Greedy decoding (temperature 0) is the limit case: accept while the draft token equals
    the target's argmax; the next token is the target's argmax where they first differ.
+4. A token tree (``tree_verdict``): at each accepted node its children are tried in order,
+   each against the residual the earlier siblings left (recursive rejection sampling);
+   the first accepted child is descended into; when every child is rejected the next token
+   is drawn from the last residual. Greedy: the child that is the target's argmax.
+   docs/concepts/speculation.md has the proof sketch.
 
 The draft distribution travels with the draft as an ``EncodedProbs`` (sparse ids + fp32
 probabilities when warping left few non-zero entries, dense fp16 otherwise). The drafter
@@ -41,6 +46,8 @@ __all__ = [
     "rejection_sample",
     "round_trip",
     "sample_from",
+    "tree_children",
+    "tree_verdict",
     "truncate_proposal",
     "warp",
     "wire_entries",
@@ -256,6 +263,76 @@ def greedy_verdict(draft_tokens: Sequence[int], choices: Sequence[int]) -> tuple
     caller copied to the host in one transfer."""
     accepted = next((i for i, d in enumerate(draft_tokens) if d != choices[i]), len(draft_tokens))
     return accepted, choices[accepted]
+
+
+def tree_children(parents: Sequence[int]) -> list[list[int]]:
+    """A tree's children lists: [k + 1] where entry 0 holds the root's children (parent -1)
+    and entry i + 1 node i's, each in node order (the order siblings are tried)."""
+    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for i, parent in enumerate(parents):
+        children[parent + 1].append(i)
+    return children
+
+
+def tree_verdict(
+    draft_tokens: Sequence[int],
+    parents: Sequence[int],
+    target: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    generator: torch.Generator | None,
+    greedy: bool,
+) -> tuple[list[int], int]:
+    """The rule on a token tree, for one sequence.
+
+    draft_tokens [k], parents [k] (-1: a child of the root, else an earlier node).
+    target [k+1, vocab]: row 0 the target after the root, row i + 1 after node i; warped
+    probabilities (when greedy, any scores whose argmax is the target's token).
+    draft_probs [k, vocab]: the distribution each node was drawn from given its path and
+    its earlier siblings (ignored when greedy).
+    Returns (accepted path: node indices root to leaf, next token).
+
+    Sampling: at the current node with target distribution p, each child c (token x,
+    proposal q) in order is accepted with probability min(1, p(x) / q(x)); on rejection p
+    becomes norm(max(0, p - q)) for the next child. The first accepted child becomes the
+    current node (p: its own target row); when every child is rejected the next token is
+    drawn from p, the residual. Exact for any proposals (module docstring, 4).
+    """
+    children = tree_children(parents)
+    path: list[int] = []
+    row = 0  # target row of the current node
+    if greedy:
+        choices = target.argmax(dim=-1).tolist()
+        while True:
+            step = next((c for c in children[row] if draft_tokens[c] == choices[row]), None)
+            if step is None:
+                return path, choices[row]
+            path.append(step)
+            row = step + 1
+    assert draft_probs is not None, "sampling needs the draft distributions"
+    while True:
+        p = target[row]
+        step = None
+        for child in children[row]:
+            x = draft_tokens[child]
+            q = draft_probs[child]
+            u = torch.rand((), generator=generator, device=p.device)
+            # u < p/q without a division; q(x) = 0 cannot have been drawn: rejected.
+            if bool((u * q[x] < p[x]) & (q[x] > 0)):
+                step = child
+                break
+            p = _residual(p, q)
+        if step is None:
+            return path, int(sample_from(p, generator))
+        path.append(step)
+        row = step + 1
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)); p itself where that has no mass (p == q, which rejects only
+    through rounding, and then p is the correct distribution)."""
+    residual = (p - q).clamp_min(0)
+    mass = residual.sum()
+    return residual / mass if float(mass) > 0 else p
 
 
 def rejection_sample(

@@ -1,5 +1,10 @@
 """The verifier's domain logic: one target forward over new tokens + draft, then the rule.
 
+A draft is a chain or a token tree (`draft_parents`): a tree's nodes are scored in one
+forward under a tree mask (ModelRuntime._forward_tree), the rule walks it
+(specdec.replica.sampling.tree_verdict), and only the accepted path's keys/values stay in
+the cache (`keep_path`: gathered to follow the new tokens, the rest cropped).
+
 `verify` is a model-thread job (specdec.replica.batching): its forward is batched with the
 forwards of other sessions' Verify calls waiting at the same time."""
 
@@ -24,6 +29,7 @@ from specdec.replica.sampling import (
     greedy_verdict,
     make_generator,
     rejection_sample,
+    tree_verdict,
     warp,
 )
 
@@ -35,13 +41,14 @@ VERIFY_SALT = "verify"
 class Verdict:
     accepted: int  # 0..k
     next_token: int  # recovered (accepted < k) or bonus (accepted == k)
-    bonus: bool
+    bonus: bool  # a tree: the accepted path ends at a leaf
     cached_length: int
     forward_ms: float
     # Asked for (LogprobsAsk): the emitted tokens' scores [accepted + 1 rows], and those of
     # new_tokens[1:] with ask.prompt; on the host.
     logprobs: LogprobRows | None = None
     prompt_logprobs: LogprobRows | None = None
+    path: list[int] | None = None  # a tree's accepted nodes, root to leaf
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,7 @@ class VerifyCall:
     logprobs: LogprobsAsk | None
     fork_from: str
     grammar_masks: torch.Tensor | None  # [k+1, vocab] bool
+    draft_parents: list[int] | None = None  # a token tree's parents [k]; None: a chain
 
     def job(self) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
         return verify(**arguments(self))
@@ -76,6 +84,7 @@ def verify(
     logprobs: LogprobsAsk | None = None,
     fork_from: str = "",
     grammar_masks: torch.Tensor | None = None,
+    draft_parents: Sequence[int] | None = None,
 ) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
     """Score draft_tokens [k] (sampled from draft_probs [k, vocab]) after prefix + new_tokens,
     with the request's logits processors (controls; None: none).
@@ -87,6 +96,9 @@ def verify(
     new_tokens + accepted drafts. logprobs: also score the emitted tokens (and the prompt)
     (specdec.replica.logprobs). fork_from: start the session as a copy of that session's
     cache (CacheStore.acquire).
+
+    draft_parents [k]: the draft is a token tree (VerifyRequest.draft_parents); the
+    servicer has refused controls, grammar masks and logprobs with one.
     """
     with runtime.guarded(session_id):
         return (
@@ -102,6 +114,7 @@ def verify(
                 logprobs,
                 fork_from,
                 grammar_masks,
+                draft_parents,
             )
         )
 
@@ -145,12 +158,19 @@ def _verify(
     ask,
     fork_from,
     grammar_masks,
+    parents,
 ):
     started = time.perf_counter()
     k = len(draft_tokens)
     session = runtime.store.acquire(
         session_id, prefix.length, prefix.hash, len(new_tokens) + k, fork_from=fork_from
     )
+    if parents:
+        return (
+            yield from _verify_tree(
+                runtime, session, prefix, new_tokens, draft_tokens, draft_probs, params, parents
+            )
+        )
     scored = len(new_tokens) - 1 if ask is not None and ask.prompt else 0  # prompt rows
     target_logits, prompt_logits = yield from processed_target_logits(
         runtime, session, new_tokens, draft_tokens, controls, grammar_masks, scored
@@ -191,6 +211,53 @@ def _verify(
         logprobs=emitted_rows,
         prompt_logprobs=prompt_rows,
     )
+
+
+def _verify_tree(runtime, session, prefix, new_tokens, draft_tokens, draft_probs, params, parents):
+    """A token tree's verdict (`verify`): one forward under the tree mask, the rule on the
+    host, the accepted path kept."""
+    started = time.perf_counter()
+    k = len(draft_tokens)
+    parents = list(parents)
+    logits = yield from runtime.forward_steps(
+        session, [*new_tokens, *draft_tokens], keep=k + 1, tree=parents
+    )  # [k+1, vocab]: after the new tokens, then after each node
+    if params.greedy:
+        target, probs, gen = logits.argmax(dim=-1), None, None
+        (target,) = to_host(target)  # the Verify's one copy
+        target = torch.nn.functional.one_hot(target, logits.shape[-1])
+    else:
+        # The rule steps node by node on the host: the rows and the proposals, copied once.
+        target, probs = to_host(warp(logits, params), draft_probs.to(runtime.device))
+        position = prefix.length + len(new_tokens)  # index of the first node in the sequence
+        gen = make_generator(params.seed, VERIFY_SALT, position)
+    path, token = tree_verdict(draft_tokens, parents, target, probs, gen, params.greedy)
+    keep_path(runtime.store, session, len(session.tokens) - k, path)
+    children = set(parents)
+    return Verdict(
+        accepted=len(path),
+        next_token=token,
+        bonus=bool(path) and path[-1] not in children,
+        cached_length=len(session.tokens),
+        forward_ms=(time.perf_counter() - started) * 1e3,
+        path=path,
+    )
+
+
+@torch.inference_mode()
+def keep_path(store, session: Session, base: int, path: Sequence[int]) -> None:
+    """After a tree forward (the nodes' slots from `base` on, in node order), keep only the
+    accepted path: its nodes' keys/values and tokens gathered to slots base.. base+len(path)
+    of every layer, the rest cropped."""
+    if path and list(path) != list(range(len(path))):
+        src = torch.tensor([base + i for i in path], dtype=torch.long)
+        dst = torch.arange(base, base + len(path), device=session.kv.layers[0].keys.device)
+        for layer in session.kv.layers:
+            index = src.to(layer.keys.device)
+            layer.keys[:, :, dst] = layer.keys[:, :, index]
+            layer.values[:, :, dst] = layer.values[:, :, index]
+        session.tokens[base : base + len(path)] = [session.tokens[base + i] for i in path]
+    store.truncate(session, base + len(path))
 
 
 def _scores(runtime, ask, prompt_logits, new_tokens, target_logits, emitted) -> list[torch.Tensor]:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specdec.common.controls import controls_from_proto
-from specdec.common.errors import InvalidRequest
+from specdec.common.errors import InvalidRequest, Unimplemented
 from specdec.common.metrics import observed_rpc
 from specdec.common.params import MAX_TOP_LOGPROBS, sampling_from_proto
 from specdec.common.serving import rpc_errors
@@ -64,6 +64,17 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
         )
         masks = decode_grammar_masks(request.grammar_masks, k + 1, rt.vocab_size)  # [k+1, vocab]
         ask = logprobs_ask(request)
+        parents = tree_parents(request, k)
+        if parents is not None and rt.config.engine == "paged":
+            raise Unimplemented(
+                "token trees (draft_parents) are not built for --engine paged yet; this "
+                "verifier runs it: send chains (tree_width 1), or run --engine dense"
+            )
+        if parents is not None and (controls is not None or masks is not None or ask):
+            raise InvalidRequest(
+                "a draft tree (draft_parents) with logits processors that read the sequence, "
+                "grammar masks or logprobs is not supported yet; send a chain"
+            )
         check_fork(request.fork_from)
         queue_depth = rt.pending  # the load this call waits behind (itself not counted yet)
         call = VerifyCall(
@@ -78,6 +89,7 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
             logprobs=ask,
             fork_from=request.fork_from,
             grammar_masks=masks,
+            draft_parents=parents,
         )
         respond = functools.partial(
             self._verify_response, k, queue_depth, new_tokens, draft_tokens, request.logprobs
@@ -107,6 +119,8 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
             queue_depth=queue_depth,
             forward_cost=self.forward_cost(),
         )
+        if verdict.path is not None:
+            response.accepted_path.extend(verdict.path)
         if logprobs and verdict.logprobs is not None:
             emitted = [*draft_tokens[: verdict.accepted], verdict.next_token]
             response.logprobs.CopyFrom(logprobs_to_proto(emitted, verdict.logprobs))
@@ -115,6 +129,22 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
                 logprobs_to_proto(new_tokens, verdict.prompt_logprobs)
             )
         return response
+
+
+def tree_parents(request: verifier_pb2.VerifyRequest, k: int) -> list[int] | None:
+    """A Verify's draft tree (draft_parents), validated; None for a chain."""
+    parents = list(request.draft_parents)
+    if not parents:
+        return None
+    if len(parents) != k:
+        raise InvalidRequest(f"draft_parents has {len(parents)} entries for {k} draft tokens")
+    bad = next((i for i, p in enumerate(parents) if not -1 <= p < i), None)
+    if bad is not None:
+        raise InvalidRequest(
+            f"draft_parents[{bad}] is {parents[bad]}: a node's parent is -1 (the last new "
+            "token) or an earlier node"
+        )
+    return parents
 
 
 def logprobs_ask(request: verifier_pb2.VerifyRequest) -> LogprobsAsk | None:

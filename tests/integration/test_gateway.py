@@ -81,20 +81,25 @@ def small_stack(
     *drafter_flags: str,
     redis_url: str | None = None,
     gateway_flags: tuple[str, ...] = (),
+    more_gateways: dict[str, tuple[str, ...]] | None = None,
 ):
     """One drafter (with drafter_flags), one verifier and a gateway over them (on Redis at
-    redis_url if given, with gateway_flags), healthy; yields {"drafter", "verifier",
-    "gateway"}, stops all after."""
+    redis_url if given, with gateway_flags), and more_gateways (name: flags) over them too,
+    healthy; yields {"drafter", "verifier", "gateway", *more_gateways}, stops all after."""
     procs = []
     try:
         d = replica("drafter", draft_model, *drafter_flags)
         v = replica("verifier", target_model)
         procs += [d, v]
         d.wait_healthy(), v.wait_healthy()
-        g = gateway([d], [v], redis_url, *gateway_flags)
-        procs.append(g)
-        g.wait_healthy()
-        yield {"drafter": d, "verifier": v, "gateway": g}
+        gws = {"gateway": gateway([d], [v], redis_url, *gateway_flags)}
+        procs.append(gws["gateway"])
+        for name, flags in (more_gateways or {}).items():
+            gws[name] = gateway([d], [v], redis_url, *flags)
+            procs.append(gws[name])
+        for g in gws.values():
+            g.wait_healthy()
+        yield {"drafter": d, "verifier": v, **gws}
     finally:
         for p in procs:
             p.stop()

@@ -282,6 +282,9 @@ def test_to_dict_is_json_serialisable():
         "method": "",
         "by_source": {},
         "lookup_no_match_rounds": 0,
+        "tree_rounds": 0,
+        "tree_nodes": 0,
+        "tree_other_branch_rounds": 0,
     }
 
 

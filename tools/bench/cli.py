@@ -111,6 +111,13 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
         "mode repeats the same prompts)",
     )
     p.add_argument(
+        "--tree-width",
+        type=int,
+        default=1,
+        help="with --methods: also each method's rows verifying token trees of this width "
+        "('<method> treeW k=K', adaptive and SSD too) beside their chains (1: none)",
+    )
+    p.add_argument(
         "--adaptive",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -344,7 +351,15 @@ def run_bench(args: argparse.Namespace) -> int:
         (
             d,
             build_modes(
-                ks, ssd_ks, args.tracing and i == 0, d, i == 0, methods, args.adaptive, step
+                ks,
+                ssd_ks,
+                args.tracing and i == 0,
+                d,
+                i == 0,
+                methods,
+                args.adaptive,
+                step_layout=step,
+                tree_width=args.tree_width,
             ),
         )
         for i, d in enumerate(drafters)

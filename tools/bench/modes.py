@@ -64,6 +64,7 @@ class Mode:
     # stack: the request's k_policy: "fixed" (k every round: the k=K rows) or "adaptive"
     # (k an upper bound; the gateway's default: the 'adaptive' rows)
     k_policy: str = "fixed"
+    tree_width: int | None = None  # stack: SpeculationParams.tree_width (None: the gateway's)
 
 
 @dataclass
@@ -168,6 +169,7 @@ def build_modes(
     methods: tuple[str, ...] = (),
     adaptive: bool = True,
     step_layout: str | None = None,
+    tree_width: int = 1,
 ) -> list[Mode]:
     """Every mode of one drafter variant's stack; with `tracing`, each stack mode also runs
     as '<mode> traced' on a second stack that exports every span (sampling 1.0) over OTLP.
@@ -190,7 +192,10 @@ def build_modes(
     step_layout: the weights' layout in which the target's one-token step is fastest here
     (the calibration's timings), when it is not the stack's: the shared run then also
     measures the target alone in it (`target [bfloat16+packed]`), the fastest target alone
-    every row is also compared with (`speedup_vs_fastest_target`)."""
+    every row is also compared with (`speedup_vs_fastest_target`).
+
+    tree_width > 1: per method, the same rows verifying token trees of that width
+    (`ngram tree3 k=8`, `ngram tree3 adaptive k<=8`, with SSD too), beside their chains."""
     target = "target" if shared else f"target [{drafter}]"
     modes = [Mode(target, "hf", drafter=drafter, baseline=target)]
     if shared and step_layout:
@@ -217,6 +222,8 @@ def build_modes(
                  baseline=target, method=method)
             for k in ssd_ks[-1:]
         ]  # fmt: skip
+    if tree_width > 1:
+        modes += _tree_modes(ks[-1:], ssd_ks[-1:], methods, tree_width, adaptive, drafter, target)
     if adaptive:
         for method in ("model", *methods):
             label = "adaptive" if method == "model" else f"{method} adaptive"
@@ -251,6 +258,40 @@ def step_target_name(layout: str) -> str:
     return f"{STEP_TARGET} [{layout}]"
 
 
+def _tree_modes(
+    ks: list[int],
+    ssd_ks: list[int],
+    methods: tuple[str, ...],
+    width: int,
+    adaptive: bool,
+    drafter: str,
+    target: str,
+) -> list[Mode]:
+    """Each method's rows with token trees of `width` (build_modes)."""
+    out = []
+    policies = ("fixed", "adaptive") if adaptive else ("fixed",)
+    for method in methods:
+        for policy in policies:
+            label = f"{method} tree{width}" + (" adaptive" if policy == "adaptive" else "")
+            bound = "k<=" if policy == "adaptive" else "k="
+            for ssd, chosen in ((False, ks), (True, ssd_ks)):
+                out += [
+                    Mode(
+                        variant_name(f"{'ssd ' if ssd else ''}{label} {bound}{k}", drafter),
+                        "stack",
+                        k=k,
+                        ssd=ssd,
+                        drafter=drafter,
+                        baseline=target,
+                        method=method,
+                        k_policy=policy,
+                        tree_width=width,
+                    )
+                    for k in chosen
+                ]
+    return out
+
+
 def untraced_name(mode_name: str) -> str:
     return mode_name.removesuffix(" traced")
 
@@ -264,6 +305,7 @@ def run_stack_mode(client, mode: Mode, ids: list[int], n: int) -> Sample:
         ssd=mode.ssd or None,
         method=mode.method,
         k_policy=mode.k_policy,
+        tree_width=mode.tree_width,
     )
     seconds = time.perf_counter() - started
     stats = {

@@ -103,6 +103,7 @@ def build_generate_request(
     n: int = 1,
     structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
     method: str | None = None,
+    tree_width: int | None = None,
     prediction: str | Sequence[int] | None = None,
     record: bool | None = None,
 ) -> gateway_pb2.GenerateRequest:
@@ -123,7 +124,9 @@ def build_generate_request(
     ``{"choice": ["a", "b"]}`` or ``{"json_object": True}``.
     ``method``: where drafts come from, ``"model"`` (the draft model), ``"ngram"`` (prompt
     lookup), ``"suffix"`` (suffix decoding over the request and recent outputs) or
-    ``"hybrid"``; None: the server default. ``prediction``: text (or token ids) the
+    ``"hybrid"``; None: the server default. ``tree_width``: candidate continuations a
+    lookup round may verify together as one token tree (1..8; None: the server default).
+    ``prediction``: text (or token ids) the
     completion is expected to repeat (OpenAI's Predicted Outputs), a source of drafts;
     ``usage`` reports how much of it was accepted.
     ``record=False`` refuses the gateway's recording of this request (``--record``).
@@ -186,6 +189,8 @@ def build_generate_request(
         request.structured_output.CopyFrom(_structured_output(structured_output))
     if method is not None:
         request.speculation.method = METHODS[method]
+    if tree_width is not None:
+        request.speculation.tree_width = tree_width
     if isinstance(prediction, str):
         if prediction:
             request.prediction.text = prediction
@@ -351,6 +356,7 @@ class Client(_ClientBase):
         n: int = 1,
         structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
         method: str | None = None,
+        tree_width: int | None = None,
         prediction: str | Sequence[int] | None = None,
         record: bool | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
@@ -395,6 +401,7 @@ class Client(_ClientBase):
         n: int = 1,
         structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
         method: str | None = None,
+        tree_width: int | None = None,
         prediction: str | Sequence[int] | None = None,
         record: bool | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
@@ -502,6 +509,7 @@ class AsyncClient(_ClientBase):
         n: int = 1,
         structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
         method: str | None = None,
+        tree_width: int | None = None,
         prediction: str | Sequence[int] | None = None,
         record: bool | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
@@ -546,6 +554,7 @@ class AsyncClient(_ClientBase):
         n: int = 1,
         structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
         method: str | None = None,
+        tree_width: int | None = None,
         prediction: str | Sequence[int] | None = None,
         record: bool | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,

@@ -108,6 +108,11 @@ class SpeculationStats:
     by_source: dict[str, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
     #: Rounds of a lookup method that found nothing to draft.
     lookup_no_match_rounds: int = 0
+    #: Rounds that verified a token tree, their nodes, and those whose accepted path took
+    #: another branch than the draft's own.
+    tree_rounds: int = 0
+    tree_nodes: int = 0
+    tree_other_branch_rounds: int = 0
     #: The model version of the drafter that served the request ("" when none).
     drafter_version: str = ""
     #: Whether the gateway recorded the request (``--record``; ``record=False`` refuses).
@@ -298,6 +303,9 @@ def speculation_stats_from_proto(msg: gateway_pb2.SpeculationStats) -> Speculati
         method=_METHOD_NAMES.get(msg.method, ""),
         by_source={s.source: (s.drafts, s.draft_tokens, s.accepted_tokens) for s in msg.by_source},
         lookup_no_match_rounds=msg.lookup_no_match_rounds,
+        tree_rounds=msg.tree_rounds,
+        tree_nodes=msg.tree_nodes,
+        tree_other_branch_rounds=msg.tree_other_branch_rounds,
         drafter_version=msg.drafter_version,
         recorded=msg.recorded,
     )

@@ -133,16 +133,18 @@ class SessionOptions(_message.Message):
     def __init__(self, id: _Optional[str] = ..., mode: _Optional[_Union[SessionMode, str]] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("num_draft_tokens", "ssd", "k_policy", "method")
+    __slots__ = ("num_draft_tokens", "ssd", "k_policy", "method", "tree_width")
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SSD_FIELD_NUMBER: _ClassVar[int]
     K_POLICY_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
+    TREE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     num_draft_tokens: int
     ssd: bool
     k_policy: KPolicy
     method: SpeculationMethod
-    def __init__(self, num_draft_tokens: _Optional[int] = ..., ssd: _Optional[bool] = ..., k_policy: _Optional[_Union[KPolicy, str]] = ..., method: _Optional[_Union[SpeculationMethod, str]] = ...) -> None: ...
+    tree_width: int
+    def __init__(self, num_draft_tokens: _Optional[int] = ..., ssd: _Optional[bool] = ..., k_policy: _Optional[_Union[KPolicy, str]] = ..., method: _Optional[_Union[SpeculationMethod, str]] = ..., tree_width: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "history_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens")
@@ -167,7 +169,7 @@ class Timings(_message.Message):
     def __init__(self, time_to_first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "num_draft_tokens", "ssd", "ssd_hits", "ssd_misses", "cache_misses", "ssd_branches", "ssd_hidden_ms", "drafter_wait_ms", "ssd_bytes", "ssd_late", "ssd_speculates", "k_policy", "rounds_by_k", "mean_k", "policy_k0_rounds", "mean_fan_out", "ssd_paused_rounds", "mean_verifier_queue", "method", "by_source", "lookup_no_match_rounds", "drafter_version", "recorded")
+    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "num_draft_tokens", "ssd", "ssd_hits", "ssd_misses", "cache_misses", "ssd_branches", "ssd_hidden_ms", "drafter_wait_ms", "ssd_bytes", "ssd_late", "ssd_speculates", "k_policy", "rounds_by_k", "mean_k", "policy_k0_rounds", "mean_fan_out", "ssd_paused_rounds", "mean_verifier_queue", "method", "by_source", "lookup_no_match_rounds", "tree_rounds", "tree_nodes", "tree_other_branch_rounds", "drafter_version", "recorded")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +197,9 @@ class SpeculationStats(_message.Message):
     METHOD_FIELD_NUMBER: _ClassVar[int]
     BY_SOURCE_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_NO_MATCH_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    TREE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    TREE_OTHER_BRANCH_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
     RECORDED_FIELD_NUMBER: _ClassVar[int]
     rounds: int
@@ -224,9 +229,12 @@ class SpeculationStats(_message.Message):
     method: SpeculationMethod
     by_source: _containers.RepeatedCompositeFieldContainer[DraftSourceStats]
     lookup_no_match_rounds: int
+    tree_rounds: int
+    tree_nodes: int
+    tree_other_branch_rounds: int
     drafter_version: str
     recorded: bool
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., ssd: _Optional[bool] = ..., ssd_hits: _Optional[int] = ..., ssd_misses: _Optional[int] = ..., cache_misses: _Optional[int] = ..., ssd_branches: _Optional[int] = ..., ssd_hidden_ms: _Optional[float] = ..., drafter_wait_ms: _Optional[float] = ..., ssd_bytes: _Optional[int] = ..., ssd_late: _Optional[int] = ..., ssd_speculates: _Optional[int] = ..., k_policy: _Optional[_Union[KPolicy, str]] = ..., rounds_by_k: _Optional[_Iterable[int]] = ..., mean_k: _Optional[float] = ..., policy_k0_rounds: _Optional[int] = ..., mean_fan_out: _Optional[float] = ..., ssd_paused_rounds: _Optional[int] = ..., mean_verifier_queue: _Optional[float] = ..., method: _Optional[_Union[SpeculationMethod, str]] = ..., by_source: _Optional[_Iterable[_Union[DraftSourceStats, _Mapping]]] = ..., lookup_no_match_rounds: _Optional[int] = ..., drafter_version: _Optional[str] = ..., recorded: _Optional[bool] = ...) -> None: ...
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., ssd: _Optional[bool] = ..., ssd_hits: _Optional[int] = ..., ssd_misses: _Optional[int] = ..., cache_misses: _Optional[int] = ..., ssd_branches: _Optional[int] = ..., ssd_hidden_ms: _Optional[float] = ..., drafter_wait_ms: _Optional[float] = ..., ssd_bytes: _Optional[int] = ..., ssd_late: _Optional[int] = ..., ssd_speculates: _Optional[int] = ..., k_policy: _Optional[_Union[KPolicy, str]] = ..., rounds_by_k: _Optional[_Iterable[int]] = ..., mean_k: _Optional[float] = ..., policy_k0_rounds: _Optional[int] = ..., mean_fan_out: _Optional[float] = ..., ssd_paused_rounds: _Optional[int] = ..., mean_verifier_queue: _Optional[float] = ..., method: _Optional[_Union[SpeculationMethod, str]] = ..., by_source: _Optional[_Iterable[_Union[DraftSourceStats, _Mapping]]] = ..., lookup_no_match_rounds: _Optional[int] = ..., tree_rounds: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., tree_other_branch_rounds: _Optional[int] = ..., drafter_version: _Optional[str] = ..., recorded: _Optional[bool] = ...) -> None: ...
 
 class DraftSourceStats(_message.Message):
     __slots__ = ("source", "drafts", "draft_tokens", "accepted_tokens")
@@ -375,15 +383,19 @@ class GetServerInfoResponse(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., draft_model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_num_draft_tokens: _Optional[int] = ..., default_num_draft_tokens: _Optional[int] = ..., default_ssd: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_chars: _Optional[int] = ..., max_session_id_chars: _Optional[int] = ..., default_session_ttl_seconds: _Optional[int] = ..., max_session_ttl_seconds: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., supported_request_fields: _Optional[_Iterable[str]] = ..., max_stop_token_ids: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_choices: _Optional[int] = ..., structured_output_engine: _Optional[str] = ..., structured_output_kinds: _Optional[_Iterable[str]] = ..., default_method: _Optional[_Union[SpeculationMethod, str]] = ..., lookup: _Optional[_Union[LookupInfo, _Mapping]] = ..., recording: _Optional[bool] = ..., drafter_versions: _Optional[_Iterable[str]] = ..., drafter_canary_version: _Optional[str] = ..., drafter_canary_percent: _Optional[float] = ...) -> None: ...
 
 class LookupInfo(_message.Message):
-    __slots__ = ("prompt_lookup_min", "prompt_lookup_max", "suffix_depth", "suffix_cache_tokens", "suffix_cache_scope")
+    __slots__ = ("prompt_lookup_min", "prompt_lookup_max", "suffix_depth", "suffix_cache_tokens", "suffix_cache_scope", "tree_width", "max_tree_width")
     PROMPT_LOOKUP_MIN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOOKUP_MAX_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    TREE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     prompt_lookup_min: int
     prompt_lookup_max: int
     suffix_depth: int
     suffix_cache_tokens: int
     suffix_cache_scope: str
-    def __init__(self, prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., suffix_depth: _Optional[int] = ..., suffix_cache_tokens: _Optional[int] = ..., suffix_cache_scope: _Optional[str] = ...) -> None: ...
+    tree_width: int
+    max_tree_width: int
+    def __init__(self, prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., suffix_depth: _Optional[int] = ..., suffix_cache_tokens: _Optional[int] = ..., suffix_cache_scope: _Optional[str] = ..., tree_width: _Optional[int] = ..., max_tree_width: _Optional[int] = ...) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/verifier.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x91\x03\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12(\n\x06prefix\x18\x02 \x01(\x0b\x32\x18.specdec.v1.CachedPrefix\x12\x16\n\nnew_tokens\x18\x03 \x03(\x03\x42\x02\x10\x01\x12\x18\n\x0c\x64raft_tokens\x18\x04 \x03(\x03\x42\x02\x10\x01\x12\x32\n\x0b\x64raft_probs\x18\x05 \x03(\x0b\x32\x1d.specdec.v1.DraftDistribution\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12*\n\x06output\x18\x14 \x01(\x0b\x32\x1a.specdec.v1.OutputControls\x12\x10\n\x08logprobs\x18\x1e \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x1f \x01(\r\x12\x17\n\x0fprompt_logprobs\x18  \x01(\x08\x12\x11\n\tfork_from\x18! \x01(\t\x12.\n\rgrammar_masks\x18( \x03(\x0b\x32\x17.specdec.v1.GrammarMask\"<\n\x0bGrammarMask\x12\x14\n\x0c\x61llowed_bits\x18\x01 \x01(\x0c\x12\x17\n\x0b\x61llowed_ids\x18\x02 \x03(\x05\x42\x02\x10\x01\"\xc0\x02\n\x0eVerifyResponse\x12\x16\n\x0e\x61\x63\x63\x65pted_count\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\x03\x12\x32\n\x0fnext_token_kind\x18\x03 \x01(\x0e\x32\x19.specdec.v1.NextTokenKind\x12\x15\n\rcached_length\x18\x04 \x01(\r\x12\x12\n\nforward_ms\x18\x05 \x01(\x02\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\r\x12-\n\x0c\x66orward_cost\x18\x07 \x01(\x0b\x32\x17.specdec.v1.ForwardCost\x12+\n\x08logprobs\x18\x1e \x01(\x0b\x32\x19.specdec.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x1f \x01(\x0b\x32\x19.specdec.v1.TokenLogprobs*j\n\rNextTokenKind\x12\x1f\n\x1bNEXT_TOKEN_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19NEXT_TOKEN_KIND_RECOVERED\x10\x01\x12\x19\n\x15NEXT_TOKEN_KIND_BONUS\x10\x02\x32\xce\x01\n\x0fVerifierService\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/verifier.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xac\x03\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12(\n\x06prefix\x18\x02 \x01(\x0b\x32\x18.specdec.v1.CachedPrefix\x12\x16\n\nnew_tokens\x18\x03 \x03(\x03\x42\x02\x10\x01\x12\x18\n\x0c\x64raft_tokens\x18\x04 \x03(\x03\x42\x02\x10\x01\x12\x32\n\x0b\x64raft_probs\x18\x05 \x03(\x0b\x32\x1d.specdec.v1.DraftDistribution\x12\x19\n\rdraft_parents\x18\x07 \x03(\x05\x42\x02\x10\x01\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12*\n\x06output\x18\x14 \x01(\x0b\x32\x1a.specdec.v1.OutputControls\x12\x10\n\x08logprobs\x18\x1e \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x1f \x01(\r\x12\x17\n\x0fprompt_logprobs\x18  \x01(\x08\x12\x11\n\tfork_from\x18! \x01(\t\x12.\n\rgrammar_masks\x18( \x03(\x0b\x32\x17.specdec.v1.GrammarMask\"<\n\x0bGrammarMask\x12\x14\n\x0c\x61llowed_bits\x18\x01 \x01(\x0c\x12\x17\n\x0b\x61llowed_ids\x18\x02 \x03(\x05\x42\x02\x10\x01\"\xdb\x02\n\x0eVerifyResponse\x12\x16\n\x0e\x61\x63\x63\x65pted_count\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\x03\x12\x32\n\x0fnext_token_kind\x18\x03 \x01(\x0e\x32\x19.specdec.v1.NextTokenKind\x12\x15\n\rcached_length\x18\x04 \x01(\r\x12\x12\n\nforward_ms\x18\x05 \x01(\x02\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\r\x12-\n\x0c\x66orward_cost\x18\x07 \x01(\x0b\x32\x17.specdec.v1.ForwardCost\x12\x19\n\raccepted_path\x18\x08 \x03(\rB\x02\x10\x01\x12+\n\x08logprobs\x18\x1e \x01(\x0b\x32\x19.specdec.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x1f \x01(\x0b\x32\x19.specdec.v1.TokenLogprobs*j\n\rNextTokenKind\x12\x1f\n\x1bNEXT_TOKEN_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19NEXT_TOKEN_KIND_RECOVERED\x10\x01\x12\x19\n\x15NEXT_TOKEN_KIND_BONUS\x10\x02\x32\xce\x01\n\x0fVerifierService\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,16 +36,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFYREQUEST'].fields_by_name['new_tokens']._serialized_options = b'\020\001'
   _globals['_VERIFYREQUEST'].fields_by_name['draft_tokens']._loaded_options = None
   _globals['_VERIFYREQUEST'].fields_by_name['draft_tokens']._serialized_options = b'\020\001'
+  _globals['_VERIFYREQUEST'].fields_by_name['draft_parents']._loaded_options = None
+  _globals['_VERIFYREQUEST'].fields_by_name['draft_parents']._serialized_options = b'\020\001'
   _globals['_GRAMMARMASK'].fields_by_name['allowed_ids']._loaded_options = None
   _globals['_GRAMMARMASK'].fields_by_name['allowed_ids']._serialized_options = b'\020\001'
-  _globals['_NEXTTOKENKIND']._serialized_start=855
-  _globals['_NEXTTOKENKIND']._serialized_end=961
+  _globals['_VERIFYRESPONSE'].fields_by_name['accepted_path']._loaded_options = None
+  _globals['_VERIFYRESPONSE'].fields_by_name['accepted_path']._serialized_options = b'\020\001'
+  _globals['_NEXTTOKENKIND']._serialized_start=909
+  _globals['_NEXTTOKENKIND']._serialized_end=1015
   _globals['_VERIFYREQUEST']._serialized_start=67
-  _globals['_VERIFYREQUEST']._serialized_end=468
-  _globals['_GRAMMARMASK']._serialized_start=470
-  _globals['_GRAMMARMASK']._serialized_end=530
-  _globals['_VERIFYRESPONSE']._serialized_start=533
-  _globals['_VERIFYRESPONSE']._serialized_end=853
-  _globals['_VERIFIERSERVICE']._serialized_start=964
-  _globals['_VERIFIERSERVICE']._serialized_end=1170
+  _globals['_VERIFYREQUEST']._serialized_end=495
+  _globals['_GRAMMARMASK']._serialized_start=497
+  _globals['_GRAMMARMASK']._serialized_end=557
+  _globals['_VERIFYRESPONSE']._serialized_start=560
+  _globals['_VERIFYRESPONSE']._serialized_end=907
+  _globals['_VERIFIERSERVICE']._serialized_start=1018
+  _globals['_VERIFIERSERVICE']._serialized_end=1224
 # @@protoc_insertion_point(module_scope)

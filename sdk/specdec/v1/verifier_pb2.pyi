@@ -18,12 +18,13 @@ NEXT_TOKEN_KIND_RECOVERED: NextTokenKind
 NEXT_TOKEN_KIND_BONUS: NextTokenKind
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "prefix", "new_tokens", "draft_tokens", "draft_probs", "sampling", "output", "logprobs", "top_logprobs", "prompt_logprobs", "fork_from", "grammar_masks")
+    __slots__ = ("session_id", "prefix", "new_tokens", "draft_tokens", "draft_probs", "draft_parents", "sampling", "output", "logprobs", "top_logprobs", "prompt_logprobs", "fork_from", "grammar_masks")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +37,7 @@ class VerifyRequest(_message.Message):
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.DraftDistribution]
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     output: _common_pb2.OutputControls
     logprobs: bool
@@ -43,7 +45,7 @@ class VerifyRequest(_message.Message):
     prompt_logprobs: bool
     fork_from: str
     grammar_masks: _containers.RepeatedCompositeFieldContainer[GrammarMask]
-    def __init__(self, session_id: _Optional[str] = ..., prefix: _Optional[_Union[_common_pb2.CachedPrefix, _Mapping]] = ..., new_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[_common_pb2.OutputControls, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., fork_from: _Optional[str] = ..., grammar_masks: _Optional[_Iterable[_Union[GrammarMask, _Mapping]]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., prefix: _Optional[_Union[_common_pb2.CachedPrefix, _Mapping]] = ..., new_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[_common_pb2.OutputControls, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., fork_from: _Optional[str] = ..., grammar_masks: _Optional[_Iterable[_Union[GrammarMask, _Mapping]]] = ...) -> None: ...
 
 class GrammarMask(_message.Message):
     __slots__ = ("allowed_bits", "allowed_ids")
@@ -54,7 +56,7 @@ class GrammarMask(_message.Message):
     def __init__(self, allowed_bits: _Optional[bytes] = ..., allowed_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted_count", "next_token", "next_token_kind", "cached_length", "forward_ms", "queue_depth", "forward_cost", "logprobs", "prompt_logprobs")
+    __slots__ = ("accepted_count", "next_token", "next_token_kind", "cached_length", "forward_ms", "queue_depth", "forward_cost", "accepted_path", "logprobs", "prompt_logprobs")
     ACCEPTED_COUNT_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +64,7 @@ class VerifyResponse(_message.Message):
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     FORWARD_COST_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PATH_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     accepted_count: int
@@ -71,6 +74,7 @@ class VerifyResponse(_message.Message):
     forward_ms: float
     queue_depth: int
     forward_cost: _common_pb2.ForwardCost
+    accepted_path: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _common_pb2.TokenLogprobs
     prompt_logprobs: _common_pb2.TokenLogprobs
-    def __init__(self, accepted_count: _Optional[int] = ..., next_token: _Optional[int] = ..., next_token_kind: _Optional[_Union[NextTokenKind, str]] = ..., cached_length: _Optional[int] = ..., forward_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., forward_cost: _Optional[_Union[_common_pb2.ForwardCost, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
+    def __init__(self, accepted_count: _Optional[int] = ..., next_token: _Optional[int] = ..., next_token_kind: _Optional[_Union[NextTokenKind, str]] = ..., cached_length: _Optional[int] = ..., forward_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., forward_cost: _Optional[_Union[_common_pb2.ForwardCost, _Mapping]] = ..., accepted_path: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...

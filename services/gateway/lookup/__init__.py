@@ -5,7 +5,9 @@
   a bounded cache of recent outputs of this gateway (per tenant or global);
 - a prediction (specdec.gateway.lookup.prediction): OpenAI's Predicted Outputs;
 - `hybrid` (specdec.gateway.lookup.hybrid): a lookup draft where its match is confident,
-  otherwise the draft model's draft, extended by prompt lookup.
+  otherwise the draft model's draft, extended by prompt lookup;
+- `tree` (specdec.gateway.lookup.tree): a source's candidate continuations merged into
+  one token tree (SpeculationParams.tree_width).
 
 A lookup draft is a deterministic proposal: its distribution is one-hot, so the verifier's
 rule (DESIGN §2) accepts it with probability p(d) and recovers from p without d.
@@ -30,6 +32,16 @@ METHODS = {
 BY_NAME = {name: value for value, name in METHODS.items()}
 
 SCOPES = ("global", "tenant", "off")
+
+# Candidate continuations a lookup round may verify as one token tree (specdec.gateway.loop).
+MAX_TREE_WIDTH = 8
+
+
+def tree_width(value: int) -> str | None:
+    """Why a tree width is invalid (None: it is valid)."""
+    if 1 <= value <= MAX_TREE_WIDTH:
+        return None
+    return f"must be in [1, {MAX_TREE_WIDTH}]"
 
 
 def method_name(value: int) -> str:

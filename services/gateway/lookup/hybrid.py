@@ -32,7 +32,13 @@ from dataclasses import dataclass, field
 from specdec.gateway.lookup import HYBRID, MODEL, NGRAM, PREDICTION, SUFFIX
 from specdec.gateway.lookup.ngram import NgramIndex
 from specdec.gateway.lookup.prediction import PredictionMatcher
-from specdec.gateway.lookup.suffix import Grower, SuffixCache, SuffixDraft, SuffixParams, draft
+from specdec.gateway.lookup.suffix import (
+    Grower,
+    SuffixCache,
+    SuffixDraft,
+    SuffixParams,
+    branches,
+)
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,9 @@ class LookupSettings:
 class Proposal:
     tokens: list[int]  # [k], k >= 1
     source: str  # NGRAM, SUFFIX or PREDICTION
+    # With width > 1: other candidate continuations, each starting with another token
+    # than tokens and the ones before it (specdec.gateway.lookup.tree merges them).
+    others: tuple[list[int], ...] = ()
 
 
 class RequestLookup:
@@ -66,8 +75,10 @@ class RequestLookup:
         cache: SuffixCache | None = None,
         cache_key: str = "",
         draft_from_cache: bool = True,
+        width: int = 1,
     ):
         self.method = method
+        self.width = width  # candidate continuations per round (1: a chain)
         self.settings = settings
         self.output_from = output_from
         self.prediction = PredictionMatcher(prediction) if prediction else None
@@ -77,7 +88,7 @@ class RequestLookup:
         self.draft_from_cache = draft_from_cache
         self.cache_key = cache_key
         self.ngram = (
-            NgramIndex(settings.prompt_lookup_min, settings.prompt_lookup_max)
+            NgramIndex(settings.prompt_lookup_min, settings.prompt_lookup_max, width)
             if method in (NGRAM, HYBRID)
             else None
         )
@@ -107,37 +118,47 @@ class RequestLookup:
         self.follow(ctx)
         if self.method == NGRAM:
             tokens, _ = self.ngram.propose(k)
-            return Proposal(tokens, NGRAM) if tokens else None
+            return Proposal(tokens, NGRAM, self._ngram_others(k)) if tokens else None
         if self.method == HYBRID:
             return self._hybrid(ctx, k)
         if self.grower is None:
             return None
-        best = draft(self.grower.trie, ctx, k, self.settings.suffix)
-        cached = self._cached(ctx, k)
-        if cached is not None and cached.score > best.score:
-            best = cached
-        return Proposal(best.tokens[:k], SUFFIX) if best.tokens else None
+        found = branches(self.grower.trie, ctx, k, self.settings.suffix, self.width)
+        found += self._cached(ctx, k)
+        found = [d for d in found if d.tokens]
+        if not found:
+            return None
+        found.sort(key=lambda d: -d.score)  # the best-scored first: the chain's draft
+        return _suffix_proposal(found, k, self.width)
+
+    def _ngram_others(self, k: int) -> tuple[list[int], ...]:
+        """The n-gram index's other candidates (none at width 1)."""
+        if self.width <= 1:
+            return ()
+        return tuple(self.ngram.candidates(k, self.width)[1:])
 
     def _hybrid(self, ctx: Sequence[int], k: int) -> Proposal | None:
         confident = self.settings.confident_match
         tokens, n = self.ngram.propose(k)
         if tokens and n >= confident:
-            return Proposal(tokens, NGRAM)
+            return Proposal(tokens, NGRAM, self._ngram_others(k))
         cached = self._cached(ctx, k)
+        best = cached[0] if cached else None
         if (
-            cached is not None
-            and cached.tokens
-            and cached.match_length >= confident
-            and cached.score >= self.settings.confident_score
+            best is not None
+            and best.tokens
+            and best.match_length >= confident
+            and best.score >= self.settings.confident_score
         ):
-            return Proposal(cached.tokens[:k], SUFFIX)
+            return _suffix_proposal(cached, k, self.width)
         return None
 
-    def _cached(self, ctx: Sequence[int], k: int) -> SuffixDraft | None:
-        """The cache of recent outputs' draft (None: no cache, or not for this request)."""
+    def _cached(self, ctx: Sequence[int], k: int) -> list[SuffixDraft]:
+        """The cache of recent outputs' drafts, up to `width`, its own best first (none:
+        no cache, or not for this request)."""
         if self.cache is None or not self.draft_from_cache:
-            return None
-        return self.cache.draft(self.cache_key, ctx, k)
+            return []
+        return self.cache.branches(self.cache_key, ctx, k, self.width)
 
     def extend(self, ctx: Sequence[int], model_draft: Sequence[int], k: int) -> list[int]:
         """Under hybrid, up to k lookup tokens to verify after the draft model's draft
@@ -152,3 +173,15 @@ class RequestLookup:
         """The turn's output, for the gateway's cache of recent outputs."""
         if self.cache is not None and output:
             self.cache.add(self.cache_key, output)
+
+
+def _suffix_proposal(found: list[SuffixDraft], k: int, width: int) -> Proposal:
+    """Suffix drafts, best first, as a proposal: the first its tokens, up to width - 1
+    others (each starting with another token) its other candidates."""
+    firsts = {found[0].tokens[0]}
+    others = []
+    for d in found[1:]:
+        if d.tokens[0] not in firsts and len(others) < width - 1:
+            firsts.add(d.tokens[0])
+            others.append(d.tokens[:k])
+    return Proposal(found[0].tokens[:k], SUFFIX, tuple(others))

@@ -12,6 +12,10 @@ prompts (the target's own greedy outputs replayed, 128 tokens) it makes 3.42 tok
 round against 3.33 for the latest occurrence. The input being edited, quoted or extracted
 comes before any partial copy of it in the output, and its first copy runs longest.
 
+With `width` > 1 the index also keeps, per n-gram, up to width - 1 later occurrences
+whose next token differs from those kept before: `candidates` proposes the continuations
+of each (longest n-gram first), the branches of a token tree.
+
 `propose(k, draft)` also matches after a draft that is not in the index (the draft
 model's, in `hybrid`): the n-gram ending the draft is looked up, and the copy runs on
 through the draft and the copy itself.
@@ -25,26 +29,34 @@ from collections.abc import Sequence
 class NgramIndex:
     """n-grams of one growing token sequence -> where their first continuation starts."""
 
-    def __init__(self, min_n: int, max_n: int):
+    def __init__(self, min_n: int, max_n: int, width: int = 1):
         if not 1 <= min_n <= max_n:
             raise ValueError(
                 f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {min_n}, {max_n}"
             )
         self.min_n = min_n
         self.max_n = max_n
+        self.width = width
         self.tokens: list[int] = []
         self._after: dict[tuple[int, ...], int] = {}
+        # width > 1: n-gram -> later starts, each continuing with another token
+        self._others: dict[tuple[int, ...], list[int]] = {}
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def extend(self, new: Sequence[int]) -> None:
         """Append tokens; each indexes the n-grams it continues (those ending before it)."""
-        toks, after = self.tokens, self._after
+        toks, after, others, width = self.tokens, self._after, self._others, self.width
         for t in new:
             j = len(toks)
             for n in range(self.min_n, min(self.max_n, j) + 1):
-                after.setdefault(tuple(toks[j - n : j]), j)
+                key = tuple(toks[j - n : j])
+                first = after.setdefault(key, j)
+                if width > 1 and first != j and toks[first] != t:
+                    later = others.setdefault(key, [])
+                    if len(later) < width - 1 and all(toks[i] != t for i in later):
+                        later.append(j)
             toks.append(t)
 
     def match(self, draft: Sequence[int] = ()) -> tuple[int, int] | None:
@@ -62,6 +74,24 @@ class NgramIndex:
             if start is not None:
                 return start, n
         return None
+
+    def candidates(self, k: int, width: int) -> list[list[int]]:
+        """Up to `width` continuations of k tokens, each starting with another token: those
+        of the longest n-gram ending the sequence first (its first occurrence first), then
+        of shorter ones. The first is `propose(k)`'s."""
+        toks, length = self.tokens, len(self.tokens)
+        out: list[list[int]] = []
+        firsts: set[int] = set()
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            key = tuple(toks[length - n :])
+            start = self._after.get(key)
+            if start is None:
+                continue
+            for at in (start, *self._others.get(key, ())):
+                if toks[at] not in firsts and len(out) < width:
+                    firsts.add(toks[at])
+                    out.append(copy_after(toks, at, k))
+        return out
 
     def propose(self, k: int, draft: Sequence[int] = ()) -> tuple[list[int], int]:
         """Up to k tokens that followed the match of the sequence (then `draft`), and the

@@ -225,19 +225,50 @@ class SuffixParams:
 
 def draft(trie: SuffixTrie, ctx: Sequence[int], k: int, p: SuffixParams) -> SuffixDraft:
     """Suffix decoding's draft of at most k tokens after ctx from one trie."""
-    if k <= 0:
-        return NO_DRAFT
+    found = branches(trie, ctx, k, p, 1)
+    return found[0] if found else NO_DRAFT
+
+
+def branches(
+    trie: SuffixTrie, ctx: Sequence[int], k: int, p: SuffixParams, width: int
+) -> list[SuffixDraft]:
+    """Up to `width` drafts of at most k tokens after ctx, one through each of the most
+    frequent continuations of the match (the most frequent first: suffix decoding's own
+    draft), each then following the most frequent child as `draft` does; a branch whose
+    first token's probability is below min_prob is left out."""
+    if k <= 0 or width <= 0:
+        return []
     found = trie.match(ctx, p.max_match)
     if found is None:
-        return NO_DRAFT
+        return []
     node, match_length = found
     k = min(k, math.ceil(match_length * p.spec_factor))
+    best = trie.best[node]
+    others, x = [], trie.first[node]
+    while x >= 0:
+        if x != best:
+            others.append(x)
+        x = trie.sibling[x]
+    others.sort(key=lambda c: -trie.count[c])
+    out = []
+    for first in [best, *others][:width]:
+        found_draft = _follow(trie, ctx, node, first, k, p)
+        if found_draft is not None:
+            out.append(SuffixDraft(found_draft[0], found_draft[1], match_length))
+    return out
+
+
+def _follow(
+    trie: SuffixTrie, ctx: Sequence[int], node: int, first: int, k: int, p: SuffixParams
+) -> tuple[list[int], float] | None:
+    """From the match's node through its child `first`, then the most frequent child:
+    (tokens, score), or None when `first` is below min_prob."""
     out: list[int] = []
     prob, score = 1.0, 0.0
     tail: list[int] | None = None
     count, total, best_of, token = trie.count, trie.total, trie.best, trie.token
     while len(out) < k:
-        best = best_of[node]
+        best = first if not out else best_of[node]
         if best < 0:  # the trie's depth: match again on ctx + the draft so far
             if tail is None:
                 tail = list(ctx[-p.max_match :])
@@ -252,7 +283,7 @@ def draft(trie: SuffixTrie, ctx: Sequence[int], k: int, p: SuffixParams) -> Suff
         out.append(token[best])
         score += prob
         node = best
-    return SuffixDraft(out, score, match_length)
+    return (out, score) if out else None
 
 
 class SuffixCache:
@@ -305,13 +336,19 @@ class SuffixCache:
     def draft(self, key: str, ctx: Sequence[int], k: int) -> SuffixDraft:
         """The cache's draft for ctx under `key`; counts a look-up, and a hit when it
         proposes something."""
+        found = self.branches(key, ctx, k, 1)
+        return found[0] if found else NO_DRAFT
+
+    def branches(self, key: str, ctx: Sequence[int], k: int, width: int) -> list[SuffixDraft]:
+        """The cache's drafts for ctx under `key`, up to `width` of them (`branches`);
+        counts a look-up, and a hit when it proposes something."""
         self.lookups += 1
         metrics.SUFFIX_CACHE_LOOKUPS.inc()
         trie = self.tries.get(key)
         if trie is None:
-            return NO_DRAFT
-        found = draft(trie, ctx, k, self.params)
-        if found.tokens:
+            return []
+        found = branches(trie, ctx, k, self.params, width)
+        if found:
             self.hits += 1
             metrics.SUFFIX_CACHE_HITS.inc()
         return found

@@ -1,0 +1,83 @@
+"""Lookup candidates as token trees: merging, the n-gram index's and the suffix tries'
+other candidates, and the policy's sizing of a tree against its cost curve."""
+
+from __future__ import annotations
+
+from specdec.gateway.lookup.ngram import NgramIndex
+from specdec.gateway.lookup.suffix import SuffixParams, SuffixTrie, branches
+from specdec.gateway.lookup.tree import is_chain, merge
+from specdec.gateway.policy import AdaptivePolicy, FixedPolicy
+
+
+def test_merge_shares_prefixes_and_keeps_the_first_branch_first():
+    tokens, parents = merge([[1, 2, 3], [1, 2, 4], [5, 6]], budget=10)
+    assert tokens == [1, 2, 3, 4, 5, 6]
+    assert parents == [-1, 0, 1, 1, -1, 4]
+    assert merge([[1, 2, 3], [5, 6]], budget=4) == ([1, 2, 3, 5], [-1, 0, 1, -1])
+    assert is_chain(merge([[1, 2], [1, 2]], budget=4)[1])
+
+
+def test_ngram_candidates_start_with_different_tokens():
+    index = NgramIndex(1, 3, width=3)
+    # "0 1 2" is followed by 11 first, then by 10
+    index.extend([1, 2, 10, 0, 1, 2, 11, 0, 1, 2, 10, 0, 1, 2])
+    assert index.propose(3)[0] == [11, 0, 1]  # the first occurrence: the chain's draft
+    assert index.candidates(3, 3) == [[11, 0, 1], [10, 0, 1]]
+    assert index.candidates(3, 1) == [[11, 0, 1]]
+    assert NgramIndex(1, 3).candidates(3, 3) == []  # empty index
+    # width 1 keeps no later occurrences: the other candidate is a shorter n-gram's first
+    single = NgramIndex(1, 3)
+    single.extend([1, 2, 10, 0, 1, 2, 11, 0, 1, 2])
+    assert single.candidates(2, 3) == [[11, 0], [10, 0]]
+
+
+def test_suffix_branches_follow_the_most_frequent_continuations():
+    trie = SuffixTrie(8)
+    for seq in ([7, 8, 1, 2], [7, 8, 1, 2], [7, 8, 3, 4]):
+        trie.add(seq)
+    params = SuffixParams(depth=8, max_match=4, spec_factor=2.0, min_prob=0.1)
+    found = branches(trie, [5, 7, 8], 2, params, 3)
+    assert [d.tokens for d in found] == [[1, 2], [3, 4]]
+    assert found[0].score > found[1].score
+    assert [d.tokens for d in branches(trie, [5, 7, 8], 2, params, 1)] == [[1, 2]]
+
+
+def test_fixed_policy_gives_other_branches_a_share():
+    assert FixedPolicy().tree_sizes(8, 1, 16) == (8, 4)
+    assert FixedPolicy().tree_sizes(16, 3, 16) == (10, 2)
+
+
+class _Line:
+    def __init__(self, per_token_ms: float):
+        self.per_token_ms = per_token_ms
+
+    def ms(self, tokens: int) -> float:
+        return 10.0 + self.per_token_ms * tokens
+
+
+def _adaptive(per_token_ms: float) -> AdaptivePolicy:
+    policy = AdaptivePolicy(ssd=False, max_fan_out=1)
+    policy.verifier_line = lambda: _Line(per_token_ms)  # the verifier's cost curve
+    for _ in range(50):  # a source whose first token is often wrong, other branches good
+        policy.sources["ngram"].observe(8, 0)
+        policy.sources["ngram"].observe(8, 8)
+        policy.alternatives.observe(4, 4)
+    return policy
+
+
+def test_adaptive_tree_on_a_flat_curve_chain_on_a_steep_one():
+    """Memory-bound verification (a node costs little): a tree; compute-bound (a node
+    costs as much as the round's fixed part): a chain."""
+    chain, share = _adaptive(0.05).tree_sizes(8, 2, 16, "ngram")
+    assert share > 0 and chain + 2 * share <= 16
+    assert _adaptive(10.0).tree_sizes(8, 2, 16, "ngram")[1] == 0
+
+
+def test_bench_rows_with_trees_beside_their_chains():
+    from specdec.tools.bench.modes import build_modes
+
+    modes = {m.name: m for m in build_modes([8], [4], methods=("ngram",), tree_width=3)}
+    for name in ("ngram tree3 k=8", "ssd ngram tree3 k=4", "ngram tree3 adaptive k<=8"):
+        assert modes[name].tree_width == 3 and modes[name].method == "ngram", name
+    assert modes["ngram k=8"].tree_width is None  # the chain it is compared with
+    assert not any("tree" in m for m in {m.name for m in build_modes([8], [4], methods=("ngram",))})

@@ -1,0 +1,140 @@
+"""The token-tree rule (specdec.replica.sampling.tree_verdict): greedy tables, and the
+first two sampled tokens' joint distribution against the target's, by chi-square, with a
+negative control (siblings checked against p instead of the residual) that must fail."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specdec.replica import sampling
+from specdec.replica.sampling import sample_from, tree_children, tree_verdict
+
+VOCAB = 6
+START = 0
+Z_CHI2 = 4.0  # one-sided, about 3e-5 false alarms per run
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _one_hot(token: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(token), VOCAB).float()
+
+
+def test_children_in_node_order():
+    assert tree_children([-1, -1, 0, 1, 0]) == [[0, 1], [2, 4], [3], [], [], []]
+
+
+def _greedy_rows(argmaxes: list[int]) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(argmaxes), VOCAB).float()
+
+
+@pytest.mark.parametrize(
+    "tokens, parents, argmaxes, path, next_token",
+    [
+        # root's argmax 3: the second branch; then node 1's argmax 4: its child node 3
+        ([2, 3, 5, 4], [-1, -1, 0, 1], [3, 5, 4, 1, 0], [1, 3], 0),
+        # the first branch all the way, then the bonus
+        ([2, 3, 5, 4], [-1, -1, 0, 1], [2, 5, 1, 1, 0], [0, 2], 1),
+        # nothing matches at the root
+        ([2, 3], [-1, -1], [1, 0, 0], [], 1),
+        # a chain as a tree
+        ([1, 2, 3], [-1, 0, 1], [1, 2, 0, 5], [0, 1], 0),
+        # duplicate siblings: the first one wins
+        ([4, 4], [-1, -1], [4, 2, 3], [0], 2),
+        # the empty tree
+        ([], [], [3], [], 3),
+    ],
+)
+def test_greedy_longest_argmax_path(tokens, parents, argmaxes, path, next_token):
+    got = tree_verdict(tokens, parents, _greedy_rows(argmaxes), None, None, greedy=True)
+    assert got == (path, next_token)
+
+
+def _target() -> torch.Tensor:
+    """A bigram target p(x | prev) [V, V], every entry positive."""
+    g = torch.Generator().manual_seed(7)
+    return torch.softmax(torch.randn(VOCAB, VOCAB, generator=g) * 1.5, dim=-1)
+
+
+def _drafter() -> torch.Tensor:
+    g = torch.Generator().manual_seed(11)
+    return torch.softmax(torch.randn(VOCAB, VOCAB, generator=g) * 1.5, dim=-1)
+
+
+def _two_tokens(n: int, seed: int) -> torch.Tensor:
+    """n runs of the rule on one tree after START; the first two emitted tokens [n, 2].
+
+    The tree: two lookup branches (one-hot 2 then its one-hot child 4; one-hot 3), then a
+    model node drawn from the drafter, its own model child drawn after it. A run that emits
+    one token takes its second from the target (the next round's first token is the
+    target's, whatever that round drafts)."""
+    target, drafter = _target(), _drafter()
+    g = _gen(seed)
+    out = torch.empty(n, 2, dtype=torch.long)
+    parents = [-1, 0, -1, -1, 3]
+    for i in range(n):
+        model = int(sample_from(drafter[START], g))
+        model_child = int(sample_from(drafter[model], g))
+        tokens = [2, 4, 3, model, model_child]
+        probs = torch.stack([_one_hot(2), _one_hot(4), _one_hot(3), drafter[START], drafter[model]])
+        rows = torch.stack([target[START], *(target[t] for t in tokens)])  # [k+1, V]
+        path, nxt = tree_verdict(tokens, parents, rows, probs, g, greedy=False)
+        emitted = [tokens[j] for j in path] + [nxt]
+        if len(emitted) == 1:
+            emitted.append(int(sample_from(target[emitted[0]], g)))
+        out[i] = torch.tensor(emitted[:2])
+    return out
+
+
+def chi_square_failure(counts: torch.Tensor, exact: torch.Tensor) -> str | None:
+    """The chi-square test of counts against exact probabilities (same shape), with the
+    Wilson-Hilferty bound at Z_CHI2; a message when it fails, else None."""
+    n = int(counts.sum())
+    positive = exact > 0
+    if (counts[~positive] > 0).any():
+        return "a token pair of probability 0 was emitted"
+    expected = n * exact[positive].double()
+    chi2 = float(((counts[positive].double() - expected) ** 2 / expected).sum())
+    df = int(positive.sum()) - 1
+    a = 2.0 / (9 * df)
+    bound = df * (1 - a + Z_CHI2 * math.sqrt(a)) ** 3
+    return f"chi-square {chi2:.1f} > {bound:.1f} (df {df})" if chi2 > bound else None
+
+
+def _pair_counts(pairs: torch.Tensor) -> torch.Tensor:
+    return torch.bincount(pairs[:, 0] * VOCAB + pairs[:, 1], minlength=VOCAB**2).reshape(
+        VOCAB, VOCAB
+    )
+
+
+def _exact_pairs() -> torch.Tensor:
+    t = _target().double()
+    return t[START][:, None] * t
+
+
+N = 12_000
+
+
+def test_sampled_tree_is_exact():
+    assert chi_square_failure(_pair_counts(_two_tokens(N, 0)), _exact_pairs()) is None
+
+
+def test_negative_control_siblings_against_p_is_rejected(monkeypatch):
+    """The same tree and test with each sibling checked against p itself (no residual):
+    the chi-square test must catch it, or the test above could not fail."""
+    monkeypatch.setattr(sampling, "_residual", lambda p, q: p)
+    assert chi_square_failure(_pair_counts(_two_tokens(N, 0)), _exact_pairs()) is not None
+
+
+def test_sampled_zero_probability_node_is_rejected():
+    """A node whose proposal gives its token no mass cannot have been drawn: rejected."""
+    target = torch.full((2, VOCAB), 1.0 / VOCAB)
+    probs = _one_hot(1)[None]
+    for seed in range(20):
+        path, _ = tree_verdict([2], [-1], target, probs, _gen(seed), greedy=False)
+        assert path == []
