@@ -13,9 +13,10 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from specdec.common.prefix import prefix_hash
 from specdec.gateway.sessions import replica_session_id
 from specdec.sdk import AsyncClient
-from specdec.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
+from specdec.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from tests.conftest import PROMPTS
 from tests.integration.test_gateway import _free_port, gateway, replica
 
@@ -155,3 +156,26 @@ def test_a_cache_miss_in_a_batch_leaves_the_others_exact(batch_stack, tokenizer,
     for ids1, r1, ids2, r2 in zip(first, turn1, second, turn2, strict=True):
         assert list(r1.tokens) == reference(ids1, N)
         assert list(r2.tokens) == reference([*ids1, *r1.tokens, *ids2], N)
+
+
+def test_a_token_tree_on_each_engine(batch_stack, tokenizer):
+    """The dense engine verifies a token tree (draft_parents); the paged engine refuses it
+    with UNIMPLEMENTED, naming the engine, before it joins any forward."""
+    ids = prompts(tokenizer)[2]
+    request = verifier_pb2.VerifyRequest(
+        session_id="tree-on-" + batch_stack["engine"],
+        prefix=common_pb2.CachedPrefix(length=0, hash=prefix_hash([])),
+        new_tokens=ids,
+        draft_tokens=[ids[0], ids[1], ids[2]],
+        draft_parents=[-1, -1, 0],  # two children of the last new token, one grandchild
+    )
+    with grpc.insecure_channel(batch_stack["verifier"].address) as channel:
+        stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+        if batch_stack["engine"] == "dense":
+            answer = stub.Verify(request, timeout=60)
+            assert len(answer.accepted_path) == answer.accepted_count <= 2
+            return
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Verify(request, timeout=60)
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "not built for --engine paged" in e.value.details()
