@@ -19,6 +19,7 @@ from specdec.common.settings import (
     boolean,
     env_name,
     non_negative,
+    one_of,
     parse_value,
     port_number,
     positive,
@@ -36,6 +37,7 @@ __all__ = [
     "boolean",
     "env_name",
     "non_negative",
+    "one_of",
     "parse_value",
     "port_number",
     "positive",
@@ -218,15 +220,13 @@ class ReplicaConfig:
         gguf = args.gguf_file or None
         if gguf and os.sep in gguf and not os.path.isfile(gguf):  # a path must exist
             raise ConfigError(f"--gguf-file / {env_name('--gguf-file')}: no such file {gguf!r}")
-        dtype = parse_value(
-            args, "--dtype", str, lambda v: None if v in DTYPES else f"must be one of {DTYPES}"
-        )
+        dtype = parse_value(args, "--dtype", str, one_of(DTYPES))
         device = parse_value(args, "--device", str, _check_device)
         pack = parse_value(
             args,
             "--pack-weights",
             str,
-            lambda v: None if v in PACK_WEIGHTS else f"must be one of {PACK_WEIGHTS}",
+            one_of(PACK_WEIGHTS),
         )
         if pack == "true" and device != "cpu":
             raise ConfigError(
@@ -264,7 +264,7 @@ class ReplicaConfig:
                 args,
                 "--engine",
                 str,
-                lambda v: None if v in ENGINES else f"must be one of {ENGINES}",
+                one_of(ENGINES),
             ),
             kv_block_size=parse_value(args, "--kv-block-size", int, positive),
             tls=server_tls_from_args(args),

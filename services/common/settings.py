@@ -128,6 +128,11 @@ def boolean(value: str | bool) -> bool:
     raise ValueError("expected true or false")
 
 
+def one_of(choices: tuple[str, ...]) -> Callable[[str], str | None]:
+    """A parse_value check: the value is one of choices."""
+    return lambda v: None if v in choices else f"must be one of {choices}"
+
+
 def positive(value: int) -> str | None:
     return None if value > 0 else "must be > 0"
 

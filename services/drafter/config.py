@@ -13,6 +13,7 @@ from specdec.common.config import (
     ReplicaConfig,
     add_setting,
     non_negative,
+    one_of,
     parse_value,
     positive,
 )
@@ -132,7 +133,7 @@ class DrafterConfig(ReplicaConfig):
                 args,
                 "--ssd-outcomes",
                 str,
-                lambda v: None if v in OUTCOME_MODELS else f"must be one of {OUTCOME_MODELS}",
+                one_of(OUTCOME_MODELS),
             ),
             "ssd_acceptance_prior": parse_value(
                 args,

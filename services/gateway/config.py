@@ -12,6 +12,7 @@ from specdec.common.config import (
     boolean,
     env_name,
     non_negative,
+    one_of,
     parse_value,
     port_number,
     positive,
@@ -296,9 +297,7 @@ class GatewayConfig:
                 args,
                 "--replica-transport",
                 str,
-                lambda v: (
-                    None if v in REPLICA_TRANSPORTS else f"must be one of {REPLICA_TRANSPORTS}"
-                ),
+                one_of(REPLICA_TRANSPORTS),
             ),
             data_keepalive=parse_value(args, "--data-keepalive", float, seconds),
             data_keepalive_timeout=parse_value(args, "--data-keepalive-timeout", float, seconds),
