@@ -12,6 +12,10 @@ import sys
 # Set before torch is first imported, which reads OMP_NUM_THREADS once.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("SPECDEC_THREADS", "1")
+# Replicas the tests start fork from one server per process that has torch and transformers
+# imported already (specdec.tools.forkserver): 0.4 s of CPU a start instead of 6. The
+# start-up tests that exec `specdec` themselves (test_up, the quick start) clear it.
+os.environ.setdefault("SPECDEC_FORK_SERVER", "1")
 
 import pytest
 

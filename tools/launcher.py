@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
+from specdec.tools import forkserver
+
 
 class ServiceFailed(RuntimeError):
     """A child service exited or did not become healthy in time."""
@@ -188,6 +190,20 @@ class ServiceProcess:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> ServiceProcess:
+        prefix = [sys.executable, "-m", "specdec"]
+        args = self.argv[len(prefix) :]
+        if (
+            forkserver.wanted()
+            and self.argv[: len(prefix)] == prefix
+            and forkserver.forkable(args, self.env)
+        ):
+            with guarded():
+                self.proc = register(
+                    forkserver.Client.spawn(args, self.env, self.cpus),  # type: ignore[arg-type]
+                    own_group=True,
+                )
+            threading.Thread(target=self._pump, daemon=True, name=f"{self.name}-log").start()
+            return self
         with guarded():  # recorded as soon as it exists
             self.proc = register(
                 subprocess.Popen(

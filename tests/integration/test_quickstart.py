@@ -79,7 +79,8 @@ def test_quickstart_runs(case, test_models, tmp_path):
         script.append(adapt(line))
     assert "specdec up" in script[-1], "the serve block ends with `specdec up`"
     script[-1] = "exec " + script[-1]  # SIGTERM reaches `specdec up` itself
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    # As a user runs it: every service exec'd, none forked from the tests' fork server.
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "SPECDEC_FORK_SERVER")}
     up = subprocess.Popen(
         ["bash", "-euc", "\n".join(script)],
         stdout=subprocess.PIPE,
