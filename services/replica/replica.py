@@ -154,6 +154,7 @@ class ReplicaServicer:
             data_port=self.data_port,
             model_version=self.model_version,
             engine=cfg.engine,
+            tensor_parallel=cfg.tensor_parallel,
             forward_cost=self.forward_cost(),
         )
         if request.include_tokenizer:
@@ -197,7 +198,8 @@ def run_replica(
     runtime_type: Callable[[ReplicaConfig], Engine] = ModelRuntime,
 ) -> None:
     """`specdec serve drafter|verifier`: config, logging, serve until SIGTERM. runtime_type
-    makes the engine (the transformers ModelRuntime, or the drafter's DrafterRuntime)."""
+    makes the engine (the transformers ModelRuntime, or the drafter's DrafterRuntime); with
+    --tensor-parallel N > 1 the verifier's is rank 0 of N (specdec.replica.tp)."""
     config = config_type.from_args(args)
     check_device(config.device)
     setup_logging(config.role)
@@ -205,6 +207,10 @@ def run_replica(
     tracing = setup_tracing(config.role)
     if config.metrics_port:
         start_metrics_server(config.metrics_port, config.host)
+    if config.tensor_parallel > 1:  # rank 0 of several (checked: the verifier, dense)
+        from specdec.replica.tp import TensorParallelRuntime
+
+        runtime_type = TensorParallelRuntime
     runtime = runtime_type(config)
     servicer = make_servicer(runtime)
     data_plane = None
