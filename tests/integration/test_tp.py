@@ -17,8 +17,9 @@ import time
 import grpc
 import pytest
 
+from specdec.common.prefix import prefix_hash
 from specdec.sdk import AsyncClient, Client
-from specdec.v1 import common_pb2, verifier_pb2_grpc
+from specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from tests.conftest import PROMPTS
 from tests.integration.test_gateway import small_stack
 
@@ -98,6 +99,26 @@ def test_two_turns_and_concurrent_sessions(stack, tokenizer, reference):
 
     for text, got in zip(PROMPTS[:3], asyncio.run(together()), strict=True):
         assert list(got.tokens) == reference(tokenizer(text).input_ids, N), text
+
+
+def test_a_token_tree_is_refused(stack, tokenizer):
+    """A Verify with draft_parents: UNIMPLEMENTED, naming the setting; the replica serves on."""
+    ids = tokenizer(PROMPTS[0]).input_ids
+    request = verifier_pb2.VerifyRequest(
+        session_id="tp-tree",
+        prefix=common_pb2.CachedPrefix(length=0, hash=prefix_hash([])),
+        new_tokens=ids,
+        draft_tokens=ids[:3],
+        draft_parents=[-1, -1, 0],
+    )
+    with grpc.insecure_channel(stack["verifier"].address) as channel:
+        stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Verify(request, timeout=60)
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "--tensor-parallel" in e.value.details()
+        del request.draft_parents[:]
+        assert stub.Verify(request, timeout=60).cached_length >= len(ids)
 
 
 def test_a_follower_dying_takes_the_verifier_down(stack):
