@@ -78,13 +78,9 @@ class Ranks:
 
         self.size = config.tensor_parallel
         self.rank = rank
-        cuda = config.device.startswith("cuda")
-        if not cuda and torch.cuda.is_available():
-            # transformers shards onto the machine's accelerator whatever --device says
-            raise ValueError(
-                "--tensor-parallel with --device cpu on a machine with CUDA: the shards would "
-                "go to the GPUs; give --device cuda"
-            )
+        cuda = config.device.startswith(
+            "cuda"
+        )  # a GPU a rank (specdec.replica.replica.check_device)
         if cuda:
             torch.cuda.set_device(rank)
         self.device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -342,7 +338,10 @@ def _replay(runtime: ModelRuntime, sessions: dict[int, SessionCache], name: str,
         else:
             raise ValueError(f"unknown tensor-parallel operation {name!r}")
     except Exception as e:
-        log.debug("replayed operation raised", extra={"operation": name, "why": repr(e)})
+        if name == "forward":  # rank 0's raised too, or the ranks now differ: say so
+            log.exception("a replayed forward failed", extra={"operation": name})
+        else:  # a cache miss, the capacity bound: as on rank 0
+            log.debug("replayed operation raised", extra={"operation": name, "why": repr(e)})
 
 
 def _request(sessions: dict[int, SessionCache], handle, tokens, keep, fresh, tree):
