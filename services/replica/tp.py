@@ -78,9 +78,8 @@ class Ranks:
 
         self.size = config.tensor_parallel
         self.rank = rank
-        cuda = config.device.startswith(
-            "cuda"
-        )  # a GPU a rank (specdec.replica.replica.check_device)
+        # cuda: a GPU a rank, rank r on GPU r (specdec.replica.replica.check_device)
+        cuda = config.device.startswith("cuda")
         if cuda:
             torch.cuda.set_device(rank)
         self.device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -91,7 +90,6 @@ class Ranks:
         # Operations travel on a gloo group of their own (NCCL carries tensors only).
         self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         self.followers: list[subprocess.Popen] = []
-        self.stopping = False
 
     def send(self, operation: tuple) -> None:
         """Rank 0: one operation to every follower."""
@@ -148,12 +146,11 @@ class Ranks:
         atexit.register(_end_followers, followers)
         ranks = cls(config, 0)
         ranks.followers = followers
-        _STARTED.append(ranks)
         return ranks
 
     def stop(self) -> None:
         """Rank 0, on the model thread: tell the followers to exit and wait for them."""
-        self.stopping = True
+        _stopping.set()
         try:
             self.send(("stop",))
         except Exception as e:  # a follower already gone: the watcher has said so
@@ -161,13 +158,13 @@ class Ranks:
         _end_followers(self.followers)
 
 
-_STARTED: list[Ranks] = []  # rank 0's Ranks, for the follower watchers
+_stopping = threading.Event()  # rank 0 stops its followers: their exits are expected
 
 
 def _watch_follower(rank: int, process: subprocess.Popen) -> None:
     """Rank 0: a follower that exits while this replica serves takes it down."""
     code = process.wait()
-    if any(r.stopping for r in _STARTED):
+    if _stopping.is_set():
         return
     log.error(
         "tensor-parallel rank exited; this verifier cannot run its model without it, so it "
@@ -178,8 +175,8 @@ def _watch_follower(rank: int, process: subprocess.Popen) -> None:
 
 
 def _end_followers(followers: list[subprocess.Popen]) -> None:
-    for r in _STARTED:
-        r.stopping = True
+    """Rank 0 stops or exits: give its followers STOP_SECONDS to end, then kill them."""
+    _stopping.set()
     deadline = time.monotonic() + STOP_SECONDS
     for process in followers:
         try:
