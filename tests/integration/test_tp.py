@@ -79,15 +79,18 @@ def test_ssd_and_rollback_heavy_drafts(stack, tokenizer, reference):
 
 
 def test_two_turns_and_concurrent_sessions(stack, tokenizer, reference):
-    """A second turn builds on the first's cache on both ranks; three sessions at once
-    share batched forwards, which the follower replays as one."""
+    """A second turn builds on the first's cache on both ranks; n = 2 choices fork the
+    prompt's session; three sessions at once share batched forwards, which the follower
+    replays as one."""
     a, b = tokenizer(PROMPTS[4]).input_ids, tokenizer(PROMPTS[5]).input_ids
     with Client(stack["gateway"], timeout=120) as client:
         first = client.generate(token_ids=a, max_new_tokens=12, k=3, session_id="tp-chat")
         second = client.generate(token_ids=b, max_new_tokens=12, k=3, session_id="tp-chat")
+        both = client.generate(token_ids=b, max_new_tokens=12, k=3, n=2)  # a fork each
     assert list(first.tokens) == reference(a, 12)
     assert list(second.tokens) == reference([*a, *first.tokens, *b], 12)
     assert second.stats.cache_misses == 0
+    assert [list(c.tokens) for c in both.choices] == [reference(b, 12)] * 2
 
     async def together():
         async with AsyncClient(stack["gateway"], timeout=120) as client:
