@@ -94,6 +94,9 @@ class ReplicaConfig:
     # padded copy per batched forward, or "paged", blocks of a per-layer pool read in place.
     engine: str = "dense"
     kv_block_size: int = 16  # tokens per block of the paged engine
+    # Ranks one verifier replica runs as (specdec.replica.tp): 1, or N sharding the model
+    # with transformers' tp_plan under torch.distributed; rank 0 serves.
+    tensor_parallel: int = 1
     tls: Any = None  # specdec.common.tls.ServerTls, or None: plaintext
     # The data plane's port (specdec.common.dataplane): 0 any free port, -1 none.
     data_port: int = 0
@@ -196,6 +199,14 @@ class ReplicaConfig:
         add_setting(parser, "--kv-block-size", "tokens per KV block of the paged engine", 16)
         add_setting(
             parser,
+            "--tensor-parallel",
+            "verifier only: run the replica as N ranks on this machine, the model's layers "
+            "sharded across them (transformers' tp_plan; gloo on cpu, NCCL on cuda, one GPU a "
+            "rank); rank 0 serves",
+            1,
+        )
+        add_setting(
+            parser,
             "--cost-probe",
             "once loaded, time a few forwards of 1 to 16 tokens: the first points of the "
             "forward cost curve reported to gateways (whose adaptive policy prices drafts "
@@ -234,6 +245,10 @@ class ReplicaConfig:
                 f"--device cpu (got --device {device})"
             )
         port = parse_value(args, "--port", int, port_number)
+        engine = parse_value(args, "--engine", str, one_of(ENGINES))
+        tensor_parallel = parse_value(args, "--tensor-parallel", int, positive)
+        if tensor_parallel > 1:
+            check_tensor_parallel(cls.ROLE, tensor_parallel, dtype, pack, engine, device)
         return cls(
             role=cls.ROLE,
             model=model,
@@ -260,18 +275,41 @@ class ReplicaConfig:
             max_batch_wait_ms=parse_value(
                 args, "--max-batch-wait-ms", float, lambda v: None if v >= 0 else "must be >= 0"
             ),
-            engine=parse_value(
-                args,
-                "--engine",
-                str,
-                one_of(ENGINES),
-            ),
+            engine=engine,
+            tensor_parallel=tensor_parallel,
             kv_block_size=parse_value(args, "--kv-block-size", int, positive),
             tls=server_tls_from_args(args),
             data_port=parse_value(args, "--data-port", int, _data_port),
             cost_probe=parse_value(args, "--cost-probe", boolean),
             **cls.role_settings(args),
         )
+
+
+def check_tensor_parallel(
+    role: str, ranks: int, dtype: str, pack: str, engine: str, device: str
+) -> None:
+    """ConfigError for the combinations --tensor-parallel N > 1 does not run (yet)."""
+    where = f"--tensor-parallel / {env_name('--tensor-parallel')}"
+    refusals = [
+        (
+            role != "verifier",
+            f"only the verifier runs tensor-parallel; the {role} runs on one device (set it to 1)",
+        ),
+        (
+            engine != "dense",
+            "the paged engine's pool is not sharded across ranks; run --engine dense",
+        ),
+        (pack == "true", "packed weights (--pack-weights true) are not sharded across ranks"),
+        (
+            dtype == "fastest",
+            "--dtype fastest times forwards on each rank and the ranks could "
+            "choose differently; name the dtype (float32, bfloat16, ...)",
+        ),
+        (device.startswith("cuda:"), f"rank r runs on cuda:r; give --device cuda (got {device})"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"{where} {ranks}: {why}")
 
 
 def _data_port(value: int) -> str | None:

@@ -47,16 +47,25 @@ class LoadedModel:
 
 
 def load_model(cfg: ReplicaConfig, device: torch.device) -> LoadedModel:
-    """The replica's model and tokenizer (blocking), with torch's threads sized first."""
+    """The replica's model and tokenizer (blocking), with torch's threads sized first.
+    With --tensor-parallel N > 1 every rank calls this together, under torch.distributed
+    (specdec.replica.tp), and holds its shard of the model (the model's own tp_plan)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     set_threads(cfg.threads)
     kwargs: dict = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
     if cfg.trust_remote_code:
         kwargs["trust_remote_code"] = True
+    sharding: dict = {}  # the model's own tensor-parallel plan over the ranks
+    if cfg.tensor_parallel > 1:
+        from transformers.distributed import DistributedConfig
+
+        sharding["distributed_config"] = DistributedConfig(
+            tp_plan="auto", tp_size=cfg.tensor_parallel
+        )
     fastest = cfg.dtype == calibrate.FASTEST  # load in float32, keep it or a cast copy
     dtype = "auto" if cfg.dtype == "auto" else DTYPES["float32" if fastest else cfg.dtype]
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, **kwargs, **sharding)
     model.to(device).eval()
     # int8 layers (the drafter's --quantize, applied after loading) have their own kernels
     pack = cfg.pack_weights if getattr(cfg, "quantize", "none") == "none" else "false"

@@ -154,6 +154,7 @@ class ReplicaServicer:
             data_port=self.data_port,
             model_version=self.model_version,
             engine=cfg.engine,
+            tensor_parallel=cfg.tensor_parallel,
             forward_cost=self.forward_cost(),
         )
         if request.include_tokenizer:
@@ -178,14 +179,24 @@ class ReplicaServicer:
         return common_pb2.ReleaseResponse(released=released)
 
 
-def check_device(device: str) -> None:
+def check_device(device: str, ranks: int = 1) -> None:
     """ConfigError unless this machine has the --device the replica was given (its
-    spelling was checked with the rest of the config)."""
+    spelling was checked with the rest of the config), and, for --tensor-parallel ranks > 1
+    on cuda, a GPU for each rank."""
     import torch
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         where = f"--device / {env_name('--device')}"
         raise ConfigError(f"{where}: CUDA is not available on this machine (got {device!r})")
+    if ranks == 1:
+        return
+    where = f"--tensor-parallel / {env_name('--tensor-parallel')} {ranks}"
+    if device == "cpu" and torch.cuda.is_available():  # transformers shards onto the GPUs
+        raise ConfigError(f"{where}: with --device cpu on a machine with CUDA; give --device cuda")
+    if device == "cuda" and torch.cuda.device_count() < ranks:
+        raise ConfigError(
+            f"{where}: one GPU a rank, and this machine has {torch.cuda.device_count()}"
+        )
 
 
 def run_replica(
@@ -197,14 +208,19 @@ def run_replica(
     runtime_type: Callable[[ReplicaConfig], Engine] = ModelRuntime,
 ) -> None:
     """`specdec serve drafter|verifier`: config, logging, serve until SIGTERM. runtime_type
-    makes the engine (the transformers ModelRuntime, or the drafter's DrafterRuntime)."""
+    makes the engine (the transformers ModelRuntime, or the drafter's DrafterRuntime); with
+    --tensor-parallel N > 1 the verifier's is rank 0 of N (specdec.replica.tp)."""
     config = config_type.from_args(args)
-    check_device(config.device)
+    check_device(config.device, config.tensor_parallel)
     setup_logging(config.role)
     log_libraries_as_json()
     tracing = setup_tracing(config.role)
     if config.metrics_port:
         start_metrics_server(config.metrics_port, config.host)
+    if config.tensor_parallel > 1:  # rank 0 of several (checked: the verifier, dense)
+        from specdec.replica.tp import TensorParallelRuntime
+
+        runtime_type = TensorParallelRuntime
     runtime = runtime_type(config)
     servicer = make_servicer(runtime)
     data_plane = None

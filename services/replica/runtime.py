@@ -122,6 +122,7 @@ class ModelRuntime:
                 "dtype_reason": self.dtype_reason,
                 "device": str(self.device),
                 "engine": cfg.engine,
+                "tensor_parallel": cfg.tensor_parallel,
                 "vocab_size": self.vocab_size,
                 "max_context": self.max_context,
                 "seconds": round(time.monotonic() - started, 2),

@@ -70,6 +70,11 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
                 "token trees (draft_parents) are not built for --engine paged yet; this "
                 "verifier runs it: send chains (tree_width 1), or run --engine dense"
             )
+        if parents is not None and rt.config.tensor_parallel > 1:
+            raise Unimplemented(
+                "token trees (draft_parents) are not built for --tensor-parallel > 1 yet; "
+                "send chains (tree_width 1)"
+            )
         if parents is not None and (controls is not None or masks is not None or ask):
             raise InvalidRequest(
                 "a draft tree (draft_parents) with logits processors that read the sequence, "

@@ -82,14 +82,15 @@ def small_stack(
     redis_url: str | None = None,
     gateway_flags: tuple[str, ...] = (),
     more_gateways: dict[str, tuple[str, ...]] | None = None,
+    verifier_flags: tuple[str, ...] = (),
 ):
-    """One drafter (with drafter_flags), one verifier and a gateway over them (on Redis at
+    """One drafter (with drafter_flags), one verifier (with verifier_flags) and a gateway over them (on Redis at
     redis_url if given, with gateway_flags), and more_gateways (name: flags) over them too,
     healthy; yields {"drafter", "verifier", "gateway", *more_gateways}, stops all after."""
     procs = []
     try:
         d = replica("drafter", draft_model, *drafter_flags)
-        v = replica("verifier", target_model)
+        v = replica("verifier", target_model, *verifier_flags)
         procs += [d, v]
         d.wait_healthy(), v.wait_healthy()
         gws = {"gateway": gateway([d], [v], redis_url, *gateway_flags)}

@@ -8,6 +8,22 @@
 {{- if and (hasPrefix "cuda" $cfg.device) (eq $cfg.image.torchVariant "cpu") }}
 {{- fail (printf "%s.device is %s but %s.image.torchVariant is cpu: a CPU build of torch cannot use the GPU; set %s.image.torchVariant to a CUDA build (cu128) or %s.device to cpu" $role $cfg.device $role $role $role) }}
 {{- end }}
+{{- $tp := int ($cfg.tensorParallel | default 1) }}
+{{- $gpus := int $cfg.gpus }}
+{{- if gt $tp 1 }}
+{{- if ne $cfg.engine "dense" }}
+{{- fail (printf "%s.tensorParallel %d needs %s.engine dense: the paged engine's pool is not sharded across ranks" $role $tp $role) }}
+{{- end }}
+{{- if eq $cfg.dtype "fastest" }}
+{{- fail (printf "%s.tensorParallel %d needs a named %s.dtype (bfloat16, float32, ...), not fastest" $role $tp $role) }}
+{{- end }}
+{{- if hasPrefix "cuda" $cfg.device }}
+{{- if and (gt $gpus 1) (ne $gpus $tp) }}
+{{- fail (printf "%s.gpus is %d but %s.tensorParallel is %d: a tensor-parallel pod runs one rank per GPU" $role $gpus $role $tp) }}
+{{- end }}
+{{- $gpus = $tp }}
+{{- end }}
+{{- end }}
 {{- if and (eq $m.source "pvc") (not $m.pvc.existingClaim) }}
 {{- fail "models.source pvc needs models.pvc.existingClaim (a claim that holds the models); source install or hub fills a claim with a Job" }}
 {{- end }}
@@ -134,6 +150,10 @@ spec:
               value: {{ $cfg.dtype | quote }}
             - name: SPECDEC_ENGINE
               value: {{ $cfg.engine | default "dense" | quote }}
+            {{- if gt $tp 1 }}
+            - name: SPECDEC_TENSOR_PARALLEL
+              value: {{ $tp | quote }}
+            {{- end }}
             - name: SPECDEC_HOST
               value: "0.0.0.0"
             - name: SPECDEC_PORT
@@ -164,12 +184,12 @@ spec:
             {{- include "specdec.containerSecurityContext" $root | nindent 12 }}
           resources:
             {{- $res := deepCopy $cfg.resources }}
-            {{- if gt (int $cfg.gpus) 0 }}
+            {{- if gt $gpus 0 }}
             {{- $limits := default dict $res.limits }}
-            {{- $_ := set $limits $root.Values.gpuResource (int $cfg.gpus) }}
+            {{- $_ := set $limits $root.Values.gpuResource $gpus }}
             {{- $_ := set $res "limits" $limits }}
             {{- $requests := default dict $res.requests }}
-            {{- $_ := set $requests $root.Values.gpuResource (int $cfg.gpus) }}
+            {{- $_ := set $requests $root.Values.gpuResource $gpus }}
             {{- $_ := set $res "requests" $requests }}
             {{- end }}
             {{- toYaml $res | nindent 12 }}
