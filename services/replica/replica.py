@@ -154,6 +154,7 @@ class ReplicaServicer:
             data_port=self.data_port,
             model_version=self.model_version,
             engine=cfg.engine,
+            sampling_defaults=rt.sampling_defaults.to_proto(),
             forward_cost=self.forward_cost(),
         )
         if request.include_tokenizer:

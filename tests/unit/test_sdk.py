@@ -81,10 +81,10 @@ def test_request_all_fields():
 def test_request_defaults_leave_optional_fields_unset():
     req = build_generate_request("hi")
     assert req.max_new_tokens == 128
-    assert req.sampling.temperature == 0.0
-    assert req.sampling.top_p == 1.0
-    assert req.sampling.top_k == 0
-    assert not req.sampling.HasField("seed")
+    # Unset sampling takes the model's generation_config at the gateway (model_defaults).
+    assert req.sampling.model_defaults
+    for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed"):
+        assert not req.sampling.HasField(name), name
     assert list(req.stop) == []
     assert not req.HasField("session")
     assert not req.HasField("speculation")
