@@ -446,7 +446,8 @@ def test_cli_parser_defaults_and_token_ids():
     assert args.ssd is None and args.k is None and args.seed is None
     assert args.stop == [] and args.session is None and not args.reset_session
     assert args.timeout is None and not args.json
-    assert args.max_new_tokens == 128 and args.temperature == 0.0
+    # Unset sampling: the model's generation_config at the gateway (as the SDK, gRPC, HTTP).
+    assert args.max_new_tokens == 128 and args.temperature is None and args.top_p is None
     assert _parser().parse_args(["generate", "--prompt", "x", "--ssd"]).ssd is True
 
 
