@@ -24,6 +24,7 @@ SUPPORTED_REQUEST_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "min_p",
     "logit_bias",
     "logprobs",
     "top_logprobs",

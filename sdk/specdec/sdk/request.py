@@ -63,7 +63,7 @@ class Sampling:
     """How tokens are drawn (the drafter and the verifier apply it alike).
 
     ``temperature``: 0 (anything below ``GREEDY_BELOW``) is greedy. ``top_p`` in (0, 1];
-    ``top_k``: 0 is off. None (unset) takes the model's generation_config at the gateway
+    ``top_k``: 0 is off; ``min_p`` in [0, 1]: 0 is off. None (unset) takes the model's generation_config at the gateway
     (:meth:`resolve`). ``seed``: None draws fresh entropy. The penalties and
     ``logit_bias`` (token id -> bias) are OpenAI's and transformers' logits processors.
     """
@@ -71,6 +71,7 @@ class Sampling:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -83,6 +84,7 @@ class Sampling:
         "temperature": 0.0,
         "top_p": 1.0,
         "top_k": 0,
+        "min_p": 0.0,
         "repetition_penalty": 1.0,
     }
 
@@ -109,6 +111,8 @@ class Sampling:
             raise ValueError(f"top_p must be in (0, 1], got {p}")
         if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
             raise ValueError(f"top_k must be an integer, got {k!r}")
+        if self.min_p is not None and not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an integer, got {seed!r}")
         if k is not None and not 0 <= k <= MAX_TOP_K:
