@@ -185,7 +185,10 @@ class Client(_ClientBase):
         timeout: float | _Default | None = _CLIENT_DEFAULT,
         **options: Any,
     ) -> Generation:
-        """Generate a completion and return it whole."""
+        """Generate a completion and return it whole.
+
+        ``options``: the request's fields, as :func:`build_generate_request` takes them.
+        """
         request = build_generate_request(prompt, **options)
         try:
             response = self._stub.Generate(
@@ -204,6 +207,8 @@ class Client(_ClientBase):
         **options: Any,
     ) -> Iterator[StreamChunk]:
         """Generate a completion chunk by chunk; the last chunk has ``final`` set.
+
+        ``options``: the request's fields, as :func:`build_generate_request` takes them.
 
         Arguments are checked now; the call starts on the first ``next()``. Leaving the
         loop early (or closing the iterator) cancels the call.
@@ -284,7 +289,10 @@ class AsyncClient(_ClientBase):
         timeout: float | _Default | None = _CLIENT_DEFAULT,
         **options: Any,
     ) -> Generation:
-        """Generate a completion and return it whole."""
+        """Generate a completion and return it whole.
+
+        ``options``: the request's fields, as :func:`build_generate_request` takes them.
+        """
         request = build_generate_request(prompt, **options)
         try:
             response = await self._stub.Generate(
@@ -303,6 +311,8 @@ class AsyncClient(_ClientBase):
         **options: Any,
     ) -> AsyncIterator[StreamChunk]:
         """Generate chunk by chunk (``async for``); the last chunk has ``final`` set.
+
+        ``options``: the request's fields, as :func:`build_generate_request` takes them.
 
         Arguments are checked now (not awaited); the call starts on the first iteration.
         Leaving the loop early cancels the call.
