@@ -18,6 +18,7 @@ Unset (None) sampling fields take the target model's ``generation_config`` at th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -122,7 +123,7 @@ class Sampling:
 
     def to_proto(self) -> common_pb2.SamplingParams:
         """The message (unset fields stay unset; model_defaults marks that they may be)."""
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values = {name: getattr(self, name) for name in _names(Sampling)}
         values["logit_bias"] = dict(self.logit_bias or {})
         return common_pb2.SamplingParams(**values, model_defaults=True)
 
@@ -343,8 +344,14 @@ class Request:
         return request
 
 
+@functools.cache
 def _owners() -> dict[str, type[_Part]]:
     return {f.name: part for part in PARTS for f in dataclasses.fields(part)}
+
+
+@functools.cache
+def _names(part: type[_Part]) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(part))
 
 
 def request_parameters() -> list[inspect.Parameter]:
