@@ -64,9 +64,10 @@ class Sampling:
     """How tokens are drawn (the drafter and the verifier apply it alike).
 
     ``temperature``: 0 (anything below ``GREEDY_BELOW``) is greedy. ``top_p`` in (0, 1];
-    ``top_k``: 0 is off; ``min_p`` in [0, 1]: 0 is off. None (unset) takes the model's generation_config at the gateway
-    (:meth:`resolve`). ``seed``: None draws fresh entropy. The penalties and
-    ``logit_bias`` (token id -> bias) are OpenAI's and transformers' logits processors.
+    ``top_k``: 0 is off; ``min_p`` in [0, 1]: 0 is off. None (unset) takes the model's
+    generation_config at the gateway (:meth:`resolve`). ``seed``: None draws fresh
+    entropy. The penalties and ``logit_bias`` (token id -> bias) are OpenAI's and
+    transformers' logits processors.
     """
 
     temperature: float | None = None
