@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from specdec.common.params import SamplingParams
 from specdec.gateway.caller import Placement
 from specdec.gateway.logprobs import LogprobsTrack
 from specdec.gateway.loop import Speculator
@@ -53,7 +55,7 @@ class Completions(Protocol):
         deadline: float | None,
         context_tokens: int,
         index: int = 0,
-        sampling: common_pb2.SamplingParams | None = None,
+        sampling: SamplingParams | None = None,
         grammar: Grammar | None = None,
         lookup: RequestLookup | None = None,
         record_top: int = 0,
@@ -129,14 +131,11 @@ class ChoiceRun:
         return choice
 
 
-def choice_sampling(sampling: common_pb2.SamplingParams, index: int) -> common_pb2.SamplingParams:
+def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
     """Choice `index`'s sampling: the request's, with seed s + index when it has a seed s."""
-    if index == 0 or not sampling.HasField("seed"):
+    if index == 0 or sampling.seed is None:
         return sampling
-    derived = common_pb2.SamplingParams()
-    derived.CopyFrom(sampling)
-    derived.seed = (sampling.seed + index) % SEED_SPACE
-    return derived
+    return dataclasses.replace(sampling, seed=(sampling.seed + index) % SEED_SPACE)
 
 
 async def run_choices(

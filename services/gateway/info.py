@@ -9,6 +9,7 @@ from specdec.common.errors import NotReady
 from specdec.common.params import MAX_TOP_LOGPROBS
 from specdec.gateway import grammar, request
 from specdec.gateway.lookup import MAX_TREE_WIDTH
+from specdec.sdk.request import Sampling
 from specdec.v1 import gateway_pb2
 
 if TYPE_CHECKING:
@@ -23,6 +24,7 @@ SUPPORTED_REQUEST_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "min_p",
     "logit_bias",
     "logprobs",
     "top_logprobs",
@@ -73,6 +75,7 @@ def server_info(gateway: Gateway) -> gateway_pb2.GetServerInfoResponse:
         structured_output_engine=grammar.ENGINE if gateway.grammars else "",
         structured_output_kinds=grammar.KINDS if gateway.grammars else (),
         default_method=limits.default_method,
+        sampling_defaults=(limits.sampling_defaults or Sampling()).resolve().to_proto(),
         lookup=gateway_pb2.LookupInfo(
             prompt_lookup_min=gateway.config.prompt_lookup_min,
             prompt_lookup_max=gateway.config.prompt_lookup_max,

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.common.controls import processes_logits
-from specdec.common.params import sampling_from_proto
+from specdec.common.params import SamplingParams
 from specdec.gateway import metrics, tracing
 from specdec.gateway.caller import Placement, ReplicaCaller, Unavailable, UpstreamError
 from specdec.gateway.grammar import Constraint
@@ -141,7 +141,7 @@ class Speculator:
         self,
         caller: ReplicaCaller,
         replica_session: str,
-        sampling: common_pb2.SamplingParams,
+        sampling: SamplingParams,
         drafter: Placement,
         verifier: Placement,
         policy: Policy,
@@ -159,7 +159,7 @@ class Speculator:
     ):
         self.caller = caller
         self.session = replica_session
-        self.sampling = sampling
+        self.sampling = sampling.to_proto()  # the wire form every replica call carries
         self.drafter = drafter
         self.verifier = verifier
         self.policy = policy
@@ -174,14 +174,14 @@ class Speculator:
         self.constraint = constraint
         self.lookup = lookup  # the request's lookup proposer (None: the draft model alone)
         self.lookup_max_k = lookup_max_k  # bound of a lookup draft (the replicas' largest k)
-        self.greedy = sampling_from_proto(sampling).greedy
+        self.greedy = sampling.greedy
         # Candidate continuations a lookup round verifies as a tree (1: a chain); what the
         # verifier cannot score on a tree yet keeps chains.
         tree_ok = not (
             constraint is not None
             or logprobs
             or prompt_logprobs
-            or processes_logits(sampling, output)
+            or processes_logits(self.sampling, output)
         )
         self.tree_width = tree_width if tree_ok else 1
         self.stats = RequestStats(adaptive=policy.kind == ADAPTIVE)

@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specdec.common.config import ConfigError
+from specdec.common.params import SamplingParams
 from specdec.gateway import metrics
 from specdec.gateway.outcome import Outcome
 from specdec.v1 import common_pb2
@@ -64,7 +65,7 @@ def recording_row(
     rounds: Sequence[Outcome],
     drafter_version: str,
     target_model: str,
-    sampling: common_pb2.SamplingParams,
+    sampling: SamplingParams,
     finish_reason: str,
     scores: common_pb2.TokenLogprobs | None = None,
 ) -> dict:

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 from specdec.common.controls import MAX_STOP_TOKEN_IDS, check_sampling_controls
 from specdec.common.errors import InvalidRequest
-from specdec.common.params import MAX_TOP_LOGPROBS, sampling_from_proto
+from specdec.common.params import MAX_TOP_LOGPROBS, SamplingParams, sampling_from_proto
 from specdec.gateway.lookup import METHODS, tree_width
-from specdec.v1 import common_pb2, gateway_pb2
+from specdec.sdk.request import Sampling
+from specdec.v1 import gateway_pb2
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -47,6 +48,9 @@ class Limits:
     max_session_ttl: int  # seconds
     default_method: int = gateway_pb2.SPECULATION_METHOD_HYBRID
     default_tree_width: int = 1
+    # What a request's unset sampling fields become: the target's generation_config
+    # (ModelInfo.sampling_defaults); None: neutral (greedy).
+    sampling_defaults: Sampling | None = None
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,7 @@ class Job:
 
     prompt: str | list[int]  # text (tokenized once the history is known) or token ids
     max_new_tokens: int
-    sampling: common_pb2.SamplingParams
+    sampling: SamplingParams  # every field set: the request's, else the model's defaults
     stop: tuple[str, ...]
     session_id: str | None
     reset: bool
@@ -107,7 +111,9 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
         raise InvalidRequest(
             f"max_new_tokens must be in [1, {limits.max_new_tokens}], got {req.max_new_tokens}"
         )
-    sampling_from_proto(req.sampling)  # validates; the proto travels as it is
+    sampling = sampling_from_proto(
+        req.sampling if req.HasField("sampling") else None, limits.sampling_defaults
+    )
     check_sampling_controls(req.sampling, limits.vocab_size)
     if req.min_tokens > req.max_new_tokens:
         raise InvalidRequest(
@@ -145,7 +151,7 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
         raise InvalidRequest(f"num_draft_tokens must be in [0, {limits.max_k}], got {k}")
     ssd = spec.ssd if spec.HasField("ssd") else limits.default_ssd
     k_policy = spec.k_policy or limits.default_k_policy
-    if not spec.k_policy and req.sampling.HasField("seed") and req.sampling.temperature > 0:
+    if not spec.k_policy and sampling.seed is not None and not sampling.greedy:
         # A seeded sampled output is reproducible for a given sequence of drafts: the
         # adaptive policy's depend on timings (specdec.gateway.policy), so it drafts fixed.
         k_policy = gateway_pb2.K_POLICY_FIXED
@@ -193,7 +199,7 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
     return Job(
         prompt=prompt,
         max_new_tokens=req.max_new_tokens,
-        sampling=req.sampling,
+        sampling=sampling,
         stop=stop,
         session_id=session.id or None,
         reset=session.mode == gateway_pb2.SESSION_MODE_RESET,

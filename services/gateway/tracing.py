@@ -52,8 +52,10 @@ def _request_attributes(request: gateway_pb2.GenerateRequest, model: str) -> dic
     attributes: dict[str, Any] = {
         "gen_ai.operation.name": "text_completion",
         "gen_ai.request.max_tokens": request.max_new_tokens,
-        "gen_ai.request.temperature": request.sampling.temperature,
     }
+    # As the request asked; unset (the model's generation_config) is left out.
+    if request.sampling.HasField("temperature") or not request.sampling.model_defaults:
+        attributes["gen_ai.request.temperature"] = request.sampling.temperature
     if model:
         attributes["gen_ai.request.model"] = model
     if request.sampling.top_p:

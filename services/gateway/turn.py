@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 
 from specdec.common.errors import InvalidRequest, SpecdecError
+from specdec.common.params import SamplingParams
 from specdec.gateway import metrics
 from specdec.gateway.caller import Placement, ReplicaCaller
 from specdec.gateway.canary import version_rule
@@ -49,6 +50,7 @@ from specdec.gateway.sessions import (
     replica_session_id,
 )
 from specdec.gateway.text import Completion, TextCodec
+from specdec.sdk.request import Sampling
 from specdec.v1 import common_pb2, gateway_pb2
 
 log = logging.getLogger(__name__)
@@ -179,6 +181,11 @@ class Gateway:
             max_session_ttl=self.config.max_session_ttl,
             default_method=self.config.method,
             default_tree_width=self.config.tree_width,
+            sampling_defaults=(
+                Sampling.from_proto(info.sampling_defaults)
+                if info.HasField("sampling_defaults")
+                else None
+            ),
         )
         self.eos_token_ids = frozenset(info.eos_token_ids)
         try:
@@ -395,7 +402,7 @@ class Gateway:
         deadline: float | None,
         context_tokens: int,
         index: int = 0,
-        sampling: common_pb2.SamplingParams | None = None,
+        sampling: SamplingParams | None = None,
         grammar: Grammar | None = None,
         lookup: RequestLookup | None = None,
         record_top: int = 0,
@@ -504,7 +511,7 @@ class Gateway:
             cache=self.suffix_cache,
             cache_key=key,
             # A seeded sampled request stays reproducible: no drafts from other outputs.
-            draft_from_cache=not job.sampling.HasField("seed"),
+            draft_from_cache=job.sampling.seed is None,
             width=job.tree_width,
         )
         if lookup.active and job.k > 0:  # index the prompt (4k tokens: tens of ms) off the loop

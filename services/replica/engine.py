@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from specdec.common.prefix import PrefixChain
     from specdec.replica.batching import ForwardRequest, Scheduler
     from specdec.replica.kvstore import Prefix
+    from specdec.sdk.request import Sampling
 
 T = TypeVar("T")
 
@@ -116,6 +117,7 @@ class Engine(Protocol[S]):
     vocab_size: int
     max_context: int
     eos_token_ids: list[int]
+    sampling_defaults: Sampling  # the model's generation_config (every field set)
     bos_token_id: int
     tokenizer_json: bytes  # zlib-compressed canonical JSON
     tokenizer_fingerprint: str

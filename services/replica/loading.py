@@ -24,6 +24,7 @@ from specdec.common.config import ReplicaConfig
 from specdec.common.cpus import thread_budget
 from specdec.common.settings import ConfigError, env_name
 from specdec.replica import calibrate, packing
+from specdec.sdk.request import Sampling
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ class LoadedModel:
     tokenizer_json: bytes  # zlib-compressed canonical JSON
     tokenizer_fingerprint: str  # sha256 of the canonical JSON
     dtype_reason: str = ""  # why the weights are in their dtype (--dtype fastest: measured)
+    # What the model's generation_config asks a request's unset sampling fields to be.
+    sampling_defaults: Sampling = dataclasses.field(default_factory=lambda: Sampling().resolve())
 
 
 def load_model(cfg: ReplicaConfig, device: torch.device) -> LoadedModel:
@@ -97,6 +100,7 @@ def load_model(cfg: ReplicaConfig, device: torch.device) -> LoadedModel:
         vocab_size=int(model.get_output_embeddings().weight.shape[0]),
         max_context=max_context,
         eos_token_ids=eos_ids(model, tokenizer),
+        sampling_defaults=generation_sampling(getattr(model, "generation_config", None)),
         bos_token_id=-1 if tokenizer.bos_token_id is None else int(tokenizer.bos_token_id),
         chat_template=tokenizer.chat_template or "",
         special_tokens={k: str(v) for k, v in tokenizer.special_tokens_map.items()},
@@ -121,6 +125,22 @@ def set_threads(requested: int) -> None:
         "torch threads",
         extra={"threads": budget.threads, "interop_threads": interop, "source": budget.source},
     )
+
+
+def generation_sampling(config) -> Sampling:
+    """The sampling a generation_config asks for, read as transformers' generate() reads it:
+    greedy unless do_sample; with do_sample its Sampling.MODEL_FIELDS (temperature 1 and the
+    others neutral where it sets none); its repetition_penalty either way (generate()
+    applies it greedy too)."""
+    if config is None:
+        return Sampling().resolve()
+    penalty = getattr(config, "repetition_penalty", None)
+    if not getattr(config, "do_sample", False):
+        return Sampling(temperature=0.0, repetition_penalty=penalty).resolve()
+    values = {name: getattr(config, name, None) for name in Sampling.MODEL_FIELDS}
+    if values["temperature"] is None:
+        values["temperature"] = 1.0
+    return Sampling(**values).resolve()
 
 
 def eos_ids(model, tokenizer) -> list[int]:

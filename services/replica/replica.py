@@ -155,6 +155,7 @@ class ReplicaServicer:
             model_version=self.model_version,
             engine=cfg.engine,
             tensor_parallel=cfg.tensor_parallel,
+            sampling_defaults=rt.sampling_defaults.to_proto(),
             forward_cost=self.forward_cost(),
         )
         if request.include_tokenizer:

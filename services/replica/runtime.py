@@ -41,6 +41,7 @@ from specdec.replica.batching import BranchStep, ForwardRequest, Layout, Request
 from specdec.replica.kvstore import CacheStore, Prefix, SessionCache
 from specdec.replica.loading import check_batchable, check_rollback, load_model
 from specdec.replica.paged import BlockPool, PagedForward, PagedStore
+from specdec.sdk.request import Sampling
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -70,6 +71,7 @@ class ModelRuntime:
         self.vocab_size = 0
         self.max_context = 0
         self.eos_token_ids: list[int] = []
+        self.sampling_defaults = Sampling().resolve()  # the model's generation_config's
         self.bos_token_id: int = -1
         self.tokenizer_json = b""
         self.tokenizer_fingerprint = ""
@@ -99,6 +101,7 @@ class ModelRuntime:
         self.vocab_size = loaded.vocab_size
         self.max_context = loaded.max_context
         self.eos_token_ids = loaded.eos_token_ids
+        self.sampling_defaults = loaded.sampling_defaults
         self.bos_token_id = loaded.bos_token_id
         self.chat_template = loaded.chat_template
         self.special_tokens = loaded.special_tokens

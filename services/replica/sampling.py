@@ -71,7 +71,8 @@ def make_generator(seed: int | None, salt: str, position: int, device: torch.dev
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Logits -> sampling probabilities after temperature, top-k, top-p (transformers' order).
+    """Logits -> sampling probabilities after temperature, top-k, top-p, min-p (transformers'
+    order).
 
     logits: [..., vocab] (any float dtype). Returns fp32 probabilities [..., vocab].
     Greedy (temperature 0) returns the one-hot distribution of the argmax.
@@ -95,6 +96,12 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         remove_sorted[..., -1] = False
         remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
         scores = scores.masked_fill(remove, float("-inf"))
+    if params.min_p > 0.0:
+        # As transformers' MinPLogitsWarper: drop tokens less likely than min_p times the
+        # most likely one (which always stays, min_p being at most 1).
+        probs = scores.softmax(dim=-1)
+        least = params.min_p * probs.amax(dim=-1, keepdim=True)
+        scores = scores.masked_fill(probs < least, float("-inf"))
     return scores.softmax(dim=-1)
 
 

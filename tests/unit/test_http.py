@@ -216,7 +216,8 @@ def test_completion_request_translation():
     req, opts = api.completion_request({"prompt": [1, 2, 3]}, SERVED)
     assert list(req.prompt_token_ids.ids) == [1, 2, 3]
     assert req.max_new_tokens == api.DEFAULT_COMPLETION_TOKENS
-    assert req.sampling.temperature == api.DEFAULT_TEMPERATURE
+    # Unset: the model's generation_config at the gateway (as the SDK and gRPC).
+    assert req.sampling.model_defaults and not req.sampling.HasField("temperature")
     assert not req.speculation.HasField("num_draft_tokens") and not opts.stream
     assert req.speculation.k_policy == gateway_pb2.K_POLICY_UNSPECIFIED  # the gateway's default
 

@@ -13,6 +13,7 @@ import asyncio
 import grpc
 import pytest
 
+from specdec.common.params import SamplingParams
 from specdec.gateway.caller import Placement, ReplicaCaller
 from specdec.gateway.loop import Speculator
 from specdec.gateway.policy import FixedPolicy
@@ -31,7 +32,7 @@ def speculator(fleet: Fleet, session: str) -> Speculator:
     return Speculator(
         ReplicaCaller(fleet, rpc_timeout=5.0),
         session,
-        common_pb2.SamplingParams(),
+        SamplingParams(),
         Placement(),
         Placement(),
         FixedPolicy(),

@@ -455,6 +455,34 @@ def test_warp_matches_transformers_warpers(temperature, top_k, top_p, kind):
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "min_p"),
+    [
+        (1.0, 0, 1.0, 0.05),
+        (0.7, 0, 0.9, 0.1),
+        (1.3, 20, 1.0, 0.3),
+        (1.0, 0, 1.0, 1.0),  # the most likely token(s) only
+    ],
+)
+@pytest.mark.parametrize("kind", ["normal", "peaked", "ties"])
+def test_warp_min_p_matches_transformers(temperature, top_k, top_p, min_p, kind):
+    from transformers import MinPLogitsWarper
+
+    g = _gen(zlib.crc32(repr((temperature, top_k, top_p, min_p, kind)).encode()))
+    logits = torch.randn(16, 64, generator=g) * (6 if kind == "peaked" else 1)
+    if kind == "ties":
+        logits = torch.randint(-3, 4, (16, 64), generator=g).float()
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    without = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    scores = _transformers_warp(logits, without).log()
+    input_ids = torch.zeros(logits.shape[0], 1, dtype=torch.long)
+    theirs = MinPLogitsWarper(min_p)(input_ids, scores).softmax(-1)
+    ours = warp(logits, params)
+    assert torch.equal(ours > 0, theirs > 0)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert torch.equal(warp(logits, SamplingParams(min_p=0.5)), warp(logits, SamplingParams()))
+
+
 def test_sampling_params_defaults_and_greedy():
     assert SamplingParams().greedy
     assert not SamplingParams(temperature=0.1).greedy

@@ -81,10 +81,10 @@ def test_request_all_fields():
 def test_request_defaults_leave_optional_fields_unset():
     req = build_generate_request("hi")
     assert req.max_new_tokens == 128
-    assert req.sampling.temperature == 0.0
-    assert req.sampling.top_p == 1.0
-    assert req.sampling.top_k == 0
-    assert not req.sampling.HasField("seed")
+    # Unset sampling takes the model's generation_config at the gateway (model_defaults).
+    assert req.sampling.model_defaults
+    for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed"):
+        assert not req.sampling.HasField(name), name
     assert list(req.stop) == []
     assert not req.HasField("session")
     assert not req.HasField("speculation")
@@ -446,7 +446,8 @@ def test_cli_parser_defaults_and_token_ids():
     assert args.ssd is None and args.k is None and args.seed is None
     assert args.stop == [] and args.session is None and not args.reset_session
     assert args.timeout is None and not args.json
-    assert args.max_new_tokens == 128 and args.temperature == 0.0
+    # Unset sampling: the model's generation_config at the gateway (as the SDK, gRPC, HTTP).
+    assert args.max_new_tokens == 128 and args.temperature is None and args.top_p is None
     assert _parser().parse_args(["generate", "--prompt", "x", "--ssd"]).ssd is True
 
 

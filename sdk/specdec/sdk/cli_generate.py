@@ -81,9 +81,10 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--token-ids", metavar="1,2,3", type=_token_ids, help="already tokenized prompt"
     )
     p.add_argument("--max-new-tokens", metavar="N", type=int, default=128)
-    p.add_argument("--temperature", metavar="T", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-p", metavar="P", type=float, default=1.0)
-    p.add_argument("--top-k", metavar="K", type=int, default=0, help="0: no top-k filter")
+    model = "unset: the model's generation_config"
+    p.add_argument("--temperature", metavar="T", type=float, help=f"0: greedy ({model})")
+    p.add_argument("--top-p", metavar="P", type=float, help=f"in (0, 1] ({model})")
+    p.add_argument("--top-k", metavar="K", type=int, help=f"0: no top-k filter ({model})")
     p.add_argument("--seed", metavar="S", type=int, default=None)
     p.add_argument(
         "--stop",

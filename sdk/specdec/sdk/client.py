@@ -10,14 +10,14 @@ are raised as :class:`~specdec.sdk.errors.SpecdecError` subclasses, bad argument
 from __future__ import annotations
 
 import enum
-import json
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import grpc
 import grpc.aio
 
 from specdec.sdk.errors import from_rpc_error
+from specdec.sdk.request import K_POLICIES, METHODS, Request, takes_request_options
 from specdec.sdk.tracing import trace_metadata
 from specdec.sdk.types import (
     Generation,
@@ -27,11 +27,13 @@ from specdec.sdk.types import (
     generation_from_proto,
     server_info_from_proto,
 )
-from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from specdec.v1 import gateway_pb2, gateway_pb2_grpc
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "K_POLICIES",
     "MAX_MESSAGE_BYTES",
+    "METHODS",
     "AsyncClient",
     "Client",
     "build_generate_request",
@@ -44,15 +46,6 @@ __all__ = [
 DEFAULT_TIMEOUT = 300.0
 #: Send / receive message size limit of the client channel.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-#: ``k_policy`` values: how the gateway picks each round's draft length.
-K_POLICIES = {"fixed": gateway_pb2.K_POLICY_FIXED, "adaptive": gateway_pb2.K_POLICY_ADAPTIVE}
-#: ``method`` values: where drafts come from.
-METHODS = {
-    "model": gateway_pb2.SPECULATION_METHOD_MODEL,
-    "ngram": gateway_pb2.SPECULATION_METHOD_NGRAM,
-    "suffix": gateway_pb2.SPECULATION_METHOD_SUFFIX,
-    "hybrid": gateway_pb2.SPECULATION_METHOD_HYBRID,
-}
 
 
 class _Default(enum.Enum):
@@ -74,176 +67,34 @@ def channel_options(extra: Sequence[tuple[str, Any]] | None = None) -> list[tupl
     return list(options.items())
 
 
+@takes_request_options
 def build_generate_request(
-    prompt: str | None = None,
-    *,
-    token_ids: Sequence[int] | None = None,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int | None = None,
-    stop: Sequence[str] = (),
-    session_id: str | None = None,
-    reset_session: bool = False,
-    session_ttl_seconds: int = 0,
-    k: int | None = None,
-    ssd: bool | None = None,
-    k_policy: str | None = None,
-    ignore_eos: bool = False,
-    min_tokens: int = 0,
-    stop_token_ids: Sequence[int] = (),
-    presence_penalty: float = 0.0,
-    frequency_penalty: float = 0.0,
-    repetition_penalty: float = 1.0,
-    logit_bias: Mapping[int, float] | None = None,
-    logprobs: bool = False,
-    top_logprobs: int = 0,
-    prompt_logprobs: bool = False,
-    n: int = 1,
-    structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
-    method: str | None = None,
-    tree_width: int | None = None,
-    prediction: str | Sequence[int] | None = None,
-    record: bool | None = None,
+    prompt: str | None = None, **options: Any
 ) -> gateway_pb2.GenerateRequest:
     """The ``GenerateRequest`` for these arguments (``ValueError`` / ``TypeError`` if invalid).
 
-    Exactly one of ``prompt`` / ``token_ids``. ``seed``, ``k``, ``ssd`` and ``k_policy``
-    left as None stay unset in the message (server defaults); no ``session_id`` means a
-    one-off request. ``k_policy``: ``"fixed"`` (every round drafts ``k``) or ``"adaptive"``
-    (``k`` is an upper bound; the gateway picks each round's k from acceptance and load).
-    ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, the penalties and ``logit_bias``
-    (token id -> bias) are the fields of the same names in ``GenerateRequest`` /
-    ``SamplingParams``; the gateway checks their ranges.
-    ``logprobs``: the target's log-probability of each generated token (with
-    ``top_logprobs`` alternatives, 0..20; ``prompt_logprobs``: the prompt's too, no
-    session). ``n``: independent completions (``Generation.choices``; not in a stream).
-    ``structured_output``: the grammar the output follows, a ``StructuredOutput`` or a dict
-    of one key: ``{"json_schema": <schema dict or JSON text>}``, ``{"regex": "..."}``,
-    ``{"choice": ["a", "b"]}`` or ``{"json_object": True}``.
-    ``method``: where drafts come from, ``"model"`` (the draft model), ``"ngram"`` (prompt
-    lookup), ``"suffix"`` (suffix decoding over the request and recent outputs) or
-    ``"hybrid"``; None: the server default. ``tree_width``: candidate continuations a
-    lookup round may verify together as one token tree (1..8; None: the server default).
-    ``prediction``: text (or token ids) the
-    completion is expected to repeat (OpenAI's Predicted Outputs), a source of drafts;
-    ``usage`` reports how much of it was accepted.
-    ``record=False`` refuses the gateway's recording of this request (``--record``).
+    Exactly one of ``prompt`` / ``token_ids``. The other arguments are the fields of the
+    request's parts, flat (:mod:`specdec.sdk.request`): :class:`~specdec.sdk.request.Output`
+    (``max_new_tokens``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``,
+    ``n``, ``structured_output``, ``prediction``, ``record``),
+    :class:`~specdec.sdk.request.Sampling` (``temperature``, ``top_p``, ``top_k``, ``seed``,
+    the penalties, ``logit_bias``), :class:`~specdec.sdk.request.Session` (``session_id``,
+    ``reset_session``, ``session_ttl_seconds``), :class:`~specdec.sdk.request.Speculation`
+    (``k``, ``ssd``, ``k_policy``, ``method``, ``tree_width``) and
+    :class:`~specdec.sdk.request.Scoring` (``logprobs``, ``top_logprobs``,
+    ``prompt_logprobs``). Left as None, a sampling field takes the model's
+    generation_config and a speculation field the server's default; no ``session_id``
+    means a one-off request. The gateway checks the ranges.
     """
-    if method is not None and method not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    if k_policy is not None and k_policy not in K_POLICIES:
-        raise ValueError(f"k_policy must be one of {', '.join(K_POLICIES)}, got {k_policy!r}")
-    if (prompt is None) == (token_ids is None):
-        raise ValueError("give exactly one of prompt or token_ids")
-    if isinstance(stop, str):  # a lone string is one stop sequence, not its characters
-        stop = (stop,)
-    if not session_id and (reset_session or session_ttl_seconds):
-        raise ValueError("reset_session and session_ttl_seconds need a session_id")
-
-    request = gateway_pb2.GenerateRequest(
-        max_new_tokens=max_new_tokens,
-        sampling=common_pb2.SamplingParams(
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,  # None leaves the optional field unset
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty,
-            logit_bias=dict(logit_bias or {}),
-        ),
-        stop=list(stop),
-        ignore_eos=ignore_eos,
-        min_tokens=min_tokens,
-        stop_token_ids=list(stop_token_ids),
-    )
-    if prompt is not None:
-        if not isinstance(prompt, str):
-            raise TypeError(f"prompt must be a str, not {type(prompt).__name__}")
-        request.prompt = prompt
-    else:
-        if isinstance(token_ids, (str, bytes)):
-            raise TypeError("token_ids must be a sequence of ints")
-        request.prompt_token_ids.ids.extend(token_ids)
-    if session_id:
-        request.session.CopyFrom(
-            gateway_pb2.SessionOptions(
-                id=session_id,
-                mode=(
-                    gateway_pb2.SESSION_MODE_RESET
-                    if reset_session
-                    else gateway_pb2.SESSION_MODE_CONTINUE
-                ),
-                ttl_seconds=session_ttl_seconds,
-            )
-        )
-    if k is not None or ssd is not None:
-        request.speculation.CopyFrom(gateway_pb2.SpeculationParams(num_draft_tokens=k, ssd=ssd))
-    if k_policy is not None:
-        request.speculation.k_policy = K_POLICIES[k_policy]
-    request.logprobs, request.top_logprobs = logprobs, top_logprobs
-    request.prompt_logprobs, request.n = prompt_logprobs, n
-    if structured_output is not None:
-        request.structured_output.CopyFrom(_structured_output(structured_output))
-    if method is not None:
-        request.speculation.method = METHODS[method]
-    if tree_width is not None:
-        request.speculation.tree_width = tree_width
-    if isinstance(prediction, str):
-        if prediction:
-            request.prediction.text = prediction
-    elif prediction is not None:
-        if isinstance(prediction, bytes):
-            raise TypeError("prediction must be a str or a sequence of ints")
-        request.prediction.token_ids.ids.extend(prediction)
-    if record is not None:
-        request.record = record
-    return request
+    return Request.build(prompt, **options).to_proto()
 
 
-def _structured_output(
-    spec: dict[str, Any] | gateway_pb2.StructuredOutput,
-) -> gateway_pb2.StructuredOutput:
-    if isinstance(spec, gateway_pb2.StructuredOutput):
-        return spec
-    if not isinstance(spec, dict) or len(spec) != 1:
-        raise ValueError(
-            "structured_output must be a StructuredOutput or a dict of one key: json_schema, "
-            "regex, choice or json_object"
-        )
-    ((kind, value),) = spec.items()
-    if kind == "json_schema":
-        text = value if isinstance(value, str) else json.dumps(value)
-        return gateway_pb2.StructuredOutput(json_schema=text)
-    if kind == "regex":
-        return gateway_pb2.StructuredOutput(regex=value)
-    if kind == "choice":
-        return gateway_pb2.StructuredOutput(
-            choice=gateway_pb2.StructuredChoice(choices=list(value))
-        )
-    if kind == "json_object" and value:
-        return gateway_pb2.StructuredOutput(json_object=gateway_pb2.StructuredJsonObject())
-    raise ValueError(f"structured_output: unknown kind {kind!r}")
-
-
-def _request(arguments: dict[str, Any]) -> gateway_pb2.GenerateRequest:
-    """build_generate_request from a generate()/stream() call's own arguments.
-
-    The four public methods keep their full signatures for readers and IDEs; this keeps
-    one copy of the forwarding.
-    """
-    params = {k: v for k, v in arguments.items() if k not in ("self", "timeout")}
-    return build_generate_request(**params)
-
-
-def _stream_request(arguments: dict[str, Any]) -> gateway_pb2.GenerateRequest:
-    """_request for stream(): one completion per stream here (the gateway streams n > 1
-    with a choice index per message; this client assembles one)."""
-    if arguments.get("n", 1) != 1:
+def _stream_request(prompt: str | None, options: dict[str, Any]) -> gateway_pb2.GenerateRequest:
+    """build_generate_request for stream(): one completion per stream here (the gateway
+    streams n > 1 with a choice index per message; this client assembles one)."""
+    if options.get("n", 1) != 1:
         raise ValueError("stream() streams one completion: use generate() for n > 1")
-    return _request(arguments)
+    return build_generate_request(prompt, **options)
 
 
 def tls_credentials(
@@ -326,43 +177,19 @@ class Client(_ClientBase):
             self._channel = grpc.secure_channel(address, credentials, options=options)
         self._stub = gateway_pb2_grpc.GatewayServiceStub(self._channel)
 
+    @takes_request_options
     def generate(
         self,
         prompt: str | None = None,
         *,
-        token_ids: Sequence[int] | None = None,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        session_id: str | None = None,
-        reset_session: bool = False,
-        session_ttl_seconds: int = 0,
-        k: int | None = None,
-        ssd: bool | None = None,
-        k_policy: str | None = None,
-        ignore_eos: bool = False,
-        min_tokens: int = 0,
-        stop_token_ids: Sequence[int] = (),
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
-        logit_bias: Mapping[int, float] | None = None,
-        logprobs: bool = False,
-        top_logprobs: int = 0,
-        prompt_logprobs: bool = False,
-        n: int = 1,
-        structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
-        method: str | None = None,
-        tree_width: int | None = None,
-        prediction: str | Sequence[int] | None = None,
-        record: bool | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
+        **options: Any,
     ) -> Generation:
-        """Generate a completion and return it whole."""
-        request = _request(locals())
+        """Generate a completion and return it whole.
+
+        ``options``: the request's fields, as :func:`build_generate_request` takes them.
+        """
+        request = build_generate_request(prompt, **options)
         try:
             response = self._stub.Generate(
                 request, timeout=self._deadline(timeout), metadata=self._call_metadata()
@@ -371,47 +198,22 @@ class Client(_ClientBase):
             raise from_rpc_error(e) from None
         return generation_from_proto(response)
 
+    @takes_request_options
     def stream(
         self,
         prompt: str | None = None,
         *,
-        token_ids: Sequence[int] | None = None,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        session_id: str | None = None,
-        reset_session: bool = False,
-        session_ttl_seconds: int = 0,
-        k: int | None = None,
-        ssd: bool | None = None,
-        k_policy: str | None = None,
-        ignore_eos: bool = False,
-        min_tokens: int = 0,
-        stop_token_ids: Sequence[int] = (),
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
-        logit_bias: Mapping[int, float] | None = None,
-        logprobs: bool = False,
-        top_logprobs: int = 0,
-        prompt_logprobs: bool = False,
-        n: int = 1,
-        structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
-        method: str | None = None,
-        tree_width: int | None = None,
-        prediction: str | Sequence[int] | None = None,
-        record: bool | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
+        **options: Any,
     ) -> Iterator[StreamChunk]:
         """Generate a completion chunk by chunk; the last chunk has ``final`` set.
+
+        ``options``: the request's fields, as :func:`build_generate_request` takes them.
 
         Arguments are checked now; the call starts on the first ``next()``. Leaving the
         loop early (or closing the iterator) cancels the call.
         """
-        request = _stream_request(locals())
+        request = _stream_request(prompt, options)
         return self._stream(request, self._deadline(timeout))
 
     def _stream(
@@ -479,43 +281,19 @@ class AsyncClient(_ClientBase):
             self._channel = grpc.aio.secure_channel(address, credentials, options=options)
         self._stub = gateway_pb2_grpc.GatewayServiceStub(self._channel)
 
+    @takes_request_options
     async def generate(
         self,
         prompt: str | None = None,
         *,
-        token_ids: Sequence[int] | None = None,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        session_id: str | None = None,
-        reset_session: bool = False,
-        session_ttl_seconds: int = 0,
-        k: int | None = None,
-        ssd: bool | None = None,
-        k_policy: str | None = None,
-        ignore_eos: bool = False,
-        min_tokens: int = 0,
-        stop_token_ids: Sequence[int] = (),
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
-        logit_bias: Mapping[int, float] | None = None,
-        logprobs: bool = False,
-        top_logprobs: int = 0,
-        prompt_logprobs: bool = False,
-        n: int = 1,
-        structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
-        method: str | None = None,
-        tree_width: int | None = None,
-        prediction: str | Sequence[int] | None = None,
-        record: bool | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
+        **options: Any,
     ) -> Generation:
-        """Generate a completion and return it whole."""
-        request = _request(locals())
+        """Generate a completion and return it whole.
+
+        ``options``: the request's fields, as :func:`build_generate_request` takes them.
+        """
+        request = build_generate_request(prompt, **options)
         try:
             response = await self._stub.Generate(
                 request, timeout=self._deadline(timeout), metadata=self._call_metadata()
@@ -524,47 +302,22 @@ class AsyncClient(_ClientBase):
             raise from_rpc_error(e) from None
         return generation_from_proto(response)
 
+    @takes_request_options
     def stream(
         self,
         prompt: str | None = None,
         *,
-        token_ids: Sequence[int] | None = None,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        session_id: str | None = None,
-        reset_session: bool = False,
-        session_ttl_seconds: int = 0,
-        k: int | None = None,
-        ssd: bool | None = None,
-        k_policy: str | None = None,
-        ignore_eos: bool = False,
-        min_tokens: int = 0,
-        stop_token_ids: Sequence[int] = (),
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
-        logit_bias: Mapping[int, float] | None = None,
-        logprobs: bool = False,
-        top_logprobs: int = 0,
-        prompt_logprobs: bool = False,
-        n: int = 1,
-        structured_output: dict[str, Any] | gateway_pb2.StructuredOutput | None = None,
-        method: str | None = None,
-        tree_width: int | None = None,
-        prediction: str | Sequence[int] | None = None,
-        record: bool | None = None,
         timeout: float | _Default | None = _CLIENT_DEFAULT,
+        **options: Any,
     ) -> AsyncIterator[StreamChunk]:
         """Generate chunk by chunk (``async for``); the last chunk has ``final`` set.
+
+        ``options``: the request's fields, as :func:`build_generate_request` takes them.
 
         Arguments are checked now (not awaited); the call starts on the first iteration.
         Leaving the loop early cancels the call.
         """
-        request = _stream_request(locals())
+        request = _stream_request(prompt, options)
         return self._stream(request, self._deadline(timeout))
 
     async def _stream(

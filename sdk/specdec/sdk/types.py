@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.sdk.errors import InternalError
+from specdec.sdk.request import Sampling
 from specdec.v1 import common_pb2, gateway_pb2
 
 __all__ = [
@@ -454,6 +455,9 @@ class ServerInfo:
     #: ``--drafter-canary``: the version that gets a share of new sessions, and the share.
     drafter_canary_version: str = ""
     drafter_canary_percent: float = 0.0
+    #: What a request's unset sampling fields become: the model's generation_config
+    #: (docs: Sampling and its defaults); every field set. None from an older server.
+    sampling_defaults: Sampling | None = None
 
 
 def server_info_from_proto(msg: gateway_pb2.GetServerInfoResponse) -> ServerInfo:
@@ -485,4 +489,9 @@ def server_info_from_proto(msg: gateway_pb2.GetServerInfoResponse) -> ServerInfo
         drafter_versions=tuple(msg.drafter_versions),
         drafter_canary_version=msg.drafter_canary_version,
         drafter_canary_percent=msg.drafter_canary_percent,
+        sampling_defaults=(
+            Sampling.from_proto(msg.sampling_defaults)
+            if msg.HasField("sampling_defaults")
+            else None
+        ),
     )

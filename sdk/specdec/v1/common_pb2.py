@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"\xa1\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12=\n\nlogit_bias\x18\x08 \x03(\x0b\x32).specdec.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"V\n\x0eOutputControls\x12\x14\n\x0coutput_start\x18\x01 \x01(\r\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x1a\n\x0emin_tokens_ids\x18\x03 \x03(\x03\x42\x02\x10\x01\",\n\x0c\x43\x61\x63hedPrefix\x12\x0e\n\x06length\x18\x01 \x01(\r\x12\x0c\n\x04hash\x18\x02 \x01(\x06\"p\n\x11\x44raftDistribution\x12)\n\x06sparse\x18\x01 \x01(\x0b\x32\x17.specdec.v1.SparseProbsH\x00\x12\'\n\x05\x64\x65nse\x18\x02 \x01(\x0b\x32\x16.specdec.v1.DenseProbsH\x00\x42\x07\n\x05probs\"7\n\x0bSparseProbs\x12\x15\n\ttoken_ids\x18\x01 \x03(\x03\x42\x02\x10\x01\x12\x11\n\x05probs\x18\x02 \x03(\x02\x42\x02\x10\x01\"B\n\nDenseProbs\x12&\n\x06\x66ormat\x18\x01 \x01(\x0e\x32\x16.specdec.v1.ProbFormat\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"(\n\x0bInfoRequest\x12\x19\n\x11include_tokenizer\x18\x01 \x01(\x08\"\x8e\x05\n\tModelInfo\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.specdec.v1.Role\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\x03\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x14\n\x0c\x64type_reason\x18\x16 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x19\n\x11max_cached_tokens\x18\n \x01(\x04\x12\x15\n\rcached_tokens\x18\x0b \x01(\x04\x12\x17\n\x0f\x63\x61\x63hed_sessions\x18\x0c \x01(\r\x12\x12\n\nreplica_id\x18\r \x01(\t\x12\x1b\n\x13tokenizer_json_zlib\x18\x0e \x01(\x0c\x12\x15\n\rchat_template\x18\x0f \x01(\t\x12\x14\n\x0c\x62os_token_id\x18\x10 \x01(\x03\x12@\n\x0especial_tokens\x18\x11 \x03(\x0b\x32(.specdec.v1.ModelInfo.SpecialTokensEntry\x12\x11\n\tdata_port\x18\x12 \x01(\r\x12\x15\n\rmodel_version\x18\x32 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x33 \x01(\t\x12\x17\n\x0ftensor_parallel\x18\x34 \x01(\r\x12-\n\x0c\x66orward_cost\x18\x15 \x01(\x0b\x32\x17.specdec.v1.ForwardCost\x1a\x34\n\x12SpecialTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xaf\x01\n\x0b\x46orwardCost\x12/\n\x07\x62uckets\x18\x01 \x03(\x0b\x32\x1e.specdec.v1.ForwardCost.Bucket\x1ao\n\x06\x42ucket\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x0f\n\x07\x62\x61se_ms\x18\x02 \x01(\x02\x12\x14\n\x0cper_token_ms\x18\x03 \x01(\x02\x12\x0f\n\x07samples\x18\x04 \x01(\x02\x12\x0e\n\x06widest\x18\x05 \x01(\r\x12\x0f\n\x07step_ms\x18\x06 \x01(\x02\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x82\x01\n\rTokenLogprobs\x12\x15\n\ttoken_ids\x18x \x03(\x03\x42\x02\x10\x01\x12\x14\n\x08logprobs\x18y \x03(\x02\x42\x02\x10\x01\x12\x0f\n\x07num_top\x18z \x01(\r\x12\x19\n\rtop_token_ids\x18{ \x03(\x03\x42\x02\x10\x01\x12\x18\n\x0ctop_logprobs\x18| \x03(\x02\x42\x02\x10\x01*\\\n\nProbFormat\x12\x1b\n\x17PROB_FORMAT_UNSPECIFIED\x10\x00\x12\x17\n\x13PROB_FORMAT_FLOAT16\x10\x01\x12\x18\n\x14PROB_FORMAT_BFLOAT16\x10\x02*A\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_DRAFTER\x10\x01\x12\x11\n\rROLE_VERIFIER\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"\xa6\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x04\x88\x01\x01\x12=\n\nlogit_bias\x18\x08 \x03(\x0b\x32).specdec.v1.SamplingParams.LogitBiasEntry\x12\x16\n\x0emodel_defaults\x18\t \x01(\x08\x12\x12\n\x05min_p\x18\n \x01(\x02H\x05\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_p\"V\n\x0eOutputControls\x12\x14\n\x0coutput_start\x18\x01 \x01(\r\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x1a\n\x0emin_tokens_ids\x18\x03 \x03(\x03\x42\x02\x10\x01\",\n\x0c\x43\x61\x63hedPrefix\x12\x0e\n\x06length\x18\x01 \x01(\r\x12\x0c\n\x04hash\x18\x02 \x01(\x06\"p\n\x11\x44raftDistribution\x12)\n\x06sparse\x18\x01 \x01(\x0b\x32\x17.specdec.v1.SparseProbsH\x00\x12\'\n\x05\x64\x65nse\x18\x02 \x01(\x0b\x32\x16.specdec.v1.DenseProbsH\x00\x42\x07\n\x05probs\"7\n\x0bSparseProbs\x12\x15\n\ttoken_ids\x18\x01 \x03(\x03\x42\x02\x10\x01\x12\x11\n\x05probs\x18\x02 \x03(\x02\x42\x02\x10\x01\"B\n\nDenseProbs\x12&\n\x06\x66ormat\x18\x01 \x01(\x0e\x32\x16.specdec.v1.ProbFormat\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"(\n\x0bInfoRequest\x12\x19\n\x11include_tokenizer\x18\x01 \x01(\x08\"\xc5\x05\n\tModelInfo\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.specdec.v1.Role\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\x03\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x14\n\x0c\x64type_reason\x18\x16 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x19\n\x11max_cached_tokens\x18\n \x01(\x04\x12\x15\n\rcached_tokens\x18\x0b \x01(\x04\x12\x17\n\x0f\x63\x61\x63hed_sessions\x18\x0c \x01(\r\x12\x12\n\nreplica_id\x18\r \x01(\t\x12\x1b\n\x13tokenizer_json_zlib\x18\x0e \x01(\x0c\x12\x15\n\rchat_template\x18\x0f \x01(\t\x12\x14\n\x0c\x62os_token_id\x18\x10 \x01(\x03\x12@\n\x0especial_tokens\x18\x11 \x03(\x0b\x32(.specdec.v1.ModelInfo.SpecialTokensEntry\x12\x11\n\tdata_port\x18\x12 \x01(\r\x12\x15\n\rmodel_version\x18\x32 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x33 \x01(\t\x12\x17\n\x0ftensor_parallel\x18\x34 \x01(\r\x12\x35\n\x11sampling_defaults\x18\x35 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12-\n\x0c\x66orward_cost\x18\x15 \x01(\x0b\x32\x17.specdec.v1.ForwardCost\x1a\x34\n\x12SpecialTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xaf\x01\n\x0b\x46orwardCost\x12/\n\x07\x62uckets\x18\x01 \x03(\x0b\x32\x1e.specdec.v1.ForwardCost.Bucket\x1ao\n\x06\x42ucket\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x0f\n\x07\x62\x61se_ms\x18\x02 \x01(\x02\x12\x14\n\x0cper_token_ms\x18\x03 \x01(\x02\x12\x0f\n\x07samples\x18\x04 \x01(\x02\x12\x0e\n\x06widest\x18\x05 \x01(\r\x12\x0f\n\x07step_ms\x18\x06 \x01(\x02\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x82\x01\n\rTokenLogprobs\x12\x15\n\ttoken_ids\x18x \x03(\x03\x42\x02\x10\x01\x12\x14\n\x08logprobs\x18y \x03(\x02\x42\x02\x10\x01\x12\x0f\n\x07num_top\x18z \x01(\r\x12\x19\n\rtop_token_ids\x18{ \x03(\x03\x42\x02\x10\x01\x12\x18\n\x0ctop_logprobs\x18| \x03(\x02\x42\x02\x10\x01*\\\n\nProbFormat\x12\x1b\n\x17PROB_FORMAT_UNSPECIFIED\x10\x00\x12\x17\n\x13PROB_FORMAT_FLOAT16\x10\x01\x12\x18\n\x14PROB_FORMAT_BFLOAT16\x10\x02*A\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_DRAFTER\x10\x01\x12\x11\n\rROLE_VERIFIER\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,38 +49,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENLOGPROBS'].fields_by_name['top_token_ids']._serialized_options = b'\020\001'
   _globals['_TOKENLOGPROBS'].fields_by_name['top_logprobs']._loaded_options = None
   _globals['_TOKENLOGPROBS'].fields_by_name['top_logprobs']._serialized_options = b'\020\001'
-  _globals['_PROBFORMAT']._serialized_start=1789
-  _globals['_PROBFORMAT']._serialized_end=1881
-  _globals['_ROLE']._serialized_start=1883
-  _globals['_ROLE']._serialized_end=1948
+  _globals['_PROBFORMAT']._serialized_start=1977
+  _globals['_PROBFORMAT']._serialized_end=2069
+  _globals['_ROLE']._serialized_start=2071
+  _globals['_ROLE']._serialized_end=2136
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=329
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=272
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=320
-  _globals['_OUTPUTCONTROLS']._serialized_start=331
-  _globals['_OUTPUTCONTROLS']._serialized_end=417
-  _globals['_CACHEDPREFIX']._serialized_start=419
-  _globals['_CACHEDPREFIX']._serialized_end=463
-  _globals['_DRAFTDISTRIBUTION']._serialized_start=465
-  _globals['_DRAFTDISTRIBUTION']._serialized_end=577
-  _globals['_SPARSEPROBS']._serialized_start=579
-  _globals['_SPARSEPROBS']._serialized_end=634
-  _globals['_DENSEPROBS']._serialized_start=636
-  _globals['_DENSEPROBS']._serialized_end=702
-  _globals['_INFOREQUEST']._serialized_start=704
-  _globals['_INFOREQUEST']._serialized_end=744
-  _globals['_MODELINFO']._serialized_start=747
-  _globals['_MODELINFO']._serialized_end=1401
-  _globals['_MODELINFO_SPECIALTOKENSENTRY']._serialized_start=1349
-  _globals['_MODELINFO_SPECIALTOKENSENTRY']._serialized_end=1401
-  _globals['_FORWARDCOST']._serialized_start=1404
-  _globals['_FORWARDCOST']._serialized_end=1579
-  _globals['_FORWARDCOST_BUCKET']._serialized_start=1468
-  _globals['_FORWARDCOST_BUCKET']._serialized_end=1579
-  _globals['_RELEASEREQUEST']._serialized_start=1581
-  _globals['_RELEASEREQUEST']._serialized_end=1617
-  _globals['_RELEASERESPONSE']._serialized_start=1619
-  _globals['_RELEASERESPONSE']._serialized_end=1654
-  _globals['_TOKENLOGPROBS']._serialized_start=1657
-  _globals['_TOKENLOGPROBS']._serialized_end=1787
+  _globals['_SAMPLINGPARAMS']._serialized_end=462
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=336
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=384
+  _globals['_OUTPUTCONTROLS']._serialized_start=464
+  _globals['_OUTPUTCONTROLS']._serialized_end=550
+  _globals['_CACHEDPREFIX']._serialized_start=552
+  _globals['_CACHEDPREFIX']._serialized_end=596
+  _globals['_DRAFTDISTRIBUTION']._serialized_start=598
+  _globals['_DRAFTDISTRIBUTION']._serialized_end=710
+  _globals['_SPARSEPROBS']._serialized_start=712
+  _globals['_SPARSEPROBS']._serialized_end=767
+  _globals['_DENSEPROBS']._serialized_start=769
+  _globals['_DENSEPROBS']._serialized_end=835
+  _globals['_INFOREQUEST']._serialized_start=837
+  _globals['_INFOREQUEST']._serialized_end=877
+  _globals['_MODELINFO']._serialized_start=880
+  _globals['_MODELINFO']._serialized_end=1589
+  _globals['_MODELINFO_SPECIALTOKENSENTRY']._serialized_start=1537
+  _globals['_MODELINFO_SPECIALTOKENSENTRY']._serialized_end=1589
+  _globals['_FORWARDCOST']._serialized_start=1592
+  _globals['_FORWARDCOST']._serialized_end=1767
+  _globals['_FORWARDCOST_BUCKET']._serialized_start=1656
+  _globals['_FORWARDCOST_BUCKET']._serialized_end=1767
+  _globals['_RELEASEREQUEST']._serialized_start=1769
+  _globals['_RELEASEREQUEST']._serialized_end=1805
+  _globals['_RELEASERESPONSE']._serialized_start=1807
+  _globals['_RELEASERESPONSE']._serialized_end=1842
+  _globals['_TOKENLOGPROBS']._serialized_start=1845
+  _globals['_TOKENLOGPROBS']._serialized_end=1975
 # @@protoc_insertion_point(module_scope)

@@ -26,7 +26,7 @@ ROLE_DRAFTER: Role
 ROLE_VERIFIER: Role
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "model_defaults", "min_p")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,8 @@ class SamplingParams(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -50,7 +52,9 @@ class SamplingParams(_message.Message):
     frequency_penalty: float
     repetition_penalty: float
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    model_defaults: bool
+    min_p: float
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., model_defaults: _Optional[bool] = ..., min_p: _Optional[float] = ...) -> None: ...
 
 class OutputControls(_message.Message):
     __slots__ = ("output_start", "min_tokens", "min_tokens_ids")
@@ -101,7 +105,7 @@ class InfoRequest(_message.Message):
     def __init__(self, include_tokenizer: _Optional[bool] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("role", "model_id", "vocab_size", "tokenizer_fingerprint", "max_context", "max_draft_tokens", "eos_token_ids", "dtype", "dtype_reason", "device", "max_cached_tokens", "cached_tokens", "cached_sessions", "replica_id", "tokenizer_json_zlib", "chat_template", "bos_token_id", "special_tokens", "data_port", "model_version", "engine", "tensor_parallel", "forward_cost")
+    __slots__ = ("role", "model_id", "vocab_size", "tokenizer_fingerprint", "max_context", "max_draft_tokens", "eos_token_ids", "dtype", "dtype_reason", "device", "max_cached_tokens", "cached_tokens", "cached_sessions", "replica_id", "tokenizer_json_zlib", "chat_template", "bos_token_id", "special_tokens", "data_port", "model_version", "engine", "tensor_parallel", "sampling_defaults", "forward_cost")
     class SpecialTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +135,7 @@ class ModelInfo(_message.Message):
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_COST_FIELD_NUMBER: _ClassVar[int]
     role: Role
     model_id: str
@@ -154,8 +159,9 @@ class ModelInfo(_message.Message):
     model_version: str
     engine: str
     tensor_parallel: int
+    sampling_defaults: SamplingParams
     forward_cost: ForwardCost
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., device: _Optional[str] = ..., max_cached_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_sessions: _Optional[int] = ..., replica_id: _Optional[str] = ..., tokenizer_json_zlib: _Optional[bytes] = ..., chat_template: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., data_port: _Optional[int] = ..., model_version: _Optional[str] = ..., engine: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., forward_cost: _Optional[_Union[ForwardCost, _Mapping]] = ...) -> None: ...
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., device: _Optional[str] = ..., max_cached_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_sessions: _Optional[int] = ..., replica_id: _Optional[str] = ..., tokenizer_json_zlib: _Optional[bytes] = ..., chat_template: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., data_port: _Optional[int] = ..., model_version: _Optional[str] = ..., engine: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., sampling_defaults: _Optional[_Union[SamplingParams, _Mapping]] = ..., forward_cost: _Optional[_Union[ForwardCost, _Mapping]] = ...) -> None: ...
 
 class ForwardCost(_message.Message):
     __slots__ = ("buckets",)

@@ -321,7 +321,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("model_id", "draft_model_id", "vocab_size", "max_context", "max_num_draft_tokens", "default_num_draft_tokens", "default_ssd", "max_new_tokens", "max_stop_strings", "max_stop_chars", "max_session_id_chars", "default_session_ttl_seconds", "max_session_ttl_seconds", "tokenizer_fingerprint", "eos_token_ids", "bos_token_id", "supported_request_fields", "max_stop_token_ids", "max_logit_bias", "max_top_logprobs", "max_choices", "structured_output_engine", "structured_output_kinds", "default_method", "lookup", "recording", "drafter_versions", "drafter_canary_version", "drafter_canary_percent")
+    __slots__ = ("model_id", "draft_model_id", "vocab_size", "max_context", "max_num_draft_tokens", "default_num_draft_tokens", "default_ssd", "max_new_tokens", "max_stop_strings", "max_stop_chars", "max_session_id_chars", "default_session_ttl_seconds", "max_session_ttl_seconds", "tokenizer_fingerprint", "eos_token_ids", "bos_token_id", "supported_request_fields", "max_stop_token_ids", "max_logit_bias", "max_top_logprobs", "max_choices", "structured_output_engine", "structured_output_kinds", "default_method", "lookup", "recording", "drafter_versions", "drafter_canary_version", "drafter_canary_percent", "sampling_defaults")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -351,6 +351,7 @@ class GetServerInfoResponse(_message.Message):
     DRAFTER_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_CANARY_VERSION_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_CANARY_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     draft_model_id: str
     vocab_size: int
@@ -380,7 +381,8 @@ class GetServerInfoResponse(_message.Message):
     drafter_versions: _containers.RepeatedScalarFieldContainer[str]
     drafter_canary_version: str
     drafter_canary_percent: float
-    def __init__(self, model_id: _Optional[str] = ..., draft_model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_num_draft_tokens: _Optional[int] = ..., default_num_draft_tokens: _Optional[int] = ..., default_ssd: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_chars: _Optional[int] = ..., max_session_id_chars: _Optional[int] = ..., default_session_ttl_seconds: _Optional[int] = ..., max_session_ttl_seconds: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., supported_request_fields: _Optional[_Iterable[str]] = ..., max_stop_token_ids: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_choices: _Optional[int] = ..., structured_output_engine: _Optional[str] = ..., structured_output_kinds: _Optional[_Iterable[str]] = ..., default_method: _Optional[_Union[SpeculationMethod, str]] = ..., lookup: _Optional[_Union[LookupInfo, _Mapping]] = ..., recording: _Optional[bool] = ..., drafter_versions: _Optional[_Iterable[str]] = ..., drafter_canary_version: _Optional[str] = ..., drafter_canary_percent: _Optional[float] = ...) -> None: ...
+    sampling_defaults: _common_pb2.SamplingParams
+    def __init__(self, model_id: _Optional[str] = ..., draft_model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_num_draft_tokens: _Optional[int] = ..., default_num_draft_tokens: _Optional[int] = ..., default_ssd: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_chars: _Optional[int] = ..., max_session_id_chars: _Optional[int] = ..., default_session_ttl_seconds: _Optional[int] = ..., max_session_ttl_seconds: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., supported_request_fields: _Optional[_Iterable[str]] = ..., max_stop_token_ids: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_choices: _Optional[int] = ..., structured_output_engine: _Optional[str] = ..., structured_output_kinds: _Optional[_Iterable[str]] = ..., default_method: _Optional[_Union[SpeculationMethod, str]] = ..., lookup: _Optional[_Union[LookupInfo, _Mapping]] = ..., recording: _Optional[bool] = ..., drafter_versions: _Optional[_Iterable[str]] = ..., drafter_canary_version: _Optional[str] = ..., drafter_canary_percent: _Optional[float] = ..., sampling_defaults: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class LookupInfo(_message.Message):
     __slots__ = ("prompt_lookup_min", "prompt_lookup_max", "suffix_depth", "suffix_cache_tokens", "suffix_cache_scope", "tree_width", "max_tree_width")

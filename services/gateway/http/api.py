@@ -30,6 +30,7 @@ they carry their neutral value. A bad value raises FieldError naming its body fi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -43,6 +44,7 @@ from specdec.gateway.http.errors import FieldError, ModelNotFound
 from specdec.gateway.http.logprobs import LogprobsRenderer
 from specdec.gateway.lookup import parse_method
 from specdec.gateway.policy import parse_policy
+from specdec.sdk.request import Sampling
 from specdec.v1 import common_pb2, gateway_pb2
 
 log = logging.getLogger(__name__)
@@ -51,8 +53,6 @@ EXTENSION = "specdec"
 
 # OpenAI's default for /v1/completions when max_tokens is absent.
 DEFAULT_COMPLETION_TOKENS = 16
-# proto3 cannot tell top_p 0 from unset; OpenAI's default is 1.
-DEFAULT_TEMPERATURE = 1.0
 
 FINISH_REASON = {
     gateway_pb2.FINISH_REASON_LENGTH: "length",
@@ -63,20 +63,14 @@ FINISH_REASON = {
 COMMON_FIELDS = {
     "model",
     "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
+    # temperature, top_p, top_k, seed, the penalties, logit_bias: specdec.sdk.request.Sampling
+    *(f.name for f in dataclasses.fields(Sampling)),
     "stop",
     "n",
     "stream",
     "stream_options",
     "user",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
     # vLLM's extensions
-    "repetition_penalty",
     "ignore_eos",
     "min_tokens",
     "stop_token_ids",
@@ -141,14 +135,7 @@ VALIDATION_FIELDS = {
     "prompt": "prompt",
     "prompt_token_ids": "prompt",
     "max_new_tokens": "max_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "seed": "seed",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "repetition_penalty": "repetition_penalty",
-    "logit_bias": "logit_bias",
+    **{f.name: f.name for f in dataclasses.fields(Sampling)},  # body names = Sampling's
     "min_tokens": "min_tokens",
     "stop_token_ids": "stop_token_ids",
     "stop strings": "stop",
@@ -272,21 +259,8 @@ def _common(
         if value is not None:
             _set(req, "max_new_tokens", value, name)
             opts.max_tokens_given = True
-    sampling = common_pb2.SamplingParams()
-    temperature = _number(body, "temperature")
-    sampling.temperature = DEFAULT_TEMPERATURE if temperature is None else temperature
-    top_p = _number(body, "top_p")
-    if top_p is not None:
-        if top_p == 0:
-            raise FieldError("top_p", "sampling: top_p must be in (0, 1], got 0")
-        sampling.top_p = top_p
-    top_k = _number(body, "top_k", integer=True)
-    if top_k is not None:
-        _set(sampling, "top_k", 0 if top_k == -1 else top_k, "top_k")  # vLLM: -1 = off
-    seed = _number(body, "seed", integer=True)
-    if seed is not None:
-        _set(sampling, "seed", seed, "seed")
-    _controls(body, req, sampling)
+    sampling = _sampling(body)
+    _controls(body, req)
     req.sampling.CopyFrom(sampling)
     stop = body.get("stop")
     if isinstance(stop, str):
@@ -345,44 +319,61 @@ def _common(
     return opts
 
 
-def _controls(
-    body: dict, req: gateway_pb2.GenerateRequest, sampling: common_pb2.SamplingParams
-) -> None:
-    """The length, stop and logits-processor fields (their ranges: request.validate)."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = _number(body, name)
-        if value is not None:
-            _set(sampling, name, value, name)
-    repetition = _number(body, "repetition_penalty")
-    if repetition is not None:
-        if not repetition > 0:  # proto3 reads 0 as unset
-            raise FieldError(
-                "repetition_penalty", f"repetition_penalty must be > 0, got {repetition}"
-            )
-        _set(sampling, "repetition_penalty", repetition, "repetition_penalty")
+# Body values a Sampling field reads differently (vLLM's spellings, proto3's unset zeros).
+_SAMPLING_VALUES = {
+    "top_k": lambda v: 0 if v == -1 else v,  # vLLM: -1 = off
+}
+# Values the wire would read as unset: refused here, naming the field.
+_SAMPLING_REFUSED = {
+    "top_p": (lambda v: v == 0, "sampling: top_p must be in (0, 1], got 0"),
+    "repetition_penalty": (lambda v: not v > 0, "repetition_penalty must be > 0, got {}"),
+}
+
+
+def _sampling(body: dict) -> common_pb2.SamplingParams:
+    """The body's sampling fields, one per field of specdec.sdk.request.Sampling by the
+    same name (their ranges: request.validate); unset ones take the model's
+    generation_config (SamplingParams.model_defaults)."""
+    sampling = common_pb2.SamplingParams(model_defaults=True)
+    for f in dataclasses.fields(Sampling):
+        if f.name == "logit_bias":
+            _logit_bias(body, sampling)
+            continue
+        value = _number(body, f.name, integer=str(f.type).startswith("int"))
+        if value is None:
+            continue
+        refused = _SAMPLING_REFUSED.get(f.name)
+        if refused is not None and refused[0](value):
+            raise FieldError(f.name, refused[1].format(value))
+        _set(sampling, f.name, _SAMPLING_VALUES.get(f.name, lambda v: v)(value), f.name)
+    return sampling
+
+
+def _logit_bias(body: dict, sampling: common_pb2.SamplingParams) -> None:
     bias = body.get("logit_bias")
-    if bias is not None:
-        if not isinstance(bias, dict):
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise FieldError("logit_bias", "logit_bias must be an object mapping token ids to numbers")
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
             raise FieldError(
-                "logit_bias", "logit_bias must be an object mapping token ids to numbers"
-            )
-        for key, value in bias.items():
-            try:
-                token = int(key)
-            except ValueError:
-                raise FieldError(
-                    "logit_bias", f"logit_bias: key {key!r} is not a token id (an integer)"
-                ) from None
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise FieldError(
-                    "logit_bias", f"logit_bias: the bias of token {key} must be a number"
-                )
-            try:
-                sampling.logit_bias[token] = value
-            except (ValueError, TypeError) as e:
-                raise FieldError(
-                    "logit_bias", f"logit_bias: token id {key} is out of range ({e})"
-                ) from None
+                "logit_bias", f"logit_bias: key {key!r} is not a token id (an integer)"
+            ) from None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise FieldError("logit_bias", f"logit_bias: the bias of token {key} must be a number")
+        try:
+            sampling.logit_bias[token] = value
+        except (ValueError, TypeError) as e:
+            raise FieldError(
+                "logit_bias", f"logit_bias: token id {key} is out of range ({e})"
+            ) from None
+
+
+def _controls(body: dict, req: gateway_pb2.GenerateRequest) -> None:
+    """The length and stop fields (their ranges: request.validate)."""
     ignore_eos = _bool(body, "ignore_eos")
     if ignore_eos is not None:
         req.ignore_eos = ignore_eos
