@@ -81,3 +81,30 @@ def test_bench_rows_with_trees_beside_their_chains():
         assert modes[name].tree_width == 3 and modes[name].method == "ngram", name
     assert modes["ngram k=8"].tree_width is None  # the chain it is compared with
     assert not any("tree" in m for m in {m.name for m in build_modes([8], [4], methods=("ngram",))})
+
+
+def test_model_tree_nodes_fixed_and_priced():
+    """The drafter's leaves: the fixed policy's half-draft (at least width - 1, at most the
+    bound); the adaptive one's by the cost curve, leaves on a flat curve, none on a steep."""
+    assert FixedPolicy().model_tree_nodes(8, 3, 16) == 4
+    assert FixedPolicy().model_tree_nodes(2, 4, 16) == 3
+    assert FixedPolicy().model_tree_nodes(8, 3, 2) == 2
+    assert FixedPolicy().model_tree_nodes(8, 1, 16) == 0
+    flat, steep = _adaptive(0.05), _adaptive(10.0)
+    for policy in (flat, steep):
+        for _ in range(20):  # a leaf taken in every other round of 4 leaves
+            policy.leaves.add(0.125)
+    assert 0 < flat.model_tree_nodes(6, 3, 10) <= 10
+    assert steep.model_tree_nodes(6, 3, 10) == 0
+
+
+def test_on_chain_and_branch_of_a_drafter_tree():
+    from specdec.gateway.loop import _branch, _on_chain
+
+    parents = [-1, 0, 1, -1, 0]  # a draft of 3, leaves beside its tokens 0 and 1
+    assert _on_chain([0, 1, 2], 3) == 3 and _branch(parents, [0, 1, 2], 3) == 0
+    assert _on_chain([0, 4], 3) == 1 and _branch(parents, [0, 4], 3) == 1
+    assert _on_chain([3], 3) == 0 and _branch(parents, [3], 3) == 1
+    assert _branch(parents, [], 3) is None
+    lookup = [-1, 0, 1, -1]  # a lookup tree: the second root branch is 1
+    assert _branch(lookup, [3], 3) == 1 and _branch(lookup, [0, 1], 3) == 0
