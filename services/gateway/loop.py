@@ -63,9 +63,9 @@ from specdec.common.params import sampling_from_proto
 from specdec.gateway import metrics, tracing
 from specdec.gateway.caller import Placement, ReplicaCaller, Unavailable, UpstreamError
 from specdec.gateway.grammar import Constraint
-from specdec.gateway.lookup import HYBRID, MODEL
+from specdec.gateway.lookup import HYBRID, MODEL, PREDICTION
 from specdec.gateway.lookup.hybrid import RequestLookup
-from specdec.gateway.lookup.tree import is_chain, merge
+from specdec.gateway.lookup.tree import graft, is_chain, merge
 from specdec.gateway.outcome import (
     DRAFTED,
     LOOKUP_SOURCES,
@@ -189,6 +189,7 @@ class Speculator:
         self.tree_width = tree_width if tree_ok else 1
         self.stats = RequestStats(adaptive=policy.kind == ADAPTIVE)
         self._ready: tuple[int, list[int]] | None = None  # greedy SSD hit: (ctx length, draft)
+        self._prediction: list[int] | None = None  # to graft onto this round's model draft
         self._late = False  # the last Speculate was still running at its verdict
         self._without_drafter = False  # the last Draft found no drafter
         self._index = 0
@@ -212,6 +213,7 @@ class Speculator:
                 draft = self._extend(
                     ctx, await self._draft(ctx, self.policy.choose_k(max_k)), remaining
                 )
+                draft = self._graft_prediction(ctx, draft, remaining)
             draft, masks = self._constrain(draft)
             speculation = self._speculate(
                 ctx, _first_branch(draft), remaining, self._branch_k(draft, max_k)
@@ -284,6 +286,9 @@ class Speculator:
         found = proposal is not None
         if proposal is not None:
             tokens = proposal.tokens[:bound]
+            if with_model and proposal.source == PREDICTION and self.tree_width > 1:
+                self._prediction = tokens  # grafted onto this round's model draft
+                return None
             if with_model:
                 k = self.policy.lookup_or_model(proposal.source, len(tokens), max_k)
             else:
@@ -325,6 +330,34 @@ class Speculator:
             return tokens[:own], [], own
         tree, parents = merge([tokens[:own], *(b[:share] for b in others)], bound)
         return (tokens[:own], [], own) if is_chain(parents) else (tree, parents, own)
+
+    def _graft_prediction(self, ctx: Sequence[int], draft: Draft, remaining: int) -> Draft:
+        """With a tree width above 1, a round where the prediction proposed tokens: the
+        model's draft (a chain or the drafter's tree) with the prediction grafted on, one
+        tree within the lookup bound: where they agree the nodes are the model's (drawn
+        from q), where the prediction departs its tokens are one more branch (one-hot, after
+        the model's). Without a model draft (k = 0, no drafter) the prediction alone."""
+        prediction, self._prediction = self._prediction, None
+        if not prediction:
+            return draft
+        if not draft.tokens:
+            probs = () if self.greedy else [one_hot(t) for t in prediction]
+            return Draft(
+                prediction, probs, PREDICTION, draft.seconds, draft.resends, draft.late_outcome
+            )
+        tokens = list(draft.tokens)
+        parents = list(draft.parents) if draft.parents else list(range(-1, len(tokens) - 1))
+        added = graft(tokens, parents, prediction, self._lookup_bound(ctx, remaining))
+        if not added:
+            return draft
+        more = tokens[len(draft.tokens) :]
+        probs = () if self.greedy else [*draft.probs, *(one_hot(t) for t in more)]
+        if is_chain(parents):  # the prediction continues the draft: a chain, as an extension
+            return dataclasses.replace(
+                draft, tokens=tokens, probs=probs, extended=draft.extended + added
+            )
+        chain = draft.chain if draft.parents else len(draft.tokens)
+        return dataclasses.replace(draft, tokens=tokens, probs=probs, parents=parents, chain=chain)
 
     def _extend(self, ctx: Sequence[int], draft: Draft, remaining: int) -> Draft:
         """Under hybrid, the draft model's draft followed by the lookup's continuation of

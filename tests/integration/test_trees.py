@@ -73,13 +73,36 @@ def test_sampling_distribution_with_suffix_trees(tree_stack, tokenizer, target_m
     check_sequence_counts([tuple(r.tokens) for r in results], exact)
 
 
+@pytest.mark.parametrize("ssd", [False, True], ids=["plain", "ssd"])
+def test_greedy_prediction_grafted_on_model_drafts(tree_stack, tokenizer, reference, ssd):
+    """A prediction with edits (the expected output with tokens changed) grafted onto the
+    model's drafts as one tree gives generate()'s tokens; some round's path took the
+    prediction's branch where it departed from the model's draft, or the model's where the
+    prediction was wrong."""
+    results = []
+    with Client(tree_stack["own"], timeout=300) as client:
+        for text in PROMPTS[:2]:
+            ids = tokenizer(text).input_ids
+            expected = reference(ids, N)
+            edited = [*expected[:10], 7, 8, *expected[12:30], 9, *expected[31:]]
+            got = client.generate(
+                token_ids=ids, max_new_tokens=N, k=4, method="model", ssd=ssd, prediction=edited
+            )
+            assert list(got.tokens) == expected, text
+            results.append(got)
+    assert sum(r.stats.tree_rounds for r in results) > 0
+    assert sum(r.stats.tree_other_branch_rounds for r in results) > 0
+
+
 def test_sampling_distribution_with_drafter_trees(tree_stack, tokenizer, target_model):
     """Sampled through the stack with the drafter's dynamic trees (its draft tokens with q,
-    its top alternatives as one-hot leaves) and SSD on their first branch: all 16 sequences
-    of 4 tokens (top-k 2) within 5 sigma, with check_sequence_counts' negative control."""
+    its top alternatives as one-hot leaves), a prediction (the likeliest sequence) grafted
+    on where it proposes, and SSD on their first branch: all 16 sequences of 4 tokens
+    (top-k 2) within 5 sigma, with check_sequence_counts' negative control."""
     ids = tokenizer(PROMPTS[2]).input_ids
     exact = exact_sequence_probs(target_model, ids, steps=4, top_k=2)
-    results = sample_top2(tree_stack["ssd"], ids, 1200, k=3, method="model")
+    likeliest = list(max(exact, key=exact.get))
+    results = sample_top2(tree_stack["ssd"], ids, 1200, k=3, method="model", prediction=likeliest)
     trees = sum(r.stats.tree_rounds for r in results)
     other = sum(r.stats.tree_other_branch_rounds for r in results)
     assert trees > 600 and other > 50, (trees, other)

@@ -80,6 +80,8 @@ def test_bench_rows_with_trees_beside_their_chains():
     for name in ("ngram tree3 k=8", "ssd ngram tree3 k=4", "ngram tree3 adaptive k<=8"):
         assert modes[name].tree_width == 3 and modes[name].method == "ngram", name
     assert modes["ngram k=8"].tree_width is None  # the chain it is compared with
+    for name in ("tree3 k=8", "ssd tree3 k=4", "tree3 adaptive k<=8"):
+        assert modes[name].tree_width == 3 and modes[name].method == "model", name
     assert not any("tree" in m for m in {m.name for m in build_modes([8], [4], methods=("ngram",))})
 
 
@@ -108,3 +110,14 @@ def test_on_chain_and_branch_of_a_drafter_tree():
     assert _branch(parents, [], 3) is None
     lookup = [-1, 0, 1, -1]  # a lookup tree: the second root branch is 1
     assert _branch(lookup, [3], 3) == 1 and _branch(lookup, [0, 1], 3) == 0
+
+
+def test_graft_shares_the_path_it_spells():
+    from specdec.gateway.lookup.tree import graft
+
+    tokens, parents = [5, 6, 7, 9], [-1, 0, 1, 0]  # a draft 5 6 7 and a leaf 9 beside 6
+    assert graft(tokens, parents, [5, 9, 4, 4], 16) == 2  # 5 and 9 shared, then 4 4
+    assert tokens == [5, 6, 7, 9, 4, 4] and parents == [-1, 0, 1, 0, 3, 4]
+    assert graft(tokens, parents, [8, 1], 7) == 1  # the budget cuts it
+    assert tokens[-1] == 8 and parents[-1] == -1
+    assert graft(tokens, parents, [5, 6, 7], 16) == 0
