@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specdec.common.controls import controls_from_proto
-from specdec.common.errors import InvalidRequest, Unimplemented
+from specdec.common.errors import InvalidRequest
 from specdec.common.metrics import observed_rpc
 from specdec.common.params import MAX_TOP_LOGPROBS, sampling_from_proto
 from specdec.common.serving import rpc_errors
@@ -65,11 +65,6 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
         masks = decode_grammar_masks(request.grammar_masks, k + 1, rt.vocab_size)  # [k+1, vocab]
         ask = logprobs_ask(request)
         parents = tree_parents(request, k)
-        if parents is not None and rt.config.engine == "paged":
-            raise Unimplemented(
-                "token trees (draft_parents) are not built for --engine paged yet; this "
-                "verifier runs it: send chains (tree_width 1), or run --engine dense"
-            )
         if parents is not None and (controls is not None or masks is not None or ask):
             raise InvalidRequest(
                 "a draft tree (draft_parents) with logits processors that read the sequence, "
