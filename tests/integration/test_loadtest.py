@@ -171,10 +171,10 @@ def test_loadtest_tree_modes_beside_their_chains(up, tmp_path):
     doc, _ = loadtest(
         up["address"],
         tmp_path / "out",
-        *("--modes", "k0,k4@ngram,k4", "--tree-width", "3", "--num-requests", "4"),
-        *("--max-new-tokens", "16", "--check-exact", "--concurrency", "2"),
+        *("--modes", "k4@ngram,k4", "--tree-width", "3", "--num-requests", "3"),
+        *("--num-prompts", "3", "--max-new-tokens", "16", "--check-exact"),
     )
-    modes = ["k0", "k4@ngram", "k4@ngram tree3", "k4", "k4 tree3"]
+    modes = ["k4@ngram", "k4@ngram tree3", "k4", "k4 tree3"]
     assert [r["mode"] for r in doc["results"]] == modes
     by_mode = {r["mode"]: r for r in doc["results"]}
     assert by_mode["k4 tree3"]["tree_width"] == 3 and by_mode["k4"]["tree_width"] is None
