@@ -641,12 +641,42 @@ class Speculator:
         if branch is not None and self.greedy:  # sampling fetches it from the drafter,
             # with its distributions (a Draft without a forward)
             self._ready = (len(ctx) + accepted + 1, list(branch.draft_tokens))
+        elif outcome is None and self.greedy:
+            branch = self._through_leaf(response, verdict, draft, accepted)
+            if branch is not None:  # its draft after the leaf began with the next token
+                self._ready = (len(ctx) + accepted + 2, list(branch.draft_tokens[1:]))
         return SsdVerdict(
             SSD_HIT if branch is not None else SSD_MISS,
             branches=len(response.branches),
             seconds=answered - speculation.sent,
             bytes=response.ByteSize(),
             hidden=max(0.0, min(answered, verified) - max(speculation.sent, verify_sent)),
+        )
+
+    @staticmethod
+    def _through_leaf(
+        response: drafter_pb2.SpeculateResponse,
+        verdict: verifier_pb2.VerifyResponse,
+        draft: Draft,
+        on_chain: int,
+    ) -> drafter_pb2.SpeculatedBranch | None:
+        """Under greedy decoding, a tree path that left the first branch at one leaf x (after
+        on_chain of its tokens) then emitted y: the branch SSD prepared for "on_chain
+        accepted, then x" whose draft starts with y (its rest is the drafter's greedy draft
+        after y), or None."""
+        path = verdict.accepted_path
+        if len(path) != on_chain + 1:
+            return None
+        leaf = draft.tokens[path[-1]]
+        return next(
+            (
+                b
+                for b in response.branches
+                if (b.accepted_count, b.next_token) == (on_chain, leaf)
+                and len(b.draft_tokens) > 1
+                and b.draft_tokens[0] == verdict.next_token
+            ),
+            None,
         )
 
 

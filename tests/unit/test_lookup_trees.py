@@ -121,3 +121,21 @@ def test_graft_shares_the_path_it_spells():
     assert graft(tokens, parents, [8, 1], 7) == 1  # the budget cuts it
     assert tokens[-1] == 8 and parents[-1] == -1
     assert graft(tokens, parents, [5, 6, 7], 16) == 0
+
+
+def test_ssd_branch_through_a_leaf():
+    """Greedy SSD after a drafter tree: a path through one leaf x, then y, uses the branch
+    prepared for "on-chain tokens, then x" when its draft starts with y."""
+    from specdec.gateway.loop import Draft, Speculator
+    from specdec.v1 import drafter_pb2, verifier_pb2
+
+    draft = Draft([5, 6, 7, 9], (), "drafted", parents=[-1, 0, 1, 0], chain=3)  # leaf 9 by 6
+    branch = drafter_pb2.SpeculatedBranch(accepted_count=1, next_token=9, draft_tokens=[4, 2, 3])
+    other = drafter_pb2.SpeculatedBranch(accepted_count=1, next_token=6, draft_tokens=[4, 1])
+    response = drafter_pb2.SpeculateResponse(branches=[other, branch])
+    verdict = verifier_pb2.VerifyResponse(accepted_count=2, next_token=4, accepted_path=[0, 3])
+    assert Speculator._through_leaf(response, verdict, draft, 1) == branch
+    verdict.next_token = 8  # the branch drafted 4 after the leaf: no use
+    assert Speculator._through_leaf(response, verdict, draft, 1) is None
+    deeper = verifier_pb2.VerifyResponse(accepted_count=3, next_token=4, accepted_path=[0, 3, 2])
+    assert Speculator._through_leaf(response, deeper, draft, 1) is None
