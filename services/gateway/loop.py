@@ -44,7 +44,8 @@ The draft model's rounds grow a dynamic tree on the drafter (DraftRequest.tree_n
 its top alternatives to the draft's tokens as leaves, sized by `Policy.model_tree_nodes`).
 The verdict's accepted path is the round's accepted tokens. With SSD a tree round's
 Speculate prepares for the outcomes of its first branch (the draft a chain would be): a
-path that leaves it is a miss. A request with logits processors that read the sequence,
+path that leaves it is a miss, but for a greedy path through one drafter leaf whose
+prepared "recovered" branch drafted the next token (`_through_leaf`). A request with logits processors that read the sequence,
 a grammar or logprobs verifies chains only.
 """
 
