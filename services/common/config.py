@@ -31,6 +31,7 @@ __all__ = [
     "ENGINES",
     "ENV_PREFIX",
     "MAX_FAN_OUT",
+    "MAX_TREE_WIDTH",
     "ConfigError",
     "ReplicaConfig",
     "add_setting",
@@ -53,6 +54,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "fastest")
 PACK_WEIGHTS = ("auto", "true", "false")
 ENGINES = ("dense", "paged")  # the sessions' KV: specdec.replica.paged
 MAX_FAN_OUT = 64  # SSD branches per round (drafter and gateway settings, Speculate requests)
+# Children of a token tree's node (SpeculationParams.tree_width, DraftRequest.tree_width).
+MAX_TREE_WIDTH = 8
 
 
 @dataclass(frozen=True)

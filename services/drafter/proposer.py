@@ -1,13 +1,23 @@
 """The drafter's domain logic: propose k tokens and the distributions they came from.
 
 `propose` is a model-thread job (specdec.replica.batching): each of its k forwards is batched
-with the forwards of other sessions drafting at the same time (lock-step)."""
+with the forwards of other sessions drafting at the same time (lock-step).
+
+A Draft may ask for a dynamic token tree (DraftRequest.tree_nodes): the draft as drawn,
+then up to tree_nodes leaves, each one of the drafter's top alternatives to a draft token,
+a sibling of it (`grow`). No forward is added: the alternatives come from the rows the draft
+was drawn from. A leaf's path probability under the drafter is the product of the draft
+tokens' probabilities before it times its own; the leaves with the highest are kept, which
+puts them where the drafter is unsure, early. Each leaf is a deterministic function of the
+drawn tokens, so its proposal is one-hot; the draft token keeps the distribution it was
+drawn from and comes first among its siblings (docs/concepts/trees.md: exact under the
+tree rule)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,7 +29,7 @@ from specdec.replica.engine import Engine, arguments
 from specdec.replica.host import to_host
 from specdec.replica.processors import TokenCounts
 from specdec.replica.runtime import Prefix
-from specdec.replica.sampling import EncodedProbs, SamplingParams, encoded_rows
+from specdec.replica.sampling import EncodedProbs, SamplingParams, encoded_rows, one_hot_encoded
 
 
 @dataclass
@@ -29,6 +39,7 @@ class Draft:
     cached_length: int
     forward_ms: float
     prepared: bool = False  # served from a Speculate branch, no forward
+    parents: list[int] = field(default_factory=list)  # a tree's (DraftResponse.draft_parents)
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,8 @@ class DraftCall:
     params: SamplingParams
     controls: Controls | None
     fork_from: str
+    tree_nodes: int = 0
+    tree_width: int = 1
 
     def job(self) -> Generator[ForwardRequest, torch.Tensor, Draft]:
         return propose(**arguments(self))
@@ -59,6 +72,8 @@ def propose(
     params: SamplingParams,
     controls: Controls | None = None,
     fork_from: str = "",
+    tree_nodes: int = 0,
+    tree_width: int = 1,
 ) -> Generator[ForwardRequest, torch.Tensor, Draft]:
     """Draft k tokens after prefix + new_tokens (a job for the model thread,
     `Engine.run`), each step under the request's logits processors (controls).
@@ -68,53 +83,101 @@ def propose(
     prefix + new_tokens + d_1..d_{k-1}: d_k is only fed if it is accepted, in the next
     request's new tokens (or by the Speculate that follows, which then reuses the logits
     kept here instead of feeding d_1..d_{k-1} again). fork_from: start the session as a
-    copy of that session's cache (CacheStore.acquire).
+    copy of that session's cache (CacheStore.acquire). tree_nodes > 0: the draft grows
+    into a tree of up to tree_nodes more leaves, at most tree_width children per node
+    (`grow`); a prepared draft stays a chain.
     """
     with runtime.guarded(session_id):
-        return (
-            yield from _propose(
-                runtime, branches, session_id, prefix, new_tokens, k, params, controls, fork_from
-            )
+        started = time.perf_counter()
+        branches.pop_rows(session_id)
+        session = runtime.store.acquire(
+            session_id, prefix.length, prefix.hash, len(new_tokens) + k - 1, fork_from=fork_from
         )
+        hit = take_prepared(branches, session_id, session, new_tokens, k, params, controls)
+        if hit is not None:
+            tokens, probs = hit
+            return Draft(tokens, probs, len(session.tokens), _ms(started), prepared=True)
+        last = (yield from runtime.forward_steps(session, new_tokens, keep=1))[-1:]  # [1, vocab]
+        position = prefix.length + len(new_tokens)  # index of d_1 in the sequence
+        counts = None
+        if controls is not None:  # the sequence's statistics, then each drawn token's
+            counts = TokenCounts(controls, session.tokens, [()], last.shape[-1], last.device)
+        sampler = sampler_for(params, runtime, counts)
+        drawn: list[torch.Tensor] = []  # [1] each: the draft, on the device
+        proposals: list[torch.Tensor] = []  # [1, vocab] each, under sampling
+        rows: list[torch.Tensor] = []  # [1, vocab] logits each token was drawn from
+        for i in range(k):
+            rows.append(last)
+            token, proposal = sampler.draw(last, [position + i])
+            drawn.append(token)
+            if proposal is not None:
+                proposals.append(proposal)
+            if i < k - 1:  # the device token is the next input: no copy to the host
+                last = (yield from runtime.forward_steps(session, token))[-1:]
+        tokens_d = torch.cat(drawn)
+        payload = sampler.payload(proposals)
+        top: tuple[torch.Tensor, ...] = ()
+        if tree_nodes > 0 and tree_width > 1:  # the tokens' probabilities, top alternatives
+            dist = torch.cat(proposals) if proposals else torch.softmax(torch.cat(rows).float(), -1)
+            best = torch.topk(dist, min(tree_width, dist.shape[-1]), dim=-1)
+            top = (dist.gather(1, tokens_d[:, None])[:, 0], best.values, best.indices)
+        host = to_host(tokens_d, *payload, *top)  # the Draft's one copy
+        tokens = host[0].tolist()
+        runtime.store.fill(session, tokens[: k - 1])  # the device tokens it fed
+        encoded = encoded_rows(host[1 : 1 + len(payload)]) if proposals else []
+        n = len(session.tokens)
+        branches.put_rows(
+            session_id,
+            DraftRows(position, n, session.chain.hash(session.tokens, n), torch.cat(rows)),
+        )
+        leaves: list[int] = []
+        parents: list[int] = []
+        if top:
+            conf, values, indices = (t.tolist() for t in host[len(host) - 3 :])
+            leaves, parents = grow(tokens, conf, indices, values, tree_nodes, tree_width)
+        if leaves:
+            tokens = [*tokens, *leaves]
+            if proposals:
+                encoded += [one_hot_encoded(t) for t in leaves]
+        return Draft(tokens, encoded, len(session.tokens), _ms(started), parents=parents)
 
 
-def _propose(runtime, branches, session_id, prefix, new_tokens, k, params, controls, fork_from):
-    started = time.perf_counter()
-    branches.pop_rows(session_id)
-    session = runtime.store.acquire(
-        session_id, prefix.length, prefix.hash, len(new_tokens) + k - 1, fork_from=fork_from
-    )
-    hit = take_prepared(branches, session_id, session, new_tokens, k, params, controls)
-    if hit is not None:
-        tokens, probs = hit
-        return Draft(tokens, probs, len(session.tokens), _ms(started), prepared=True)
-    last = (yield from runtime.forward_steps(session, new_tokens, keep=1))[-1:]  # [1, vocab]
-    position = prefix.length + len(new_tokens)  # index of d_1 in the sequence
-    counts = None
-    if controls is not None:  # the sequence's statistics, then each drawn token's
-        counts = TokenCounts(controls, session.tokens, [()], last.shape[-1], last.device)
-    sampler = sampler_for(params, runtime, counts)
-    drawn: list[torch.Tensor] = []  # [1] each: the draft, on the device
-    proposals: list[torch.Tensor] = []  # [1, vocab] each, under sampling
-    rows: list[torch.Tensor] = []  # [1, vocab] logits each token was drawn from
-    for i in range(k):
-        rows.append(last)
-        token, proposal = sampler.draw(last, [position + i])
-        drawn.append(token)
-        if proposal is not None:
-            proposals.append(proposal)
-        if i < k - 1:  # the device token is the next input: no copy to the host
-            last = (yield from runtime.forward_steps(session, token))[-1:]
-    host = to_host(torch.cat(drawn), *sampler.payload(proposals))  # the Draft's one copy
-    tokens = host[0].tolist()
-    runtime.store.fill(session, tokens[: k - 1])  # the device tokens it fed
-    encoded = encoded_rows(host[1:]) if proposals else []
-    n = len(session.tokens)
-    branches.put_rows(
-        session_id,
-        DraftRows(position, n, session.chain.hash(session.tokens, n), torch.cat(rows)),
-    )
-    return Draft(tokens, encoded, len(session.tokens), _ms(started))
+def grow(
+    tokens: Sequence[int],
+    confidence: Sequence[float],
+    alternatives: Sequence[Sequence[int]],
+    probs: Sequence[Sequence[float]],
+    nodes: int,
+    width: int,
+) -> tuple[list[int], list[int]]:
+    """A draft's tree: (the leaves to add, the parents of the whole tree). tokens [k]: the
+    draft; confidence [k]: each draft token's probability under the drafter;
+    alternatives / probs [k][w]: each row's top tokens and their probabilities. Each
+    leaf is an alternative a to draft token i (a != tokens[i], at most width - 1 per i),
+    scored by its path probability confidence[0] ... confidence[i-1] probs[i][a]; the
+    `nodes` best with a positive score are kept, numbered after the draft by position
+    then rank, each the child of draft token i - 1 (-1: of the context). ([], []) when
+    none is kept."""
+    candidates: list[tuple[float, int, int]] = []  # (score, position, token)
+    reach = 1.0
+    for i, token in enumerate(tokens):
+        taken = 0
+        for alt, p in zip(alternatives[i], probs[i], strict=True):
+            if taken >= width - 1:
+                break
+            if alt == token:
+                continue
+            taken += 1
+            if reach * p > 0:
+                candidates.append((reach * p, i, alt))
+        reach *= confidence[i]
+    kept = sorted(candidates, key=lambda c: -c[0])[: max(0, nodes)]
+    if not kept:
+        return [], []
+    order = {(i, alt): n for n, (_, i, alt) in enumerate(candidates)}
+    kept.sort(key=lambda c: order[(c[1], c[2])])
+    parents = [i - 1 for i in range(len(tokens))] + [i - 1 for _, i, _ in kept]
+    return [alt for _, _, alt in kept], parents
 
 
 def _ms(started: float) -> float:

@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from specdec.common.config import MAX_FAN_OUT
+from specdec.common.config import MAX_FAN_OUT, MAX_TREE_WIDTH
 from specdec.common.controls import controls_from_proto
 from specdec.common.errors import InvalidRequest
 from specdec.common.metrics import observed_rpc
@@ -72,6 +72,7 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             request.sampling, request.output, rt.vocab_size, prefix.length + len(new_tokens)
         )
         check_fork(request.fork_from)
+        tree_nodes, tree_width = self._tree(request, controls)
         call = DraftCall(
             runtime=rt,
             branches=self.branches,
@@ -82,8 +83,29 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             params=params,
             controls=controls,
             fork_from=request.fork_from,
+            tree_nodes=tree_nodes,
+            tree_width=tree_width,
         )
         return ModelCall(call, self._draft_response)
+
+    def _tree(self, request: drafter_pb2.DraftRequest, controls) -> tuple[int, int]:
+        """A Draft's (tree_nodes, tree_width), validated; (0, 1): a chain."""
+        nodes, width = request.tree_nodes, request.tree_width
+        if nodes == 0:
+            return 0, 1
+        limit = self.ready_runtime().config.max_draft_tokens
+        if nodes > limit:
+            raise InvalidRequest(f"tree_nodes must be in [0, {limit}], got {nodes}")
+        if not 2 <= width <= MAX_TREE_WIDTH:
+            raise InvalidRequest(
+                f"tree_width must be in [2, {MAX_TREE_WIDTH}] with tree_nodes, got {width}"
+            )
+        if controls is not None:
+            raise InvalidRequest(
+                "a draft tree (tree_nodes) with logits processors that read the sequence "
+                "is not built; send a chain"
+            )
+        return nodes, width
 
     def _draft_response(self, draft) -> drafter_pb2.DraftResponse:
         if draft.prepared:
@@ -95,6 +117,7 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             forward_ms=draft.forward_ms,
             prepared=draft.prepared,
             forward_cost=self.forward_cost(),
+            draft_parents=draft.parents,
         )
 
     def speculate_call(self, request: drafter_pb2.SpeculateRequest) -> ModelCall:

@@ -167,8 +167,9 @@ class GatewayConfig:
         add_setting(
             parser,
             "--tree-width",
-            "candidate continuations a lookup round may verify together as one token tree "
-            f"when a request does not say (1: chains; at most {MAX_TREE_WIDTH})",
+            "candidate continuations a round may verify together as one token tree (a "
+            "lookup's other matches, the drafter's top alternatives, a prediction) when a "
+            f"request does not say (1: chains; at most {MAX_TREE_WIDTH})",
             1,
         )
         add_setting(parser, "--prompt-lookup-min", "shortest n-gram prompt lookup matches", 1)

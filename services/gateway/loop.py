@@ -40,9 +40,13 @@ source's other candidate continuations beside its draft, as one token tree
 (specdec.gateway.lookup.tree, VerifyRequest.draft_parents): the draft is the first
 branch, cut to the length the policy chose; each other branch starts with another token
 and gets an equal share of what the policy sizes for them (`Policy.tree_sizes`).
-The verdict's accepted path is the round's accepted tokens. A tree round sends no
-Speculate (SSD prepares for a chain's outcomes), and a request with logits processors
-that read the sequence, a grammar or logprobs verifies chains only.
+The draft model's rounds grow a dynamic tree on the drafter (DraftRequest.tree_nodes:
+its top alternatives to the draft's tokens as leaves, sized by `Policy.model_tree_nodes`).
+The verdict's accepted path is the round's accepted tokens. With SSD a tree round's
+Speculate prepares for the outcomes of its first branch (the draft a chain would be): a
+path that leaves it is a miss, but for a greedy path through one drafter leaf whose
+prepared "recovered" branch drafted the next token (`_through_leaf`). A request with logits processors that read the sequence,
+a grammar or logprobs verifies chains only.
 """
 
 from __future__ import annotations
@@ -60,9 +64,9 @@ from specdec.common.params import SamplingParams
 from specdec.gateway import metrics, tracing
 from specdec.gateway.caller import Placement, ReplicaCaller, Unavailable, UpstreamError
 from specdec.gateway.grammar import Constraint
-from specdec.gateway.lookup import HYBRID, MODEL
+from specdec.gateway.lookup import HYBRID, MODEL, PREDICTION
 from specdec.gateway.lookup.hybrid import RequestLookup
-from specdec.gateway.lookup.tree import is_chain, merge
+from specdec.gateway.lookup.tree import graft, is_chain, merge
 from specdec.gateway.outcome import (
     DRAFTED,
     LOOKUP_SOURCES,
@@ -186,6 +190,7 @@ class Speculator:
         self.tree_width = tree_width if tree_ok else 1
         self.stats = RequestStats(adaptive=policy.kind == ADAPTIVE)
         self._ready: tuple[int, list[int]] | None = None  # greedy SSD hit: (ctx length, draft)
+        self._prediction: list[int] | None = None  # to graft onto this round's model draft
         self._late = False  # the last Speculate was still running at its verdict
         self._without_drafter = False  # the last Draft found no drafter
         self._index = 0
@@ -209,17 +214,16 @@ class Speculator:
                 draft = self._extend(
                     ctx, await self._draft(ctx, self.policy.choose_k(max_k)), remaining
                 )
+                draft = self._graft_prediction(ctx, draft, remaining)
             draft, masks = self._constrain(draft)
-            speculation = (
-                Speculation(SSD_OFF)
-                if draft.parents
-                else self._speculate(ctx, draft.tokens, remaining, self._branch_k(draft, max_k))
+            speculation = self._speculate(
+                ctx, _first_branch(draft), remaining, self._branch_k(draft, max_k)
             )
             verify_sent = time.perf_counter()
             verdict, resends, fed = await self._verify(ctx, draft, speculation, masks)
             path = list(verdict.accepted_path)
             verified = time.perf_counter()
-            ssd = self._settle(speculation, verdict, ctx, verify_sent, verified)
+            ssd = self._settle(speculation, verdict, ctx, verify_sent, verified, draft)
             if ssd.state == SSD_LATE:
                 await asyncio.sleep(0)  # the cancel leaves before the next drafter call
             outcome = Outcome(
@@ -229,8 +233,9 @@ class Speculator:
                 # a tree's accepted path first, then its other nodes
                 draft=_path_first(draft.tokens, path),
                 width=_width(draft.parents),
-                branch=_branch(draft.parents, path),
+                branch=_branch(draft.parents, path, draft.chain),
                 chain=draft.chain,
+                on_chain=_on_chain(path, draft.chain) if draft.parents else 0,
                 extended=draft.extended,
                 accepted=verdict.accepted_count,
                 next_token=verdict.next_token,
@@ -282,6 +287,9 @@ class Speculator:
         found = proposal is not None
         if proposal is not None:
             tokens = proposal.tokens[:bound]
+            if with_model and proposal.source == PREDICTION and self.tree_width > 1:
+                self._prediction = tokens  # grafted onto this round's model draft
+                return None
             if with_model:
                 k = self.policy.lookup_or_model(proposal.source, len(tokens), max_k)
             else:
@@ -324,13 +332,41 @@ class Speculator:
         tree, parents = merge([tokens[:own], *(b[:share] for b in others)], bound)
         return (tokens[:own], [], own) if is_chain(parents) else (tree, parents, own)
 
+    def _graft_prediction(self, ctx: Sequence[int], draft: Draft, remaining: int) -> Draft:
+        """With a tree width above 1, a round where the prediction proposed tokens: the
+        model's draft (a chain or the drafter's tree) with the prediction grafted on, one
+        tree within the lookup bound: where they agree the nodes are the model's (drawn
+        from q), where the prediction departs its tokens are one more branch (one-hot, after
+        the model's). Without a model draft (k = 0, no drafter) the prediction alone."""
+        prediction, self._prediction = self._prediction, None
+        if not prediction:
+            return draft
+        if not draft.tokens:
+            probs = () if self.greedy else [one_hot(t) for t in prediction]
+            return Draft(
+                prediction, probs, PREDICTION, draft.seconds, draft.resends, draft.late_outcome
+            )
+        tokens = list(draft.tokens)
+        parents = list(draft.parents) if draft.parents else list(range(-1, len(tokens) - 1))
+        added = graft(tokens, parents, prediction, self._lookup_bound(ctx, remaining))
+        if not added:
+            return draft
+        more = tokens[len(draft.tokens) :]
+        probs = () if self.greedy else [*draft.probs, *(one_hot(t) for t in more)]
+        if is_chain(parents):  # the prediction continues the draft: a chain, as an extension
+            return dataclasses.replace(
+                draft, tokens=tokens, probs=probs, extended=draft.extended + added
+            )
+        chain = draft.chain if draft.parents else len(draft.tokens)
+        return dataclasses.replace(draft, tokens=tokens, probs=probs, parents=parents, chain=chain)
+
     def _extend(self, ctx: Sequence[int], draft: Draft, remaining: int) -> Draft:
         """Under hybrid, the draft model's draft followed by the lookup's continuation of
         it, up to the lookup bound: free tokens, verified in the same forward, that count
         only when the whole model draft is accepted. q of each is one-hot."""
         lookup, k = self.lookup, len(draft.tokens)
-        if lookup is None or lookup.method != HYBRID or k == 0:
-            return draft
+        if lookup is None or lookup.method != HYBRID or k == 0 or draft.parents:
+            return draft  # a tree (the drafter's alternatives) spends the bound on leaves
         more = lookup.extend(ctx, draft.tokens, self._lookup_bound(ctx, remaining) - k)
         more = more[: self.policy.choose_extension(k, len(more))]
         if not more:
@@ -356,7 +392,8 @@ class Speculator:
             return Draft(ready[1][:k], (), PREPARED)
         started = time.perf_counter()
         fed = [0]
-        request = self._draft_request(k, fed)
+        nodes = self._tree_nodes(ctx, k)
+        request = self._draft_request(k, fed, nodes)
         try:
             answer = await self.caller.call(Method.DRAFT, self.drafter, ctx, request)
         except (Unavailable, UpstreamError) as e:
@@ -386,7 +423,18 @@ class Speculator:
             late_outcome,
             forward_ms=d.forward_ms,
             fed=fed[0],
+            parents=list(d.draft_parents),
+            chain=k if d.draft_parents else 0,  # a tree's draft: its first k nodes
         )
+
+    def _tree_nodes(self, ctx: Sequence[int], k: int) -> int:
+        """The leaves a Draft of k tokens may add as a dynamic tree (DraftRequest.tree_nodes):
+        0 for a chain (tree width 1), else what the policy sizes within the verifier's
+        bound."""
+        if self.tree_width <= 1 or k <= 0:
+            return 0
+        bound = min(self.lookup_max_k, self.max_context - len(ctx) - 1) - k
+        return self.policy.model_tree_nodes(k, self.tree_width, bound) if bound > 0 else 0
 
     def _constrain(self, draft: Draft) -> tuple[Draft, list[verifier_pb2.GrammarMask]]:
         """Under a grammar: the draft cut after its first forbidden token (or its end) and
@@ -412,7 +460,7 @@ class Speculator:
             log.warning("no drafter could draft; continuing at k = 0", extra={"why": str(error)})
         self._without_drafter = True
 
-    def _draft_request(self, k: int, fed: list[int] | None = None):
+    def _draft_request(self, k: int, fed: list[int] | None = None, tree_nodes: int = 0):
         def build(prefix: common_pb2.CachedPrefix, new: list[int]) -> drafter_pb2.DraftRequest:
             if fed is not None:
                 fed[0] = len(new)  # the answered call's: a resend rebuilds it
@@ -424,6 +472,8 @@ class Speculator:
                 sampling=self.sampling,
                 output=self.output,
                 fork_from=self._fork("drafter", prefix),
+                tree_nodes=tree_nodes,
+                tree_width=self.tree_width if tree_nodes else 0,
             )
 
         return build
@@ -439,7 +489,7 @@ class Speculator:
         methods that fall back to the draft model; 0 under a lookup method, whose rounds
         never ask the draft model."""
         if draft.source not in LOOKUP_SOURCES:
-            return len(draft.tokens) - draft.extended
+            return len(_first_branch(draft)) - draft.extended
         return max_k if self.lookup is not None and self.lookup.method in (MODEL, HYBRID) else 0
 
     def _speculate(
@@ -537,8 +587,12 @@ class Speculator:
         self.fork_from.pop("verifier", None)
         self.verifier.cached = verdict.cached_length
         # The drafter cached the draft (all of it with SSD, d_1..d_{k-1} without); what
-        # follows the accepted tokens is stale.
-        self.drafter.cached = min(self.drafter.cached, len(ctx) + verdict.accepted_count)
+        # follows the accepted tokens is stale (a tree: what follows the path's first node
+        # off the draft, DRAFTED's chain).
+        kept = verdict.accepted_count
+        if draft.parents:
+            kept = _on_chain(verdict.accepted_path, draft.chain)
+        self.drafter.cached = min(self.drafter.cached, len(ctx) + kept)
         return verdict, answer.resends, fed
 
     def _settle(
@@ -548,10 +602,12 @@ class Speculator:
         ctx: Sequence[int],
         verify_sent: float,
         verified: float,
+        draft: Draft,
     ) -> SsdVerdict:
         """The round's Speculate at its verdict. Never waits and never raises: one still
         running is cancelled (late), one that failed is a miss (logged, counted). A hit
-        under greedy decoding keeps the prepared draft for the next round."""
+        under greedy decoding keeps the prepared draft for the next round. A tree's
+        Speculate covered its first branch: a path that left it is a miss."""
         task = speculation.task
         if task is None:
             return SsdVerdict(speculation.state)
@@ -571,26 +627,57 @@ class Speculator:
             return SsdVerdict(SSD_MISS)
         response, replica, answered = task.result()
         accepted, next_token = verdict.accepted_count, verdict.next_token
+        outcome: tuple[int, int] | None = (accepted, next_token)
+        if draft.parents:
+            accepted = _on_chain(verdict.accepted_path, draft.chain)
+            if accepted < verdict.accepted_count:
+                outcome = None  # the path left the first branch
         if replica is self.drafter.replica:  # it holds ctx + the whole draft, of which only
             # ctx + the accepted tokens is the sequence: a call naming more would miss
             self.drafter.cached = min(response.cached_length, len(ctx) + accepted)
         branch = next(
-            (
-                b
-                for b in response.branches
-                if (b.accepted_count, b.next_token) == (accepted, next_token)
-            ),
+            (b for b in response.branches if (b.accepted_count, b.next_token) == outcome),
             None,
         )
         if branch is not None and self.greedy:  # sampling fetches it from the drafter,
             # with its distributions (a Draft without a forward)
             self._ready = (len(ctx) + accepted + 1, list(branch.draft_tokens))
+        elif outcome is None and self.greedy:
+            branch = self._through_leaf(response, verdict, draft, accepted)
+            if branch is not None:  # its draft after the leaf began with the next token
+                self._ready = (len(ctx) + accepted + 2, list(branch.draft_tokens[1:]))
         return SsdVerdict(
             SSD_HIT if branch is not None else SSD_MISS,
             branches=len(response.branches),
             seconds=answered - speculation.sent,
             bytes=response.ByteSize(),
             hidden=max(0.0, min(answered, verified) - max(speculation.sent, verify_sent)),
+        )
+
+    @staticmethod
+    def _through_leaf(
+        response: drafter_pb2.SpeculateResponse,
+        verdict: verifier_pb2.VerifyResponse,
+        draft: Draft,
+        on_chain: int,
+    ) -> drafter_pb2.SpeculatedBranch | None:
+        """Under greedy decoding, a tree path that left the first branch at one leaf x (after
+        on_chain of its tokens) then emitted y: the branch SSD prepared for "on_chain
+        accepted, then x" whose draft starts with y (its rest is the drafter's greedy draft
+        after y), or None."""
+        path = verdict.accepted_path
+        if len(path) != on_chain + 1:
+            return None
+        leaf = draft.tokens[path[-1]]
+        return next(
+            (
+                b
+                for b in response.branches
+                if (b.accepted_count, b.next_token) == (on_chain, leaf)
+                and len(b.draft_tokens) > 1
+                and b.draft_tokens[0] == verdict.next_token
+            ),
+            None,
         )
 
 
@@ -607,11 +694,25 @@ def _width(parents: Sequence[int]) -> int:
     return sum(p == -1 for p in parents) if parents else 1
 
 
-def _branch(parents: Sequence[int], path: Sequence[int]) -> int | None:
-    """Which of the root's branches the accepted path took (0: the first, the chain's
-    own draft), None when nothing was accepted."""
+def _first_branch(draft: Draft) -> Sequence[int]:
+    """The draft a chain would be: a tree's first branch (its first nodes), a chain whole."""
+    return draft.tokens[: draft.chain] if draft.parents else draft.tokens
+
+
+def _on_chain(path: Sequence[int], chain: int) -> int:
+    """The accepted path's nodes on a tree's first branch (nodes 0..chain-1, a chain)."""
+    n = 0
+    while n < len(path) and n < chain and path[n] == n:
+        n += 1
+    return n
+
+
+def _branch(parents: Sequence[int], path: Sequence[int], chain: int = 0) -> int | None:
+    """Which branch the accepted path took: 0 the first (the chain's own draft, the first
+    `chain` nodes of a tree), else the index of its root branch, or 1 when it left the
+    first branch below the root; None when nothing was accepted."""
     if not path:
         return None
-    if not parents:
+    if not parents or _on_chain(path, chain) == len(path):
         return 0
-    return [i for i, p in enumerate(parents) if p == -1].index(path[0])
+    return [i for i, p in enumerate(parents) if p == -1].index(path[0]) or 1

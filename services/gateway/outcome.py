@@ -83,15 +83,20 @@ class Outcome:
     prompt_logprobs: Any = None
     width: int = 1  # a token tree's branches at the root (1: a chain)
     branch: int | None = None  # the root branch the accepted path took (None: none)
-    chain: int = 0  # a tree's first branch (the draft a chain would be): its tokens
+    chain: int = 0  # a tree's first branch (the draft a chain would be): its tokens; 0: a chain
+    on_chain: int = 0  # a tree's accepted nodes on its first branch
+
+    @property
+    def tree(self) -> bool:
+        return self.chain > 0
 
     @property
     def chain_verdict(self) -> tuple[int, int]:
         """(k, accepted) of the draft a chain would have verified: a tree's first branch
-        (accepted only when the path took it), a chain's own."""
-        if self.width <= 1:
+        and its accepted nodes, a chain's own."""
+        if not self.tree:
             return self.k, self.accepted
-        return self.chain, self.accepted if self.branch == 0 else 0
+        return self.chain, self.on_chain
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -157,7 +162,7 @@ class RequestStats:
         self.ssd_bytes += o.speculate_bytes
         self.ssd_hidden_ms += o.hidden_seconds * 1e3
         self.no_match_rounds += o.source == NO_MATCH
-        if o.width > 1:
+        if o.tree:
             self.tree_rounds += 1
             self.tree_nodes += o.k
             self.tree_other_branch_rounds += bool(o.branch)

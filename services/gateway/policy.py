@@ -328,6 +328,14 @@ class FixedPolicy:
         share = max(1, k // (2 * branches))
         return max(1, min(k, bound - branches * share)), share
 
+    def model_tree_nodes(self, k: int, width: int, bound: int) -> int:
+        """The leaves a model draft of k tokens may add as a dynamic tree
+        (DraftRequest.tree_nodes), at most bound: here half the draft's length, and at
+        least width - 1 (one alternative at each of its least sure positions)."""
+        if k <= 0 or width <= 1:
+            return 0
+        return max(0, min(bound, max(width - 1, k // 2)))
+
     def observe(self, outcome: Outcome) -> None:
         """Nothing a round shows changes a fixed policy; the gateway's priors learn from it."""
         if self.priors is not None:
@@ -361,6 +369,9 @@ class AdaptivePolicy:
         # A tree's other branches, in the rounds whose first branch failed at its first
         # token: a(0) = P(one of them accepted), then along the one accepted.
         self.alternatives = Acceptance(p.prior_lookup_acceptance / 2, p.prior_weight)
+        # The drafter's alternatives (a dynamic tree's leaves): rounds whose path took one,
+        # per leaf verified.
+        self.leaves = _Ema(p.smoothing)
         self.verify = _Ema(p.smoothing)  # v: seconds of a Verify without a draft (no curve)
         self.draft = _Ema(p.smoothing)  # d_t: seconds per drafted token (its forwards)
         self.draft_overhead = _Ema(p.smoothing)  # o_d: a Draft's round trip beyond them
@@ -663,6 +674,24 @@ class AdaptivePolicy:
                     best, best_rate = (c, s), rate
         return best
 
+    def model_tree_nodes(self, k: int, width: int, bound: int) -> int:
+        """The leaves a model draft of k tokens may add (DraftRequest.tree_nodes): the n in
+        0..bound that maximises expected tokens per second, (1 + E(k) + n g) / V(1 + k + n),
+        with g the measured rate of rounds whose path took a leaf, per leaf (before any,
+        a tenth of the draft model's acceptance). A steep cost curve gives 0: a chain."""
+        if k <= 0 or bound <= 0 or self.verify_time(1) is None:
+            return FixedPolicy.model_tree_nodes(self, k, width, bound)
+        own = self.model.expected(k, self.explore)[k]
+        g = self.leaves.value if self.leaves.value is not None else self.acceptance / 10
+        best, best_rate = 0, 0.0
+        for n in range(min(bound, k * (width - 1)) + 1):
+            time = self.verify_time(1 + k + n)
+            assert time is not None
+            rate = (1.0 + own + n * g) / time
+            if rate > best_rate * (1.0 + 1e-9):
+                best, best_rate = n, rate
+        return best
+
     def observe(self, o: Outcome) -> None:
         """Learn from a round's outcome (specdec.gateway.outcome): the drafter's time when
         its model ran, the verdict and its time, the Speculate's time, SSD hit or miss.
@@ -673,10 +702,17 @@ class AdaptivePolicy:
             self.priors.observe_outcome(o)
         if o.late_outcome is not None:
             self.observe_ssd(False)
-        if o.source == DRAFTED:
-            self.observe_draft(o.k - o.extended, o.draft_seconds, o.draft_forward_ms, o.draft_fed)
+        if o.source == DRAFTED:  # a tree's leaves took no forward of their own
+            self.observe_draft(
+                o.chain if o.tree else o.k - o.extended,
+                o.draft_seconds,
+                o.draft_forward_ms,
+                o.draft_fed,
+            )
         k, accepted = o.chain_verdict
-        if o.width > 1 and (o.branch is None or o.branch > 0):  # the first branch failed
+        if o.tree and o.source == DRAFTED:  # the drafter's alternatives: was one taken?
+            self.leaves.add((1.0 if o.branch else 0.0) / max(1, o.k - o.chain))
+        elif o.width > 1 and (o.branch is None or o.branch > 0):  # the first branch failed
             share = (o.k - o.chain) // (o.width - 1)
             self.alternatives.observe(share, o.accepted if o.branch else 0)
         self.observe_verify(

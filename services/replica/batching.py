@@ -94,7 +94,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,7 +114,7 @@ class ForwardRequest:
     keep: int
     fresh: bool  # part of a prefill (metrics)
     # A token tree over the last len(tree) tokens: each one's parent among them (-1: the
-    # token before the tree). The runtime runs such a request alone (ModelRuntime._run_batch).
+    # token before the tree). Its row attends under a tree mask (`tree_visibility`).
     tree: list[int] | None = None
 
     @property
@@ -500,6 +500,27 @@ class Scheduler:
 # -- the padded batch forward -----------------------------------------------------------------
 
 
+def tree_visibility(n: int, parents: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
+    """A row of n inputs whose last m = len(parents) are a token tree: which input each
+    input may attend [n, n] bool (a plain input: the plain inputs up to itself; a node:
+    every plain input, its ancestors and itself), and each node's depth [m] (a child of
+    the last plain input: 0). A node's position is the row's cached length + the plain
+    inputs + its depth."""
+    h = n - len(parents)
+    sees = torch.zeros(n, n, dtype=torch.bool)
+    sees[:h, :h] = torch.ones(h, h, dtype=torch.bool).tril()
+    depth: list[int] = []
+    for i, parent in enumerate(parents):
+        row = h + i
+        if parent >= 0:
+            sees[row] = sees[h + parent]
+        else:
+            sees[row, :h] = True
+        sees[row, row] = True
+        depth.append(depth[parent] + 1 if parent >= 0 else 0)
+    return sees, depth
+
+
 class Layout:
     """How one forward over several requests is laid out (see the module docstring): row
     blocks in the requests' order, a session's request one row, a BranchStep one row per
@@ -517,10 +538,20 @@ class Layout:
         self.tokens = sum(len(r.tokens) for r in requests)  # real inputs over all rows
         self.keeps = [r.rows if isinstance(r, BranchStep) else r.keep for r in requests]
 
-    def inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    @property
+    def trees(self) -> bool:
+        """Whether a row is a token tree (`inputs` then gives a 4D mask)."""
+        return any(isinstance(r, ForwardRequest) and r.tree for r in self.requests)
+
+    def inputs(
+        self, device: torch.device, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """input_ids [R, N] (right-padded with 0), attention_mask [R, L + N] (0 on the left
         pads, on a branch row's hidden session slots, on the right pads), position_ids
-        [R, N] (each row's true positions)."""
+        [R, N] (each row's true positions). With a token tree among the rows the mask is
+        4D and additive [R, 1, N, L + N] in `dtype`: the same keys, causal, and a tree
+        row's nodes see their ancestors only (`tree_visibility`); its nodes' positions
+        follow their depth."""
         width, longest = self.width, self.longest
         input_ids = torch.zeros(self.rows, longest, dtype=torch.long)
         mask = torch.zeros(self.rows, width + longest, dtype=torch.long)
@@ -548,10 +579,30 @@ class Layout:
                     input_ids[start, :n] = torch.tensor(r.tokens, dtype=torch.long)
                 mask[start, pad : width + n] = 1
                 positions[start] = length + steps
+        if self.trees:
+            mask = self._tree_mask(mask, positions, dtype)
         input_ids = input_ids.to(device)
         for where, tokens in on_device:
             input_ids[where] = tokens
         return input_ids, mask.to(device), positions.to(device)
+
+    def _tree_mask(self, keys: torch.Tensor, positions: torch.Tensor, dtype) -> torch.Tensor:
+        """The 4D additive mask of `inputs` from its 2D one (keys [R, L + N]); sets the tree
+        rows' node positions in `positions` [R, N]."""
+        width, longest = self.width, self.longest
+        steps = torch.arange(longest)
+        causal = torch.ones(longest, width + longest, dtype=torch.bool)
+        causal[:, width:] = steps[None, :] <= steps[:, None]
+        visible = keys.bool()[:, None, :] & causal[None]  # [R, N, L + N]
+        for r, start in zip(self.requests, self.starts, strict=True):
+            if isinstance(r, ForwardRequest) and r.tree:
+                n, m = len(r.tokens), len(r.tree)
+                sees, depth = tree_visibility(n, r.tree)
+                visible[start, :n, width : width + n] = sees
+                base = len(r.session.tokens) + n - m
+                positions[start, n - m : n] = torch.tensor([base + d for d in depth])
+        additive = torch.zeros(self.rows, 1, longest, width + longest, dtype=dtype)
+        return additive.masked_fill_(~visible[:, None], torch.finfo(dtype).min)
 
     def cache(self, config) -> Any:
         """A DynamicCache of every row's cached keys/values, left-padded with zeros to L

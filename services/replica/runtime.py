@@ -37,7 +37,14 @@ from specdec.common.errors import (
     ReplicaBusy,
 )
 from specdec.common.metrics import ReplicaObserver
-from specdec.replica.batching import BranchStep, ForwardRequest, Layout, Request, Scheduler
+from specdec.replica.batching import (
+    BranchStep,
+    ForwardRequest,
+    Layout,
+    Request,
+    Scheduler,
+    tree_visibility,
+)
 from specdec.replica.kvstore import CacheStore, Prefix, SessionCache
 from specdec.replica.loading import check_batchable, check_rollback, load_model
 from specdec.replica.paged import BlockPool, PagedForward, PagedStore
@@ -359,19 +366,14 @@ class ModelRuntime:
         return (yield last)
 
     def _run_batch(self, requests: list[Request]) -> list[torch.Tensor]:
-        """One forward over the requests (the scheduler's run_batch). A token tree's
-        request runs alone, a forward of its own (`_forward_tree`), before the others'."""
-        trees = {i: self._forward_tree(r) for i, r in enumerate(requests) if _is_tree(r)}
-        rest = [r for i, r in enumerate(requests) if i not in trees]
+        """One forward over the requests (the scheduler's run_batch). A token tree's row
+        joins the batch under its tree mask (Layout.inputs); alone on the dense engine it
+        runs on its own cache (`_forward_tree`)."""
         paged = isinstance(self.store, PagedStore)
-        if not rest:
-            out = []
-        elif len(rest) == 1 and isinstance(rest[0], ForwardRequest) and not paged:
-            out = [self._forward(rest[0])]
-        else:
-            out = self._forward_batch(rest)
-        others = iter(out)
-        return [trees[i] if i in trees else next(others) for i in range(len(requests))]
+        if len(requests) == 1 and isinstance(requests[0], ForwardRequest) and not paged:
+            alone = requests[0]
+            return [self._forward_tree(alone) if alone.tree else self._forward(alone)]
+        return self._forward_batch(requests)
 
     @torch.inference_mode()
     def _forward_tree(self, request: ForwardRequest) -> torch.Tensor:
@@ -380,22 +382,11 @@ class ModelRuntime:
         (a 4D additive mask), at position cached + h + its depth. The cache then holds
         every node's keys/values after the plain tokens, in node order; the caller keeps
         one path (specdec.verifier.scorer.keep_path)."""
-        assert not isinstance(self.store, PagedStore), "trees are refused on --engine paged"
         session, tokens, parents = request.session, list(request.tokens), request.tree
         assert parents is not None
         cached, n, m = len(session.tokens), len(tokens), len(parents)
         h = n - m
-        depth: list[int] = []
-        sees = torch.zeros(n, n, dtype=torch.bool)  # query i may attend input j
-        sees[:h, :h] = torch.ones(h, h, dtype=torch.bool).tril()
-        for i, parent in enumerate(parents):
-            row = h + i
-            if parent >= 0:
-                sees[row] = sees[h + parent]
-            else:
-                sees[row, :h] = True
-            sees[row, row] = True
-            depth.append(depth[parent] + 1 if parent >= 0 else 0)
+        sees, depth = tree_visibility(n, parents)  # query i may attend input j
         visible = torch.cat([torch.ones(n, cached, dtype=torch.bool), sees], dim=1)
         dtype = self.model.dtype
         mask = torch.zeros(1, 1, n, cached + n, dtype=dtype)
@@ -455,13 +446,14 @@ class ModelRuntime:
         (specdec.replica.batching), or read in place from their blocks (the paged engine,
         specdec.replica.paged); each request's logits."""
         layout = Layout(requests)
-        input_ids, mask, positions = layout.inputs(self.device)  # [R, N], [R, L + N], [R, N]
+        # [R, N], [R, L + N] (with a tree: [R, 1, N, L + N]), [R, N]
+        input_ids, mask, positions = layout.inputs(self.device, self.model.dtype)
         if isinstance(self.store, PagedStore):
             cache = PagedForward(self.store, layout, self.model.config.num_hidden_layers)
         else:
             cache = layout.cache(self.model.config)
         inputs = dict(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache)
-        if len(requests) == 1 and isinstance(requests[0], ForwardRequest):
+        if len(requests) == 1 and isinstance(requests[0], ForwardRequest) and not layout.trees:
             del inputs["attention_mask"]  # one row, no pads (the paged engine): plain causal
         fresh = all(r.fresh for r in requests)
         started = time.perf_counter()
@@ -491,7 +483,3 @@ class ModelRuntime:
     def release(self, session_id: str) -> bool:
         assert self.store is not None
         return self.store.release(session_id)
-
-
-def _is_tree(request: Request) -> bool:
-    return isinstance(request, ForwardRequest) and bool(request.tree)

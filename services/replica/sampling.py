@@ -241,6 +241,14 @@ def proposal_payload(proposals: torch.Tensor, entries: int) -> tuple[torch.Tenso
     return (proposals.half(),)
 
 
+def one_hot_encoded(token: int) -> EncodedProbs:
+    """The proposal of a draft token that was chosen, not drawn (a tree's alternative)."""
+    return EncodedProbs(
+        token_ids=torch.tensor([token], dtype=torch.int32),
+        probs=torch.tensor([1.0], dtype=torch.float32),
+    )
+
+
 def encoded_rows(payload: Sequence[torch.Tensor]) -> list[EncodedProbs]:
     """A `proposal_payload` on the host -> one EncodedProbs per row (sparse: its non-zero
     entries, most likely first; dense: fp16)."""

@@ -22,6 +22,7 @@ from specdec.replica.engine import Engine, Session, arguments
 from specdec.replica.host import to_host
 from specdec.replica.logprobs import LogprobRows, LogprobsAsk, emitted_tokens, token_logprobs
 from specdec.replica.masks import apply_masks
+from specdec.replica.paged import PagedStore
 from specdec.replica.processors import verify_logits
 from specdec.replica.runtime import Prefix
 from specdec.replica.sampling import (
@@ -248,8 +249,18 @@ def _verify_tree(runtime, session, prefix, new_tokens, draft_tokens, draft_probs
 def keep_path(store, session: Session, base: int, path: Sequence[int]) -> None:
     """After a tree forward (the nodes' slots from `base` on, in node order), keep only the
     accepted path: its nodes' keys/values and tokens gathered to slots base.. base+len(path)
-    of every layer, the rest cropped."""
-    if path and list(path) != list(range(len(path))):
+    of every layer, the rest cropped (on the paged engine, within the session's blocks of
+    the pool, which the tree's forward wrote, so the session's own)."""
+    if path and list(path) != list(range(len(path))) and isinstance(store, PagedStore):
+        slots = store.slots(session, base + max(path) + 1)
+        src, dst = slots[[base + i for i in path]], slots[base : base + len(path)]
+        for keys, values in zip(store.pool.keys, store.pool.values, strict=True):
+            if keys is not None:
+                index, to = src.to(keys.device), dst.to(keys.device)
+                keys[:, to] = keys[:, index]
+                values[:, to] = values[:, index]
+        session.tokens[base : base + len(path)] = [session.tokens[base + i] for i in path]
+    elif path and list(path) != list(range(len(path))):
         src = torch.tensor([base + i for i in path], dtype=torch.long)
         dst = torch.arange(base, base + len(path), device=session.kv.layers[0].keys.device)
         for layer in session.kv.layers:

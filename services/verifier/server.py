@@ -65,11 +65,6 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
         masks = decode_grammar_masks(request.grammar_masks, k + 1, rt.vocab_size)  # [k+1, vocab]
         ask = logprobs_ask(request)
         parents = tree_parents(request, k)
-        if parents is not None and rt.config.engine == "paged":
-            raise Unimplemented(
-                "token trees (draft_parents) are not built for --engine paged yet; this "
-                "verifier runs it: send chains (tree_width 1), or run --engine dense"
-            )
         if parents is not None and rt.config.tensor_parallel > 1:
             raise Unimplemented(
                 "token trees (draft_parents) are not built for --tensor-parallel > 1 yet; "

@@ -1,7 +1,7 @@
 """Batching across sessions through real processes on the tiny fp32 models, with each KV
 engine (--engine dense and paged): eight concurrent sessions of different prompt lengths
-are exactly generate() (greedy, k 0 and 3, with and without SSD) while the replicas'
-metrics show forwards of several sessions, and a session whose caches were dropped misses
+are exactly generate() (greedy, k 0 and 3, with and without SSD, and with token trees)
+while the replicas' metrics show forwards of several sessions, and a session whose caches were dropped misses
 and resends its second turn without disturbing the others."""
 
 from __future__ import annotations
@@ -158,9 +158,24 @@ def test_a_cache_miss_in_a_batch_leaves_the_others_exact(batch_stack, tokenizer,
         assert list(r2.tokens) == reference([*ids1, *r1.tokens, *ids2], N)
 
 
-def test_a_token_tree_on_each_engine(batch_stack, tokenizer):
-    """The dense engine verifies a token tree (draft_parents); the paged engine refuses it
-    with UNIMPLEMENTED, naming the engine, before it joins any forward."""
+def test_token_trees_batched_on_each_engine(batch_stack, tokenizer, reference):
+    """Eight concurrent sessions verifying the drafter's token trees (tree width 3) on each
+    engine: tree rows join batched forwards with the other sessions' rows, and every output
+    is exactly generate()'s; a Verify of a tree answers its accepted path."""
+    ports = batch_stack["ports"]
+    before = scrape(ports["verifier"])
+    jobs = [(ids, {}) for ids in prompts(tokenizer)]
+    results = asyncio.run(
+        _generate_all(
+            batch_stack["gateway"].address, jobs, k=3, tree_width=3, k_policy="fixed",
+            method="model",
+        )
+    )  # fmt: skip
+    for (ids, _), result in zip(jobs, results, strict=True):
+        assert list(result.tokens) == reference(ids, N), f"prompt of {len(ids)} tokens"
+    assert sum(r.stats.tree_rounds for r in results) > 0
+    total, several = batched_forwards(before, scrape(ports["verifier"]), "verifier")
+    assert several > 0, f"no Verify forward of more than one session in {total}"
     ids = prompts(tokenizer)[2]
     request = verifier_pb2.VerifyRequest(
         session_id="tree-on-" + batch_stack["engine"],
@@ -170,12 +185,5 @@ def test_a_token_tree_on_each_engine(batch_stack, tokenizer):
         draft_parents=[-1, -1, 0],  # two children of the last new token, one grandchild
     )
     with grpc.insecure_channel(batch_stack["verifier"].address) as channel:
-        stub = verifier_pb2_grpc.VerifierServiceStub(channel)
-        if batch_stack["engine"] == "dense":
-            answer = stub.Verify(request, timeout=60)
-            assert len(answer.accepted_path) == answer.accepted_count <= 2
-            return
-        with pytest.raises(grpc.RpcError) as e:
-            stub.Verify(request, timeout=60)
-    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "not built for --engine paged" in e.value.details()
+        answer = verifier_pb2_grpc.VerifierServiceStub(channel).Verify(request, timeout=60)
+    assert len(answer.accepted_path) == answer.accepted_count <= 2

@@ -143,6 +143,7 @@ def test_loadtest_smoke_fields_and_exactness(up, tmp_path):
         "ssd": True,
         "k_policy": "fixed",
         "method": None,
+        "tree_width": None,
     }
     assert doc["config"]["modes"][3] == {
         "name": "adaptive",
@@ -150,6 +151,7 @@ def test_loadtest_smoke_fields_and_exactness(up, tmp_path):
         "ssd": True,
         "k_policy": "adaptive",
         "method": None,
+        "tree_width": None,
     }
     assert doc["config"]["modes"][4] == {
         "name": "k3@ngram",
@@ -157,9 +159,28 @@ def test_loadtest_smoke_fields_and_exactness(up, tmp_path):
         "ssd": False,
         "k_policy": "fixed",
         "method": "ngram",
+        "tree_width": None,
     }
     assert (tmp_path / "out" / "loadtest.png").stat().st_size > 0
     assert "| c=3 | ssd2 | 6 | 0 |" in table and "| c=1 | k0 | TTFT |" in table
+
+
+def test_loadtest_tree_modes_beside_their_chains(up, tmp_path):
+    """--tree-width runs each speculating mode's tree twin interleaved with it; the trees
+    reach the gateway (rounds verified trees) and every response equals k=0's."""
+    doc, _ = loadtest(
+        up["address"],
+        tmp_path / "out",
+        *("--modes", "k4@ngram,k4", "--tree-width", "3", "--num-requests", "3"),
+        *("--num-prompts", "3", "--max-new-tokens", "16", "--check-exact"),
+    )
+    modes = ["k4@ngram", "k4@ngram tree3", "k4", "k4 tree3"]
+    assert [r["mode"] for r in doc["results"]] == modes
+    by_mode = {r["mode"]: r for r in doc["results"]}
+    assert by_mode["k4 tree3"]["tree_width"] == 3 and by_mode["k4"]["tree_width"] is None
+    assert by_mode["k4 tree3"]["tree_rounds"] > 0 and by_mode["k4"]["tree_rounds"] == 0
+    for r in doc["results"]:
+        assert r["failed"] == 0 and r["exact_mismatches"] == 0, r["mode"]
 
 
 def _logged_threads(logs: Path) -> dict[str, int]:

@@ -194,6 +194,7 @@ def test_completion_request_translation():
             "k": 2,
             "ssd": True,
             "k_policy": "adaptive",
+            "tree_width": 3,
             "session_id": "abc",
             "timeout": 1.5,
             "echo": False,
@@ -207,6 +208,7 @@ def test_completion_request_translation():
     assert list(req.stop) == ["\n"] and req.session.id == "abc"
     assert req.speculation.num_draft_tokens == 2 and req.speculation.ssd
     assert req.speculation.k_policy == gateway_pb2.K_POLICY_ADAPTIVE
+    assert req.speculation.tree_width == 3
     assert opts.stream and opts.include_usage and opts.timeout == 1.5 and opts.session_id == "abc"
     assert not req.logprobs and not req.prompt_logprobs and not opts.echo and req.n == 1
     req, opts = api.completion_request({"prompt": "x", "logprobs": 0, "n": 3}, SERVED)

@@ -15,6 +15,7 @@ from specdec.sdk.loadtest.workload import (
     load_conversations,
     parse_levels,
     parse_modes,
+    with_trees,
 )
 
 
@@ -56,6 +57,21 @@ def test_a_mode_names_its_method():
         parse_modes("x@ngram")
     with pytest.raises(ValueError, match="twice"):
         parse_modes("k3@ngram,k3@ngram")
+
+
+def test_tree_twins_follow_their_chains():
+    modes = with_trees(parse_modes("k0,k3@ngram,default"), 3)
+    assert [(m.name, m.tree_width) for m in modes] == [
+        ("k0", None),
+        ("k3@ngram", None),
+        ("k3@ngram tree3", 3),
+        ("default", None),
+        ("default tree3", 3),
+    ]
+    assert modes[2].method == "ngram" and modes[2].k == 3
+    assert with_trees(modes[:1], 1) == modes[:1]
+    with pytest.raises(ValueError, match=r"--tree-width must be in \[1, 8\], got 9"):
+        with_trees(modes, 9)
 
 
 def test_levels():

@@ -80,4 +80,62 @@ def test_bench_rows_with_trees_beside_their_chains():
     for name in ("ngram tree3 k=8", "ssd ngram tree3 k=4", "ngram tree3 adaptive k<=8"):
         assert modes[name].tree_width == 3 and modes[name].method == "ngram", name
     assert modes["ngram k=8"].tree_width is None  # the chain it is compared with
+    for name in ("tree3 k=8", "ssd tree3 k=4", "tree3 adaptive k<=8"):
+        assert modes[name].tree_width == 3 and modes[name].method == "model", name
     assert not any("tree" in m for m in {m.name for m in build_modes([8], [4], methods=("ngram",))})
+
+
+def test_model_tree_nodes_fixed_and_priced():
+    """The drafter's leaves: the fixed policy's half-draft (at least width - 1, at most the
+    bound); the adaptive one's by the cost curve, leaves on a flat curve, none on a steep."""
+    assert FixedPolicy().model_tree_nodes(8, 3, 16) == 4
+    assert FixedPolicy().model_tree_nodes(2, 4, 16) == 3
+    assert FixedPolicy().model_tree_nodes(8, 3, 2) == 2
+    assert FixedPolicy().model_tree_nodes(8, 1, 16) == 0
+    flat, steep = _adaptive(0.05), _adaptive(10.0)
+    for policy in (flat, steep):
+        for _ in range(20):  # a leaf taken in every other round of 4 leaves
+            policy.leaves.add(0.125)
+    assert 0 < flat.model_tree_nodes(6, 3, 10) <= 10
+    assert steep.model_tree_nodes(6, 3, 10) == 0
+
+
+def test_on_chain_and_branch_of_a_drafter_tree():
+    from specdec.gateway.loop import _branch, _on_chain
+
+    parents = [-1, 0, 1, -1, 0]  # a draft of 3, leaves beside its tokens 0 and 1
+    assert _on_chain([0, 1, 2], 3) == 3 and _branch(parents, [0, 1, 2], 3) == 0
+    assert _on_chain([0, 4], 3) == 1 and _branch(parents, [0, 4], 3) == 1
+    assert _on_chain([3], 3) == 0 and _branch(parents, [3], 3) == 1
+    assert _branch(parents, [], 3) is None
+    lookup = [-1, 0, 1, -1]  # a lookup tree: the second root branch is 1
+    assert _branch(lookup, [3], 3) == 1 and _branch(lookup, [0, 1], 3) == 0
+
+
+def test_graft_shares_the_path_it_spells():
+    from specdec.gateway.lookup.tree import graft
+
+    tokens, parents = [5, 6, 7, 9], [-1, 0, 1, 0]  # a draft 5 6 7 and a leaf 9 beside 6
+    assert graft(tokens, parents, [5, 9, 4, 4], 16) == 2  # 5 and 9 shared, then 4 4
+    assert tokens == [5, 6, 7, 9, 4, 4] and parents == [-1, 0, 1, 0, 3, 4]
+    assert graft(tokens, parents, [8, 1], 7) == 1  # the budget cuts it
+    assert tokens[-1] == 8 and parents[-1] == -1
+    assert graft(tokens, parents, [5, 6, 7], 16) == 0
+
+
+def test_ssd_branch_through_a_leaf():
+    """Greedy SSD after a drafter tree: a path through one leaf x, then y, uses the branch
+    prepared for "on-chain tokens, then x" when its draft starts with y."""
+    from specdec.gateway.loop import Draft, Speculator
+    from specdec.v1 import drafter_pb2, verifier_pb2
+
+    draft = Draft([5, 6, 7, 9], (), "drafted", parents=[-1, 0, 1, 0], chain=3)  # leaf 9 by 6
+    branch = drafter_pb2.SpeculatedBranch(accepted_count=1, next_token=9, draft_tokens=[4, 2, 3])
+    other = drafter_pb2.SpeculatedBranch(accepted_count=1, next_token=6, draft_tokens=[4, 1])
+    response = drafter_pb2.SpeculateResponse(branches=[other, branch])
+    verdict = verifier_pb2.VerifyResponse(accepted_count=2, next_token=4, accepted_path=[0, 3])
+    assert Speculator._through_leaf(response, verdict, draft, 1) == branch
+    verdict.next_token = 8  # the branch drafted 4 after the leaf: no use
+    assert Speculator._through_leaf(response, verdict, draft, 1) is None
+    deeper = verifier_pb2.VerifyResponse(accepted_count=3, next_token=4, accepted_path=[0, 3, 2])
+    assert Speculator._through_leaf(response, deeper, draft, 1) is None

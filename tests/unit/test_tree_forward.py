@@ -1,4 +1,5 @@
-"""A token tree's forward (ModelRuntime._forward_tree) and the accepted path's cache
+"""A token tree's forward (ModelRuntime._forward_tree, and a tree row in a batched forward
+on the dense and paged engines) and the accepted path's cache
 (specdec.verifier.scorer.keep_path) against plain chain forwards of each path, fp32."""
 
 from __future__ import annotations
@@ -8,15 +9,17 @@ import torch
 
 from specdec.common.errors import InvalidRequest
 from specdec.common.prefix import prefix_hash
+from specdec.replica.batching import ForwardRequest
 from specdec.replica.runtime import Prefix
 from specdec.replica.sampling import SamplingParams
 from specdec.v1 import verifier_pb2
 from specdec.verifier.scorer import verify
 from specdec.verifier.server import tree_parents
-from tests.unit import test_runtime
+from tests.unit import test_paged, test_runtime
 
 full_logits = test_runtime.full_logits
 runtime_fixture = test_runtime.runtime  # the fixture "runtime", shared with that module
+engines = test_paged.engines  # the dense and paged runtimes (blocks of 4)
 
 PARENTS = [-1, 0, 1, -1, 3, 0, -1]  # three branches at the root, two under node 0
 NODES = [40, 41, 42, 50, 51, 43, 60]
@@ -120,3 +123,50 @@ def test_bad_parents_are_invalid(parents, k, message):
 def test_parents_of_a_tree_and_of_a_chain():
     assert tree_parents(verifier_pb2.VerifyRequest(draft_parents=[-1, 0, -1]), 3) == [-1, 0, -1]
     assert tree_parents(verifier_pb2.VerifyRequest(), 3) is None
+
+
+@pytest.mark.parametrize("engine", ["dense", "paged"])
+def test_tree_row_in_a_batch_and_its_path_kept(engines, engine):
+    """A tree row batched with a chain row (the padded forward's 4D mask; the paged engine
+    reads and writes blocks of 4): every node scored as its path alone, the chain row as
+    a plain forward; then a tree verified on that engine keeps its accepted path, and the
+    cache continues as the chain's."""
+    rt = engines[engine]
+    a = rt.store.acquire("batch/a", 0, 0, 20)
+    b = rt.store.acquire("batch/b", 0, 0, 40)
+    rt.forward(a, PROMPT[:5])
+    rt.forward(b, PROMPT[:10])
+    chain, tree = rt._run_batch(
+        [
+            ForwardRequest(a, PROMPT[5:8], 3, False),
+            ForwardRequest(b, [*PROMPT[10:], *NODES], len(NODES) + 1, False, list(PARENTS)),
+        ]
+    )
+    torch.testing.assert_close(chain, full_logits(rt, PROMPT[:8])[-3:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(tree[0], full_logits(rt, PROMPT)[-1], atol=1e-4, rtol=1e-4)
+    for node in range(len(NODES)):
+        path = [*PROMPT, *(NODES[i] for i in path_to(node))]
+        torch.testing.assert_close(tree[node + 1], full_logits(rt, path)[-1], atol=1e-4, rtol=1e-4)
+    # A tree whose argmax path is [3, 4] on this engine: only that path's cache stays.
+    nodes, seq = list(NODES), list(PROMPT)
+    for node in (3, 4):
+        nodes[node] = full_logits(rt, seq)[-1].argmax().item()
+        seq.append(nodes[node])
+    for node in (0, 6):  # the root's other children: not the argmax
+        if nodes[node] == nodes[3]:
+            nodes[node] = (nodes[node] + 1) % 100
+    job = verify(
+        rt, "batch/v", Prefix(0, prefix_hash([])), PROMPT, nodes, None,
+        SamplingParams(temperature=0.0), draft_parents=list(PARENTS),
+    )  # fmt: skip
+    verdict = rt.drive(job)
+    assert verdict.path[:2] == [3, 4]
+    session = rt.store._sessions["batch/v"]
+    kept = [nodes[i] for i in verdict.path]
+    assert session.tokens == [*PROMPT, *kept]
+    more = rt.forward(session, [verdict.next_token, 7])
+    torch.testing.assert_close(
+        more, full_logits(rt, [*PROMPT, *kept, verdict.next_token, 7])[-2:], atol=1e-4, rtol=1e-4
+    )
+    for name in ("batch/a", "batch/b", "batch/v"):
+        rt.release(name)

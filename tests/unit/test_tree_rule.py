@@ -1,6 +1,8 @@
 """The token-tree rule (specdec.replica.sampling.tree_verdict): greedy tables, and the
 first two sampled tokens' joint distribution against the target's, by chi-square, with a
-negative control (siblings checked against p instead of the residual) that must fail."""
+negative control (siblings checked against p instead of the residual) that must fail; the
+same for the drafter's dynamic trees (specdec.drafter.proposer.grow), whose negative
+control labels its one-hot leaves with q."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import math
 import pytest
 import torch
 
+from specdec.drafter.proposer import grow
 from specdec.replica import sampling
 from specdec.replica.sampling import sample_from, tree_children, tree_verdict
 
@@ -66,13 +69,22 @@ def _drafter() -> torch.Tensor:
     return torch.softmax(torch.randn(VOCAB, VOCAB, generator=g) * 1.5, dim=-1)
 
 
+def _first_two(tokens, parents, rows, probs, target, g) -> torch.Tensor:
+    """One run of the rule: the first two emitted tokens. A run that emits one token takes
+    its second from the target (the next round's first token is the target's, whatever
+    that round drafts)."""
+    path, nxt = tree_verdict(tokens, parents, rows, probs, g, greedy=False)
+    emitted = [tokens[j] for j in path] + [nxt]
+    if len(emitted) == 1:
+        emitted.append(int(sample_from(target[emitted[0]], g)))
+    return torch.tensor(emitted[:2])
+
+
 def _two_tokens(n: int, seed: int) -> torch.Tensor:
     """n runs of the rule on one tree after START; the first two emitted tokens [n, 2].
 
     The tree: two lookup branches (one-hot 2 then its one-hot child 4; one-hot 3), then a
-    model node drawn from the drafter, its own model child drawn after it. A run that emits
-    one token takes its second from the target (the next round's first token is the
-    target's, whatever that round drafts)."""
+    model node drawn from the drafter, its own model child drawn after it."""
     target, drafter = _target(), _drafter()
     g = _gen(seed)
     out = torch.empty(n, 2, dtype=torch.long)
@@ -83,11 +95,7 @@ def _two_tokens(n: int, seed: int) -> torch.Tensor:
         tokens = [2, 4, 3, model, model_child]
         probs = torch.stack([_one_hot(2), _one_hot(4), _one_hot(3), drafter[START], drafter[model]])
         rows = torch.stack([target[START], *(target[t] for t in tokens)])  # [k+1, V]
-        path, nxt = tree_verdict(tokens, parents, rows, probs, g, greedy=False)
-        emitted = [tokens[j] for j in path] + [nxt]
-        if len(emitted) == 1:
-            emitted.append(int(sample_from(target[emitted[0]], g)))
-        out[i] = torch.tensor(emitted[:2])
+        out[i] = _first_two(tokens, parents, rows, probs, target, g)
     return out
 
 
@@ -138,3 +146,64 @@ def test_sampled_zero_probability_node_is_rejected():
     for seed in range(20):
         path, _ = tree_verdict([2], [-1], target, probs, _gen(seed), greedy=False)
         assert path == []
+
+
+def _drafter_tree_tokens(n: int, seed: int, leaf_q: bool = False) -> torch.Tensor:
+    """n runs of the rule on the drafter's dynamic tree after START (specdec.drafter.
+    proposer.grow): a draft of 2 tokens drawn from the drafter, then up to 3 leaves, the
+    drafter's top alternatives to them, each one-hot (leaf_q: each labelled with the draft
+    token's distribution q instead, the negative control); the first two emitted tokens."""
+    target, drafter = _target(), _drafter()
+    g = _gen(seed)
+    out = torch.empty(n, 2, dtype=torch.long)
+    top = torch.topk(drafter, 3, dim=-1)
+
+    def tree(d1: int, d2: int):  # the tree and its rows for a draft: a function of the draws
+        conf = [float(drafter[START, d1]), float(drafter[d1, d2])]
+        alts = [top.indices[START].tolist(), top.indices[d1].tolist()]
+        alt_p = [top.values[START].tolist(), top.values[d1].tolist()]
+        leaves, parents = grow([d1, d2], conf, alts, alt_p, 3, 3)
+        tokens = [d1, d2, *leaves]
+        rows_q = {-1: drafter[START], 0: drafter[d1]}  # a node's parent -> q of its children
+        probs = torch.stack(
+            [drafter[START], drafter[d1]]
+            + [rows_q[parents[j]] if leaf_q else _one_hot(t) for j, t in enumerate(leaves, 2)]
+        )
+        rows = torch.stack([target[START], *(target[t] for t in tokens)])
+        return tokens, parents, rows, probs
+
+    trees = {(a, b): tree(a, b) for a in range(VOCAB) for b in range(VOCAB)}
+    for i in range(n):
+        d1 = int(sample_from(drafter[START], g))
+        d2 = int(sample_from(drafter[d1], g))
+        tokens, parents, rows, probs = trees[(d1, d2)]
+        out[i] = _first_two(tokens, parents, rows, probs, target, g)
+    return out
+
+
+def test_drafter_tree_is_exact():
+    """The drafter's dynamic tree (sampled draft tokens with q, their top alternatives as
+    one-hot leaves chosen from the draws) emits the target's joint."""
+    assert chi_square_failure(_pair_counts(_drafter_tree_tokens(N, 1)), _exact_pairs()) is None
+
+
+def test_negative_control_drafter_leaves_labelled_q_is_rejected():
+    """The same tree with each leaf claiming the draft token's q (it was chosen, not drawn
+    from it): the chi-square test catches it."""
+    pairs = _drafter_tree_tokens(N, 1, leaf_q=True)
+    assert chi_square_failure(_pair_counts(pairs), _exact_pairs()) is not None
+
+
+def test_grow_keeps_the_likeliest_paths():
+    """Leaves are scored by their path probability under the drafter: a sure first token
+    puts them later; at most width - 1 per position, never the draft token itself."""
+    alts = [[5, 1, 2], [3, 4, 0], [1, 2, 3]]
+    probs = [[0.5, 0.3, 0.2], [0.6, 0.3, 0.1], [0.4, 0.35, 0.25]]
+    # draft 1, 3, 2: confidences 0.3, 0.6, 0.35
+    leaves, parents = grow([1, 3, 2], [0.3, 0.6, 0.35], alts, probs, 3, 3)
+    # scores: pos0 5:0.5 2:0.2; pos1 4:0.09 0:0.03; pos2 1:0.072 3:0.045
+    assert leaves == [5, 2, 4] and parents == [-1, 0, 1, -1, -1, 0]
+    leaves, parents = grow([5, 3, 1], [0.5, 0.6, 0.4], alts, probs, 2, 2)
+    # width 2: one alternative per position: pos0 1:0.3, pos1 4:0.15, pos2 2:0.105
+    assert leaves == [1, 4] and parents == [-1, 0, 1, -1, 0]
+    assert grow([5], [1.0], [[5, 1]], [[1.0, 0.0]], 4, 2) == ([], [])

@@ -114,8 +114,9 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
         "--tree-width",
         type=int,
         default=1,
-        help="with --methods: also each method's rows verifying token trees of this width "
-        "('<method> treeW k=K', adaptive and SSD too) beside their chains (1: none)",
+        help="also rows verifying token trees of this width beside their chains: the draft "
+        "model's dynamic trees ('treeW k=K') and each --methods method's ('<method> treeW "
+        "k=K'), adaptive and SSD too (1: none)",
     )
     p.add_argument(
         "--adaptive",

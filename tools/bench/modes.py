@@ -194,8 +194,9 @@ def build_modes(
     measures the target alone in it (`target [bfloat16+packed]`), the fastest target alone
     every row is also compared with (`speedup_vs_fastest_target`).
 
-    tree_width > 1: per method, the same rows verifying token trees of that width
-    (`ngram tree3 k=8`, `ngram tree3 adaptive k<=8`, with SSD too), beside their chains."""
+    tree_width > 1: for the draft model and per method, the same rows verifying token trees
+    of that width (`tree3 k=4`, `ngram tree3 k=8`, `ngram tree3 adaptive k<=8`, with SSD
+    too), beside their chains."""
     target = "target" if shared else f"target [{drafter}]"
     modes = [Mode(target, "hf", drafter=drafter, baseline=target)]
     if shared and step_layout:
@@ -267,12 +268,14 @@ def _tree_modes(
     drafter: str,
     target: str,
 ) -> list[Mode]:
-    """Each method's rows with token trees of `width` (build_modes)."""
+    """Each method's rows with token trees of `width` (build_modes), the draft model's
+    dynamic trees (`tree3 k=K`) first."""
     out = []
     policies = ("fixed", "adaptive") if adaptive else ("fixed",)
-    for method in methods:
+    for method in ("model", *methods):
         for policy in policies:
-            label = f"{method} tree{width}" + (" adaptive" if policy == "adaptive" else "")
+            label = ("" if method == "model" else f"{method} ") + f"tree{width}"
+            label += " adaptive" if policy == "adaptive" else ""
             bound = "k<=" if policy == "adaptive" else "k="
             for ssd, chosen in ((False, ks), (True, ssd_ks)):
                 out += [

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "prefix", "new_tokens", "num_draft_tokens", "sampling", "output", "fork_from")
+    __slots__ = ("session_id", "prefix", "new_tokens", "num_draft_tokens", "sampling", "output", "fork_from", "tree_nodes", "tree_width")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class DraftRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     FORK_FROM_FIELD_NUMBER: _ClassVar[int]
+    TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    TREE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prefix: _common_pb2.CachedPrefix
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -23,23 +25,27 @@ class DraftRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     output: _common_pb2.OutputControls
     fork_from: str
-    def __init__(self, session_id: _Optional[str] = ..., prefix: _Optional[_Union[_common_pb2.CachedPrefix, _Mapping]] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[_common_pb2.OutputControls, _Mapping]] = ..., fork_from: _Optional[str] = ...) -> None: ...
+    tree_nodes: int
+    tree_width: int
+    def __init__(self, session_id: _Optional[str] = ..., prefix: _Optional[_Union[_common_pb2.CachedPrefix, _Mapping]] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[_common_pb2.OutputControls, _Mapping]] = ..., fork_from: _Optional[str] = ..., tree_nodes: _Optional[int] = ..., tree_width: _Optional[int] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("draft_tokens", "draft_probs", "cached_length", "forward_ms", "prepared", "forward_cost")
+    __slots__ = ("draft_tokens", "draft_probs", "cached_length", "forward_ms", "prepared", "forward_cost", "draft_parents")
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     CACHED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     PREPARED_FIELD_NUMBER: _ClassVar[int]
     FORWARD_COST_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.DraftDistribution]
     cached_length: int
     forward_ms: float
     prepared: bool
     forward_cost: _common_pb2.ForwardCost
-    def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., cached_length: _Optional[int] = ..., forward_ms: _Optional[float] = ..., prepared: _Optional[bool] = ..., forward_cost: _Optional[_Union[_common_pb2.ForwardCost, _Mapping]] = ...) -> None: ...
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., cached_length: _Optional[int] = ..., forward_ms: _Optional[float] = ..., prepared: _Optional[bool] = ..., forward_cost: _Optional[_Union[_common_pb2.ForwardCost, _Mapping]] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
     __slots__ = ("session_id", "prefix", "new_tokens", "draft_length", "num_draft_tokens", "sampling", "fan_out", "acceptance_rate", "output")

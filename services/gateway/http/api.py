@@ -7,7 +7,8 @@ by specdec.gateway.request.validate, the same code the gRPC API runs.
 Speculation settings are extension fields of the body, as vLLM accepts extra fields:
 `k` (draft length; 0 = no speculation), `ssd` (bool), `k_policy` ("fixed" or "adaptive":
 `k` is then an upper bound per round), `method` ("model", "ngram", "suffix" or
-"hybrid": where drafts come from), `session_id`, `session_reset`
+"hybrid": where drafts come from), `tree_width` (candidate continuations a round may
+verify as one token tree), `session_id`, `session_reset`
 (bool: forget the session's history first), `record` (false: the gateway's recording,
 --record, skips this request) and `timeout` (seconds for the whole generation; past it
 the answer is 504). Structured output: OpenAI's `response_format` (`json_object`,
@@ -79,6 +80,7 @@ COMMON_FIELDS = {
     # extensions
     "k",
     "method",
+    "tree_width",
     "ssd",
     "k_policy",
     "session_id",
@@ -293,6 +295,9 @@ def _common(
     method = _choice(body, "method", parse_method, '"model", "ngram", "suffix" or "hybrid"')
     if method is not None:
         req.speculation.method = method
+    tree_width = _number(body, "tree_width", integer=True)
+    if tree_width is not None:
+        _set(req.speculation, "tree_width", tree_width, "tree_width")
     _prediction(body.get("prediction"), req)
     user = body.get("user")
     if user is not None:

@@ -15,6 +15,8 @@ rule (DESIGN §2) accepts it with probability p(d) and recovers from p without d
 
 from __future__ import annotations
 
+# Children of a tree's node: candidate continuations a round may verify as one tree.
+from specdec.common.config import MAX_TREE_WIDTH as MAX_TREE_WIDTH
 from specdec.v1 import gateway_pb2
 
 MODEL = "model"
@@ -32,9 +34,6 @@ METHODS = {
 BY_NAME = {name: value for value, name in METHODS.items()}
 
 SCOPES = ("global", "tenant", "off")
-
-# Candidate continuations a lookup round may verify as one token tree (specdec.gateway.loop).
-MAX_TREE_WIDTH = 8
 
 
 def tree_width(value: int) -> str | None:

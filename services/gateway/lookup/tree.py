@@ -4,7 +4,8 @@ Several lookup matches (the n-gram index's occurrences, the suffix trie's most f
 continuations, the request's own text and the cache of recent outputs) often continue the
 context differently; verifying them together in one forward lets the round keep the
 longest one the target accepts, where a chain would have bet on one. Candidates that
-share a prefix share its nodes.
+share a prefix share its nodes; a prediction is grafted onto the draft model's draft (or
+its tree) the same way.
 """
 
 from __future__ import annotations
@@ -20,19 +21,29 @@ def merge(branches: Sequence[Sequence[int]], budget: int) -> tuple[list[int], li
     earlier branch's prefix reuse its nodes."""
     tokens: list[int] = []
     parents: list[int] = []
-    nodes: dict[tuple[int, int], int] = {}  # (parent, token) -> node
     for branch in branches:
-        at = -1
-        for token in branch:
-            node = nodes.get((at, token))
-            if node is None:
-                if len(tokens) >= budget:
-                    break
-                node = nodes[(at, token)] = len(tokens)
-                tokens.append(token)
-                parents.append(at)
-            at = node
+        graft(tokens, parents, branch, budget)
     return tokens, parents
+
+
+def graft(tokens: list[int], parents: list[int], branch: Sequence[int], budget: int) -> int:
+    """Add a branch to a tree (tokens, parents, in place) of at most `budget` nodes: its
+    tokens that an existing path already spells reuse that path's nodes (the first such
+    child), the rest are new nodes numbered after the tree's. Returns the nodes added."""
+    added, at = 0, -1
+    for token in branch:
+        node = next(
+            (i for i in range(len(tokens)) if parents[i] == at and tokens[i] == token), None
+        )
+        if node is None:
+            if len(tokens) >= budget:
+                break
+            node = len(tokens)
+            tokens.append(token)
+            parents.append(at)
+            added += 1
+        at = node
+    return added
 
 
 def is_chain(parents: Sequence[int]) -> bool:

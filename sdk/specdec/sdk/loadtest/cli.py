@@ -65,6 +65,13 @@ def add_loadtest_parser(commands: Any) -> argparse.ArgumentParser:
         default=False,
         help="with --k: speculative speculative decoding",
     )
+    p.add_argument(
+        "--tree-width",
+        type=int,
+        default=1,
+        help="also run each speculating mode verifying token trees of this width "
+        "('k3@ngram tree3'), interleaved with its chain (1: chains only)",
+    )
     p.add_argument("--prompts", help="JSONL prompts or conversations (default: the shipped set)")
     p.add_argument("--num-prompts", type=int, help="use the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -104,6 +111,7 @@ def run_loadtest(args: argparse.Namespace) -> int:
         load_conversations,
         parse_levels,
         parse_modes,
+        with_trees,
     )
 
     if args.api not in BACKENDS:
@@ -119,6 +127,7 @@ def run_loadtest(args: argparse.Namespace) -> int:
             modes = [Mode("ssd", k=None, ssd=True)]
         else:
             modes = parse_modes("default")
+        modes = with_trees(modes, args.tree_width)
         if args.rate is None:
             levels = parse_levels(args.concurrency or "1", None)
         else:

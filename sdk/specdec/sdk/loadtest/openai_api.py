@@ -140,6 +140,8 @@ class OpenAIBackend:
             body["k_policy"] = mode.k_policy
         if mode.method is not None:
             body["method"] = mode.method
+        if mode.tree_width is not None:
+            body["tree_width"] = mode.tree_width
         try:
             async for chunk in self._stream(body):
                 yield chunk

@@ -53,6 +53,7 @@ class RequestRecord:
     ssd_hits: int = 0
     ssd_misses: int = 0
     method: str = ""  # where the gateway took drafts from ("" when not reported)
+    tree_rounds: int = 0  # rounds that verified a token tree
 
 
 class Backend(Protocol):
@@ -107,6 +108,7 @@ class GrpcBackend:
             ssd=mode.ssd,
             k_policy=mode.k_policy,
             method=mode.method,
+            tree_width=mode.tree_width,
         )
 
     async def close(self) -> None:
@@ -160,6 +162,7 @@ async def run_request(
                 record.accepted_tokens = s.accepted_tokens
                 record.ssd_hits, record.ssd_misses = s.ssd_hits, s.ssd_misses
                 record.method = s.method
+                record.tree_rounds = s.tree_rounds
                 record.ok = True
     except SpecdecError as e:
         record.ok, record.error, record.details = False, e.code.name, e.details

@@ -55,6 +55,7 @@ def summarize(
         "ssd": cell.mode.ssd,
         "k_policy": cell.mode.k_policy,
         "method": cell.mode.method,
+        "tree_width": cell.mode.tree_width,
         "served_methods": sorted({r.method for r in ok}),  # what the gateway reported
         "completed": len(ok),
         "failed": len(failed),
@@ -85,6 +86,7 @@ def summarize(
             # Draft tokens per round: the k the rounds used (adaptive modes choose it).
             "mean_k": drafted / rounds if rounds else 0.0,
             "ssd_hit_rate": sum(r.ssd_hits for r in ok) / ssd if ssd else 0.0,
+            "tree_rounds": sum(r.tree_rounds for r in ok),
             "errors": dict(sorted(Counter(r.error for r in failed).items())),
         }
     )

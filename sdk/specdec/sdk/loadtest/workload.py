@@ -38,6 +38,7 @@ class Mode:
     ssd: bool | None = None
     k_policy: str | None = None  # "fixed" / "adaptive"; None: the gateway's default
     method: str | None = None  # where drafts come from (METHODS); None: the gateway's default
+    tree_width: int | None = None  # SpeculationParams.tree_width; None: the gateway's
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -168,6 +169,22 @@ def parse_modes(text: str) -> list[Mode]:
     if not modes:
         raise ValueError("no mode given")
     return modes
+
+
+def with_trees(modes: list[Mode], width: int) -> list[Mode]:
+    """Each mode that speculates followed by its twin verifying token trees of `width`
+    ('k3@ngram tree3'), so trees and chains run interleaved at every level; width 1: the
+    modes as they are."""
+    if not 1 <= width <= 8:
+        raise ValueError(f"--tree-width must be in [1, 8], got {width}")
+    if width == 1:
+        return modes
+    out: list[Mode] = []
+    for mode in modes:
+        out.append(mode)
+        if mode.k != 0:
+            out.append(dataclasses.replace(mode, name=f"{mode.name} tree{width}", tree_width=width))
+    return out
 
 
 def _mode(name: str, base: str) -> Mode:
