@@ -18,7 +18,9 @@ as the `subprocess.Popen` the launcher uses).
 Not used for the gateway (torch-free, it starts fast) nor where the requested environment
 differs from the server's in a variable that a library may read at import time (anything
 but ``SPECDEC_*``, ``OTEL_*`` and ``PYTHONUNBUFFERED``): those start by exec as before.
-Production never uses it: `specdec up` and the images exec each service.
+Production never uses it: `specdec up` and the images exec each service. A forked
+service's numpy runs its BLAS on one thread (the server sets OPENBLAS_NUM_THREADS=1 before
+importing it, so that no thread exists when it forks); the services do not use numpy's BLAS.
 
 The protocol (a Unix socket pair): the caller sends one JSON request per child with two
 file descriptors (the write end of the child's output pipe and one end of a socket pair
@@ -270,6 +272,9 @@ def serve(sock: socket.socket) -> None:
     # starts with it in memory.
     import importlib
 
+    # numpy's OpenBLAS starts a pool of threads at import unless told to use one; the
+    # services do not use it (torch has its own BLAS), and one thread keeps the fork safe.
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
     for name in PRELOAD:
         importlib.import_module(name)
     if threading.active_count() != 1 or len(os.listdir("/proc/self/task")) != 1:
