@@ -94,6 +94,8 @@ class ReplicaConfig:
     # padded copy per batched forward, or "paged", blocks of a per-layer pool read in place.
     engine: str = "dense"
     kv_block_size: int = 16  # tokens per block of the paged engine
+    # Compile the decoder for the short forwards that repeat (specdec.replica.compiled).
+    compile: bool = False
     tls: Any = None  # specdec.common.tls.ServerTls, or None: plaintext
     # The data plane's port (specdec.common.dataplane): 0 any free port, -1 none.
     data_port: int = 0
@@ -196,6 +198,14 @@ class ReplicaConfig:
         add_setting(parser, "--kv-block-size", "tokens per KV block of the paged engine", 16)
         add_setting(
             parser,
+            "--compile",
+            "compile the model's forwards of up to --max-draft-tokens + 1 tokens a row (decode, "
+            "verify, SSD branch steps) with torch.compile, token counts padded to buckets (CUDA: "
+            "graph capture); dense engine only; compile time is logged at start-up",
+            False,
+        )
+        add_setting(
+            parser,
             "--cost-probe",
             "once loaded, time a few forwards of 1 to 16 tokens: the first points of the "
             "forward cost curve reported to gateways (whose adaptive policy prices drafts "
@@ -267,6 +277,7 @@ class ReplicaConfig:
                 one_of(ENGINES),
             ),
             kv_block_size=parse_value(args, "--kv-block-size", int, positive),
+            compile=parse_value(args, "--compile", boolean),
             tls=server_tls_from_args(args),
             data_port=parse_value(args, "--data-port", int, _data_port),
             cost_probe=parse_value(args, "--cost-probe", boolean),

@@ -154,6 +154,8 @@ class ReplicaServicer:
             data_port=self.data_port,
             model_version=self.model_version,
             engine=cfg.engine,
+            compiled=rt.compiled is not None,
+            compile_seconds=rt.compiled.seconds if rt.compiled is not None else 0.0,
             forward_cost=self.forward_cost(),
         )
         if request.include_tokenizer:

@@ -38,6 +38,7 @@ from specdec.common.errors import (
 )
 from specdec.common.metrics import ReplicaObserver
 from specdec.replica.batching import BranchStep, ForwardRequest, Layout, Request, Scheduler
+from specdec.replica.compiled import Compiled
 from specdec.replica.kvstore import CacheStore, Prefix, SessionCache
 from specdec.replica.loading import check_batchable, check_rollback, load_model
 from specdec.replica.paged import BlockPool, PagedForward, PagedStore
@@ -87,6 +88,8 @@ class ModelRuntime:
         # is its latest fit, an immutable snapshot the servicers read from the event loop.
         self.cost = CostCurve()
         self.cost_lines: list[tuple[int, Line]] = []
+        # --compile: the decoder compiled for the short forwards (specdec.replica.compiled).
+        self.compiled: Compiled | None = None
 
     # -- loading ------------------------------------------------------------------------
 
@@ -112,6 +115,8 @@ class ModelRuntime:
         elif cfg.max_batch_size > 1:
             check_batchable(self.model, cfg.model)
         self.store = self.new_store(cfg.engine)
+        if cfg.compile:
+            self.compile()
         if cfg.cost_probe:
             self.probe_cost()
         log.info(
@@ -122,6 +127,8 @@ class ModelRuntime:
                 "dtype_reason": self.dtype_reason,
                 "device": str(self.device),
                 "engine": cfg.engine,
+                "compiled": self.compiled is not None,
+                "compile_seconds": round(self.compiled.seconds, 2) if self.compiled else None,
                 "vocab_size": self.vocab_size,
                 "max_context": self.max_context,
                 "seconds": round(time.monotonic() - started, 2),
@@ -362,6 +369,8 @@ class ModelRuntime:
         paged = isinstance(self.store, PagedStore)
         if not rest:
             out = []
+        elif self.compiled is not None and self._compiles(rest):
+            out = self._forward_batch(rest, compiled=True)
         elif len(rest) == 1 and isinstance(rest[0], ForwardRequest) and not paged:
             out = [self._forward(rest[0])]
         else:
@@ -446,30 +455,43 @@ class ModelRuntime:
         return self.head(hidden)  # [b, keep, vocab]
 
     @torch.inference_mode()
-    def _forward_batch(self, requests: list[Request]) -> list[torch.Tensor]:
+    def _forward_batch(self, requests: list[Request], compiled: bool = False) -> list[torch.Tensor]:
         """One forward over several sessions' caches and branch groups, padded
         (specdec.replica.batching), or read in place from their blocks (the paged engine,
-        specdec.replica.paged); each request's logits."""
-        layout = Layout(requests)
+        specdec.replica.paged); each request's logits. compiled: the padded layout with its
+        inputs padded to a bucket, through the compiled decoder (specdec.replica.compiled)."""
+        if compiled:
+            assert self.compiled is not None
+            layout = Layout(
+                requests,
+                columns=self.compiled.bucket(max(r.width for r in requests)),
+                width_multiple=self.compiled.width_multiple,
+            )
+        else:
+            layout = Layout(requests)
         input_ids, mask, positions = layout.inputs(self.device)  # [R, N], [R, L + N], [R, N]
         if isinstance(self.store, PagedStore):
             cache = PagedForward(self.store, layout, self.model.config.num_hidden_layers)
         else:
             cache = layout.cache(self.model.config)
         inputs = dict(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache)
-        if len(requests) == 1 and isinstance(requests[0], ForwardRequest):
+        if not compiled and len(requests) == 1 and isinstance(requests[0], ForwardRequest):
             del inputs["attention_mask"]  # one row, no pads (the paged engine): plain causal
         fresh = all(r.fresh for r in requests)
         started = time.perf_counter()
         with self.obs.forward(layout.tokens, layout.rows, fresh, sessions=len(requests)):
-            if len(requests) == 1 and isinstance(requests[0], BranchStep):
+            if not compiled and len(requests) == 1 and isinstance(requests[0], BranchStep):
                 # One branch group alone (always so under --max-batch-size 1): the model's
                 # own forward and output layer, as before batching.
                 logits = self.model_logits(1, **inputs)[:, -1].float()  # [rows, vocab]
             else:
-                hidden = self.model.get_decoder()(
-                    **inputs, use_cache=True
-                ).last_hidden_state  # [R, N, hidden]
+                if compiled:
+                    assert self.compiled is not None
+                    hidden = self.compiled(**inputs)  # [R, bucket, hidden]
+                else:
+                    hidden = self.model.get_decoder()(
+                        **inputs, use_cache=True
+                    ).last_hidden_state  # [R, N, hidden]
                 # the drafter's reduced head, if any, else the model's own output layer
                 head = self.head or self.model.get_output_embeddings()
                 logits = head(layout.kept(hidden)).float()  # [sum keeps, vocab]
@@ -479,6 +501,44 @@ class ModelRuntime:
             layout.write_back(cache)
         self._timed(layout.longest, layout.rows, started)
         return layout.split(logits)
+
+    def _compiles(self, requests: list[Request]) -> bool:
+        """Whether the forward over these requests runs compiled: no token tree, every row
+        short, after a cache of at least 2 slots (Compiled.takes)."""
+        assert self.compiled is not None
+        if any(_is_tree(r) for r in requests):
+            return False
+        layout = Layout(requests)
+        return self.compiled.takes(layout.longest, layout.width)
+
+    def compile(self) -> None:
+        """--compile: compile the decoder (specdec.replica.compiled) and its decode shape
+        (one token, one row) now, on a scratch session, so that a machine that cannot
+        compile fails at start-up (model thread)."""
+        cfg = self.config
+        if cfg.engine != "dense":
+            raise ValueError(
+                f"--compile runs on --engine dense; the paged engine's forward is not compiled "
+                f"(got --engine {cfg.engine})"
+            )
+        assert self.store is not None
+        self.compiled = Compiled(self.model, self.device, cfg.max_draft_tokens + 1)
+        scratch = "\x00compile"  # not a session id a client can send (they are printable)
+        vocab = max(1, self.vocab_size)
+        try:
+            session = self.store.acquire(scratch, 0, 0, 3)
+            self.forward(session, [1 % vocab, 2 % vocab])  # eager: a fresh session
+            self.forward(session, [3 % vocab])  # compiled: N = 1, one row
+        finally:
+            self.store.release(scratch)
+        log.info(
+            "forwards compiled",
+            extra={
+                "buckets": list(self.compiled.buckets),
+                "mode": self.compiled.mode or "default",
+                "seconds": round(self.compiled.seconds, 2),
+            },
+        )
 
     def _note_member(self, request: Request, batch: int) -> None:
         """A job's share of a batched forward observed in another job's context."""

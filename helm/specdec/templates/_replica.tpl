@@ -134,6 +134,8 @@ spec:
               value: {{ $cfg.dtype | quote }}
             - name: SPECDEC_ENGINE
               value: {{ $cfg.engine | default "dense" | quote }}
+            - name: SPECDEC_COMPILE
+              value: {{ $cfg.compile | default false | quote }}
             - name: SPECDEC_HOST
               value: "0.0.0.0"
             - name: SPECDEC_PORT
