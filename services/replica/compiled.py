@@ -25,10 +25,11 @@ graphs, one recording per concrete shape, so there L is also padded up to a mult
 `CUDA_WIDTH_MULTIPLE` (left pads, masked): recordings stay bounded by the context over
 that multiple times the graphs. That path has not been run on a GPU yet.
 
-Compile cost. A graph compiles when its shape first runs; the replica compiles the decode
-shape (N = 1, one row) while it loads, so that a machine that cannot compile (no C compiler
-for inductor's CPU kernels) fails at start-up with the reason, and logs each later
-compile; `seconds` (the total so far) is in Info (ModelInfo.compile_seconds).
+Compile cost. A graph compiles when its shape first runs: the replica runs every shape
+while it loads (ModelRuntime.compile), so that a machine that cannot compile (no C++
+compiler for inductor's CPU kernels) fails at start-up with the reason and no request waits
+for a compile later. Each compile is logged; `seconds` (the total) is in Info
+(ModelInfo.compile_seconds).
 """
 
 from __future__ import annotations

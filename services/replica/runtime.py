@@ -512,9 +512,10 @@ class ModelRuntime:
         return self.compiled.takes(layout.longest, layout.width)
 
     def compile(self) -> None:
-        """--compile: compile the decoder (specdec.replica.compiled) and its decode shape
-        (one token, one row) now, on a scratch session, so that a machine that cannot
-        compile fails at start-up (model thread)."""
+        """--compile: compile the decoder (specdec.replica.compiled) and every shape it will
+        run now, on scratch sessions: each bucket for one row, and for several (a drafter's
+        branch rows, or batches under --max-batch-size > 1). A machine that cannot compile
+        fails at start-up, and no request waits for a compile later (model thread)."""
         cfg = self.config
         if cfg.engine != "dense":
             raise ValueError(
@@ -522,21 +523,31 @@ class ModelRuntime:
                 f"(got --engine {cfg.engine})"
             )
         assert self.store is not None
-        self.compiled = Compiled(self.model, self.device, cfg.max_draft_tokens + 1)
-        scratch = "\x00compile"  # not a session id a client can send (they are printable)
-        vocab = max(1, self.vocab_size)
+        compiled = self.compiled = Compiled(self.model, self.device, cfg.max_draft_tokens + 1)
+        several = cfg.max_batch_size > 1 or cfg.role == "drafter"
+        names = ["\x00compile-0", "\x00compile-1"]  # not ids a client can send (printable)
+        ids = [i % max(1, self.vocab_size) for i in range(2 + compiled.top)]
         try:
-            session = self.store.acquire(scratch, 0, 0, 3)
-            self.forward(session, [1 % vocab, 2 % vocab])  # eager: a fresh session
-            self.forward(session, [3 % vocab])  # compiled: N = 1, one row
+            sessions = []
+            for name in names[: 2 if several else 1]:
+                sessions.append(self.store.acquire(name, 0, 0, len(ids)))
+                self.forward(sessions[-1], ids[:2])  # eager: a fresh session
+            for bucket in compiled.buckets:
+                for rows in (1, 2)[: len(sessions)]:
+                    feed = ids[2 : 2 + bucket]
+                    self._run_batch([ForwardRequest(s, feed, 1, False) for s in sessions[:rows]])
+                    for session in sessions[:rows]:
+                        self.store.truncate(session, 2)
         finally:
-            self.store.release(scratch)
+            for name in names:
+                self.store.release(name)
         log.info(
             "forwards compiled",
             extra={
-                "buckets": list(self.compiled.buckets),
-                "mode": self.compiled.mode or "default",
-                "seconds": round(self.compiled.seconds, 2),
+                "buckets": list(compiled.buckets),
+                "rows": "1 and 2+" if several else "1",
+                "mode": compiled.mode or "default",
+                "seconds": round(compiled.seconds, 2),
             },
         )
 

@@ -121,7 +121,8 @@ def _compiled_forward(model, compiled):
         mask[:, : width + n] = 1
         positions = (width + torch.arange(bucket))[None].expand(r, bucket).contiguous()
         hidden = compiled(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache)
-        cache.crop(width + n)  # the pads' slots
+        if bucket > n:
+            cache.crop(n - bucket)  # the pads' slots
         return head(hidden[:, :n])
 
     return forward
