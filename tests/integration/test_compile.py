@@ -24,11 +24,18 @@ FLAGS = ("--compile", "--max-draft-tokens", "3")
 
 
 @pytest.fixture(scope="module")
-def stack(test_models):
+def stack(test_models, tmp_path_factory):
+    # Each replica its own inductor cache: two processes compiling the same kernel into one
+    # cache directory at once can load the other's half-written .so ("file too short").
+    def cache(role):
+        return {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp(f"inductor-{role}"))}
+
     procs = []
     try:
-        d = replica("drafter", test_models.draft_noisy, *FLAGS)
-        v = replica("verifier", test_models.target, *FLAGS, "--max-batch-size", "1")
+        d = replica("drafter", test_models.draft_noisy, *FLAGS, env=cache("drafter"))
+        v = replica(
+            "verifier", test_models.target, *FLAGS, "--max-batch-size", "1", env=cache("verifier")
+        )
         procs += [d, v]
         d.wait_healthy(timeout=600), v.wait_healthy(timeout=600)
         plain = gateway([d], [v])
