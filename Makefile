@@ -137,9 +137,10 @@ test-deps:
 	fi
 
 # Debian packages the tests and image builds use: what `make test-deps` installs (prometheus,
-# openssl, curl), buildah and debootstrap (images without a Docker engine), and chromium
-# (`make docs-screenshots` and its test, which skips without it). Needs root.
-SYSTEM_PACKAGES := prometheus buildah debootstrap openssl curl chromium
+# openssl, curl), buildah and debootstrap (images without a Docker engine), chromium
+# (`make docs-screenshots` and its test, which skips without it), and g++ (torch.compile's
+# CPU kernels: `--compile` and tests/integration/test_compile.py). Needs root.
+SYSTEM_PACKAGES := prometheus buildah debootstrap openssl curl chromium g++
 system-deps:
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \

@@ -100,6 +100,8 @@ class ReplicaConfig:
     # Ranks one verifier replica runs as (specdec.replica.tp): 1, or N sharding the model
     # with transformers' tp_plan under torch.distributed; rank 0 serves.
     tensor_parallel: int = 1
+    # Compile the decoder for the short forwards that repeat (specdec.replica.compiled).
+    compile: bool = False
     tls: Any = None  # specdec.common.tls.ServerTls, or None: plaintext
     # The data plane's port (specdec.common.dataplane): 0 any free port, -1 none.
     data_port: int = 0
@@ -207,6 +209,11 @@ class ReplicaConfig:
             "sharded across them (transformers' tp_plan; gloo on cpu, NCCL on cuda, one GPU a "
             "rank); rank 0 serves",
             1,
+            "--compile",
+            "compile the model's forwards of up to --max-draft-tokens + 1 tokens a row (decode, "
+            "verify, SSD branch steps) with torch.compile, token counts padded to buckets (CUDA: "
+            "graph capture); dense engine only; compile time is logged at start-up",
+            False,
         )
         add_setting(
             parser,
@@ -250,8 +257,9 @@ class ReplicaConfig:
         port = parse_value(args, "--port", int, port_number)
         engine = parse_value(args, "--engine", str, one_of(ENGINES))
         tensor_parallel = parse_value(args, "--tensor-parallel", int, positive)
+        compile_ = parse_value(args, "--compile", boolean)
         if tensor_parallel > 1:
-            check_tensor_parallel(cls.ROLE, tensor_parallel, dtype, pack, engine, device)
+            check_tensor_parallel(cls.ROLE, tensor_parallel, dtype, pack, engine, device, compile_)
         return cls(
             role=cls.ROLE,
             model=model,
@@ -281,6 +289,7 @@ class ReplicaConfig:
             engine=engine,
             tensor_parallel=tensor_parallel,
             kv_block_size=parse_value(args, "--kv-block-size", int, positive),
+            compile=compile_,
             tls=server_tls_from_args(args),
             data_port=parse_value(args, "--data-port", int, _data_port),
             cost_probe=parse_value(args, "--cost-probe", boolean),
@@ -289,7 +298,13 @@ class ReplicaConfig:
 
 
 def check_tensor_parallel(
-    role: str, ranks: int, dtype: str, pack: str, engine: str, device: str
+    role: str,
+    ranks: int,
+    dtype: str,
+    pack: str,
+    engine: str,
+    device: str,
+    compile_: bool = False,
 ) -> None:
     """ConfigError for the combinations --tensor-parallel N > 1 does not run (yet)."""
     where = f"--tensor-parallel / {env_name('--tensor-parallel')}"
@@ -309,6 +324,7 @@ def check_tensor_parallel(
             "choose differently; name the dtype (float32, bfloat16, ...)",
         ),
         (device.startswith("cuda:"), f"rank r runs on cuda:r; give --device cuda (got {device})"),
+        (compile_, "compiled forwards (--compile) are not built for sharded models; leave it off"),
     ]
     for refused, why in refusals:
         if refused:

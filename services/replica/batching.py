@@ -525,16 +525,21 @@ class Layout:
     """How one forward over several requests is laid out (see the module docstring): row
     blocks in the requests' order, a session's request one row, a BranchStep one row per
     branch; R rows, L = the longest cached length (session slots + a branch row's fed
-    slots), N = the longest input."""
+    slots), N = the longest input.
 
-    def __init__(self, requests: list[Request]):
+    columns, width_multiple (compiled forwards, specdec.replica.compiled): the inputs are
+    right-padded to `columns` (a bucket >= N) and L is rounded up to a multiple of
+    `width_multiple` (more left pads); pads are masked like any other."""
+
+    def __init__(self, requests: list[Request], columns: int = 0, width_multiple: int = 1):
         self.requests = requests
         self.starts = list(itertools.accumulate((r.rows for r in requests), initial=0))
         self.rows = self.starts.pop()  # R
         # Cached slots of each request's rows: the session's, plus what a branch row was fed.
         self.cached = [len(r.session.tokens) + _fed(r) for r in requests]
-        self.width = max(self.cached)  # L
+        self.width = -(-max(self.cached) // width_multiple) * width_multiple  # L
         self.longest = max(r.width for r in requests)  # N
+        self.columns = max(self.longest, columns)  # the inputs' width: N, or its bucket
         self.tokens = sum(len(r.tokens) for r in requests)  # real inputs over all rows
         self.keeps = [r.rows if isinstance(r, BranchStep) else r.keep for r in requests]
 
@@ -552,7 +557,7 @@ class Layout:
         4D and additive [R, 1, N, L + N] in `dtype`: the same keys, causal, and a tree
         row's nodes see their ancestors only (`tree_visibility`); its nodes' positions
         follow their depth."""
-        width, longest = self.width, self.longest
+        width, longest = self.width, self.columns
         input_ids = torch.zeros(self.rows, longest, dtype=torch.long)
         mask = torch.zeros(self.rows, width + longest, dtype=torch.long)
         positions = torch.empty(self.rows, longest, dtype=torch.long)
@@ -589,7 +594,7 @@ class Layout:
     def _tree_mask(self, keys: torch.Tensor, positions: torch.Tensor, dtype) -> torch.Tensor:
         """The 4D additive mask of `inputs` from its 2D one (keys [R, L + N]); sets the tree
         rows' node positions in `positions` [R, N]."""
-        width, longest = self.width, self.longest
+        width, longest = self.width, self.columns
         steps = torch.arange(longest)
         causal = torch.ones(longest, width + longest, dtype=torch.bool)
         causal[:, width:] = steps[None, :] <= steps[:, None]

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from specdec.common.metrics import ReplicaObserver
     from specdec.common.prefix import PrefixChain
     from specdec.replica.batching import ForwardRequest, Scheduler
+    from specdec.replica.compiled import Compiled
     from specdec.replica.kvstore import Prefix
     from specdec.sdk.request import Sampling
 
@@ -129,6 +130,7 @@ class Engine(Protocol[S]):
     pending: int  # model requests submitted and not finished (--max-queue bounds them)
     obs: ReplicaObserver  # the replica's metrics and spans
     scheduler: Scheduler  # the model thread: the data plane serves on its selector (`io`)
+    compiled: Compiled | None  # --compile: the compiled forwards (None: eager only)
 
     @property
     def store(self) -> SessionStore[S] | None:

@@ -156,6 +156,8 @@ class ReplicaServicer:
             engine=cfg.engine,
             tensor_parallel=cfg.tensor_parallel,
             sampling_defaults=rt.sampling_defaults.to_proto(),
+            compiled=rt.compiled is not None,
+            compile_seconds=rt.compiled.seconds if rt.compiled is not None else 0.0,
             forward_cost=self.forward_cost(),
         )
         if request.include_tokenizer:

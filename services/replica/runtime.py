@@ -45,6 +45,7 @@ from specdec.replica.batching import (
     Scheduler,
     tree_visibility,
 )
+from specdec.replica.compiled import Compiled
 from specdec.replica.kvstore import CacheStore, Prefix, SessionCache
 from specdec.replica.loading import check_batchable, check_rollback, load_model
 from specdec.replica.paged import BlockPool, PagedForward, PagedStore
@@ -96,6 +97,8 @@ class ModelRuntime:
         # is its latest fit, an immutable snapshot the servicers read from the event loop.
         self.cost = CostCurve()
         self.cost_lines: list[tuple[int, Line]] = []
+        # --compile: the decoder compiled for the short forwards (specdec.replica.compiled).
+        self.compiled: Compiled | None = None
 
     # -- loading ------------------------------------------------------------------------
 
@@ -122,6 +125,8 @@ class ModelRuntime:
         elif cfg.max_batch_size > 1:
             check_batchable(self.model, cfg.model)
         self.store = self.new_store(cfg.engine)
+        if cfg.compile:
+            self.compile()
         if cfg.cost_probe:
             self.probe_cost()
         log.info(
@@ -133,6 +138,8 @@ class ModelRuntime:
                 "device": str(self.device),
                 "engine": cfg.engine,
                 "tensor_parallel": cfg.tensor_parallel,
+                "compiled": self.compiled is not None,
+                "compile_seconds": round(self.compiled.seconds, 2) if self.compiled else None,
                 "vocab_size": self.vocab_size,
                 "max_context": self.max_context,
                 "seconds": round(time.monotonic() - started, 2),
@@ -387,6 +394,8 @@ class ModelRuntime:
         joins the batch under its tree mask (Layout.inputs); alone on the dense engine it
         runs on its own cache (`_forward_tree`)."""
         paged = isinstance(self.store, PagedStore)
+        if self.compiled is not None and self._compiles(requests):
+            return self._forward_batch(requests, compiled=True)
         if len(requests) == 1 and isinstance(requests[0], ForwardRequest) and not paged:
             alone = requests[0]
             return [self._forward_tree(alone) if alone.tree else self._forward(alone)]
@@ -458,11 +467,20 @@ class ModelRuntime:
         return self.head(hidden)  # [b, keep, vocab]
 
     @torch.inference_mode()
-    def _forward_batch(self, requests: list[Request]) -> list[torch.Tensor]:
+    def _forward_batch(self, requests: list[Request], compiled: bool = False) -> list[torch.Tensor]:
         """One forward over several sessions' caches and branch groups, padded
         (specdec.replica.batching), or read in place from their blocks (the paged engine,
-        specdec.replica.paged); each request's logits."""
-        layout = Layout(requests)
+        specdec.replica.paged); each request's logits. compiled: the padded layout with its
+        inputs padded to a bucket, through the compiled decoder (specdec.replica.compiled)."""
+        if compiled:
+            assert self.compiled is not None
+            layout = Layout(
+                requests,
+                columns=self.compiled.bucket(max(r.width for r in requests)),
+                width_multiple=self.compiled.width_multiple,
+            )
+        else:
+            layout = Layout(requests)
         # [R, N], [R, L + N] (with a tree: [R, 1, N, L + N]), [R, N]
         input_ids, mask, positions = layout.inputs(self.device, self.model.dtype)
         if isinstance(self.store, PagedStore):
@@ -470,19 +488,28 @@ class ModelRuntime:
         else:
             cache = layout.cache(self.model.config)
         inputs = dict(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache)
-        if len(requests) == 1 and isinstance(requests[0], ForwardRequest) and not layout.trees:
+        if (
+            not compiled
+            and len(requests) == 1
+            and isinstance(requests[0], ForwardRequest)
+            and not layout.trees
+        ):
             del inputs["attention_mask"]  # one row, no pads (the paged engine): plain causal
         fresh = all(r.fresh for r in requests)
         started = time.perf_counter()
         with self.obs.forward(layout.tokens, layout.rows, fresh, sessions=len(requests)):
-            if len(requests) == 1 and isinstance(requests[0], BranchStep):
+            if not compiled and len(requests) == 1 and isinstance(requests[0], BranchStep):
                 # One branch group alone (always so under --max-batch-size 1): the model's
                 # own forward and output layer, as before batching.
                 logits = self.model_logits(1, **inputs)[:, -1].float()  # [rows, vocab]
             else:
-                hidden = self.model.get_decoder()(
-                    **inputs, use_cache=True
-                ).last_hidden_state  # [R, N, hidden]
+                if compiled:
+                    assert self.compiled is not None
+                    hidden = self.compiled(**inputs)  # [R, bucket, hidden]
+                else:
+                    hidden = self.model.get_decoder()(
+                        **inputs, use_cache=True
+                    ).last_hidden_state  # [R, N, hidden]
                 # the drafter's reduced head, if any, else the model's own output layer
                 head = self.head or self.model.get_output_embeddings()
                 logits = head(layout.kept(hidden)).float()  # [sum keeps, vocab]
@@ -492,6 +519,55 @@ class ModelRuntime:
             layout.write_back(cache)
         self._timed(layout.longest, layout.rows, started)
         return layout.split(logits)
+
+    def _compiles(self, requests: list[Request]) -> bool:
+        """Whether the forward over these requests runs compiled: no token tree, every row
+        short, after a cache of at least 2 slots (Compiled.takes)."""
+        assert self.compiled is not None
+        if any(isinstance(r, ForwardRequest) and r.tree for r in requests):
+            return False
+        layout = Layout(requests)
+        return self.compiled.takes(layout.longest, layout.width)
+
+    def compile(self) -> None:
+        """--compile: compile the decoder (specdec.replica.compiled) and every shape it will
+        run now, on scratch sessions: each bucket for one row, and for several (a drafter's
+        branch rows, or batches under --max-batch-size > 1). A machine that cannot compile
+        fails at start-up, and no request waits for a compile later (model thread)."""
+        cfg = self.config
+        if cfg.engine != "dense":
+            raise ValueError(
+                f"--compile runs on --engine dense; the paged engine's forward is not compiled "
+                f"(got --engine {cfg.engine})"
+            )
+        assert self.store is not None
+        compiled = self.compiled = Compiled(self.model, self.device, cfg.max_draft_tokens + 1)
+        several = cfg.max_batch_size > 1 or cfg.role == "drafter"
+        names = ["\x00compile-0", "\x00compile-1"]  # not ids a client can send (printable)
+        ids = [i % max(1, self.vocab_size) for i in range(2 + compiled.top)]
+        try:
+            sessions = []
+            for name in names[: 2 if several else 1]:
+                sessions.append(self.store.acquire(name, 0, 0, len(ids)))
+                self.forward(sessions[-1], ids[:2])  # eager: a fresh session
+            for bucket in compiled.buckets:
+                for rows in (1, 2)[: len(sessions)]:
+                    feed = ids[2 : 2 + bucket]
+                    self._run_batch([ForwardRequest(s, feed, 1, False) for s in sessions[:rows]])
+                    for session in sessions[:rows]:
+                        self.store.truncate(session, 2)
+        finally:
+            for name in names:
+                self.store.release(name)
+        log.info(
+            "forwards compiled",
+            extra={
+                "buckets": list(compiled.buckets),
+                "rows": "1 and 2+" if several else "1",
+                "mode": compiled.mode or "default",
+                "seconds": round(compiled.seconds, 2),
+            },
+        )
 
     def _note_member(self, request: Request, batch: int) -> None:
         """A job's share of a batched forward observed in another job's context."""

@@ -30,6 +30,18 @@ def test_engine_setting(monkeypatch):
     assert (cfg.engine, cfg.kv_block_size) == ("paged", 32)
 
 
+def test_compile_setting(monkeypatch):
+    assert parse("--model", "m").compile is False
+    assert parse("--model", "m", "--compile").compile is True
+    monkeypatch.setenv("SPECDEC_COMPILE", "true")
+    assert parse("--model", "m").compile is True
+    assert parse("--model", "m", "--no-compile").compile is False  # the flag wins
+    drafter = DrafterConfig.from_args(
+        build_parser().parse_args(["serve", "drafter", "--model", "m"])
+    )
+    assert drafter.compile is True
+
+
 def test_environment_variables(monkeypatch):
     monkeypatch.setenv("SPECDEC_MODEL", "/env-model")
     monkeypatch.setenv("SPECDEC_MAX_DRAFT_TOKENS", "7")

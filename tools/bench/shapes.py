@@ -26,7 +26,15 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = ("float32", "float32+packed", "bfloat16", "bfloat16+packed")
+VARIANTS = (
+    "float32",
+    "float32+packed",
+    "bfloat16",
+    "bfloat16+packed",
+    "float32+compiled",
+    "bfloat16+compiled",
+)
+DEFAULT_VARIANTS = VARIANTS[:4]  # compiling the target takes minutes a shape on a CPU
 
 
 def add_shape_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,7 +51,12 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shape-tokens", default="1,4,9,16", help="new tokens per row")
     g.add_argument("--shape-rows", default="1,8", help="rows (sessions) per forward")
     g.add_argument("--shape-prefix", type=int, default=128, help="cached tokens before them")
-    g.add_argument("--shape-variants", default=",".join(VARIANTS), help="layouts to time")
+    g.add_argument(
+        "--shape-variants",
+        default=",".join(DEFAULT_VARIANTS),
+        help=f"layouts to time, of {', '.join(VARIANTS)} (+compiled: the decoder through "
+        "--compile's path, specdec.replica.compiled, inputs padded to their bucket)",
+    )
     g.add_argument("--shape-repeats", type=int, default=3, help="timed forwards per shape")
 
 
@@ -51,10 +64,20 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def time_shapes(model, tokens: list[int], rows: list[int], prefix: int, repeats: int):
-    """{(rows, tokens): median ms} of the model's forwards (batch-1 prefix, expanded)."""
+def time_shapes(
+    model, tokens: list[int], rows: list[int], prefix: int, repeats: int, compiled: bool = False
+):
+    """{(rows, tokens): median ms} of the model's forwards (batch-1 prefix, expanded).
+    compiled: through --compile's compiled decoder (inputs right-padded to their bucket and
+    masked, then the output layer on the real rows), compiling each shape in its warm-up."""
     import torch
     from transformers import DynamicCache
+
+    forward = model
+    if compiled:
+        from specdec.replica.compiled import Compiled
+
+        forward = _compiled_forward(model, Compiled(model, torch.device("cpu"), max(tokens)))
 
     vocab = int(model.get_input_embeddings().weight.shape[0])
     ids = (torch.arange(prefix + max(tokens)) * 7919 + 11) % vocab
@@ -72,13 +95,37 @@ def time_shapes(model, tokens: list[int], rows: list[int], prefix: int, repeats:
                 samples = []
                 for i in range(repeats + 1):
                     t0 = time.perf_counter()
-                    model(input_ids=x, cache=cache, use_cache=True)
+                    forward(input_ids=x, cache=cache, use_cache=True)
                     took = time.perf_counter() - t0
                     cache.crop(prefix - cache.get_seq_length())  # back to the prefix
                     if i:  # the first is a warm-up
                         samples.append(took)
                 out[(r, n)] = round(statistics.median(samples) * 1e3, 2)
     return out
+
+
+def _compiled_forward(model, compiled):
+    """model(input_ids, cache) as --compile runs it: inputs padded to the bucket, the pads
+    masked, the compiled decoder, the output layer on the real positions."""
+    import torch
+
+    head = model.get_output_embeddings()
+
+    def forward(input_ids, cache, use_cache):
+        r, n = input_ids.shape
+        width = cache.get_seq_length()
+        bucket = compiled.bucket(n)
+        ids = torch.zeros(r, bucket, dtype=torch.long)
+        ids[:, :n] = input_ids
+        mask = torch.zeros(r, width + bucket, dtype=torch.long)
+        mask[:, : width + n] = 1
+        positions = (width + torch.arange(bucket))[None].expand(r, bucket).contiguous()
+        hidden = compiled(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache)
+        if bucket > n:
+            cache.crop(n - bucket)  # the pads' slots
+        return head(hidden[:, :n])
+
+    return forward
 
 
 def table(results: dict, tokens: list[int], rows: list[int]) -> str:
@@ -126,13 +173,15 @@ def run_shapes(args: argparse.Namespace) -> int:
     fp32.eval()
     results: dict[str, dict[tuple[int, int], float]] = {}
     for variant in variants:
-        dtype, _, packed = variant.partition("+")
+        dtype, _, how = variant.partition("+")
         model = fp32 if dtype == "float32" else cast_copy(fp32, getattr(torch, dtype))
-        if packed:
+        if how == "packed":
             packing.pack_linears(model)
         print(f"timing {variant} ...", flush=True)
-        results[variant] = time_shapes(model, tokens, rows, args.shape_prefix, args.shape_repeats)
-        if model is fp32:
+        results[variant] = time_shapes(
+            model, tokens, rows, args.shape_prefix, args.shape_repeats, how == "compiled"
+        )
+        if model is fp32 and how == "packed":
             packing.unpack_linears(fp32)
         del model
     cpu = cpu_info()

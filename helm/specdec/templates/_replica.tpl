@@ -154,6 +154,8 @@ spec:
             - name: SPECDEC_TENSOR_PARALLEL
               value: {{ $tp | quote }}
             {{- end }}
+            - name: SPECDEC_COMPILE
+              value: {{ $cfg.compile | default false | quote }}
             - name: SPECDEC_HOST
               value: "0.0.0.0"
             - name: SPECDEC_PORT

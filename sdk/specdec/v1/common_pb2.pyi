@@ -105,7 +105,7 @@ class InfoRequest(_message.Message):
     def __init__(self, include_tokenizer: _Optional[bool] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("role", "model_id", "vocab_size", "tokenizer_fingerprint", "max_context", "max_draft_tokens", "eos_token_ids", "dtype", "dtype_reason", "device", "max_cached_tokens", "cached_tokens", "cached_sessions", "replica_id", "tokenizer_json_zlib", "chat_template", "bos_token_id", "special_tokens", "data_port", "model_version", "engine", "tensor_parallel", "sampling_defaults", "forward_cost")
+    __slots__ = ("role", "model_id", "vocab_size", "tokenizer_fingerprint", "max_context", "max_draft_tokens", "eos_token_ids", "dtype", "dtype_reason", "device", "max_cached_tokens", "cached_tokens", "cached_sessions", "replica_id", "tokenizer_json_zlib", "chat_template", "bos_token_id", "special_tokens", "data_port", "model_version", "engine", "tensor_parallel", "sampling_defaults", "compiled", "compile_seconds", "forward_cost")
     class SpecialTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,8 @@ class ModelInfo(_message.Message):
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
+    COMPILED_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_COST_FIELD_NUMBER: _ClassVar[int]
     role: Role
     model_id: str
@@ -160,8 +162,10 @@ class ModelInfo(_message.Message):
     engine: str
     tensor_parallel: int
     sampling_defaults: SamplingParams
+    compiled: bool
+    compile_seconds: float
     forward_cost: ForwardCost
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., device: _Optional[str] = ..., max_cached_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_sessions: _Optional[int] = ..., replica_id: _Optional[str] = ..., tokenizer_json_zlib: _Optional[bytes] = ..., chat_template: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., data_port: _Optional[int] = ..., model_version: _Optional[str] = ..., engine: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., sampling_defaults: _Optional[_Union[SamplingParams, _Mapping]] = ..., forward_cost: _Optional[_Union[ForwardCost, _Mapping]] = ...) -> None: ...
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., device: _Optional[str] = ..., max_cached_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_sessions: _Optional[int] = ..., replica_id: _Optional[str] = ..., tokenizer_json_zlib: _Optional[bytes] = ..., chat_template: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., data_port: _Optional[int] = ..., model_version: _Optional[str] = ..., engine: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., sampling_defaults: _Optional[_Union[SamplingParams, _Mapping]] = ..., compiled: _Optional[bool] = ..., compile_seconds: _Optional[float] = ..., forward_cost: _Optional[_Union[ForwardCost, _Mapping]] = ...) -> None: ...
 
 class ForwardCost(_message.Message):
     __slots__ = ("buckets",)

@@ -1,0 +1,84 @@
+"""Compiled forwards through the stack (`--compile` on both replicas, fp32 tiny models):
+greedy output equals `generate()` on the target, token for token, at k = 0, k = 3, with
+SSD and over two turns of a session; Info and the start-up log report the compile. One
+stack (compiling is slow): --max-draft-tokens 3 keeps the buckets to 1, 2 and 4 tokens, and
+the verifier's --max-batch-size 1 its graphs to one row (the drafter's branch rows are
+several)."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from specdec.sdk import Client
+from specdec.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
+from tests.conftest import PROMPTS
+from tests.integration.test_gateway import gateway, replica
+
+pytestmark = pytest.mark.integration
+
+N = 16
+FLAGS = ("--compile", "--max-draft-tokens", "3")
+
+
+@pytest.fixture(scope="module")
+def stack(test_models, tmp_path_factory):
+    # Each replica its own inductor cache: two processes compiling the same kernel into one
+    # cache directory at once can load the other's half-written .so ("file too short").
+    def cache(role):
+        return {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp(f"inductor-{role}"))}
+
+    procs = []
+    try:
+        d = replica("drafter", test_models.draft_noisy, *FLAGS, env=cache("drafter"))
+        v = replica(
+            "verifier", test_models.target, *FLAGS, "--max-batch-size", "1", env=cache("verifier")
+        )
+        procs += [d, v]
+        d.wait_healthy(timeout=600), v.wait_healthy(timeout=600)
+        plain = gateway([d], [v])
+        ssd = gateway([d], [v], None, "--ssd")
+        procs += [plain, ssd]
+        plain.wait_healthy(), ssd.wait_healthy()
+        yield {"drafter": d, "verifier": v, "plain": plain, "ssd": ssd}
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_greedy_equals_generate(stack, tokenizer, reference):
+    for which, k in (("plain", 0), ("plain", 3), ("ssd", 3)):
+        with Client(stack[which].address, timeout=300) as client:
+            for text in PROMPTS[:2]:
+                ids = tokenizer(text).input_ids
+                got = client.generate(token_ids=ids, max_new_tokens=N, k=k)
+                assert list(got.tokens) == reference(ids, N), f"{which} k={k} {text!r}"
+                assert got.stats.ssd is (which == "ssd")
+
+
+def test_two_turns(stack, tokenizer, reference):
+    with Client(stack["plain"].address, timeout=300) as client:
+        first = tokenizer(PROMPTS[0]).input_ids
+        one = client.generate(token_ids=first, max_new_tokens=8, k=3, session_id="compiled-1")
+        more = tokenizer(PROMPTS[1]).input_ids
+        two = client.generate(token_ids=more, max_new_tokens=N, k=3, session_id="compiled-1")
+        assert list(two.tokens) == reference([*first, *one.tokens, *more], N)
+
+
+def test_info_and_log_report_the_compile(stack):
+    for role, stub in (
+        ("drafter", drafter_pb2_grpc.DrafterServiceStub),
+        ("verifier", verifier_pb2_grpc.VerifierServiceStub),
+    ):
+        with grpc.insecure_channel(stack[role].address) as channel:
+            try:
+                info = stub(channel).Info(common_pb2.InfoRequest(), timeout=30)
+            except grpc.RpcError as e:
+                raise AssertionError(f"{role}: {e}\n{stack[role].tail(80)}") from None
+        assert info.compiled and info.compile_seconds > 0, role
+        assert info.engine == "dense"
+        loaded = [json.loads(line) for line in stack[role].lines if '"model loaded"' in line]
+        assert loaded and loaded[0]["compiled"] is True, stack[role].tail()
+        assert loaded[0]["engine"] == "dense" and loaded[0]["compile_seconds"] > 0
