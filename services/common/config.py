@@ -209,6 +209,9 @@ class ReplicaConfig:
             "sharded across them (transformers' tp_plan; gloo on cpu, NCCL on cuda, one GPU a "
             "rank); rank 0 serves",
             1,
+        )
+        add_setting(
+            parser,
             "--compile",
             "compile the model's forwards of up to --max-draft-tokens + 1 tokens a row (decode, "
             "verify, SSD branch steps) with torch.compile, token counts padded to buckets (CUDA: "
