@@ -40,8 +40,8 @@ RENDERINGS: dict[str, dict] = {
     "defaults": {},
     "everything-on": {
         **TRUST,
-        "drafter": {"keda": {"enabled": True}},
-        "verifier": {"keda": {"enabled": True}},
+        "drafter": {"keda": {"enabled": True}, "compile": True},
+        "verifier": {"keda": {"enabled": True}, "compile": True},
         "gateway": {
             "httpPort": 8000,
             "ingress": {"enabled": True, "tlsSecretName": "gw-ingress-tls"},
