@@ -83,14 +83,19 @@ def test_bench_quick_on_tiny_models(tmp_path):
 
 def test_bench_lookup_methods_on_the_grounded_set(tmp_path):
     """--prompt-set grounded --methods: a row per lookup method with and without SSD and
-    transformers' prompt lookup, every one reproducing the target's tokens."""
+    transformers' prompt lookup, every one reproducing the target's tokens. The in-process
+    rows run after the stack's here (--in-process-rows after: their models load once the
+    stack has stopped), and are as exact."""
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "specdec", "bench", "--tiny", str(tmp_path / "models")]
     cmd += ["--quick", "--max-new-tokens", "8", "--k", "2", "--ssd-k", "2", "--out", str(out)]
     cmd += ["--prompt-set", "grounded", "--methods", "ngram,suffix,hybrid"]
+    cmd += ["--in-process-rows", "after"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "in-process rows, the stack stopped" in done.stdout
     result = json.loads((out / "results.json").read_text())
+    assert result["meta"]["in_process_rows"] == "after"
     modes = result["modes"]
     lookup = {f"{s}{m} k=2" for m in ("ngram", "suffix", "hybrid") for s in ("", "ssd ")}
     anchors = {"prompt lookup", "prompt lookup, 2 CPUs"}

@@ -44,8 +44,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specdec.sdk.progress import Progress, add_progress_argument, progress_enabled
+from specdec.tools.bench import memory
 from specdec.tools.bench.hf import HFRunner, tie_break
 from specdec.tools.bench.modes import (
+    ALL_PROMPT_SETS,
     DEFAULT_DRAFTER,
     DRAFTERS,
     LOOKUP_METHODS,
@@ -62,6 +64,7 @@ from specdec.tools.bench.modes import (
     pick_quick,
     run_drafter_alone,
     run_stack_mode,
+    step_target_name,
     untraced_name,
 )
 from specdec.tools.bench.report import report
@@ -97,10 +100,10 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
     p.add_argument("--prompts", help="JSONL prompt file (default: the shipped set of 12)")
     p.add_argument(
         "--prompt-set",
-        choices=tuple(PROMPT_SETS),
+        choices=(*PROMPT_SETS, ALL_PROMPT_SETS),
         default="default",
-        help="shipped prompt set when --prompts is not given: default (code, prose, chat) or "
-        "grounded (edits, refactors, extraction, a chat quoting itself)",
+        help="shipped prompt set when --prompts is not given: default (code, prose, chat), "
+        "grounded (edits, refactors, extraction, a chat quoting itself) or all (both)",
     )
     p.add_argument(
         "--methods",
@@ -171,6 +174,15 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
         "to a receiver in this process) and each request's traceparent is sampled for the "
         "'<mode> traced' rows and not for their twins, interleaved on the same processes: "
         "the tracing overhead",
+    )
+    p.add_argument(
+        "--in-process-rows",
+        choices=("auto", "interleaved", "after"),
+        default="auto",
+        help="the in-process rows (target alone, assisted, draft alone) interleaved with the "
+        "stack's, prompt by prompt, or after the stack has stopped (their models and the "
+        "stack's are then never in memory together); auto: interleaved where both fit in "
+        "the memory available",
     )
     o = p.add_argument_group(
         "--overhead", "the stack's own cost per round, on stand-in models (tools/bench/overhead.py)"
@@ -278,6 +290,47 @@ def fastest_step(choice) -> str | None:
     return None if step == choice.label else step
 
 
+def plan_memory(
+    args: argparse.Namespace, step: str | None, left_out: dict[str, str], free: int | None = None
+) -> tuple[str | None, bool]:
+    """Whether the in-process rows run after the stack's (`--in-process-rows`; auto: when
+    the in-process models and the stack do not fit in memory together), and the fastest-
+    step layout, or None when even its own phase has no room for one more copy of the
+    target (the row is then left out, and left_out says why). Sizes from the
+    checkpoints' headers (specdec.tools.bench.memory), against `free` bytes (default: what
+    this machine has available); where they cannot be read, as asked."""
+    stack, in_process, extra = memory.plan(args.target_model, args.draft_model, args.dtype, step)
+    free = memory.available() if free is None else free
+    after = args.in_process_rows == "after"
+    if stack is None or free is None:
+        return step, after
+    extra = extra or 0
+    if args.in_process_rows == "auto" and stack + in_process + extra > free:
+        after = True
+        print(
+            f"bench: the stack ({memory.gib(stack)}) and the in-process models "
+            f"({memory.gib(in_process + extra)}) do not fit together in the "
+            f"{memory.gib(free)} available: the in-process rows run after the stack's",
+            flush=True,
+        )
+    room = free if after else free - stack
+    if step and in_process + extra > room:
+        why = (
+            f"one more copy of the target ({memory.gib(extra)}) does not fit: "
+            f"{memory.gib(room)} available to the in-process rows"
+        )
+        left_out[step_target_name(step)] = why
+        print(f"bench: leaving out the {step_target_name(step)!r} row: {why}", flush=True)
+        step = None
+    elif not after and stack + in_process > free:
+        print(
+            f"bench: warning: the run needs about {memory.gib(stack + in_process)} and "
+            f"{memory.gib(free)} are available (--in-process-rows {args.in_process_rows})",
+            flush=True,
+        )
+    return step, after
+
+
 @stopping_children  # SIGINT or SIGTERM: every process it started stops
 def run_bench(args: argparse.Namespace) -> int:
     if args.gateway_flags:
@@ -348,6 +401,8 @@ def run_bench(args: argparse.Namespace) -> int:
     choice = resolve_dtype(args)  # fastest: measured here
     print(f"dtype {choice.summary()}", flush=True)
     step = fastest_step(choice)
+    left_out: dict[str, str] = {}  # row -> why it was not measured
+    step, args.in_process_after = plan_memory(args, step, left_out)
     phases = [
         (
             d,
@@ -466,6 +521,10 @@ def run_bench(args: argparse.Namespace) -> int:
             # Per drafter variant: each replica's dtype and t(n) = base + per_token n (ms),
             # fitted on the replica over the run (specdec.common.cost).
             "cost_curves": curves,
+            # Rows the run left out, and why (plan_memory), and whether the in-process
+            # rows ran after the stack's rather than interleaved with them.
+            "left_out": left_out,
+            "in_process_rows": "after" if args.in_process_after else "interleaved",
         },
         "modes": rows,
         "peers": peers,
@@ -592,28 +651,48 @@ def _run_variant(
             variant.otlp_protocol, variant.trace_sample_ratio = "grpc", 1.0
         stack = resources.enter_context(LocalStack(variant, announce=print))
         client = resources.enter_context(Client(stack.gateway.address))
-        print("warming up every mode ...", flush=True)
-        for m in modes:
-            progress.begin(f"{drafter}: warming up {m.name}")
-            _sample(hf, client, stack, m, encoded[0], 4, {})
-        if first:
-            progress.restart()  # the time left from the measured samples' pace
-        for i, ids in enumerate(encoded):
-            order = modes[i % len(modes) :] + modes[: i % len(modes)]
-            for m in order:
-                progress.begin(f"prompt {i + 1}/{len(encoded)} {m.name}")
-                sample = _sample(hf, client, stack, m, ids, n, parents)
-                runs[m.name].samples.append(sample)
-                progress.clear()
-                print(
-                    f"prompt {i + 1}/{len(encoded)} ({prompts[i].kind:<5}) {m.name:<14} "
-                    f"{len(sample.tokens) / sample.seconds:6.2f} tok/s",
-                    flush=True,
-                )
-                progress.step()
-        progress.clear()
+        after = args.in_process_after
+        in_stack = [m for m in modes if not (after and m.engine == "hf")]
+        if not after:
+            hf.load()  # before any sample: loading is not a mode's time
+        _measure(hf, client, stack, prompts, encoded, n, in_stack, runs, parents, progress,
+                 drafter, first)  # fmt: skip
         curves[drafter] = _curves(stack)
+    if after:  # the stack has stopped: its memory is free for the in-process models
+        print("in-process rows, the stack stopped ...", flush=True)
+        hf.load()
+        in_process = [m for m in modes if m.engine == "hf"]
+        _measure(hf, None, None, prompts, encoded, n, in_process, runs, parents, progress,
+                 drafter, False)  # fmt: skip
+        hf.unload()  # the next variant's stack needs the room
     return receiver
+
+
+def _measure(
+    hf, client, stack, prompts, encoded, n, modes, runs, parents, progress, drafter, first
+) -> None:
+    """Every prompt through every mode of `modes`, after one warm-up of each; the order of
+    the modes rotates from prompt to prompt, so drift of the machine hits all alike."""
+    print("warming up every mode ...", flush=True)
+    for m in modes:
+        progress.begin(f"{drafter}: warming up {m.name}")
+        _sample(hf, client, stack, m, encoded[0], 4, {})
+    if first:
+        progress.restart()  # the time left from the measured samples' pace
+    for i, ids in enumerate(encoded):
+        order = modes[i % len(modes) :] + modes[: i % len(modes)]
+        for m in order:
+            progress.begin(f"prompt {i + 1}/{len(encoded)} {m.name}")
+            sample = _sample(hf, client, stack, m, ids, n, parents)
+            runs[m.name].samples.append(sample)
+            progress.clear()
+            print(
+                f"prompt {i + 1}/{len(encoded)} ({prompts[i].kind:<5}) {m.name:<14} "
+                f"{len(sample.tokens) / sample.seconds:6.2f} tok/s",
+                flush=True,
+            )
+            progress.step()
+    progress.clear()
 
 
 def _curves(stack) -> dict[str, dict]:

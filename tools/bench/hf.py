@@ -41,28 +41,64 @@ class HFRunner:
         step_layout: str | None = None,
     ):
         """step_layout: also the target in that layout ("bfloat16+packed": its dtype, its
-        linear layers packed), for the `target, fastest step` mode."""
+        linear layers packed), for the `target, fastest step` mode. Only the tokenizer is
+        loaded here: the models load on first use (`load`), and `unload` frees them (the
+        bench's in-process rows after the stack's, when both do not fit in memory)."""
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from specdec.replica import packing
+        from transformers import AutoTokenizer
 
         self.torch = torch
-        dt_ = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-        self.target = AutoModelForCausalLM.from_pretrained(target, dtype=dt_[dtype]).eval()
-        self.draft = AutoModelForCausalLM.from_pretrained(draft, dtype=dt_[dtype]).eval()
-        self.step_target = None
-        if step_layout:
-            step_dtype, _, packed = step_layout.partition("+")
-            model = AutoModelForCausalLM.from_pretrained(target, dtype=dt_[step_dtype]).eval()
-            if packed:
-                packing.pack_linears(model)
-            self.step_target = model
+        self.paths, self.dtype, self.step_layout = (target, draft), dtype, step_layout
+        self._models: tuple | None = None
         self.tokenizer = AutoTokenizer.from_pretrained(target)
         self.pinned = pinned  # (drafter cpu, verifier cpu)
         self.default_threads = torch.get_num_threads()
+        self.eos = None
+
+    def load(self) -> None:
+        if self._models is not None:
+            return
+        from transformers import AutoModelForCausalLM
+
+        from specdec.replica import packing
+
+        torch = self.torch
+        dt_ = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        target, draft = self.paths
+        step = None
+        if self.step_layout:
+            step_dtype, _, packed = self.step_layout.partition("+")
+            step = AutoModelForCausalLM.from_pretrained(target, dtype=dt_[step_dtype]).eval()
+            if packed:
+                packing.pack_linears(step)
+        self._models = (
+            AutoModelForCausalLM.from_pretrained(target, dtype=dt_[self.dtype]).eval(),
+            AutoModelForCausalLM.from_pretrained(draft, dtype=dt_[self.dtype]).eval(),
+            step,
+        )
         eos = self.target.generation_config.eos_token_id
         self.eos = eos if eos is not None else self.tokenizer.eos_token_id
+
+    def unload(self) -> None:
+        import gc
+
+        self._models = None
+        gc.collect()
+
+    @property
+    def target(self):
+        self.load()
+        return self._models[0]
+
+    @property
+    def draft(self):
+        self.load()
+        return self._models[1]
+
+    @property
+    def step_target(self):
+        self.load()
+        return self._models[2]
 
     def encode(self, prompt: Prompt) -> list[int]:
         return encode_prompt(self.tokenizer, prompt)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ DEFAULT_DRAFTER = "bf16"
 # prose, chat) and the input-grounded one (edits, refactors, extraction, a chat that
 # quotes itself), where lookup drafts have something to copy.
 PROMPT_SETS = {"default": "prompts.jsonl", "grounded": "prompts-grounded.jsonl"}
+ALL_PROMPT_SETS = "all"  # every shipped set, one after another
 # `--methods`: lookup methods to add rows for ("ngram k=4", "ssd hybrid k=4", ...).
 LOOKUP_METHODS = ("ngram", "suffix", "hybrid")
 # transformers' prompt-lookup decoding (`prompt_lookup_num_tokens`): its documented example
@@ -83,18 +85,33 @@ class ModeRun:
 
 
 def load_prompts(path: str | None, prompt_set: str = "default") -> list[Prompt]:
+    """The prompts of a JSONL file, or of a shipped set; `all`: every shipped set, its
+    kinds taken in turn (the first prompt of each set's each kind, then the second, ...),
+    so that --num-prompts 7 draws one of every kind of both sets."""
     if path:
-        text = Path(path).read_text()
-    else:
-        name = PROMPT_SETS[prompt_set]
-        text = resources.files("specdec.sdk.loadtest").joinpath(name).read_text()
+        return _parse_prompts(Path(path).read_text(), path)
+    if prompt_set != ALL_PROMPT_SETS:
+        return _parse_prompts(_shipped(PROMPT_SETS[prompt_set]), PROMPT_SETS[prompt_set])
+    groups: dict[tuple[str, str], list[Prompt]] = {}
+    for name in PROMPT_SETS.values():
+        for p in _parse_prompts(_shipped(name), name):
+            groups.setdefault((name, p.kind), []).append(p)
+    rows = itertools.zip_longest(*groups.values())
+    return [p for row in rows for p in row if p is not None]
+
+
+def _shipped(name: str) -> str:
+    return resources.files("specdec.sdk.loadtest").joinpath(name).read_text()
+
+
+def _parse_prompts(text: str, source: str) -> list[Prompt]:
     prompts = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         row = json.loads(line)
         if ("prompt" in row) == ("messages" in row):
-            raise ValueError(f"{path or 'prompts.jsonl'}:{n}: give one of prompt or messages")
+            raise ValueError(f"{source}:{n}: give one of prompt or messages")
         prompts.append(Prompt(row.get("kind", "other"), row.get("prompt"), row.get("messages")))
     return prompts
 
