@@ -29,7 +29,7 @@ from specdec.common.settings import (
     setting,
     settings_group,
 )
-from specdec.common.tls import ServerTls, add_server_tls_arguments, server_tls_from_args
+from specdec.common.tls import ServerTls, ServerTlsSettings
 
 __all__ = [
     "DTYPES",
@@ -198,7 +198,7 @@ class ReplicaConfig:
         "forward cost curve reported to gateways (whose adaptive policy prices drafts "
         "with it) before any request has run",
     )
-    tls: ServerTls | None = settings_group(add_server_tls_arguments, server_tls_from_args)
+    tls: ServerTls | None = settings_group(ServerTlsSettings)
 
     ROLE: ClassVar[str] = ""
 

@@ -159,9 +159,10 @@ def port_number(value: int) -> str | None:
 # A field declared with `setting(default, help, ...)` is a flag named after it
 # (`max_cached_tokens` -> --max-cached-tokens, SPECDEC_MAX_CACHED_TOKENS), read with the
 # conversion its annotation names (bool, int, float, str, or one of them | None) unless
-# `convert` says, and validated by `check`. A field declared with `settings_group` is several flags that build
-# one value (TLS). A field without either is no flag. `add_settings` declares the flags in
-# field order; `read_settings` reads them back into the fields' values.
+# `convert` says, and validated by `check`. A field declared with `settings_group` is
+# several flags that build one value (TLS). A field without either is no flag.
+# `add_settings` declares the flags in field order; `read_settings` reads them back into the
+# fields' values.
 
 SETTING = "specdec.setting"
 AS_FIELD: Any = type("AsField", (), {"__repr__": lambda self: "AS_FIELD"})()  # see `shown`
@@ -181,11 +182,10 @@ class Setting:
 
 @dataclass(frozen=True)
 class SettingsGroup:
-    """Several flags that build one field's value: `add(parser)` declares them,
-    `read(args)` builds the value."""
+    """Several flags that build one field's value: the setting fields of the dataclass
+    `flags`, read into one, whose `build()` makes the value (see `settings_group`)."""
 
-    add: Callable[[argparse.ArgumentParser], None]
-    read: Callable[[argparse.Namespace], Any]
+    flags: type
 
 
 def setting(
@@ -200,22 +200,24 @@ def setting(
 ) -> Any:
     """A dataclass field that is also a flag and an environment variable.
 
-    default: the field's default (none: the flag is required); help: the flag's help;
-    flag: its name when not the field's; convert: str -> value, where the field's type
-    is not bool, int, float or str (or one of them | None); check: value -> problem or None; shown: the flag's default where the
-    field's is not how a user writes it (`"adaptive"` for a policy held as an enum number);
-    blank: an empty value means the field's default."""
+    - default: the field's default (none: the flag is required);
+    - help: the flag's help;
+    - flag: its name when not the field's;
+    - convert: str -> value, where the field's type is not bool, int, float or str (or
+      one of them | None);
+    - check: value -> the problem, or None;
+    - shown: the flag's default where the field's is not how a user writes it
+      (`"adaptive"` for a policy held as an enum number);
+    - blank: an empty value means the field's default."""
     meta = Setting(help, flag, convert, check, shown, blank)
     return field(default=default, metadata={SETTING: meta})
 
 
-def settings_group(
-    add: Callable[[argparse.ArgumentParser], None],
-    read: Callable[[argparse.Namespace], Any],
-    default: Any = None,
-) -> Any:
-    """A dataclass field whose value several flags build (see `SettingsGroup`)."""
-    return field(default=default, metadata={SETTING: SettingsGroup(add, read)})
+def settings_group(flags: type, default: Any = None) -> Any:
+    """A dataclass field whose value several flags build: `flags` is a dataclass whose
+    fields are declared with `setting` and whose `build()` returns the value (TLS: the
+    certificate flags make one ServerTls, or None)."""
+    return field(default=default, metadata={SETTING: SettingsGroup(flags)})
 
 
 def flag_of(f: Field) -> str:
@@ -232,7 +234,7 @@ def add_settings(parser: argparse.ArgumentParser, cls: type, **defaults: Any) ->
     overrides a field's default by name (a replica's port is its role's)."""
     for f, s in _declared(cls):
         if isinstance(s, SettingsGroup):
-            s.add(parser)
+            add_settings(parser, s.flags)
             continue
         if f.name in defaults:
             default = defaults[f.name]
@@ -249,7 +251,7 @@ def read_settings(cls: type, args: argparse.Namespace) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for f, s in _declared(cls):
         if isinstance(s, SettingsGroup):
-            values[f.name] = s.read(args)
+            values[f.name] = s.flags(**read_settings(s.flags, args)).build()
             continue
         flag = flag_of(f)
         if s.blank and getattr(args, _dest(flag)) in (None, ""):

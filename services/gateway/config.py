@@ -21,12 +21,10 @@ from specdec.common.config import (
 from specdec.common.params import MAX_TOP_LOGPROBS
 from specdec.common.tls import (
     ClientTls,
+    ReplicaTlsSettings,
     ServerTls,
-    add_replica_tls_arguments,
-    add_server_tls_arguments,
+    ServerTlsSettings,
     read_tokens,
-    replica_tls_from_args,
-    server_tls_from_args,
 )
 from specdec.gateway.canary import Canary, parse_canary
 from specdec.gateway.discovery import parse_target
@@ -179,9 +177,9 @@ class GatewayConfig:
     )
     grace_seconds: float = setting(10.0, "graceful shutdown window on SIGTERM", check=non_negative)
     # TLS on the public port (client certificates optional).
-    tls: ServerTls | None = settings_group(add_server_tls_arguments, server_tls_from_args)
+    tls: ServerTls | None = settings_group(ServerTlsSettings)
     # TLS (mTLS with a certificate) to the replicas.
-    replica_tls: ClientTls | None = settings_group(add_replica_tls_arguments, replica_tls_from_args)
+    replica_tls: ClientTls | None = settings_group(ReplicaTlsSettings)
     # How the round's calls reach a replica: "dataplane" (its data port when its Info has
     # one, specdec.gateway.dataplane) or "grpc" (unary calls, specdec.gateway.transport).
     replica_transport: str = setting(
