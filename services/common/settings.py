@@ -121,7 +121,7 @@ def parse_value(args: argparse.Namespace, flag: str, convert: Callable[[str], T]
     if check is not None:
         problem = check(value)
         if problem:
-            raise ConfigError(f"{where}: {problem} (got {raw!r})")
+            raise invalid(flag, problem, raw)
     return value
 
 
@@ -142,11 +142,11 @@ def one_of(choices: tuple[str, ...]) -> Callable[[str], str | None]:
     return lambda v: None if v in choices else f"must be one of {choices}"
 
 
-def positive(value: int) -> str | None:
+def positive(value: float) -> str | None:
     return None if value > 0 else "must be > 0"
 
 
-def non_negative(value: int) -> str | None:
+def non_negative(value: float) -> str | None:
     return None if value >= 0 else "must be >= 0"
 
 
@@ -165,7 +165,16 @@ def port_number(value: int) -> str | None:
 # fields' values.
 
 SETTING = "specdec.setting"
-AS_FIELD: Any = type("AsField", (), {"__repr__": lambda self: "AS_FIELD"})()  # see `shown`
+
+
+class _AsField:
+    """`setting(shown=...)` left out: the flag's default is the field's."""
+
+    def __repr__(self) -> str:
+        return "AS_FIELD"
+
+
+AS_FIELD: Any = _AsField()
 
 
 @dataclass(frozen=True)
@@ -220,7 +229,7 @@ def settings_group(flags: type, default: Any = None) -> Any:
     return field(default=default, metadata={SETTING: SettingsGroup(flags)})
 
 
-def flag_of(f: Field) -> str:
+def _flag(f: Field) -> str:
     """The flag of a field declared with `setting`."""
     return f.metadata[SETTING].flag or "--" + f.name.replace("_", "-")
 
@@ -242,7 +251,7 @@ def add_settings(parser: argparse.ArgumentParser, cls: type, **defaults: Any) ->
             default = s.shown
         else:
             default = None if f.default is MISSING else f.default
-        add_setting(parser, flag_of(f), s.help, default)
+        add_setting(parser, _flag(f), s.help, default)
 
 
 def read_settings(cls: type, args: argparse.Namespace) -> dict[str, Any]:
@@ -253,7 +262,7 @@ def read_settings(cls: type, args: argparse.Namespace) -> dict[str, Any]:
         if isinstance(s, SettingsGroup):
             values[f.name] = s.flags(**read_settings(s.flags, args)).build()
             continue
-        flag = flag_of(f)
+        flag = _flag(f)
         if s.blank and getattr(args, _dest(flag)) in (None, ""):
             values[f.name] = f.default
             continue
@@ -279,8 +288,8 @@ def _conversion(f: Field) -> Callable[[str], Any]:
 
 
 def invalid(flag: str, problem: str, raw: Any) -> ConfigError:
-    """The ConfigError of a value that a check across settings refuses, worded as
-    parse_value words a check's."""
+    """The ConfigError of a value a check refuses (parse_value's, or one across settings
+    in a config's from_args): `--flag / SPECDEC_FLAG: problem (got 'raw')`."""
     return ConfigError(f"{flag} / {env_name(flag)}: {problem} (got {raw!r})")
 
 

@@ -64,10 +64,6 @@ WHERE = (
 )
 
 
-def _seconds(value: float) -> str | None:
-    return None if value > 0 else "must be > 0"
-
-
 def _top_logprobs(value: int) -> str | None:
     return None if 0 <= value <= MAX_TOP_LOGPROBS else f"must be in [0, {MAX_TOP_LOGPROBS}]"
 
@@ -86,7 +82,7 @@ class GatewayConfig:
         convert=address_list,
         check=non_empty,
     )
-    dns_interval: float = setting(5.0, "seconds between two DNS resolutions (dns:)", check=_seconds)
+    dns_interval: float = setting(5.0, "seconds between two DNS resolutions (dns:)", check=positive)
     redis_url: str | None = setting(
         None,
         "Redis URL for sessions (empty: in-process only)",
@@ -170,10 +166,10 @@ class GatewayConfig:
     session_ttl: int = setting(3600, "seconds an idle session is kept", check=positive)
     max_session_ttl: int = 30 * 24 * 3600  # no flag
     rpc_timeout: float = setting(
-        120.0, "deadline of each drafter/verifier call (s)", check=_seconds
+        120.0, "deadline of each drafter/verifier call (s)", check=positive
     )
     startup_timeout: float = setting(
-        900.0, "how long to wait for replicas at start (s)", check=_seconds
+        900.0, "how long to wait for replicas at start (s)", check=positive
     )
     grace_seconds: float = setting(10.0, "graceful shutdown window on SIGTERM", check=non_negative)
     # TLS on the public port (client certificates optional).
@@ -194,13 +190,13 @@ class GatewayConfig:
     data_keepalive: float = setting(
         1.0,
         "seconds between two keepalive pings on each data-plane connection",
-        check=_seconds,
+        check=positive,
     )
     data_keepalive_timeout: float = setting(
         10.0,
         "seconds of silence after which a replica's data-plane connection is held dead "
         "and its calls fail over (longer than a replica's longest forward)",
-        check=_seconds,
+        check=positive,
     )
     # Recording of finished requests (specdec.gateway.recorder); None: off.
     record_dir: str | None = setting(
