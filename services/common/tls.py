@@ -8,7 +8,6 @@ show in `ps`: flags and SPECDEC_* variables name paths.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hmac
 import logging
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import grpc
 
-from specdec.common.settings import ConfigError, add_setting, env_name, parse_value, port_number
+from specdec.common.settings import ConfigError, env_name, port_number, setting
 
 log = logging.getLogger(__name__)
 
@@ -113,74 +112,75 @@ class ClientTls:
         return context
 
 
-def add_server_tls_arguments(parser: argparse.ArgumentParser) -> None:
-    add_setting(parser, "--tls-cert", "PEM certificate chain of this server (TLS on its port)", "")
-    add_setting(parser, "--tls-key", "PEM private key of --tls-cert", "")
-    add_setting(
-        parser, "--tls-client-ca", "PEM CA that clients' certificates must chain to (mTLS)", ""
+@dataclass(frozen=True)
+class ServerTlsSettings:
+    """The flags of a server's TLS (a `settings_group` of each service's config): TLS on
+    its port with --tls-cert and --tls-key, client certificates required with --tls-client-ca."""
+
+    tls_cert: str = setting("", "PEM certificate chain of this server (TLS on its port)")
+    tls_key: str = setting("", "PEM private key of --tls-cert")
+    tls_client_ca: str = setting(
+        "", "PEM CA that clients' certificates must chain to: only they get in (mTLS)"
     )
-    add_setting(
-        parser,
-        "--health-port",
+    health_port: int = setting(
+        0,
         "with TLS: a plaintext port that serves only grpc.health.v1, for probes that cannot "
         "speak TLS (the kubelet's gRPC probe); 0: none",
-        0,
+        check=port_number,
     )
 
-
-def server_tls_from_args(args: argparse.Namespace) -> ServerTls | None:
-    """The server's TLS settings, None without --tls-cert (ConfigError when incomplete)."""
-    cert, key, client_ca = args.tls_cert, args.tls_key, args.tls_client_ca
-    health_port = parse_value(args, "--health-port", int, port_number)
-    if not cert and not key:
-        if client_ca:
-            raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
-        if health_port:
-            raise ConfigError(
-                "--health-port is a plaintext health port beside a TLS port; without "
-                "--tls-cert the service's own port answers health checks"
-            )
-        return None
-    if not (cert and key):
-        raise ConfigError("--tls-cert and --tls-key go together")
-    return ServerTls(
-        cert=_read("--tls-cert", cert),
-        key=_read("--tls-key", key),
-        client_ca=_read("--tls-client-ca", client_ca) if client_ca else None,
-        health_port=health_port,
-    )
+    def build(self) -> ServerTls | None:
+        """The server's TLS, None without --tls-cert (ConfigError when incomplete)."""
+        cert, key, client_ca = self.tls_cert, self.tls_key, self.tls_client_ca
+        if not cert and not key:
+            if client_ca:
+                raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+            if self.health_port:
+                raise ConfigError(
+                    "--health-port is a plaintext health port beside a TLS port; without "
+                    "--tls-cert the service's own port answers health checks"
+                )
+            return None
+        if not (cert and key):
+            raise ConfigError("--tls-cert and --tls-key go together")
+        return ServerTls(
+            cert=_read("--tls-cert", cert),
+            key=_read("--tls-key", key),
+            client_ca=_read("--tls-client-ca", client_ca) if client_ca else None,
+            health_port=self.health_port,
+        )
 
 
-def add_replica_tls_arguments(parser: argparse.ArgumentParser) -> None:
-    add_setting(parser, "--replica-ca", "PEM CA that the replicas' certificates chain to", "")
-    add_setting(parser, "--replica-cert", "PEM certificate the gateway shows replicas (mTLS)", "")
-    add_setting(parser, "--replica-key", "PEM private key of --replica-cert", "")
-    add_setting(
-        parser,
-        "--replica-server-name",
+@dataclass(frozen=True)
+class ReplicaTlsSettings:
+    """The flags of the gateway's TLS to its replicas (a `settings_group` of its config)."""
+
+    replica_ca: str = setting("", "PEM CA that the replicas' certificates chain to")
+    replica_cert: str = setting("", "PEM certificate the gateway shows replicas (mTLS)")
+    replica_key: str = setting("", "PEM private key of --replica-cert")
+    replica_server_name: str = setting(
+        "",
         "name to check in the replicas' certificates instead of each address's host (one "
         "certificate per pool when discovery yields pod IPs); empty: the address's host",
-        "",
     )
 
-
-def replica_tls_from_args(args: argparse.Namespace) -> ClientTls | None:
-    """How the gateway reaches its replicas: None (plaintext) without --replica-ca."""
-    ca, cert, key = args.replica_ca, args.replica_cert, args.replica_key
-    if not ca:
-        if cert or key or args.replica_server_name:
-            raise ConfigError(
-                "--replica-cert / --replica-key / --replica-server-name need --replica-ca"
-            )
-        return None
-    if bool(cert) != bool(key):
-        raise ConfigError("--replica-cert and --replica-key go together")
-    return ClientTls(
-        ca=_read("--replica-ca", ca),
-        cert=_read("--replica-cert", cert) if cert else None,
-        key=_read("--replica-key", key) if key else None,
-        server_name=args.replica_server_name,
-    )
+    def build(self) -> ClientTls | None:
+        """How the gateway reaches its replicas: None (plaintext) without --replica-ca."""
+        ca, cert, key = self.replica_ca, self.replica_cert, self.replica_key
+        if not ca:
+            if cert or key or self.replica_server_name:
+                raise ConfigError(
+                    "--replica-cert / --replica-key / --replica-server-name need --replica-ca"
+                )
+            return None
+        if bool(cert) != bool(key):
+            raise ConfigError("--replica-cert and --replica-key go together")
+        return ClientTls(
+            ca=_read("--replica-ca", ca),
+            cert=_read("--replica-cert", cert) if cert else None,
+            key=_read("--replica-key", key) if key else None,
+            server_name=self.replica_server_name,
+        )
 
 
 def read_tokens(path: str) -> frozenset[str]:

@@ -43,7 +43,8 @@ from specdec.gateway.lookup.suffix import (
 
 @dataclass(frozen=True)
 class LookupSettings:
-    """The gateway's lookup settings (flags --prompt-lookup-min/max, --suffix-*)."""
+    """The gateway's lookup settings (flags --prompt-lookup-min/max, --suffix-*): the
+    flags' defaults are these (specdec.gateway.config declares them from here)."""
 
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 5
