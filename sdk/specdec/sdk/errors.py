@@ -154,7 +154,8 @@ class NotFound(SpecdecError):
 
 
 class Unimplemented(SpecdecError):
-    """The server does not implement this method (wrong address or version?)."""
+    """The server does not do this: a method it does not serve (wrong address or
+    version?), or a feature it does not implement yet (the message says which)."""
 
     code = grpc.StatusCode.UNIMPLEMENTED
 
