@@ -40,6 +40,7 @@ def test_service_errors_are_the_sdks_classes():
     assert not CapacityExceeded("x").busy
     assert CacheMiss("x").code == grpc.StatusCode.FAILED_PRECONDITION
     assert CacheMiss("x").reason is Reason.CACHE_MISS
+    assert sdk.InvalidArgument.default_code == grpc.StatusCode.INVALID_ARGUMENT  # earlier name
     e = InvalidRequest("k too large")
     assert e.details == "k too large" and str(e) == "INVALID_ARGUMENT: k too large"
 

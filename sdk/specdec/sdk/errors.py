@@ -16,7 +16,7 @@ its answers in one table.
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 
@@ -88,6 +88,12 @@ class SpecdecError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
     #: Why, beyond the code.
     reason: Reason = Reason.UNSPECIFIED
+    #: The class's ``code`` (its earlier name, kept for callers).
+    default_code: ClassVar[grpc.StatusCode] = grpc.StatusCode.UNKNOWN
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.default_code = cls.code
 
     def __init__(
         self,
