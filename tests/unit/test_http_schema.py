@@ -48,7 +48,7 @@ def test_integer_ranges_are_the_protos(field, message, proto_field):
         ({"prompt": "x", "temperature": True}, "temperature", "temperature must be a number"),
         ({"prompt": "x", "method": "magic"}, "method", "method must be one of model, ngram"),
         ({"prompt": "x", "user": 5}, "user", "user must be a string"),
-        ({"prompt": [1, 1 << 40]}, "prompt", "prompt token ids must fit in int32"),
+        ({"prompt": [1, 1 << 70]}, "prompt", "prompt token ids must fit in int64"),
         ({"prompt": "x", "stop_token_ids": [1 << 70]}, "stop_token_ids", "must fit in int64"),
         ({"prompt": "x", "prediction": {"type": "content", "content": 3}}, "prediction", None),
         ({"prompt": "x", "guided_json": 3}, "guided_json", "guided_json must be a JSON schema"),

@@ -321,7 +321,7 @@ class Body(SamplingFields):  # type: ignore[misc,valid-type]
     metadata: _neutral(None, {}) = None
 
 
-_TOKEN_LOW, _TOKEN_HIGH = -(1 << 31), (1 << 31) - 1  # TokenIds.ids: int32
+_TOKEN_LOW, _TOKEN_HIGH = proto_range(gateway_pb2.TokenIds, "ids")
 
 
 def _prompt(value: Any) -> str | list[int]:
@@ -331,7 +331,7 @@ def _prompt(value: Any) -> str | list[int]:
         return value
     if isinstance(value, list) and value and all(_is_int(t) for t in value):
         if not all(_TOKEN_LOW <= t <= _TOKEN_HIGH for t in value):
-            raise refuse(" token ids must fit in int32")
+            raise refuse(" token ids must fit in int64")
         return value
     if isinstance(value, list) and len(value) > 1:
         raise refuse(": one request, one prompt (batches of prompts are not supported)")
