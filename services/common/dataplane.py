@@ -51,7 +51,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from specdec.common.errors import NotReady
+from specdec.common.errors import NotReady, Reason
 from specdec.common.frames import (
     MAX_FRAME_BYTES,
     PREFACE,
@@ -223,7 +223,7 @@ class DataPlaneServer:
             )
             return
         if self.stopping:
-            conn.reply_error(call.id, grpc.StatusCode.UNAVAILABLE, STOPPING, "REASON_STOPPING")
+            conn.reply_error(call.id, grpc.StatusCode.UNAVAILABLE, STOPPING, Reason.STOPPING)
             return
         self.metrics.child(self.metrics.data_calls, rpc).inc()
         context = contextvars.Context()
@@ -274,7 +274,7 @@ class DataPlaneServer:
         conn.calls.pop(call_id, None)
         self.in_flight -= 1
         response = None
-        reason = "REASON_UNSPECIFIED"
+        reason = Reason.UNSPECIFIED
         if future.cancelled():
             code, message = grpc.StatusCode.CANCELLED, CANCELLED
         else:
@@ -395,9 +395,15 @@ class _Connection:
         self.send(encode(with_message(head, REPLY_NUMBERS[kind], response.SerializeToString())))
 
     def reply_error(
-        self, call_id: int, code: grpc.StatusCode, message: str, reason: str = "REASON_UNSPECIFIED"
+        self,
+        call_id: int,
+        code: grpc.StatusCode,
+        message: str,
+        reason: Reason = Reason.UNSPECIFIED,
     ) -> None:
-        error = dataplane_pb2.CallError(code=code.value[0], message=message, reason=reason)
+        error = dataplane_pb2.CallError(
+            code=code.value[0], message=message, reason=dataplane_pb2.Reason.Value(reason.value)
+        )
         reply = dataplane_pb2.DataReply(id=call_id, error=error)
         self.send(encode(reply.SerializeToString()))
 

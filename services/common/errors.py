@@ -1,64 +1,74 @@
-"""Domain errors of the serving stack and the one place they map to gRPC status codes."""
+"""The serving stack's errors: subclasses of the SDK's one tree (specdec.sdk.errors).
+
+Each class's `code` is its gRPC status (specdec.common.serving answers with it) and its
+`reason` the typed Reason (sent in the trailing metadata REASON_KEY and in data-plane
+error frames), so a caller acts on the type, never on the message's wording. The HTTP API
+maps (code, reason) to its answers in one table (specdec.gateway.http.errors).
+"""
 
 from __future__ import annotations
 
 import grpc
 
+from specdec.sdk.errors import (
+    REASON_KEY,
+    DeadlineExceeded,
+    InvalidArgument,
+    Reason,
+    ResourceExhausted,
+    SpecdecError,
+    Unavailable,
+    Unimplemented,
+)
 
-class SpecdecError(Exception):
-    """Base class: an error the caller can act on, with the gRPC status it maps to."""
+__all__ = [
+    "BUSY_PREFIX",
+    "CACHE_MISS_PREFIX",
+    "REASON_KEY",
+    "CacheMiss",
+    "CapacityExceeded",
+    "DeadlineExceeded",
+    "InvalidRequest",
+    "NotReady",
+    "Reason",
+    "ReplicaBusy",
+    "SpecdecError",
+    "Unavailable",
+    "Unimplemented",
+]
 
-    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
-    # Why, beyond the code: a name of the Reason enum (protos/specdec/v1/dataplane.proto),
-    # sent in data-plane error frames and in gRPC's trailing metadata REASON_KEY, so a
-    # client acts on the type, not on the message's wording.
-    reason: str = "REASON_UNSPECIFIED"
 
-
-class InvalidRequest(SpecdecError, ValueError):
+class InvalidRequest(InvalidArgument, ValueError):
     """Malformed input: bad token ids, empty input, k too large, bad sampling values."""
-
-    code = grpc.StatusCode.INVALID_ARGUMENT
-
-
-class Unimplemented(SpecdecError):
-    """A valid request for something this replica does not do yet (the message says what)."""
-
-    code = grpc.StatusCode.UNIMPLEMENTED
 
 
 class CacheMiss(SpecdecError):
     """The replica does not hold the prefix the request builds on; resend the full context."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
-    reason = "REASON_CACHE_MISS"
+    reason = Reason.CACHE_MISS
 
 
-class CapacityExceeded(SpecdecError):
+class CapacityExceeded(ResourceExhausted):
     """The request cannot fit the replica's bounded KV cache even after evicting others."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    reason = "REASON_CAPACITY"
+    reason = Reason.CAPACITY
 
 
-class ReplicaBusy(SpecdecError):
+class ReplicaBusy(ResourceExhausted):
     """Backpressure: --max-queue requests already wait for this replica's model; try
-    another replica or later. The message starts with BUSY_PREFIX (CapacityExceeded shares
-    the status code and means the KV cache bound, which no retry fixes)."""
+    another replica or later (CapacityExceeded shares the status code and means the KV
+    cache bound, which no retry fixes: the reason tells them apart)."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    reason = "REASON_BUSY"
-
-
-class NotReady(SpecdecError):
-    """The model is still loading."""
-
-    code = grpc.StatusCode.UNAVAILABLE
-    reason = "REASON_LOADING"
+    reason = Reason.BUSY
 
 
-# The gRPC trailing metadata key that carries a failed call's reason (SpecdecError.reason).
-REASON_KEY = "specdec-reason"
+class NotReady(Unavailable):
+    """The model is still loading (a replica), or the replicas have not all answered yet
+    (the gateway)."""
+
+    reason = Reason.LOADING
+
 
 # The first words of every cache-miss and ReplicaBusy message, for people reading logs;
 # programs tell them apart by their reason (REASON_KEY), never by the wording.

@@ -427,7 +427,7 @@ def observed_rpc(service: str):
                 code, message = grpc.StatusCode.CANCELLED, "cancelled by the caller"
                 raise
             except SpecdecError as e:
-                code, message = e.code, str(e)
+                code, message = e.code, e.details
                 raise
             else:
                 code = grpc.StatusCode.OK

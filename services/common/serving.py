@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from specdec.common.errors import REASON_KEY, SpecdecError
+from specdec.common.errors import REASON_KEY, Reason, SpecdecError
 
 log = logging.getLogger(__name__)
 
@@ -113,22 +113,22 @@ def status_of(e: Exception, method_name: str) -> tuple[grpc.StatusCode, str]:
     else INTERNAL (logged with its traceback). The gRPC servicers (`rpc_errors`) and the
     data plane (specdec.common.dataplane) both answer through it."""
     if isinstance(e, SpecdecError):
-        return e.code, str(e)
+        return e.code, e.details
     log.exception("unexpected error in %s", method_name, exc_info=e)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
 
 
-def reason_of(e: Exception) -> str:
-    """Why a call failed, beyond its status code: a name of the Reason enum
-    (dataplane.proto), REASON_UNSPECIFIED for anything but a SpecdecError that names one."""
-    return e.reason if isinstance(e, SpecdecError) else "REASON_UNSPECIFIED"
+def reason_of(e: Exception) -> Reason:
+    """Why a call failed, beyond its status code (the Reason enum of dataplane.proto):
+    UNSPECIFIED for anything but a SpecdecError that names one."""
+    return e.reason if isinstance(e, SpecdecError) else Reason.UNSPECIFIED
 
 
 async def _abort(context: grpc.aio.ServicerContext, method_name: str, e: Exception):
     code, message = status_of(e, method_name)
     reason = reason_of(e)
-    if reason != "REASON_UNSPECIFIED":
-        context.set_trailing_metadata(((REASON_KEY, reason),))
+    if reason is not Reason.UNSPECIFIED:
+        context.set_trailing_metadata(((REASON_KEY, reason.value),))
     await context.abort(code, message)
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import grpc
 
-from specdec.common.errors import SpecdecError
+from specdec.common.errors import SpecdecError, Unavailable
 from specdec.common.prefix import PrefixChain
 from specdec.gateway import metrics, tracing
 from specdec.gateway.canary import VersionRule
@@ -44,18 +44,12 @@ RETRY_BACKOFF = (0.2, 0.5, 1.0, 2.0)
 
 
 class UpstreamError(SpecdecError):
-    """A replica answered an error the gateway cannot recover from; its code is kept."""
+    """A replica answered an error the gateway cannot recover from: its code, reason and
+    message are kept (`replica_details`; `details` names the replica before it)."""
 
     def __init__(self, replica: Replica, failure: CallFailed):
-        super().__init__(f"{replica!r}: {failure.details}")
-        self.code = failure.code
-        self.busy = failure.busy  # every replica of the role refused: queues full
-
-
-class Unavailable(SpecdecError):
-    """No replica of a role could serve the call."""
-
-    code = grpc.StatusCode.UNAVAILABLE
+        super().__init__(f"{replica!r}: {failure.details}", failure.code, failure.reason)
+        self.replica_details = failure.details
 
 
 @dataclass

@@ -44,6 +44,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from specdec.common.errors import Reason
 from specdec.common.frames import (
     PREFACE,
     FrameReader,
@@ -98,7 +99,13 @@ class DataPlaneSettings:
             raise ValueError("max_buffered must be positive")
 
 
-def _unavailable(why: str, reason: str) -> CallFailed:
+def _reason(number: int) -> Reason:
+    """An error frame's Reason (UNSPECIFIED for a number this version does not know)."""
+    known = number in dataplane_pb2.Reason.values()
+    return Reason.named(dataplane_pb2.Reason.Name(number)) if known else Reason.UNSPECIFIED
+
+
+def _unavailable(why: str, reason: Reason) -> CallFailed:
     return CallFailed(grpc.StatusCode.UNAVAILABLE, why, reason)
 
 
@@ -114,7 +121,7 @@ class _Protocol(asyncio.Protocol):
         self.pending: dict[int, tuple[asyncio.Future, Method]] = {}
         self.ready: asyncio.Future = self.loop.create_future()
         self.lost: str | None = None  # why the connection is gone; None while it is up
-        self.reason = "REASON_DISCONNECTED"  # the Reason of the loss
+        self.reason = Reason.DISCONNECTED  # the Reason of the loss
         self.unsent: list[bytes] = []  # frames queued in this pass of the event loop
         self.unsent_bytes = 0
         self.paused = False  # the transport's buffer is over its high-water mark
@@ -145,7 +152,7 @@ class _Protocol(asyncio.Protocol):
             self._abort(
                 f"no answer for {silent:.1f} s (keepalive timeout "
                 f"{self.settings.keepalive_timeout:g} s)",
-                "REASON_KEEPALIVE_TIMEOUT",
+                Reason.KEEPALIVE_TIMEOUT,
             )
             return
         if self.reader.preface_seen:  # before it, the connect timeout watches
@@ -159,10 +166,10 @@ class _Protocol(asyncio.Protocol):
         try:
             payloads = self.reader.feed(data)
         except VersionMismatch as e:
-            self._abort(str(e), "REASON_VERSION_MISMATCH")
+            self._abort(str(e), Reason.VERSION_MISMATCH)
             return
         except ProtocolError as e:
-            self._abort(str(e), "REASON_PROTOCOL_ERROR")
+            self._abort(str(e), Reason.PROTOCOL_ERROR)
             return
         if not self.ready.done() and self.reader.preface_seen:
             self.ready.set_result(None)
@@ -170,7 +177,7 @@ class _Protocol(asyncio.Protocol):
             try:
                 reply = dataplane_pb2.DataReply.FromString(payload)
             except DecodeError as e:
-                self._abort(f"a frame does not parse as a DataReply: {e}", "REASON_PROTOCOL_ERROR")
+                self._abort(f"a frame does not parse as a DataReply: {e}", Reason.PROTOCOL_ERROR)
                 return
             kind = reply.WhichOneof("reply")
             if kind == "pong":
@@ -184,7 +191,7 @@ class _Protocol(asyncio.Protocol):
                 continue
             if kind == "error":
                 code = _CODES.get(reply.error.code, grpc.StatusCode.UNKNOWN)
-                reason = dataplane_pb2.Reason.Name(reply.error.reason)
+                reason = _reason(reply.error.reason)
                 future.set_exception(CallFailed(code, reply.error.message, reason))
             elif kind == FIELDS[method]:
                 future.set_result(getattr(reply, kind))
@@ -196,7 +203,7 @@ class _Protocol(asyncio.Protocol):
                     )
                 )
 
-    def _abort(self, why: str, reason: str) -> None:
+    def _abort(self, why: str, reason: Reason) -> None:
         log.warning(
             "data plane connection dropped",
             extra={"replica": self.target, "why": why, "reason": reason},
@@ -341,7 +348,7 @@ class DataPlaneTransport:
 
     async def _connect(self) -> None:
         if self._closed:
-            raise _unavailable(f"data plane to {self.target} closed", "REASON_DISCONNECTED")
+            raise _unavailable(f"data plane to {self.target} closed", Reason.DISCONNECTED)
         loop = asyncio.get_running_loop()
         protocol = _Protocol(self.target, self.settings)
 
@@ -360,7 +367,7 @@ class DataPlaneTransport:
             else:
                 why = str(e) or type(e).__name__
                 failure = _unavailable(
-                    f"data plane of {self.target} unreachable: {why}", "REASON_DISCONNECTED"
+                    f"data plane of {self.target} unreachable: {why}", Reason.DISCONNECTED
                 )
             self._failed(loop, failure.details)
             raise failure from None
@@ -411,13 +418,13 @@ class DataPlaneTransport:
                 raise _unavailable(
                     f"data plane connection to {self.target} down ({self.last_failure}); "
                     f"next attempt in {self.retry_at - loop.time():.2f} s",
-                    "REASON_DISCONNECTED",
+                    Reason.DISCONNECTED,
                 )
             await self.connect()  # one attempt: its failure is this call's UNAVAILABLE
         protocol = self._protocol
         if protocol is None or protocol.lost is not None:  # lost while connecting
             why = protocol.lost if protocol is not None else "closed"
-            reason = protocol.reason if protocol is not None else "REASON_DISCONNECTED"
+            reason = protocol.reason if protocol is not None else Reason.DISCONNECTED
             raise _unavailable(f"data plane connection to {self.target}: {why}", reason)
         if protocol.full:  # backpressure: wait for room, within the call's timeout
             try:
@@ -472,7 +479,5 @@ class DataPlaneTransport:
             protocol.transport.close()
             # connection_lost (called soon) fails what is still pending with UNAVAILABLE
             protocol.fail_pending(
-                _unavailable(
-                    f"data plane connection to {self.target} closed", "REASON_DISCONNECTED"
-                )
+                _unavailable(f"data plane connection to {self.target} closed", Reason.DISCONNECTED)
             )

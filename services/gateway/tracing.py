@@ -81,7 +81,7 @@ def request_span(
         try:
             yield span
         except SpecdecError as e:
-            telemetry.set_grpc_status(span, e.code, str(e))
+            telemetry.set_grpc_status(span, e.code, e.details)
             raise
         except BaseException as e:
             if span is not None and not isinstance(e, GeneratorExit):

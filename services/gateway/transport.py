@@ -26,7 +26,8 @@ from typing import Any, Protocol
 
 import grpc
 
-from specdec.common.errors import REASON_KEY, SpecdecError
+from specdec.common.errors import Reason, SpecdecError
+from specdec.sdk.errors import reason_in
 from specdec.v1 import drafter_pb2, verifier_pb2
 
 
@@ -45,24 +46,17 @@ class Method(enum.Enum):
 
 class CallFailed(SpecdecError):
     """A replica answered a call with an error status, or could not be reached
-    (UNAVAILABLE); the replica's status code, message and reason (a name of the Reason
-    enum) are kept."""
+    (UNAVAILABLE); the replica's status code, message and Reason are kept."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, reason: str = "REASON_UNSPECIFIED"):
-        super().__init__(details)
-        self.code = code
-        self.details = details
-        self.reason = reason
+    def __init__(
+        self, code: grpc.StatusCode, details: str, reason: Reason = Reason.UNSPECIFIED
+    ) -> None:
+        super().__init__(details, code, reason)
 
     @property
     def cache_miss(self) -> bool:
         """The replica does not hold the named prefix: resend the full context."""
-        return self.reason == "REASON_CACHE_MISS"
-
-    @property
-    def busy(self) -> bool:
-        """Backpressure (the replica's queue is full): try another replica."""
-        return self.reason == "REASON_BUSY"
+        return self.reason is Reason.CACHE_MISS
 
 
 class Transport(Protocol):
@@ -85,15 +79,6 @@ class Transport(Protocol):
         ...
 
 
-def reason_of(err: grpc.aio.AioRpcError) -> str:
-    """The Reason a failed gRPC call's trailing metadata names (REASON_UNSPECIFIED when it
-    names none)."""
-    for key, value in err.trailing_metadata() or ():
-        if key == REASON_KEY:
-            return value if isinstance(value, str) else value.decode()
-    return "REASON_UNSPECIFIED"
-
-
 class GrpcTransport:
     """One unary gRPC call per round call, on the replica's channel."""
 
@@ -107,7 +92,7 @@ class GrpcTransport:
         try:
             return await getattr(self.stub, method.rpc)(request, timeout=timeout, metadata=metadata)
         except grpc.aio.AioRpcError as err:
-            raise CallFailed(err.code(), err.details() or "", reason_of(err)) from None
+            raise CallFailed(err.code(), err.details() or "", reason_in(err)) from None
 
     async def close(self) -> None:  # the channel belongs to the replica (health, Info)
         pass

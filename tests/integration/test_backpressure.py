@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.common.prefix import prefix_hash
-from specdec.sdk import AsyncClient, ResourceExhausted
+from specdec.sdk import AsyncClient, Reason, ResourceExhausted
 from specdec.tools.redisproc import free_port
 from specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from tests.conftest import PROMPTS
@@ -143,6 +143,7 @@ def test_every_replica_full_is_resource_exhausted(replicas, tokenizer, reference
         assert refused, "a replica that lets nothing wait refused nothing"
         for r in refused:
             assert r.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "replica busy" in r.details
+            assert r.reason is Reason.BUSY and r.busy  # the replica's reason, passed on
         for ids, result in zip(prompts, results, strict=True):
             if not isinstance(result, Exception):
                 assert list(result.tokens) == reference(ids, 8)

@@ -52,7 +52,9 @@ def add_stream(servicer, server: grpc.aio.Server) -> None:
         except Exception as e:
             code, message = status_of(e, rpc)
             error = dataplane_pb2.CallError(
-                code=code.value[0], message=message, reason=reason_of(e)
+                code=code.value[0],
+                message=message,
+                reason=dataplane_pb2.Reason.Value(reason_of(e).value),
             )
             reply = dataplane_pb2.DataReply(id=one.id, error=error)
         replies.put_nowait(reply)

@@ -1,90 +1,179 @@
-"""Exceptions raised by the SDK: one class per gRPC status the gateway uses.
+"""The errors of specdec, client and server alike: one tree, one class per gRPC status.
 
-Every exception carries the gRPC status ``code`` (a :class:`grpc.StatusCode`) and the
-server's ``details`` message. Statuses without a dedicated class become a plain
-:class:`SpecdecError` with the code preserved.
+Every exception carries the gRPC status ``code`` (a :class:`grpc.StatusCode`), the
+``details`` message and a typed ``reason`` (:class:`Reason`): why, beyond the status
+code, as a value a program acts on instead of the message's wording. A server sends the
+reason in the gRPC trailing metadata ``specdec-reason`` (:data:`REASON_KEY`) of a failed
+call and in the data plane's error frames; :func:`from_rpc_error` reads it back.
+Statuses without a dedicated class become a plain :class:`SpecdecError` with the code
+preserved.
+
+The services raise subclasses of these classes (``specdec.common.errors``); the status
+code of a class is its gRPC answer, and the HTTP API maps the same (code, reason) pairs to
+its answers in one table.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import enum
+from typing import Any, ClassVar
 
 import grpc
 
 __all__ = [
+    "REASON_KEY",
     "DeadlineExceeded",
     "InternalError",
     "InvalidArgument",
     "NotFound",
+    "Reason",
     "ResourceExhausted",
     "SpecdecError",
     "Unavailable",
     "Unimplemented",
+    "error_for",
     "from_rpc_error",
 ]
 
+#: The gRPC trailing metadata key that carries a failed call's :class:`Reason` by name.
+REASON_KEY = "specdec-reason"
+
+
+class Reason(str, enum.Enum):
+    """Why a call failed, beyond its status code: the ``Reason`` enum of
+    protos/specdec/v1/dataplane.proto, value for value (each value is the proto name)."""
+
+    #: Nothing more than the status code says.
+    UNSPECIFIED = "REASON_UNSPECIFIED"
+    #: FAILED_PRECONDITION: the replica does not hold the prefix a call names.
+    CACHE_MISS = "REASON_CACHE_MISS"
+    #: RESOURCE_EXHAUSTED: a queue is full (backpressure); another replica, or later.
+    BUSY = "REASON_BUSY"
+    #: RESOURCE_EXHAUSTED: the request does not fit a replica's KV cache bound.
+    CAPACITY = "REASON_CAPACITY"
+    #: UNAVAILABLE: the model is still loading (or the gateway still connecting).
+    LOADING = "REASON_LOADING"
+    #: UNAVAILABLE: the replica is stopping.
+    STOPPING = "REASON_STOPPING"
+    #: UNAVAILABLE: the replica stopped answering keepalive pings.
+    KEEPALIVE_TIMEOUT = "REASON_KEEPALIVE_TIMEOUT"
+    #: UNAVAILABLE: the connection closed or could not be made.
+    DISCONNECTED = "REASON_DISCONNECTED"
+    #: UNAVAILABLE: the replica speaks another version of the data plane.
+    VERSION_MISMATCH = "REASON_VERSION_MISMATCH"
+    #: UNAVAILABLE: the replica broke the data plane's protocol.
+    PROTOCOL_ERROR = "REASON_PROTOCOL_ERROR"
+
+    @classmethod
+    def named(cls, name: str | bytes | None) -> Reason:
+        """The reason of a name on the wire; UNSPECIFIED for none or one this version does
+        not know (a newer server's)."""
+        if isinstance(name, bytes):
+            name = name.decode(errors="replace")
+        try:
+            return cls(name)
+        except ValueError:
+            return cls.UNSPECIFIED
+
+    def __str__(self) -> str:
+        return self.value
+
 
 class SpecdecError(Exception):
-    """A failed gateway call. ``code`` is the gRPC status, ``details`` the server's message."""
+    """A failed call. ``code`` is the gRPC status, ``details`` the message, ``reason``
+    why beyond the code (:class:`Reason`). A subclass fixes its status (and reason) as
+    class attributes; ``code``/``reason`` given here override them."""
 
-    #: Status used when none is given explicitly (subclasses fix their own).
-    default_code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    #: The gRPC status of this class (an instance may carry another one).
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    #: Why, beyond the code.
+    reason: Reason = Reason.UNSPECIFIED
+    #: The class's ``code`` (its earlier name, kept for callers).
+    default_code: ClassVar[grpc.StatusCode] = grpc.StatusCode.UNKNOWN
 
-    def __init__(self, details: str = "", code: grpc.StatusCode | None = None) -> None:
-        self.code: grpc.StatusCode = code if code is not None else self.default_code
-        self.details: str = details
-        super().__init__(f"{self.code.name}: {details}" if details else self.code.name)
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.default_code = cls.code
 
-    def __reduce__(
+    def __init__(
         self,
-    ) -> tuple[Any, ...]:  # keep exceptions picklable (multiprocessing, loadtest workers)
-        return (type(self), (self.details, self.code))
+        details: str = "",
+        code: grpc.StatusCode | None = None,
+        reason: Reason | str | None = None,
+    ) -> None:
+        if code is not None:
+            self.code = code
+        if reason is not None:
+            self.reason = Reason.named(reason) if not isinstance(reason, Reason) else reason
+        self.details: str = details
+        super().__init__(details)
+
+    @property
+    def busy(self) -> bool:
+        """Backpressure: a queue was full (``Reason.BUSY``); the same call may succeed on
+        another replica or later."""
+        return self.reason is Reason.BUSY
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.details}" if self.details else self.code.name
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Picklable whatever a subclass's __init__ takes (multiprocessing, loadtest workers).
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
+
+
+def _rebuild(cls: type[SpecdecError], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
 
 
 class InvalidArgument(SpecdecError):
     """The request was rejected as invalid (bad parameters, prompt too long, ...)."""
 
-    default_code = grpc.StatusCode.INVALID_ARGUMENT
+    code = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class Unavailable(SpecdecError):
     """The gateway (or every replica behind it) could not be reached."""
 
-    default_code = grpc.StatusCode.UNAVAILABLE
+    code = grpc.StatusCode.UNAVAILABLE
 
 
 class DeadlineExceeded(SpecdecError):
     """The call did not finish before its deadline (``timeout=``)."""
 
-    default_code = grpc.StatusCode.DEADLINE_EXCEEDED
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 class ResourceExhausted(SpecdecError):
     """The gateway is overloaded or a message exceeded a size limit."""
 
-    default_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 class NotFound(SpecdecError):
     """A named resource (e.g. a session) does not exist."""
 
-    default_code = grpc.StatusCode.NOT_FOUND
+    code = grpc.StatusCode.NOT_FOUND
 
 
 class Unimplemented(SpecdecError):
-    """The server does not implement this method (wrong address or version?)."""
+    """The server does not do this: a method it does not serve (wrong address or
+    version?), or a feature it does not implement yet (the message says which)."""
 
-    default_code = grpc.StatusCode.UNIMPLEMENTED
+    code = grpc.StatusCode.UNIMPLEMENTED
 
 
 class InternalError(SpecdecError):
     """A server-side bug or a protocol violation detected by the client."""
 
-    default_code = grpc.StatusCode.INTERNAL
+    code = grpc.StatusCode.INTERNAL
 
 
 _BY_CODE: dict[grpc.StatusCode, type[SpecdecError]] = {
-    cls.default_code: cls
+    cls.code: cls
     for cls in (
         InvalidArgument,
         Unavailable,
@@ -97,8 +186,16 @@ _BY_CODE: dict[grpc.StatusCode, type[SpecdecError]] = {
 }
 
 
+def error_for(
+    code: grpc.StatusCode, details: str, reason: Reason | str | None = None
+) -> SpecdecError:
+    """The exception of a status received from a server (its class by code)."""
+    return _BY_CODE.get(code, SpecdecError)(details, code, reason)
+
+
 def from_rpc_error(err: grpc.RpcError) -> SpecdecError:
-    """The SDK exception for a failed call (sync or ``grpc.aio``); unknown codes -> SpecdecError."""
+    """The SDK exception for a failed call (sync or ``grpc.aio``), with the reason its
+    trailing metadata names; unknown codes -> SpecdecError."""
     code_fn = getattr(err, "code", None)
     details_fn = getattr(err, "details", None)
     code = code_fn() if callable(code_fn) else None
@@ -107,4 +204,14 @@ def from_rpc_error(err: grpc.RpcError) -> SpecdecError:
         code = grpc.StatusCode.UNKNOWN
     if details is None:
         details = str(err)
-    return _BY_CODE.get(code, SpecdecError)(details, code)
+    return error_for(code, details, reason_in(err))
+
+
+def reason_in(err: grpc.RpcError) -> Reason:
+    """The Reason a failed call's trailing metadata names (UNSPECIFIED when none)."""
+    metadata_fn = getattr(err, "trailing_metadata", None)
+    metadata = metadata_fn() if callable(metadata_fn) else None
+    for key, value in metadata or ():
+        if key == REASON_KEY:
+            return Reason.named(value)
+    return Reason.UNSPECIFIED

@@ -36,7 +36,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from specdec.common import telemetry
-from specdec.common.errors import InvalidRequest, SpecdecError
+from specdec.common.errors import DeadlineExceeded, InvalidRequest, NotReady, SpecdecError
 from specdec.common.serving import MAX_MESSAGE_BYTES
 from specdec.common.tls import ServerTls, pem_files
 from specdec.gateway import grammar, tracing
@@ -45,10 +45,8 @@ from specdec.gateway.http.chat import ChatTemplate, ChatTurn
 from specdec.gateway.http.errors import (
     ERROR_TYPE,
     BodyTooLarge,
-    DeadlineExceeded,
     ErrorContext,
     ModelNotFound,
-    NotReady,
     Unauthenticated,
     answer,
     http_status,

@@ -34,14 +34,13 @@ import jinja2.ext
 import jinja2.sandbox
 
 from specdec.common.errors import InvalidRequest
+from specdec.gateway.http import schema
 from specdec.gateway.http.errors import FieldError
 from specdec.gateway.request import ContextLengthExceeded
 from specdec.gateway.sessions import SessionRecord
 from specdec.gateway.text import TextCodec
 
 log = logging.getLogger(__name__)
-
-ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -148,57 +147,13 @@ class ChatTemplate:
 
 def messages_from_json(raw: Any) -> list[dict[str, Any]]:
     """OpenAI's `messages` as the dicts a chat template expects (FieldError naming the
-    field if bad).
+    field if bad: schema.Message declares them).
 
     Content given as a list of parts is joined into one string (text parts only), as vLLM
     does for string-content templates.
     """
-    if not isinstance(raw, list) or not raw:
-        raise FieldError("messages", "messages must be a non-empty list")
-    out = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict):
-            raise FieldError(f"messages[{i}]", f"messages[{i}] must be an object")
-        role = m.get("role")
-        if role not in ROLES:
-            raise FieldError(
-                f"messages[{i}].role", f"messages[{i}].role must be one of {', '.join(ROLES)}"
-            )
-        if m.get("tool_calls") or m.get("function_call"):
-            raise FieldError(f"messages[{i}]", f"messages[{i}]: tool calls are not supported")
-        content = m.get("content")
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    raise FieldError(
-                        f"messages[{i}].content[{j}]",
-                        f"messages[{i}].content[{j}]: only text parts are supported",
-                    )
-                if not isinstance(part.get("text"), str):
-                    raise FieldError(
-                        f"messages[{i}].content[{j}].text",
-                        f"messages[{i}].content[{j}].text must be a string",
-                    )
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        elif content is not None and not isinstance(content, str):
-            raise FieldError(
-                f"messages[{i}].content",
-                f"messages[{i}].content must be a string or a list of parts",
-            )
-        if content is None and role != "assistant":
-            raise FieldError(f"messages[{i}].content", f"messages[{i}].content is required")
-        message = {"role": role, "content": content}
-        for key in ("name", "tool_call_id", "reasoning_content"):
-            if key in m:
-                if not isinstance(m[key], str):
-                    raise FieldError(
-                        f"messages[{i}].{key}", f"messages[{i}].{key} must be a string"
-                    )
-                message[key] = m[key]
-        out.append(message)
-    return out
+    parsed = schema.parse(schema.Messages, {"messages": raw})
+    return [m.template_dict() for m in parsed.messages]
 
 
 @dataclass

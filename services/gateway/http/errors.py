@@ -1,7 +1,9 @@
 """Errors of the HTTP API: gRPC status codes to HTTP answers, in OpenAI's error shape.
 
-The gateway's errors are `SpecdecError`s carrying a gRPC status code (mapped for gRPC in
-specdec.common.serving); this module is the one place they become HTTP answers. The body
+The gateway's errors are `SpecdecError`s (specdec.sdk.errors, the one tree) carrying a
+gRPC status code and a typed Reason (answered as such over gRPC by
+specdec.common.serving); this module is the one place they become HTTP answers, by code
+and reason, never by the message's wording. The body
 is OpenAI's, ``{"error": {"message", "type", "param", "code"}}``, and where OpenAI's clients
 act on an answer it is OpenAI's answer:
 
@@ -24,8 +26,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specdec.common.errors import InvalidRequest, ReplicaBusy, SpecdecError
+from specdec.common.errors import InvalidArgument, InvalidRequest, SpecdecError
+from specdec.gateway.caller import UpstreamError
 from specdec.gateway.request import ContextLengthExceeded
+from specdec.sdk.errors import NotFound
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +70,7 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 RETRY_AFTER_SECONDS = 1
 
 
-class ModelNotFound(SpecdecError):
-    code = grpc.StatusCode.NOT_FOUND
+class ModelNotFound(NotFound):
     error_code = "model_not_found"
     param = "model"
 
@@ -85,26 +88,17 @@ class Unauthenticated(SpecdecError):
     error_code = "invalid_api_key"
 
 
-class BodyTooLarge(SpecdecError):
+class BodyTooLarge(InvalidArgument):
     """A request body beyond the gateway's message limit (gRPC's own answer would be
     RESOURCE_EXHAUSTED, which means backpressure here, hence the explicit status)."""
 
-    code = grpc.StatusCode.INVALID_ARGUMENT
     http_status = 413
-
-
-class DeadlineExceeded(SpecdecError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
-
-
-class NotReady(SpecdecError):
-    code = grpc.StatusCode.UNAVAILABLE
 
 
 def is_backpressure(e: BaseException) -> bool:
     """Every replica of a role answered busy (full queues, --max-queue): a retry later may
-    succeed. The caller's UpstreamError says so (`busy`), a replica's own ReplicaBusy too."""
-    return isinstance(e, ReplicaBusy) or bool(getattr(e, "busy", False))
+    succeed. Its reason says so (Reason.BUSY), from a replica or through the caller."""
+    return isinstance(e, SpecdecError) and e.busy
 
 
 def is_context_length(e: BaseException) -> bool:
@@ -168,11 +162,9 @@ class ErrorAnswer:
     headers: dict[str, str]
 
 
-def _upstream_details(e: BaseException) -> str:
-    """A replica's message without the "role@address: " the caller puts before it."""
-    text = str(e)
-    where, sep, rest = text.partition(": ")
-    return rest if sep and "@" in where and " " not in where else text
+def _upstream_details(e: SpecdecError) -> str:
+    """A replica's own message (without the replica's name the caller puts before it)."""
+    return e.replica_details if isinstance(e, UpstreamError) else e.details
 
 
 def _param(e: BaseException, context: ErrorContext) -> str | None:
@@ -182,7 +174,7 @@ def _param(e: BaseException, context: ErrorContext) -> str | None:
     if given:
         return given
     if isinstance(e, InvalidRequest):
-        return context.fields.get(leading_field(str(e)))
+        return context.fields.get(leading_field(e.details))
     return None
 
 
@@ -205,12 +197,12 @@ def answer(e: BaseException, context: ErrorContext | None = None) -> ErrorAnswer
         )
         code = "internal"
     elif is_context_length(e):
-        message = str(e)
+        message = e.details
         if not isinstance(e, ContextLengthExceeded):
             message = f"the request does not fit a replica's KV cache: {_upstream_details(e)}"
         code = CONTEXT_LENGTH_EXCEEDED
     else:
-        message = _upstream_details(e) if is_backpressure(e) else str(e)
+        message = _upstream_details(e) if is_backpressure(e) else e.details
         code = getattr(e, "error_code", None) or e.code.name.lower()
         if status == 429:
             headers["Retry-After"] = str(RETRY_AFTER_SECONDS)

@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from specdec.sdk.errors import _BY_CODE, SpecdecError
+from specdec.sdk.errors import SpecdecError, error_for
 from specdec.sdk.loadtest.workload import Mode, RequestSettings
 from specdec.sdk.types import Generation, SpeculationStats, StreamChunk, Timings, Usage
 
@@ -56,7 +56,7 @@ def error_from(status: int, body: Any) -> SpecdecError:
     if code is None:
         code = _BY_STATUS.get(status, grpc.StatusCode.UNKNOWN)
     details = message or f"HTTP {status}: {str(body)[:200]}"
-    return _BY_CODE.get(code, SpecdecError)(details, code)
+    return error_for(code, details)
 
 
 def _stats(raw: dict[str, Any]) -> SpeculationStats:
