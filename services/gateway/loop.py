@@ -412,7 +412,7 @@ class Speculator:
         d = answer.response
         answer.replica.note_cost(d.forward_cost)
         self.fork_from.pop("drafter", None)
-        self.drafter.cached = d.cached_length
+        self.drafter.answered(d.cached_length)
         source = PREPARED if d.prepared else DRAFTED
         return Draft(
             d.draft_tokens,
@@ -455,7 +455,7 @@ class Speculator:
         """No drafter could draft: this round runs at k = 0 (warned once per outage, counted
         per round); speculation resumes once the probe brings a drafter back."""
         metrics.DRAFTER_FALLBACK.inc()
-        self.drafter.replica, self.drafter.cached = None, 0
+        self.drafter.moved(None)
         if not self._without_drafter:
             log.warning("no drafter could draft; continuing at k = 0", extra={"why": str(error)})
         self._without_drafter = True
@@ -536,7 +536,7 @@ class Speculator:
 
         # A copy of the placement: a Speculate that fails over or misses must not move
         # the Draft / Verify placement under a round in flight.
-        placement = Placement(self.drafter.replica, self.drafter.cached, self.drafter.rule)
+        placement = self.drafter.copy()
         answer = await self.caller.call(Method.SPECULATE, placement, ctx, build, tail=draft)
         return answer.response, answer.replica, time.perf_counter()
 
@@ -585,14 +585,14 @@ class Speculator:
         verdict = answer.response
         answer.replica.note_cost(verdict.forward_cost)
         self.fork_from.pop("verifier", None)
-        self.verifier.cached = verdict.cached_length
+        self.verifier.answered(verdict.cached_length)
         # The drafter cached the draft (all of it with SSD, d_1..d_{k-1} without); what
         # follows the accepted tokens is stale (a tree: what follows the path's first node
         # off the draft, DRAFTED's chain).
         kept = verdict.accepted_count
         if draft.parents:
             kept = _on_chain(verdict.accepted_path, draft.chain)
-        self.drafter.cached = min(self.drafter.cached, len(ctx) + kept)
+        self.drafter.accepted(len(ctx) + kept)
         return verdict, answer.resends, fed
 
     def _settle(
@@ -634,7 +634,8 @@ class Speculator:
                 outcome = None  # the path left the first branch
         if replica is self.drafter.replica:  # it holds ctx + the whole draft, of which only
             # ctx + the accepted tokens is the sequence: a call naming more would miss
-            self.drafter.cached = min(response.cached_length, len(ctx) + accepted)
+            self.drafter.answered(response.cached_length)
+            self.drafter.accepted(len(ctx) + accepted)
         branch = next(
             (b for b in response.branches if (b.accepted_count, b.next_token) == outcome),
             None,
