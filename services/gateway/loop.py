@@ -67,6 +67,7 @@ from specdec.gateway.grammar import Constraint
 from specdec.gateway.lookup import HYBRID, MODEL, PREDICTION
 from specdec.gateway.lookup.hybrid import RequestLookup
 from specdec.gateway.lookup.tree import graft, is_chain, merge
+from specdec.gateway.names import KPolicy, Source, Ssd
 from specdec.gateway.outcome import (
     DRAFTED,
     LOOKUP_SOURCES,
@@ -82,7 +83,7 @@ from specdec.gateway.outcome import (
     Outcome,
     RequestStats,
 )
-from specdec.gateway.policy import ADAPTIVE, Policy
+from specdec.gateway.policy import Policy
 from specdec.gateway.replicas import Replica
 from specdec.gateway.transport import Method
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
@@ -96,11 +97,10 @@ class Draft:
 
     tokens: Sequence[int]  # [k]
     probs: Sequence[common_pb2.DraftDistribution]  # [k] under sampling, else empty
-    source: str  # outcome.DRAFTED, PREPARED, a LOOKUP_SOURCES entry, NO_DRAFT, NO_DRAFTER
-    # or NO_MATCH
+    source: Source
     seconds: float = 0.0  # the gateway's wait for its Draft call
     resends: int = 0
-    late_outcome: str | None = None  # the previous round's late Speculate, decided now
+    late_outcome: Ssd | None = None  # the previous round's late Speculate, decided now
     extended: int = 0  # lookup tokens appended to the draft model's draft (hybrid)
     forward_ms: float = 0.0  # the Draft's forwards, as the drafter reported them
     fed: int = 0  # tokens the Draft call fed (its new tokens: a prefill or resend is long)
@@ -112,7 +112,7 @@ class Draft:
 class Speculation:
     """The Speculate sent beside a round's Verify (task None: SSD off or paused)."""
 
-    state: str  # SSD_OFF, SSD_PAUSED, or "sent"
+    state: Ssd  # OFF, PAUSED or SENT
     task: asyncio.Task | None = None
     fan_out: int | None = None
     branch_k: int = 0
@@ -124,7 +124,7 @@ class Speculation:
 class SsdVerdict:
     """What a round's Speculate gave once its Verify answered."""
 
-    state: str  # SSD_OFF, SSD_PAUSED, SSD_HIT, SSD_MISS or SSD_LATE
+    state: Ssd  # OFF, PAUSED, HIT, MISS or LATE
     branches: int = 0
     seconds: float | None = None  # its round trip, when it answered in time
     bytes: int = 0
@@ -188,7 +188,7 @@ class Speculator:
             or processes_logits(self.sampling, output)
         )
         self.tree_width = tree_width if tree_ok else 1
-        self.stats = RequestStats(adaptive=policy.kind == ADAPTIVE)
+        self.stats = RequestStats(adaptive=policy.kind == KPolicy.ADAPTIVE)
         self._ready: tuple[int, list[int]] | None = None  # greedy SSD hit: (ctx length, draft)
         self._prediction: list[int] | None = None  # to graft onto this round's model draft
         self._late = False  # the last Speculate was still running at its verdict
@@ -507,7 +507,7 @@ class Speculator:
         fan_out = self.policy.choose_fan_out(k, branch_k)
         if fan_out is None:  # the policy paused SSD: its Speculates kept arriving late
             return Speculation(SSD_PAUSED)
-        speculation = Speculation("sent", fan_out=fan_out, branch_k=branch_k)
+        speculation = Speculation(Ssd.SENT, fan_out=fan_out, branch_k=branch_k)
         speculation.sent = time.perf_counter()
         speculation.task = asyncio.ensure_future(self._send_speculate(ctx, draft, speculation))
         return speculation

@@ -87,6 +87,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.common.cost import Line, ReportedCost
+from specdec.gateway.names import DraftMethod, KPolicy
 from specdec.gateway.outcome import (
     DRAFTED,
     LOOKUP_NGRAM,
@@ -96,18 +97,17 @@ from specdec.gateway.outcome import (
     SSD_MISS,
     Outcome,
 )
-from specdec.v1 import gateway_pb2
 
-FIXED = gateway_pb2.K_POLICY_FIXED
-ADAPTIVE = gateway_pb2.K_POLICY_ADAPTIVE
-NAMES = {FIXED: "fixed", ADAPTIVE: "adaptive"}
-BY_NAME = {name: value for value, name in NAMES.items()}
+# The gateway_pb2.KPolicy values (a request's, the configuration's).
+FIXED = KPolicy.FIXED.proto
+ADAPTIVE = KPolicy.ADAPTIVE.proto
+BY_NAME = {policy.value: policy.proto for policy in KPolicy}
 # The largest fan-out the adaptive policy asks for when the gateway's --ssd-fan-out is 0:
 # the drafter's default --ssd-fan-out (replicas do not report theirs).
 ADAPTIVE_MAX_FAN_OUT = 6
 
 # Draft sources whose acceptance is measured apart (LOOKUP_SOURCES, then these two).
-MODEL = "model"
+MODEL = DraftMethod.MODEL.value
 EXTENSION = "extension"  # a lookup's continuation of a model draft (hybrid)
 MAX_POSITIONS = 32  # draft positions whose acceptance is counted one by one
 # A call that fed more tokens than this (a prefill, a resend) is not a measurement of a
@@ -115,8 +115,8 @@ MAX_POSITIONS = 32  # draft positions whose acceptance is counted one by one
 MAX_FED = 32
 
 
-def policy_name(value: int) -> str:
-    return NAMES[value]
+def policy_name(value: int) -> KPolicy:
+    return KPolicy.of(value)
 
 
 def parse_policy(name: str) -> int:
@@ -292,7 +292,7 @@ def _argmax(rates: list[float]) -> int:
 class FixedPolicy:
     """The request's k every round; lookups and extensions whole; the configured fan-out."""
 
-    kind = FIXED
+    kind = KPolicy.FIXED
 
     def __init__(self, fan_out: int = 0, priors: SourcePriors | None = None):
         self.fan_out = fan_out  # 0: the drafter's default
@@ -346,7 +346,7 @@ class AdaptivePolicy:
     """Picks each round's draft (and the SSD fan-out) to maximise expected tokens per
     second, from what the request and the gateway measured so far."""
 
-    kind = ADAPTIVE
+    kind = KPolicy.ADAPTIVE
 
     def __init__(
         self,
@@ -736,9 +736,11 @@ class AdaptivePolicy:
 Policy = FixedPolicy | AdaptivePolicy
 
 
-def make_policy(kind: int, ssd: bool, fan_out: int, priors: SourcePriors | None = None) -> Policy:
+def make_policy(
+    kind: KPolicy, ssd: bool, fan_out: int, priors: SourcePriors | None = None
+) -> Policy:
     """The request's policy. fan_out: the gateway's --ssd-fan-out (0: the drafter's
     default, which the adaptive policy takes as ADAPTIVE_MAX_FAN_OUT, its largest)."""
-    if kind == ADAPTIVE:
+    if kind == KPolicy.ADAPTIVE:
         return AdaptivePolicy(ssd, fan_out or ADAPTIVE_MAX_FAN_OUT, priors=priors)
     return FixedPolicy(fan_out, priors)
