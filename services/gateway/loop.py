@@ -85,7 +85,9 @@ from specdec.gateway.outcome import (
 )
 from specdec.gateway.policy import Policy
 from specdec.gateway.replicas import Replica
+from specdec.gateway.request import NO_SCORING, Speculation
 from specdec.gateway.transport import Method
+from specdec.sdk.request import Scoring
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
@@ -109,7 +111,7 @@ class Draft:
 
 
 @dataclass(slots=True)
-class Speculation:
+class SpeculateCall:
     """The Speculate sent beside a round's Verify (task None: SSD off or paused)."""
 
     state: Ssd  # OFF, PAUSED or SENT
@@ -150,17 +152,19 @@ class Speculator:
         verifier: Placement,
         policy: Policy,
         *,
-        ssd: bool = False,
+        speculation: Speculation,
+        scoring: Scoring = NO_SCORING,
         max_context: int,
+        lookup_max_k: int = 0,
         output: common_pb2.OutputControls | None = None,
-        logprobs: bool = False,
-        top_logprobs: int = 0,
-        prompt_logprobs: bool = False,
         constraint: Constraint | None = None,
         lookup: RequestLookup | None = None,
-        lookup_max_k: int = 0,
-        tree_width: int = 1,
     ):
+        """One request's rounds: `speculation` (its SSD and tree width; the k of each round
+        is the turn's, `round`'s max_k), `scoring` (what each Verify scores: the prompt
+        with the first round's), the context bound and the largest lookup draft (the
+        replicas' largest k), the output controls every call carries with the sampling,
+        the grammar state and the lookup proposer."""
         self.caller = caller
         self.session = replica_session
         self.sampling = sampling.to_proto()  # the wire form every replica call carries
@@ -168,7 +172,7 @@ class Speculator:
         self.verifier = verifier
         self.policy = policy
         policy.bind(drafter, verifier, caller.fleet)  # it prices drafts with their cost curves
-        self.ssd = ssd
+        self.ssd = speculation.ssd
         self.max_context = max_context
         # Where the request's output starts and its min_tokens mask: every replica call
         # carries it with the sampling (the logits processors need both).
@@ -183,11 +187,11 @@ class Speculator:
         # verifier cannot score on a tree yet keeps chains.
         tree_ok = not (
             constraint is not None
-            or logprobs
-            or prompt_logprobs
+            or scoring.logprobs
+            or scoring.prompt_logprobs
             or processes_logits(self.sampling, output)
         )
-        self.tree_width = tree_width if tree_ok else 1
+        self.tree_width = speculation.tree_width if tree_ok else 1
         self.stats = RequestStats(adaptive=policy.kind == KPolicy.ADAPTIVE)
         self._ready: tuple[int, list[int]] | None = None  # greedy SSD hit: (ctx length, draft)
         self._prediction: list[int] | None = None  # to graft onto this round's model draft
@@ -196,9 +200,7 @@ class Speculator:
         self._index = 0
         # Scores asked of each Verify (with top_logprobs alternatives per token); the
         # prompt's with the first round's.
-        self.logprobs = logprobs
-        self.top_logprobs = top_logprobs
-        self.prompt_logprobs = prompt_logprobs
+        self.scoring = scoring
         # n > 1 (specdec.gateway.choices): per role, the replica session whose cache the
         # next call that names a prefix starts from (VerifyRequest.fork_from).
         self.fork_from: dict[str, str] = {}
@@ -494,7 +496,7 @@ class Speculator:
 
     def _speculate(
         self, ctx: Sequence[int], draft: Sequence[int], remaining: int, max_branch_k: int
-    ) -> Speculation:
+    ) -> SpeculateCall:
         """SSD's Speculate for the draft under verification (all of it: the model's tokens,
         their lookup extension, or a lookup draft), sent now; it changes no state until
         `_settle` reads it. Its branches add their next token and up to max_branch_k
@@ -503,17 +505,17 @@ class Speculator:
         k = len(draft)
         branch_k = min(max_branch_k, remaining - 2, self.max_context - len(ctx) - k - 1)
         if not self.ssd or k == 0 or branch_k < 1:
-            return Speculation(SSD_OFF)
+            return SpeculateCall(SSD_OFF)
         fan_out = self.policy.choose_fan_out(k, branch_k)
         if fan_out is None:  # the policy paused SSD: its Speculates kept arriving late
-            return Speculation(SSD_PAUSED)
-        speculation = Speculation(Ssd.SENT, fan_out=fan_out, branch_k=branch_k)
+            return SpeculateCall(SSD_PAUSED)
+        speculation = SpeculateCall(Ssd.SENT, fan_out=fan_out, branch_k=branch_k)
         speculation.sent = time.perf_counter()
         speculation.task = asyncio.ensure_future(self._send_speculate(ctx, draft, speculation))
         return speculation
 
     async def _send_speculate(
-        self, ctx: Sequence[int], draft: Sequence[int], speculation: Speculation
+        self, ctx: Sequence[int], draft: Sequence[int], speculation: SpeculateCall
     ) -> tuple[drafter_pb2.SpeculateResponse, Replica, float]:
         """Speculate for `speculation`'s branches; its response, the replica that answered
         and when (perf_counter seconds)."""
@@ -544,14 +546,15 @@ class Speculator:
         self,
         ctx: Sequence[int],
         draft: Draft,
-        speculation: Speculation,
+        speculation: SpeculateCall,
         masks: Sequence[verifier_pb2.GrammarMask] = (),
     ) -> tuple[verifier_pb2.VerifyResponse, int, int]:
         """The verdict on the draft, the resends it took and the tokens the answered call
         fed; a failure cancels the Speculate beside it (the verifier's error is the one
         raised)."""
 
-        prompt_logprobs = self.prompt_logprobs and self._index == 0
+        scoring = self.scoring
+        prompt_logprobs = scoring.prompt_logprobs and self._index == 0
         fed = 0
 
         def build(prefix: common_pb2.CachedPrefix, new: list[int]) -> verifier_pb2.VerifyRequest:
@@ -565,8 +568,8 @@ class Speculator:
                 draft_probs=draft.probs,
                 sampling=self.sampling,
                 output=self.output,
-                logprobs=self.logprobs,
-                top_logprobs=self.top_logprobs if self.logprobs or prompt_logprobs else 0,
+                logprobs=scoring.logprobs,
+                top_logprobs=scoring.top_logprobs if scoring.logprobs or prompt_logprobs else 0,
                 prompt_logprobs=prompt_logprobs,
                 fork_from=self._fork("verifier", prefix),
                 grammar_masks=masks,
@@ -597,7 +600,7 @@ class Speculator:
 
     def _settle(
         self,
-        speculation: Speculation,
+        speculation: SpeculateCall,
         verdict: verifier_pb2.VerifyResponse,
         ctx: Sequence[int],
         verify_sent: float,

@@ -115,10 +115,6 @@ MAX_POSITIONS = 32  # draft positions whose acceptance is counted one by one
 MAX_FED = 32
 
 
-def policy_name(value: int) -> KPolicy:
-    return KPolicy.of(value)
-
-
 def parse_policy(name: str) -> int:
     """'fixed' / 'adaptive' -> the KPolicy value; ValueError naming the choices."""
     try:

@@ -39,10 +39,6 @@ def tree_width(value: int) -> str | None:
     return f"must be in [1, {MAX_TREE_WIDTH}]"
 
 
-def method_name(value: int) -> DraftMethod:
-    return DraftMethod.of(value)
-
-
 def parse_method(name: str) -> int:
     """'model' / 'ngram' / 'suffix' / 'hybrid' -> the SpeculationMethod value; ValueError
     naming the choices."""
