@@ -26,7 +26,7 @@ from specdec.gateway import metrics
 from specdec.gateway.canary import version_rule
 from specdec.gateway.choices import run_choices
 from specdec.gateway.completion import Aborted as Aborted
-from specdec.gateway.completion import Completions
+from specdec.gateway.completion import Completion, Completions
 from specdec.gateway.completion import output_controls as output_controls
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.grammar import Grammar
@@ -137,48 +137,12 @@ class Gateway(Service):
         record = None
         if job.session.id and not job.session.reset:
             record = await self.sessions.get(job.session.id)
+        job, record, prompt_ids = await self._prompt(job, record, prompter)
         history = record.tokens if record else []
-        if prompter is not None:
-            record, prompt_ids, max_new_tokens = await prompter(record)
-            history = record.tokens if record else []
-            if max_new_tokens is not None:
-                output = dataclasses.replace(job.output, max_new_tokens=max_new_tokens)
-                job = dataclasses.replace(job, output=output)
-                if output.min_tokens > max_new_tokens:
-                    raise InvalidRequest(
-                        f"min_tokens {output.min_tokens} exceeds the {max_new_tokens} tokens "
-                        "left for the completion"
-                    )
-        elif isinstance(job.prompt, str):
-            # A new conversation gets the tokenizer's special tokens (BOS), as
-            # `tokenizer(prompt)` would; a continuation appends the text alone.
-            prompt_ids = await asyncio.to_thread(self.codec.encode, job.prompt, not history)
-            if not prompt_ids:
-                raise InvalidRequest("prompt is empty after tokenization")
-        else:
-            prompt_ids = job.prompt
         ctx = [*history, *prompt_ids]
-        max_new_tokens = job.output.max_new_tokens
-        max_context = self.limits.max_context
-        if len(ctx) + max_new_tokens > max_context:
-            raise ContextLengthExceeded(
-                f"the model's context is {max_context} tokens; this request needs "
-                f"{len(ctx) + max_new_tokens} ({len(history)} history + "
-                f"{len(prompt_ids)} prompt + {max_new_tokens} max_new_tokens)"
-            )
         metrics.PROMPT_TOKENS.inc(len(prompt_ids))
         replica_session = replica_session_id(job.session.id)
-        # --drafter-canary: which drafter version a new placement takes (a pure function
-        # of the session's replica id: the same for every turn of a session).
-        rule = version_rule(self.config.drafter_canary, replica_session)
-        drafter, verifier = Placement(rule=rule), Placement()
-        if record:
-            drafter = Placement(
-                self.fleet.drafters.by_address(record.drafter), record.drafter_cached, rule
-            )
-            verifier = Placement(
-                self.fleet.verifiers.by_address(record.verifier), record.verifier_cached
-            )
+        drafter, verifier = self._placements(record, replica_session)
         if job.output.n > 1:  # n completions of one prompt, its prefill shared (no session)
             async for event in run_choices(
                 self.completions, job, ctx, prompt_ids, started, deadline, grammar
@@ -204,42 +168,117 @@ class Gateway(Service):
                 yield event
             response = run.response(job, prompt_ids, len(history), started)
             response.stats.drafter_version = drafter_version(drafter)
-            completion = run.output
             if job.session.id:
-                final_tokens = [*history, *prompt_ids, *completion.tokens]
-                await self.sessions.put(
-                    SessionRecord(
-                        session_id=job.session.id,
-                        tokens=final_tokens,
-                        drafter=drafter.address,
-                        verifier=verifier.address,
-                        drafter_cached=min(drafter.cached, len(final_tokens)),
-                        verifier_cached=min(verifier.cached, len(final_tokens)),
-                        turns=(record.turns if record else 0) + 1,
-                    ),
-                    ttl_seconds=job.session.ttl,
-                    fence=lease.fence if lease else None,
-                )
+                await self._save(job, lease, record, [*history, *prompt_ids], run)
             if recording:  # a finished turn, its session saved
-                response.stats.recorded = self.recorder.submit(
-                    recording_row(
-                        prompt_ids=[*history, *prompt_ids],
-                        history_tokens=len(history),
-                        output_ids=completion.tokens,
-                        rounds=run.outcomes,
-                        drafter_version=response.stats.drafter_version,
-                        target_model=verifier.replica.info.model_id if verifier.replica else "",
-                        sampling=job.sampling,
-                        finish_reason=completion.finish_reason,
-                        scores=(
-                            run.record_track.rows(0, len(completion.tokens))
-                            if run.record_track is not None
-                            else None
-                        ),
-                    )
+                response.stats.recorded = self._record(
+                    job, history, prompt_ids, run, response.stats.drafter_version
                 )
             yield Event(*run.held, response, **run.delta(run.held[1]))
         finally:
             record_metrics(job, run.spec.stats, run.output, drafter_version(drafter))
             if not job.session.id:
                 self.release_later(replica_session, drafter, verifier)
+
+    async def _prompt(
+        self, job: Job, record: SessionRecord | None, prompter: Prompter | None
+    ) -> tuple[Job, SessionRecord | None, list[int]]:
+        """The turn's prompt ids after the session's history (the record to continue, and
+        the job with the max_new_tokens a prompter left to fit); ContextLengthExceeded
+        when history, prompt and max_new_tokens do not fit the context."""
+        history = record.tokens if record else []
+        if prompter is not None:
+            record, prompt_ids, max_new_tokens = await prompter(record)
+            history = record.tokens if record else []
+            if max_new_tokens is not None:
+                output = dataclasses.replace(job.output, max_new_tokens=max_new_tokens)
+                job = dataclasses.replace(job, output=output)
+                if output.min_tokens > max_new_tokens:
+                    raise InvalidRequest(
+                        f"min_tokens {output.min_tokens} exceeds the {max_new_tokens} tokens "
+                        "left for the completion"
+                    )
+        elif isinstance(job.prompt, str):
+            # A new conversation gets the tokenizer's special tokens (BOS), as
+            # `tokenizer(prompt)` would; a continuation appends the text alone.
+            prompt_ids = await asyncio.to_thread(self.codec.encode, job.prompt, not history)
+            if not prompt_ids:
+                raise InvalidRequest("prompt is empty after tokenization")
+        else:
+            prompt_ids = job.prompt
+        needs = len(history) + len(prompt_ids) + job.output.max_new_tokens
+        max_context = self.limits.max_context
+        if needs > max_context:
+            raise ContextLengthExceeded(
+                f"the model's context is {max_context} tokens; this request needs "
+                f"{needs} ({len(history)} history + {len(prompt_ids)} prompt + "
+                f"{job.output.max_new_tokens} max_new_tokens)"
+            )
+        return job, record, prompt_ids
+
+    def _placements(
+        self, record: SessionRecord | None, replica_session: str
+    ) -> tuple[Placement, Placement]:
+        """The turn's drafter and verifier placements: where the session's record left its
+        caches, else none yet. --drafter-canary: which drafter version a new placement
+        takes (a pure function of the session's replica id: the same for every turn)."""
+        rule = version_rule(self.config.drafter_canary, replica_session)
+        if record is None:
+            return Placement(rule=rule), Placement()
+        return (
+            Placement(self.fleet.drafters.by_address(record.drafter), record.drafter_cached, rule),
+            Placement(self.fleet.verifiers.by_address(record.verifier), record.verifier_cached),
+        )
+
+    async def _save(
+        self,
+        job: Job,
+        lease: TurnLease | None,
+        record: SessionRecord | None,
+        context: list[int],
+        run: Completion,
+    ) -> None:
+        """Write the session's new history (context and the output) and placements."""
+        tokens = [*context, *run.output.tokens]
+        drafter, verifier = run.spec.drafter, run.spec.verifier
+        await self.sessions.put(
+            SessionRecord(
+                session_id=job.session.id,
+                tokens=tokens,
+                drafter=drafter.address,
+                verifier=verifier.address,
+                drafter_cached=min(drafter.cached, len(tokens)),
+                verifier_cached=min(verifier.cached, len(tokens)),
+                turns=(record.turns if record else 0) + 1,
+            ),
+            ttl_seconds=job.session.ttl,
+            fence=lease.fence if lease else None,
+        )
+
+    def _record(
+        self,
+        job: Job,
+        history: list[int],
+        prompt_ids: list[int],
+        run: Completion,
+        drafter_version: str,
+    ) -> bool:
+        """Submit a finished turn to the recorder (--record); whether it was kept."""
+        output, verifier = run.output, run.spec.verifier
+        return self.recorder.submit(
+            recording_row(
+                prompt_ids=[*history, *prompt_ids],
+                history_tokens=len(history),
+                output_ids=output.tokens,
+                rounds=run.outcomes,
+                drafter_version=drafter_version,
+                target_model=verifier.replica.info.model_id if verifier.replica else "",
+                sampling=job.sampling,
+                finish_reason=output.finish_reason,
+                scores=(
+                    run.record_track.rows(0, len(output.tokens))
+                    if run.record_track is not None
+                    else None
+                ),
+            )
+        )
