@@ -1,4 +1,5 @@
-"""The gateway's named values: speculation methods, draft sources, SSD outcomes, k policies.
+"""The gateway's named values: speculation methods, draft sources, SSD outcomes, k policies
+and why a completion finished.
 
 Each is a str-Enum whose values are the strings the gateway has always written: metric
 label values, JSON (the recorder's rows, SpeculationStats.by_source), log fields and span
@@ -107,3 +108,23 @@ _POLICY_PROTO = {
     KPolicy.ADAPTIVE: gateway_pb2.K_POLICY_ADAPTIVE,
 }
 _POLICY_OF = {value: policy for policy, value in _POLICY_PROTO.items()}
+
+
+class Finish(StrEnum):
+    """Why a completion ended (GenerateResponse.finish_reason; the `finish_reason` label)."""
+
+    LENGTH = "length"  # max_new_tokens
+    EOS = "eos"  # the model's EOS (unless ignore_eos)
+    STOP = "stop"  # a stop string or one of stop_token_ids
+
+    @property
+    def proto(self) -> int:
+        """The gateway_pb2.FinishReason value."""
+        return _FINISH_PROTO[self]
+
+
+_FINISH_PROTO = {
+    Finish.LENGTH: gateway_pb2.FINISH_REASON_LENGTH,
+    Finish.EOS: gateway_pb2.FINISH_REASON_EOS,
+    Finish.STOP: gateway_pb2.FINISH_REASON_STOP,
+}

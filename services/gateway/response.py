@@ -32,13 +32,6 @@ class Event:
     choice: gateway_pb2.GenerateChoice | None = None
 
 
-FINISH = {
-    "length": gateway_pb2.FINISH_REASON_LENGTH,
-    "eos": gateway_pb2.FINISH_REASON_EOS,
-    "stop": gateway_pb2.FINISH_REASON_STOP,
-}
-
-
 def build_response(
     job: Job,
     prompt_ids: list[int],
@@ -53,7 +46,7 @@ def build_response(
     return gateway_pb2.GenerateResponse(
         text=completion.text,
         token_ids=completion.tokens,
-        finish_reason=FINISH[completion.finish_reason],
+        finish_reason=completion.finish_reason.proto,
         usage=gateway_pb2.Usage(
             prompt_tokens=len(prompt_ids),
             completion_tokens=len(completion.tokens),
