@@ -67,22 +67,8 @@ from specdec.gateway.grammar import Constraint
 from specdec.gateway.lookup import HYBRID, MODEL, PREDICTION
 from specdec.gateway.lookup.hybrid import RequestLookup
 from specdec.gateway.lookup.tree import graft, is_chain, merge
-from specdec.gateway.names import KPolicy, Source, Ssd
-from specdec.gateway.outcome import (
-    DRAFTED,
-    LOOKUP_SOURCES,
-    NO_DRAFT,
-    NO_DRAFTER,
-    NO_MATCH,
-    PREPARED,
-    SSD_HIT,
-    SSD_LATE,
-    SSD_MISS,
-    SSD_OFF,
-    SSD_PAUSED,
-    Outcome,
-    RequestStats,
-)
+from specdec.gateway.names import LOOKUP_SOURCES, KPolicy, Source, Ssd
+from specdec.gateway.outcome import Outcome, RequestStats
 from specdec.gateway.policy import Policy
 from specdec.gateway.replicas import Replica
 from specdec.gateway.request import NO_SCORING, Speculation
@@ -226,7 +212,7 @@ class Speculator:
             path = list(verdict.accepted_path)
             verified = time.perf_counter()
             ssd = self._settle(speculation, verdict, ctx, verify_sent, verified, draft)
-            if ssd.state == SSD_LATE:
+            if ssd.state == Ssd.LATE:
                 await asyncio.sleep(0)  # the cancel leaves before the next drafter call
             outcome = Outcome(
                 index=self._index,
@@ -302,12 +288,12 @@ class Speculator:
             if with_model:
                 return None
             self._ready = None
-            return Draft((), (), NO_MATCH if bound > 0 and not found else NO_DRAFT)
+            return Draft((), (), Source.NO_MATCH if bound > 0 and not found else Source.NO_DRAFT)
         self._ready = None  # an SSD draft prepared for this context goes unused
         late_outcome = None
         if self._late:  # the last Speculate answered after its verdict: its branches go
             # unused (a lookup drafts this round), so it missed
-            self._late, late_outcome = False, SSD_MISS
+            self._late, late_outcome = False, Ssd.MISS
         tokens, parents, chain = self._tree(tokens[:k], proposal.others, bound, proposal.source)
         probs = () if self.greedy else [one_hot(t) for t in tokens]
         return Draft(
@@ -389,9 +375,9 @@ class Speculator:
         else a Draft call, else (no drafter could draft) none."""
         ready, self._ready = self._ready, None
         if k == 0:
-            return Draft((), (), NO_DRAFT)
+            return Draft((), (), Source.NO_DRAFT)
         if ready is not None and ready[0] == len(ctx):
-            return Draft(ready[1][:k], (), PREPARED)
+            return Draft(ready[1][:k], (), Source.PREPARED)
         started = time.perf_counter()
         fed = [0]
         nodes = self._tree_nodes(ctx, k)
@@ -405,9 +391,9 @@ class Speculator:
         late_outcome = None
         if self._late:  # the last Speculate answered after its verdict: this Draft decides
             self._late = False
-            late_outcome = SSD_HIT if answer is not None and answer.response.prepared else SSD_MISS
+            late_outcome = Ssd.HIT if answer is not None and answer.response.prepared else Ssd.MISS
         if answer is None:
-            return Draft((), (), NO_DRAFTER, seconds, 0, late_outcome)
+            return Draft((), (), Source.NO_DRAFTER, seconds, 0, late_outcome)
         if self._without_drafter:
             log.info("drafter back; speculation resumes", extra={"replica": self.drafter.address})
             self._without_drafter = False
@@ -415,7 +401,7 @@ class Speculator:
         answer.replica.note_cost(d.forward_cost)
         self.fork_from.pop("drafter", None)
         self.drafter.answered(d.cached_length)
-        source = PREPARED if d.prepared else DRAFTED
+        source = Source.PREPARED if d.prepared else Source.DRAFTED
         return Draft(
             d.draft_tokens,
             d.draft_probs,
@@ -505,10 +491,10 @@ class Speculator:
         k = len(draft)
         branch_k = min(max_branch_k, remaining - 2, self.max_context - len(ctx) - k - 1)
         if not self.ssd or k == 0 or branch_k < 1:
-            return SpeculateCall(SSD_OFF)
+            return SpeculateCall(Ssd.OFF)
         fan_out = self.policy.choose_fan_out(k, branch_k)
         if fan_out is None:  # the policy paused SSD: its Speculates kept arriving late
-            return SpeculateCall(SSD_PAUSED)
+            return SpeculateCall(Ssd.PAUSED)
         speculation = SpeculateCall(Ssd.SENT, fan_out=fan_out, branch_k=branch_k)
         speculation.sent = time.perf_counter()
         speculation.task = asyncio.ensure_future(self._send_speculate(ctx, draft, speculation))
@@ -591,7 +577,7 @@ class Speculator:
         self.verifier.answered(verdict.cached_length)
         # The drafter cached the draft (all of it with SSD, d_1..d_{k-1} without); what
         # follows the accepted tokens is stale (a tree: what follows the path's first node
-        # off the draft, DRAFTED's chain).
+        # off the draft, Source.DRAFTED's chain).
         kept = verdict.accepted_count
         if draft.parents:
             kept = _on_chain(verdict.accepted_path, draft.chain)
@@ -622,12 +608,12 @@ class Speculator:
             metrics.SSD_LATE.inc()
             task.cancel()
             self._late = True
-            return SsdVerdict(SSD_LATE, hidden=verified - verify_sent)
+            return SsdVerdict(Ssd.LATE, hidden=verified - verify_sent)
         if task.cancelled() or task.exception() is not None:
             why = "cancelled" if task.cancelled() else str(task.exception())
             metrics.SSD_FAILED.inc()
             log.info("speculate failed; counted as a miss", extra={"why": why})
-            return SsdVerdict(SSD_MISS)
+            return SsdVerdict(Ssd.MISS)
         response, replica, answered = task.result()
         accepted, next_token = verdict.accepted_count, verdict.next_token
         outcome: tuple[int, int] | None = (accepted, next_token)
@@ -651,7 +637,7 @@ class Speculator:
             if branch is not None:  # its draft after the leaf began with the next token
                 self._ready = (len(ctx) + accepted + 2, list(branch.draft_tokens[1:]))
         return SsdVerdict(
-            SSD_HIT if branch is not None else SSD_MISS,
+            Ssd.HIT if branch is not None else Ssd.MISS,
             branches=len(response.branches),
             seconds=answered - speculation.sent,
             bytes=response.ByteSize(),

@@ -87,16 +87,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.common.cost import Line, ReportedCost
-from specdec.gateway.names import DraftMethod, KPolicy
-from specdec.gateway.outcome import (
-    DRAFTED,
-    LOOKUP_NGRAM,
-    LOOKUP_SOURCES,
-    SSD_HIT,
-    SSD_LATE,
-    SSD_MISS,
-    Outcome,
-)
+from specdec.gateway.names import LOOKUP_SOURCES, DraftMethod, KPolicy, Source, Ssd
+from specdec.gateway.outcome import Outcome
 
 # The gateway_pb2.KPolicy values (a request's, the configuration's).
 FIXED = KPolicy.FIXED.proto
@@ -303,7 +295,7 @@ class FixedPolicy:
     def choose_fan_out(self, k: int, branch_k: int) -> int | None:
         return self.fan_out
 
-    def choose_lookup_k(self, bound: int, source: str = LOOKUP_NGRAM) -> int:
+    def choose_lookup_k(self, bound: int, source: str = Source.NGRAM) -> int:
         return max(0, bound)
 
     def lookup_or_model(self, source: str, length: int, max_k: int) -> int:
@@ -313,7 +305,7 @@ class FixedPolicy:
         return max(0, available)
 
     def tree_sizes(
-        self, k: int, branches: int, bound: int, source: str = LOOKUP_NGRAM
+        self, k: int, branches: int, bound: int, source: str = Source.NGRAM
     ) -> tuple[int, int]:
         """A lookup draft the policy sized to k tokens, with `branches` other candidates,
         as a tree of at most bound nodes: (the draft's tokens, each other branch's). Here
@@ -528,7 +520,7 @@ class AdaptivePolicy:
             out.append((1.0 + first + survive * expected[n]) / (time + drafting))
         return out
 
-    def choose_lookup_k(self, bound: int, source: str = LOOKUP_NGRAM) -> int:
+    def choose_lookup_k(self, bound: int, source: str = Source.NGRAM) -> int:
         """How many tokens of a lookup draft of `source` to verify, in [0, bound]."""
         if bound <= 0:
             return 0
@@ -611,7 +603,7 @@ class AdaptivePolicy:
         `extended`: its last tokens were a lookup's extension of a model draft (counted
         once the model's were all accepted); forward_ms: the time the verifier reported
         for the call, fed: the tokens it fed (0: not known)."""
-        source = (lookup if isinstance(lookup, str) else LOOKUP_NGRAM) if lookup else None
+        source = (lookup if isinstance(lookup, str) else Source.NGRAM) if lookup else None
         for name, n, got in drafts_of(k, accepted, source, extended):
             if n > 0:
                 self.sources[name].observe(n, got)
@@ -646,7 +638,7 @@ class AdaptivePolicy:
         self.hits.add(1.0 if hit else 0.0)
 
     def tree_sizes(
-        self, k: int, branches: int, bound: int, source: str = LOOKUP_NGRAM
+        self, k: int, branches: int, bound: int, source: str = Source.NGRAM
     ) -> tuple[int, int]:
         """A lookup draft of `source` the policy sized to k tokens, with `branches` other
         candidates, as a tree of at most bound nodes: (the draft's tokens c, each other
@@ -698,7 +690,7 @@ class AdaptivePolicy:
             self.priors.observe_outcome(o)
         if o.late_outcome is not None:
             self.observe_ssd(False)
-        if o.source == DRAFTED:  # a tree's leaves took no forward of their own
+        if o.source == Source.DRAFTED:  # a tree's leaves took no forward of their own
             self.observe_draft(
                 o.chain if o.tree else o.k - o.extended,
                 o.draft_seconds,
@@ -706,7 +698,7 @@ class AdaptivePolicy:
                 o.draft_fed,
             )
         k, accepted = o.chain_verdict
-        if o.tree and o.source == DRAFTED:  # the drafter's alternatives: was one taken?
+        if o.tree and o.source == Source.DRAFTED:  # the drafter's alternatives: was one taken?
             self.leaves.add((1.0 if o.branch else 0.0) / max(1, o.k - o.chain))
         elif o.width > 1 and (o.branch is None or o.branch > 0):  # the first branch failed
             share = (o.k - o.chain) // (o.width - 1)
@@ -721,12 +713,12 @@ class AdaptivePolicy:
             o.verify_forward_ms,
             o.verify_fed,
         )
-        if o.ssd == SSD_LATE:
+        if o.ssd == Ssd.LATE:
             self.observe_speculate(o.fan_out or 0, o.branch_k, None)
         elif o.speculate_seconds is not None:
             self.observe_speculate(o.fan_out or 0, o.branch_k, o.speculate_seconds)
-        if o.ssd in (SSD_HIT, SSD_MISS):
-            self.observe_ssd(o.ssd == SSD_HIT)
+        if o.ssd in (Ssd.HIT, Ssd.MISS):
+            self.observe_ssd(o.ssd == Ssd.HIT)
 
 
 Policy = FixedPolicy | AdaptivePolicy

@@ -6,7 +6,8 @@ import time
 from dataclasses import dataclass
 
 from specdec.gateway import metrics
-from specdec.gateway.outcome import LOOKUP_PREDICTION, RequestStats
+from specdec.gateway.names import Source
+from specdec.gateway.outcome import RequestStats
 from specdec.gateway.request import Job
 from specdec.gateway.text import Completion
 from specdec.v1 import common_pb2, gateway_pb2
@@ -42,7 +43,7 @@ def build_response(
     first_at: float | None,
 ) -> gateway_pb2.GenerateResponse:
     """The final answer of a turn; started / first_at are perf_counter() seconds."""
-    _, predicted, accepted_predicted = stats.by_source.get(LOOKUP_PREDICTION, (0, 0, 0))
+    _, predicted, accepted_predicted = stats.by_source.get(Source.PREDICTION, (0, 0, 0))
     return gateway_pb2.GenerateResponse(
         text=completion.text,
         token_ids=completion.tokens,
