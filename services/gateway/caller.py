@@ -35,6 +35,7 @@ import grpc
 from specdec.common.errors import SpecdecError
 from specdec.common.prefix import PrefixChain
 from specdec.gateway import metrics, tracing
+from specdec.gateway.names import Role
 from specdec.gateway.placement import Placement as Placement
 from specdec.gateway.replicas import Fleet, NoReplica, Replica
 from specdec.gateway.transport import CallFailed, Method
@@ -157,7 +158,7 @@ class ReplicaCaller:
                 if failure.code != grpc.StatusCode.UNAVAILABLE:
                     raise UpstreamError(replica, failure) from None
                 others = [r for r in pool.up() if r is not replica and r not in failed]
-                if not others and retries < len(RETRY_BACKOFF) and method.role == "verifier":
+                if not others and retries < len(RETRY_BACKOFF) and method.role == Role.VERIFIER:
                     # The only verifier left: a blip (a restart) must not fail every request
                     # at once; its cache may survive (a miss says so). Without a drafter a
                     # round runs at k = 0 instead of waiting.

@@ -27,6 +27,7 @@ from typing import Any
 from specdec.common.params import SamplingParams
 from specdec.gateway.completion import Completion, Completions
 from specdec.gateway.grammar import Grammar
+from specdec.gateway.names import Role
 from specdec.gateway.placement import Placement
 from specdec.gateway.request import Job
 from specdec.gateway.response import Event, record_metrics
@@ -102,9 +103,9 @@ async def run_choices(
                 grammar=grammar,
                 lookup=await completions.lookup(job, ctx),
             )
-            run.spec.fork_from["verifier"] = parent
+            run.spec.fork_from[Role.VERIFIER] = parent
             if d.replica is not None:
-                run.spec.fork_from["drafter"] = parent
+                run.spec.fork_from[Role.DRAFTER] = parent
             runs.append(run)
             sessions.append((session, d, v))
             rounds = run.rounds(job, list(ctx), started)

@@ -67,7 +67,7 @@ from specdec.gateway.grammar import Constraint
 from specdec.gateway.lookup import HYBRID, MODEL, PREDICTION
 from specdec.gateway.lookup.hybrid import RequestLookup
 from specdec.gateway.lookup.tree import graft, is_chain, merge
-from specdec.gateway.names import LOOKUP_SOURCES, KPolicy, Source, Ssd
+from specdec.gateway.names import LOOKUP_SOURCES, KPolicy, Role, Source, Ssd
 from specdec.gateway.outcome import Outcome, RequestStats
 from specdec.gateway.policy import Policy
 from specdec.gateway.replicas import Replica
@@ -189,7 +189,7 @@ class Speculator:
         self.scoring = scoring
         # n > 1 (specdec.gateway.choices): per role, the replica session whose cache the
         # next call that names a prefix starts from (VerifyRequest.fork_from).
-        self.fork_from: dict[str, str] = {}
+        self.fork_from: dict[Role, str] = {}
 
     async def round(self, ctx: Sequence[int], max_k: int, remaining: int) -> Outcome:
         """One round after ctx, drafting at most max_k tokens (the policy picks k); with SSD
@@ -399,7 +399,7 @@ class Speculator:
             self._without_drafter = False
         d = answer.response
         answer.replica.note_cost(d.forward_cost)
-        self.fork_from.pop("drafter", None)
+        self.fork_from.pop(Role.DRAFTER, None)
         self.drafter.answered(d.cached_length)
         source = Source.PREPARED if d.prepared else Source.DRAFTED
         return Draft(
@@ -459,14 +459,14 @@ class Speculator:
                 num_draft_tokens=k,
                 sampling=self.sampling,
                 output=self.output,
-                fork_from=self._fork("drafter", prefix),
+                fork_from=self._fork(Role.DRAFTER, prefix),
                 tree_nodes=tree_nodes,
                 tree_width=self.tree_width if tree_nodes else 0,
             )
 
         return build
 
-    def _fork(self, role: str, prefix: common_pb2.CachedPrefix) -> str:
+    def _fork(self, role: Role, prefix: common_pb2.CachedPrefix) -> str:
         """The fork_from of a call that names `prefix` (empty once a call was answered)."""
         return self.fork_from.get(role, "") if prefix.length else ""
 
@@ -557,7 +557,7 @@ class Speculator:
                 logprobs=scoring.logprobs,
                 top_logprobs=scoring.top_logprobs if scoring.logprobs or prompt_logprobs else 0,
                 prompt_logprobs=prompt_logprobs,
-                fork_from=self._fork("verifier", prefix),
+                fork_from=self._fork(Role.VERIFIER, prefix),
                 grammar_masks=masks,
                 draft_parents=draft.parents,
             )
@@ -573,7 +573,7 @@ class Speculator:
             raise
         verdict = answer.response
         answer.replica.note_cost(verdict.forward_cost)
-        self.fork_from.pop("verifier", None)
+        self.fork_from.pop(Role.VERIFIER, None)
         self.verifier.answered(verdict.cached_length)
         # The drafter cached the draft (all of it with SSD, d_1..d_{k-1} without); what
         # follows the accepted tokens is stale (a tree: what follows the path's first node

@@ -1,5 +1,5 @@
-"""The gateway's named values: speculation methods, draft sources, SSD outcomes, k policies
-and why a completion finished.
+"""The gateway's named values: replica roles, speculation methods, draft sources, SSD
+outcomes, k policies and why a completion finished.
 
 Each is a str-Enum whose values are the strings the gateway has always written: metric
 label values, JSON (the recorder's rows, SpeculationStats.by_source), log fields and span
@@ -22,6 +22,13 @@ else:  # pragma: no cover - Python 3.10
 
         __str__ = str.__str__
         __format__ = str.__format__
+
+
+class Role(StrEnum):
+    """What a replica does for the gateway (the `role` label)."""
+
+    DRAFTER = "drafter"
+    VERIFIER = "verifier"
 
 
 class DraftMethod(StrEnum):

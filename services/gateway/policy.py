@@ -87,7 +87,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.common.cost import Line, ReportedCost
-from specdec.gateway.names import LOOKUP_SOURCES, DraftMethod, KPolicy, Source, Ssd
+from specdec.gateway.names import LOOKUP_SOURCES, DraftMethod, KPolicy, Role, Source, Ssd
 from specdec.gateway.outcome import Outcome
 
 # The gateway_pb2.KPolicy values (a request's, the configuration's).
@@ -438,7 +438,7 @@ class AdaptivePolicy:
 
     def verifier_line(self) -> Line | None:
         """The verifier's reported t_v for the rows its load puts in a forward."""
-        cost = self._cost(self._verifier, "verifier")
+        cost = self._cost(self._verifier, Role.VERIFIER)
         if cost is None:
             return None
         return cost.line(1 + round(self.queue.value or 0.0))
@@ -457,7 +457,7 @@ class AdaptivePolicy:
         """d_t: seconds per model draft token; None before anything is known."""
         if self.draft.value is not None:
             return self.draft.value
-        cost = self._cost(self._drafter, "drafter")
+        cost = self._cost(self._drafter, Role.DRAFTER)
         if cost is None:
             return None
         return cost.line(1).ms(1) / 1e3

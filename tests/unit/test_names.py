@@ -9,11 +9,12 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from specdec.gateway.names import DraftMethod, Finish, KPolicy, Source, Ssd
+from specdec.gateway.names import DraftMethod, Finish, KPolicy, Role, Source, Ssd
 from specdec.gateway.placement import Placement
 from specdec.v1 import gateway_pb2
 
 STRINGS = {
+    Role: ["drafter", "verifier"],
     DraftMethod: ["model", "ngram", "suffix", "hybrid"],
     Source: [
         "drafter",
