@@ -1,9 +1,10 @@
 """The replica caller: one request's calls to the drafter and verifier pools.
 
-A request keeps, per role, a `Placement`: which replica holds its KV cache and how many of
-its tokens that cache holds. `ReplicaCaller.call` sends a round's call to the placement's
-replica, naming the cached prefix it builds on (length + hash) and carrying only the
-tokens after it, and recovers from what a replica may answer:
+A request keeps, per role, a `Placement` (specdec.gateway.placement, which owns its
+transitions): which replica holds its KV cache and how many of its tokens that cache
+holds. `ReplicaCaller.call` sends a round's call to the placement's replica, naming the
+cached prefix it builds on (length + hash) and carrying only the tokens after it, and
+recovers from what a replica may answer:
 
 - a **cache miss** (the replica does not hold that prefix): resend the whole context to
   the same replica;
@@ -34,7 +35,8 @@ import grpc
 from specdec.common.errors import SpecdecError, Unavailable
 from specdec.common.prefix import PrefixChain
 from specdec.gateway import metrics, tracing
-from specdec.gateway.canary import VersionRule
+from specdec.gateway.names import Role
+from specdec.gateway.placement import Placement as Placement
 from specdec.gateway.replicas import Fleet, NoReplica, Replica
 from specdec.gateway.transport import CallFailed, Method
 from specdec.v1 import common_pb2
@@ -50,20 +52,6 @@ class UpstreamError(SpecdecError):
     def __init__(self, replica: Replica, failure: CallFailed):
         super().__init__(f"{replica!r}: {failure.details}", failure.code, failure.reason)
         self.replica_details = failure.details
-
-
-@dataclass
-class Placement:
-    """Which replica holds a request's KV cache on one side, and how many tokens it holds."""
-
-    replica: Replica | None = None
-    cached: int = 0
-    # Which drafters a new placement may pick (--drafter-canary); None: any.
-    rule: VersionRule | None = None
-
-    @property
-    def address(self) -> str | None:
-        return self.replica.address if self.replica else None
 
 
 @dataclass(frozen=True)
@@ -131,13 +119,13 @@ class ReplicaCaller:
                 except NoReplica as e:
                     raise Unavailable(str(e)) from None
                 if chosen is not placement.replica:
-                    if placement.cached:
+                    was = placement.address
+                    if placement.moved(chosen):
                         # The session's cache was on a replica that is down or gone
                         # (between turns, or a failover below): the whole context goes
                         # to another one, a resend like a miss's.
                         resends += 1
-                        tracing.note_moved(method.role, placement.address, chosen.address)
-                    placement.replica, placement.cached = chosen, 0
+                        tracing.note_moved(method.role, was, chosen.address)
             replica = placement.replica
             n = min(placement.cached, len(ctx) + len(tail) - 1)
             prefix = common_pb2.CachedPrefix(length=n, hash=self._chain.hash(ctx, n, tail))
@@ -150,7 +138,7 @@ class ReplicaCaller:
                 resends += 1
                 if failure.cache_miss:
                     tracing.note_cache_miss(method.role, replica.address)
-                    placement.cached = 0
+                    placement.missed()
                     continue
                 if failure.busy:
                     # Another replica of the pool (the cache is lost there), never marked
@@ -159,12 +147,12 @@ class ReplicaCaller:
                     metrics.BUSY_REDIRECTS.labels(role=method.role).inc()
                     if not [r for r in pool.up() if r not in failed and r not in busy]:
                         raise UpstreamError(replica, failure) from None
-                    placement.replica, placement.cached = None, 0
+                    placement.moved(None)
                     continue
                 if failure.code != grpc.StatusCode.UNAVAILABLE:
                     raise UpstreamError(replica, failure) from None
                 others = [r for r in pool.up() if r is not replica and r not in failed]
-                if not others and retries < len(RETRY_BACKOFF) and method.role == "verifier":
+                if not others and retries < len(RETRY_BACKOFF) and method.role == Role.VERIFIER:
                     # The only verifier left: a blip (a restart) must not fail every request
                     # at once; its cache may survive (a miss says so). Without a drafter a
                     # round runs at k = 0 instead of waiting.
@@ -176,7 +164,7 @@ class ReplicaCaller:
                 failed.append(replica)
                 metrics.FAILOVERS.labels(role=method.role).inc()
                 tracing.note_failover(method.role, replica.address, why)
-                placement.replica, placement.cached = None, 0
+                placement.moved(None)
             finally:
                 replica.in_flight -= 1
                 replica.served += 1

@@ -67,24 +67,13 @@ from specdec.gateway.grammar import Constraint
 from specdec.gateway.lookup import HYBRID, MODEL, PREDICTION
 from specdec.gateway.lookup.hybrid import RequestLookup
 from specdec.gateway.lookup.tree import graft, is_chain, merge
-from specdec.gateway.outcome import (
-    DRAFTED,
-    LOOKUP_SOURCES,
-    NO_DRAFT,
-    NO_DRAFTER,
-    NO_MATCH,
-    PREPARED,
-    SSD_HIT,
-    SSD_LATE,
-    SSD_MISS,
-    SSD_OFF,
-    SSD_PAUSED,
-    Outcome,
-    RequestStats,
-)
-from specdec.gateway.policy import ADAPTIVE, Policy
+from specdec.gateway.names import LOOKUP_SOURCES, KPolicy, Role, Source, Ssd
+from specdec.gateway.outcome import Outcome, RequestStats
+from specdec.gateway.policy import Policy
 from specdec.gateway.replicas import Replica
+from specdec.gateway.request import NO_SCORING, Speculation
 from specdec.gateway.transport import Method
+from specdec.sdk.request import Scoring
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
@@ -96,11 +85,10 @@ class Draft:
 
     tokens: Sequence[int]  # [k]
     probs: Sequence[common_pb2.DraftDistribution]  # [k] under sampling, else empty
-    source: str  # outcome.DRAFTED, PREPARED, a LOOKUP_SOURCES entry, NO_DRAFT, NO_DRAFTER
-    # or NO_MATCH
+    source: Source
     seconds: float = 0.0  # the gateway's wait for its Draft call
     resends: int = 0
-    late_outcome: str | None = None  # the previous round's late Speculate, decided now
+    late_outcome: Ssd | None = None  # the previous round's late Speculate, decided now
     extended: int = 0  # lookup tokens appended to the draft model's draft (hybrid)
     forward_ms: float = 0.0  # the Draft's forwards, as the drafter reported them
     fed: int = 0  # tokens the Draft call fed (its new tokens: a prefill or resend is long)
@@ -109,10 +97,10 @@ class Draft:
 
 
 @dataclass(slots=True)
-class Speculation:
+class SpeculateCall:
     """The Speculate sent beside a round's Verify (task None: SSD off or paused)."""
 
-    state: str  # SSD_OFF, SSD_PAUSED, or "sent"
+    state: Ssd  # OFF, PAUSED or SENT
     task: asyncio.Task | None = None
     fan_out: int | None = None
     branch_k: int = 0
@@ -124,7 +112,7 @@ class Speculation:
 class SsdVerdict:
     """What a round's Speculate gave once its Verify answered."""
 
-    state: str  # SSD_OFF, SSD_PAUSED, SSD_HIT, SSD_MISS or SSD_LATE
+    state: Ssd  # OFF, PAUSED, HIT, MISS or LATE
     branches: int = 0
     seconds: float | None = None  # its round trip, when it answered in time
     bytes: int = 0
@@ -150,17 +138,19 @@ class Speculator:
         verifier: Placement,
         policy: Policy,
         *,
-        ssd: bool = False,
+        speculation: Speculation,
+        scoring: Scoring = NO_SCORING,
         max_context: int,
+        lookup_max_k: int = 0,
         output: common_pb2.OutputControls | None = None,
-        logprobs: bool = False,
-        top_logprobs: int = 0,
-        prompt_logprobs: bool = False,
         constraint: Constraint | None = None,
         lookup: RequestLookup | None = None,
-        lookup_max_k: int = 0,
-        tree_width: int = 1,
     ):
+        """One request's rounds: `speculation` (its SSD and tree width; the k of each round
+        is the turn's, `round`'s max_k), `scoring` (what each Verify scores: the prompt
+        with the first round's), the context bound and the largest lookup draft (the
+        replicas' largest k), the output controls every call carries with the sampling,
+        the grammar state and the lookup proposer."""
         self.caller = caller
         self.session = replica_session
         self.sampling = sampling.to_proto()  # the wire form every replica call carries
@@ -168,7 +158,7 @@ class Speculator:
         self.verifier = verifier
         self.policy = policy
         policy.bind(drafter, verifier, caller.fleet)  # it prices drafts with their cost curves
-        self.ssd = ssd
+        self.ssd = speculation.ssd
         self.max_context = max_context
         # Where the request's output starts and its min_tokens mask: every replica call
         # carries it with the sampling (the logits processors need both).
@@ -183,12 +173,12 @@ class Speculator:
         # verifier cannot score on a tree yet keeps chains.
         tree_ok = not (
             constraint is not None
-            or logprobs
-            or prompt_logprobs
+            or scoring.logprobs
+            or scoring.prompt_logprobs
             or processes_logits(self.sampling, output)
         )
-        self.tree_width = tree_width if tree_ok else 1
-        self.stats = RequestStats(adaptive=policy.kind == ADAPTIVE)
+        self.tree_width = speculation.tree_width if tree_ok else 1
+        self.stats = RequestStats(adaptive=policy.kind == KPolicy.ADAPTIVE)
         self._ready: tuple[int, list[int]] | None = None  # greedy SSD hit: (ctx length, draft)
         self._prediction: list[int] | None = None  # to graft onto this round's model draft
         self._late = False  # the last Speculate was still running at its verdict
@@ -196,12 +186,10 @@ class Speculator:
         self._index = 0
         # Scores asked of each Verify (with top_logprobs alternatives per token); the
         # prompt's with the first round's.
-        self.logprobs = logprobs
-        self.top_logprobs = top_logprobs
-        self.prompt_logprobs = prompt_logprobs
+        self.scoring = scoring
         # n > 1 (specdec.gateway.choices): per role, the replica session whose cache the
         # next call that names a prefix starts from (VerifyRequest.fork_from).
-        self.fork_from: dict[str, str] = {}
+        self.fork_from: dict[Role, str] = {}
 
     async def round(self, ctx: Sequence[int], max_k: int, remaining: int) -> Outcome:
         """One round after ctx, drafting at most max_k tokens (the policy picks k); with SSD
@@ -224,7 +212,7 @@ class Speculator:
             path = list(verdict.accepted_path)
             verified = time.perf_counter()
             ssd = self._settle(speculation, verdict, ctx, verify_sent, verified, draft)
-            if ssd.state == SSD_LATE:
+            if ssd.state == Ssd.LATE:
                 await asyncio.sleep(0)  # the cancel leaves before the next drafter call
             outcome = Outcome(
                 index=self._index,
@@ -300,12 +288,12 @@ class Speculator:
             if with_model:
                 return None
             self._ready = None
-            return Draft((), (), NO_MATCH if bound > 0 and not found else NO_DRAFT)
+            return Draft((), (), Source.NO_MATCH if bound > 0 and not found else Source.NO_DRAFT)
         self._ready = None  # an SSD draft prepared for this context goes unused
         late_outcome = None
         if self._late:  # the last Speculate answered after its verdict: its branches go
             # unused (a lookup drafts this round), so it missed
-            self._late, late_outcome = False, SSD_MISS
+            self._late, late_outcome = False, Ssd.MISS
         tokens, parents, chain = self._tree(tokens[:k], proposal.others, bound, proposal.source)
         probs = () if self.greedy else [one_hot(t) for t in tokens]
         return Draft(
@@ -387,9 +375,9 @@ class Speculator:
         else a Draft call, else (no drafter could draft) none."""
         ready, self._ready = self._ready, None
         if k == 0:
-            return Draft((), (), NO_DRAFT)
+            return Draft((), (), Source.NO_DRAFT)
         if ready is not None and ready[0] == len(ctx):
-            return Draft(ready[1][:k], (), PREPARED)
+            return Draft(ready[1][:k], (), Source.PREPARED)
         started = time.perf_counter()
         fed = [0]
         nodes = self._tree_nodes(ctx, k)
@@ -403,17 +391,17 @@ class Speculator:
         late_outcome = None
         if self._late:  # the last Speculate answered after its verdict: this Draft decides
             self._late = False
-            late_outcome = SSD_HIT if answer is not None and answer.response.prepared else SSD_MISS
+            late_outcome = Ssd.HIT if answer is not None and answer.response.prepared else Ssd.MISS
         if answer is None:
-            return Draft((), (), NO_DRAFTER, seconds, 0, late_outcome)
+            return Draft((), (), Source.NO_DRAFTER, seconds, 0, late_outcome)
         if self._without_drafter:
             log.info("drafter back; speculation resumes", extra={"replica": self.drafter.address})
             self._without_drafter = False
         d = answer.response
         answer.replica.note_cost(d.forward_cost)
-        self.fork_from.pop("drafter", None)
-        self.drafter.cached = d.cached_length
-        source = PREPARED if d.prepared else DRAFTED
+        self.fork_from.pop(Role.DRAFTER, None)
+        self.drafter.answered(d.cached_length)
+        source = Source.PREPARED if d.prepared else Source.DRAFTED
         return Draft(
             d.draft_tokens,
             d.draft_probs,
@@ -455,7 +443,7 @@ class Speculator:
         """No drafter could draft: this round runs at k = 0 (warned once per outage, counted
         per round); speculation resumes once the probe brings a drafter back."""
         metrics.DRAFTER_FALLBACK.inc()
-        self.drafter.replica, self.drafter.cached = None, 0
+        self.drafter.moved(None)
         if not self._without_drafter:
             log.warning("no drafter could draft; continuing at k = 0", extra={"why": str(error)})
         self._without_drafter = True
@@ -471,14 +459,14 @@ class Speculator:
                 num_draft_tokens=k,
                 sampling=self.sampling,
                 output=self.output,
-                fork_from=self._fork("drafter", prefix),
+                fork_from=self._fork(Role.DRAFTER, prefix),
                 tree_nodes=tree_nodes,
                 tree_width=self.tree_width if tree_nodes else 0,
             )
 
         return build
 
-    def _fork(self, role: str, prefix: common_pb2.CachedPrefix) -> str:
+    def _fork(self, role: Role, prefix: common_pb2.CachedPrefix) -> str:
         """The fork_from of a call that names `prefix` (empty once a call was answered)."""
         return self.fork_from.get(role, "") if prefix.length else ""
 
@@ -494,7 +482,7 @@ class Speculator:
 
     def _speculate(
         self, ctx: Sequence[int], draft: Sequence[int], remaining: int, max_branch_k: int
-    ) -> Speculation:
+    ) -> SpeculateCall:
         """SSD's Speculate for the draft under verification (all of it: the model's tokens,
         their lookup extension, or a lookup draft), sent now; it changes no state until
         `_settle` reads it. Its branches add their next token and up to max_branch_k
@@ -503,17 +491,17 @@ class Speculator:
         k = len(draft)
         branch_k = min(max_branch_k, remaining - 2, self.max_context - len(ctx) - k - 1)
         if not self.ssd or k == 0 or branch_k < 1:
-            return Speculation(SSD_OFF)
+            return SpeculateCall(Ssd.OFF)
         fan_out = self.policy.choose_fan_out(k, branch_k)
         if fan_out is None:  # the policy paused SSD: its Speculates kept arriving late
-            return Speculation(SSD_PAUSED)
-        speculation = Speculation("sent", fan_out=fan_out, branch_k=branch_k)
+            return SpeculateCall(Ssd.PAUSED)
+        speculation = SpeculateCall(Ssd.SENT, fan_out=fan_out, branch_k=branch_k)
         speculation.sent = time.perf_counter()
         speculation.task = asyncio.ensure_future(self._send_speculate(ctx, draft, speculation))
         return speculation
 
     async def _send_speculate(
-        self, ctx: Sequence[int], draft: Sequence[int], speculation: Speculation
+        self, ctx: Sequence[int], draft: Sequence[int], speculation: SpeculateCall
     ) -> tuple[drafter_pb2.SpeculateResponse, Replica, float]:
         """Speculate for `speculation`'s branches; its response, the replica that answered
         and when (perf_counter seconds)."""
@@ -536,7 +524,7 @@ class Speculator:
 
         # A copy of the placement: a Speculate that fails over or misses must not move
         # the Draft / Verify placement under a round in flight.
-        placement = Placement(self.drafter.replica, self.drafter.cached, self.drafter.rule)
+        placement = self.drafter.copy()
         answer = await self.caller.call(Method.SPECULATE, placement, ctx, build, tail=draft)
         return answer.response, answer.replica, time.perf_counter()
 
@@ -544,14 +532,15 @@ class Speculator:
         self,
         ctx: Sequence[int],
         draft: Draft,
-        speculation: Speculation,
+        speculation: SpeculateCall,
         masks: Sequence[verifier_pb2.GrammarMask] = (),
     ) -> tuple[verifier_pb2.VerifyResponse, int, int]:
         """The verdict on the draft, the resends it took and the tokens the answered call
         fed; a failure cancels the Speculate beside it (the verifier's error is the one
         raised)."""
 
-        prompt_logprobs = self.prompt_logprobs and self._index == 0
+        scoring = self.scoring
+        prompt_logprobs = scoring.prompt_logprobs and self._index == 0
         fed = 0
 
         def build(prefix: common_pb2.CachedPrefix, new: list[int]) -> verifier_pb2.VerifyRequest:
@@ -565,10 +554,10 @@ class Speculator:
                 draft_probs=draft.probs,
                 sampling=self.sampling,
                 output=self.output,
-                logprobs=self.logprobs,
-                top_logprobs=self.top_logprobs if self.logprobs or prompt_logprobs else 0,
+                logprobs=scoring.logprobs,
+                top_logprobs=scoring.top_logprobs if scoring.logprobs or prompt_logprobs else 0,
                 prompt_logprobs=prompt_logprobs,
-                fork_from=self._fork("verifier", prefix),
+                fork_from=self._fork(Role.VERIFIER, prefix),
                 grammar_masks=masks,
                 draft_parents=draft.parents,
             )
@@ -584,20 +573,20 @@ class Speculator:
             raise
         verdict = answer.response
         answer.replica.note_cost(verdict.forward_cost)
-        self.fork_from.pop("verifier", None)
-        self.verifier.cached = verdict.cached_length
+        self.fork_from.pop(Role.VERIFIER, None)
+        self.verifier.answered(verdict.cached_length)
         # The drafter cached the draft (all of it with SSD, d_1..d_{k-1} without); what
         # follows the accepted tokens is stale (a tree: what follows the path's first node
-        # off the draft, DRAFTED's chain).
+        # off the draft, Source.DRAFTED's chain).
         kept = verdict.accepted_count
         if draft.parents:
             kept = _on_chain(verdict.accepted_path, draft.chain)
-        self.drafter.cached = min(self.drafter.cached, len(ctx) + kept)
+        self.drafter.accepted(len(ctx) + kept)
         return verdict, answer.resends, fed
 
     def _settle(
         self,
-        speculation: Speculation,
+        speculation: SpeculateCall,
         verdict: verifier_pb2.VerifyResponse,
         ctx: Sequence[int],
         verify_sent: float,
@@ -619,12 +608,12 @@ class Speculator:
             metrics.SSD_LATE.inc()
             task.cancel()
             self._late = True
-            return SsdVerdict(SSD_LATE, hidden=verified - verify_sent)
+            return SsdVerdict(Ssd.LATE, hidden=verified - verify_sent)
         if task.cancelled() or task.exception() is not None:
             why = "cancelled" if task.cancelled() else str(task.exception())
             metrics.SSD_FAILED.inc()
             log.info("speculate failed; counted as a miss", extra={"why": why})
-            return SsdVerdict(SSD_MISS)
+            return SsdVerdict(Ssd.MISS)
         response, replica, answered = task.result()
         accepted, next_token = verdict.accepted_count, verdict.next_token
         outcome: tuple[int, int] | None = (accepted, next_token)
@@ -634,7 +623,8 @@ class Speculator:
                 outcome = None  # the path left the first branch
         if replica is self.drafter.replica:  # it holds ctx + the whole draft, of which only
             # ctx + the accepted tokens is the sequence: a call naming more would miss
-            self.drafter.cached = min(response.cached_length, len(ctx) + accepted)
+            self.drafter.answered(response.cached_length)
+            self.drafter.accepted(len(ctx) + accepted)
         branch = next(
             (b for b in response.branches if (b.accepted_count, b.next_token) == outcome),
             None,
@@ -647,7 +637,7 @@ class Speculator:
             if branch is not None:  # its draft after the leaf began with the next token
                 self._ready = (len(ctx) + accepted + 2, list(branch.draft_tokens[1:]))
         return SsdVerdict(
-            SSD_HIT if branch is not None else SSD_MISS,
+            Ssd.HIT if branch is not None else Ssd.MISS,
             branches=len(response.branches),
             seconds=answered - speculation.sent,
             bytes=response.ByteSize(),

@@ -12,33 +12,33 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# Where a round's draft came from.
-DRAFTED = "drafter"  # a Draft call that ran the drafter's model
-PREPARED = "prepared"  # an SSD branch: held by the gateway (greedy) or by the drafter
-NO_DRAFT = "none"  # k = 0 by choice (the request's k, the policy, or no room left)
-NO_DRAFTER = "no-drafter"  # k = 0 because no drafter could draft (same output, slower)
-# Lookup drafts built by the gateway (specdec.gateway.lookup): no model call, one-hot q.
-LOOKUP_NGRAM = "ngram"
-LOOKUP_SUFFIX = "suffix"
-LOOKUP_PREDICTION = "prediction"
-LOOKUP_SOURCES = (LOOKUP_NGRAM, LOOKUP_SUFFIX, LOOKUP_PREDICTION)
-NO_MATCH = "no-match"  # k = 0 because the request's lookup method found nothing to draft
+from specdec.gateway.names import LOOKUP_SOURCES, DraftMethod, Source, Ssd
+
+# Where a round's draft came from (specdec.gateway.names.Source), by its old names.
+DRAFTED = Source.DRAFTED
+PREPARED = Source.PREPARED
+NO_DRAFT = Source.NO_DRAFT
+NO_DRAFTER = Source.NO_DRAFTER
+LOOKUP_NGRAM = Source.NGRAM
+LOOKUP_SUFFIX = Source.SUFFIX
+LOOKUP_PREDICTION = Source.PREDICTION
+NO_MATCH = Source.NO_MATCH
 
 
-def source_label(source: str) -> str | None:
+def source_label(source: Source) -> str | None:
     """The `method` label of a draft source: "model" for the drafter's drafts (SSD's
     prepared ones included), the lookup source itself, None without a draft."""
     if source in (DRAFTED, PREPARED):
-        return "model"
+        return DraftMethod.MODEL
     return source if source in LOOKUP_SOURCES else None
 
 
-# What SSD did in a round.
-SSD_OFF = "off"  # no Speculate (SSD off, no draft, or no room for another round)
-SSD_PAUSED = "paused"  # the adaptive policy held it back (late even at fan-out 1)
-SSD_HIT = "hit"  # the verified outcome had a prepared draft
-SSD_MISS = "miss"  # it had none (or the Speculate failed)
-SSD_LATE = "late"  # still running at the verdict: cancelled; the next Draft decides
+# What SSD did in a round (specdec.gateway.names.Ssd), by its old names.
+SSD_OFF = Ssd.OFF
+SSD_PAUSED = Ssd.PAUSED
+SSD_HIT = Ssd.HIT
+SSD_MISS = Ssd.MISS
+SSD_LATE = Ssd.LATE
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,19 +52,18 @@ class Outcome:
     draft: tuple[int, ...]  # the draft, [k] (a tree's: its accepted path first)
     accepted: int  # draft tokens the verifier accepted, 0..k
     next_token: int  # the recovered (accepted < k) or bonus (accepted == k) token
-    source: str  # where the draft came from: DRAFTED, PREPARED, a LOOKUP_SOURCES entry,
-    # NO_DRAFT, NO_DRAFTER or NO_MATCH
+    source: Source  # where the draft came from
     draft_seconds: float  # the gateway waited this long for its Draft (0 without a call)
     verify_seconds: float  # Verify's round trip
     queue_depth: int  # model requests the verifier had queued when Verify arrived
     resends: int  # full-context resends of the round's Draft and Verify (miss, busy, failover)
-    ssd: str = SSD_OFF  # SSD_OFF, SSD_PAUSED, SSD_HIT, SSD_MISS or SSD_LATE
+    ssd: Ssd = Ssd.OFF  # OFF, PAUSED, HIT, MISS or LATE
     # The last `extended` tokens of a draft model's draft are the lookup's continuation of
     # it (hybrid); their label is LOOKUP_NGRAM.
     extended: int = 0
     # The previous round's late Speculate, decided by this round's Draft: SSD_HIT when the
     # drafter answered it from the branch that Speculate stored, SSD_MISS otherwise.
-    late_outcome: str | None = None
+    late_outcome: Ssd | None = None
     fan_out: int | None = None  # branches asked of the round's Speculate (0: the drafter's
     # default), None when none was sent
     branch_k: int = 0  # their draft length

@@ -87,36 +87,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.common.cost import Line, ReportedCost
-from specdec.gateway.outcome import (
-    DRAFTED,
-    LOOKUP_NGRAM,
-    LOOKUP_SOURCES,
-    SSD_HIT,
-    SSD_LATE,
-    SSD_MISS,
-    Outcome,
-)
-from specdec.v1 import gateway_pb2
+from specdec.gateway.names import LOOKUP_SOURCES, DraftMethod, KPolicy, Role, Source, Ssd
+from specdec.gateway.outcome import Outcome
 
-FIXED = gateway_pb2.K_POLICY_FIXED
-ADAPTIVE = gateway_pb2.K_POLICY_ADAPTIVE
-NAMES = {FIXED: "fixed", ADAPTIVE: "adaptive"}
-BY_NAME = {name: value for value, name in NAMES.items()}
+# The gateway_pb2.KPolicy values (a request's, the configuration's).
+FIXED = KPolicy.FIXED.proto
+ADAPTIVE = KPolicy.ADAPTIVE.proto
+BY_NAME = {policy.value: policy.proto for policy in KPolicy}
 # The largest fan-out the adaptive policy asks for when the gateway's --ssd-fan-out is 0:
 # the drafter's default --ssd-fan-out (replicas do not report theirs).
 ADAPTIVE_MAX_FAN_OUT = 6
 
 # Draft sources whose acceptance is measured apart (LOOKUP_SOURCES, then these two).
-MODEL = "model"
+MODEL = DraftMethod.MODEL.value
 EXTENSION = "extension"  # a lookup's continuation of a model draft (hybrid)
 MAX_POSITIONS = 32  # draft positions whose acceptance is counted one by one
 # A call that fed more tokens than this (a prefill, a resend) is not a measurement of a
 # round's cost (the replicas' curves stop there too, specdec.common.cost).
 MAX_FED = 32
-
-
-def policy_name(value: int) -> str:
-    return NAMES[value]
 
 
 def parse_policy(name: str) -> int:
@@ -292,7 +280,7 @@ def _argmax(rates: list[float]) -> int:
 class FixedPolicy:
     """The request's k every round; lookups and extensions whole; the configured fan-out."""
 
-    kind = FIXED
+    kind = KPolicy.FIXED
 
     def __init__(self, fan_out: int = 0, priors: SourcePriors | None = None):
         self.fan_out = fan_out  # 0: the drafter's default
@@ -307,7 +295,7 @@ class FixedPolicy:
     def choose_fan_out(self, k: int, branch_k: int) -> int | None:
         return self.fan_out
 
-    def choose_lookup_k(self, bound: int, source: str = LOOKUP_NGRAM) -> int:
+    def choose_lookup_k(self, bound: int, source: str = Source.NGRAM) -> int:
         return max(0, bound)
 
     def lookup_or_model(self, source: str, length: int, max_k: int) -> int:
@@ -317,7 +305,7 @@ class FixedPolicy:
         return max(0, available)
 
     def tree_sizes(
-        self, k: int, branches: int, bound: int, source: str = LOOKUP_NGRAM
+        self, k: int, branches: int, bound: int, source: str = Source.NGRAM
     ) -> tuple[int, int]:
         """A lookup draft the policy sized to k tokens, with `branches` other candidates,
         as a tree of at most bound nodes: (the draft's tokens, each other branch's). Here
@@ -346,7 +334,7 @@ class AdaptivePolicy:
     """Picks each round's draft (and the SSD fan-out) to maximise expected tokens per
     second, from what the request and the gateway measured so far."""
 
-    kind = ADAPTIVE
+    kind = KPolicy.ADAPTIVE
 
     def __init__(
         self,
@@ -450,7 +438,7 @@ class AdaptivePolicy:
 
     def verifier_line(self) -> Line | None:
         """The verifier's reported t_v for the rows its load puts in a forward."""
-        cost = self._cost(self._verifier, "verifier")
+        cost = self._cost(self._verifier, Role.VERIFIER)
         if cost is None:
             return None
         return cost.line(1 + round(self.queue.value or 0.0))
@@ -469,7 +457,7 @@ class AdaptivePolicy:
         """d_t: seconds per model draft token; None before anything is known."""
         if self.draft.value is not None:
             return self.draft.value
-        cost = self._cost(self._drafter, "drafter")
+        cost = self._cost(self._drafter, Role.DRAFTER)
         if cost is None:
             return None
         return cost.line(1).ms(1) / 1e3
@@ -532,7 +520,7 @@ class AdaptivePolicy:
             out.append((1.0 + first + survive * expected[n]) / (time + drafting))
         return out
 
-    def choose_lookup_k(self, bound: int, source: str = LOOKUP_NGRAM) -> int:
+    def choose_lookup_k(self, bound: int, source: str = Source.NGRAM) -> int:
         """How many tokens of a lookup draft of `source` to verify, in [0, bound]."""
         if bound <= 0:
             return 0
@@ -615,7 +603,7 @@ class AdaptivePolicy:
         `extended`: its last tokens were a lookup's extension of a model draft (counted
         once the model's were all accepted); forward_ms: the time the verifier reported
         for the call, fed: the tokens it fed (0: not known)."""
-        source = (lookup if isinstance(lookup, str) else LOOKUP_NGRAM) if lookup else None
+        source = (lookup if isinstance(lookup, str) else Source.NGRAM) if lookup else None
         for name, n, got in drafts_of(k, accepted, source, extended):
             if n > 0:
                 self.sources[name].observe(n, got)
@@ -650,7 +638,7 @@ class AdaptivePolicy:
         self.hits.add(1.0 if hit else 0.0)
 
     def tree_sizes(
-        self, k: int, branches: int, bound: int, source: str = LOOKUP_NGRAM
+        self, k: int, branches: int, bound: int, source: str = Source.NGRAM
     ) -> tuple[int, int]:
         """A lookup draft of `source` the policy sized to k tokens, with `branches` other
         candidates, as a tree of at most bound nodes: (the draft's tokens c, each other
@@ -702,7 +690,7 @@ class AdaptivePolicy:
             self.priors.observe_outcome(o)
         if o.late_outcome is not None:
             self.observe_ssd(False)
-        if o.source == DRAFTED:  # a tree's leaves took no forward of their own
+        if o.source == Source.DRAFTED:  # a tree's leaves took no forward of their own
             self.observe_draft(
                 o.chain if o.tree else o.k - o.extended,
                 o.draft_seconds,
@@ -710,7 +698,7 @@ class AdaptivePolicy:
                 o.draft_fed,
             )
         k, accepted = o.chain_verdict
-        if o.tree and o.source == DRAFTED:  # the drafter's alternatives: was one taken?
+        if o.tree and o.source == Source.DRAFTED:  # the drafter's alternatives: was one taken?
             self.leaves.add((1.0 if o.branch else 0.0) / max(1, o.k - o.chain))
         elif o.width > 1 and (o.branch is None or o.branch > 0):  # the first branch failed
             share = (o.k - o.chain) // (o.width - 1)
@@ -725,20 +713,22 @@ class AdaptivePolicy:
             o.verify_forward_ms,
             o.verify_fed,
         )
-        if o.ssd == SSD_LATE:
+        if o.ssd == Ssd.LATE:
             self.observe_speculate(o.fan_out or 0, o.branch_k, None)
         elif o.speculate_seconds is not None:
             self.observe_speculate(o.fan_out or 0, o.branch_k, o.speculate_seconds)
-        if o.ssd in (SSD_HIT, SSD_MISS):
-            self.observe_ssd(o.ssd == SSD_HIT)
+        if o.ssd in (Ssd.HIT, Ssd.MISS):
+            self.observe_ssd(o.ssd == Ssd.HIT)
 
 
 Policy = FixedPolicy | AdaptivePolicy
 
 
-def make_policy(kind: int, ssd: bool, fan_out: int, priors: SourcePriors | None = None) -> Policy:
+def make_policy(
+    kind: KPolicy, ssd: bool, fan_out: int, priors: SourcePriors | None = None
+) -> Policy:
     """The request's policy. fan_out: the gateway's --ssd-fan-out (0: the drafter's
     default, which the adaptive policy takes as ADAPTIVE_MAX_FAN_OUT, its largest)."""
-    if kind == ADAPTIVE:
+    if kind == KPolicy.ADAPTIVE:
         return AdaptivePolicy(ssd, fan_out or ADAPTIVE_MAX_FAN_OUT, priors=priors)
     return FixedPolicy(fan_out, priors)

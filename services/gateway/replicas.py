@@ -33,6 +33,7 @@ from specdec.gateway import metrics
 from specdec.gateway.canary import VersionRule
 from specdec.gateway.dataplane import DataPlaneSettings, DataPlaneTransport
 from specdec.gateway.discovery import make_discovery
+from specdec.gateway.names import Role
 from specdec.gateway.transport import CallFailed, GrpcTransport, Transport
 from specdec.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 
@@ -49,7 +50,7 @@ class IncompatibleReplicas(Exception):
 
 @dataclass(eq=False)
 class Replica:
-    role: str  # "drafter" | "verifier"
+    role: Role
     address: str
     channel: grpc.aio.Channel
     stub: object
@@ -96,8 +97,8 @@ def _channel(
     )
 
 
-def _stub_for(role: str, channel: grpc.aio.Channel):
-    if role == "drafter":
+def _stub_for(role: Role, channel: grpc.aio.Channel):
+    if role == Role.DRAFTER:
         return drafter_pb2_grpc.DrafterServiceStub(channel)
     return verifier_pb2_grpc.VerifierServiceStub(channel)
 
@@ -273,8 +274,8 @@ class Fleet:
         tls = {"credentials": credentials, "server_name": server_name}
         # How to reach replicas' data ports (None: the round's calls use gRPC only).
         self.data_plane = data_plane
-        self.drafters = ReplicaPool("drafter", drafters, dns_interval=dns_interval, **tls)
-        self.verifiers = ReplicaPool("verifier", verifiers, dns_interval=dns_interval, **tls)
+        self.drafters = ReplicaPool(Role.DRAFTER, drafters, dns_interval=dns_interval, **tls)
+        self.verifiers = ReplicaPool(Role.VERIFIER, verifiers, dns_interval=dns_interval, **tls)
         self._probe: asyncio.Task | None = None
         self._discovery: list[asyncio.Task] = []
         # What every replica must match, fixed at start: (vocab size, tokenizer fingerprint),
@@ -294,8 +295,8 @@ class Fleet:
         """The replicas admitted at least once (their Info is known)."""
         return [r for r in self.members if r.info is not None]
 
-    def pool(self, role: str) -> ReplicaPool:
-        return self.drafters if role == "drafter" else self.verifiers
+    def pool(self, role: Role) -> ReplicaPool:
+        return self.drafters if role == Role.DRAFTER else self.verifiers
 
     def _waiting_for(self) -> list[str]:
         """What start-up still waits for: every replica of a static pool, one replica of a

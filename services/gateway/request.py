@@ -1,5 +1,10 @@
 """Validation of a GenerateRequest against the gateway's limits: proto in, `Job` out.
 
+A `Job` carries the request as typed parts, each resolved once here: `Output` (length,
+stops, grammar, prediction), `Speculation` (k, SSD, k policy, method, tree width: the
+gateway's defaults where the request leaves them), `Session`, `Scoring` (the SDK's) and
+the sampling (the model's generation_config where the request leaves a field unset).
+
 Every check runs before anything is tokenized or sent to a replica, so a bad request costs
 nothing and touches no session. The limits come from the replicas' Info (vocabulary,
 context, largest k) and the gateway's own configuration.
@@ -13,7 +18,8 @@ from specdec.common.controls import MAX_STOP_TOKEN_IDS, check_sampling_controls
 from specdec.common.errors import InvalidRequest
 from specdec.common.params import MAX_TOP_LOGPROBS, SamplingParams, sampling_from_proto
 from specdec.gateway.lookup import METHODS, tree_width
-from specdec.sdk.request import Sampling
+from specdec.gateway.names import DraftMethod, KPolicy
+from specdec.sdk.request import Sampling, Scoring
 from specdec.v1 import gateway_pb2
 
 MAX_STOP_STRINGS = 16
@@ -54,34 +60,58 @@ class Limits:
 
 
 @dataclass(frozen=True)
-class Job:
-    """A validated GenerateRequest."""
+class Speculation:
+    """How a request's drafts are made, resolved: the request's SpeculationParams, else
+    the gateway's defaults (speed only, never the output)."""
 
-    prompt: str | list[int]  # text (tokenized once the history is known) or token ids
-    max_new_tokens: int
-    sampling: SamplingParams  # every field set: the request's, else the model's defaults
-    stop: tuple[str, ...]
-    session_id: str | None
-    reset: bool
-    ttl: int
     k: int  # the draft length; an upper bound under the adaptive policy
-    ssd: bool
-    k_policy: int = gateway_pb2.K_POLICY_FIXED  # FIXED or ADAPTIVE, never UNSPECIFIED
+    ssd: bool = False
+    k_policy: KPolicy = KPolicy.FIXED
+    method: DraftMethod = DraftMethod.MODEL
+    tree_width: int = 1  # candidate continuations per lookup round (1: chains)
+
+
+@dataclass(frozen=True)
+class Session:
+    """Which conversation a request continues (id None: a one-off request)."""
+
+    id: str | None = None
+    reset: bool = False  # forget its history first
+    ttl: int = 0  # seconds of idle time it lives
+
+
+@dataclass(frozen=True)
+class Output:
+    """What a request generates and where it ends."""
+
+    max_new_tokens: int
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     min_tokens: int = 0
-    stop_token_ids: frozenset[int] = frozenset()
-    logprobs: bool = False  # score the generated tokens
-    top_logprobs: int = 0  # alternatives per scored token
-    prompt_logprobs: bool = False  # score the prompt too (echo)
     n: int = 1  # independent completions (specdec.gateway.choices)
     # The grammar the output follows (compiled by specdec.gateway.grammar); None: none.
     structured: gateway_pb2.StructuredOutput | None = None
-    method: int = gateway_pb2.SPECULATION_METHOD_MODEL  # never UNSPECIFIED
-    tree_width: int = 1  # candidate continuations per lookup round (1: chains)
     # GenerateRequest.prediction: text (tokenized by the turn), ids, or None
     prediction: str | list[int] | None = None
-    tenant: str = ""  # who the request is for (gRPC metadata specdec-tenant, HTTP `user`)
     record: bool = True  # False: the request refused recording (GenerateRequest.record)
+
+
+NO_SCORING = Scoring()  # no log-probabilities
+
+
+@dataclass(frozen=True)
+class Job:
+    """A validated GenerateRequest: its prompt and its typed parts (the SDK's Request,
+    specdec.sdk.request, with every default resolved)."""
+
+    prompt: str | list[int]  # text (tokenized once the history is known) or token ids
+    sampling: SamplingParams  # every field set: the request's, else the model's defaults
+    output: Output
+    speculation: Speculation
+    session: Session = Session()
+    scoring: Scoring = NO_SCORING  # logprobs, top_logprobs, prompt_logprobs
+    tenant: str = ""  # who the request is for (gRPC metadata specdec-tenant, HTTP `user`)
 
 
 def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
@@ -198,27 +228,35 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
         raise InvalidRequest(f"speculation.tree_width {why}, got {width}")
     return Job(
         prompt=prompt,
-        max_new_tokens=req.max_new_tokens,
         sampling=sampling,
-        stop=stop,
-        session_id=session.id or None,
-        reset=session.mode == gateway_pb2.SESSION_MODE_RESET,
-        ttl=session.ttl_seconds or limits.default_ttl,
-        k=k,
-        ssd=ssd and k > 0,
-        k_policy=k_policy,
-        ignore_eos=req.ignore_eos,
-        min_tokens=req.min_tokens,
-        stop_token_ids=frozenset(stop_ids),
-        logprobs=req.logprobs,
-        top_logprobs=req.top_logprobs,
-        prompt_logprobs=req.prompt_logprobs,
-        n=n,
-        structured=req.structured_output if req.HasField("structured_output") else None,
-        method=method,
-        tree_width=width,
-        prediction=_prediction(req, limits),
-        record=req.record if req.HasField("record") else True,
+        output=Output(
+            max_new_tokens=req.max_new_tokens,
+            stop=stop,
+            stop_token_ids=frozenset(stop_ids),
+            ignore_eos=req.ignore_eos,
+            min_tokens=req.min_tokens,
+            n=n,
+            structured=req.structured_output if req.HasField("structured_output") else None,
+            prediction=_prediction(req, limits),
+            record=req.record if req.HasField("record") else True,
+        ),
+        speculation=Speculation(
+            k=k,
+            ssd=ssd and k > 0,
+            k_policy=KPolicy.of(k_policy),
+            method=DraftMethod.of(method),
+            tree_width=width,
+        ),
+        session=Session(
+            id=session.id or None,
+            reset=session.mode == gateway_pb2.SESSION_MODE_RESET,
+            ttl=session.ttl_seconds or limits.default_ttl,
+        ),
+        scoring=Scoring(
+            logprobs=req.logprobs,
+            top_logprobs=req.top_logprobs,
+            prompt_logprobs=req.prompt_logprobs,
+        ),
     )
 
 

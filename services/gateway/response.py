@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass
 
 from specdec.gateway import metrics
-from specdec.gateway.outcome import LOOKUP_PREDICTION, RequestStats
-from specdec.gateway.policy import policy_name
+from specdec.gateway.names import Source
+from specdec.gateway.outcome import RequestStats
 from specdec.gateway.request import Job
 from specdec.gateway.text import Completion
 from specdec.v1 import common_pb2, gateway_pb2
@@ -33,13 +33,6 @@ class Event:
     choice: gateway_pb2.GenerateChoice | None = None
 
 
-FINISH = {
-    "length": gateway_pb2.FINISH_REASON_LENGTH,
-    "eos": gateway_pb2.FINISH_REASON_EOS,
-    "stop": gateway_pb2.FINISH_REASON_STOP,
-}
-
-
 def build_response(
     job: Job,
     prompt_ids: list[int],
@@ -50,11 +43,11 @@ def build_response(
     first_at: float | None,
 ) -> gateway_pb2.GenerateResponse:
     """The final answer of a turn; started / first_at are perf_counter() seconds."""
-    _, predicted, accepted_predicted = stats.by_source.get(LOOKUP_PREDICTION, (0, 0, 0))
+    _, predicted, accepted_predicted = stats.by_source.get(Source.PREDICTION, (0, 0, 0))
     return gateway_pb2.GenerateResponse(
         text=completion.text,
         token_ids=completion.tokens,
-        finish_reason=FINISH[completion.finish_reason],
+        finish_reason=completion.finish_reason.proto,
         usage=gateway_pb2.Usage(
             prompt_tokens=len(prompt_ids),
             completion_tokens=len(completion.tokens),
@@ -73,8 +66,8 @@ def build_response(
             acceptance_rate=stats.acceptance_rate,
             mean_accepted_length=stats.mean_accepted_length,
             accepted_per_position=stats.accepted_per_position,
-            num_draft_tokens=job.k,
-            ssd=job.ssd,
+            num_draft_tokens=job.speculation.k,
+            ssd=job.speculation.ssd,
             ssd_hits=stats.ssd_hits,
             ssd_misses=stats.ssd_misses,
             ssd_branches=stats.ssd_branches,
@@ -84,14 +77,14 @@ def build_response(
             drafter_wait_ms=stats.drafter_wait_ms,
             ssd_bytes=stats.ssd_bytes,
             cache_misses=stats.cache_misses,
-            k_policy=job.k_policy,
+            k_policy=job.speculation.k_policy.proto,
             rounds_by_k=stats.rounds_by_k,
             mean_k=stats.mean_k,
             policy_k0_rounds=stats.policy_k0_rounds,
             mean_fan_out=stats.mean_fan_out,
             ssd_paused_rounds=stats.ssd_paused_rounds,
             mean_verifier_queue=stats.mean_verifier_queue,
-            method=job.method,
+            method=job.speculation.method.proto,
             by_source=[
                 gateway_pb2.DraftSourceStats(
                     source=source, drafts=row[0], draft_tokens=row[1], accepted_tokens=row[2]
@@ -103,7 +96,7 @@ def build_response(
             tree_nodes=stats.tree_nodes,
             tree_other_branch_rounds=stats.tree_other_branch_rounds,
         ),
-        session_id=job.session_id or "",
+        session_id=job.session.id or "",
     )
 
 
@@ -169,7 +162,7 @@ def record_metrics(
     metrics.SSD_HIDDEN.inc(s.ssd_hidden_ms / 1e3)
     metrics.SSD_BYTES.inc(s.ssd_bytes)
     metrics.DRAFTER_WAIT.inc(s.drafter_wait_ms / 1e3)
-    policy = policy_name(job.k_policy)
+    policy = job.speculation.k_policy
     for k, n in enumerate(s.rounds_by_k):
         if n:
             metrics.ROUNDS_BY_K.labels(k_policy=policy, k=str(k)).inc(n)

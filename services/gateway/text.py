@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
+from specdec.gateway.names import Finish
 from specdec.v1 import common_pb2
 
 
@@ -67,7 +68,7 @@ class Completion:
     text: str = ""
     emitted_chars: int = 0
     emitted_tokens: int = 0
-    finish_reason: str | None = None  # "length" | "eos" | "stop"
+    finish_reason: Finish | None = None
     _prefix_offset: int = 0  # start of the decode window
     _read_offset: int = 0  # tokens whose text is already in self.text
 
@@ -81,7 +82,7 @@ class Completion:
             self.text += self._decode_next()
             if token in self.stop_token_ids:  # as vLLM: the token is kept, its text is not
                 self.text = self.text[:before]
-                self.finish_reason = "stop"
+                self.finish_reason = Finish.STOP
                 break
             if (
                 self.stop
@@ -91,12 +92,12 @@ class Completion:
             ):
                 break
             if token in self.eos_token_ids and not self.ignore_eos:
-                self.finish_reason = "eos"
+                self.finish_reason = Finish.EOS
                 break
             if len(self.tokens) >= self.max_new_tokens:
-                self.finish_reason = "length"
+                self.finish_reason = Finish.LENGTH
                 break
-        if self.finish_reason in ("eos", "length"):
+        if self.finish_reason in (Finish.EOS, Finish.LENGTH):
             self.text += self._flush()
         return self._delta(longest)
 
@@ -123,7 +124,7 @@ class Completion:
         if not hits:
             return False
         self.text = self.text[: min(hits)]
-        self.finish_reason = "stop"
+        self.finish_reason = Finish.STOP
         return True
 
     def _delta(self, longest: int) -> tuple[str, list[int]]:

@@ -29,14 +29,15 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from specdec.common import telemetry
 from specdec.common.errors import SpecdecError
 from specdec.gateway import metrics
+from specdec.gateway.names import Role
 from specdec.gateway.outcome import Outcome
 from specdec.gateway.transport import CallFailed, Method
 from specdec.v1 import drafter_pb2, gateway_pb2, verifier_pb2
 
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 SERVICES = {
-    "drafter": drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name,
-    "verifier": verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name,
+    Role.DRAFTER: drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name,
+    Role.VERIFIER: verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name,
 }
 TRACE_ID_METADATA = "specdec-trace-id"
 FINISH_NAMES = {v: k for k, v in gateway_pb2.FinishReason.items()}

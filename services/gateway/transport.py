@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import grpc
 
 from specdec.common.errors import Reason, SpecdecError
+from specdec.gateway.names import Role
 from specdec.sdk.errors import reason_in
 from specdec.v1 import drafter_pb2, verifier_pb2
 
@@ -34,11 +35,11 @@ from specdec.v1 import drafter_pb2, verifier_pb2
 class Method(enum.Enum):
     """A call of the round: the role that serves it, its RPC name and its response type."""
 
-    DRAFT = ("drafter", "Draft", drafter_pb2.DraftResponse)
-    SPECULATE = ("drafter", "Speculate", drafter_pb2.SpeculateResponse)
-    VERIFY = ("verifier", "Verify", verifier_pb2.VerifyResponse)
+    DRAFT = (Role.DRAFTER, "Draft", drafter_pb2.DraftResponse)
+    SPECULATE = (Role.DRAFTER, "Speculate", drafter_pb2.SpeculateResponse)
+    VERIFY = (Role.VERIFIER, "Verify", verifier_pb2.VerifyResponse)
 
-    def __init__(self, role: str, rpc: str, response: type):
+    def __init__(self, role: Role, rpc: str, response: type):
         self.role = role
         self.rpc = rpc  # the RPC's name in the role's gRPC service
         self.response = response

@@ -8,7 +8,7 @@ import pytest
 
 from specdec.common.errors import InvalidRequest
 from specdec.gateway.http import api
-from specdec.gateway.request import Job
+from specdec.gateway.request import Job, Output, Speculation
 from specdec.gateway.response import Event
 from specdec.gateway.text import Completion
 from specdec.gateway.turn import output_controls
@@ -45,19 +45,13 @@ def test_stop_strings_wait_for_min_tokens(codec):  # noqa: F811
     assert early.text == "ab " and late.text == "ab STOP cd "
 
 
-def _job(**kw) -> Job:
-    base = dict(
+def _job(**output) -> Job:
+    return Job(
         prompt=[1],
-        max_new_tokens=8,
         sampling=common_pb2.SamplingParams(),
-        stop=(),
-        session_id=None,
-        reset=False,
-        ttl=60,
-        k=3,
-        ssd=False,
+        output=Output(max_new_tokens=8, **output),
+        speculation=Speculation(k=3),
     )
-    return Job(**{**base, **kw})
 
 
 def test_output_controls_mask_eos_and_stop_ids_unless_ignored():

@@ -18,6 +18,7 @@ from specdec.gateway.caller import Placement, ReplicaCaller
 from specdec.gateway.loop import Speculator
 from specdec.gateway.policy import FixedPolicy
 from specdec.gateway.replicas import Fleet
+from specdec.gateway.request import Speculation
 from specdec.gateway.transport import GrpcTransport
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
 
@@ -36,7 +37,7 @@ def speculator(fleet: Fleet, session: str) -> Speculator:
         Placement(),
         Placement(),
         FixedPolicy(),
-        ssd=True,
+        speculation=Speculation(k=2, ssd=True),
         max_context=512,
     )
 

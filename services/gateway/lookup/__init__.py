@@ -17,21 +17,17 @@ from __future__ import annotations
 
 # Children of a tree's node: candidate continuations a round may verify as one tree.
 from specdec.common.config import MAX_TREE_WIDTH as MAX_TREE_WIDTH
-from specdec.v1 import gateway_pb2
+from specdec.gateway.names import DraftMethod, Source
 
-MODEL = "model"
-NGRAM = "ngram"
-SUFFIX = "suffix"
-HYBRID = "hybrid"
-PREDICTION = "prediction"  # a draft source (any method), not a method
+MODEL = DraftMethod.MODEL
+NGRAM = DraftMethod.NGRAM
+SUFFIX = DraftMethod.SUFFIX
+HYBRID = DraftMethod.HYBRID
+PREDICTION = Source.PREDICTION  # a draft source (any method), not a method
 
-METHODS = {
-    gateway_pb2.SPECULATION_METHOD_MODEL: MODEL,
-    gateway_pb2.SPECULATION_METHOD_NGRAM: NGRAM,
-    gateway_pb2.SPECULATION_METHOD_SUFFIX: SUFFIX,
-    gateway_pb2.SPECULATION_METHOD_HYBRID: HYBRID,
-}
-BY_NAME = {name: value for value, name in METHODS.items()}
+# gateway_pb2.SpeculationMethod value -> the method
+METHODS = {method.proto: method for method in DraftMethod}
+BY_NAME = {method.value: method.proto for method in DraftMethod}
 
 SCOPES = ("global", "tenant", "off")
 
@@ -41,10 +37,6 @@ def tree_width(value: int) -> str | None:
     if 1 <= value <= MAX_TREE_WIDTH:
         return None
     return f"must be in [1, {MAX_TREE_WIDTH}]"
-
-
-def method_name(value: int) -> str:
-    return METHODS[value]
 
 
 def parse_method(name: str) -> int:
