@@ -5,6 +5,8 @@ its path (greedy) or drawn from its distribution given its path, which it carrie
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -96,3 +98,29 @@ def test_sampled_continuations_carry_their_distribution(drafter, model):
     for i in range(K, len(draft.tokens)):
         if i not in below:  # a leaf: chosen, one-hot
             assert float(decode_probs(draft.probs[i], vocab)[draft.tokens[i]]) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("nodes", "width", "depth", "message"),
+    [
+        (0, 0, 2, "tree_depth needs tree_nodes"),
+        (2, 3, 2, "tree_nodes must be at least 1 + tree_depth"),
+        (6, 1, 2, "tree_width must be in [2, 8]"),
+    ],
+)
+def test_draft_tree_arguments_are_checked(drafter, nodes, width, depth, message):
+    from specdec.common.errors import InvalidRequest
+    from specdec.drafter.server import DrafterServicer
+    from specdec.v1 import common_pb2, drafter_pb2
+
+    request = drafter_pb2.DraftRequest(
+        session_id="checked",
+        prefix=common_pb2.CachedPrefix(),
+        new_tokens=CONTEXT,
+        num_draft_tokens=K,
+        tree_nodes=nodes,
+        tree_width=width,
+        tree_depth=depth,
+    )
+    with pytest.raises(InvalidRequest, match=re.escape(message)):
+        DrafterServicer(drafter).draft_call(request)
