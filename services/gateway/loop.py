@@ -680,8 +680,9 @@ class Speculator:
         """Under greedy decoding, a tree path that left the first branch at one leaf x (after
         on_chain of its tokens), then took x's continuation c_1..c_j (j >= 0, a continued
         leaf's) and emitted y: the branch SSD prepared for "on_chain accepted, then x" whose
-        draft starts with c_1..c_j y (its rest is the drafter's greedy draft after y), or
-        None."""
+        draft starts with c_1..c_j y (its rest is the drafter's greedy draft after y) and
+        whose rest is at least as long as after a terminal leaf (k - 1: a shorter one would
+        cost the next round more tokens than the Draft it spares), or None."""
         path = verdict.accepted_path
         if len(path) <= on_chain:
             return None
@@ -692,7 +693,7 @@ class Speculator:
                 b
                 for b in response.branches
                 if (b.accepted_count, b.next_token) == (on_chain, leaf)
-                and len(b.draft_tokens) > len(rest)
+                and len(b.draft_tokens) - len(rest) >= max(1, draft.chain - 1)
                 and list(b.draft_tokens[: len(rest)]) == rest
             ),
             None,

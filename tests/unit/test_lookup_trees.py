@@ -149,9 +149,13 @@ def test_ssd_branch_through_a_leaf():
     assert Speculator._through_leaf(response, verdict, draft, 1) is None
     deeper = verifier_pb2.VerifyResponse(accepted_count=3, next_token=4, accepted_path=[0, 3, 2])
     assert Speculator._through_leaf(response, deeper, draft, 1) is None
-    # the leaf continued by 4 (node 4): a path through it then 2 uses the branch's rest, 3
+    # the leaf continued by 4 (node 4): a path through it then 2 uses the branch's rest
+    # (3, 5: as long as after a terminal leaf), never a shorter one
     continued = Draft([5, 6, 7, 9, 4], (), "drafted", parents=[-1, 0, 1, 0, 3], chain=3)
     through = verifier_pb2.VerifyResponse(accepted_count=3, next_token=2, accepted_path=[0, 3, 4])
-    assert Speculator._through_leaf(response, through, continued, 1) == branch
+    assert Speculator._through_leaf(response, through, continued, 1) is None  # rest: 3 only
+    longer = drafter_pb2.SpeculatedBranch(accepted_count=1, next_token=9, draft_tokens=[4, 2, 3, 5])
+    response = drafter_pb2.SpeculateResponse(branches=[other, longer])
+    assert Speculator._through_leaf(response, through, continued, 1) == longer
     through.next_token = 3  # the branch drafted 2 after the continuation: no use
     assert Speculator._through_leaf(response, through, continued, 1) is None
