@@ -111,3 +111,19 @@ def test_sampling_distribution_with_drafter_trees(tree_stack, tokenizer, target_
     other = sum(r.stats.tree_other_branch_rounds for r in results)
     assert trees > 600 and other > 50, (trees, other)
     check_sequence_counts([tuple(r.tokens) for r in results], exact)
+
+
+def test_sampling_distribution_with_continued_drafter_trees(tree_stack, tokenizer, target_model):
+    """Sampled through the stack with the drafter's trees whose leaves continue (k = 3,
+    width 4, the fixed policy: 3 leaves continued by 1 drawn token, each with the
+    distribution it was drawn from): all 16 sequences of 4 tokens (top-k 2) within 5 sigma,
+    with check_sequence_counts' negative control. Under top-k 2 each position has one
+    alternative, so terminal leaves would make at most 6 nodes a round."""
+    ids = tokenizer(PROMPTS[2]).input_ids
+    exact = exact_sequence_probs(target_model, ids, steps=4, top_k=2)
+    results = sample_top2(tree_stack["own"], ids, 1200, k=3, method="model")
+    trees = sum(r.stats.tree_rounds for r in results)
+    nodes = sum(r.stats.tree_nodes for r in results)
+    other = sum(r.stats.tree_other_branch_rounds for r in results)
+    assert trees > 600 and nodes > 7 * trees and other > 50, (trees, nodes, other)
+    check_sequence_counts([tuple(r.tokens) for r in results], exact)
