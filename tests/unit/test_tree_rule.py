@@ -149,16 +149,21 @@ def test_sampled_zero_probability_node_is_rejected():
 
 
 def _drafter_tree_tokens(
-    n: int, seed: int, leaf_q: bool = False, depth: int = 0, continuation_one_hot: bool = False
+    n: int, seed: int, leaf_q: bool = False, depth: int = 0, continuation_row: bool = False
 ) -> torch.Tensor:
     """n runs of the rule on the drafter's dynamic tree after START (specdec.drafter.
-    proposer.plan): a draft of 2 tokens drawn from the drafter, then 3 nodes: the drafter's
-    top alternatives to them as leaves, each one-hot (leaf_q: each labelled with the draft
+    proposer.plan): a draft of 2 tokens drawn from the drafter, then 3 + depth nodes: the
+    drafter's top alternatives to them as leaves, each one-hot (leaf_q: each labelled with the draft
     token's distribution q instead, the negative control), the best continued by `depth`
     tokens drawn from the drafter after it, each labelled with the distribution it was drawn
-    from (continuation_one_hot: one-hot instead, a negative control); the first two
-    emitted tokens."""
+    from (continuation_row: with the row its leaf was chosen from instead, the drafter's
+    distribution before the leaf, a negative control); the first two emitted tokens. With
+    depth, the drafter is closer to the target: a one-hot leaf after a drawn sibling is
+    checked against the residual max(0, p - q), which is 0 wherever the drafter puts more
+    mass than the target, so a drafter far from it never reaches a continuation."""
     target, drafter = _target(), _drafter()
+    if depth:  # a drafter closer to the target: its alternatives survive the residual
+        drafter = 0.6 * target + 0.4 * drafter
     g = _gen(seed)
     out = torch.empty(n, 2, dtype=torch.long)
     top = torch.topk(drafter, 3, dim=-1)
@@ -167,7 +172,7 @@ def _drafter_tree_tokens(
         conf = [float(drafter[START, d1]), float(drafter[d1, d2])]
         alts = [top.indices[START].tolist(), top.indices[d1].tolist()]
         alt_p = [top.values[START].tolist(), top.values[d1].tolist()]
-        leaves, parents, continued = plan([d1, d2], conf, alts, alt_p, 3, 3, depth)
+        leaves, parents, continued = plan([d1, d2], conf, alts, alt_p, 3 + depth, 3, depth)
         tokens = [d1, d2, *leaves]
         rows_q = {-1: drafter[START], 0: drafter[d1]}  # a node's parent -> q of its children
         probs = [drafter[START], drafter[d1]]
@@ -185,7 +190,12 @@ def _drafter_tree_tokens(
             for _ in range(depth):
                 q = drafter[tokens[last]]
                 tokens.append(int(sample_from(q, g)))
-                probs.append(_one_hot(tokens[-1]) if continuation_one_hot else q)
+                before = parents[last]  # the row the leaf (or node) was drawn or chosen from
+                probs.append(
+                    (drafter[START] if before == -1 else drafter[tokens[before]])
+                    if continuation_row
+                    else q
+                )
                 parents.append(last)
                 last = len(tokens) - 1
         rows = torch.stack([target[START], *(target[t] for t in tokens)])
@@ -209,10 +219,11 @@ def test_negative_control_drafter_leaves_labelled_q_is_rejected():
     assert chi_square_failure(_pair_counts(pairs), _exact_pairs()) is not None
 
 
-def test_negative_control_continuation_labelled_one_hot_is_rejected():
-    """A continuation token claiming it was chosen (one-hot) though it was drawn from the
-    drafter: the chi-square test catches it."""
-    pairs = _drafter_tree_tokens(N, 1, depth=1, continuation_one_hot=True)
+def test_negative_control_continuation_labelled_with_the_wrong_row_is_rejected():
+    """A continuation token labelled with the drafter's row before its leaf (the one the
+    leaf was chosen from) instead of the one after it, which it was drawn from: the
+    chi-square test catches it."""
+    pairs = _drafter_tree_tokens(N, 1, depth=1, continuation_row=True)
     assert chi_square_failure(_pair_counts(pairs), _exact_pairs()) is not None
 
 
