@@ -5,13 +5,21 @@ with the forwards of other sessions drafting at the same time (lock-step).
 
 A Draft may ask for a dynamic token tree (DraftRequest.tree_nodes): the draft as drawn,
 then up to tree_nodes leaves, each one of the drafter's top alternatives to a draft token,
-a sibling of it (`grow`). No forward is added: the alternatives come from the rows the draft
-was drawn from. A leaf's path probability under the drafter is the product of the draft
-tokens' probabilities before it times its own; the leaves with the highest are kept, which
-puts them where the drafter is unsure, early. Each leaf is a deterministic function of the
-drawn tokens, so its proposal is one-hot; the draft token keeps the distribution it was
-drawn from and comes first among its siblings (docs/concepts/trees.md: exact under the
-tree rule)."""
+a sibling of it (`plan`). The alternatives come from the rows the draft was drawn from. A
+leaf's path probability under the drafter is the product of the draft tokens' probabilities
+before it times its own; the leaves with the highest are kept, which puts them where the
+drafter is unsure, early. Each leaf is a deterministic function of the drawn tokens, so its
+proposal is one-hot; the draft token keeps the distribution it was drawn from and comes
+first among its siblings (docs/concepts/trees.md: exact under the tree rule).
+
+With DraftRequest.tree_depth > 0 the best leaves continue: each is a row of a BranchGroup
+over the session's cache (the SSD branch rows of specdec.drafter.speculate: the row sees the
+draft up to the leaf's parent, then its own tokens, in its own keys and values), and
+tree_depth more forwards, batched over the rows, draw each row's next token from the
+drafter's distribution given its path (`continue_leaves`). Those tokens are drawn (from a
+stream of their own under a seed), so each carries the distribution it was drawn from.
+Every node counts in tree_nodes (`plan`). The session's cache gains none of it: after a
+Draft it holds the prefix, the new tokens and d_1..d_{k-1}, as for a chain."""
 
 from __future__ import annotations
 
@@ -22,10 +30,16 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.common.controls import Controls
-from specdec.drafter.sampler import sampler_for
-from specdec.drafter.speculate import BranchStore, DraftRows, take_prepared
-from specdec.replica.batching import ForwardRequest
-from specdec.replica.engine import Engine, arguments
+from specdec.drafter.sampler import TREE_SALT, sampler_for
+from specdec.drafter.speculate import (
+    BranchStore,
+    DraftRows,
+    branch_budget,
+    draft_branches,
+    take_prepared,
+)
+from specdec.replica.batching import Request
+from specdec.replica.engine import Engine, Session, arguments
 from specdec.replica.host import to_host
 from specdec.replica.processors import TokenCounts
 from specdec.replica.runtime import Prefix
@@ -57,8 +71,9 @@ class DraftCall:
     fork_from: str
     tree_nodes: int = 0
     tree_width: int = 1
+    tree_depth: int = 0
 
-    def job(self) -> Generator[ForwardRequest, torch.Tensor, Draft]:
+    def job(self) -> Generator[Request, torch.Tensor, Draft]:
         return propose(**arguments(self))
 
 
@@ -74,7 +89,8 @@ def propose(
     fork_from: str = "",
     tree_nodes: int = 0,
     tree_width: int = 1,
-) -> Generator[ForwardRequest, torch.Tensor, Draft]:
+    tree_depth: int = 0,
+) -> Generator[Request, torch.Tensor, Draft]:
     """Draft k tokens after prefix + new_tokens (a job for the model thread,
     `Engine.run`), each step under the request's logits processors (controls).
 
@@ -84,8 +100,9 @@ def propose(
     request's new tokens (or by the Speculate that follows, which then reuses the logits
     kept here instead of feeding d_1..d_{k-1} again). fork_from: start the session as a
     copy of that session's cache (CacheStore.acquire). tree_nodes > 0: the draft grows
-    into a tree of up to tree_nodes more leaves, at most tree_width children per node
-    (`grow`); a prepared draft stays a chain.
+    into a tree of up to tree_nodes more nodes, at most tree_width children per node
+    (`plan`), the best leaves continued by tree_depth drawn tokens
+    (`continue_leaves`); a prepared draft stays a chain.
     """
     with runtime.guarded(session_id):
         started = time.perf_counter()
@@ -130,34 +147,82 @@ def propose(
             session_id,
             DraftRows(position, n, session.chain.hash(session.tokens, n), torch.cat(rows)),
         )
-        leaves: list[int] = []
-        parents: list[int] = []
-        if top:
-            conf, values, indices = (t.tolist() for t in host[len(host) - 3 :])
-            leaves, parents = grow(tokens, conf, indices, values, tree_nodes, tree_width)
-        if leaves:
-            tokens = [*tokens, *leaves]
-            if proposals:
-                encoded += [one_hot_encoded(t) for t in leaves]
+        if not top:
+            return Draft(tokens, encoded, len(session.tokens), _ms(started))
+        conf, values, indices = (t.tolist() for t in host[len(host) - 3 :])
+        rows = branch_budget(  # continued leaves are branch rows: SSD's KV bound holds
+            runtime.config.ssd_max_branch_tokens, len(session.tokens), tree_depth
+        )
+        leaves, parents, continued = plan(
+            tokens, conf, indices, values, tree_nodes, tree_width, tree_depth, rows
+        )
+        if proposals:
+            encoded += [one_hot_encoded(t) for t in leaves]
+        tokens = [*tokens, *leaves]
+        if continued:
+            more, more_parents, more_probs = yield from continue_leaves(
+                sampler_for(params, runtime, salt=TREE_SALT),
+                session,
+                position,
+                [(parents[node] + 1, tokens[node]) for node in continued],
+                continued,
+                len(tokens),
+                tree_depth,
+            )
+            tokens += more
+            parents += more_parents
+            encoded += more_probs
         return Draft(tokens, encoded, len(session.tokens), _ms(started), parents=parents)
 
 
-def grow(
+def continue_leaves(
+    sampler,
+    session: Session,
+    position: int,
+    keys: Sequence[tuple[int, int]],
+    nodes: Sequence[int],
+    first: int,
+    depth: int,
+) -> Generator[Request, torch.Tensor, tuple[list[int], list[int], list[EncodedProbs]]]:
+    """`depth` tokens drawn after each leaf: (their tokens, parents, distributions), node
+    numbers from `first` on, leaf by leaf. keys[j] = (i, x): leaf nodes[j] is token x in
+    place of draft token i (0-based), so its row sees the session's first position + i
+    slots (the sequence and d_1..d_i), then its own tokens; depth forwards over all rows
+    (SSD's `draft_branches`)."""
+    branches = yield from draft_branches(session, position, keys, depth, sampler)
+    tokens: list[int] = []
+    parents: list[int] = []
+    probs: list[EncodedProbs] = []
+    for leaf, branch in zip(nodes, branches, strict=True):
+        for step, token in enumerate(branch.tokens):
+            parents.append(leaf if step == 0 else first + len(tokens) - 1)
+            tokens.append(token)
+        probs += branch.probs
+    return tokens, parents, probs
+
+
+def plan(
     tokens: Sequence[int],
     confidence: Sequence[float],
     alternatives: Sequence[Sequence[int]],
     probs: Sequence[Sequence[float]],
     nodes: int,
     width: int,
-) -> tuple[list[int], list[int]]:
-    """A draft's tree: (the leaves to add, the parents of the whole tree). tokens [k]: the
+    depth: int = 0,
+    max_rows: int = 1 << 30,
+) -> tuple[list[int], list[int], list[int]]:
+    """A draft's tree: (the leaves to add, the parents of the draft and the leaves, the
+    leaves to continue by `depth` tokens, as node numbers, best first). tokens [k]: the
     draft; confidence [k]: each draft token's probability under the drafter;
     alternatives / probs [k][w]: each row's top tokens and their probabilities. Each
     leaf is an alternative a to draft token i (a != tokens[i], at most width - 1 per i),
-    scored by its path probability confidence[0] ... confidence[i-1] probs[i][a]; the
-    `nodes` best with a positive score are kept, numbered after the draft by position
-    then rank, each the child of draft token i - 1 (-1: of the context). ([], []) when
-    none is kept."""
+    scored by its path probability confidence[0] ... confidence[i-1] probs[i][a]. Of the
+    `nodes` budget, each continued leaf costs 1 + depth: the best nodes // (1 + depth)
+    leaves (none when depth is 0; at most max_rows, the branch rows' memory bound) are
+    continued and what is left buys terminal leaves,
+    the next best; only leaves with a positive score, numbered after the draft by
+    position then rank, each the child of draft token i - 1 (-1: of the context).
+    ([], [], []) when none is kept."""
     candidates: list[tuple[float, int, int]] = []  # (score, position, token)
     reach = 1.0
     for i, token in enumerate(tokens):
@@ -171,13 +236,18 @@ def grow(
             if reach * p > 0:
                 candidates.append((reach * p, i, alt))
         reach *= confidence[i]
-    kept = sorted(candidates, key=lambda c: -c[0])[: max(0, nodes)]
+    rows = max(0, nodes) // (1 + depth) if depth > 0 else 0
+    ranked = sorted(candidates, key=lambda c: -c[0])
+    rows = min(rows, len(ranked), max_rows)
+    kept = ranked[: rows + max(0, nodes) - rows * (1 + depth)]
     if not kept:
-        return [], []
+        return [], [], []
     order = {(i, alt): n for n, (_, i, alt) in enumerate(candidates)}
     kept.sort(key=lambda c: order[(c[1], c[2])])
+    node = {(i, alt): len(tokens) + n for n, (_, i, alt) in enumerate(kept)}
     parents = [i - 1 for i in range(len(tokens))] + [i - 1 for _, i, _ in kept]
-    return [alt for _, _, alt in kept], parents
+    continued = [node[(i, alt)] for _, i, alt in ranked[:rows]]
+    return [alt for _, _, alt in kept], parents, continued
 
 
 def _ms(started: float) -> float:

@@ -26,12 +26,19 @@ from specdec.replica.sampling import (
 DRAFT_SALT = "draft"
 
 
-def sampler_for(params: SamplingParams, runtime, counts: TokenCounts | None = None) -> Sampler:
+# Salt of a tree's continuations (specdec.drafter.proposer): their draws must not reuse a
+# seeded draft token's at the same position, on which the tree's shape depends.
+TREE_SALT = "draft-tree"
+
+
+def sampler_for(
+    params: SamplingParams, runtime, counts: TokenCounts | None = None, salt: str = DRAFT_SALT
+) -> Sampler:
     """The Sampler of a drafter runtime, with its proposal cut (--draft-probs-*) and the
     request's logits processors over its rows (counts; None: none)."""
     cfg = runtime.config  # a DrafterConfig
     return Sampler(
-        params, runtime.device, cfg.draft_probs_max_entries, cfg.draft_probs_tail, counts
+        params, runtime.device, cfg.draft_probs_max_entries, cfg.draft_probs_tail, counts, salt
     )
 
 
@@ -49,8 +56,10 @@ class Sampler:
         max_entries: int = 0,
         tail: float = 0.0,
         counts: TokenCounts | None = None,
+        salt: str = DRAFT_SALT,
     ):
         self.params = params
+        self.salt = salt
         self.counts = counts
         self.device = device
         # The proposal is cut to its top entries (truncate_proposal): 0 sends it whole.
@@ -59,7 +68,7 @@ class Sampler:
         self.shared = (
             None
             if params.greedy or params.seed is not None
-            else make_generator(None, DRAFT_SALT, 0, device)
+            else make_generator(None, salt, 0, device)
         )
 
     def draw(
@@ -86,7 +95,7 @@ class Sampler:
             return torch.multinomial(proposal, 1, generator=self.shared)[:, 0], proposal
         rows = [  # a seeded stream per position: a replayed round draws the same tokens
             torch.multinomial(
-                row, 1, generator=make_generator(self.params.seed, DRAFT_SALT, p, self.device)
+                row, 1, generator=make_generator(self.params.seed, self.salt, p, self.device)
             )
             for row, p in zip(proposal, positions, strict=True)
         ]

@@ -72,7 +72,7 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             request.sampling, request.output, rt.vocab_size, prefix.length + len(new_tokens)
         )
         check_fork(request.fork_from)
-        tree_nodes, tree_width = self._tree(request, controls)
+        tree_nodes, tree_width, tree_depth = self._tree(request, controls)
         call = DraftCall(
             runtime=rt,
             branches=self.branches,
@@ -85,14 +85,17 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             fork_from=request.fork_from,
             tree_nodes=tree_nodes,
             tree_width=tree_width,
+            tree_depth=tree_depth,
         )
         return ModelCall(call, self._draft_response)
 
-    def _tree(self, request: drafter_pb2.DraftRequest, controls) -> tuple[int, int]:
-        """A Draft's (tree_nodes, tree_width), validated; (0, 1): a chain."""
-        nodes, width = request.tree_nodes, request.tree_width
+    def _tree(self, request: drafter_pb2.DraftRequest, controls) -> tuple[int, int, int]:
+        """A Draft's (tree_nodes, tree_width, tree_depth), validated; (0, 1, 0): a chain."""
+        nodes, width, depth = request.tree_nodes, request.tree_width, request.tree_depth
         if nodes == 0:
-            return 0, 1
+            if depth:
+                raise InvalidRequest(f"tree_depth needs tree_nodes, got tree_depth {depth}")
+            return 0, 1, 0
         limit = self.ready_runtime().config.max_draft_tokens
         if nodes > limit:
             raise InvalidRequest(f"tree_nodes must be in [0, {limit}], got {nodes}")
@@ -100,12 +103,17 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             raise InvalidRequest(
                 f"tree_width must be in [2, {MAX_TREE_WIDTH}] with tree_nodes, got {width}"
             )
+        if depth and nodes < 1 + depth:
+            raise InvalidRequest(
+                f"tree_nodes must be at least 1 + tree_depth (a leaf and its continuation), "
+                f"got tree_nodes {nodes}, tree_depth {depth}"
+            )
         if controls is not None:
             raise InvalidRequest(
                 "a draft tree (tree_nodes) with logits processors that read the sequence "
                 "is not built; send a chain"
             )
-        return nodes, width
+        return nodes, width, depth
 
     def _draft_response(self, draft) -> drafter_pb2.DraftResponse:
         if draft.prepared:

@@ -41,11 +41,12 @@ source's other candidate continuations beside its draft, as one token tree
 branch, cut to the length the policy chose; each other branch starts with another token
 and gets an equal share of what the policy sizes for them (`Policy.tree_sizes`).
 The draft model's rounds grow a dynamic tree on the drafter (DraftRequest.tree_nodes:
-its top alternatives to the draft's tokens as leaves, sized by `Policy.model_tree_nodes`).
+its top alternatives to the draft's tokens as leaves, the best continued by more drafter
+forwards (tree_depth), sized by `Policy.model_tree`).
 The verdict's accepted path is the round's accepted tokens. With SSD a tree round's
 Speculate prepares for the outcomes of its first branch (the draft a chain would be): a
-path that leaves it is a miss, but for a greedy path through one drafter leaf whose
-prepared "recovered" branch drafted the next token (`_through_leaf`). A request with logits processors that read the sequence,
+path that leaves it is a miss, but for a greedy path through one drafter leaf (and its
+continuation) whose prepared "recovered" branch drafted the rest (`_through_leaf`). A request with logits processors that read the sequence,
 a grammar or logprobs verifies chains only.
 """
 
@@ -94,6 +95,8 @@ class Draft:
     fed: int = 0  # tokens the Draft call fed (its new tokens: a prefill or resend is long)
     parents: Sequence[int] = ()  # a token tree's (VerifyRequest.draft_parents); (): a chain
     chain: int = 0  # a tree's first branch: its tokens (the first nodes)
+    leaves: int = 0  # the drafter's tree: its alternatives to the draft's tokens
+    depth: int = 0  # the drafter's tree: the forwards that continued its leaves
 
 
 @dataclass(slots=True)
@@ -224,6 +227,8 @@ class Speculator:
                 branch=_branch(draft.parents, path, draft.chain),
                 chain=draft.chain,
                 on_chain=_on_chain(path, draft.chain) if draft.parents else 0,
+                tree_leaves=draft.leaves,
+                tree_depth=draft.depth,
                 extended=draft.extended,
                 accepted=verdict.accepted_count,
                 next_token=verdict.next_token,
@@ -380,8 +385,8 @@ class Speculator:
             return Draft(ready[1][:k], (), Source.PREPARED)
         started = time.perf_counter()
         fed = [0]
-        nodes = self._tree_nodes(ctx, k)
-        request = self._draft_request(k, fed, nodes)
+        nodes, depth = self._tree_nodes(ctx, k)
+        request = self._draft_request(k, fed, nodes, depth)
         try:
             answer = await self.caller.call(Method.DRAFT, self.drafter, ctx, request)
         except (Unavailable, UpstreamError) as e:
@@ -402,6 +407,7 @@ class Speculator:
         self.fork_from.pop(Role.DRAFTER, None)
         self.drafter.answered(d.cached_length)
         source = Source.PREPARED if d.prepared else Source.DRAFTED
+        leaves, depth = _leaves(d.draft_parents, k)
         return Draft(
             d.draft_tokens,
             d.draft_probs,
@@ -413,16 +419,18 @@ class Speculator:
             fed=fed[0],
             parents=list(d.draft_parents),
             chain=k if d.draft_parents else 0,  # a tree's draft: its first k nodes
+            leaves=leaves,
+            depth=depth,
         )
 
-    def _tree_nodes(self, ctx: Sequence[int], k: int) -> int:
-        """The leaves a Draft of k tokens may add as a dynamic tree (DraftRequest.tree_nodes):
-        0 for a chain (tree width 1), else what the policy sizes within the verifier's
-        bound."""
+    def _tree_nodes(self, ctx: Sequence[int], k: int) -> tuple[int, int]:
+        """The nodes a Draft of k tokens may add as a dynamic tree and the tokens that may
+        continue a leaf (DraftRequest.tree_nodes, tree_depth): (0, 0) for a chain (tree
+        width 1), else what the policy sizes within the verifier's bound."""
         if self.tree_width <= 1 or k <= 0:
-            return 0
+            return 0, 0
         bound = min(self.lookup_max_k, self.max_context - len(ctx) - 1) - k
-        return self.policy.model_tree_nodes(k, self.tree_width, bound) if bound > 0 else 0
+        return self.policy.model_tree(k, self.tree_width, bound) if bound > 0 else (0, 0)
 
     def _constrain(self, draft: Draft) -> tuple[Draft, list[verifier_pb2.GrammarMask]]:
         """Under a grammar: the draft cut after its first forbidden token (or its end) and
@@ -448,7 +456,9 @@ class Speculator:
             log.warning("no drafter could draft; continuing at k = 0", extra={"why": str(error)})
         self._without_drafter = True
 
-    def _draft_request(self, k: int, fed: list[int] | None = None, tree_nodes: int = 0):
+    def _draft_request(
+        self, k: int, fed: list[int] | None = None, tree_nodes: int = 0, tree_depth: int = 0
+    ):
         def build(prefix: common_pb2.CachedPrefix, new: list[int]) -> drafter_pb2.DraftRequest:
             if fed is not None:
                 fed[0] = len(new)  # the answered call's: a resend rebuilds it
@@ -462,6 +472,7 @@ class Speculator:
                 fork_from=self._fork(Role.DRAFTER, prefix),
                 tree_nodes=tree_nodes,
                 tree_width=self.tree_width if tree_nodes else 0,
+                tree_depth=tree_depth,
             )
 
         return build
@@ -634,8 +645,13 @@ class Speculator:
             self._ready = (len(ctx) + accepted + 1, list(branch.draft_tokens))
         elif outcome is None and self.greedy:
             branch = self._through_leaf(response, verdict, draft, accepted)
-            if branch is not None:  # its draft after the leaf began with the next token
-                self._ready = (len(ctx) + accepted + 2, list(branch.draft_tokens[1:]))
+            if branch is not None:  # its draft after the leaf began with the rest of the
+                # path (a continued leaf's) and the next token
+                after = len(verdict.accepted_path) - accepted
+                self._ready = (
+                    len(ctx) + len(verdict.accepted_path) + 1,
+                    list(branch.draft_tokens[after:]),
+                )
         return SsdVerdict(
             Ssd.HIT if branch is not None else Ssd.MISS,
             branches=len(response.branches),
@@ -652,20 +668,23 @@ class Speculator:
         on_chain: int,
     ) -> drafter_pb2.SpeculatedBranch | None:
         """Under greedy decoding, a tree path that left the first branch at one leaf x (after
-        on_chain of its tokens) then emitted y: the branch SSD prepared for "on_chain
-        accepted, then x" whose draft starts with y (its rest is the drafter's greedy draft
-        after y), or None."""
+        on_chain of its tokens), then took x's continuation c_1..c_j (j >= 0, a continued
+        leaf's) and emitted y: the branch SSD prepared for "on_chain accepted, then x" whose
+        draft starts with c_1..c_j y (its rest is the drafter's greedy draft after y) and
+        whose rest is at least as long as after a terminal leaf (k - 1: a shorter one would
+        cost the next round more tokens than the Draft it spares), or None."""
         path = verdict.accepted_path
-        if len(path) != on_chain + 1:
+        if len(path) <= on_chain:
             return None
-        leaf = draft.tokens[path[-1]]
+        leaf = draft.tokens[path[on_chain]]
+        rest = [*(draft.tokens[i] for i in path[on_chain + 1 :]), verdict.next_token]
         return next(
             (
                 b
                 for b in response.branches
                 if (b.accepted_count, b.next_token) == (on_chain, leaf)
-                and len(b.draft_tokens) > 1
-                and b.draft_tokens[0] == verdict.next_token
+                and len(b.draft_tokens) - len(rest) >= max(1, draft.chain - 1)
+                and list(b.draft_tokens[: len(rest)]) == rest
             ),
             None,
         )
@@ -677,6 +696,19 @@ def _path_first(tokens: Sequence[int], path: Sequence[int]) -> tuple[int, ...]:
         return tuple(tokens)
     on = set(path)
     return (*(tokens[i] for i in path), *(t for i, t in enumerate(tokens) if i not in on))
+
+
+def _leaves(parents: Sequence[int], chain: int) -> tuple[int, int]:
+    """A drafter's tree (its first `chain` nodes the draft, then its leaves, then their
+    continuations): (its leaves, the longest continuation below one)."""
+    depth = [0] * len(parents)
+    leaves = 0
+    for i in range(chain, len(parents)):
+        if parents[i] < chain:
+            leaves += 1
+        else:
+            depth[i] = depth[parents[i]] + 1
+    return leaves, max(depth, default=0)
 
 
 def _width(parents: Sequence[int]) -> int:

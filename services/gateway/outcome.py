@@ -84,6 +84,8 @@ class Outcome:
     branch: int | None = None  # the root branch the accepted path took (None: none)
     chain: int = 0  # a tree's first branch (the draft a chain would be): its tokens; 0: a chain
     on_chain: int = 0  # a tree's accepted nodes on its first branch
+    tree_leaves: int = 0  # the drafter's tree: its leaves (alternatives to draft tokens)
+    tree_depth: int = 0  # the drafter's tree: the forwards that continued its leaves
 
     @property
     def tree(self) -> bool:

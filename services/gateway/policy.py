@@ -316,13 +316,21 @@ class FixedPolicy:
         share = max(1, k // (2 * branches))
         return max(1, min(k, bound - branches * share)), share
 
-    def model_tree_nodes(self, k: int, width: int, bound: int) -> int:
-        """The leaves a model draft of k tokens may add as a dynamic tree
-        (DraftRequest.tree_nodes), at most bound: here half the draft's length, and at
-        least width - 1 (one alternative at each of its least sure positions)."""
+    def model_tree(self, k: int, width: int, bound: int) -> tuple[int, int]:
+        """The nodes a model draft of k tokens may add as a dynamic tree, at most bound, and
+        the tokens continuing each continued leaf (DraftRequest.tree_nodes, tree_depth):
+        here width - 1 leaves (the drafter's likeliest alternatives) continued by half the
+        draft's length, shortened to fit the bound; where not even one token fits, half
+        the draft's length (at least width - 1) of terminal leaves."""
         if k <= 0 or width <= 1:
-            return 0
-        return max(0, min(bound, max(width - 1, k // 2)))
+            return 0, 0
+        leaves = width - 1
+        depth = max(1, k // 2)
+        while depth > 0 and leaves * (1 + depth) > bound:
+            depth -= 1
+        if depth:
+            return leaves * (1 + depth), depth
+        return max(0, min(bound, max(width - 1, k // 2))), 0
 
     def observe(self, outcome: Outcome) -> None:
         """Nothing a round shows changes a fixed policy; the gateway's priors learn from it."""
@@ -662,22 +670,39 @@ class AdaptivePolicy:
                     best, best_rate = (c, s), rate
         return best
 
-    def model_tree_nodes(self, k: int, width: int, bound: int) -> int:
-        """The leaves a model draft of k tokens may add (DraftRequest.tree_nodes): the n in
-        0..bound that maximises expected tokens per second, (1 + E(k) + n g) / V(1 + k + n),
-        with g the measured rate of rounds whose path took a leaf, per leaf (before any,
-        a tenth of the draft model's acceptance). A steep cost curve gives 0: a chain."""
-        if k <= 0 or bound <= 0 or self.verify_time(1) is None:
-            return FixedPolicy.model_tree_nodes(self, k, width, bound)
-        own = self.model.expected(k, self.explore)[k]
+    def model_tree(self, k: int, width: int, bound: int) -> tuple[int, int]:
+        """The nodes a model draft of k tokens may add and the tokens continuing each
+        continued leaf (DraftRequest.tree_nodes, tree_depth): the (n, D) with n in 0..bound
+        that maximises expected tokens per second,
+        (1 + E(k) + g (r (1 + E(D)) + t (1 - a))) / (V(1 + k + n) + D(k + D) (1 - h)):
+        r = n // (1 + D) leaves continued by D tokens (0 when D is 0), t = n - r (1 + D)
+        terminal ones; g the measured rate of rounds whose path took a leaf, per leaf sent
+        (before any, a tenth of the draft model's acceptance); E the model's expected
+        accepted tokens (a continuation is the drafter drafting after a token it got
+        right); D(k + D) the Draft with D more forwards. A taken terminal leaf only moves a
+        token between rounds (docs/concepts/trees.md) unless the position after it is a
+        miss too, which saves that round: it is worth 1 - a, a the model's acceptance; a
+        continued one spares the next round the tokens it drew. A steep cost curve gives
+        (0, 0): a chain; a costly drafter forward gives D = 0."""
+        if k <= 0 or bound <= 0 or self.verify_time(1) is None or self.draft_time() is None:
+            return FixedPolicy.model_tree(self, k, width, bound)
+        expected = self.model.expected(max(k, bound), self.explore)
         g = self.leaves.value if self.leaves.value is not None else self.acceptance / 10
-        best, best_rate = 0, 0.0
-        for n in range(min(bound, k * (width - 1)) + 1):
-            time = self.verify_time(1 + k + n)
-            assert time is not None
-            rate = (1.0 + own + n * g) / time
-            if rate > best_rate * (1.0 + 1e-9):
-                best, best_rate = n, rate
+        most = k * (width - 1)  # the alternatives there are
+        best, best_rate = (0, 0), 0.0
+        for depth in range(min(k, bound - 1) + 1):
+            drafting = self.draft_cost(k + depth) * (1.0 - self.hit_rate)
+            for n in range(1 if depth else 0, bound + 1):
+                rows = n // (1 + depth) if depth else 0
+                terminal = n - rows * (1 + depth)
+                if rows + terminal > most or (depth and rows == 0):
+                    continue
+                time = self.verify_time(1 + k + n)
+                assert time is not None
+                gain = g * (rows * (1.0 + expected[depth]) + terminal * (1.0 - self.acceptance))
+                rate = (1.0 + expected[k] + gain) / (time + drafting)
+                if rate > best_rate * (1.0 + 1e-9):
+                    best, best_rate = (n, depth), rate
         return best
 
     def observe(self, o: Outcome) -> None:
@@ -690,16 +715,17 @@ class AdaptivePolicy:
             self.priors.observe_outcome(o)
         if o.late_outcome is not None:
             self.observe_ssd(False)
-        if o.source == Source.DRAFTED:  # a tree's leaves took no forward of their own
+        if o.source == Source.DRAFTED:  # a tree's leaves took no forward of their own, its
+            # continuations one per token of the longest
             self.observe_draft(
-                o.chain if o.tree else o.k - o.extended,
+                o.chain + o.tree_depth if o.tree else o.k - o.extended,
                 o.draft_seconds,
                 o.draft_forward_ms,
                 o.draft_fed,
             )
         k, accepted = o.chain_verdict
         if o.tree and o.source == Source.DRAFTED:  # the drafter's alternatives: was one taken?
-            self.leaves.add((1.0 if o.branch else 0.0) / max(1, o.k - o.chain))
+            self.leaves.add((1.0 if o.branch else 0.0) / max(1, o.tree_leaves))
         elif o.width > 1 and (o.branch is None or o.branch > 0):  # the first branch failed
             share = (o.k - o.chain) // (o.width - 1)
             self.alternatives.observe(share, o.accepted if o.branch else 0)

@@ -1,6 +1,6 @@
 """Token trees through the stack (gateway --tree-width, VerifyRequest.draft_parents): greedy
-equals generate() for trees from every lookup source and the drafter's dynamic trees, with
-and without SSD; sampled sequences follow the target's distribution with trees of width >= 2
+equals generate() for trees from every lookup source and the drafter's dynamic trees (whose
+best leaves the fixed policy continues), with and without SSD; sampled sequences follow the target's distribution with trees of width >= 2
 from the cache of outputs and from the drafter (the rule's negative controls, siblings
 checked against p instead of the residual and leaves labelled with q, are
 tests/unit/test_tree_rule.py's, on the same chi-square)."""
@@ -55,6 +55,10 @@ def test_greedy_trees_equal_generate(tree_stack, tokenizer, reference, method, s
     assert sum(r.stats.tree_nodes for r in results) > sum(r.stats.tree_rounds for r in results)
     if method != "hybrid":  # hybrid's lookups here are confident matches, rarely branched
         assert sum(r.stats.tree_other_branch_rounds for r in results) > 0
+    if method == "model":  # k = 6 and 9 nodes: 3 leaves continued by 2 (terminal: 3 nodes)
+        assert sum(r.stats.tree_nodes for r in results) > 10 * sum(
+            r.stats.tree_rounds for r in results
+        )
 
 
 def test_sampling_distribution_with_suffix_trees(tree_stack, tokenizer, target_model):
@@ -106,4 +110,20 @@ def test_sampling_distribution_with_drafter_trees(tree_stack, tokenizer, target_
     trees = sum(r.stats.tree_rounds for r in results)
     other = sum(r.stats.tree_other_branch_rounds for r in results)
     assert trees > 600 and other > 50, (trees, other)
+    check_sequence_counts([tuple(r.tokens) for r in results], exact)
+
+
+def test_sampling_distribution_with_continued_drafter_trees(tree_stack, tokenizer, target_model):
+    """Sampled through the stack with the drafter's trees whose leaves continue (k = 3,
+    width 4, the fixed policy: 3 leaves continued by 1 drawn token, each with the
+    distribution it was drawn from): all 16 sequences of 4 tokens (top-k 2) within 5 sigma,
+    with check_sequence_counts' negative control. Under top-k 2 each position has one
+    alternative, so terminal leaves would make at most 6 nodes a round."""
+    ids = tokenizer(PROMPTS[2]).input_ids
+    exact = exact_sequence_probs(target_model, ids, steps=4, top_k=2)
+    results = sample_top2(tree_stack["own"], ids, 1200, k=3, method="model")
+    trees = sum(r.stats.tree_rounds for r in results)
+    nodes = sum(r.stats.tree_nodes for r in results)
+    other = sum(r.stats.tree_other_branch_rounds for r in results)
+    assert trees > 600 and nodes > 7 * trees and other > 50, (trees, nodes, other)
     check_sequence_counts([tuple(r.tokens) for r in results], exact)

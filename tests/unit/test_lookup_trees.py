@@ -85,19 +85,29 @@ def test_bench_rows_with_trees_beside_their_chains():
     assert not any("tree" in m for m in {m.name for m in build_modes([8], [4], methods=("ngram",))})
 
 
-def test_model_tree_nodes_fixed_and_priced():
-    """The drafter's leaves: the fixed policy's half-draft (at least width - 1, at most the
-    bound); the adaptive one's by the cost curve, leaves on a flat curve, none on a steep."""
-    assert FixedPolicy().model_tree_nodes(8, 3, 16) == 4
-    assert FixedPolicy().model_tree_nodes(2, 4, 16) == 3
-    assert FixedPolicy().model_tree_nodes(8, 3, 2) == 2
-    assert FixedPolicy().model_tree_nodes(8, 1, 16) == 0
-    flat, steep = _adaptive(0.05), _adaptive(10.0)
-    for policy in (flat, steep):
-        for _ in range(20):  # a leaf taken in every other round of 4 leaves
-            policy.leaves.add(0.125)
-    assert 0 < flat.model_tree_nodes(6, 3, 10) <= 10
-    assert steep.model_tree_nodes(6, 3, 10) == 0
+def test_model_tree_fixed_and_priced():
+    """The drafter's tree: the fixed policy's width - 1 leaves continued by half the draft
+    (shortened to the bound, terminal leaves where no continuation fits); the adaptive
+    one's by the cost curves: continued leaves on a flat verify curve with a cheap drafter
+    forward, terminal ones with a costly drafter forward, a chain on a steep curve."""
+    assert FixedPolicy().model_tree(8, 3, 16) == (10, 4)
+    assert FixedPolicy().model_tree(4, 3, 12) == (6, 2)
+    assert FixedPolicy().model_tree(2, 4, 16) == (6, 1)
+    assert FixedPolicy().model_tree(8, 3, 8) == (8, 3)
+    assert FixedPolicy().model_tree(8, 3, 2) == (2, 0)
+    assert FixedPolicy().model_tree(8, 1, 16) == (0, 0)
+    flat, steep, slow_drafter = _adaptive(0.05), _adaptive(10.0), _adaptive(0.05)
+    # leaves taken: in every other round of 5 leaves; in one round of ten
+    for policy, draft_ms, g in ((flat, 0.1, 0.1), (steep, 0.1, 0.1), (slow_drafter, 40.0, 0.02)):
+        for _ in range(20):
+            policy.leaves.add(g)
+            policy.observe_draft(6, 0.001 + 6 * draft_ms / 1e3, forward_ms=6 * draft_ms)
+            policy.model.observe(6, 4)
+    nodes, depth = flat.model_tree(6, 3, 10)
+    assert depth > 0 and 1 + depth <= nodes <= 10
+    nodes, depth = slow_drafter.model_tree(6, 3, 10)
+    assert depth == 0 and 0 < nodes <= 10
+    assert steep.model_tree(6, 3, 10) == (0, 0)
 
 
 def test_on_chain_and_branch_of_a_drafter_tree():
@@ -139,3 +149,13 @@ def test_ssd_branch_through_a_leaf():
     assert Speculator._through_leaf(response, verdict, draft, 1) is None
     deeper = verifier_pb2.VerifyResponse(accepted_count=3, next_token=4, accepted_path=[0, 3, 2])
     assert Speculator._through_leaf(response, deeper, draft, 1) is None
+    # the leaf continued by 4 (node 4): a path through it then 2 uses the branch's rest
+    # (3, 5: as long as after a terminal leaf), never a shorter one
+    continued = Draft([5, 6, 7, 9, 4], (), "drafted", parents=[-1, 0, 1, 0, 3], chain=3)
+    through = verifier_pb2.VerifyResponse(accepted_count=3, next_token=2, accepted_path=[0, 3, 4])
+    assert Speculator._through_leaf(response, through, continued, 1) is None  # rest: 3 only
+    longer = drafter_pb2.SpeculatedBranch(accepted_count=1, next_token=9, draft_tokens=[4, 2, 3, 5])
+    response = drafter_pb2.SpeculateResponse(branches=[other, longer])
+    assert Speculator._through_leaf(response, through, continued, 1) == longer
+    through.next_token = 3  # the branch drafted 2 after the continuation: no use
+    assert Speculator._through_leaf(response, through, continued, 1) is None

@@ -436,14 +436,9 @@ def run_overhead(args: argparse.Namespace) -> int:
     generate_tps = _generate_tps(models.target, some, n, reference)
     print(f"  transformers generate: {generate_tps:.1f} tokens/s", flush=True)
 
-    stack_args = argparse.Namespace(
-        draft_model=str(models.draft), target_model=str(models.target), draft_gguf_file=None,
-        target_gguf_file=None, port=0, host="127.0.0.1", dtype="float32", device="cpu",
-        draft_threads=1, target_threads=1, draft_cpus=None, target_cpus=None,
-        default_k=max(m.k for m in modes), ssd=False, log_dir=args.log_dir,
-        replica_flags=["--trust-remote-code"], drafter_flags=[],
-        drafter_args=args.drafter_args, verifier_args=args.verifier_args,
-        gateway_args=args.gateway_args,
+    stack_args = standin_stack_args(
+        models, max(m.k for m in modes), args.log_dir, args.drafter_args,
+        args.verifier_args, args.gateway_args,
     )  # fmt: skip
     results: dict[str, dict] = {}
     profiles: dict[str, dict] = {}
@@ -513,6 +508,21 @@ def run_overhead(args: argparse.Namespace) -> int:
     (out / "overhead.md").write_text(render(result))
     print(render(result))
     return 0 if all(r["exact"] for r in results.values()) else 1
+
+
+def standin_stack_args(
+    models, default_k: int, log_dir, drafter_args, verifier_args, gateway_args
+) -> argparse.Namespace:
+    """The arguments of a LocalStack (`specdec up`) serving the stand-ins `models` on
+    loopback, one thread per replica."""
+    return argparse.Namespace(
+        draft_model=str(models.draft), target_model=str(models.target), draft_gguf_file=None,
+        target_gguf_file=None, port=0, host="127.0.0.1", dtype="float32", device="cpu",
+        draft_threads=1, target_threads=1, draft_cpus=None, target_cpus=None,
+        default_k=default_k, ssd=False, log_dir=log_dir,
+        replica_flags=["--trust-remote-code"], drafter_flags=[],
+        drafter_args=drafter_args, verifier_args=verifier_args, gateway_args=gateway_args,
+    )  # fmt: skip
 
 
 def standin_options(args: argparse.Namespace) -> dict:

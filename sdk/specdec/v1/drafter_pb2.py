@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/drafter.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x93\x02\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12(\n\x06prefix\x18\x02 \x01(\x0b\x32\x18.specdec.v1.CachedPrefix\x12\x16\n\nnew_tokens\x18\x03 \x03(\x03\x42\x02\x10\x01\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\r\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12*\n\x06output\x18\x14 \x01(\x0b\x32\x1a.specdec.v1.OutputControls\x12\x11\n\tfork_from\x18\x1e \x01(\t\x12\x12\n\ntree_nodes\x18\x06 \x01(\r\x12\x12\n\ntree_width\x18\x07 \x01(\r\"\xe4\x01\n\rDraftResponse\x12\x18\n\x0c\x64raft_tokens\x18\x01 \x03(\x03\x42\x02\x10\x01\x12\x32\n\x0b\x64raft_probs\x18\x02 \x03(\x0b\x32\x1d.specdec.v1.DraftDistribution\x12\x15\n\rcached_length\x18\x03 \x01(\r\x12\x12\n\nforward_ms\x18\x04 \x01(\x02\x12\x10\n\x08prepared\x18\x05 \x01(\x08\x12-\n\x0c\x66orward_cost\x18\x06 \x01(\x0b\x32\x17.specdec.v1.ForwardCost\x12\x19\n\rdraft_parents\x18\x07 \x03(\x05\x42\x02\x10\x01\"\xb5\x02\n\x10SpeculateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12(\n\x06prefix\x18\x02 \x01(\x0b\x32\x18.specdec.v1.CachedPrefix\x12\x16\n\nnew_tokens\x18\x03 \x03(\x03\x42\x02\x10\x01\x12\x14\n\x0c\x64raft_length\x18\x04 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0f\n\x07\x66\x61n_out\x18\x07 \x01(\r\x12\x1c\n\x0f\x61\x63\x63\x65ptance_rate\x18\x08 \x01(\x02H\x00\x88\x01\x01\x12*\n\x06output\x18\x14 \x01(\x0b\x32\x1a.specdec.v1.OutputControlsB\x12\n\x10_acceptance_rate\"X\n\x10SpeculatedBranch\x12\x16\n\x0e\x61\x63\x63\x65pted_count\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\x03\x12\x18\n\x0c\x64raft_tokens\x18\x03 \x03(\x03\x42\x02\x10\x01\"n\n\x11SpeculateResponse\x12.\n\x08\x62ranches\x18\x01 \x03(\x0b\x32\x1c.specdec.v1.SpeculatedBranch\x12\x15\n\rcached_length\x18\x02 \x01(\r\x12\x12\n\nforward_ms\x18\x03 \x01(\x02\x32\x94\x02\n\x0e\x44rafterService\x12<\n\x05\x44raft\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse\x12H\n\tSpeculate\x12\x1c.specdec.v1.SpeculateRequest\x1a\x1d.specdec.v1.SpeculateResponse\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/drafter.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xa7\x02\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12(\n\x06prefix\x18\x02 \x01(\x0b\x32\x18.specdec.v1.CachedPrefix\x12\x16\n\nnew_tokens\x18\x03 \x03(\x03\x42\x02\x10\x01\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\r\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12*\n\x06output\x18\x14 \x01(\x0b\x32\x1a.specdec.v1.OutputControls\x12\x11\n\tfork_from\x18\x1e \x01(\t\x12\x12\n\ntree_nodes\x18\x06 \x01(\r\x12\x12\n\ntree_width\x18\x07 \x01(\r\x12\x12\n\ntree_depth\x18\x08 \x01(\r\"\xe4\x01\n\rDraftResponse\x12\x18\n\x0c\x64raft_tokens\x18\x01 \x03(\x03\x42\x02\x10\x01\x12\x32\n\x0b\x64raft_probs\x18\x02 \x03(\x0b\x32\x1d.specdec.v1.DraftDistribution\x12\x15\n\rcached_length\x18\x03 \x01(\r\x12\x12\n\nforward_ms\x18\x04 \x01(\x02\x12\x10\n\x08prepared\x18\x05 \x01(\x08\x12-\n\x0c\x66orward_cost\x18\x06 \x01(\x0b\x32\x17.specdec.v1.ForwardCost\x12\x19\n\rdraft_parents\x18\x07 \x03(\x05\x42\x02\x10\x01\"\xb5\x02\n\x10SpeculateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12(\n\x06prefix\x18\x02 \x01(\x0b\x32\x18.specdec.v1.CachedPrefix\x12\x16\n\nnew_tokens\x18\x03 \x03(\x03\x42\x02\x10\x01\x12\x14\n\x0c\x64raft_length\x18\x04 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0f\n\x07\x66\x61n_out\x18\x07 \x01(\r\x12\x1c\n\x0f\x61\x63\x63\x65ptance_rate\x18\x08 \x01(\x02H\x00\x88\x01\x01\x12*\n\x06output\x18\x14 \x01(\x0b\x32\x1a.specdec.v1.OutputControlsB\x12\n\x10_acceptance_rate\"X\n\x10SpeculatedBranch\x12\x16\n\x0e\x61\x63\x63\x65pted_count\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\x03\x12\x18\n\x0c\x64raft_tokens\x18\x03 \x03(\x03\x42\x02\x10\x01\"n\n\x11SpeculateResponse\x12.\n\x08\x62ranches\x18\x01 \x03(\x0b\x32\x1c.specdec.v1.SpeculatedBranch\x12\x15\n\rcached_length\x18\x02 \x01(\r\x12\x12\n\nforward_ms\x18\x03 \x01(\x02\x32\x94\x02\n\x0e\x44rafterService\x12<\n\x05\x44raft\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse\x12H\n\tSpeculate\x12\x1c.specdec.v1.SpeculateRequest\x1a\x1d.specdec.v1.SpeculateResponse\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,15 +43,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPECULATEDBRANCH'].fields_by_name['draft_tokens']._loaded_options = None
   _globals['_SPECULATEDBRANCH'].fields_by_name['draft_tokens']._serialized_options = b'\020\001'
   _globals['_DRAFTREQUEST']._serialized_start=66
-  _globals['_DRAFTREQUEST']._serialized_end=341
-  _globals['_DRAFTRESPONSE']._serialized_start=344
-  _globals['_DRAFTRESPONSE']._serialized_end=572
-  _globals['_SPECULATEREQUEST']._serialized_start=575
-  _globals['_SPECULATEREQUEST']._serialized_end=884
-  _globals['_SPECULATEDBRANCH']._serialized_start=886
-  _globals['_SPECULATEDBRANCH']._serialized_end=974
-  _globals['_SPECULATERESPONSE']._serialized_start=976
-  _globals['_SPECULATERESPONSE']._serialized_end=1086
-  _globals['_DRAFTERSERVICE']._serialized_start=1089
-  _globals['_DRAFTERSERVICE']._serialized_end=1365
+  _globals['_DRAFTREQUEST']._serialized_end=361
+  _globals['_DRAFTRESPONSE']._serialized_start=364
+  _globals['_DRAFTRESPONSE']._serialized_end=592
+  _globals['_SPECULATEREQUEST']._serialized_start=595
+  _globals['_SPECULATEREQUEST']._serialized_end=904
+  _globals['_SPECULATEDBRANCH']._serialized_start=906
+  _globals['_SPECULATEDBRANCH']._serialized_end=994
+  _globals['_SPECULATERESPONSE']._serialized_start=996
+  _globals['_SPECULATERESPONSE']._serialized_end=1106
+  _globals['_DRAFTERSERVICE']._serialized_start=1109
+  _globals['_DRAFTERSERVICE']._serialized_end=1385
 # @@protoc_insertion_point(module_scope)

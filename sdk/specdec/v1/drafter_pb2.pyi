@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "prefix", "new_tokens", "num_draft_tokens", "sampling", "output", "fork_from", "tree_nodes", "tree_width")
+    __slots__ = ("session_id", "prefix", "new_tokens", "num_draft_tokens", "sampling", "output", "fork_from", "tree_nodes", "tree_width", "tree_depth")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class DraftRequest(_message.Message):
     FORK_FROM_FIELD_NUMBER: _ClassVar[int]
     TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     TREE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prefix: _common_pb2.CachedPrefix
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -27,7 +28,8 @@ class DraftRequest(_message.Message):
     fork_from: str
     tree_nodes: int
     tree_width: int
-    def __init__(self, session_id: _Optional[str] = ..., prefix: _Optional[_Union[_common_pb2.CachedPrefix, _Mapping]] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[_common_pb2.OutputControls, _Mapping]] = ..., fork_from: _Optional[str] = ..., tree_nodes: _Optional[int] = ..., tree_width: _Optional[int] = ...) -> None: ...
+    tree_depth: int
+    def __init__(self, session_id: _Optional[str] = ..., prefix: _Optional[_Union[_common_pb2.CachedPrefix, _Mapping]] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output: _Optional[_Union[_common_pb2.OutputControls, _Mapping]] = ..., fork_from: _Optional[str] = ..., tree_nodes: _Optional[int] = ..., tree_width: _Optional[int] = ..., tree_depth: _Optional[int] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("draft_tokens", "draft_probs", "cached_length", "forward_ms", "prepared", "forward_cost", "draft_parents")
