@@ -173,7 +173,8 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
         "the tracing overhead",
     )
     o = p.add_argument_group(
-        "--overhead", "the stack's own cost per round, on stand-in models (tools/bench/overhead.py)"
+        "--overhead",
+        "the stack's own cost per round, on stand-in models (tools/specdec/tools/bench/overhead.py)",
     )
     o.add_argument(
         "--overhead",
@@ -231,11 +232,12 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
         default=False,
         help="structured output against free generation (a JSON schema): tokens/s, "
         "acceptance, equality with the target's constrained generate() "
-        "(tools/bench/structured.py); k is the first of --k (default 3)",
+        "(tools/specdec/tools/bench/structured.py); k is the first of --k (default 3)",
     )
     add_shape_arguments(p)
     lk = p.add_argument_group(
-        "--lookup-cpu", "the gateway's CPU per round for lookup drafts (tools/bench/lookup_cpu.py)"
+        "--lookup-cpu",
+        "the gateway's CPU per round for lookup drafts (tools/specdec/tools/bench/lookup_cpu.py)",
     )
     lk.add_argument(
         "--lookup-cpu",

@@ -9,7 +9,7 @@ token. The median wall time of that `generate` is the forward of rows x n new to
 vLLM's scheduling and its one-token sampling, which is milliseconds against forwards of
 hundreds.
 
-    .cache/peers/bench-vllm/bin/python tools/bench/peer_workers/vllm_shapes.py \\
+    .cache/peers/bench-vllm/bin/python tools/specdec/tools/bench/peer_workers/vllm_shapes.py \\
         --model ~/.cache/specdec/models/qwen2.5-coder-1.5b-instruct/model --threads 1
 
 Prints the table in the format of `specdec bench --shapes` (milliseconds, and in brackets

