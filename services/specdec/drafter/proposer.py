@@ -90,7 +90,7 @@ def propose(
     with runtime.guarded(session_id):
         started = time.perf_counter()
         branches.pop_rows(session_id)
-        session = runtime.store.acquire(
+        session = runtime.ready_store.acquire(
             session_id, prefix.length, prefix.hash, len(new_tokens) + k - 1, fork_from=fork_from
         )
         hit = take_prepared(branches, session_id, session, new_tokens, k, params, controls)
@@ -123,7 +123,7 @@ def propose(
             top = (dist.gather(1, tokens_d[:, None])[:, 0], best.values, best.indices)
         host = to_host(tokens_d, *payload, *top)  # the Draft's one copy
         tokens = host[0].tolist()
-        runtime.store.fill(session, tokens[: k - 1])  # the device tokens it fed
+        runtime.ready_store.fill(session, tokens[: k - 1])  # the device tokens it fed
         encoded = encoded_rows(host[1 : 1 + len(payload)]) if proposals else []
         n = len(session.tokens)
         branches.put_rows(

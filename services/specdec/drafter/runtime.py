@@ -15,6 +15,7 @@ import logging
 import torch
 
 from specdec.common.config import ConfigError
+from specdec.drafter.config import DrafterConfig
 from specdec.drafter.quantize import quantize_model
 from specdec.drafter.vocab import (
     VOCAB_FLAG,
@@ -34,13 +35,14 @@ class DrafterRuntime(ModelRuntime):
     """The drafter's ModelRuntime: int8 weights with --quantize int8, a reduced output
     layer with --draft-vocab or --draft-vocab-file (unchanged otherwise)."""
 
-    def __init__(self, config):
+    def __init__(self, config: DrafterConfig):
         super().__init__(config)
         self.quantize = "none"  # --quantize, as applied to the loaded model
 
     def load(self) -> None:
         super().load()
-        cfg = self.config  # a DrafterConfig
+        cfg = self.config
+        assert isinstance(cfg, DrafterConfig)  # the drafter's runtime has its config
         if cfg.quantize != "none":
             self.model = quantize_model(self.model, cfg.quantize)
             log.info("drafter weights quantized", extra={"quantize": cfg.quantize})
@@ -50,6 +52,7 @@ class DrafterRuntime(ModelRuntime):
 
     def _reduce_vocabulary(self) -> None:
         cfg = self.config
+        assert isinstance(cfg, DrafterConfig)  # the drafter's runtime has its config
         ranking = read_ranking(cfg.draft_vocab_file) if cfg.draft_vocab_file else None
         ids = subset_ids(cfg.draft_vocab, ranking, self.vocab_size, self.eos_token_ids)
         layer = self.model.get_output_embeddings()

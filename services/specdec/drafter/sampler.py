@@ -94,6 +94,7 @@ class Sampler:
 
     def entries(self, vocab: int) -> int:
         """Entries of a distribution on the wire (0: dense), see sampling.wire_entries."""
+        assert self.params.top_k is not None  # SamplingParams sets every field
         return wire_entries(vocab, self.max_entries, self.params.top_k)
 
     def payload(self, proposals: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -124,6 +124,7 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
         """A Speculate request, validated, as the model call that answers it."""
         rt = self.ready_runtime()
         cfg = rt.config
+        assert isinstance(cfg, DrafterConfig)  # a drafter serves a DrafterConfig
         branch_k = self._k(request.num_draft_tokens)  # the prepared drafts' length
         k = self._k(request.draft_length, "draft_length")  # the draft under verification
         new_tokens = list(request.new_tokens)

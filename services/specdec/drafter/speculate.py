@@ -210,7 +210,9 @@ def speculate(
         started = time.perf_counter()
         store.pop(session_id)
         memo = store.pop_rows(session_id)
-        session = runtime.store.acquire(session_id, prefix.length, prefix.hash, len(new_tokens))
+        session = runtime.ready_store.acquire(
+            session_id, prefix.length, prefix.hash, len(new_tokens)
+        )
         rows = yield from draft_rows(
             runtime, store, session, memo, prefix, new_tokens, k
         )  # [k+1, vocab]
@@ -279,7 +281,7 @@ def draft_rows(
         return torch.cat([memo.rows[base - memo.start :], fresh])
     tokens = [*session.tokens[base - 1 :], *new_tokens]
     store.refed_tokens += cached - (base - 1)
-    runtime.store.truncate(session, base - 1)
+    runtime.ready_store.truncate(session, base - 1)
     return (yield from runtime.forward_steps(session, tokens, keep=k + 1))
 
 

@@ -131,6 +131,7 @@ def check_head(runtime: ModelRuntime) -> None:
     layer (final soft-capping, logit scaling): one short forward both ways must agree on
     the subset's entries, up to the rounding of the model's dtype."""
     head = runtime.head
+    assert isinstance(head, ReducedHead)
     ids = torch.tensor([[int(head.ids[0]), int(head.ids[-1])]], device=runtime.device)  # [1, 2]
     full = runtime.model(input_ids=ids, use_cache=False).logits[0].float()  # [2, vocab]
     hidden = runtime.model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state

@@ -352,7 +352,8 @@ class Scheduler:
                 self._forward(active)
             for task in active:
                 task.future.set_exception(RuntimeError("the model thread was shut down"))
-                task.job.close()
+                if task.job is not None:
+                    task.job.close()
         finally:
             self.io.close()
 
@@ -402,10 +403,11 @@ class Scheduler:
     def _forward(self, active: list[_Task]) -> None:
         """One forward over the oldest requests that fit, then each job to its next step."""
         batch = self._select(active)
-        requests = [t.request for t in batch]
+        requests = [_request(t) for t in batch]
         started = time.perf_counter()
+        results: list[torch.Tensor | None]
         try:
-            results = batch[0].context.run(self._run, requests)
+            results = list(batch[0].context.run(self._run, requests))
             error = None
         except BaseException as e:  # the jobs in this forward get the error
             results, error = [None] * len(batch), e
@@ -415,7 +417,7 @@ class Scheduler:
         for task, result in zip(batch, results, strict=True):
             active.remove(task)
             if error is None and task is not batch[0] and self.note_member is not None:
-                task.context.run(self.note_member, task.request, len(batch))
+                task.context.run(self.note_member, _request(task), len(batch))
             if self._step(task, result, error):
                 active.append(task)
             elif task.key is not None:
@@ -458,6 +460,7 @@ class Scheduler:
             if error is not None:
                 request = task.context.run(task.job.throw, error)
             else:
+                assert value is not None  # a forward without an error gives every row one
                 request = task.context.run(task.job.send, value)
         except StopIteration as stop:
             task.future.set_result(stop.value)
@@ -482,7 +485,7 @@ class Scheduler:
         batch: list[_Task] = []
         rows = longest = real = 0
         for task in active:
-            request = task.request
+            request = _request(task)
             wider = max(longest, request.width)
             padded = (rows + request.rows) * wider
             fed = request.rows * request.width
@@ -562,7 +565,9 @@ class Layout:
         mask = torch.zeros(self.rows, width + longest, dtype=torch.long)
         positions = torch.empty(self.rows, longest, dtype=torch.long)
         steps = torch.arange(longest)
-        on_device = []  # (rows, tokens): tokens drawn on the device, placed once there
+        on_device: list[
+            tuple[tuple[Any, Any], torch.Tensor]
+        ] = []  # (rows, tokens): tokens drawn on the device, placed once there
         for r, start, cached in zip(self.requests, self.starts, self.cached, strict=True):
             pad, length = width - cached, len(r.session.tokens)
             if isinstance(r, BranchStep):
@@ -632,6 +637,7 @@ class Layout:
                     keys[rows, :, width - cached : width - fed] = own.keys[0]
                     values[rows, :, width - cached : width - fed] = own.values[0]
                 if fed:
+                    assert isinstance(r, BranchStep)  # only a branch step feeds its own KV
                     keys[rows, :, width - fed :] = r.group.keys[i]
                     values[rows, :, width - fed :] = r.group.values[i]
             batch.update(keys, values, i)
@@ -681,6 +687,12 @@ class Layout:
                 r.group.fed += 1
             else:
                 r.session.append(r.tokens)
+
+
+def _request(task: _Task) -> Request:
+    """An active task's forward request (set when its job yields it)."""
+    assert task.request is not None
+    return task.request
 
 
 def _fed(request: Request) -> int:

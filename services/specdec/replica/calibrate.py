@@ -312,7 +312,7 @@ def prefix_cache(model, device: torch.device):
 
     vocab = int(model.get_input_embeddings().weight.shape[0])
     ids = (torch.arange(PREFIX_TOKENS, device=device) * 7919 + 11) % vocab  # [prefix]
-    cache = DynamicCache(config=model.config)
+    cache: Any = DynamicCache(config=model.config)  # its layers' layout: see _layers
     with torch.inference_mode():
         model(input_ids=ids[:1].view(1, 1), cache=cache, use_cache=True)
         if _layers(cache) and cache.get_seq_length() == 1:
@@ -328,7 +328,7 @@ def prefix_cache(model, device: torch.device):
 
 def _layers(cache) -> bool:
     """The cache's layers hold `keys` and `values` tensors [batch, heads, seq, head_dim]."""
-    layers = getattr(cache, "layers", None)
+    layers = getattr(cache, "layers", None) or []
     return bool(layers) and all(
         isinstance(getattr(x, a, None), torch.Tensor) and getattr(x, a).dim() == 4
         for x in layers
@@ -470,11 +470,11 @@ def choose_dtype(
                 best, best_model = other, other_model
             del other_model
         del kept, prefix
-        dtype, packed = best.removesuffix(PACKED), best.endswith(PACKED)
+        chosen, packed = best.removesuffix(PACKED), best.endswith(PACKED)
         if best_model is model and packed:
             packing.pack_linears(model)
         reason = _reason(best, timings, note, role)
-        choice = DtypeChoice(dtype, reason, timings, cpu.describe(), packed=packed)
+        choice = DtypeChoice(chosen, reason, timings, cpu.describe(), packed=packed)
         store_choice(choice, key)
         log.info("dtype measured", extra={"seconds": round(time.monotonic() - started, 2)})
     else:
@@ -531,7 +531,8 @@ def fastest_dtype(
         if hit is not None:
             return hit
         loaded = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, **kwargs)
-        kept, choice = choose_dtype(loaded.to(dev).eval(), dev, count)
+        # transformers types PreTrainedModel.to through a decorator mypy misreads
+        kept, choice = choose_dtype(loaded.to(dev).eval(), dev, count)  # type: ignore[arg-type]
         del loaded, kept
         _free(dev)
         return choice

@@ -19,11 +19,13 @@ def prefix_from_proto(msg: common_pb2.CachedPrefix) -> Prefix:
 
 def encoded_to_proto(enc: EncodedProbs) -> common_pb2.DraftDistribution:
     if enc.is_sparse:
+        assert enc.token_ids is not None and enc.probs is not None
         return common_pb2.DraftDistribution(
             sparse=common_pb2.SparseProbs(
                 token_ids=enc.token_ids.tolist(), probs=enc.probs.tolist()
             )
         )
+    assert enc.dense is not None
     return common_pb2.DraftDistribution(
         dense=common_pb2.DenseProbs(
             format=common_pb2.PROB_FORMAT_FLOAT16, data=enc.dense.numpy().tobytes()

@@ -138,6 +138,11 @@ class Engine(Protocol[S]):
         ...
 
     @property
+    def ready_store(self) -> SessionStore[S]:
+        """The sessions' caches (NotReady while the model loads)."""
+        ...
+
+    @property
     def dtype_name(self) -> str: ...
 
     def load(self) -> None:

@@ -18,6 +18,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ class SessionCache:
     """KV cache of one session and the tokens it covers (len(tokens) == cache length)."""
 
     tokens: list[int]
-    kv: object  # transformers DynamicCache
+    kv: Any  # transformers DynamicCache (None in the paged engine: its blocks hold the KV)
     last_used: float = field(default_factory=time.monotonic)
     # Block hashes of tokens' prefixes (cropped with tokens): prefix checks cost O(new).
     chain: PrefixChain = field(default_factory=PrefixChain)
@@ -183,6 +184,8 @@ class CacheStore:
 
     def _new_session(self) -> SessionCache:
         """An empty session."""
+        if self._new_cache is None:
+            raise TypeError("a CacheStore without new_cache cannot make a session's KV")
         return SessionCache(tokens=[], kv=self._new_cache())
 
     def _copy(self, source: SessionCache, length: int) -> SessionCache:

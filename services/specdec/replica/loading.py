@@ -69,7 +69,7 @@ def load_model(cfg: ReplicaConfig, device: torch.device) -> LoadedModel:
     fastest = cfg.dtype == calibrate.FASTEST  # load in float32, keep it or a cast copy
     dtype = "auto" if cfg.dtype == "auto" else DTYPES["float32" if fastest else cfg.dtype]
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, **kwargs, **sharding)
-    model.to(device).eval()
+    model.to(device).eval()  # type: ignore[arg-type]  # transformers' decorated .to
     # int8 layers (the drafter's --quantize, applied after loading) have their own kernels
     pack = cfg.pack_weights if getattr(cfg, "quantize", "none") == "none" else "false"
     if fastest:
@@ -137,7 +137,7 @@ def generation_sampling(config) -> Sampling:
     penalty = getattr(config, "repetition_penalty", None)
     if not getattr(config, "do_sample", False):
         return Sampling(temperature=0.0, repetition_penalty=penalty).resolve()
-    values = {name: getattr(config, name, None) for name in Sampling.MODEL_FIELDS}
+    values: dict[str, Any] = {name: getattr(config, name, None) for name in Sampling.MODEL_FIELDS}
     if values["temperature"] is None:
         values["temperature"] = 1.0
     return Sampling(**values).resolve()

@@ -120,7 +120,7 @@ class BlockPool:
         bs = self.block_size
         src, dst = slice(source * bs, source * bs + slots), slice(target * bs, target * bs + slots)
         for keys, values in zip(self.keys, self.values, strict=True):
-            if keys is not None:
+            if keys is not None and values is not None:
                 keys[:, dst] = keys[:, src]
                 values[:, dst] = values[:, src]
 
@@ -139,9 +139,12 @@ class BlockPool:
             for tensors in (self.keys, self.values):
                 # Uninitialised: only the null block is read before it is written, and
                 # the memory of a slot becomes resident when first written.
-                tensors[layer] = like.new_empty(heads, slots, dim)
-                tensors[layer][:, : self.block_size] = 0
-        return self.keys[layer], self.values[layer]
+                pool = like.new_empty(heads, slots, dim)
+                pool[:, : self.block_size] = 0
+                tensors[layer] = pool
+        keys, values = self.keys[layer], self.values[layer]
+        assert keys is not None and values is not None
+        return keys, values
 
     def _grow(self, blocks: int) -> None:
         old = self.blocks
@@ -185,12 +188,14 @@ class PagedStore(CacheStore):
         return PagedSession(tokens=[])
 
     def _copy(self, source: SessionCache, length: int) -> PagedSession:
+        assert isinstance(source, PagedSession)
         blocks = source.blocks[: -(-length // self.pool.block_size)]
         for block in blocks:
             self.pool.incref(block)
         return PagedSession(tokens=source.tokens[:length], blocks=blocks)
 
     def _crop(self, session: SessionCache, length: int) -> None:
+        assert isinstance(session, PagedSession)
         keep = -(-length // self.pool.block_size)
         for block in session.blocks[keep:]:
             self.pool.decref(block)

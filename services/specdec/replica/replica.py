@@ -9,7 +9,7 @@ import logging
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
@@ -30,6 +30,7 @@ from specdec.v1 import common_pb2
 log = logging.getLogger(__name__)
 
 MAX_SESSION_ID_LEN = 256
+C = TypeVar("C", bound=ReplicaConfig)  # a replica's config: ReplicaConfig or a subclass
 _ROLES = {"drafter": common_pb2.ROLE_DRAFTER, "verifier": common_pb2.ROLE_VERIFIER}
 
 
@@ -131,7 +132,7 @@ class ReplicaServicer:
         rt = self.ready_runtime()
         cfg = rt.config
         cached_tokens, cached_sessions = await rt.run(
-            lambda: (rt.store.cached_tokens, len(rt.store)), bounded=False
+            lambda: (rt.ready_store.cached_tokens, len(rt.ready_store)), bounded=False
         )
         info = common_pb2.ModelInfo(
             role=_ROLES[cfg.role],
@@ -203,17 +204,18 @@ def check_device(device: str, ranks: int = 1) -> None:
 
 
 def run_replica(
-    config_type: type[ReplicaConfig],
+    config_type: type[C],
     args: argparse.Namespace,
     service_name: str,
     make_servicer: Callable[[Engine], ReplicaServicer],
     add_to_server: Callable[[ReplicaServicer, grpc.aio.Server], None],
-    runtime_type: Callable[[ReplicaConfig], Engine] = ModelRuntime,
+    runtime_type: Callable[[C], Engine] = ModelRuntime,
 ) -> None:
     """`specdec serve drafter|verifier`: config, logging, serve until SIGTERM. runtime_type
     makes the engine (the transformers ModelRuntime, or the drafter's DrafterRuntime); with
     --tensor-parallel N > 1 the verifier's is rank 0 of N (specdec.replica.tp)."""
     config = config_type.from_args(args)
+    assert isinstance(config, config_type)  # from_args is typed as ReplicaConfig's
     check_device(config.device, config.tensor_parallel)
     setup_logging(config.role)
     log_libraries_as_json()

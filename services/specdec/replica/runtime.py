@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -34,6 +34,7 @@ from specdec.common.errors import (
     CacheMiss,
     CapacityExceeded,
     InvalidRequest,
+    NotReady,
     ReplicaBusy,
 )
 from specdec.common.metrics import ReplicaObserver
@@ -74,7 +75,7 @@ class ModelRuntime:
         # lock that guards the count: bounded by config.max_queue (backpressure, `run`).
         self.pending = 0
         self._pending_lock = threading.Lock()
-        self.model = None
+        self.model: Any = None  # the transformers model, once loaded (load)
         self.device = torch.device(config.device)
         self.vocab_size = 0
         self.max_context = 0
@@ -225,6 +226,13 @@ class ModelRuntime:
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
+
+    @property
+    def ready_store(self) -> CacheStore:
+        """The sessions' caches (NotReady while the model loads)."""
+        if self.store is None:
+            raise NotReady("model is still loading")
+        return self.store
 
     @property
     def dtype_name(self) -> str:

@@ -78,6 +78,9 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     Greedy (temperature 0) returns the one-hot distribution of the argmax.
     """
     logits = logits.float()
+    # SamplingParams sets every field (its unset ones to the neutral value).
+    assert params.temperature is not None and params.top_k is not None
+    assert params.top_p is not None and params.min_p is not None
     if params.greedy:
         return torch.nn.functional.one_hot(
             logits.argmax(dim=-1), num_classes=logits.shape[-1]

@@ -304,10 +304,10 @@ def follow(config: ReplicaConfig, rank: int) -> None:
             operation = ranks.receive()
             if operation[0] == "stop":
                 break
-            *operation, forgotten = operation
+            *call, forgotten = operation
             for handle in forgotten:
                 sessions.pop(handle, None)
-            _replay(runtime, sessions, *operation)
+            _replay(runtime, sessions, *call)
     except Exception:
         log.exception("tensor-parallel rank lost rank 0; exiting", extra={"rank": rank})
         _exit(1)

@@ -20,9 +20,10 @@ from specdec.common.controls import Controls
 from specdec.replica.batching import ForwardRequest
 from specdec.replica.engine import Engine, Session, arguments
 from specdec.replica.host import to_host
+from specdec.replica.kvstore import SessionCache
 from specdec.replica.logprobs import LogprobRows, LogprobsAsk, emitted_tokens, token_logprobs
 from specdec.replica.masks import apply_masks
-from specdec.replica.paged import PagedStore
+from specdec.replica.paged import PagedSession, PagedStore
 from specdec.replica.processors import verify_logits
 from specdec.replica.runtime import Prefix
 from specdec.replica.sampling import (
@@ -252,15 +253,17 @@ def keep_path(store, session: Session, base: int, path: Sequence[int]) -> None:
     of every layer, the rest cropped (on the paged engine, within the session's blocks of
     the pool, which the tree's forward wrote, so the session's own)."""
     if path and list(path) != list(range(len(path))) and isinstance(store, PagedStore):
+        assert isinstance(session, PagedSession)
         slots = store.slots(session, base + max(path) + 1)
         src, dst = slots[[base + i for i in path]], slots[base : base + len(path)]
         for keys, values in zip(store.pool.keys, store.pool.values, strict=True):
-            if keys is not None:
+            if keys is not None and values is not None:
                 index, to = src.to(keys.device), dst.to(keys.device)
                 keys[:, to] = keys[:, index]
                 values[:, to] = values[:, index]
         session.tokens[base : base + len(path)] = [session.tokens[base + i] for i in path]
     elif path and list(path) != list(range(len(path))):
+        assert isinstance(session, SessionCache)  # the dense engine's: a DynamicCache
         src = torch.tensor([base + i for i in path], dtype=torch.long)
         dst = torch.arange(base, base + len(path), device=session.kv.layers[0].keys.device)
         for layer in session.kv.layers:
