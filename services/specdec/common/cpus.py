@@ -135,7 +135,7 @@ class Cpu:
 
 def cpu_info(path: Path = CPUINFO) -> Cpu:
     """The CPU's model name and the CPU_FLAGS it has, from /proc/cpuinfo (Linux)."""
-    name, flags = "", set()
+    name, flags = "", set[str]()
     try:
         text = path.read_text(errors="replace")
     except OSError:

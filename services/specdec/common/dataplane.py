@@ -225,6 +225,7 @@ class DataPlaneServer:
         if self.stopping:
             conn.reply_error(call.id, grpc.StatusCode.UNAVAILABLE, STOPPING, "REASON_STOPPING")
             return
+        assert rpc is not None  # self.calls holds only the replica's methods
         self.metrics.child(self.metrics.data_calls, rpc).inc()
         context = contextvars.Context()
         context.run(

@@ -312,7 +312,7 @@ class ReplicaObserver:
         started = time.perf_counter()
         span = None
         if telemetry.enabled():
-            attributes = {
+            attributes: dict[str, Any] = {
                 "specdec.forward.kind": kind,
                 "specdec.forward.tokens": tokens,
                 "specdec.forward.batch_size": batch,

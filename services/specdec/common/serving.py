@@ -76,21 +76,24 @@ class RefuseMalformed(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler.response_streaming:
             behavior = handler.unary_stream
+            unary_stream: Callable[..., object]
             if inspect.isasyncgenfunction(behavior):
 
-                async def unary_stream(request, context):
+                async def streamed(request, context):
                     if isinstance(request, _Malformed):
                         await _refuse(context, method, request)
                     async for item in behavior(request, context):
                         yield item
 
+                unary_stream = streamed
             else:
 
-                async def unary_stream(request, context):
+                async def awaited(request, context):
                     if isinstance(request, _Malformed):
                         await _refuse(context, method, request)
                     return await behavior(request, context)
 
+                unary_stream = awaited
             return handler._replace(
                 request_deserializer=_tolerant(handler.request_deserializer),
                 unary_stream=unary_stream,

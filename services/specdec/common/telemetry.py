@@ -192,8 +192,10 @@ def setup_tracing(service: str, env: Mapping[str, str] | None = None) -> Tracing
         return None
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
+    assert config.endpoint is not None  # enabled: an endpoint is set
+    exporter: SpanExporter
     if config.protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
