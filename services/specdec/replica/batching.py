@@ -459,8 +459,9 @@ class Scheduler:
         try:
             if error is not None:
                 request = task.context.run(task.job.throw, error)
+            elif value is None:  # the job's start (a forward without an error gave a value)
+                request = task.context.run(next, task.job)
             else:
-                assert value is not None  # a forward without an error gives every row one
                 request = task.context.run(task.job.send, value)
         except StopIteration as stop:
             task.future.set_result(stop.value)
