@@ -82,8 +82,9 @@ uvloop werkzeug wheel wrapt xxhash yarl zipp"""
 GPU_IMAGE = frozenset(_GPU_IMAGE_NAMES.split())
 ALWAYS_CARRY = frozenset({"transformers", "protobuf", "grpcio"})
 # The project is built there (pip --no-build-isolation) with the setuptools built here: its
-# PEP 639 metadata needs setuptools 77 or later.
-BUILD_CARRY = ("setuptools",)
+# PEP 639 metadata needs setuptools 77 or later; the SDK's build generates its gRPC stubs
+# with grpcio-tools (sdk/setup.py).
+BUILD_CARRY = ("setuptools", "grpcio-tools")
 NEVER_CARRY = ("torch", "triton", "nvidia-", "cuda-", "numpy")
 ROOTS = ("specdec-server[gateway,replica]", "specdec-sdk")
 
