@@ -66,6 +66,13 @@ done < <(git ls-files -- tools | cut -d/ -f2 | sort -u)
 perl -0pi -e 's{# One import namespace, `specdec` \(shared with specdec-sdk\), over the design.s folders\.\n\[tool\.setuptools\]\npackages = \[\n(?:  "specdec\.[a-z.]+",\n)+\]\n\n\[tool\.setuptools\.package-dir\]\n(?:"specdec\.[a-z]+" = "services/[a-z]+"\n)+}{# One import namespace, `specdec` (shared with specdec-sdk and specdec-tools): services/ is\n# this distribution\x27s package root, and a folder under it is the package its path names\n# (services/specdec/gateway is specdec.gateway). No specdec/__init__.py anywhere.\n[tool.setuptools.packages.find]\nwhere = ["services"]\ninclude = ["specdec.*"]\nexclude = ["*.__pycache__"]\nnamespaces = true\n}' pyproject.toml
 perl -0pi -e 's{# One import namespace, `specdec`, shared with specdec-sdk and specdec-server; this\n# folder is the package specdec.tools\.\n\[tool\.setuptools\]\npackages = \[[^\]]*\]\n\n\[tool\.setuptools\.package-dir\]\n"specdec\.tools" = "\."\n}{# One import namespace, `specdec`, shared with specdec-sdk and specdec-server: this folder\n# is the package root, and specdec/tools/ under it is the package specdec.tools.\n[tool.setuptools.packages.find]\nwhere = ["."]\ninclude = ["specdec.tools", "specdec.tools.*"]\nexclude = ["*.__pycache__", "specdec.tools.bench.peer_workers"]\nnamespaces = true\n}' tools/pyproject.toml
 
+for file in pyproject.toml tools/pyproject.toml; do
+    if grep -q '^\[tool\.setuptools\.package-dir\]' "$file"; then
+        echo "relayout: $file still maps packages by package-dir (its block changed?): edit it by hand" >&2
+        exit 1
+    fi
+done
+
 # mypy: the three package roots, and the services' packages beside the SDK.
 perl -pi -e 's{^mypy_path = "sdk"$}{mypy_path = ["sdk", "services", "tools"]}' pyproject.toml
 
