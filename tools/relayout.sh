@@ -101,6 +101,17 @@ for file in "${files[@]}"; do
         "$file"
 done
 
+# A moved file git placed (a merge that followed the move) was not deepened above: name any
+# `parents[N]` that reaches the folder above the checkout's root from where it lies now.
+while IFS=: read -r file line; do
+    n=$(sed -E 's/.*Path\(__file__\)\.resolve\(\)\.parents\[([0-9]+)\].*/\1/' <<<"$line")
+    depth=$(tr -cd / <<<"$file" | wc -c)
+    if [ "$((n + 2))" -eq "$depth" ]; then
+        echo "relayout: $file: Path(__file__).resolve().parents[$n] was the checkout's root" \
+            "before the move; it is parents[$depth] now" >&2
+    fi
+done < <(git grep -oE 'Path\(__file__\)\.resolve\(\)\.parents\[[0-9]+\]' -- services/specdec tools/specdec)
+
 # The formatter re-wraps a code line the longer path pushed over the line length.
 mapfile -t edited_py < <(printf '%s\n' "${files[@]}" | grep '\.py$' || true)
 if [ "${#edited_py[@]}" -gt 0 ]; then
