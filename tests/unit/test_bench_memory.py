@@ -1,4 +1,4 @@
-"""`specdec bench` prices its memory before it loads anything (tools/bench/memory.py): the
+"""`specdec bench` prices its memory before it loads anything (tools/specdec/tools/bench/memory.py): the
 in-process rows run after the stack's where both do not fit together, and the fastest-step
 row is left out, saying why, where even that has no room."""
 

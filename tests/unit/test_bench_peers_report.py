@@ -1,4 +1,4 @@
-"""The bench report's peer table and machine header (tools/bench/report.py) from results
+"""The bench report's peer table and machine header (tools/specdec/tools/bench/report.py) from results
 shaped as `specdec bench --peers` writes them."""
 
 from __future__ import annotations

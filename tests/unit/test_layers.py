@@ -25,7 +25,7 @@ def modules_in(folder: Path, package: str) -> list[str]:
 
 
 TORCH_FREE = [
-    *modules_in(ROOT / "services" / "common", "specdec.common"),
+    *modules_in(ROOT / "services" / "specdec" / "common", "specdec.common"),
     "specdec.gateway.server",
     "specdec.gateway.turn",
     *modules_in(ROOT / "sdk" / "specdec" / "sdk", "specdec.sdk"),

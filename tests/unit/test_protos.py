@@ -1,4 +1,5 @@
-"""The generated stubs in sdk/specdec/v1 are what protoc makes from protos/ now, and buf lint passes."""
+"""The generated stubs in sdk/specdec/v1 (made by the SDK's build, sdk/setup.py, and by
+`make proto`; not tracked) are what protoc makes from protos/ now, and buf lint passes."""
 
 from __future__ import annotations
 
@@ -29,13 +30,13 @@ def test_generated_stubs_are_fresh(tmp_path):
         check=True,
     )
     fresh = {p.name: p.read_bytes() for p in (tmp_path / "specdec" / "v1").iterdir()}
-    committed = {
+    generated = {
         p.name: p.read_bytes()
         for p in (ROOT / "sdk" / "specdec" / "v1").iterdir()
         if "_pb2" in p.name
     }
-    assert set(fresh) == set(committed), "stub files differ: run `make proto`"
-    stale = [name for name in fresh if fresh[name] != committed[name]]
+    assert set(fresh) == set(generated), "stub files differ: run `make proto`"
+    stale = [name for name in fresh if fresh[name] != generated[name]]
     assert not stale, f"stale generated stubs {stale}: run `make proto`"
 
 

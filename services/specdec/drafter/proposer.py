@@ -1,0 +1,254 @@
+"""The drafter's domain logic: propose k tokens and the distributions they came from.
+
+`propose` is a model-thread job (specdec.replica.batching): each of its k forwards is batched
+with the forwards of other sessions drafting at the same time (lock-step).
+
+A Draft may ask for a dynamic token tree (DraftRequest.tree_nodes): the draft as drawn,
+then up to tree_nodes leaves, each one of the drafter's top alternatives to a draft token,
+a sibling of it (`plan`). The alternatives come from the rows the draft was drawn from. A
+leaf's path probability under the drafter is the product of the draft tokens' probabilities
+before it times its own; the leaves with the highest are kept, which puts them where the
+drafter is unsure, early. Each leaf is a deterministic function of the drawn tokens, so its
+proposal is one-hot; the draft token keeps the distribution it was drawn from and comes
+first among its siblings (docs/concepts/trees.md: exact under the tree rule).
+
+With DraftRequest.tree_depth > 0 the best leaves continue: each is a row of a BranchGroup
+over the session's cache (the SSD branch rows of specdec.drafter.speculate: the row sees the
+draft up to the leaf's parent, then its own tokens, in its own keys and values), and
+tree_depth more forwards, batched over the rows, draw each row's next token from the
+drafter's distribution given its path (`continue_leaves`). Those tokens are drawn (from a
+stream of their own under a seed), so each carries the distribution it was drawn from.
+Every node counts in tree_nodes (`plan`). The session's cache gains none of it: after a
+Draft it holds the prefix, the new tokens and d_1..d_{k-1}, as for a chain."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.common.controls import Controls
+from specdec.drafter.sampler import TREE_SALT, sampler_for
+from specdec.drafter.speculate import (
+    BranchStore,
+    DraftRows,
+    branch_budget,
+    draft_branches,
+    take_prepared,
+)
+from specdec.replica.batching import Request
+from specdec.replica.engine import Engine, Session, arguments
+from specdec.replica.host import to_host
+from specdec.replica.processors import TokenCounts
+from specdec.replica.runtime import Prefix
+from specdec.replica.sampling import EncodedProbs, SamplingParams, encoded_rows, one_hot_encoded
+
+
+@dataclass
+class Draft:
+    tokens: list[int]  # [k]
+    probs: list[EncodedProbs]  # [k], empty when greedy
+    cached_length: int
+    forward_ms: float
+    prepared: bool = False  # served from a Speculate branch, no forward
+    parents: list[int] = field(default_factory=list)  # a tree's (DraftResponse.draft_parents)
+
+
+@dataclass(frozen=True)
+class DraftCall:
+    """A validated Draft: the arguments of `propose`."""
+
+    runtime: Engine
+    branches: BranchStore
+    session_id: str
+    prefix: Prefix
+    new_tokens: list[int]
+    k: int
+    params: SamplingParams
+    controls: Controls | None
+    fork_from: str
+    tree_nodes: int = 0
+    tree_width: int = 1
+    tree_depth: int = 0
+
+    def job(self) -> Generator[Request, torch.Tensor, Draft]:
+        return propose(**arguments(self))
+
+
+def propose(
+    runtime: Engine,
+    branches: BranchStore,
+    session_id: str,
+    prefix: Prefix,
+    new_tokens: Sequence[int],
+    k: int,
+    params: SamplingParams,
+    controls: Controls | None = None,
+    fork_from: str = "",
+    tree_nodes: int = 0,
+    tree_width: int = 1,
+    tree_depth: int = 0,
+) -> Generator[Request, torch.Tensor, Draft]:
+    """Draft k tokens after prefix + new_tokens (a job for the model thread,
+    `Engine.run`), each step under the request's logits processors (controls).
+
+    If Speculate prepared a draft for exactly this sequence it is returned without a
+    forward and the cache stays at the prefix. Otherwise the cache ends holding
+    prefix + new_tokens + d_1..d_{k-1}: d_k is only fed if it is accepted, in the next
+    request's new tokens (or by the Speculate that follows, which then reuses the logits
+    kept here instead of feeding d_1..d_{k-1} again). fork_from: start the session as a
+    copy of that session's cache (CacheStore.acquire). tree_nodes > 0: the draft grows
+    into a tree of up to tree_nodes more nodes, at most tree_width children per node
+    (`plan`), the best leaves continued by tree_depth drawn tokens
+    (`continue_leaves`); a prepared draft stays a chain.
+    """
+    with runtime.guarded(session_id):
+        started = time.perf_counter()
+        branches.pop_rows(session_id)
+        session = runtime.ready_store.acquire(
+            session_id, prefix.length, prefix.hash, len(new_tokens) + k - 1, fork_from=fork_from
+        )
+        hit = take_prepared(branches, session_id, session, new_tokens, k, params, controls)
+        if hit is not None:
+            tokens, probs = hit
+            return Draft(tokens, probs, len(session.tokens), _ms(started), prepared=True)
+        last = (yield from runtime.forward_steps(session, new_tokens, keep=1))[-1:]  # [1, vocab]
+        position = prefix.length + len(new_tokens)  # index of d_1 in the sequence
+        counts = None
+        if controls is not None:  # the sequence's statistics, then each drawn token's
+            counts = TokenCounts(controls, session.tokens, [()], last.shape[-1], last.device)
+        sampler = sampler_for(params, runtime, counts)
+        drawn: list[torch.Tensor] = []  # [1] each: the draft, on the device
+        proposals: list[torch.Tensor] = []  # [1, vocab] each, under sampling
+        rows: list[torch.Tensor] = []  # [1, vocab] logits each token was drawn from
+        for i in range(k):
+            rows.append(last)
+            token, proposal = sampler.draw(last, [position + i])
+            drawn.append(token)
+            if proposal is not None:
+                proposals.append(proposal)
+            if i < k - 1:  # the device token is the next input: no copy to the host
+                last = (yield from runtime.forward_steps(session, token))[-1:]
+        tokens_d = torch.cat(drawn)
+        payload = sampler.payload(proposals)
+        top: tuple[torch.Tensor, ...] = ()
+        if tree_nodes > 0 and tree_width > 1:  # the tokens' probabilities, top alternatives
+            dist = torch.cat(proposals) if proposals else torch.softmax(torch.cat(rows).float(), -1)
+            best = torch.topk(dist, min(tree_width, dist.shape[-1]), dim=-1)
+            top = (dist.gather(1, tokens_d[:, None])[:, 0], best.values, best.indices)
+        host = to_host(tokens_d, *payload, *top)  # the Draft's one copy
+        tokens = host[0].tolist()
+        runtime.ready_store.fill(session, tokens[: k - 1])  # the device tokens it fed
+        encoded = encoded_rows(host[1 : 1 + len(payload)]) if proposals else []
+        n = len(session.tokens)
+        branches.put_rows(
+            session_id,
+            DraftRows(position, n, session.chain.hash(session.tokens, n), torch.cat(rows)),
+        )
+        if not top:
+            return Draft(tokens, encoded, len(session.tokens), _ms(started))
+        conf, values, indices = (t.tolist() for t in host[len(host) - 3 :])
+        rows = branch_budget(  # continued leaves are branch rows: SSD's KV bound holds
+            runtime.config.ssd_max_branch_tokens, len(session.tokens), tree_depth
+        )
+        leaves, parents, continued = plan(
+            tokens, conf, indices, values, tree_nodes, tree_width, tree_depth, rows
+        )
+        if proposals:
+            encoded += [one_hot_encoded(t) for t in leaves]
+        tokens = [*tokens, *leaves]
+        if continued:
+            more, more_parents, more_probs = yield from continue_leaves(
+                sampler_for(params, runtime, salt=TREE_SALT),
+                session,
+                position,
+                [(parents[node] + 1, tokens[node]) for node in continued],
+                continued,
+                len(tokens),
+                tree_depth,
+            )
+            tokens += more
+            parents += more_parents
+            encoded += more_probs
+        return Draft(tokens, encoded, len(session.tokens), _ms(started), parents=parents)
+
+
+def continue_leaves(
+    sampler,
+    session: Session,
+    position: int,
+    keys: Sequence[tuple[int, int]],
+    nodes: Sequence[int],
+    first: int,
+    depth: int,
+) -> Generator[Request, torch.Tensor, tuple[list[int], list[int], list[EncodedProbs]]]:
+    """`depth` tokens drawn after each leaf: (their tokens, parents, distributions), node
+    numbers from `first` on, leaf by leaf. keys[j] = (i, x): leaf nodes[j] is token x in
+    place of draft token i (0-based), so its row sees the session's first position + i
+    slots (the sequence and d_1..d_i), then its own tokens; depth forwards over all rows
+    (SSD's `draft_branches`)."""
+    branches = yield from draft_branches(session, position, keys, depth, sampler)
+    tokens: list[int] = []
+    parents: list[int] = []
+    probs: list[EncodedProbs] = []
+    for leaf, branch in zip(nodes, branches, strict=True):
+        for step, token in enumerate(branch.tokens):
+            parents.append(leaf if step == 0 else first + len(tokens) - 1)
+            tokens.append(token)
+        probs += branch.probs
+    return tokens, parents, probs
+
+
+def plan(
+    tokens: Sequence[int],
+    confidence: Sequence[float],
+    alternatives: Sequence[Sequence[int]],
+    probs: Sequence[Sequence[float]],
+    nodes: int,
+    width: int,
+    depth: int = 0,
+    max_rows: int = 1 << 30,
+) -> tuple[list[int], list[int], list[int]]:
+    """A draft's tree: (the leaves to add, the parents of the draft and the leaves, the
+    leaves to continue by `depth` tokens, as node numbers, best first). tokens [k]: the
+    draft; confidence [k]: each draft token's probability under the drafter;
+    alternatives / probs [k][w]: each row's top tokens and their probabilities. Each
+    leaf is an alternative a to draft token i (a != tokens[i], at most width - 1 per i),
+    scored by its path probability confidence[0] ... confidence[i-1] probs[i][a]. Of the
+    `nodes` budget, each continued leaf costs 1 + depth: the best nodes // (1 + depth)
+    leaves (none when depth is 0; at most max_rows, the branch rows' memory bound) are
+    continued and what is left buys terminal leaves,
+    the next best; only leaves with a positive score, numbered after the draft by
+    position then rank, each the child of draft token i - 1 (-1: of the context).
+    ([], [], []) when none is kept."""
+    candidates: list[tuple[float, int, int]] = []  # (score, position, token)
+    reach = 1.0
+    for i, token in enumerate(tokens):
+        taken = 0
+        for alt, p in zip(alternatives[i], probs[i], strict=True):
+            if taken >= width - 1:
+                break
+            if alt == token:
+                continue
+            taken += 1
+            if reach * p > 0:
+                candidates.append((reach * p, i, alt))
+        reach *= confidence[i]
+    rows = max(0, nodes) // (1 + depth) if depth > 0 else 0
+    ranked = sorted(candidates, key=lambda c: -c[0])
+    rows = min(rows, len(ranked), max_rows)
+    kept = ranked[: rows + max(0, nodes) - rows * (1 + depth)]
+    if not kept:
+        return [], [], []
+    order = {(i, alt): n for n, (_, i, alt) in enumerate(candidates)}
+    kept.sort(key=lambda c: order[(c[1], c[2])])
+    node = {(i, alt): len(tokens) + n for n, (_, i, alt) in enumerate(kept)}
+    parents = [i - 1 for i in range(len(tokens))] + [i - 1 for _, i, _ in kept]
+    continued = [node[(i, alt)] for _, i, alt in ranked[:rows]]
+    return [alt for _, _, alt in kept], parents, continued
+
+
+def _ms(started: float) -> float:
+    return (time.perf_counter() - started) * 1e3

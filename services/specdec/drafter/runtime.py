@@ -1,0 +1,75 @@
+"""The drafter's model runtime: a ModelRuntime with the drafter-only choices applied.
+
+- ``--quantize int8`` (specdec.drafter.quantize): int8 weights after loading; the
+  vocabulary is read from the output layer before its weight is packed.
+- ``--draft-vocab`` / ``--draft-vocab-file`` (specdec.drafter.vocab): forwards go through a
+  reduced output layer (`ModelRuntime.head`).
+
+The verifier never uses either: the target's distributions are its model's own.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from specdec.common.config import ConfigError
+from specdec.drafter.config import DrafterConfig
+from specdec.drafter.quantize import quantize_model
+from specdec.drafter.vocab import (
+    VOCAB_FLAG,
+    ReducedHead,
+    check_head,
+    read_ranking,
+    subset_ids,
+    where,
+)
+from specdec.replica.packing import PackedLinear
+from specdec.replica.runtime import ModelRuntime
+
+log = logging.getLogger(__name__)
+
+
+class DrafterRuntime(ModelRuntime):
+    """The drafter's ModelRuntime: int8 weights with --quantize int8, a reduced output
+    layer with --draft-vocab or --draft-vocab-file (unchanged otherwise)."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__(config)
+        self.quantize = "none"  # --quantize, as applied to the loaded model
+
+    def load(self) -> None:
+        super().load()
+        cfg = self.config
+        assert isinstance(cfg, DrafterConfig)  # the drafter's runtime has its config
+        if cfg.quantize != "none":
+            self.model = quantize_model(self.model, cfg.quantize)
+            log.info("drafter weights quantized", extra={"quantize": cfg.quantize})
+        self.quantize = cfg.quantize
+        if cfg.draft_vocab or cfg.draft_vocab_file:
+            self._reduce_vocabulary()
+
+    def _reduce_vocabulary(self) -> None:
+        cfg = self.config
+        assert isinstance(cfg, DrafterConfig)  # the drafter's runtime has its config
+        ranking = read_ranking(cfg.draft_vocab_file) if cfg.draft_vocab_file else None
+        ids = subset_ids(cfg.draft_vocab, ranking, self.vocab_size, self.eos_token_ids)
+        layer = self.model.get_output_embeddings()
+        if isinstance(layer, PackedLinear):  # the reduced head slices the plain rows
+            layer = layer.unpacked()
+        if not isinstance(layer, torch.nn.Linear):
+            raise ConfigError(
+                f"{where(VOCAB_FLAG)}: {cfg.model}'s output layer is a "
+                f"{type(layer).__name__}, not a linear layer; a reduced vocabulary needs one"
+            )
+        self.head = ReducedHead(layer, ids, self.vocab_size)
+        check_head(self)
+        log.info(
+            "reduced draft vocabulary",
+            extra={
+                "tokens": self.head.size,
+                "vocab_size": self.vocab_size,
+                "source": cfg.draft_vocab_file or "token id order",
+            },
+        )

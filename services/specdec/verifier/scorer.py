@@ -1,0 +1,284 @@
+"""The verifier's domain logic: one target forward over new tokens + draft, then the rule.
+
+A draft is a chain or a token tree (`draft_parents`): a tree's nodes are scored in one
+forward under a tree mask (ModelRuntime._forward_tree), the rule walks it
+(specdec.replica.sampling.tree_verdict), and only the accepted path's keys/values stay in
+the cache (`keep_path`: gathered to follow the new tokens, the rest cropped).
+
+`verify` is a model-thread job (specdec.replica.batching): its forward is batched with the
+forwards of other sessions' Verify calls waiting at the same time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.common.controls import Controls
+from specdec.replica.batching import ForwardRequest
+from specdec.replica.engine import Engine, Session, arguments
+from specdec.replica.host import to_host
+from specdec.replica.kvstore import SessionCache
+from specdec.replica.logprobs import LogprobRows, LogprobsAsk, emitted_tokens, token_logprobs
+from specdec.replica.masks import apply_masks
+from specdec.replica.paged import PagedSession, PagedStore
+from specdec.replica.processors import verify_logits
+from specdec.replica.runtime import Prefix
+from specdec.replica.sampling import (
+    SamplingParams,
+    greedy_verdict,
+    make_generator,
+    rejection_sample,
+    tree_verdict,
+    warp,
+)
+
+# Salt of the verifier's random stream (the drafter uses "draft").
+VERIFY_SALT = "verify"
+
+
+@dataclass
+class Verdict:
+    accepted: int  # 0..k
+    next_token: int  # recovered (accepted < k) or bonus (accepted == k)
+    bonus: bool  # a tree: the accepted path ends at a leaf
+    cached_length: int
+    forward_ms: float
+    # Asked for (LogprobsAsk): the emitted tokens' scores [accepted + 1 rows], and those of
+    # new_tokens[1:] with ask.prompt; on the host.
+    logprobs: LogprobRows | None = None
+    prompt_logprobs: LogprobRows | None = None
+    path: list[int] | None = None  # a tree's accepted nodes, root to leaf
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    """A validated Verify: the arguments of `verify`."""
+
+    runtime: Engine
+    session_id: str
+    prefix: Prefix
+    new_tokens: list[int]
+    draft_tokens: list[int]
+    draft_probs: torch.Tensor | None  # [k, vocab]
+    params: SamplingParams
+    controls: Controls | None
+    logprobs: LogprobsAsk | None
+    fork_from: str
+    grammar_masks: torch.Tensor | None  # [k+1, vocab] bool
+    draft_parents: list[int] | None = None  # a token tree's parents [k]; None: a chain
+
+    def job(self) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
+        return verify(**arguments(self))
+
+
+def verify(
+    runtime: Engine,
+    session_id: str,
+    prefix: Prefix,
+    new_tokens: Sequence[int],
+    draft_tokens: Sequence[int],
+    draft_probs: torch.Tensor | None,
+    params: SamplingParams,
+    controls: Controls | None = None,
+    logprobs: LogprobsAsk | None = None,
+    fork_from: str = "",
+    grammar_masks: torch.Tensor | None = None,
+    draft_parents: Sequence[int] | None = None,
+) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
+    """Score draft_tokens [k] (sampled from draft_probs [k, vocab]) after prefix + new_tokens,
+    with the request's logits processors (controls; None: none).
+
+    grammar_masks [k+1, vocab] bool (structured output): the tokens allowed at each verified
+    position; the target's other logits are -inf before the rule. None: no grammar.
+
+    A job for the model thread (`Engine.run`). The cache ends holding prefix +
+    new_tokens + accepted drafts. logprobs: also score the emitted tokens (and the prompt)
+    (specdec.replica.logprobs). fork_from: start the session as a copy of that session's
+    cache (CacheStore.acquire).
+
+    draft_parents [k]: the draft is a token tree (VerifyRequest.draft_parents); the
+    servicer has refused controls, grammar masks and logprobs with one.
+    """
+    with runtime.guarded(session_id):
+        return (
+            yield from _verify(
+                runtime,
+                session_id,
+                prefix,
+                new_tokens,
+                draft_tokens,
+                draft_probs,
+                params,
+                controls,
+                logprobs,
+                fork_from,
+                grammar_masks,
+                draft_parents,
+            )
+        )
+
+
+def processed_target_logits(
+    runtime: Engine,
+    session: Session,
+    new_tokens: Sequence[int],
+    draft_tokens: Sequence[int],
+    controls: Controls | None,
+    grammar_masks: torch.Tensor | None = None,
+    scored: int = 0,
+) -> Generator[ForwardRequest, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The target's processed logits [k+1, vocab] at the draft's k+1 positions (the model's
+    forward over new_tokens + draft_tokens, then the request's processors with the prefix
+    up to each position, specdec.replica.processors.verify_logits, then the grammar's masks,
+    specdec.replica.masks.apply_masks): what the rule, greedy or sampled, and the emitted
+    tokens' log-probabilities read. Also the raw logits of the
+    `scored` prompt positions before them [scored, vocab] (echo scores the prompt as the
+    model sees it, without processors)."""
+    k = len(draft_tokens)
+    logits = yield from runtime.forward_steps(
+        session, [*new_tokens, *draft_tokens], keep=scored + k + 1
+    )  # [scored + k+1, vocab]
+    prompt_logits, logits = logits[:scored], logits[scored:]
+    if controls is not None:
+        before = session.tokens[: len(session.tokens) - k]  # the sequence before the draft
+        logits = verify_logits(controls, before, draft_tokens, logits)
+    return apply_masks(logits, grammar_masks), prompt_logits
+
+
+def _verify(
+    runtime,
+    session_id,
+    prefix,
+    new_tokens,
+    draft_tokens,
+    draft_probs,
+    params,
+    controls,
+    ask,
+    fork_from,
+    grammar_masks,
+    parents,
+):
+    started = time.perf_counter()
+    k = len(draft_tokens)
+    session = runtime.store.acquire(
+        session_id, prefix.length, prefix.hash, len(new_tokens) + k, fork_from=fork_from
+    )
+    if parents:
+        return (
+            yield from _verify_tree(
+                runtime, session, prefix, new_tokens, draft_tokens, draft_probs, params, parents
+            )
+        )
+    scored = len(new_tokens) - 1 if ask is not None and ask.prompt else 0  # prompt rows
+    target_logits, prompt_logits = yield from processed_target_logits(
+        runtime, session, new_tokens, draft_tokens, controls, grammar_masks, scored
+    )  # [k+1, vocab], [scored, vocab]
+    extra: list[torch.Tensor] = []  # the scores asked for, copied with the verdict
+    if params.greedy:
+        # The target's choices [k+1], copied once; the rule on the host: accept while the
+        # draft token is the target's, then the target's token.
+        choices = target_logits.argmax(dim=-1)
+        if ask is not None:  # the emitted tokens are the target's choices, up to the verdict
+            extra += _scores(runtime, ask, prompt_logits, new_tokens, target_logits, choices)
+        choices, *extra = to_host(choices, *extra)  # the Verify's one copy
+        n, token = greedy_verdict(draft_tokens, choices.tolist())
+    else:
+        drafts = torch.tensor([list(draft_tokens)], dtype=torch.long)  # [1, k]
+        target_probs = warp(target_logits, params)[None]  # [1, k+1, vocab]
+        position = prefix.length + len(new_tokens)  # index of d_1 in the sequence
+        gen = make_generator(params.seed, VERIFY_SALT, position, runtime.device)
+        accepted, next_token = rejection_sample(
+            drafts, draft_probs[None].to(runtime.device), target_probs, gen, False
+        )
+        if ask is not None:
+            emitted = emitted_tokens(drafts[0].to(runtime.device), accepted, next_token)
+            extra += _scores(runtime, ask, prompt_logits, new_tokens, target_logits, emitted)
+        verdict, *extra = to_host(torch.cat([accepted, next_token]), *extra)  # the one copy
+        n, token = verdict.tolist()
+    runtime.store.truncate(session, len(session.tokens) - (k - n))  # roll back rejected drafts
+    emitted_rows = prompt_rows = None
+    if ask is not None:
+        emitted_rows = LogprobRows(*extra[:3]).head(n + 1)
+        prompt_rows = LogprobRows(*extra[3:]) if ask.prompt else None
+    return Verdict(
+        accepted=n,
+        next_token=token,
+        bonus=n == k,
+        cached_length=len(session.tokens),
+        forward_ms=(time.perf_counter() - started) * 1e3,
+        logprobs=emitted_rows,
+        prompt_logprobs=prompt_rows,
+    )
+
+
+def _verify_tree(runtime, session, prefix, new_tokens, draft_tokens, draft_probs, params, parents):
+    """A token tree's verdict (`verify`): one forward under the tree mask, the rule on the
+    host, the accepted path kept."""
+    started = time.perf_counter()
+    k = len(draft_tokens)
+    parents = list(parents)
+    logits = yield from runtime.forward_steps(
+        session, [*new_tokens, *draft_tokens], keep=k + 1, tree=parents
+    )  # [k+1, vocab]: after the new tokens, then after each node
+    if params.greedy:
+        target, probs, gen = logits.argmax(dim=-1), None, None
+        (target,) = to_host(target)  # the Verify's one copy
+        target = torch.nn.functional.one_hot(target, logits.shape[-1])
+    else:
+        # The rule steps node by node on the host: the rows and the proposals, copied once.
+        target, probs = to_host(warp(logits, params), draft_probs.to(runtime.device))
+        position = prefix.length + len(new_tokens)  # index of the first node in the sequence
+        gen = make_generator(params.seed, VERIFY_SALT, position)
+    path, token = tree_verdict(draft_tokens, parents, target, probs, gen, params.greedy)
+    keep_path(runtime.store, session, len(session.tokens) - k, path)
+    children = set(parents)
+    return Verdict(
+        accepted=len(path),
+        next_token=token,
+        bonus=bool(path) and path[-1] not in children,
+        cached_length=len(session.tokens),
+        forward_ms=(time.perf_counter() - started) * 1e3,
+        path=path,
+    )
+
+
+@torch.inference_mode()
+def keep_path(store, session: Session, base: int, path: Sequence[int]) -> None:
+    """After a tree forward (the nodes' slots from `base` on, in node order), keep only the
+    accepted path: its nodes' keys/values and tokens gathered to slots base.. base+len(path)
+    of every layer, the rest cropped (on the paged engine, within the session's blocks of
+    the pool, which the tree's forward wrote, so the session's own)."""
+    if path and list(path) != list(range(len(path))) and isinstance(store, PagedStore):
+        assert isinstance(session, PagedSession)
+        slots = store.slots(session, base + max(path) + 1)
+        src, dst = slots[[base + i for i in path]], slots[base : base + len(path)]
+        for keys, values in zip(store.pool.keys, store.pool.values, strict=True):
+            if keys is not None and values is not None:
+                index, to = src.to(keys.device), dst.to(keys.device)
+                keys[:, to] = keys[:, index]
+                values[:, to] = values[:, index]
+        session.tokens[base : base + len(path)] = [session.tokens[base + i] for i in path]
+    elif path and list(path) != list(range(len(path))):
+        assert isinstance(session, SessionCache)  # the dense engine's: a DynamicCache
+        src = torch.tensor([base + i for i in path], dtype=torch.long)
+        dst = torch.arange(base, base + len(path), device=session.kv.layers[0].keys.device)
+        for layer in session.kv.layers:
+            index = src.to(layer.keys.device)
+            layer.keys[:, :, dst] = layer.keys[:, :, index]
+            layer.values[:, :, dst] = layer.values[:, :, index]
+        session.tokens[base : base + len(path)] = [session.tokens[base + i] for i in path]
+    store.truncate(session, base + len(path))
+
+
+def _scores(runtime, ask, prompt_logits, new_tokens, target_logits, emitted) -> list[torch.Tensor]:
+    """The device tensors of the scores asked for: the emitted rows (k+1, cut on the host
+    once the verdict is known), then the prompt's (new_tokens[1:])."""
+    out = list(token_logprobs(target_logits, emitted, ask.top).tensors())
+    if ask.prompt:
+        following = torch.tensor(list(new_tokens[1:]), dtype=torch.long, device=runtime.device)
+        out += token_logprobs(prompt_logits, following, ask.top).tensors()
+    return out
