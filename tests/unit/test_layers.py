@@ -55,3 +55,23 @@ def test_common_gateway_and_sdk_import_neither_torch_nor_transformers():
 def test_the_probe_sees_the_engine():
     """The probe above can fail: the engine's runtime pulls torch in."""
     assert "torch" in engine_packages_after(["specdec.replica.runtime"])
+
+
+def test_serving_a_replica_loads_no_gateway_code():
+    """`specdec serve drafter|verifier` builds every service's flags (the gateway's too),
+    but a replica process must not load the gateway's modules: importing
+    specdec.gateway.metrics registers the gateway's metrics, which a replica would then
+    export beside its own (test_prometheus caught that once, through the lookup
+    settings' defaults)."""
+    probe = (
+        "import argparse, sys\n"
+        "from specdec.serve import add_serve_parser\n"
+        "add_serve_parser(argparse.ArgumentParser().add_subparsers())\n"
+        "import specdec.drafter.server, specdec.verifier.server\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('specdec.gateway.')"
+        " and m != 'specdec.gateway.config' and not m.startswith('specdec.gateway.lookup'))))\n"
+        "print('specdec.gateway.metrics' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "False", done.stdout

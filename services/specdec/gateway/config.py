@@ -29,8 +29,7 @@ from specdec.common.tls import (
 from specdec.gateway.canary import Canary, parse_canary
 from specdec.gateway.discovery import parse_target
 from specdec.gateway.lookup import MAX_TREE_WIDTH, SCOPES, parse_method, tree_width
-from specdec.gateway.lookup.hybrid import LookupSettings
-from specdec.gateway.lookup.suffix import SuffixParams
+from specdec.gateway.lookup.settings import LookupSettings, SuffixParams
 from specdec.gateway.policy import ADAPTIVE, parse_policy
 from specdec.v1 import gateway_pb2
 

@@ -27,30 +27,13 @@ since the last round are indexed), so a round costs microseconds whatever its le
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from specdec.gateway.lookup import HYBRID, MODEL, NGRAM, PREDICTION, SUFFIX
 from specdec.gateway.lookup.ngram import NgramIndex
 from specdec.gateway.lookup.prediction import PredictionMatcher
-from specdec.gateway.lookup.suffix import (
-    Grower,
-    SuffixCache,
-    SuffixDraft,
-    SuffixParams,
-    branches,
-)
-
-
-@dataclass(frozen=True)
-class LookupSettings:
-    """The gateway's lookup settings (flags --prompt-lookup-min/max, --suffix-*): the
-    flags' defaults are these (specdec.gateway.config declares them from here)."""
-
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 5
-    suffix: SuffixParams = field(default_factory=SuffixParams)
-    confident_match: int = 3  # hybrid: tokens matched before a lookup draft is used alone
-    confident_score: float = 2.0  # hybrid: and, from the cache, tokens expected accepted
+from specdec.gateway.lookup.settings import LookupSettings
+from specdec.gateway.lookup.suffix import Grower, SuffixCache, SuffixDraft, branches
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specdec.gateway import metrics
+from specdec.gateway.lookup.settings import SuffixParams
 
 _SHIFT = 32  # a child's key: parent id << 32 | token id (token ids < 2^32)
 
@@ -213,14 +214,6 @@ def grow(trie: SuffixTrie, active: list[int], new: Sequence[int]) -> list[int]:
                 nxt.append(node)
         active = nxt
     return active
-
-
-@dataclass(frozen=True)
-class SuffixParams:
-    depth: int = 24  # Arctic Inference's smallest max_tree_depth
-    max_match: int = 12  # longest suffix matched: leaves depth - max_match tokens of path
-    spec_factor: float = 1.0  # draft at most ceil(match length x spec_factor) tokens
-    min_prob: float = 0.1  # stop where the path's probability falls below this
 
 
 def draft(trie: SuffixTrie, ctx: Sequence[int], k: int, p: SuffixParams) -> SuffixDraft:

@@ -126,7 +126,10 @@ def chart(rows: dict[str, dict], path: Path) -> None:
     for i, drafter in enumerate(drafters):
         mine = [r for r in stack if r.get("drafter", DEFAULT_DRAFTER) == drafter]
         label = "" if len(drafters) == 1 else f" [{drafter}]"
-        spec = sorted((r["k"], r["speedup_vs_target"], r) for r in mine if not r["ssd"])
+        spec = sorted(
+            ((r["k"], r["speedup_vs_target"], r) for r in mine if not r["ssd"]),
+            key=lambda t: t[:2],  # rows of one k and speedup (a tree and its chain) tie
+        )
         ks |= {k for k, _, _ in spec}
         color = "C0" if i == 0 else f"C{i + 3}"
         if spec:
