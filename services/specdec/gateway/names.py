@@ -57,7 +57,7 @@ _METHOD_PROTO = {
     DraftMethod.SUFFIX: gateway_pb2.SPECULATION_METHOD_SUFFIX,
     DraftMethod.HYBRID: gateway_pb2.SPECULATION_METHOD_HYBRID,
 }
-_METHOD_OF = {value: method for method, value in _METHOD_PROTO.items()}
+_METHOD_OF: dict[int, DraftMethod] = {value: method for method, value in _METHOD_PROTO.items()}
 
 
 class Source(StrEnum):
@@ -114,7 +114,7 @@ _POLICY_PROTO = {
     KPolicy.FIXED: gateway_pb2.K_POLICY_FIXED,
     KPolicy.ADAPTIVE: gateway_pb2.K_POLICY_ADAPTIVE,
 }
-_POLICY_OF = {value: policy for policy, value in _POLICY_PROTO.items()}
+_POLICY_OF: dict[int, KPolicy] = {value: policy for policy, value in _POLICY_PROTO.items()}
 
 
 class Finish(StrEnum):

@@ -53,7 +53,7 @@ class Replica:
     role: Role
     address: str
     channel: grpc.aio.Channel
-    stub: object
+    stub: drafter_pb2_grpc.DrafterServiceStub | verifier_pb2_grpc.VerifierServiceStub
     in_flight: int = 0
     up: bool = False
     info: common_pb2.ModelInfo | None = None
@@ -97,7 +97,9 @@ def _channel(
     )
 
 
-def _stub_for(role: Role, channel: grpc.aio.Channel):
+def _stub_for(
+    role: Role, channel: grpc.aio.Channel
+) -> drafter_pb2_grpc.DrafterServiceStub | verifier_pb2_grpc.VerifierServiceStub:
     if role == Role.DRAFTER:
         return drafter_pb2_grpc.DrafterServiceStub(channel)
     return verifier_pb2_grpc.VerifierServiceStub(channel)
@@ -291,9 +293,9 @@ class Fleet:
         return [*self.drafters.replicas, *self.verifiers.replicas]
 
     @property
-    def all(self) -> list[Replica]:
-        """The replicas admitted at least once (their Info is known)."""
-        return [r for r in self.members if r.info is not None]
+    def infos(self) -> list[common_pb2.ModelInfo]:
+        """The Info of every replica admitted at least once."""
+        return [r.info for r in self.members if r.info is not None]
 
     def pool(self, role: Role) -> ReplicaPool:
         return self.drafters if role == Role.DRAFTER else self.verifiers

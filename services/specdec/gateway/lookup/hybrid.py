@@ -39,6 +39,7 @@ from specdec.gateway.lookup.suffix import (
     SuffixParams,
     branches,
 )
+from specdec.gateway.names import Source
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class LookupSettings:
 @dataclass(frozen=True, slots=True)
 class Proposal:
     tokens: list[int]  # [k], k >= 1
-    source: str  # NGRAM, SUFFIX or PREDICTION
+    source: Source  # NGRAM, SUFFIX or PREDICTION
     # With width > 1: other candidate continuations, each starting with another token
     # than tokens and the ones before it (specdec.gateway.lookup.tree merges them).
     others: tuple[list[int], ...] = ()
@@ -119,7 +120,7 @@ class RequestLookup:
         self.follow(ctx)
         if self.method == NGRAM:
             tokens, _ = self.ngram.propose(k)
-            return Proposal(tokens, NGRAM, self._ngram_others(k)) if tokens else None
+            return Proposal(tokens, Source.NGRAM, self._ngram_others(k)) if tokens else None
         if self.method == HYBRID:
             return self._hybrid(ctx, k)
         if self.grower is None:
@@ -142,7 +143,7 @@ class RequestLookup:
         confident = self.settings.confident_match
         tokens, n = self.ngram.propose(k)
         if tokens and n >= confident:
-            return Proposal(tokens, NGRAM, self._ngram_others(k))
+            return Proposal(tokens, Source.NGRAM, self._ngram_others(k))
         cached = self._cached(ctx, k)
         best = cached[0] if cached else None
         if (
@@ -185,4 +186,4 @@ def _suffix_proposal(found: list[SuffixDraft], k: int, width: int) -> Proposal:
         if d.tokens[0] not in firsts and len(others) < width - 1:
             firsts.add(d.tokens[0])
             others.append(d.tokens[:k])
-    return Proposal(found[0].tokens[:k], SUFFIX, tuple(others))
+    return Proposal(found[0].tokens[:k], Source.SUFFIX, tuple(others))
