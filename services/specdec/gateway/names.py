@@ -40,7 +40,7 @@ class DraftMethod(StrEnum):
     HYBRID = "hybrid"  # a lookup where its match is confident, else the model, extended
 
     @property
-    def proto(self) -> int:
+    def proto(self) -> gateway_pb2.SpeculationMethod:
         """The gateway_pb2.SpeculationMethod value."""
         return _METHOD_PROTO[self]
 
@@ -100,7 +100,7 @@ class KPolicy(StrEnum):
     ADAPTIVE = "adaptive"
 
     @property
-    def proto(self) -> int:
+    def proto(self) -> gateway_pb2.KPolicy:
         """The gateway_pb2.KPolicy value."""
         return _POLICY_PROTO[self]
 
@@ -125,7 +125,7 @@ class Finish(StrEnum):
     STOP = "stop"  # a stop string or one of stop_token_ids
 
     @property
-    def proto(self) -> int:
+    def proto(self) -> gateway_pb2.FinishReason:
         """The gateway_pb2.FinishReason value."""
         return _FINISH_PROTO[self]
 
