@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specdec.common.errors import InvalidArgument, InvalidRequest, SpecdecError
+from specdec.common.errors import InvalidRequest, SpecdecError
 from specdec.gateway.caller import UpstreamError
 from specdec.gateway.request import ContextLengthExceeded
-from specdec.sdk.errors import NotFound
+from specdec.sdk.errors import InvalidArgument, NotFound
 
 log = logging.getLogger(__name__)
 
