@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -66,7 +66,9 @@ class SettingsParser(argparse.ArgumentParser):
     `--trust-remote-code=false`) as `--ssd` / `--no-trust-remote-code`, with a warning on
     stderr; that form goes in the next release."""
 
-    def parse_known_args(self, args: Sequence[str] | None = None, namespace=None):
+    def parse_known_args(
+        self, args: Iterable[str] | None = None, namespace: Any = None
+    ) -> tuple[Any, list[str]]:
         if args is not None:
             args = self._old_switch_values(list(args))
         return super().parse_known_args(args, namespace)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.common.controls import Controls
+from specdec.drafter.config import DrafterConfig
 from specdec.drafter.sampler import TREE_SALT, sampler_for
 from specdec.drafter.speculate import (
     BranchStore,
@@ -150,11 +151,13 @@ def propose(
         if not top:
             return Draft(tokens, encoded, len(session.tokens), _ms(started))
         conf, values, indices = (t.tolist() for t in host[len(host) - 3 :])
-        rows = branch_budget(  # continued leaves are branch rows: SSD's KV bound holds
-            runtime.config.ssd_max_branch_tokens, len(session.tokens), tree_depth
+        cfg = runtime.config
+        assert isinstance(cfg, DrafterConfig)  # the drafter's runtime has its config
+        budget = branch_budget(  # continued leaves are branch rows: SSD's KV bound holds
+            cfg.ssd_max_branch_tokens, len(session.tokens), tree_depth
         )
         leaves, parents, continued = plan(
-            tokens, conf, indices, values, tree_nodes, tree_width, tree_depth, rows
+            tokens, conf, indices, values, tree_nodes, tree_width, tree_depth, budget
         )
         if proposals:
             encoded += [one_hot_encoded(t) for t in leaves]

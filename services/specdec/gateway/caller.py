@@ -109,7 +109,8 @@ class ReplicaCaller:
         busy: list[Replica] = []  # answered "replica busy": up, but full
         retries = resends = 0
         for _ in range(3 * len(pool.replicas) + 2 + len(RETRY_BACKOFF)):
-            if placement.replica is None or not placement.replica.up:
+            replica = placement.replica
+            if replica is None or not replica.up:
                 try:
                     chosen = pool.pick(
                         preferred=placement.address,
@@ -118,7 +119,7 @@ class ReplicaCaller:
                     )
                 except NoReplica as e:
                     raise Unavailable(str(e)) from None
-                if chosen is not placement.replica:
+                if chosen is not replica:
                     was = placement.address
                     if placement.moved(chosen):
                         # The session's cache was on a replica that is down or gone
@@ -126,7 +127,7 @@ class ReplicaCaller:
                         # to another one, a resend like a miss's.
                         resends += 1
                         tracing.note_moved(method.role, was, chosen.address)
-            replica = placement.replica
+                replica = chosen  # placement.replica now
             n = min(placement.cached, len(ctx) + len(tail) - 1)
             prefix = common_pb2.CachedPrefix(length=n, hash=self._chain.hash(ctx, n, tail))
             new = [*ctx[n:], *tail[max(0, n - len(ctx)) :]] if tail else list(ctx[n:])

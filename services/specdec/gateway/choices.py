@@ -125,7 +125,8 @@ async def run_choices(
                 final = runs[0].response(job, prompt_ids, 0, started)
                 final.usage.completion_tokens = sum(len(r.output.tokens) for r in runs)
                 final.choices.extend(ended[i] for i in range(job.output.n))
-            yield Event(*run.held, final, choice=ended[run.index], **run.delta(run.held[1]))
+            text, tokens = run.held
+            yield Event(text, tokens, final, choice=ended[run.index], **run.delta(tokens))
     finally:
         for task in tasks:
             task.cancel()

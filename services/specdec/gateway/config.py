@@ -123,7 +123,7 @@ class GatewayConfig:
     )
     # Lookup drafts (specdec.gateway.lookup): the default SpeculationMethod, prompt
     # lookup's n-gram lengths, the suffix tries' depth and the cache of recent outputs.
-    method: int = setting(
+    method: gateway_pb2.SpeculationMethod = setting(
         gateway_pb2.SPECULATION_METHOD_HYBRID,
         "where drafts come from when a request does not say: model (the drafter), "
         "ngram (prompt lookup), suffix (suffix decoding over the request and recent "

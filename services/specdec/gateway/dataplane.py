@@ -339,7 +339,7 @@ class DataPlaneTransport:
                 self._connecting = None
 
     async def _dial(self, factory: Callable[[], asyncio.Protocol]) -> Any:
-        tls = {}
+        tls: dict[str, Any] = {}
         if self.settings.tls is not None:
             server_name = self.settings.server_name or self.host
             tls = {"ssl": self.settings.tls, "server_hostname": server_name}

@@ -27,6 +27,10 @@ import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where used: kubernetes is needed by k8s: discovery only
+    from kubernetes.watch import Watch
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +173,7 @@ class K8sDiscovery:
         self.retry_seconds = retry_seconds
         self.namespace = target.namespace or self._own_namespace()
         self._slices: dict[str, frozenset[str]] = {}
-        self._watch = None
+        self._watch: Watch | None = None
         self._stopped = threading.Event()
 
     @staticmethod
@@ -204,7 +208,7 @@ class K8sDiscovery:
                 break
         if port is None:
             return frozenset()
-        found = set()
+        found: set[str] = set()
         for ep in raw_slice.get("endpoints") or []:
             ready = (ep.get("conditions") or {}).get("ready")
             if ready is False:
@@ -229,7 +233,7 @@ class K8sDiscovery:
     def _follow(self, publish: Publish) -> None:
         """Runs in a thread until stop(): list, publish, watch; relist after 410."""
         from kubernetes import client, watch
-        from kubernetes.client.rest import ApiException
+        from kubernetes.client.exceptions import ApiException
 
         selector = f"{SERVICE_NAME_LABEL}={self.target.service}"
         api = None

@@ -31,11 +31,15 @@ import json
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from importlib.metadata import version
+from typing import TYPE_CHECKING
 
 import llguidance
 
 from specdec.common.errors import InvalidRequest
 from specdec.v1 import gateway_pb2, verifier_pb2
+
+if TYPE_CHECKING:  # a type of llguidance's stubs only
+    from llguidance._lib import JsonCompileOptions
 
 ENGINE = f"llguidance {version('llguidance')}"
 KINDS = ("json_object", "json_schema", "regex", "choice")
@@ -44,7 +48,7 @@ MAX_CHOICES = 1024
 # JSON is compact by default (no whitespace between tokens): flexible whitespace lets a
 # model loop on newlines and indentation without ever closing the object. A schema's own
 # "x-guidance" options (e.g. {"whitespace_flexible": true}) override this.
-JSON_DEFAULTS = {"whitespace_flexible": False}
+JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,9 @@ def grammar_text(spec: gateway_pb2.StructuredOutput) -> tuple[str, str]:
             raise InvalidRequest("structured_output.json_schema must be a JSON object")
         try:
             return kind, llguidance.LLMatcher.grammar_from_json_schema(
-                schema, defaults=JSON_DEFAULTS
+                # a boolean schema as its JSON text (llguidance reads true and "true" alike)
+                schema if isinstance(schema, dict) else json.dumps(schema),
+                defaults=JSON_DEFAULTS,
             )
         except ValueError as e:
             raise InvalidRequest(f"structured_output.json_schema: {e}") from None

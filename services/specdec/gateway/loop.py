@@ -63,7 +63,7 @@ from typing import Any
 from specdec.common.controls import processes_logits
 from specdec.common.params import SamplingParams
 from specdec.gateway import metrics, tracing
-from specdec.gateway.caller import Placement, ReplicaCaller, Unavailable, UpstreamError
+from specdec.gateway.caller import Placement, ReplicaCaller, UpstreamError
 from specdec.gateway.grammar import Constraint
 from specdec.gateway.lookup import HYBRID, MODEL, PREDICTION
 from specdec.gateway.lookup.hybrid import RequestLookup
@@ -74,6 +74,7 @@ from specdec.gateway.policy import Policy
 from specdec.gateway.replicas import Replica
 from specdec.gateway.request import NO_SCORING, Speculation
 from specdec.gateway.transport import Method
+from specdec.sdk.errors import Unavailable
 from specdec.sdk.request import Scoring
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
 

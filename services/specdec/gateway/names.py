@@ -40,7 +40,7 @@ class DraftMethod(StrEnum):
     HYBRID = "hybrid"  # a lookup where its match is confident, else the model, extended
 
     @property
-    def proto(self) -> int:
+    def proto(self) -> gateway_pb2.SpeculationMethod:
         """The gateway_pb2.SpeculationMethod value."""
         return _METHOD_PROTO[self]
 
@@ -57,7 +57,7 @@ _METHOD_PROTO = {
     DraftMethod.SUFFIX: gateway_pb2.SPECULATION_METHOD_SUFFIX,
     DraftMethod.HYBRID: gateway_pb2.SPECULATION_METHOD_HYBRID,
 }
-_METHOD_OF = {value: method for method, value in _METHOD_PROTO.items()}
+_METHOD_OF: dict[int, DraftMethod] = {value: method for method, value in _METHOD_PROTO.items()}
 
 
 class Source(StrEnum):
@@ -100,7 +100,7 @@ class KPolicy(StrEnum):
     ADAPTIVE = "adaptive"
 
     @property
-    def proto(self) -> int:
+    def proto(self) -> gateway_pb2.KPolicy:
         """The gateway_pb2.KPolicy value."""
         return _POLICY_PROTO[self]
 
@@ -114,7 +114,7 @@ _POLICY_PROTO = {
     KPolicy.FIXED: gateway_pb2.K_POLICY_FIXED,
     KPolicy.ADAPTIVE: gateway_pb2.K_POLICY_ADAPTIVE,
 }
-_POLICY_OF = {value: policy for policy, value in _POLICY_PROTO.items()}
+_POLICY_OF: dict[int, KPolicy] = {value: policy for policy, value in _POLICY_PROTO.items()}
 
 
 class Finish(StrEnum):
@@ -125,7 +125,7 @@ class Finish(StrEnum):
     STOP = "stop"  # a stop string or one of stop_token_ids
 
     @property
-    def proto(self) -> int:
+    def proto(self) -> gateway_pb2.FinishReason:
         """The gateway_pb2.FinishReason value."""
         return _FINISH_PROTO[self]
 

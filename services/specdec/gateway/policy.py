@@ -304,8 +304,9 @@ class FixedPolicy:
     def choose_extension(self, k: int, available: int) -> int:
         return max(0, available)
 
+    @staticmethod
     def tree_sizes(
-        self, k: int, branches: int, bound: int, source: str = Source.NGRAM
+        k: int, branches: int, bound: int, source: str = Source.NGRAM
     ) -> tuple[int, int]:
         """A lookup draft the policy sized to k tokens, with `branches` other candidates,
         as a tree of at most bound nodes: (the draft's tokens, each other branch's). Here
@@ -316,7 +317,8 @@ class FixedPolicy:
         share = max(1, k // (2 * branches))
         return max(1, min(k, bound - branches * share)), share
 
-    def model_tree(self, k: int, width: int, bound: int) -> tuple[int, int]:
+    @staticmethod
+    def model_tree(k: int, width: int, bound: int) -> tuple[int, int]:
         """The nodes a model draft of k tokens may add as a dynamic tree, at most bound, and
         the tokens continuing each continued leaf (DraftRequest.tree_nodes, tree_depth):
         here width - 1 leaves (the drafter's likeliest alternatives) continued by half the
@@ -630,7 +632,7 @@ class AdaptivePolicy:
         """A Speculate of fan_out branches of branch_k tokens took `seconds`; None: it was
         still running at its verdict (late), so it took longer than that round's Verify."""
         late = seconds is None
-        if late:
+        if seconds is None:
             seconds = 1.25 * (self._verify_s or 0.0)  # a floor, raised so the fan-out shrinks
         per_step = seconds / ((branch_k + 1) * (1.0 + self.p.branch_cost * (max(1, fan_out) - 1)))
         if per_step > 0:
@@ -656,7 +658,7 @@ class AdaptivePolicy:
         the other branches in rounds whose draft failed at its first token. s = 0 is a
         chain of k: a steep curve (compute-bound verification) gives it."""
         if k <= 0 or branches <= 0 or self.verify_time(1) is None:
-            return FixedPolicy.tree_sizes(self, k, branches, bound, source)
+            return FixedPolicy.tree_sizes(k, branches, bound, source)
         own = self.sources[source].expected(k, self.explore)
         missed = 1.0 - self.sources[source].rate(0, self.explore)
         other = self.alternatives.expected(max(0, (bound - 1) // branches), self.explore)
@@ -685,7 +687,7 @@ class AdaptivePolicy:
         continued one spares the next round the tokens it drew. A steep cost curve gives
         (0, 0): a chain; a costly drafter forward gives D = 0."""
         if k <= 0 or bound <= 0 or self.verify_time(1) is None or self.draft_time() is None:
-            return FixedPolicy.model_tree(self, k, width, bound)
+            return FixedPolicy.model_tree(k, width, bound)
         expected = self.model.expected(max(k, bound), self.explore)
         g = self.leaves.value if self.leaves.value is not None else self.acceptance / 10
         most = k * (width - 1)  # the alternatives there are

@@ -40,6 +40,7 @@ import queue
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from specdec.common.config import ConfigError
 from specdec.common.params import SamplingParams
@@ -68,10 +69,10 @@ def recording_row(
     sampling: SamplingParams,
     finish_reason: str,
     scores: common_pb2.TokenLogprobs | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """One finished request as a recording row (see the module docstring); `scores`: the
     output tokens' rows from the Verify calls (--record-top-logprobs), one per output id."""
-    row = {
+    row: dict[str, Any] = {
         "schema": SCHEMA,
         "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds"),
         "target_model": target_model,
@@ -119,7 +120,7 @@ class Recorder:
         if not os.access(self.directory, os.W_OK | os.X_OK):
             raise ConfigError(f"--record {self.directory}: not writable by this process")
         self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_ROWS)
-        self._file = None
+        self._file: BinaryIO | None = None
         self._size = 0
         self._count = 0
         self._thread = threading.Thread(target=self._run, name="specdec-recorder", daemon=True)
@@ -163,10 +164,11 @@ class Recorder:
             self._dropped("too_large")
             return
         try:
-            if self._file is None or self._size + len(line) > self.max_file_bytes:
-                self._rotate()
-            self._file.write(line)
-            self._file.flush()
+            file = self._file
+            if file is None or self._size + len(line) > self.max_file_bytes:
+                file = self._rotate()
+            file.write(line)
+            file.flush()
         except OSError as e:
             log.error("recording write failed; row dropped", extra={"why": str(e)})
             self._dropped("write_error")
@@ -182,12 +184,13 @@ class Recorder:
                 self._file.close()
             self._file = None
 
-    def _rotate(self) -> None:
+    def _rotate(self) -> BinaryIO:
+        """A new file, the one rows go to now (the oldest beyond max_files deleted)."""
         self._close_file()
         self._count += 1
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
         path = self.directory / f"record-{stamp}-{os.getpid()}-{self._count:06d}.jsonl"
-        self._file = open(path, "ab")  # noqa: SIM115 (kept open across rows)
+        self._file = file = open(path, "ab")  # noqa: SIM115 (kept open across rows)
         self._size = 0
         files = sorted(self.directory.glob(FILE_GLOB))
         for old in files[: max(0, len(files) - self.max_files)]:
@@ -197,3 +200,4 @@ class Recorder:
                 log.warning(
                     "could not delete an old recording", extra={"file": str(old), "why": str(e)}
                 )
+        return file

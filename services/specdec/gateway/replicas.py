@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -53,21 +54,27 @@ class Replica:
     role: Role
     address: str
     channel: grpc.aio.Channel
-    stub: object
+    stub: drafter_pb2_grpc.DrafterServiceStub | verifier_pb2_grpc.VerifierServiceStub
     in_flight: int = 0
     up: bool = False
     info: common_pb2.ModelInfo | None = None
     served: int = field(default=0)
     # How a round's calls reach it (specdec.gateway.transport); its gRPC stub until the
     # data plane is connected.
-    transport: Transport | None = None
+    transport: Transport = field(init=False)
     # Its forward cost curve as it last reported it (Info, then every Draft and Verify
     # response; specdec.common.cost), None until one arrives.
     cost: ReportedCost | None = None
 
     def __post_init__(self) -> None:
-        if self.transport is None:
-            self.transport = GrpcTransport(self.stub)
+        self.transport = GrpcTransport(self.stub)
+
+    @property
+    def admitted_info(self) -> common_pb2.ModelInfo:
+        """Its Info, which a replica has once admitted (RuntimeError before)."""
+        if self.info is None:
+            raise RuntimeError(f"{self!r} has not been admitted: no Info yet")
+        return self.info
 
     def note_cost(self, message: common_pb2.ForwardCost) -> None:
         """Take the cost curve a response carried (an empty one changes nothing)."""
@@ -97,7 +104,9 @@ def _channel(
     )
 
 
-def _stub_for(role: Role, channel: grpc.aio.Channel):
+def _stub_for(
+    role: Role, channel: grpc.aio.Channel
+) -> drafter_pb2_grpc.DrafterServiceStub | verifier_pb2_grpc.VerifierServiceStub:
     if role == Role.DRAFTER:
         return drafter_pb2_grpc.DrafterServiceStub(channel)
     return verifier_pb2_grpc.VerifierServiceStub(channel)
@@ -109,7 +118,7 @@ class ReplicaPool:
 
     def __init__(
         self,
-        role: str,
+        role: Role,
         addresses: Sequence[str],
         info_timeout: float = 10.0,
         dns_interval: float = 5.0,
@@ -245,7 +254,7 @@ def check_compatible(replicas: Sequence[Replica]) -> None:
     """Every replica must share the vocabulary size and the tokenizer (named when not)."""
     first = replicas[0]
     for other in replicas[1:]:
-        a, b = first.info, other.info
+        a, b = first.admitted_info, other.admitted_info
         if a.vocab_size != b.vocab_size:
             raise IncompatibleReplicas(
                 f"{first!r} ({a.model_id}) has a vocabulary of {a.vocab_size} tokens, "
@@ -271,9 +280,9 @@ class Fleet:
         server_name: str = "",
         data_plane: DataPlaneSettings | None = None,
     ):
-        tls = {"credentials": credentials, "server_name": server_name}
         # How to reach replicas' data ports (None: the round's calls use gRPC only).
         self.data_plane = data_plane
+        tls: dict[str, Any] = {"credentials": credentials, "server_name": server_name}
         self.drafters = ReplicaPool(Role.DRAFTER, drafters, dns_interval=dns_interval, **tls)
         self.verifiers = ReplicaPool(Role.VERIFIER, verifiers, dns_interval=dns_interval, **tls)
         self._probe: asyncio.Task | None = None
@@ -291,9 +300,9 @@ class Fleet:
         return [*self.drafters.replicas, *self.verifiers.replicas]
 
     @property
-    def all(self) -> list[Replica]:
-        """The replicas admitted at least once (their Info is known)."""
-        return [r for r in self.members if r.info is not None]
+    def infos(self) -> list[common_pb2.ModelInfo]:
+        """The Info of every replica admitted at least once."""
+        return [r.info for r in self.members if r.info is not None]
 
     def pool(self, role: Role) -> ReplicaPool:
         return self.drafters if role == Role.DRAFTER else self.verifiers
@@ -343,8 +352,8 @@ class Fleet:
         admitted = [r for r in self.members if r.up]
         check_compatible(admitted)
         self.reference = admitted[0].info
-        self.min_context = min(r.info.max_context for r in admitted)
-        self.max_k = min(r.info.max_draft_tokens for r in admitted)
+        self.min_context = min(r.admitted_info.max_context for r in admitted)
+        self.max_k = min(r.admitted_info.max_draft_tokens for r in admitted)
         return await self.verifiers.fetch_info(self.verifiers.up()[0], include_tokenizer=True)
 
     def start_probe(self, interval: float = 2.0) -> None:
@@ -353,6 +362,8 @@ class Fleet:
     def refusal(self, info: common_pb2.ModelInfo) -> str | None:
         """Why a replica with this Info may not serve (None: it may)."""
         reference = self.reference
+        if reference is None:
+            raise RuntimeError("Fleet.refusal before connect(): no reference Info yet")
         if (info.vocab_size, info.tokenizer_fingerprint) != (
             reference.vocab_size,
             reference.tokenizer_fingerprint,
@@ -398,7 +409,7 @@ class Fleet:
 
     async def _transport(self, replica: Replica) -> Transport:
         """The data plane when the replica has one and it answers, else gRPC."""
-        port = replica.info.data_port
+        port = replica.admitted_info.data_port
         if self.data_plane is not None and port:
             data_plane = DataPlaneTransport(replica.host, port, self.data_plane)
             try:

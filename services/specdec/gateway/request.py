@@ -52,7 +52,7 @@ class Limits:
     max_new_tokens: int
     default_ttl: int  # seconds
     max_session_ttl: int  # seconds
-    default_method: int = gateway_pb2.SPECULATION_METHOD_HYBRID
+    default_method: gateway_pb2.SpeculationMethod = gateway_pb2.SPECULATION_METHOD_HYBRID
     default_tree_width: int = 1
     # What a request's unset sampling fields become: the target's generation_config
     # (ModelInfo.sampling_defaults); None: neutral (greedy).

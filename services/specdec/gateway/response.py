@@ -44,6 +44,7 @@ def build_response(
 ) -> gateway_pb2.GenerateResponse:
     """The final answer of a turn; started / first_at are perf_counter() seconds."""
     _, predicted, accepted_predicted = stats.by_source.get(Source.PREDICTION, (0, 0, 0))
+    assert completion.finish_reason is not None  # a turn's final answer: it has finished
     return gateway_pb2.GenerateResponse(
         text=completion.text,
         token_ids=completion.tokens,

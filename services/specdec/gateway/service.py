@@ -97,8 +97,8 @@ class Service:
         """Wait for the replicas, take their tokenizer and limits, start the probe."""
         info = await self.fleet.connect(self.config.startup_timeout)
         self.codec = TextCodec.from_info(info)
-        replicas = self.fleet.all
-        max_k = min(r.info.max_draft_tokens for r in replicas)
+        infos = self.fleet.infos
+        max_k = min(i.max_draft_tokens for i in infos)
         default_k = min(self.config.default_k, max_k)
         if default_k < self.config.default_k:
             log.warning(
@@ -107,7 +107,7 @@ class Service:
             )
         self.limits = Limits(
             vocab_size=info.vocab_size,
-            max_context=min(r.info.max_context for r in replicas),
+            max_context=min(i.max_context for i in infos),
             max_k=max_k,
             default_k=default_k,
             default_ssd=self.config.ssd,

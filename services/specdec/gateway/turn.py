@@ -86,6 +86,7 @@ class Gateway(Service):
         """
         metrics.IN_FLIGHT.inc()
         try:
+            assert self.limits is not None, "the service has started"
             job = dataclasses.replace(validate(req, self.limits), tenant=tenant)
             grammar = None
             if job.output.structured is not None:  # before any replica is called
@@ -169,7 +170,7 @@ class Gateway(Service):
             response = run.response(job, prompt_ids, len(history), started)
             response.stats.drafter_version = drafter_version(drafter)
             if job.session.id:
-                await self._save(job, lease, record, [*history, *prompt_ids], run)
+                await self._save(job.session.id, job, lease, record, [*history, *prompt_ids], run)
             if recording:  # a finished turn, its session saved
                 response.stats.recorded = self._record(
                     job, history, prompt_ids, run, response.stats.drafter_version
@@ -201,12 +202,14 @@ class Gateway(Service):
         elif isinstance(job.prompt, str):
             # A new conversation gets the tokenizer's special tokens (BOS), as
             # `tokenizer(prompt)` would; a continuation appends the text alone.
+            assert self.codec is not None, "the service has started"
             prompt_ids = await asyncio.to_thread(self.codec.encode, job.prompt, not history)
             if not prompt_ids:
                 raise InvalidRequest("prompt is empty after tokenization")
         else:
             prompt_ids = job.prompt
         needs = len(history) + len(prompt_ids) + job.output.max_new_tokens
+        assert self.limits is not None, "the service has started"
         max_context = self.limits.max_context
         if needs > max_context:
             raise ContextLengthExceeded(
@@ -232,6 +235,7 @@ class Gateway(Service):
 
     async def _save(
         self,
+        session_id: str,
         job: Job,
         lease: TurnLease | None,
         record: SessionRecord | None,
@@ -243,7 +247,7 @@ class Gateway(Service):
         drafter, verifier = run.spec.drafter, run.spec.verifier
         await self.sessions.put(
             SessionRecord(
-                session_id=job.session.id,
+                session_id=session_id,
                 tokens=tokens,
                 drafter=drafter.address,
                 verifier=verifier.address,
@@ -265,16 +269,19 @@ class Gateway(Service):
     ) -> bool:
         """Submit a finished turn to the recorder (--record); whether it was kept."""
         output, verifier = run.output, run.spec.verifier
-        return self.recorder.submit(
+        recorder, rounds, finish = self.recorder, run.outcomes, output.finish_reason
+        assert recorder is not None and rounds is not None, "a turn kept for the recorder"
+        assert finish is not None, "a finished turn"
+        return recorder.submit(
             recording_row(
                 prompt_ids=[*history, *prompt_ids],
                 history_tokens=len(history),
                 output_ids=output.tokens,
-                rounds=run.outcomes,
+                rounds=rounds,
                 drafter_version=drafter_version,
-                target_model=verifier.replica.info.model_id if verifier.replica else "",
+                target_model=verifier.replica.admitted_info.model_id if verifier.replica else "",
                 sampling=job.sampling,
-                finish_reason=output.finish_reason,
+                finish_reason=finish,
                 scores=(
                     run.record_track.rows(0, len(output.tokens))
                     if run.record_track is not None

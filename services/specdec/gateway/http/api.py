@@ -60,7 +60,7 @@ DEFAULT_COMPLETION_TOKENS = 16
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(Sampling))
 SPECULATION_FIELDS = tuple(f.name for f in dataclasses.fields(Speculation))
 
-FINISH_REASON = {
+FINISH_REASON: dict[int, str] = {
     gateway_pb2.FINISH_REASON_LENGTH: "length",
     gateway_pb2.FINISH_REASON_EOS: "stop",
     gateway_pb2.FINISH_REASON_STOP: "stop",

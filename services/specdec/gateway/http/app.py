@@ -53,6 +53,8 @@ from specdec.gateway.http.errors import (
 )
 from specdec.gateway.http.logprobs import LogprobsRenderer
 from specdec.gateway.info import supported_request_fields
+from specdec.gateway.request import Limits
+from specdec.gateway.text import TextCodec
 from specdec.gateway.turn import Gateway
 
 log = logging.getLogger(__name__)
@@ -304,9 +306,12 @@ class OpenAIServer:
 
     # -- state ---------------------------------------------------------------------------
 
-    def _ready(self) -> None:
-        if self.gateway.limits is None or self.gateway.codec is None:
+    def _ready(self) -> tuple[Limits, TextCodec]:
+        """The started gateway's limits and codec (NotReady while it starts)."""
+        limits, codec = self.gateway.limits, self.gateway.codec
+        if limits is None or codec is None:
             raise NotReady("the gateway is starting: its replicas have not all answered yet")
+        return limits, codec
 
     def _verifier_info(self):
         for replica in self.gateway.fleet.verifiers.replicas:
@@ -375,26 +380,26 @@ class OpenAIServer:
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
-        self._ready()
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        limits, _ = self._ready()
+        return JSONResponse({"object": "list", "data": [self._model_card(limits)]})
 
     async def model_card(self, request: Request) -> Response:
         self._authorize(request)
-        self._ready()
+        limits, _ = self._ready()
         name = request.path_params["model"]
         if name != self.model and name not in self.aliases:
             raise ModelNotFound(
                 f"the model {name!r} does not exist; this server serves {self.model!r}"
             )
-        return JSONResponse(self._model_card())
+        return JSONResponse(self._model_card(limits))
 
-    def _model_card(self) -> dict[str, Any]:
+    def _model_card(self, limits: Limits) -> dict[str, Any]:
         return {
             "id": self.model,
             "object": "model",
             "created": self.created,
             "owned_by": "specdec",
-            "max_model_len": self.gateway.limits.max_context,
+            "max_model_len": limits.max_context,
             # The optional request fields served (as GetServerInfo's supported_request_fields).
             api.EXTENSION: {"supported_request_fields": supported_request_fields(self.gateway)},
             "structured_output": (
@@ -404,29 +409,28 @@ class OpenAIServer:
             ),
         }
 
-    async def completions(self, request: Request) -> Response:
+    async def completions(self, request: Request) -> Generation:
         self._authorize(request)
-        self._ready()
+        _, codec = self._ready()
         req, opts = api.completion_request(
             await self._body(request), self.model, self.aliases, self.strict_fields
         )
         renderer = api.Renderer(chat=False, model=opts.model)
-        self._scores(renderer, req, opts)
+        self._scores(renderer, req, opts, codec)
         span = request_span(request, "/v1/completions", req, opts.model)
         events = self.gateway.run(req, deadline=_deadline(opts), tenant=opts.user)
         return Generation(events, renderer, opts, None, span)
 
-    async def chat_completions(self, request: Request) -> Response:
+    async def chat_completions(self, request: Request) -> Generation:
         self._authorize(request)
-        self._ready()
+        limits, codec = self._ready()
         req, opts, messages = api.chat_request(
             await self._body(request), self.model, self.aliases, self.strict_fields
         )
         template = self.chat_template()
         req.prompt = await asyncio.to_thread(template.render, messages, True)
-        limits = self.gateway.limits
         turn = ChatTurn(
-            self.gateway.codec,
+            codec,
             req.prompt,
             opts.session_id,
             fill_context=not opts.max_tokens_given,
@@ -434,14 +438,13 @@ class OpenAIServer:
             max_new_tokens=limits.max_new_tokens,
         )
         renderer = api.Renderer(chat=True, model=opts.model)
-        self._scores(renderer, req, opts)
+        self._scores(renderer, req, opts, codec)
         span = request_span(request, "/v1/chat/completions", req, opts.model)
         events = self.gateway.run(req, prompter=turn, deadline=_deadline(opts), tenant=opts.user)
         return Generation(events, renderer, opts, turn, span)
 
-    def _scores(self, renderer: api.Renderer, req, opts: api.Options) -> None:
+    def _scores(self, renderer: api.Renderer, req, opts: api.Options, codec: TextCodec) -> None:
         """What the renderer needs for logprobs and echo."""
-        codec = self.gateway.codec
         if req.logprobs:
             renderer.scores = LogprobsRenderer(codec)
         renderer.prompt_scores = req.prompt_logprobs
@@ -485,10 +488,12 @@ def _answering(handler, prompt: str | None = None):
     return route
 
 
-async def routing_error(request: Request, exc: HTTPException) -> Response:
+async def routing_error(request: Request, exc: Exception) -> Response:
     """An unknown path (404) or method (405, with its Allow header) in OpenAI's shape:
     `invalid_request_error` with the status's name as code ("not_found",
     "method_not_allowed")."""
+    if not isinstance(exc, HTTPException):  # the handler of HTTPException only
+        raise exc
     status = exc.status_code
     phrase = HTTPStatus(status).phrase
     body = {

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specdec.common.errors import InvalidArgument, InvalidRequest, SpecdecError
+from specdec.common.errors import InvalidRequest, SpecdecError
 from specdec.gateway.caller import UpstreamError
 from specdec.gateway.request import ContextLengthExceeded
-from specdec.sdk.errors import NotFound
+from specdec.sdk.errors import InvalidArgument, NotFound
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ def answer(e: BaseException, context: ErrorContext | None = None) -> ErrorAnswer
     context = context or ErrorContext()
     status = http_status(e)
     headers: dict[str, str] = {}
-    if status == 500:
+    if status == 500 or not isinstance(e, SpecdecError):  # (the latter is always a 500)
         request_id = context.request_id or uuid.uuid4().hex
         log.error(
             "internal error answering an HTTP request",

@@ -84,7 +84,7 @@ class LogprobsRenderer:
                 if top is None:
                     out["top_logprobs"].append(None)
                     continue
-                best = {self.token(i): lp for i, lp in top}
+                best: dict[str, float | None] = {self.token(i): lp for i, lp in top}
                 best.setdefault(text, logprob)
                 out["top_logprobs"].append(best)
         return out, offset

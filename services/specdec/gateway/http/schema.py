@@ -61,11 +61,18 @@ def proto_range(message: Any, field: str) -> tuple[int, int]:
     return _RANGE[f.type]
 
 
-def Int(message: Any, field: str, at_least: int | None = None) -> Any:
-    """An integer (never a bool) that the protobuf field `field` of `message` holds, and
-    at least `at_least` (a floor of the API, which FLOORS words)."""
+def Range(message: Any, field: str, at_least: int | None = None) -> Any:
+    """The range of the protobuf field `field` of `message`, from at least `at_least` (a
+    floor of the API, which FLOORS words): a field's metadata, `Annotated[int, Strict(),
+    Range(...)]` (an integer, never a bool)."""
     lo, hi = proto_range(message, field)
-    return Annotated[int, Strict(), Field(ge=lo if at_least is None else at_least, le=hi)]
+    return Field(ge=lo if at_least is None else at_least, le=hi)
+
+
+def Int(message: Any, field: str, at_least: int | None = None) -> Any:
+    """An integer (never a bool) in `Range(message, field, at_least)`, as a type built at
+    run time (a field's annotation writes the Annotated form)."""
+    return Annotated[int, Strict(), Range(message, field, at_least)]
 
 
 Bool = Annotated[bool, Strict()]
@@ -102,8 +109,9 @@ def _non_empty(value: str) -> str:
     return value
 
 
-def _choice(names: Mapping[str, int]) -> Any:
-    """One of `names` (case and spaces as the gateway's flags take them)."""
+def _choice(names: Mapping[str, int]) -> AfterValidator:
+    """One of `names` (case and spaces as the gateway's flags take them): a field's
+    metadata, `Annotated[str, Strict(), _choice(names)]`."""
 
     def check(value: str) -> str:
         name = value.strip().lower()
@@ -111,7 +119,7 @@ def _choice(names: Mapping[str, int]) -> Any:
             raise refuse(f" must be one of {', '.join(names)}, got {value!r}")
         return name
 
-    return Annotated[str, Strict(), AfterValidator(check)]
+    return AfterValidator(check)
 
 
 def _is_int(value: Any) -> bool:
@@ -207,15 +215,16 @@ def _guided_choice(value: Any) -> dict[str, Any]:
     return {"choice": value}
 
 
-def _neutral(*allowed: Any) -> Any:
-    """An OpenAI field the gateway cannot honour: accepted with a neutral value only."""
+def _neutral(*allowed: Any) -> AfterValidator:
+    """An OpenAI field the gateway cannot honour: accepted with a neutral value only (a
+    field's metadata, `Annotated[Any, _neutral(...)]`)."""
 
     def check(value: Any) -> Any:
         if value not in allowed:
             raise refuse(f"={value!r} is not supported")
         return value
 
-    return Annotated[Any, AfterValidator(check)]
+    return AfterValidator(check)
 
 
 Request = gateway_pb2.GenerateRequest
@@ -268,10 +277,11 @@ def _sampling_type(f: dataclasses.Field) -> Any:
 
 # The sampling fields: one per field of specdec.sdk.request.Sampling, by the same name (a
 # new sampling option is a body field without a change here).
+_SAMPLING_FIELDS: dict[str, Any] = {
+    f.name: (_sampling_type(f) | None, None) for f in dataclasses.fields(SdkSampling)
+}
 SamplingFields: type[BaseModel] = create_model(
-    "SamplingFields",
-    __config__=ConfigDict(extra="allow"),
-    **{f.name: (_sampling_type(f) | None, None) for f in dataclasses.fields(SdkSampling)},
+    "SamplingFields", __config__=ConfigDict(extra="allow"), **_SAMPLING_FIELDS
 )
 
 
@@ -281,23 +291,23 @@ class Body(SamplingFields):  # type: ignore[misc,valid-type]
     (--strict-fields)."""
 
     model: Str | None = None
-    max_tokens: Int(Request, "max_new_tokens") | None = None
-    n: Int(Request, "n", at_least=1) | None = None
+    max_tokens: Annotated[int, Strict(), Range(Request, "max_new_tokens")] | None = None
+    n: Annotated[int, Strict(), Range(Request, "n", at_least=1)] | None = None
     stop: Annotated[list[str], BeforeValidator(_stop)] | None = None
     stream: Bool | None = None
     stream_options: Annotated[StreamOptions, BeforeValidator(_object)] | None = None
     user: Str | None = None
     # vLLM's extensions
     ignore_eos: Bool | None = None
-    min_tokens: Int(Request, "min_tokens") | None = None
+    min_tokens: Annotated[int, Strict(), Range(Request, "min_tokens")] | None = None
     stop_token_ids: Annotated[list[int], BeforeValidator(_stop_token_ids)] | None = None
     # specdec's extensions
     prediction: Annotated[str, BeforeValidator(_prediction)] | None = None
-    k: Int(Speculation, "num_draft_tokens") | None = None
-    method: _choice(METHODS) | None = None
-    tree_width: Int(Speculation, "tree_width") | None = None
+    k: Annotated[int, Strict(), Range(Speculation, "num_draft_tokens")] | None = None
+    method: Annotated[str, Strict(), _choice(METHODS)] | None = None
+    tree_width: Annotated[int, Strict(), Range(Speculation, "tree_width")] | None = None
     ssd: Bool | None = None
-    k_policy: _choice(K_POLICIES) | None = None
+    k_policy: Annotated[str, Strict(), _choice(K_POLICIES)] | None = None
     session_id: Annotated[str, Strict(), AfterValidator(_non_empty)] | None = None
     session_reset: Bool | None = None
     timeout: Annotated[float, Strict(), AfterValidator(_positive)] | None = None
@@ -310,15 +320,15 @@ class Body(SamplingFields):  # type: ignore[misc,valid-type]
     guided_regex: Str | None = None
     guided_choice: Annotated[dict[str, Any], BeforeValidator(_guided_choice)] | None = None
     # OpenAI's fields that the gateway cannot honour, accepted with their neutral value
-    best_of: _neutral(None, 1) = None
-    suffix: _neutral(None, "") = None
-    tools: _neutral(None, []) = None
-    tool_choice: _neutral(None, "none") = None
-    functions: _neutral(None, []) = None
-    function_call: _neutral(None, "none") = None
-    parallel_tool_calls: _neutral(None, False, True) = None
-    store: _neutral(None, False) = None
-    metadata: _neutral(None, {}) = None
+    best_of: Annotated[Any, _neutral(None, 1)] = None
+    suffix: Annotated[Any, _neutral(None, "")] = None
+    tools: Annotated[Any, _neutral(None, [])] = None
+    tool_choice: Annotated[Any, _neutral(None, "none")] = None
+    functions: Annotated[Any, _neutral(None, [])] = None
+    function_call: Annotated[Any, _neutral(None, "none")] = None
+    parallel_tool_calls: Annotated[Any, _neutral(None, False, True)] = None
+    store: Annotated[Any, _neutral(None, False)] = None
+    metadata: Annotated[Any, _neutral(None, {})] = None
 
 
 _TOKEN_LOW, _TOKEN_HIGH = proto_range(gateway_pb2.TokenIds, "ids")
@@ -343,7 +353,7 @@ class CompletionBody(Body):
 
     prompt: Annotated[str | list[int], BeforeValidator(_prompt)] | None = None
     # alternatives per token (the legacy API's logprobs)
-    logprobs: Int(Request, "top_logprobs") | None = None
+    logprobs: Annotated[int, Strict(), Range(Request, "top_logprobs")] | None = None
     echo: Bool | None = None
 
 
@@ -417,9 +427,9 @@ class ChatBody(Body):
     """POST /v1/chat/completions."""
 
     messages: MessageList = Field(None, validate_default=True)
-    max_completion_tokens: Int(Request, "max_new_tokens") | None = None
+    max_completion_tokens: Annotated[int, Strict(), Range(Request, "max_new_tokens")] | None = None
     logprobs: Bool | None = None
-    top_logprobs: Int(Request, "top_logprobs") | None = None
+    top_logprobs: Annotated[int, Strict(), Range(Request, "top_logprobs")] | None = None
 
 
 # Each body's field names (unknown ones are the caller's to ignore or refuse).

@@ -18,6 +18,7 @@ from __future__ import annotations
 # Children of a tree's node: candidate continuations a round may verify as one tree.
 from specdec.common.config import MAX_TREE_WIDTH as MAX_TREE_WIDTH
 from specdec.gateway.names import DraftMethod, Source
+from specdec.v1 import gateway_pb2
 
 MODEL = DraftMethod.MODEL
 NGRAM = DraftMethod.NGRAM
@@ -39,7 +40,7 @@ def tree_width(value: int) -> str | None:
     return f"must be in [1, {MAX_TREE_WIDTH}]"
 
 
-def parse_method(name: str) -> int:
+def parse_method(name: str) -> gateway_pb2.SpeculationMethod:
     """'model' / 'ngram' / 'suffix' / 'hybrid' -> the SpeculationMethod value; ValueError
     naming the choices."""
     try:

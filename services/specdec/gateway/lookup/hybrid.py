@@ -34,12 +34,13 @@ from specdec.gateway.lookup.ngram import NgramIndex
 from specdec.gateway.lookup.prediction import PredictionMatcher
 from specdec.gateway.lookup.settings import LookupSettings
 from specdec.gateway.lookup.suffix import Grower, SuffixCache, SuffixDraft, branches
+from specdec.gateway.names import Source
 
 
 @dataclass(frozen=True, slots=True)
 class Proposal:
     tokens: list[int]  # [k], k >= 1
-    source: str  # NGRAM, SUFFIX or PREDICTION
+    source: Source  # NGRAM, SUFFIX or PREDICTION
     # With width > 1: other candidate continuations, each starting with another token
     # than tokens and the ones before it (specdec.gateway.lookup.tree merges them).
     others: tuple[list[int], ...] = ()
@@ -101,8 +102,8 @@ class RequestLookup:
                 return Proposal(tokens, PREDICTION)
         self.follow(ctx)
         if self.method == NGRAM:
-            tokens, _ = self.ngram.propose(k)
-            return Proposal(tokens, NGRAM, self._ngram_others(k)) if tokens else None
+            tokens, _ = self._ngram.propose(k)
+            return Proposal(tokens, Source.NGRAM, self._ngram_others(k)) if tokens else None
         if self.method == HYBRID:
             return self._hybrid(ctx, k)
         if self.grower is None:
@@ -115,17 +116,23 @@ class RequestLookup:
         found.sort(key=lambda d: -d.score)  # the best-scored first: the chain's draft
         return _suffix_proposal(found, k, self.width)
 
+    @property
+    def _ngram(self) -> NgramIndex:
+        """The n-gram index, which the methods ngram and hybrid have."""
+        assert self.ngram is not None, f"no n-gram index under {self.method}"
+        return self.ngram
+
     def _ngram_others(self, k: int) -> tuple[list[int], ...]:
         """The n-gram index's other candidates (none at width 1)."""
         if self.width <= 1:
             return ()
-        return tuple(self.ngram.candidates(k, self.width)[1:])
+        return tuple(self._ngram.candidates(k, self.width)[1:])
 
     def _hybrid(self, ctx: Sequence[int], k: int) -> Proposal | None:
         confident = self.settings.confident_match
-        tokens, n = self.ngram.propose(k)
+        tokens, n = self._ngram.propose(k)
         if tokens and n >= confident:
-            return Proposal(tokens, NGRAM, self._ngram_others(k))
+            return Proposal(tokens, Source.NGRAM, self._ngram_others(k))
         cached = self._cached(ctx, k)
         best = cached[0] if cached else None
         if (
@@ -151,7 +158,7 @@ class RequestLookup:
         if self.method != HYBRID or k <= 0 or not model_draft:
             return []
         self.follow(ctx)
-        return self.ngram.propose(k, model_draft)[0]
+        return self._ngram.propose(k, model_draft)[0]
 
     def finish(self, output: Sequence[int]) -> None:
         """The turn's output, for the gateway's cache of recent outputs."""
@@ -163,9 +170,9 @@ def _suffix_proposal(found: list[SuffixDraft], k: int, width: int) -> Proposal:
     """Suffix drafts, best first, as a proposal: the first its tokens, up to width - 1
     others (each starting with another token) its other candidates."""
     firsts = {found[0].tokens[0]}
-    others = []
+    others: list[list[int]] = []
     for d in found[1:]:
         if d.tokens[0] not in firsts and len(others) < width - 1:
             firsts.add(d.tokens[0])
             others.append(d.tokens[:k])
-    return Proposal(found[0].tokens[:k], SUFFIX, tuple(others))
+    return Proposal(found[0].tokens[:k], Source.SUFFIX, tuple(others))

@@ -162,9 +162,10 @@ class SuffixTrie:
     def find(self, seq: Sequence[int], start: int, end: int) -> int | None:
         node, edges = self.root, self._edges
         for i in range(start, end):
-            node = edges.get(node << _SHIFT | seq[i])
-            if node is None:
+            child = edges.get(node << _SHIFT | seq[i])
+            if child is None:
                 return None
+            node = child
         return node
 
     def match(self, seq: Sequence[int], max_match: int) -> tuple[int, int] | None:

@@ -295,7 +295,7 @@ class SessionIndex:
     async def _write(self, key: str, fields: dict[str, bytes | str], ttl: int) -> None:
         assert self.redis is not None
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping=fields)
+            pipe.hset(key, items=_pairs(fields))
             pipe.expire(key, ttl)
             await pipe.execute()
 
@@ -304,10 +304,9 @@ class SessionIndex:
     ) -> None:
         assert self.redis is not None
         lock_key, token, lock_ms = fence
-        flat = [x for pair in fields.items() for x in pair]
         turns = fields["turns"]
         written = await self.redis.eval(
-            _PUT_IF_LOCKED, 2, key, lock_key, token, ttl, lock_ms, turns, *flat
+            _PUT_IF_LOCKED, 2, key, lock_key, token, ttl, lock_ms, turns, *_pairs(fields)
         )
         if not written:
             self.succeeded()
@@ -327,3 +326,8 @@ class SessionIndex:
         log.info(
             "session %r: local copy written back to the session store", entry.record.session_id
         )
+
+
+def _pairs(fields: dict[str, bytes | str]) -> list[bytes | str]:
+    """A record's hash fields as HSET's arguments: field, value, field, value, ..."""
+    return [x for pair in fields.items() for x in pair]
