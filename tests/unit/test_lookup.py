@@ -9,9 +9,10 @@ import random
 import pytest
 
 from specdec.gateway.lookup import HYBRID, MODEL, NGRAM, PREDICTION, SUFFIX, parse_method
-from specdec.gateway.lookup.hybrid import LookupSettings, RequestLookup
+from specdec.gateway.lookup.hybrid import RequestLookup
 from specdec.gateway.lookup.ngram import NgramIndex, copy_after
 from specdec.gateway.lookup.prediction import PredictionMatcher
+from specdec.gateway.lookup.settings import LookupSettings
 from specdec.gateway.lookup.suffix import (
     Grower,
     SuffixCache,

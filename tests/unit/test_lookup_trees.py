@@ -4,7 +4,8 @@ other candidates, and the policy's sizing of a tree against its cost curve."""
 from __future__ import annotations
 
 from specdec.gateway.lookup.ngram import NgramIndex
-from specdec.gateway.lookup.suffix import SuffixParams, SuffixTrie, branches
+from specdec.gateway.lookup.settings import SuffixParams
+from specdec.gateway.lookup.suffix import SuffixTrie, branches
 from specdec.gateway.lookup.tree import is_chain, merge
 from specdec.gateway.policy import AdaptivePolicy, FixedPolicy
 

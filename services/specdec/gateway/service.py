@@ -19,8 +19,8 @@ import grpc
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.dataplane import DataPlaneSettings
 from specdec.gateway.grammar import Grammars
-from specdec.gateway.lookup.hybrid import LookupSettings
-from specdec.gateway.lookup.suffix import SuffixCache, SuffixParams
+from specdec.gateway.lookup.settings import LookupSettings, SuffixParams
+from specdec.gateway.lookup.suffix import SuffixCache
 from specdec.gateway.placement import Placement
 from specdec.gateway.policy import SourcePriors
 from specdec.gateway.recorder import Recorder

@@ -22,7 +22,8 @@ import statistics
 import time
 from pathlib import Path
 
-from specdec.gateway.lookup.hybrid import LookupSettings, RequestLookup
+from specdec.gateway.lookup.hybrid import RequestLookup
+from specdec.gateway.lookup.settings import LookupSettings
 from specdec.gateway.lookup.suffix import SuffixCache
 
 METHODS = ("ngram", "suffix", "hybrid")
