@@ -24,8 +24,12 @@ same selector and answers every call UNAVAILABLE "model is still loading"
 is stopping", calls in flight finish within the grace period, then every connection
 closes.
 
-Liveness and bounds. A gateway's keepalive Ping is echoed as a pong when it is read
-(between two forwards), and a connection whose unsent replies pass MAX_UNSENT_BYTES (its
+Liveness and bounds. A gateway's keepalive Ping is echoed as a pong when it is read,
+between two forwards or during one: a forward that runs past STAND_IN_AFTER seconds hands
+the selector to a stand-in thread (`Poller.stand_in_during_forwards`) that echoes pings
+and queues every other call for the model thread, which dispatches them in order, as if
+read after the forward. So a long prefill does not make a busy replica look dead, and a
+stopped one still goes silent. A connection whose unsent replies pass MAX_UNSENT_BYTES (its
 gateway stopped reading) is closed rather than grow. Error frames carry the error's Reason
 (`serving.reason_of`).
 
@@ -37,6 +41,7 @@ replica configured for TLS never reads a plaintext frame.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextvars
 import functools
@@ -73,6 +78,10 @@ REPLY_NUMBERS = {k: dataplane_pb2.DataReply.DESCRIPTOR.fields_by_name[k].number 
 STOPPING = "the service is stopping"
 CANCELLED = "cancelled by the caller"
 READ_BYTES = 256 * 1024
+# A forward that runs this long (seconds) hands the sockets to a stand-in that echoes
+# pings: a pong then waits at most about twice this, far below a gateway's keepalive
+# timeout (--data-keepalive-timeout, 10 s by default); shorter forwards pay no hand-off.
+STAND_IN_AFTER = 0.25
 # Bytes a connection may hold unsent (the gateway does not read them): past it the
 # connection closes rather than grow. One frame of the largest size always fits.
 MAX_UNSENT_BYTES = MAX_FRAME_BYTES + 16 * 1024 * 1024
@@ -115,8 +124,24 @@ class DataPlaneServer:
         self.in_flight = 0  # calls queued or running on the model
         self._standby = False
         self.unsent: set[_Connection] = set()  # connections with frames queued (send)
+        # Calls the stand-in read during a forward, for the model thread (in order).
+        self.deferred: collections.deque[tuple[_Connection, dataplane_pb2.DataCall]] = (
+            collections.deque()
+        )
+        self.io.before_select.append(self._resume_deferred)
         self.io.before_select.append(self._flush_unsent)
+        self.io.stand_in_during_forwards(STAND_IN_AFTER)
         self.io.call_soon(lambda: self.io.register(self.listener, _READ, self._accept))
+
+    def _resume_deferred(self) -> None:
+        """Dispatch the calls the stand-in read during the last forward, in the order they
+        came, before anything read after it (the model thread, before it polls)."""
+        if self.io.standing_in():
+            return
+        while self.deferred:
+            conn, call = self.deferred.popleft()
+            if not conn.closed:
+                conn.handle(call)
 
     def _flush_unsent(self) -> None:
         """Write what the last steps queued, one write per connection (the polling thread,
@@ -206,6 +231,9 @@ class DataPlaneServer:
             conn.send(
                 encode(dataplane_pb2.DataReply(id=call.id, pong=call.ping).SerializeToString())
             )
+            return
+        if self.io.standing_in():  # a forward runs: the rest is the model thread's
+            self.deferred.append((conn, call))
             return
         if kind == "cancel":
             future = conn.calls.get(call.id)
@@ -348,12 +376,22 @@ class _Connection:
                     call = dataplane_pb2.DataCall.FromString(payload)
                 except DecodeError as e:
                     raise ProtocolError(f"a frame does not parse as a DataCall: {e}") from None
-                self.server.dispatch(self, call)
-                if self.closed:
+                if not self.handle(call):
                     return
         except ProtocolError as e:
-            log.warning("data plane protocol error", extra={"peer": self.peer, "why": str(e)})
-            self.close(str(e))
+            self._protocol_error(e)
+
+    def handle(self, call: dataplane_pb2.DataCall) -> bool:
+        """Dispatch one call; False once the connection is closed."""
+        try:
+            self.server.dispatch(self, call)
+        except ProtocolError as e:
+            self._protocol_error(e)
+        return not self.closed
+
+    def _protocol_error(self, e: ProtocolError) -> None:
+        log.warning("data plane protocol error", extra={"peer": self.peer, "why": str(e)})
+        self.close(str(e))
 
     def _decrypt(self, data: bytes) -> bytes:
         """TLS records in, plaintext out (b"" while there is none)."""

@@ -185,7 +185,7 @@ class GatewayConfig:
         check=one_of(REPLICA_TRANSPORTS),
     )
     # The data plane's keepalive: a ping every interval, a replica silent for the timeout
-    # is dead (its calls fail over). The timeout must exceed a replica's longest forward.
+    # is dead (its calls fail over). A replica answers pings during a forward too.
     data_keepalive: float = setting(
         1.0,
         "seconds between two keepalive pings on each data-plane connection",
@@ -194,7 +194,7 @@ class GatewayConfig:
     data_keepalive_timeout: float = setting(
         10.0,
         "seconds of silence after which a replica's data-plane connection is held dead "
-        "and its calls fail over (longer than a replica's longest forward)",
+        "and its calls fail over (a replica answers pings during a forward too)",
         check=positive,
     )
     # Recording of finished requests (specdec.gateway.recorder); None: off.

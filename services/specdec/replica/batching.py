@@ -206,6 +206,86 @@ class Poller:
         # Run before every select, on the polling thread: writers flush what the last
         # steps queued (the replies of one forward leave in one write per connection).
         self.before_select: list[Callable[[], None]] = []
+        # The stand-in during long forwards (`stand_in_during_forwards`): off until asked.
+        self._stand_in: threading.Thread | None = None
+        self._guard = threading.Lock()  # the two fields below
+        self._forward_since: float | None = None  # when the running forward began
+        self._held = False  # the stand-in holds the selector (until the forward ends)
+        self._released = threading.Event()  # the stand-in gave the selector back
+        self._closing = threading.Event()
+
+    def stand_in_during_forwards(self, after: float) -> None:
+        """Poll the selector from a stand-in thread while a forward runs past `after`
+        seconds, so that a long forward does not leave the sockets unread (a gateway holds
+        a replica silent past its keepalive timeout dead).
+
+        Rule: a forward that ends within `after` seconds costs one uncontended lock on
+        each side (`forward_begins`, `forward_ends`) and no thread switch; the stand-in
+        wakes every `after` seconds and takes the selector over from a forward that has run
+        at least that long, so a pong waits at most about 2 x `after`. While it holds the
+        selector the model thread runs the forward and touches no registered object; the
+        stand-in runs the before_select hooks and the I/O callbacks (`standing_in()` is
+        true there: a callback does only what is safe off the model thread and leaves the
+        rest for it), never the call_soon queue. When the forward ends the model thread
+        wakes the stand-in and waits until it has let go.
+        """
+        if self._stand_in is not None:
+            return
+        self._stand_in = threading.Thread(
+            target=self._stand_in_loop,
+            args=(after,),
+            name=f"{threading.current_thread().name}-stand-in",
+            daemon=True,
+        )
+        self._stand_in.start()
+
+    def standing_in(self) -> bool:
+        """Whether this is the stand-in thread (holding the selector during a forward)."""
+        return self._stand_in is not None and threading.current_thread() is self._stand_in
+
+    def forward_begins(self) -> None:
+        """The model thread starts a forward (it polls nothing until `forward_ends`)."""
+        if self._stand_in is not None:
+            with self._guard:
+                self._forward_since = time.monotonic()
+
+    def forward_ends(self) -> None:
+        """The forward is over: take the selector back from the stand-in if it holds it."""
+        if self._stand_in is None:
+            return
+        with self._guard:
+            self._forward_since = None
+            held = self._held
+        if held:
+            self.wake()
+            self._released.wait()
+            self._released.clear()
+
+    def _stand_in_loop(self, after: float) -> None:
+        while not self._closing.wait(after):
+            with self._guard:
+                since = self._forward_since
+                self._held = since is not None and time.monotonic() - since >= after
+                if not self._held:
+                    continue
+            try:
+                while True:
+                    with self._guard:
+                        if self._forward_since is None:
+                            break
+                    for hook in self.before_select:
+                        hook()
+                    for key, mask in self._selector.select(None):
+                        try:
+                            key.data(mask)
+                        except Exception:
+                            log.exception("an I/O callback failed (stand-in)")
+            except Exception:  # never leave the model thread waiting for the selector
+                log.exception("the stand-in failed; the model thread polls after the forward")
+            finally:
+                with self._guard:
+                    self._held = False
+                self._released.set()
 
     def register(self, fileobj, events: int, callback: Callable[[int], None]) -> None:
         self._selector.register(fileobj, events, callback)
@@ -265,6 +345,7 @@ class Poller:
         self.dispatch(self.select(timeout))
 
     def close(self) -> None:
+        self._closing.set()
         self._selector.close()
         self._wake_r.close()
         self._wake_w.close()
@@ -406,11 +487,14 @@ class Scheduler:
         requests = [_request(t) for t in batch]
         started = time.perf_counter()
         results: list[torch.Tensor | None]
+        self.io.forward_begins()
         try:
             results = list(batch[0].context.run(self._run, requests))
             error = None
         except BaseException as e:  # the jobs in this forward get the error
             results, error = [None] * len(batch), e
+        finally:
+            self.io.forward_ends()
         self._last_forward = time.perf_counter() - started
         self._gather_until = None
         self._expected.clear()
