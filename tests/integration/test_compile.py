@@ -20,6 +20,7 @@ import pytest
 from specdec.sdk import Client
 from specdec.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 from tests.conftest import PROMPTS
+from tests.integration.exact import greedy_equals_generate, second_turn_equals_generate
 from tests.integration.test_gateway import gateway, replica
 
 pytestmark = pytest.mark.integration
@@ -55,21 +56,12 @@ def stack(test_models, tmp_path_factory):
 
 def test_greedy_equals_generate(stack, tokenizer, reference):
     for which, k in (("plain", 0), ("plain", 3), ("ssd", 3)):
-        with Client(stack[which].address, timeout=300) as client:
-            for text in PROMPTS[:2]:
-                ids = tokenizer(text).input_ids
-                got = client.generate(token_ids=ids, max_new_tokens=N, k=k)
-                assert list(got.tokens) == reference(ids, N), f"{which} k={k} {text!r}"
-                assert got.stats.ssd is (which == "ssd")
+        greedy_equals_generate(stack, which, k, PROMPTS[:2], tokenizer, reference, N, 300)
 
 
 def test_two_turns(stack, tokenizer, reference):
     with Client(stack["plain"].address, timeout=300) as client:
-        first = tokenizer(PROMPTS[0]).input_ids
-        one = client.generate(token_ids=first, max_new_tokens=8, k=3, session_id="compiled-1")
-        more = tokenizer(PROMPTS[1]).input_ids
-        two = client.generate(token_ids=more, max_new_tokens=N, k=3, session_id="compiled-1")
-        assert list(two.tokens) == reference([*first, *one.tokens, *more], N)
+        second_turn_equals_generate(client, PROMPTS, "compiled-1", tokenizer, reference, N)
 
 
 def test_info_and_log_report_the_compile(stack):

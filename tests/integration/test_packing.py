@@ -13,6 +13,7 @@ import pytest
 from specdec.sdk import Client
 from specdec.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 from tests.conftest import PROMPTS
+from tests.integration.exact import greedy_equals_generate, second_turn_equals_generate
 from tests.integration.test_gateway import gateway, replica
 
 pytestmark = pytest.mark.integration
@@ -40,21 +41,12 @@ def packed(test_models):
 
 @pytest.mark.parametrize(("which", "k"), [("plain", 0), ("plain", 3), ("ssd", 3)])
 def test_greedy_equals_generate(packed, tokenizer, reference, which, k):
-    with Client(packed[which].address, timeout=120) as client:
-        for text in PROMPTS[:4]:
-            ids = tokenizer(text).input_ids
-            got = client.generate(token_ids=ids, max_new_tokens=N, k=k)
-            assert list(got.tokens) == reference(ids, N), f"{which} k={k} {text!r}"
-            assert got.stats.ssd is (which == "ssd")
+    greedy_equals_generate(packed, which, k, PROMPTS[:4], tokenizer, reference, N, 120)
 
 
 def test_two_turns_and_concurrent_sessions(packed, tokenizer, reference):
     with Client(packed["plain"].address, timeout=120) as client:
-        first = tokenizer(PROMPTS[0]).input_ids
-        one = client.generate(token_ids=first, max_new_tokens=8, k=3, session_id="packed-1")
-        more = tokenizer(PROMPTS[1]).input_ids
-        two = client.generate(token_ids=more, max_new_tokens=N, k=3, session_id="packed-1")
-        assert list(two.tokens) == reference([*first, *one.tokens, *more], N)
+        second_turn_equals_generate(client, PROMPTS, "packed-1", tokenizer, reference, N)
 
         def run(text):
             ids = tokenizer(text).input_ids
