@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from specdec.common.config import DTYPES
 from specdec.common.cpus import cpu_info
+from specdec.drafter.config import DrafterConfig
 from specdec.replica import calibrate, packing
 from specdec.replica.calibrate import DtypeChoice, choose_dtype, fastest_dtype
 from specdec.replica.loading import load_model
@@ -166,9 +167,10 @@ def test_packing_is_not_measured_when_refused(test_models, monkeypatch, cache_di
     assert asked[2:] == BOTH and packed.label == F32P and not packed.cached
 
 
-def test_a_drafter_is_priced_by_its_one_token_step(test_models, monkeypatch):
-    """The same timings: the verifier keeps the layout cheapest at 1 + 8 tokens, the
-    drafter the one cheapest at 1 (its draft steps), each in a cache entry of its own."""
+def test_one_session_at_a_time_is_priced_by_the_one_token_step(test_models, monkeypatch):
+    """The same timings: a replica that batches keeps the layout cheapest at 1 + 8 tokens
+    (its forwards of several rows), a drafter serving one session at a time the one
+    cheapest at 1 (its draft steps), each in a cache entry of its own."""
     fake_timings(
         monkeypatch,
         {F32P: (10.0, 11.0), BF16P: (6.0, 40.0)},
@@ -176,10 +178,36 @@ def test_a_drafter_is_priced_by_its_one_token_step(test_models, monkeypatch):
         bfloat16=(8.0, 30.0),
     )
     _, verifier = choose_dtype(fp32(test_models.target), CPU, threads=1)
-    model, drafter = choose_dtype(fp32(test_models.target), CPU, threads=1, role="drafter")
+    model, drafter = choose_dtype(fp32(test_models.target), CPU, threads=1, one_token=True)
     assert verifier.label == F32P and drafter.label == BF16P and not drafter.cached
     assert model.dtype == torch.bfloat16 and packing.is_packed(model)
-    assert drafter.reason.endswith("a drafter's cost is its one-token step")
+    assert drafter.reason.endswith("priced by its one-token step (one session at a time)")
+
+
+@pytest.mark.parametrize("max_batch_size, want", [(16, F32P), (1, BF16P)])
+def test_a_drafter_that_batches_is_priced_by_several_rows(
+    test_models, monkeypatch, max_batch_size, want
+):
+    """Through the replica's loading: a drafter that batches sessions (the default
+    --max-batch-size) runs forwards of several rows, so it is priced like a verifier; only
+    --max-batch-size 1 prices it by its one-token step."""
+    fake_timings(
+        monkeypatch,
+        {F32P: (10.0, 11.0), BF16P: (6.0, 40.0)},
+        float32=(9.0, 30.0),
+        bfloat16=(8.0, 30.0),
+    )
+    cfg = DrafterConfig(
+        role="drafter",
+        model=str(test_models.draft_small),
+        dtype="fastest",
+        threads=1,
+        max_batch_size=max_batch_size,
+    )
+    loaded = load_model(cfg, CPU)
+    assert loaded.dtype_reason.startswith(f"{want}: ")
+    assert str(loaded.model.dtype) == "torch." + want.removesuffix(calibrate.PACKED)
+    assert packing.is_packed(loaded.model)
 
 
 def test_reason_names_the_ratio_and_the_cpu(test_models, monkeypatch):

@@ -19,14 +19,17 @@ torch picks, the memory bandwidth, the thread count all count), so `choose_dtype
   then packed in place (specdec.replica.packing) and timed again (``float32+packed``,
   ``bfloat16+packed``); unpacking restores them bit for bit when that is slower, and
   the float32 model is left as it was unless it is kept;
-- it keeps the candidate that costs the replica least (`score`: a verifier's t(1) + t(8),
-  a drafter's t(1), its one-token draft step): a float32 one unless another is more than
-  FP32_MARGIN cheaper (float32 is exact, so a near tie goes to it), and frees the others.
+- it keeps the candidate that costs the replica least (`score`: t(1) + t(8), since a
+  verifier verifies several tokens a row and any replica that batches runs forwards of
+  several rows, which cost like a row of as many tokens; t(1) alone for a drafter that
+  serves one session at a time, `--max-batch-size 1`, whose forwards are one-token draft
+  steps): a float32 one unless another is more than FP32_MARGIN cheaper (float32 is
+  exact, so a near tie goes to it), and frees the others.
 
 The choice is cached in ``$SPECDEC_CACHE_DIR/calibration.json`` (default
 ``~/.cache/specdec/calibration.json``), keyed by the CPU (model name and the flags that
-matter), torch's version, the device, the thread count, the model's shape, the role and
-whether packing was a candidate, so the next start-up on the same machine reuses it
+matter), torch's version, the device, the thread count, the model's shape, the price
+(`one_token`) and whether packing was a candidate, so the next start-up on the same machine reuses it
 without measuring. A corrupt or unwritable cache is
 ignored with a warning.
 
@@ -69,7 +72,7 @@ WARMUP_S = 0.25  # a first forward this slow is a sample, not a discarded warm-u
 # Another dtype replaces float32 only when its t(1) + t(8) is this much smaller: float32 is
 # exact (greedy output equals the float32 reference), so a near tie goes to it.
 FP32_MARGIN = 0.10
-CACHE_VERSION = 2  # bump when what is measured changes: older entries are then ignored
+CACHE_VERSION = 3  # bump when what is measured changes: older entries are then ignored
 PACKED = "+packed"  # the suffix of a candidate whose linear layers are packed
 
 
@@ -213,12 +216,16 @@ def _read_cache(path: Path) -> dict[str, Any]:
 
 
 def cached_choice(
-    config, device: torch.device, threads: int, pack: bool = True
+    config, device: torch.device, threads: int, pack: bool = True, one_token: bool = False
 ) -> DtypeChoice | None:
     """The cached choice for this model shape, device and thread count, with packed weights
-    a candidate or not, if any."""
+    a candidate or not, priced as `choose_dtype` prices it, if any."""
+    return _cached(_key(config, device, threads, pack, one_token))
+
+
+def _key(config, device: torch.device, threads: int, pack: bool, one_token: bool) -> dict:
     pack = pack and packing.available(device) is None
-    return _cached({**cache_key(config, device, threads), "pack": pack})
+    return {**cache_key(config, device, threads), "pack": pack, "one_token": one_token}
 
 
 def _cached(key: dict[str, Any]) -> DtypeChoice | None:
@@ -389,11 +396,11 @@ def _total(t: dict[int, float]) -> float:
     return sum(t.values())
 
 
-def _reason(chosen: str, timings: dict[str, dict[int, float]], note: str, role: str) -> str:
+def _reason(chosen: str, timings: dict[str, dict[int, float]], note: str, one_token: bool) -> str:
     others = [d for d in timings if d != chosen]
     if not others:
         return f"{chosen}: the only layout measured ({note})"
-    other = min(others, key=lambda d: score(timings[d], role))
+    other = min(others, key=lambda d: score(timings[d], one_token))
     widest, narrowest = max(SIZES), min(SIZES)
     r_wide = timings[other][widest] / timings[chosen][widest]
     r_narrow = timings[other][narrowest] / timings[chosen][narrowest]
@@ -401,18 +408,26 @@ def _reason(chosen: str, timings: dict[str, dict[int, float]], note: str, role: 
         f"{chosen}: {other} took {r_wide:.2f}x as long at {widest} tokens and "
         f"{r_narrow:.2f}x at {narrowest} ({note})"
     )
-    if chosen.startswith("float32") and score(timings[other], role) < score(timings[chosen], role):
+    if chosen.startswith("float32") and score(timings[other], one_token) < score(
+        timings[chosen], one_token
+    ):
         text += f"; within the {FP32_MARGIN:.0%} margin float32 keeps a near tie by"
-    if role == "drafter":
-        text += "; a drafter's cost is its one-token step"
+    if one_token:
+        text += "; priced by its one-token step (one session at a time)"
     return text
 
 
-def score(timings: dict[int, float], role: str = "verifier") -> float:
-    """What a candidate costs a replica of this role: a verifier runs forwards of 1 token
-    (k = 0) and of several (a verify of k + 1, a batch): t(1) + t(8); a drafter's forwards
-    are one-token draft steps: t(1)."""
-    return timings[min(SIZES)] if role == "drafter" else _total(timings)
+def score(timings: dict[int, float], one_token: bool = False) -> float:
+    """What a candidate costs a replica: t(1) + t(8), as a replica runs forwards of one
+    token (a draft step, k = 0) and of several, a verify of k + 1 or a batch of sessions'
+    rows (8 rows of one token cost about what one row of 8 does); with `one_token` (a
+    drafter serving one session at a time) t(1), its one-token draft step.
+
+    On a CPU without bf16 units a drafter priced by t(1) alone kept bfloat16 packed: 8
+    sessions through `specdec up` then ran its 8-row steps at 4x its one-row step, and k
+    = 3 at 8 sessions gave 5.0 tok/s against 7.3 with float32 packed (2026-11-27,
+    docs/concepts/engine.md)."""
+    return timings[min(SIZES)] if one_token else _total(timings)
 
 
 def choose_dtype(
@@ -420,18 +435,19 @@ def choose_dtype(
     device: torch.device,
     threads: int | None = None,
     pack: bool = True,
-    role: str = "verifier",
+    one_token: bool = False,
 ):
     """Keep `model` (loaded in float32, on device, in eval mode) or a cast copy, plain or
-    with its linear layers packed, whichever costs a replica of `role` least here (`score`);
+    with its linear layers packed, whichever costs the replica least here (`score`);
     returns (the model kept, DtypeChoice). Reuses a cached choice without measuring.
     threads: for the cache key (default: torch's intra-op threads). pack: whether packed
-    layouts are candidates (where `packing.available`)."""
+    layouts are candidates (where `packing.available`). one_token: price by the one-token
+    step alone (a drafter serving one session at a time)."""
     threads = torch.get_num_threads() if threads is None else threads
     if model.dtype != torch.float32:
         raise ValueError(f"--dtype {FASTEST} measures from a float32 model, got {model.dtype}")
-    pack = pack and packing.available(device) is None
-    key = {**cache_key(model.config, device, threads), "pack": pack, "role": role}
+    key = _key(model.config, device, threads, pack, one_token)
+    pack = key["pack"]
     cpu = cpu_info()
     note = f"on {device_name(device)[5:]}" if device.type == "cuda" else cpu.bf16_note()
     choice = _cached(key)
@@ -452,13 +468,13 @@ def choose_dtype(
             if pack:  # the same weights packed in place; unpacked (bit for bit) if slower
                 packing.pack_linears(trial)
                 timings[name + PACKED] = time_forwards(trial, device, cache=cache)
-                if score(timings[name + PACKED], role) < score(timings[name], role):
+                if score(timings[name + PACKED], one_token) < score(timings[name], one_token):
                     label = name + PACKED
                 if label == name or trial is model:  # float32 stays plain: the copies
                     packing.unpack_linears(trial)  # are cast from it (packed again below)
             family = name == "float32"
-            if family not in kept or score(timings[label], role) < score(
-                timings[kept[family][0]], role
+            if family not in kept or score(timings[label], one_token) < score(
+                timings[kept[family][0]], one_token
             ):
                 kept[family] = (label, trial)
             del trial, cache
@@ -466,14 +482,16 @@ def choose_dtype(
         best, best_model = kept[True]
         if False in kept:  # another dtype replaces float32 only by more than the margin
             other, other_model = kept[False]
-            if score(timings[other], role) < score(timings[best], role) * (1 - FP32_MARGIN):
+            if score(timings[other], one_token) < score(timings[best], one_token) * (
+                1 - FP32_MARGIN
+            ):
                 best, best_model = other, other_model
             del other_model
         del kept, prefix
         chosen, packed = best.removesuffix(PACKED), best.endswith(PACKED)
         if best_model is model and packed:
             packing.pack_linears(model)
-        reason = _reason(best, timings, note, role)
+        reason = _reason(best, timings, note, one_token)
         choice = DtypeChoice(chosen, reason, timings, cpu.describe(), packed=packed)
         store_choice(choice, key)
         log.info("dtype measured", extra={"seconds": round(time.monotonic() - started, 2)})

@@ -73,7 +73,12 @@ def load_model(cfg: ReplicaConfig, device: torch.device) -> LoadedModel:
     # int8 layers (the drafter's --quantize, applied after loading) have their own kernels
     pack = cfg.pack_weights if getattr(cfg, "quantize", "none") == "none" else "false"
     if fastest:
-        model, choice = calibrate.choose_dtype(model, device, pack=pack != "false", role=cfg.role)
+        # a drafter serving one session at a time runs one-token steps; every other
+        # replica runs forwards of several tokens or rows too (calibrate.score)
+        one_token = cfg.role == "drafter" and cfg.max_batch_size == 1
+        model, choice = calibrate.choose_dtype(
+            model, device, pack=pack != "false", one_token=one_token
+        )
     else:
         choice = calibrate.asked(cfg.dtype)
     if pack == "true" and not choice.packed:
