@@ -27,7 +27,10 @@ def p(tokens, n):
 
 
 def _runtime(test_models, config=VerifierConfig, **settings) -> ModelRuntime:
-    """A loaded runtime of the tiny target, as a verifier (or under `config`'s role)."""
+    """A loaded runtime of the tiny target, as a verifier (or under `config`'s role), on
+    the dense engine unless `engine` says otherwise: these tests compare its padded batch
+    with each row alone (tests/unit/test_paged.py compares the engines)."""
+    settings.setdefault("engine", "dense")
     role = "drafter" if config is DrafterConfig else "verifier"
     rt = ModelRuntime(config(role=role, model=str(test_models.target), **settings))
     rt.load()

@@ -24,10 +24,19 @@ def test_defaults_and_flags():
 
 
 def test_engine_setting(monkeypatch):
-    assert parse("--model", "m").engine == "dense"
+    cfg = parse("--model", "m")
+    assert (cfg.engine, cfg.kv_engine) == ("auto", "paged")  # auto: paged on a CPU
+    # ... and dense where the paged engine does not run: CUDA, compiled forwards, TP
+    assert parse("--model", "m", "--device", "cuda").kv_engine == "dense"
+    assert parse("--model", "m", "--compile").kv_engine == "dense"
+    tp = ("--tensor-parallel", "2", "--dtype", "float32")
+    assert parse("--model", "m", *tp).kv_engine == "dense"
+    with pytest.raises(ConfigError, match="paged engine's pool is not sharded"):
+        parse("--model", "m", *tp, "--engine", "paged")
+    assert parse("--model", "m", "--engine", "dense").kv_engine == "dense"
     monkeypatch.setenv("SPECDEC_ENGINE", "paged")
-    cfg = parse("--model", "m", "--kv-block-size", "32")
-    assert (cfg.engine, cfg.kv_block_size) == ("paged", 32)
+    cfg = parse("--model", "m", "--kv-block-size", "32", "--compile")
+    assert (cfg.engine, cfg.kv_engine, cfg.kv_block_size) == ("paged", "paged", 32)
 
 
 def test_compile_setting(monkeypatch):

@@ -20,6 +20,7 @@ def load(test_models, chunk: int) -> ModelRuntime:
             model=str(test_models.target),
             max_cached_tokens=4096,
             prefill_chunk=chunk,
+            engine="dense",  # Calls instruments its one-session forward (model.forward)
         )
     )
     rt.load()

@@ -18,7 +18,10 @@ K = 4
 
 @pytest.fixture(scope="module")
 def drafter(test_models):
-    rt = ModelRuntime(DrafterConfig(role="drafter", model=str(test_models.draft_noisy)))
+    # the dense engine: `fed` counts its one-session forwards (`_forward`)
+    rt = ModelRuntime(
+        DrafterConfig(role="drafter", model=str(test_models.draft_noisy), engine="dense")
+    )
     rt.load()
     yield rt
     rt.shutdown()

@@ -62,7 +62,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "fastest")
 # Linear layers in oneDNN's blocked layout on a CPU (specdec.replica.packing): auto: when
 # --dtype fastest measures it faster; true: always; false: never.
 PACK_WEIGHTS = ("auto", "true", "false")
-ENGINES = ("dense", "paged")  # the sessions' KV: specdec.replica.paged
+# The sessions' KV (specdec.replica.paged); auto: ReplicaConfig.kv_engine.
+ENGINES = ("auto", "dense", "paged")
 MAX_FAN_OUT = 64  # SSD branches per round (drafter and gateway settings, Speculate requests)
 # Children of a token tree's node (SpeculationParams.tree_width, DraftRequest.tree_width).
 MAX_TREE_WIDTH = 8
@@ -169,10 +170,11 @@ class ReplicaConfig:
     )
     # The sessions' KV (specdec.replica.paged).
     engine: str = setting(
-        "dense",
+        "auto",
         "the sessions' KV: dense (a transformers DynamicCache per session, a padded copy "
-        "of the batch's KV per batched forward) or paged (blocks of one pool per layer, "
-        "read in place; forks share blocks copy-on-write)",
+        "of the batch's KV per batched forward), paged (blocks of one pool per layer, "
+        "read in place; forks share blocks copy-on-write) or auto (paged on a CPU; dense "
+        "on CUDA, with --compile or with --tensor-parallel > 1)",
         check=one_of(ENGINES),
     )
     kv_block_size: int = setting(16, "tokens per KV block of the paged engine", check=positive)
@@ -201,6 +203,18 @@ class ReplicaConfig:
     tls: ServerTls | None = settings_group(ServerTlsSettings)
 
     ROLE: ClassVar[str] = ""
+
+    @property
+    def kv_engine(self) -> str:
+        """The engine the replica runs: --engine, or for auto the paged engine on a CPU
+        (it was at least as fast as the dense one there, through the stack, and a batched
+        forward copies no KV) and the dense one on CUDA (where the paged engine has not
+        run yet), with --compile (compiled forwards are dense) or with --tensor-parallel
+        > 1 (the pool is not sharded)."""
+        if self.engine != "auto":
+            return self.engine
+        dense = self.device != "cpu" or self.compile or self.tensor_parallel > 1
+        return "dense" if dense else "paged"
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -252,7 +266,7 @@ def check_tensor_parallel(
             f"only the verifier runs tensor-parallel; the {role} runs on one device (set it to 1)",
         ),
         (
-            engine != "dense",
+            engine == "paged",
             "the paged engine's pool is not sharded across ranks; run --engine dense",
         ),
         (pack == "true", "packed weights (--pack-weights true) are not sharded across ranks"),

@@ -154,7 +154,7 @@ class ReplicaServicer:
             special_tokens=rt.special_tokens,
             data_port=self.data_port,
             model_version=self.model_version,
-            engine=cfg.engine,
+            engine=cfg.kv_engine,
             tensor_parallel=cfg.tensor_parallel,
             sampling_defaults=rt.sampling_defaults.to_proto(),
             compiled=rt.compiled is not None,

@@ -121,11 +121,11 @@ class ModelRuntime:
         self.dtype_reason = loaded.dtype_reason
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         check_rollback(self._new_cache(), cfg.model)
-        if cfg.engine == "paged":
+        if cfg.kv_engine == "paged":
             check_batchable(self.model, cfg.model, "run it with --engine dense --max-batch-size 1")
         elif cfg.max_batch_size > 1:
             check_batchable(self.model, cfg.model)
-        self.store = self.new_store(cfg.engine)
+        self.store = self.new_store(cfg.kv_engine)
         if cfg.compile:
             self.compile()
         if cfg.cost_probe:
@@ -137,7 +137,7 @@ class ModelRuntime:
                 "dtype": str(self.model.dtype),
                 "dtype_reason": self.dtype_reason,
                 "device": str(self.device),
-                "engine": cfg.engine,
+                "engine": cfg.kv_engine,
                 "tensor_parallel": cfg.tensor_parallel,
                 "compiled": self.compiled is not None,
                 "compile_seconds": round(self.compiled.seconds, 2) if self.compiled else None,
@@ -543,7 +543,7 @@ class ModelRuntime:
         branch rows, or batches under --max-batch-size > 1). A machine that cannot compile
         fails at start-up, and no request waits for a compile later (model thread)."""
         cfg = self.config
-        if cfg.engine != "dense":
+        if cfg.kv_engine != "dense":
             raise ValueError(
                 f"--compile runs on --engine dense; the paged engine's forward is not compiled "
                 f"(got --engine {cfg.engine})"
