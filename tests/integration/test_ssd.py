@@ -119,7 +119,12 @@ def test_ssd_multi_turn_equals_one_call(ssd_stack, tokenizer, reference):
     history = [*a, *first.tokens, *b]
     assert list(first.tokens) == reference(a, 16)
     assert list(second.tokens) == reference(history, 16)
-    assert second.stats.cache_misses == 0 and second.stats.ssd_hits > 0
+    # The second turn speculated on the session's kept caches. Whether its Speculates hit
+    # is timing: on a loaded machine every one of them can arrive late (seen once in a
+    # full run); the `hit` stack's test checks hits.
+    s = second.stats
+    assert s.cache_misses == 0 and s.ssd_speculates > 0
+    assert s.ssd_hits + s.ssd_misses + s.ssd_late > 0
 
 
 def exact_sequence_probs(model, prompt: list[int], steps: int, top_k: int, allowed=None) -> dict:
