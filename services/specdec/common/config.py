@@ -35,6 +35,7 @@ __all__ = [
     "DTYPES",
     "ENGINES",
     "ENV_PREFIX",
+    "LLAMA_CPP",
     "MAX_FAN_OUT",
     "MAX_TREE_WIDTH",
     "ConfigError",
@@ -62,8 +63,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "fastest")
 # Linear layers in oneDNN's blocked layout on a CPU (specdec.replica.packing): auto: when
 # --dtype fastest measures it faster; true: always; false: never.
 PACK_WEIGHTS = ("auto", "true", "false")
-# The sessions' KV (specdec.replica.paged); auto: ReplicaConfig.kv_engine.
-ENGINES = ("auto", "dense", "paged")
+# The replica's engine: the sessions' KV of the transformers engine (dense, paged:
+# specdec.replica.paged) or llama.cpp (specdec.replica.llamacpp); auto: ReplicaConfig.kv_engine.
+LLAMA_CPP = "llama.cpp"
+ENGINES = ("auto", "dense", "paged", LLAMA_CPP)
 MAX_FAN_OUT = 64  # SSD branches per round (drafter and gateway settings, Speculate requests)
 # Children of a token tree's node (SpeculationParams.tree_width, DraftRequest.tree_width).
 MAX_TREE_WIDTH = 8
@@ -171,13 +174,21 @@ class ReplicaConfig:
     # The sessions' KV (specdec.replica.paged).
     engine: str = setting(
         "auto",
-        "the sessions' KV: dense (a transformers DynamicCache per session, a padded copy "
-        "of the batch's KV per batched forward), paged (blocks of one pool per layer, "
-        "read in place; forks share blocks copy-on-write) or auto (paged on a CPU; dense "
-        "on CUDA, with --compile or with --tensor-parallel > 1)",
+        "the engine: transformers with the sessions' KV dense (a DynamicCache per "
+        "session, a padded copy of the batch's KV per batched forward) or paged (blocks of "
+        "one pool per layer, read in place; forks share blocks copy-on-write); llama.cpp "
+        "(the model's GGUF as shipped, on llama.cpp's CPU kernels; needs llama-cpp-python); "
+        "or auto (paged on a CPU; dense on CUDA, with --compile or with --tensor-parallel > 1)",
         check=one_of(ENGINES),
     )
     kv_block_size: int = setting(16, "tokens per KV block of the paged engine", check=positive)
+    # specdec.replica.llamacpp
+    llama_kv_dtype: str = setting(
+        "f16",
+        "llama.cpp engine: the KV cells' type, f16 (as llama.cpp's default) or f32 (twice "
+        "the memory; a token's logits within 1e-5 of a one-sequence run of the same GGUF)",
+        check=one_of(("f16", "f32")),
+    )
     # specdec.replica.tp
     tensor_parallel: int = setting(
         1,
@@ -231,6 +242,8 @@ class ReplicaConfig:
                 f"--pack-weights / {env_name('--pack-weights')}: packed weights are for "
                 f"--device cpu (got --device {device})"
             )
+        if values["engine"] == LLAMA_CPP:
+            check_llama_cpp(values)
         if values["tensor_parallel"] > 1:
             check_tensor_parallel(
                 cls.ROLE,
@@ -247,6 +260,20 @@ class ReplicaConfig:
     @classmethod
     def check_role_settings(cls, values: dict[str, Any]) -> None:
         """ConfigError for combinations of this role's settings it refuses (none here)."""
+
+
+def check_llama_cpp(values: dict[str, Any]) -> None:
+    """ConfigError for the settings the llama.cpp engine does not run with."""
+    where = f"--engine {LLAMA_CPP}"
+    refusals = [
+        (values["device"] != "cpu", f"runs on the CPU (got --device {values['device']})"),
+        (values["compile"], "--compile compiles the torch engines' forwards; leave it off"),
+        (values["tensor_parallel"] > 1, "--tensor-parallel shards a torch model; set it to 1"),
+        (values["pack_weights"] == "true", "--pack-weights packs torch's weights; leave it auto"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"{where}: {why}")
 
 
 def check_tensor_parallel(

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from specdec.common.config import (
+    LLAMA_CPP,
     MAX_FAN_OUT,
     ConfigError,
     ReplicaConfig,
@@ -103,6 +104,13 @@ class DrafterConfig(ReplicaConfig):
     @classmethod
     def check_role_settings(cls, values: dict[str, Any]) -> None:
         quantize = values["quantize"]
+        if values["engine"] == LLAMA_CPP and (
+            quantize != "none" or values["draft_vocab"] or values["draft_vocab_file"]
+        ):
+            raise ConfigError(
+                f"--quantize and --draft-vocab change a torch model; --engine {LLAMA_CPP} runs "
+                "the GGUF as shipped (quantize it with llama.cpp's own tools instead)"
+            )
         problem = check_quantize(quantize, values["dtype"], values["device"])
         if problem:
             raise invalid("--quantize", problem, quantize)

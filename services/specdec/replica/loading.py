@@ -92,7 +92,41 @@ def load_model(cfg: ReplicaConfig, device: torch.device) -> LoadedModel:
             reason=choice.reason + ", linear weights packed (--pack-weights true)",
         )
     tokenizer = AutoTokenizer.from_pretrained(cfg.model, **kwargs)
-    max_context = int(getattr(model.config, "max_position_embeddings", 0) or cfg.max_context or 0)
+    facts = model_facts(cfg, tokenizer, model.config, getattr(model, "generation_config", None))
+    return LoadedModel(
+        model=model,
+        vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+        max_context=facts.max_context,
+        eos_token_ids=facts.eos_token_ids,
+        sampling_defaults=facts.sampling_defaults,
+        bos_token_id=facts.bos_token_id,
+        chat_template=facts.chat_template,
+        special_tokens=facts.special_tokens,
+        tokenizer_json=facts.tokenizer_json,
+        tokenizer_fingerprint=facts.tokenizer_fingerprint,
+        dtype_reason=choice.summary(),
+    )
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a replica reports of its model besides the weights: from the tokenizer, the
+    model's config and its generation config."""
+
+    vocab_size: int  # the config's (0: it names none)
+    max_context: int
+    eos_token_ids: list[int]
+    bos_token_id: int  # -1: none
+    chat_template: str
+    special_tokens: dict[str, str]
+    tokenizer_json: bytes  # zlib-compressed canonical JSON
+    tokenizer_fingerprint: str
+    sampling_defaults: Sampling
+
+
+def model_facts(cfg: ReplicaConfig, tokenizer, config, generation_config) -> ModelFacts:
+    """The facts of a loaded tokenizer and config (--max-context caps the model's own)."""
+    max_context = int(getattr(config, "max_position_embeddings", 0) or cfg.max_context or 0)
     if cfg.max_context:
         max_context = min(max_context or cfg.max_context, cfg.max_context)
     if max_context <= 0:
@@ -100,19 +134,41 @@ def load_model(cfg: ReplicaConfig, device: torch.device) -> LoadedModel:
             f"cannot tell the model's context length; set --max-context for {cfg.model}"
         )
     canonical = canonical_tokenizer_json(tokenizer)
-    return LoadedModel(
-        model=model,
-        vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+    sources = (generation_config, config)
+    return ModelFacts(
+        vocab_size=int(getattr(config, "vocab_size", 0) or 0),
         max_context=max_context,
-        eos_token_ids=eos_ids(model, tokenizer),
-        sampling_defaults=generation_sampling(getattr(model, "generation_config", None)),
+        eos_token_ids=eos_ids(sources, tokenizer),
+        sampling_defaults=generation_sampling(generation_config),
         bos_token_id=-1 if tokenizer.bos_token_id is None else int(tokenizer.bos_token_id),
         chat_template=tokenizer.chat_template or "",
         special_tokens={k: str(v) for k, v in tokenizer.special_tokens_map.items()},
         tokenizer_json=zlib.compress(canonical, 6),
         tokenizer_fingerprint=hashlib.sha256(canonical).hexdigest(),
-        dtype_reason=choice.summary(),
     )
+
+
+def load_facts(cfg: ReplicaConfig, gguf=None) -> ModelFacts:
+    """The model's facts without its weights (an engine that loads the weights itself, the
+    llama.cpp engine): the tokenizer, config and generation config of the --model folder,
+    else those the GGUF file `gguf` carries."""
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    folder = Path(cfg.model)
+    kwargs: dict = {}
+    if not (folder.is_dir() and (folder / "config.json").is_file()):
+        if gguf is None:
+            raise ValueError(f"{cfg.model} is no model folder (config.json) and no GGUF was given")
+        folder, kwargs = Path(gguf).parent, {"gguf_file": Path(gguf).name}
+    tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+    config = AutoConfig.from_pretrained(folder, **kwargs)
+    try:
+        generation = GenerationConfig.from_pretrained(folder, **kwargs)
+    except OSError:  # none saved: the config's
+        generation = GenerationConfig.from_model_config(config)
+    return model_facts(cfg, tokenizer, config, generation)
 
 
 def set_threads(requested: int) -> None:
@@ -148,10 +204,11 @@ def generation_sampling(config) -> Sampling:
     return Sampling(**values).resolve()
 
 
-def eos_ids(model, tokenizer) -> list[int]:
+def eos_ids(sources, tokenizer) -> list[int]:
     """The tokens at which `generate()` stops: the generation config's EOS, else the model
-    config's, else the tokenizer's."""
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+    config's, else the tokenizer's (sources: the generation config and the model config,
+    either None when absent)."""
+    for source in (*sources, tokenizer):
         eos = getattr(source, "eos_token_id", None) if source is not None else None
         if isinstance(eos, int):
             return [eos]

@@ -14,7 +14,7 @@ from typing import Any, Protocol, TypeVar
 import grpc
 
 from specdec.common import cost
-from specdec.common.config import ReplicaConfig
+from specdec.common.config import LLAMA_CPP, ReplicaConfig
 from specdec.common.dataplane import DataPlaneServer
 from specdec.common.errors import InvalidRequest, NotReady
 from specdec.common.logs import setup_logging
@@ -213,7 +213,8 @@ def run_replica(
 ) -> None:
     """`specdec serve drafter|verifier`: config, logging, serve until SIGTERM. runtime_type
     makes the engine (the transformers ModelRuntime, or the drafter's DrafterRuntime); with
-    --tensor-parallel N > 1 the verifier's is rank 0 of N (specdec.replica.tp)."""
+    --tensor-parallel N > 1 the verifier's is rank 0 of N (specdec.replica.tp), with
+    --engine llama.cpp either role's is a LlamaCppRuntime (specdec.replica.llamacpp)."""
     config = config_type.from_args(args)
     assert isinstance(config, config_type)  # from_args is typed as ReplicaConfig's
     check_device(config.device, config.tensor_parallel)
@@ -226,6 +227,13 @@ def run_replica(
         from specdec.replica.tp import TensorParallelRuntime
 
         runtime_type = TensorParallelRuntime
+    elif config.kv_engine == LLAMA_CPP:  # the drafter's too: it refuses its torch options
+        from specdec.replica.llamacpp import LlamaCppRuntime, available
+
+        missing = available()
+        if missing:
+            raise ConfigError(f"--engine {LLAMA_CPP}: {missing}")
+        runtime_type = LlamaCppRuntime
     runtime = runtime_type(config)
     servicer = make_servicer(runtime)
     data_plane = None

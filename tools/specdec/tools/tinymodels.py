@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import math
 import string
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-__all__ = ["TestModels", "build_shaped_model", "build_test_models"]
+__all__ = ["TestModels", "build_shaped_model", "build_test_models", "write_gguf"]
 
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
@@ -349,3 +350,95 @@ def build_shaped_model(path: Path, shape: dict, name: str, seed: int = 0) -> Pat
     config = _make_config(shape, tokenizer)
     model = _new_model(config, _generator(seed, name), _suppressed_ids(tokenizer))
     return _save(model, tokenizer, Path(path))
+
+
+def _rope_permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """A q or k projection [heads * dim, hidden] in llama.cpp's rotary layout: transformers'
+    Llama rotates the two halves of each head, llama.cpp's `llama` architecture adjacent
+    pairs (the permutation of llama.cpp's own converter)."""
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def write_gguf(model_dir: Path, path: Path | None = None) -> Path:
+    """The float32 GGUF of a tiny Llama checkpoint (one that `build_test_models` or
+    `build_shaped_model` saved), with its tokenizer, for the llama.cpp engine's tests: the
+    same weights as the safetensors, so llama.cpp and transformers run the same model.
+    Written to ``path`` (default ``model_dir/model.gguf``); its path."""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    model_dir = Path(model_dir)
+    path = Path(path) if path is not None else model_dir / "model.gguf"
+    config = AutoConfig.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    weights = load_file(str(model_dir / "model.safetensors"))
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name(model_dir.name)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(config.hidden_size // heads)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    # The tokenizer, so that llama.cpp loads the file (the engine feeds it token ids).
+    vocab = tokenizer.get_vocab()
+    tokens = [""] * len(vocab)
+    for text, token_id in vocab.items():
+        tokens[token_id] = text
+    special = set(tokenizer.all_special_ids)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(
+        [
+            gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
+            for i in range(len(tokens))
+        ]
+    )
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_pad_token_id(tokenizer.pad_token_id)
+    writer.add_add_bos_token(False)
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    per_layer = {
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    for layer in range(config.num_hidden_layers):
+        for hf, ours in per_layer.items():
+            names[f"model.layers.{layer}.{hf}.weight"] = f"blk.{layer}.{ours}.weight"
+    for name, tensor in weights.items():
+        if name.endswith("self_attn.q_proj.weight"):
+            tensor = _rope_permute(tensor, heads)
+        elif name.endswith("self_attn.k_proj.weight"):
+            tensor = _rope_permute(tensor, kv_heads)
+        writer.add_tensor(names[name], tensor.to(torch.float32).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

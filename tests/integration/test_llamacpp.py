@@ -1,0 +1,239 @@
+"""The llama.cpp engine through the stack (`--engine llama.cpp`, specdec.replica.llamacpp) on
+the tiny test models written as float32 GGUF files (specdec.tools.tinymodels.write_gguf):
+greedy output equals the same GGUF run alone through llama.cpp (llama-cpp-python's own
+`Llama.generate`), token for token, at k = 0, with speculation, with SSD, with token trees,
+over a multi-turn session, for n > 1 and for concurrent sessions batched into one decode;
+mixed pairs (a llama.cpp drafter with a torch verifier, and the reverse) give their
+verifier's engine's output; sampled sequences follow the target's distribution (with the
+chi-square check's own negative control). Skipped where llama-cpp-python is not installed
+(`make install` installs it)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+
+import grpc
+import pytest
+
+from specdec.sdk import Client
+from specdec.v1 import common_pb2, verifier_pb2_grpc
+from tests.conftest import PROMPTS, start_up_error
+from tests.integration.test_gateway import small_stack
+from tests.integration.test_lookup import GROUNDED
+from tests.integration.test_ssd import check_sequence_counts, exact_sequence_probs, sample_top2
+
+pytestmark = pytest.mark.integration
+llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+
+N = 24
+# f32 cells: a token's logits within 1e-5 of the one-sequence run whatever the cache's
+# layout (forks, trees, other sessions), as the torch engines' fp32 batching is.
+ENGINE = ("--engine", "llama.cpp", "--llama-kv-dtype", "f32")
+
+
+@pytest.fixture(scope="module")
+def gguf_models(test_models, tmp_path_factory):
+    """Copies of the tiny target and noisy draft, each with its float32 GGUF beside it."""
+    from specdec.tools.tinymodels import write_gguf
+
+    root = tmp_path_factory.mktemp("gguf")
+    out = {}
+    for name, source in (("target", test_models.target), ("draft", test_models.draft_noisy)):
+        folder = root / name
+        shutil.copytree(source, folder)
+        write_gguf(folder)
+        out[name] = folder
+    return out
+
+
+@pytest.fixture(scope="module")
+def alone(gguf_models):
+    """alone(prompt_ids, n): the target GGUF's greedy continuation through llama.cpp alone
+    (with the engine's attention settings: f32 cells, no flash attention)."""
+    llm = llama_cpp.Llama(
+        model_path=str(gguf_models["target"] / "model.gguf"),
+        n_ctx=512,
+        n_threads=1,
+        flash_attn=False,
+        type_k=0,  # GGML_TYPE_F32
+        type_v=0,
+        verbose=False,
+    )
+    cache: dict[tuple, list[int]] = {}
+
+    def generate(ids: list[int], n: int) -> list[int]:
+        key = (tuple(ids), n)
+        if key not in cache:
+            out: list[int] = []
+            for token in llm.generate(ids, temp=0.0, reset=True):
+                out.append(int(token))
+                if len(out) == n:
+                    break
+            cache[key] = out
+        return cache[key]
+
+    return generate
+
+
+@pytest.fixture(scope="module")
+def llama_stack(gguf_models):
+    """Drafter and verifier on llama.cpp; gateways `plain`, `ssd` and `trees` over them."""
+    with small_stack(
+        gguf_models["draft"],
+        gguf_models["target"],
+        *ENGINE,
+        verifier_flags=ENGINE,
+        gateway_flags=("--suffix-cache-scope", "off"),
+        more_gateways={
+            "ssd": ("--ssd", "--suffix-cache-scope", "off"),
+            "trees": ("--tree-width", "4", "--suffix-cache-scope", "off"),
+        },
+    ) as procs:
+        yield procs
+
+
+def test_the_gguf_alone_is_the_checkpoint(tokenizer, alone, reference):
+    """The float32 GGUF through llama.cpp alone gives transformers' generate() on the same
+    weights: the conversion (tinymodels.write_gguf) is the model the other tests run."""
+    for text in PROMPTS[:3]:
+        ids = tokenizer(text).input_ids
+        assert alone(ids, N) == reference(ids, N), text
+
+
+@pytest.mark.parametrize(("which", "k"), [("gateway", 0), ("gateway", 3), ("ssd", 3)])
+def test_greedy_equals_llama_cpp_alone(llama_stack, tokenizer, alone, which, k):
+    with Client(llama_stack[which].address, timeout=120) as client:
+        for text in PROMPTS[:4]:
+            ids = tokenizer(text).input_ids
+            got = client.generate(token_ids=ids, max_new_tokens=N, k=k)
+            assert list(got.tokens) == alone(ids, N), (which, k, text)
+            if k:
+                assert got.stats.draft_tokens > 0
+                assert got.stats.accepted_tokens > 0
+
+
+def test_two_turns_n_choices_and_concurrent_sessions(llama_stack, tokenizer, alone):
+    """A session's second turn continues the whole history; n = 3 greedy choices (forks of
+    one prefill) are all the same continuation; eight sessions at once, batched into shared
+    decodes, are each exact."""
+    with Client(llama_stack["gateway"].address, timeout=120) as client:
+        first = tokenizer(PROMPTS[0]).input_ids
+        one = client.generate(token_ids=first, max_new_tokens=8, k=3, session_id="llama-1")
+        more = tokenizer(PROMPTS[1]).input_ids
+        two = client.generate(token_ids=more, max_new_tokens=N, k=3, session_id="llama-1")
+        assert list(two.tokens) == alone([*first, *one.tokens, *more], N)
+
+        ids = tokenizer(PROMPTS[2]).input_ids
+        choices = client.generate(token_ids=ids, max_new_tokens=N, k=3, n=3)
+        assert [list(c.tokens) for c in choices.choices] == [alone(ids, N)] * 3
+
+        def run(text):
+            ids = tokenizer(text).input_ids
+            return list(client.generate(token_ids=ids, max_new_tokens=N, k=3).tokens), ids
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            for tokens, ids in pool.map(run, PROMPTS * 2):
+                assert tokens == alone(ids, N)
+
+
+@pytest.mark.parametrize("method", ["suffix", "model"])
+def test_greedy_trees_equal_llama_cpp_alone(llama_stack, tokenizer, alone, method):
+    """Token trees verified in one llama.cpp decode (each leaf a sequence, the accepted path
+    kept): llama.cpp's own tokens, and some round's path took another branch than the
+    draft's own."""
+    results = []
+    with Client(llama_stack["trees"].address, timeout=300) as client:
+        for text in [*GROUNDED, *PROMPTS[:2]]:
+            ids = tokenizer(text).input_ids
+            got = client.generate(token_ids=ids, max_new_tokens=48, k=6, method=method)
+            assert list(got.tokens) == alone(ids, 48), (method, text)
+            results.append(got)
+    assert sum(r.stats.tree_rounds for r in results) > 0
+    assert sum(r.stats.tree_other_branch_rounds for r in results) > 0
+
+
+@pytest.mark.parametrize("which", ["gateway", "ssd"])
+def test_sampling_distribution(llama_stack, tokenizer, target_model, which):
+    """Sampled at temperature 1, top-k 2, k = 3 (with SSD: its branches drafted on
+    llama.cpp sequences): every one of the 16 possible 4-token sequences within 5 sigma of
+    its exact probability, and check_sequence_counts' negative control."""
+    ids = tokenizer(PROMPTS[0]).input_ids
+    exact = exact_sequence_probs(target_model, ids, steps=4, top_k=2)
+    results = sample_top2(llama_stack[which].address, ids, 1200, k=3)
+    assert sum(r.stats.accepted_tokens for r in results) > 0
+    check_sequence_counts([tuple(r.tokens) for r in results], exact)
+
+
+@pytest.mark.parametrize("llama_role", ["drafter", "verifier"])
+def test_mixed_pairs(gguf_models, test_models, tokenizer, alone, reference, llama_role):
+    """A llama.cpp drafter with a torch verifier gives transformers' generate(); a torch
+    drafter with a llama.cpp verifier gives llama.cpp's: the verifier's engine decides the
+    output, the drafter only the speed (both speak the tokenizer's ids)."""
+    drafter = gguf_models["draft"] if llama_role == "drafter" else test_models.draft_noisy
+    flags = ENGINE if llama_role == "drafter" else ()
+    verifier_flags = ENGINE if llama_role == "verifier" else ()
+    expected = alone if llama_role == "verifier" else reference
+    with (
+        small_stack(drafter, gguf_models["target"], *flags, verifier_flags=verifier_flags) as procs,
+        Client(procs["gateway"].address, timeout=120) as client,
+    ):
+        for text in PROMPTS[:3]:
+            ids = tokenizer(text).input_ids
+            got = client.generate(token_ids=ids, max_new_tokens=N, k=3)
+            assert list(got.tokens) == expected(ids, N), text
+            assert got.stats.accepted_tokens > 0
+
+
+def test_info_and_cost_curve(llama_stack):
+    """Info names the engine and the GGUF, and reports the forward cost measured at
+    start-up (the policy's prior)."""
+    with grpc.insecure_channel(llama_stack["verifier"].address) as channel:
+        info = verifier_pb2_grpc.VerifierServiceStub(channel).Info(
+            common_pb2.InfoRequest(), timeout=30
+        )
+    assert info.engine == "llama.cpp"
+    assert info.dtype == "gguf"
+    assert "model.gguf" in info.dtype_reason
+    assert "extra buffer types decoded in a probe" in info.dtype_reason
+    assert info.forward_cost.buckets, info.forward_cost
+
+
+def test_refused_settings(gguf_models):
+    """Settings the llama.cpp engine does not run with stop start-up with one line."""
+    err = start_up_error("verifier", gguf_models["target"], *ENGINE, "--compile")
+    assert "--engine llama.cpp: --compile" in err
+    err = start_up_error("drafter", gguf_models["draft"], *ENGINE, "--quantize", "int8")
+    assert "--engine llama.cpp runs the GGUF as shipped" in err
+
+
+def test_extra_buffer_types_fall_back_when_a_decode_crashes(gguf_models, tokenizer, alone):
+    """On a Xeon with AMX in a VM, llama.cpp's AMX buffer type crashed the first decode
+    (SIGSEGV). The engine probes a decode with the extra buffer types in a child process
+    first; when the child dies (here made to die as that crash does), the replica runs
+    without them, says why in Info, and is still exact."""
+    env = {"SPECDEC_LLAMACPP_PROBE_FAULT": "1"}
+    from tests.integration.test_gateway import gateway, replica
+
+    procs = []
+    try:
+        v = replica("verifier", gguf_models["target"], *ENGINE, env=env)
+        d = replica("drafter", gguf_models["draft"], *ENGINE, env=env)
+        procs += [v, d]
+        v.wait_healthy(), d.wait_healthy()
+        g = gateway([d], [v])
+        procs.append(g)
+        g.wait_healthy()
+        with grpc.insecure_channel(v.address) as channel:
+            info = verifier_pb2_grpc.VerifierServiceStub(channel).Info(
+                common_pb2.InfoRequest(), timeout=30
+            )
+        assert "extra buffer types died of SIGSEGV: they are off" in info.dtype_reason
+        with Client(g.address, timeout=120) as client:
+            ids = tokenizer(PROMPTS[0]).input_ids
+            assert list(client.generate(token_ids=ids, max_new_tokens=N, k=3).tokens) == alone(
+                ids, N
+            )
+    finally:
+        for p in procs:
+            p.stop()
