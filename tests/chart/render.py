@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import helm_python
 import yaml
+from helm_python import _native
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "specdec"
 EXAMPLES = sorted((CHART / "examples").glob("*.yaml"))
@@ -25,6 +27,22 @@ CRD_KINDS = {
 }
 
 
+# The APIs of those kinds, as `.Capabilities.APIVersions.Has` asks for them: a cluster with
+# KEDA, Gateway API and the Prometheus Operator. The chart renders each such kind only where
+# the cluster serves its API.
+OPTIONAL_APIS = (
+    "keda.sh/v1alpha1/ScaledObject",
+    "gateway.networking.k8s.io/v1/GRPCRoute",
+    "gateway.networking.k8s.io/v1/HTTPRoute",
+    "monitoring.coreos.com/v1/ServiceMonitor",
+    "monitoring.coreos.com/v1/PodMonitor",
+    "monitoring.coreos.com/v1/PrometheusRule",
+)
+# A plain cluster: Kubernetes' own APIs only (what `helm template` assumes with no
+# --api-versions).
+PLAIN: tuple[str, ...] = ()
+
+
 def values_sets() -> dict[str, dict]:
     """The default values and every shipped example, by name."""
     sets = {"default": {}}
@@ -33,16 +51,32 @@ def values_sets() -> dict[str, dict]:
     return sets
 
 
-def render(values: dict | None = None) -> dict[str, str]:
-    """Template path -> rendered text (real Helm, values checked by values.schema.json)."""
+def render(
+    values: dict | None = None,
+    api_versions: tuple[str, ...] = OPTIONAL_APIS,
+    kube_version: str | None = None,
+) -> dict[str, str]:
+    """Template path -> rendered text (real Helm, values checked by values.schema.json), for
+    a cluster that serves `api_versions` besides Kubernetes' own (`helm template
+    --api-versions ... --kube-version ...`). helm_python's Chart.render does not take these
+    two options; its C library does (the same options as `helm template`), so they go to it
+    directly."""
     chart = helm_python.Chart.load(str(CHART))
-    return chart.render(values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    opts: dict = {"name": RELEASE, "namespace": NAMESPACE, "is_install": True}
+    opts["api_versions"] = list(api_versions)
+    if kube_version:
+        opts["kube_version"] = f"v{kube_version}"
+    rendered = _native.call_string(
+        "helm_render", chart._raw(), json.dumps(values or {}), json.dumps(opts)
+    )
+    return json.loads(rendered)
 
 
-def objects(values: dict | None = None) -> list[dict]:
-    """Every Kubernetes object the chart renders with `values`."""
+def objects(values: dict | None = None, **caps) -> list[dict]:
+    """Every Kubernetes object the chart renders with `values` (`caps`: render's
+    api_versions, kube_version)."""
     out = []
-    for path, text in sorted(render(values).items()):
+    for path, text in sorted(render(values, **caps).items()):
         if not path.endswith(".yaml"):
             continue
         out += [doc for doc in yaml.safe_load_all(text) if doc]

@@ -450,24 +450,27 @@ def test_replica_data_ports_are_exposed_to_the_gateways_only():
 
 
 @pytest.mark.parametrize(
-    "build",
+    ("build", "chart_defaults"),
     [
-        {},  # `make images` with its defaults and the chart's defaults
-        {"IMAGE_PREFIX": "registry.example.com/team/specdec", "IMAGE_TAG": "1.2.3"},
-        {"IMAGE_PREFIX": "registry.example.com/specdec", "TORCH_VARIANT": "cpu"},
+        # the release workflow's prefix (.github/workflows/release.yml): the chart's default
+        ({"IMAGE_PREFIX": "ghcr.io/specdec/specdec"}, True),
+        ({}, False),  # `make images` with its defaults (localhost/specdec)
+        ({"IMAGE_PREFIX": "registry.example.com/team/specdec", "IMAGE_TAG": "1.2.3"}, False),
+        ({"IMAGE_PREFIX": "registry.example.com/specdec", "TORCH_VARIANT": "cpu"}, False),
     ],
 )
-def test_images_are_what_make_images_tags(build):
+def test_images_are_what_make_images_tags(build, chart_defaults):
     """The chart's image references equal `docker/images.sh name ROLE` (what `make images`
-    tags) for the same prefix, tag and torch build."""
+    and the release workflow tag) for the same prefix, tag and torch build; with no values
+    set, the images the release workflow pushes."""
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("IMAGE_PREFIX", "IMAGE_TAG", "TORCH_VARIANT")
     }
     values: dict = {"images": {}}
-    if "IMAGE_PREFIX" in build:
-        values["images"]["prefix"] = build["IMAGE_PREFIX"]
+    if not chart_defaults:
+        values["images"]["prefix"] = build.get("IMAGE_PREFIX", "localhost/specdec")
     if "IMAGE_TAG" in build:
         values["images"]["tag"] = build["IMAGE_TAG"]
     if "TORCH_VARIANT" in build:
@@ -483,6 +486,29 @@ def test_images_are_what_make_images_tags(build):
             check=True,
         ).stdout.strip()
         assert container(find(objs, "Deployment", role_name(role)), role)["image"] == made
+
+
+def test_local_images_with_pull_policy_always_are_refused():
+    """A `localhost/` image (built here, in no registry) with Always cannot be pulled: the
+    chart refuses it, naming the value to set; IfNotPresent (the default) renders."""
+    local = {"images": {"prefix": "localhost/specdec"}}
+    for role in ("drafter", "verifier", "gateway"):
+        values = {**local, role: {"image": {"pullPolicy": "Always"}}}
+        with pytest.raises(helm_python.HelmError) as err:
+            render(values)
+        message = str(err.value)
+        assert f"{role}.image.pullPolicy is Always" in message
+        assert "IfNotPresent" in message and "images.prefix" in message
+    objs = objects(local)
+    for role in ("drafter", "verifier", "gateway"):
+        c = container(find(objs, "Deployment", role_name(role)), role)
+        assert c["image"].startswith("localhost/") and c["imagePullPolicy"] == "IfNotPresent"
+    # a registry's images may move with Always
+    objs = objects({"gateway": {"image": {"pullPolicy": "Always"}}})
+    assert (
+        container(find(objs, "Deployment", role_name("gateway")), "gateway")["imagePullPolicy"]
+        == "Always"
+    )
 
 
 def test_default_replica_images_carry_a_torch_for_the_default_device():

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -25,7 +28,7 @@ import yaml
 from specdec.sdk import Client
 from specdec.tools.launcher import ServiceProcess
 from specdec.tools.redisproc import RedisProcess, free_port
-from tests.chart.render import EXAMPLES, container, find, objects, role_name
+from tests.chart.render import EXAMPLES, container, env_of, find, objects, role_name
 from tests.conftest import PROMPTS
 from tests.kubeapi import FakeKubeAPI
 
@@ -61,11 +64,8 @@ def redis_server():
         yield server
 
 
-@pytest.mark.parametrize("example", ["cpu-dev"])
-def test_rendered_deployments_serve_exact_generations(
-    example, test_models, redis_server, tokenizer, reference, tmp_path
-):
-    values = yaml.safe_load(next(p for p in EXAMPLES if p.stem == example).read_text())
+def free_ports(values: dict) -> dict[str, int]:
+    """Set every port of the chart's services to a free one (the test runs beside others)."""
     ports = {role: free_port() for role in ("drafter", "verifier", "gateway")}
     for role, port in ports.items():
         values.setdefault(role, {})["port"] = port
@@ -73,43 +73,66 @@ def test_rendered_deployments_serve_exact_generations(
     for role in ("drafter", "verifier"):
         values[role]["dataPort"] = free_port()
         values[role]["metricsPort"] = free_port()
-    objs = objects(values)
-    deployments = {r: find(objs, "Deployment", role_name(r)) for r in ports}
-    models = {"drafter": test_models.draft_noisy, "verifier": test_models.target}
+    return ports
 
+
+def start_stack(
+    objs: list[dict], tmp_path: Path, redis_url: str, models: dict[str, str] | None = None
+) -> tuple[list[ServiceProcess], FakeKubeAPI]:
+    """The rendered drafter, verifier and gateway Deployments as local processes (gateway
+    last); `models` replaces SPECDEC_MODEL by role. Stop the processes and the API after."""
+    deployments = {r: find(objs, "Deployment", role_name(r)) for r in ("drafter", "verifier")}
     api = FakeKubeAPI("specdec")
     kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
     procs: list[ServiceProcess] = []
     try:
-        # The models Job's command is one the CLI accepts, for models it knows.
-        (job,) = [o for o in objs if o["kind"] == "Job"]
-        (fetch,) = job["spec"]["template"]["spec"]["initContainers"]
-        _, sub, verb, *names = fetch["command"]
-        from specdec.tools.models import MODELS
-
-        assert (sub, verb) == ("models", "install") and set(names) <= set(MODELS)
         for role in ("drafter", "verifier"):
             c = container(deployments[role], role)
-            env = expand(c["env"], f"{role_name(role)}-0", {"SPECDEC_MODEL": str(models[role])})
-            assert env["SPECDEC_MODEL"] == str(models[role])
-            p = ServiceProcess(role, argv_of(c), env=env).start()
-            procs.append(p)
+            replace = {"SPECDEC_MODEL": models[role]} if models else {}
+            env = expand(c["env"], f"{role_name(role)}-0", replace)
+            procs.append(ServiceProcess(role, argv_of(c), env=env).start())
         for p in procs:
             p.wait_healthy()  # grpc.health.v1 on the container port, as the probes ask
-            assert p.port == ports[p.name]
             api.put(role_name(p.name), f"{role_name(p.name)}-abc", p.port, [("127.0.0.1", True)])
-
-        c = container(deployments["gateway"], "gateway")
-        chart_redis = next(e["value"] for e in c["env"] if e["name"] == "SPECDEC_REDIS")
-        assert chart_redis.startswith(f"redis://{role_name('redis')}.specdec.svc:")
-        env = expand(c["env"], f"{role_name('gateway')}-0", {"SPECDEC_REDIS": redis_server.url})
+        c = container(find(objs, "Deployment", role_name("gateway")), "gateway")
+        env = expand(c["env"], f"{role_name('gateway')}-0", {"SPECDEC_REDIS": redis_url})
         env |= {"KUBECONFIG": kubeconfig, "KUBERNETES_SERVICE_HOST": ""}
         assert env["SPECDEC_DRAFTER"].startswith("k8s:specdec/")
         gateway = ServiceProcess("gateway", argv_of(c), env=env).start()
         procs.append(gateway)
         gateway.wait_healthy()
-        assert gateway.port == ports["gateway"]
+    except BaseException:
+        for p in reversed(procs):
+            p.stop()
+        api.close()
+        raise
+    return procs, api
 
+
+@pytest.mark.parametrize("example", ["cpu-dev"])
+def test_rendered_deployments_serve_exact_generations(
+    example, test_models, redis_server, tokenizer, reference, tmp_path
+):
+    values = yaml.safe_load(next(p for p in EXAMPLES if p.stem == example).read_text())
+    ports = free_ports(values)
+    objs = objects(values)
+    models = {"drafter": str(test_models.draft_noisy), "verifier": str(test_models.target)}
+    # The models Job's command is one the CLI accepts, for models it knows.
+    (job,) = [o for o in objs if o["kind"] == "Job"]
+    (fetch,) = job["spec"]["template"]["spec"]["initContainers"]
+    _, sub, verb, *names = fetch["command"]
+    from specdec.tools.models import MODELS
+
+    assert (sub, verb) == ("models", "install") and set(names) <= set(MODELS)
+    c = container(find(objs, "Deployment", role_name("gateway")), "gateway")
+    chart_redis = next(e["value"] for e in c["env"] if e["name"] == "SPECDEC_REDIS")
+    assert chart_redis.startswith(f"redis://{role_name('redis')}.specdec.svc:")
+    procs, api = start_stack(objs, tmp_path, redis_server.url, models)
+    try:
+        gateway = procs[-1]
+        for p in procs:
+            assert p.port == ports[p.name]
+        env = env_of(container(find(objs, "Deployment", role_name("gateway")), "gateway"))
         with Client(gateway.address, timeout=120) as client:
             for text in PROMPTS[:2]:
                 ids = tokenizer(text).input_ids
@@ -123,6 +146,55 @@ def test_rendered_deployments_serve_exact_generations(
         assert {(t["replica"], t["transport"]) for t in transports} == {
             (f"127.0.0.1:{ports[role]}", "dataplane") for role in ("drafter", "verifier")
         }
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        api.close()
+
+
+def test_hub_models_install_from_a_hub_shaped_folder_and_serve_under_the_hub_id(
+    test_models, redis_server, tokenizer, reference, tmp_path
+):
+    """The default models path end to end, offline: each replica's init container resolves
+    its hub id from a folder laid out as the hub's cache (what a download leaves), the
+    replica loads what the init container linked, and the OpenAI API serves the target
+    under its hub id, organisation kept."""
+    from specdec.tools.models import to_hub_cache
+
+    mount = tmp_path / "models"
+    values: dict = {
+        "models": {"mountPath": str(mount)},
+        "drafter": {"model": {"name": "tiny-org/tiny-draft"}},
+        "verifier": {"model": {"name": "tiny-org/tiny-target"}},
+    }
+    for role in ("drafter", "verifier"):
+        values[role] |= {"device": "cpu", "gpus": 0, "dtype": "float32"}
+        values[role]["image"] = {"torchVariant": "cpu"}
+    ports = free_ports(values)
+    values["gateway"]["httpPort"] = http = free_port()
+    objs = objects(values)
+    to_hub_cache(test_models.draft_noisy, "tiny-org/tiny-draft", mount / "hub")
+    to_hub_cache(test_models.target, "tiny-org/tiny-target", mount / "hub")
+    for role in ("drafter", "verifier"):
+        (fetch,) = find(objs, "Deployment", role_name(role))["spec"]["template"]["spec"][
+            "initContainers"
+        ]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
+        env |= {e["name"]: e["value"] for e in fetch["env"] if e["name"] == "SPECDEC_MODELS_DIR"}
+        done = subprocess.run(
+            [sys.executable, *fetch["command"][1:]], env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+    procs, api = start_stack(objs, tmp_path, redis_server.url)  # SPECDEC_MODEL as rendered
+    try:
+        assert procs[-1].port == ports["gateway"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{http}/v1/models", timeout=60) as r:
+            listed = [m["id"] for m in json.load(r)["data"]]
+        assert listed == ["tiny-org/tiny-target"]
+        ids = tokenizer(PROMPTS[0]).input_ids
+        with Client(procs[-1].address, timeout=120) as client:
+            got = client.generate(token_ids=ids, max_new_tokens=16, k=2)
+        assert list(got.tokens) == reference(ids, 16)
     finally:
         for p in reversed(procs):
             p.stop()

@@ -72,6 +72,12 @@ RENDERINGS: dict[str, dict] = {
     "replicas-only": {"gateway": {"enabled": False}},
     "gateway-only": {"drafter": {"enabled": False}, "verifier": {"enabled": False}},
     "models-from-the-hub": {"models": {"source": "hub", "hub": {"tokenSecret": {"name": "hub"}}}},
+    "models-per-pod-claims": {"models": {"pod": {"volume": "ephemeral"}}},
+    "models-filled-by-a-job": {
+        "models": {"source": "install", "storage": "claim"},
+        "drafter": {"model": {"name": "qwen2.5-coder-0.5b-instruct"}},
+        "verifier": {"model": {"name": "qwen2.5-coder-1.5b-instruct"}},
+    },
     "models-on-your-claim": {"models": {"source": "pvc", "pvc": {"existingClaim": "filled"}}},
     "models-on-the-nodes": {"models": {"source": "hostPath"}},
 }

@@ -68,6 +68,55 @@ repository is images.prefix-ROLE, its empty tag images.tag (or appVersion), foll
 {{- end }}
 {{- end }}
 
+{{/* The pull policy of a specdec image (dict root image role); a local build (localhost/)
+with Always is refused: no registry serves it, so every pull would fail */}}
+{{- define "specdec.pullPolicy" -}}
+{{- $ref := include "specdec.image" . }}
+{{- if and (hasPrefix "localhost/" $ref) (eq .image.pullPolicy "Always") }}
+{{- fail (printf "%s.image.pullPolicy is Always but %s is a local build (localhost/) that no registry serves: load it onto the nodes (kind load docker-image %s) and set %s.image.pullPolicy to IfNotPresent, or push it and set images.prefix to your registry (the published images: ghcr.io/specdec/specdec, docs/deploy/images.md)" .role $ref $ref .role) }}
+{{- end }}
+{{- .image.pullPolicy }}
+{{- end }}
+
+{{/* Kinds that come from CRDs, each rendered only where the cluster serves its API
+(.Capabilities.APIVersions): a YAML list of {value, api, enabled} */}}
+{{- define "specdec.optionalKinds" -}}
+{{- $v := .Values }}
+{{- $monKind := $v.monitoring.kind }}
+- value: drafter.keda.enabled
+  api: keda.sh/v1alpha1/ScaledObject
+  enabled: {{ and $v.drafter.enabled $v.drafter.keda.enabled }}
+- value: verifier.keda.enabled
+  api: keda.sh/v1alpha1/ScaledObject
+  enabled: {{ and $v.verifier.enabled $v.verifier.keda.enabled }}
+- value: gateway.grpcRoute.enabled
+  api: gateway.networking.k8s.io/v1/GRPCRoute
+  enabled: {{ and $v.gateway.enabled $v.gateway.grpcRoute.enabled }}
+- value: gateway.httpRoute.enabled
+  api: gateway.networking.k8s.io/v1/HTTPRoute
+  enabled: {{ and $v.gateway.enabled $v.gateway.httpRoute.enabled }}
+- value: monitoring.enabled
+  api: {{ printf "monitoring.coreos.com/v1/%s" $monKind }}
+  enabled: {{ $v.monitoring.enabled }}
+- value: drafterAcceptanceAlert.enabled
+  api: monitoring.coreos.com/v1/PrometheusRule
+  enabled: {{ $v.drafterAcceptanceAlert.enabled }}
+{{- end }}
+
+{{/* "true" when the cluster serves an API (dict root api), e.g. keda.sh/v1alpha1/ScaledObject */}}
+{{- define "specdec.served" -}}
+{{- if .root.Capabilities.APIVersions.Has .api }}true{{ end }}
+{{- end }}
+
+{{/* --served-model-name: servedModelName, else the verifier's hub id (source hub) */}}
+{{- define "specdec.servedModelName" -}}
+{{- if .Values.servedModelName -}}
+{{ .Values.servedModelName }}
+{{- else if eq .Values.models.source "hub" -}}
+{{ .Values.verifier.model.name }}
+{{- end }}
+{{- end }}
+
 {{- define "specdec.podSecurityContext" -}}
 runAsNonRoot: true
 runAsUser: {{ .Values.security.runAsUser }}
@@ -325,7 +374,56 @@ dns:{{ $svc }}.{{ .root.Release.Namespace }}.svc.{{ .root.Values.clusterDomain }
 {{- .Values.models.pvc.existingClaim | default (include "specdec.roleName" (dict "root" . "role" "models")) }}
 {{- end }}
 
-{{/* The commands of the models Job's init containers, one per download (a YAML list of argv) */}}
+{{/* The folder SPECDEC_MODEL names for a role (dict root role): `specdec models install`
+keeps a model in NAME/model; a hub download is linked to MOUNT/ORG/NAME */}}
+{{- define "specdec.modelPath" -}}
+{{- $m := .root.Values.models }}
+{{- $cfg := index .root.Values .role }}
+{{- if eq $m.source "install" -}}
+{{ printf "%s/%s/model" $m.mountPath $cfg.model.name }}
+{{- else -}}
+{{ printf "%s/%s" $m.mountPath $cfg.model.name }}
+{{- end }}
+{{- end }}
+
+{{/* The download of a hub model (python3 -c SCRIPT REPO REVISION GGUF CACHE LINK): the
+snapshot goes into the hub cache layout under CACHE (huggingface_hub's snapshot_download,
+HF_TOKEN from the environment), and LINK, the folder SPECDEC_MODEL names, points at it. A
+cached complete snapshot is not fetched again; a failure is one line naming the repo. */}}
+{{- define "specdec.hubFetchScript" -}}
+import sys
+from pathlib import Path
+repo, revision, gguf, cache, link = sys.argv[1:]
+try:
+    from huggingface_hub import snapshot_download
+    path = snapshot_download(repo, revision=revision or None, cache_dir=cache, allow_patterns=[gguf] if gguf else None)
+except Exception as e:  # one line naming the repo, not a traceback
+    first = (str(e).strip().splitlines() or [""])[0]
+    hint = " (gated or private: set models.hub.tokenSecret)" if any(c in first for c in ("401", "403")) else ""
+    sys.exit(f"models: cannot download {repo}@{revision or 'main'} into {cache}: {type(e).__name__}: {first}{hint}")
+link = Path(link)
+link.parent.mkdir(parents=True, exist_ok=True)
+tmp = link.with_name(link.name + ".tmp")
+tmp.unlink(missing_ok=True)
+tmp.symlink_to(path, target_is_directory=True)
+tmp.replace(link)
+print(f"models: {repo}@{revision or 'main'} is {path}, linked as {link}", flush=True)
+{{- end }}
+
+{{/* The command that fetches one role's model into the models volume (dict root role), a
+YAML argv: the hub download, or `specdec models install NAME` */}}
+{{- define "specdec.modelFetch" -}}
+{{- $m := .root.Values.models }}
+{{- $cfg := index .root.Values .role }}
+{{- if eq $m.source "install" }}
+{{- toYaml (concat (list "specdec" "models" "install" $cfg.model.name) $m.install.extraArgs) }}
+{{- else }}
+{{- toYaml (list "python3" "-c" (include "specdec.hubFetchScript" .root) $cfg.model.name (toString ($cfg.model.revision | default "")) ($cfg.model.ggufFile | default "") (printf "%s/hub" $m.mountPath) (include "specdec.modelPath" .)) }}
+{{- end }}
+{{- end }}
+
+{{/* The commands of the models Job's init containers, one per download (a YAML list of
+argv): a hub download per role, or one `specdec models install` for both names */}}
 {{- define "specdec.modelsFetch" -}}
 {{- $m := .Values.models }}
 {{- $out := list }}
@@ -336,11 +434,7 @@ dns:{{ $svc }}.{{ .root.Release.Namespace }}.svc.{{ .root.Values.clusterDomain }
 {{- if eq $m.source "install" }}
 {{- $names = append $names $cfg.model.name }}
 {{- else }}
-{{- $argv := list "hf" "download" $cfg.model.name }}
-{{- with $cfg.model.ggufFile }}
-{{- $argv = append $argv . }}
-{{- end }}
-{{- $out = append $out (concat $argv (list "--local-dir" (printf "%s/%s" $m.mountPath $cfg.model.name))) }}
+{{- $out = append $out (include "specdec.modelFetch" (dict "root" $ "role" $role) | fromYamlArray) }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -348,6 +442,47 @@ dns:{{ $svc }}.{{ .root.Release.Namespace }}.svc.{{ .root.Values.clusterDomain }
 {{- $out = append $out (concat (list "specdec" "models" "install") (uniq $names) $m.install.extraArgs) }}
 {{- end }}
 {{- toYaml $out }}
+{{- end }}
+
+{{/* "true" when a models Job fills a claim (source hub or install with storage claim) */}}
+{{- define "specdec.modelsJob" -}}
+{{- $m := .Values.models }}
+{{- if and (has $m.source (list "install" "hub")) (eq $m.storage "claim") (or .Values.drafter.enabled .Values.verifier.enabled) }}true{{ end }}
+{{- end }}
+
+{{/* "true" when each replica pod fetches its own model (source hub or install, storage pod) */}}
+{{- define "specdec.modelsPerPod" -}}
+{{- $m := .Values.models }}
+{{- if and (has $m.source (list "install" "hub")) (eq $m.storage "pod") }}true{{ end }}
+{{- end }}
+
+{{/* The models Job's name: it carries a hash of the pod template */}}
+{{- define "specdec.modelsJobName" -}}
+{{- printf "%s-models-%s" (include "specdec.fullname" .) (include "specdec.modelsJobPod" . | sha256sum | trunc 10) }}
+{{- end }}
+
+{{/* The environment of a model download: caches under /tmp, the hub token (dict root) */}}
+{{- define "specdec.fetchEnv" -}}
+{{- $m := .root.Values.models -}}
+- name: SPECDEC_MODELS_DIR
+  value: {{ $m.mountPath | quote }}
+- name: HOME
+  value: /tmp
+- name: HF_HOME
+  value: /tmp/huggingface
+{{- if and (eq $m.source "hub") $m.hub.tokenSecret.name }}
+- name: HF_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ $m.hub.tokenSecret.name }}
+      key: {{ $m.hub.tokenSecret.key }}
+{{- end }}
+{{- end }}
+
+{{/* The replicas' wait for the models Job (sh -c SCRIPT MARKER SECONDS JOB CLAIM NAMESPACE):
+a line every 10 s, and after SECONDS one line naming the Job and the claim, then exit 1 */}}
+{{- define "specdec.waitScript" -}}
+waited=0; until [ -e "$0" ]; do if [ "$waited" -ge "$1" ]; then echo "models: not ready after $1 s: claim $3 is Bound (this pod mounts it) but the models Job $2 has not written $0; see kubectl -n $4 describe job $2 and kubectl -n $4 logs job/$2 --all-containers" >&2; exit 1; fi; echo "waiting for the models Job $2 to write $0 on claim $3 ($waited of $1 s)"; sleep 10; waited=$((waited + 10)); done
 {{- end }}
 
 {{/* What the Job fetches, hashed: the marker file's name changes with it */}}

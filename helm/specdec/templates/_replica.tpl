@@ -25,14 +25,14 @@
 {{- end }}
 {{- end }}
 {{- if and (eq $m.source "pvc") (not $m.pvc.existingClaim) }}
-{{- fail "models.source pvc needs models.pvc.existingClaim (a claim that holds the models); source install or hub fills a claim with a Job" }}
+{{- fail "models.source pvc needs models.pvc.existingClaim (a claim that holds the models); source hub or install downloads them (into each pod, or with models.storage claim into a claim a Job fills)" }}
 {{- end }}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
   {{- include "specdec.metadata" . | nindent 2 }}
 spec:
-  {{- if not (include "specdec.autoscaled" (dict "cfg" $cfg "role" $role)) }}
+  {{- if not (include "specdec.autoscaled" (dict "root" $root "cfg" $cfg "role" $role)) }}
   replicas: {{ $cfg.replicas }}
   {{- end }}
   revisionHistoryLimit: 5
@@ -79,17 +79,42 @@ spec:
       topologySpreadConstraints:
         {{- include "specdec.topologySpread" (dict "root" $root "role" $role "list" .) | nindent 8 }}
       {{- end }}
-      {{- if has $m.source (list "install" "hub") }}
+      {{- if include "specdec.modelsPerPod" $root }}
       initContainers:
-        # Waits for the models Job (job-models.yaml) to have filled the claim.
+        # Fetches this pod's model into its own volume (models.storage pod).
+        - name: fetch-model
+          image: {{ include "specdec.image" (dict "root" $root "image" $cfg.image "role" $role) }}
+          imagePullPolicy: {{ include "specdec.pullPolicy" (dict "root" $root "image" $cfg.image "role" $role) }}
+          command:
+            {{- include "specdec.modelFetch" . | nindent 12 }}
+          env:
+            {{- include "specdec.fetchEnv" (dict "root" $root) | nindent 12 }}
+          securityContext:
+            {{- include "specdec.containerSecurityContext" $root | nindent 12 }}
+          resources:
+            {{- toYaml $cfg.resources | nindent 12 }}
+          volumeMounts:
+            - name: models
+              mountPath: {{ $m.mountPath }}
+            - name: tmp
+              mountPath: /tmp
+      {{- else if include "specdec.modelsJob" $root }}
+      initContainers:
+        # Waits for the models Job (job-models.yaml) to have filled the claim, at most
+        # models.job.waitSeconds; the claim is Bound (this pod mounts it), so what is missing
+        # is the Job's work.
         - name: wait-for-models
           image: {{ include "specdec.image" (dict "root" $root "image" $cfg.image "role" $role) }}
-          imagePullPolicy: {{ $cfg.image.pullPolicy }}
+          imagePullPolicy: {{ include "specdec.pullPolicy" (dict "root" $root "image" $cfg.image "role" $role) }}
           command:
             - sh
             - -c
-            - 'until [ -e "$0" ]; do echo "waiting for the models Job to write $0"; sleep 10; done'
+            - {{ include "specdec.waitScript" $root | quote }}
             - {{ include "specdec.modelsMarker" $root | quote }}
+            - {{ $m.job.waitSeconds | quote }}
+            - {{ include "specdec.modelsJobName" $root | quote }}
+            - {{ include "specdec.modelsClaim" $root | quote }}
+            - {{ $root.Release.Namespace | quote }}
           securityContext:
             {{- include "specdec.containerSecurityContext" $root | nindent 12 }}
           resources:
@@ -102,7 +127,7 @@ spec:
       containers:
         - name: {{ $role }}
           image: {{ include "specdec.image" (dict "root" $root "image" $cfg.image "role" $role) }}
-          imagePullPolicy: {{ $cfg.image.pullPolicy }}
+          imagePullPolicy: {{ include "specdec.pullPolicy" (dict "root" $root "image" $cfg.image "role" $role) }}
           command: [specdec]
           args:
             - serve
@@ -135,11 +160,7 @@ spec:
                 fieldRef:
                   fieldPath: metadata.name
             - name: SPECDEC_MODEL
-              {{- if eq $m.source "install" }}
-              value: {{ printf "%s/%s/model" $m.mountPath $cfg.model.name | quote }}
-              {{- else }}
-              value: {{ printf "%s/%s" $m.mountPath $cfg.model.name | quote }}
-              {{- end }}
+              value: {{ include "specdec.modelPath" . | quote }}
             {{- with $cfg.model.ggufFile }}
             - name: SPECDEC_GGUF_FILE
               value: {{ . | quote }}
@@ -217,6 +238,25 @@ spec:
           hostPath:
             path: {{ $m.hostPath.path }}
             type: Directory
+        {{- else if and (include "specdec.modelsPerPod" $root) (eq $m.pod.volume "ephemeral") }}
+        - name: models
+          ephemeral:
+            volumeClaimTemplate:
+              metadata:
+                labels:
+                  {{- include "specdec.selectorLabels" . | nindent 18 }}
+              spec:
+                accessModes: [ReadWriteOnce]
+                {{- with $m.pod.storageClassName }}
+                storageClassName: {{ . }}
+                {{- end }}
+                resources:
+                  requests:
+                    storage: {{ $m.pod.size }}
+        {{- else if include "specdec.modelsPerPod" $root }}
+        - name: models
+          emptyDir:
+            sizeLimit: {{ $m.pod.size }}
         {{- else }}
         - name: models
           persistentVolumeClaim:

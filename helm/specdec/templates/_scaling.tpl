@@ -1,7 +1,7 @@
 {{/* A KEDA ScaledObject on a pool's queue (dict root role) */}}
 {{- define "specdec.scaledObject" -}}
 {{- $cfg := index .root.Values .role }}
-{{- if and $cfg.enabled $cfg.keda.enabled }}
+{{- if and $cfg.enabled $cfg.keda.enabled (include "specdec.served" (dict "root" .root "api" "keda.sh/v1alpha1/ScaledObject")) }}
 {{- $k := $cfg.keda }}
 {{- $query := $k.prometheus.query }}
 {{- if not $query }}
@@ -71,21 +71,24 @@ spec:
 {{- end }}
 {{- end }}
 
-{{/* "true" when a role's replica count belongs to an autoscaler (dict cfg role), else empty;
-fails when KEDA and the HorizontalPodAutoscaler both claim it */}}
+{{/* "true" when a role's replica count belongs to an autoscaler (dict root cfg role), else
+empty; fails when KEDA and the HorizontalPodAutoscaler both claim it. KEDA counts only where
+the cluster serves its ScaledObject (else the pool keeps its replicas) */}}
 {{- define "specdec.autoscaled" -}}
 {{- $keda := and (hasKey .cfg "keda") .cfg.keda.enabled }}
 {{- if and $keda .cfg.autoscaling.enabled }}
 {{- fail (printf "%s.keda.enabled and %s.autoscaling.enabled are both true: pick one (KEDA makes its own HorizontalPodAutoscaler; %s.autoscaling is the fallback for clusters without KEDA)" .role .role .role) }}
 {{- end }}
-{{- if or $keda .cfg.autoscaling.enabled }}true{{ end }}
+{{- $served := include "specdec.served" (dict "root" .root "api" "keda.sh/v1alpha1/ScaledObject") }}
+{{- if or (and $keda $served) .cfg.autoscaling.enabled }}true{{ end }}
 {{- end }}
 
 {{/* A prometheus-operator ServiceMonitor or PodMonitor of a role's metrics port (dict root role) */}}
 {{- define "specdec.monitor" -}}
 {{- $cfg := index .root.Values .role }}
 {{- $mon := .root.Values.monitoring }}
-{{- if and $cfg.enabled $cfg.metricsPort }}
+{{- $api := printf "monitoring.coreos.com/v1/%s" $mon.kind }}
+{{- if and $cfg.enabled $cfg.metricsPort (include "specdec.served" (dict "root" .root "api" $api)) }}
 ---
 apiVersion: monitoring.coreos.com/v1
 kind: {{ $mon.kind }}

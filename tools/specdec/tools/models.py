@@ -49,6 +49,7 @@ __all__ = [
     "default_cache_dir",
     "install",
     "installed_path",
+    "to_hub_cache",
     "verify",
     "write_marker",
 ]
@@ -318,6 +319,44 @@ def install(
     write_marker(spec, folder)
     _say(spec, f"installed in {folder}")
     return folder / "model"
+
+
+def to_hub_cache(model_dir: Path | str, repo_id: str, cache_dir: Path | str) -> Path:
+    """Lay a model folder out in `cache_dir` as the Hugging Face Hub's cache holds a download
+    of `repo_id` (`models--ORG--NAME/` with `blobs/` named by sha256, `snapshots/<commit>/`
+    linking to them, `refs/main` naming the commit); the snapshot folder.
+
+    huggingface_hub then resolves `repo_id` from this cache offline (`HF_HUB_OFFLINE=1`), as a
+    pod's download does from a cache that holds it already: a cluster without a hub route
+    gets its models this way, and the tests load local models through the hub code path. The
+    commit is a hash of the files' names and contents, so the same folder gives the same one.
+    """
+    if repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise ModelError(f"{repo_id!r} is not a hub model id (expected ORG/NAME)")
+    model_dir = Path(model_dir)
+    files = sorted(p for p in model_dir.rglob("*") if p.is_file())
+    if not files:
+        raise ModelError(f"{model_dir}: no files to lay out as {repo_id}")
+    repo = Path(cache_dir) / ("models--" + repo_id.replace("/", "--"))
+    digests = {p: d for p, d in zip(files, _sha256_files(files, repo_id), strict=True)}
+    commit = hashlib.sha1(
+        "".join(
+            f"{p.relative_to(model_dir).as_posix()}\0{d}\n" for p, d in digests.items()
+        ).encode()
+    ).hexdigest()
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    for path, digest in digests.items():
+        blob = repo / "blobs" / digest
+        if not blob.exists():
+            shutil.copyfile(path, blob)
+        link = snapshot / path.relative_to(model_dir)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.unlink(missing_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
 
 
 def _cmd_install(args: argparse.Namespace) -> int:
