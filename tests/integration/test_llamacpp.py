@@ -237,3 +237,34 @@ def test_extra_buffer_types_fall_back_when_a_decode_crashes(gguf_models, tokeniz
     finally:
         for p in procs:
             p.stop()
+
+
+def test_auto_chooses_the_engine_by_measurement(gguf_models, test_models):
+    """--engine auto with a GGUF beside the model times llama.cpp's forwards against the
+    torch engine's (the calibration's) and says which it kept and why; without a GGUF it
+    keeps the torch engines' choice and says so."""
+    from tests.integration.test_gateway import replica
+
+    procs = []
+    try:
+        with_gguf = replica(
+            "verifier", gguf_models["target"], "--engine", "auto", "--dtype", "fastest"
+        )
+        plain = replica("verifier", test_models.target, "--engine", "auto")
+        procs += [with_gguf, plain]
+        with_gguf.wait_healthy(), plain.wait_healthy()
+        infos = {}
+        for name, proc in (("gguf", with_gguf), ("plain", plain)):
+            with grpc.insecure_channel(proc.address) as channel:
+                infos[name] = verifier_pb2_grpc.VerifierServiceStub(channel).Info(
+                    common_pb2.InfoRequest(), timeout=30
+                )
+        chosen = infos["gguf"]
+        assert chosen.engine in ("llama.cpp", "paged")
+        assert chosen.dtype_reason.startswith(f"engine {chosen.engine}, measured: t(1) + t(8) ")
+        assert "on llama.cpp (model.gguf) against" in chosen.dtype_reason
+        assert infos["plain"].engine == "paged"
+        assert infos["plain"].dtype_reason.startswith("engine paged: no GGUF beside the model")
+    finally:
+        for p in procs:
+            p.stop()

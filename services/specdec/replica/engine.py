@@ -125,6 +125,7 @@ class Engine(Protocol[S]):
     chat_template: str
     special_tokens: dict[str, str]
     dtype_reason: str
+    engine_reason: str  # why --engine auto chose this engine ("" when it was named)
     device: torch.device
     cost_lines: list[tuple[int, Line]]  # the forward cost curve as fitted now
     pending: int  # model requests submitted and not finished (--max-queue bounds them)

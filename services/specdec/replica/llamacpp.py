@@ -231,6 +231,7 @@ class LlamaContext:
         cparams.n_batch = n_batch
         cparams.n_ubatch = min(n_batch, 512)
         cparams.n_seq_max = MAX_SEQUENCES
+        cparams.n_outputs_max = max(n_batch, MAX_SEQUENCES)  # llama.cpp reserves >= n_seq_max
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.kv_unified = True  # forks, branch rows and tree leaves share cells
@@ -290,6 +291,43 @@ class LlamaContext:
             ctypes.addressof(pointer.contents)
         )
         return torch.frombuffer(bytearray(array), dtype=torch.float32).view(count, self.n_vocab)
+
+    def time_shapes(
+        self, tokens: Sequence[int], rows: Sequence[int], prefix: int, repeats: int
+    ) -> dict[tuple[int, int], float]:
+        """{(rows, tokens): median ms} of decodes of `rows` sequences feeding `tokens` each
+        after a shared cached prefix of `prefix` tokens (a warm-up, then `repeats`), as the
+        engine batches sessions: the same measurement as the torch engines' per-shape table
+        (specdec.tools.bench.shapes), on this context (its sequences 0..max(rows)-1)."""
+        import statistics
+
+        ids = [(7919 * i + 11) % self.n_vocab for i in range(prefix + max(tokens))]
+        top = max(rows)
+        for seq in range(top):
+            self.seq_rm(seq)
+        self.decode(ids[:prefix], range(prefix), [[0]] * prefix, [False] * (prefix - 1) + [True])
+        for seq in range(1, top):
+            self.seq_cp(0, seq, 0, prefix)
+        out: dict[tuple[int, int], float] = {}
+        for r in rows:
+            for n in tokens:
+                feed = [ids[prefix + j] for _ in range(r) for j in range(n)]
+                positions = [prefix + j for _ in range(r) for j in range(n)]
+                seqs = [[s] for s in range(r) for _ in range(n)]
+                outputs = [True] * (r * n)
+                samples = []
+                for i in range(repeats + 1):
+                    started = time.perf_counter()
+                    self.decode(feed, positions, seqs, outputs)
+                    took = time.perf_counter() - started
+                    for seq in range(r):
+                        self.seq_rm(seq, prefix, -1)
+                    if i:
+                        samples.append(took)
+                out[(r, n)] = round(statistics.median(samples) * 1e3, 2)
+        for seq in range(top):
+            self.seq_rm(seq)
+        return out
 
     def seq_rm(self, seq: int, start: int = -1, end: int = -1) -> None:
         """Drop the sequence's cells at positions [start, end) (-1: open)."""
@@ -669,3 +707,88 @@ class LlamaCppRuntime(ModelRuntime):
         raise ConfigError(
             f"--compile: compiled forwards are the torch engines'; --engine {ENGINE} runs llama.cpp's own"
         )
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    """What --engine auto runs on, why, and what was measured ({engine: {tokens: ms}})."""
+
+    engine: str
+    reason: str
+    timings_ms: dict[str, dict[int, float]] = field(default_factory=dict)
+
+
+def llama_candidate(cfg: ReplicaConfig) -> tuple[Path | None, str]:
+    """The GGUF --engine auto may run this replica on through llama.cpp, or why not."""
+    if cfg.device != "cpu" or cfg.compile or cfg.tensor_parallel > 1:
+        return None, "llama.cpp runs on the CPU without --compile or --tensor-parallel"
+    if cfg.pack_weights == "true":
+        return None, "--pack-weights true asks for the torch engine"
+    if (
+        getattr(cfg, "quantize", "none") != "none"
+        or getattr(cfg, "draft_vocab", 0)
+        or getattr(cfg, "draft_vocab_file", "")
+    ):
+        return None, "--quantize and --draft-vocab are the torch engine's"
+    missing = available()
+    if missing:
+        return None, "llama-cpp-python is not installed"
+    try:
+        return find_gguf(cfg.model, cfg.gguf_file), ""
+    except ConfigError:
+        return None, "no GGUF beside the model"
+
+
+def choose_engine(cfg: ReplicaConfig) -> EngineChoice:
+    """--engine auto: the engine that costs this replica least here, by measurement. Where
+    llama.cpp can run the model (`llama_candidate`), its forwards of 1 and 8 tokens after a
+    short prefix (with the replica's threads) are timed against the torch engine's in the
+    dtype it would load (specdec.replica.calibrate, cached per machine), and the one with
+    the lower calibrate.score (t(1) + t(8); t(1) for a drafter serving one session at a
+    time) is kept. Otherwise the torch engines' own choice (ReplicaConfig.kv_engine)."""
+    from specdec.replica import calibrate
+
+    torch_engine = cfg.kv_engine
+    gguf, why = llama_candidate(cfg)
+    if gguf is None:
+        return EngineChoice(torch_engine, f"engine {torch_engine}: {why}")
+    one_token = cfg.role == "drafter" and cfg.max_batch_size == 1
+    threads = thread_budget(cfg.threads).threads
+    context = LlamaContext(gguf, 256, 64, threads, cfg.llama_kv_dtype)
+    try:
+        measured = context.time_shapes(calibrate.SIZES, (1,), calibrate.PREFIX_TOKENS, 3)
+    finally:
+        context.close()
+    llama = {n: ms for (_, n), ms in measured.items()}
+    # The torch engine's forwards, in the dtype and layout it would load: the calibration's
+    # (measured once per machine and cached), read for --dtype as given.
+    choice = calibrate.fastest_dtype(
+        cfg.model,
+        device=cfg.device,
+        threads=cfg.threads,
+        gguf_file=cfg.gguf_file if cfg.gguf_file and os.sep not in cfg.gguf_file else None,
+        trust_remote_code=cfg.trust_remote_code,
+    )
+    if cfg.dtype in (calibrate.FASTEST, "auto"):
+        labels = [choice.label]
+    else:
+        labels = [cfg.dtype, cfg.dtype + calibrate.PACKED][
+            : 1 if cfg.pack_weights == "false" else 2
+        ]
+    measured_torch = {lab: choice.timings_ms[lab] for lab in labels if lab in choice.timings_ms}
+    timings = {ENGINE: llama}
+    if not measured_torch:
+        return EngineChoice(
+            torch_engine, f"engine {torch_engine}: --dtype {cfg.dtype} was not measured", timings
+        )
+    label = min(measured_torch, key=lambda lab: calibrate.score(measured_torch[lab], one_token))
+    torch_ms = measured_torch[label]
+    timings[f"{torch_engine} {label}"] = torch_ms
+    ours, theirs = calibrate.score(llama, one_token), calibrate.score(torch_ms, one_token)
+    price = "t(1)" if one_token else "t(1) + t(8)"
+    engine = ENGINE if ours < theirs else torch_engine
+    reason = (
+        f"engine {engine}, measured: {price} {ours:.0f} ms on llama.cpp ({gguf.name}) "
+        f"against {theirs:.0f} ms on {torch_engine} {label}"
+    )
+    return EngineChoice(engine, reason, timings)

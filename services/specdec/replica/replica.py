@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 import logging
 import socket
@@ -143,7 +144,7 @@ class ReplicaServicer:
             max_draft_tokens=cfg.max_draft_tokens,
             eos_token_ids=rt.eos_token_ids,
             dtype=rt.dtype_name,
-            dtype_reason=rt.dtype_reason,
+            dtype_reason="; ".join(r for r in (rt.engine_reason, rt.dtype_reason) if r),
             device=str(rt.device),
             max_cached_tokens=cfg.max_cached_tokens,
             cached_tokens=cached_tokens,
@@ -227,7 +228,23 @@ def run_replica(
         from specdec.replica.tp import TensorParallelRuntime
 
         runtime_type = TensorParallelRuntime
-    elif config.kv_engine == LLAMA_CPP:  # the drafter's too: it refuses its torch options
+    engine_reason = ""
+    if config.engine == "auto" and config.tensor_parallel == 1:
+        from specdec.replica.llamacpp import choose_engine
+
+        choice = choose_engine(config)
+        engine_reason = choice.reason
+        log.info(
+            "engine chosen",
+            extra={
+                "engine": choice.engine,
+                "reason": choice.reason,
+                "timings_ms": choice.timings_ms,
+            },
+        )
+        if choice.engine == LLAMA_CPP:
+            config = dataclasses.replace(config, engine=LLAMA_CPP)
+    if config.kv_engine == LLAMA_CPP:  # the drafter's too: it refuses its torch options
         from specdec.replica.llamacpp import LlamaCppRuntime, available
 
         missing = available()
@@ -235,6 +252,7 @@ def run_replica(
             raise ConfigError(f"--engine {LLAMA_CPP}: {missing}")
         runtime_type = LlamaCppRuntime
     runtime = runtime_type(config)
+    runtime.engine_reason = engine_reason
     servicer = make_servicer(runtime)
     data_plane = None
     if config.data_port >= 0:

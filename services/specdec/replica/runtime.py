@@ -87,6 +87,7 @@ class ModelRuntime:
         self.chat_template = ""
         self.special_tokens: dict[str, str] = {}  # bos_token, eos_token, ... (chat templates)
         self.dtype_reason = ""  # why the weights are in their dtype (--dtype fastest: measured)
+        self.engine_reason = ""  # why --engine auto chose this engine (measured), Info
         self.store: CacheStore | None = None
         self.obs = ReplicaObserver(self)  # metrics and spans (specdec.common.metrics)
         self._keeps_logits = False  # the model's forward takes logits_to_keep

@@ -33,6 +33,7 @@ VARIANTS = (
     "bfloat16+packed",
     "float32+compiled",
     "bfloat16+compiled",
+    "llama.cpp",
 )
 DEFAULT_VARIANTS = VARIANTS[:4]  # compiling the target takes minutes a shape on a CPU
 
@@ -55,7 +56,9 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
         "--shape-variants",
         default=",".join(DEFAULT_VARIANTS),
         help=f"layouts to time, of {', '.join(VARIANTS)} (+compiled: the decoder through "
-        "--compile's path, specdec.replica.compiled, inputs padded to their bucket)",
+        "--compile's path, specdec.replica.compiled, inputs padded to their bucket; "
+        "llama.cpp: the target's GGUF as shipped through the llama.cpp engine's context, "
+        "specdec.replica.llamacpp)",
     )
     g.add_argument("--shape-repeats", type=int, default=3, help="timed forwards per shape")
 
@@ -128,6 +131,28 @@ def _compiled_forward(model, compiled):
     return forward
 
 
+def llama_shapes(args: argparse.Namespace, tokens: list[int], rows: list[int]) -> dict:
+    """The llama.cpp engine's table row: the target's GGUF (as `--engine llama.cpp` finds
+    it) in a context of the engine's settings, with the torch row's threads."""
+    import torch
+
+    from specdec.replica.llamacpp import LlamaContext, available, find_gguf
+
+    missing = available()
+    if missing:
+        raise SystemExit(f"--shape-variants llama.cpp: {missing}")
+    gguf = find_gguf(args.target_model, args.target_gguf_file)
+    print(f"timing llama.cpp ({gguf.name}) ...", flush=True)
+    cells = args.shape_prefix + max(tokens)
+    context = LlamaContext(
+        gguf, cells * max(rows) + 256, max(rows) * max(tokens) + 64, torch.get_num_threads()
+    )
+    try:
+        return context.time_shapes(tokens, rows, args.shape_prefix, args.shape_repeats)
+    finally:
+        context.close()
+
+
 def table(results: dict, tokens: list[int], rows: list[int]) -> str:
     head = "| layout | " + " | ".join(f"{n} tok x {r}" for r in rows for n in tokens) + " |"
     lines = [head, "|---|" + "--:|" * (len(rows) * len(tokens))]
@@ -167,11 +192,18 @@ def run_shapes(args: argparse.Namespace) -> int:
         )
         return 2
     set_threads(args.target_threads)
-    kwargs = {"gguf_file": args.target_gguf_file} if args.target_gguf_file else {}
-    print(f"loading {args.target_model} (float32) ...", flush=True)
-    fp32 = AutoModelForCausalLM.from_pretrained(args.target_model, dtype=torch.float32, **kwargs)
-    fp32.eval()
     results: dict[str, dict[tuple[int, int], float]] = {}
+    if "llama.cpp" in variants:
+        variants.remove("llama.cpp")
+        results["llama.cpp"] = llama_shapes(args, tokens, rows)
+    kwargs = {"gguf_file": args.target_gguf_file} if args.target_gguf_file else {}
+    fp32 = None
+    if variants:
+        print(f"loading {args.target_model} (float32) ...", flush=True)
+        fp32 = AutoModelForCausalLM.from_pretrained(
+            args.target_model, dtype=torch.float32, **kwargs
+        )
+        fp32.eval()
     for variant in variants:
         dtype, _, how = variant.partition("+")
         model = fp32 if dtype == "float32" else cast_copy(fp32, getattr(torch, dtype))
