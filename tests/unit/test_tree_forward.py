@@ -1,6 +1,6 @@
 """A token tree's forward (ModelRuntime._forward_tree, and a tree row in a batched forward
 on the dense and paged engines) and the accepted path's cache
-(specdec.verifier.scorer.keep_path) against plain chain forwards of each path, fp32."""
+(SessionStore.keep_path, specdec.replica.kvstore and paged) against plain chain forwards of each path, fp32."""
 
 from __future__ import annotations
 

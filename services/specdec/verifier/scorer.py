@@ -3,7 +3,8 @@
 A draft is a chain or a token tree (`draft_parents`): a tree's nodes are scored in one
 forward under a tree mask (ModelRuntime._forward_tree), the rule walks it
 (specdec.replica.sampling.tree_verdict), and only the accepted path's keys/values stay in
-the cache (`keep_path`: gathered to follow the new tokens, the rest cropped).
+the cache (the store's `keep_path`: gathered to follow the new tokens, the rest rolled
+back).
 
 `verify` is a model-thread job (specdec.replica.batching): its forward is batched with the
 forwards of other sessions' Verify calls waiting at the same time."""
@@ -20,10 +21,8 @@ from specdec.common.controls import Controls
 from specdec.replica.batching import ForwardRequest
 from specdec.replica.engine import Engine, Session, arguments
 from specdec.replica.host import to_host
-from specdec.replica.kvstore import SessionCache
 from specdec.replica.logprobs import LogprobRows, LogprobsAsk, emitted_tokens, token_logprobs
 from specdec.replica.masks import apply_masks
-from specdec.replica.paged import PagedSession, PagedStore
 from specdec.replica.processors import verify_logits
 from specdec.replica.runtime import Prefix
 from specdec.replica.sampling import (
@@ -234,7 +233,7 @@ def _verify_tree(runtime, session, prefix, new_tokens, draft_tokens, draft_probs
         position = prefix.length + len(new_tokens)  # index of the first node in the sequence
         gen = make_generator(params.seed, VERIFY_SALT, position)
     path, token = tree_verdict(draft_tokens, parents, target, probs, gen, params.greedy)
-    keep_path(runtime.store, session, len(session.tokens) - k, path)
+    runtime.ready_store.keep_path(session, len(session.tokens) - k, path)
     children = set(parents)
     return Verdict(
         accepted=len(path),
@@ -244,34 +243,6 @@ def _verify_tree(runtime, session, prefix, new_tokens, draft_tokens, draft_probs
         forward_ms=(time.perf_counter() - started) * 1e3,
         path=path,
     )
-
-
-@torch.inference_mode()
-def keep_path(store, session: Session, base: int, path: Sequence[int]) -> None:
-    """After a tree forward (the nodes' slots from `base` on, in node order), keep only the
-    accepted path: its nodes' keys/values and tokens gathered to slots base.. base+len(path)
-    of every layer, the rest cropped (on the paged engine, within the session's blocks of
-    the pool, which the tree's forward wrote, so the session's own)."""
-    if path and list(path) != list(range(len(path))) and isinstance(store, PagedStore):
-        assert isinstance(session, PagedSession)
-        slots = store.slots(session, base + max(path) + 1)
-        src, dst = slots[[base + i for i in path]], slots[base : base + len(path)]
-        for keys, values in zip(store.pool.keys, store.pool.values, strict=True):
-            if keys is not None and values is not None:
-                index, to = src.to(keys.device), dst.to(keys.device)
-                keys[:, to] = keys[:, index]
-                values[:, to] = values[:, index]
-        session.tokens[base : base + len(path)] = [session.tokens[base + i] for i in path]
-    elif path and list(path) != list(range(len(path))):
-        assert isinstance(session, SessionCache)  # the dense engine's: a DynamicCache
-        src = torch.tensor([base + i for i in path], dtype=torch.long)
-        dst = torch.arange(base, base + len(path), device=session.kv.layers[0].keys.device)
-        for layer in session.kv.layers:
-            index = src.to(layer.keys.device)
-            layer.keys[:, :, dst] = layer.keys[:, :, index]
-            layer.values[:, :, dst] = layer.values[:, :, index]
-        session.tokens[base : base + len(path)] = [session.tokens[base + i] for i in path]
-    store.truncate(session, base + len(path))
 
 
 def _scores(runtime, ask, prompt_logits, new_tokens, target_logits, emitted) -> list[torch.Tensor]:
