@@ -13,7 +13,7 @@ from specdec.replica.batching import ForwardRequest
 from specdec.replica.runtime import Prefix
 from specdec.replica.sampling import SamplingParams
 from specdec.v1 import verifier_pb2
-from specdec.verifier.scorer import verify
+from specdec.verifier.scorer import VerifyCall, verify
 from specdec.verifier.server import tree_parents
 from tests.unit import test_paged, test_runtime
 
@@ -67,14 +67,16 @@ def test_greedy_tree_keeps_the_accepted_path(runtime_fixture, target_path):
             if on and nodes[node] in [nodes[n] for n in target_path]:
                 nodes[node] = (nodes[node] + 1) % 100
     job = verify(
-        rt,
-        session_id,
-        Prefix(0, prefix_hash([])),
-        PROMPT,
-        nodes,
-        None,
-        SamplingParams(temperature=0.0),
-        draft_parents=parents,
+        VerifyCall(
+            rt,
+            session_id,
+            Prefix(0, prefix_hash([])),
+            PROMPT,
+            nodes,
+            None,
+            SamplingParams(temperature=0.0),
+            draft_parents=parents,
+        )
     )
     verdict = rt.drive(job)
     expected = _greedy_walk(rt, nodes, parents)
@@ -155,10 +157,10 @@ def test_tree_row_in_a_batch_and_its_path_kept(engines, engine):
     for node in (0, 6):  # the root's other children: not the argmax
         if nodes[node] == nodes[3]:
             nodes[node] = (nodes[node] + 1) % 100
-    job = verify(
+    job = verify(VerifyCall(
         rt, "batch/v", Prefix(0, prefix_hash([])), PROMPT, nodes, None,
         SamplingParams(temperature=0.0), draft_parents=list(PARENTS),
-    )  # fmt: skip
+    ))  # fmt: skip
     verdict = rt.drive(job)
     assert verdict.path[:2] == [3, 4]
     session = rt.store._sessions["batch/v"]

@@ -45,7 +45,6 @@ Torch-free at import: torch's types are named only under TYPE_CHECKING.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
@@ -261,8 +260,3 @@ class Engine(Protocol[S]):
         """Drop the session's cache; whether there was one."""
         ...
 
-
-def arguments(call: Any) -> dict[str, Any]:
-    """A typed call object's fields (a dataclass, e.g. DraftCall) as the keyword arguments
-    of the function whose job it stands for: one name for each, no positional copy."""
-    return {f.name: getattr(call, f.name) for f in dataclasses.fields(call)}

@@ -19,7 +19,7 @@ import torch
 
 from specdec.common.controls import Controls
 from specdec.replica.batching import ForwardRequest
-from specdec.replica.engine import Engine, Session, arguments
+from specdec.replica.engine import Engine, Session
 from specdec.replica.host import to_host
 from specdec.replica.logprobs import LogprobRows, LogprobsAsk, emitted_tokens, token_logprobs
 from specdec.replica.masks import apply_masks
@@ -54,70 +54,41 @@ class Verdict:
 
 @dataclass(frozen=True)
 class VerifyCall:
-    """A validated Verify: the arguments of `verify`."""
+    """A validated Verify, what `verify` scores: draft_tokens [k] (sampled from
+    draft_probs [k, vocab]) after prefix + new_tokens of the session, under params and the
+    request's logits processors (controls; None: none).
+
+    grammar_masks [k+1, vocab] bool (structured output): the tokens allowed at each
+    verified position; the target's other logits are -inf before the rule. None: no
+    grammar. logprobs: also score the emitted tokens (and the prompt)
+    (specdec.replica.logprobs). fork_from: start the session as a copy of that session's
+    cache (SessionStore.acquire). draft_parents [k]: the draft is a token tree
+    (VerifyRequest.draft_parents); the servicer has refused controls, grammar masks and
+    logprobs with one."""
 
     runtime: Engine
     session_id: str
     prefix: Prefix
-    new_tokens: list[int]
-    draft_tokens: list[int]
+    new_tokens: Sequence[int]
+    draft_tokens: Sequence[int]
     draft_probs: torch.Tensor | None  # [k, vocab]
     params: SamplingParams
-    controls: Controls | None
-    logprobs: LogprobsAsk | None
-    fork_from: str
-    grammar_masks: torch.Tensor | None  # [k+1, vocab] bool
-    draft_parents: list[int] | None = None  # a token tree's parents [k]; None: a chain
+    controls: Controls | None = None
+    logprobs: LogprobsAsk | None = None
+    fork_from: str = ""
+    grammar_masks: torch.Tensor | None = None  # [k+1, vocab] bool
+    draft_parents: Sequence[int] | None = None  # a token tree's parents [k]; None: a chain
 
     def job(self) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
-        return verify(**arguments(self))
+        return verify(self)
 
 
-def verify(
-    runtime: Engine,
-    session_id: str,
-    prefix: Prefix,
-    new_tokens: Sequence[int],
-    draft_tokens: Sequence[int],
-    draft_probs: torch.Tensor | None,
-    params: SamplingParams,
-    controls: Controls | None = None,
-    logprobs: LogprobsAsk | None = None,
-    fork_from: str = "",
-    grammar_masks: torch.Tensor | None = None,
-    draft_parents: Sequence[int] | None = None,
-) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
-    """Score draft_tokens [k] (sampled from draft_probs [k, vocab]) after prefix + new_tokens,
-    with the request's logits processors (controls; None: none).
-
-    grammar_masks [k+1, vocab] bool (structured output): the tokens allowed at each verified
-    position; the target's other logits are -inf before the rule. None: no grammar.
-
-    A job for the model thread (`Engine.run`). The cache ends holding prefix +
-    new_tokens + accepted drafts. logprobs: also score the emitted tokens (and the prompt)
-    (specdec.replica.logprobs). fork_from: start the session as a copy of that session's
-    cache (CacheStore.acquire).
-
-    draft_parents [k]: the draft is a token tree (VerifyRequest.draft_parents); the
-    servicer has refused controls, grammar masks and logprobs with one.
-    """
-    with runtime.guarded(session_id):
-        return (
-            yield from _verify(
-                runtime,
-                session_id,
-                prefix,
-                new_tokens,
-                draft_tokens,
-                draft_probs,
-                params,
-                controls,
-                logprobs,
-                fork_from,
-                grammar_masks,
-                draft_parents,
-            )
-        )
+def verify(call: VerifyCall) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
+    """Score the call's draft (see VerifyCall): a job for the model thread (`Engine.run`).
+    The cache ends holding prefix + new_tokens + the accepted drafts (a tree: the accepted
+    path)."""
+    with call.runtime.guarded(call.session_id):
+        return (yield from _verify(call))
 
 
 def processed_target_logits(
@@ -147,34 +118,19 @@ def processed_target_logits(
     return apply_masks(logits, grammar_masks), prompt_logits
 
 
-def _verify(
-    runtime,
-    session_id,
-    prefix,
-    new_tokens,
-    draft_tokens,
-    draft_probs,
-    params,
-    controls,
-    ask,
-    fork_from,
-    grammar_masks,
-    parents,
-):
+def _verify(call: VerifyCall) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
     started = time.perf_counter()
+    runtime, prefix, params, ask = call.runtime, call.prefix, call.params, call.logprobs
+    new_tokens, draft_tokens = call.new_tokens, call.draft_tokens
     k = len(draft_tokens)
-    session = runtime.store.acquire(
-        session_id, prefix.length, prefix.hash, len(new_tokens) + k, fork_from=fork_from
+    session = runtime.ready_store.acquire(
+        call.session_id, prefix.length, prefix.hash, len(new_tokens) + k, fork_from=call.fork_from
     )
-    if parents:
-        return (
-            yield from _verify_tree(
-                runtime, session, prefix, new_tokens, draft_tokens, draft_probs, params, parents
-            )
-        )
+    if call.draft_parents:
+        return (yield from _verify_tree(call, session))
     scored = len(new_tokens) - 1 if ask is not None and ask.prompt else 0  # prompt rows
     target_logits, prompt_logits = yield from processed_target_logits(
-        runtime, session, new_tokens, draft_tokens, controls, grammar_masks, scored
+        runtime, session, new_tokens, draft_tokens, call.controls, call.grammar_masks, scored
     )  # [k+1, vocab], [scored, vocab]
     extra: list[torch.Tensor] = []  # the scores asked for, copied with the verdict
     if params.greedy:
@@ -186,19 +142,22 @@ def _verify(
         choices, *extra = to_host(choices, *extra)  # the Verify's one copy
         n, token = greedy_verdict(draft_tokens, choices.tolist())
     else:
+        assert call.draft_probs is not None  # sampling: the servicer checked
         drafts = torch.tensor([list(draft_tokens)], dtype=torch.long)  # [1, k]
         target_probs = warp(target_logits, params)[None]  # [1, k+1, vocab]
         position = prefix.length + len(new_tokens)  # index of d_1 in the sequence
         gen = make_generator(params.seed, VERIFY_SALT, position, runtime.device)
         accepted, next_token = rejection_sample(
-            drafts, draft_probs[None].to(runtime.device), target_probs, gen, False
+            drafts, call.draft_probs[None].to(runtime.device), target_probs, gen, False
         )
         if ask is not None:
             emitted = emitted_tokens(drafts[0].to(runtime.device), accepted, next_token)
             extra += _scores(runtime, ask, prompt_logits, new_tokens, target_logits, emitted)
         verdict, *extra = to_host(torch.cat([accepted, next_token]), *extra)  # the one copy
         n, token = verdict.tolist()
-    runtime.store.truncate(session, len(session.tokens) - (k - n))  # roll back rejected drafts
+    runtime.ready_store.truncate(
+        session, len(session.tokens) - (k - n)
+    )  # roll back rejected drafts
     emitted_rows = prompt_rows = None
     if ask is not None:
         emitted_rows = LogprobRows(*extra[:3]).head(n + 1)
@@ -214,14 +173,18 @@ def _verify(
     )
 
 
-def _verify_tree(runtime, session, prefix, new_tokens, draft_tokens, draft_probs, params, parents):
+def _verify_tree(
+    call: VerifyCall, session: Session
+) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
     """A token tree's verdict (`verify`): one forward under the tree mask, the rule on the
     host, the accepted path kept."""
     started = time.perf_counter()
+    runtime, params, draft_tokens = call.runtime, call.params, call.draft_tokens
+    assert call.draft_parents is not None
     k = len(draft_tokens)
-    parents = list(parents)
+    parents = list(call.draft_parents)
     logits = yield from runtime.forward_steps(
-        session, [*new_tokens, *draft_tokens], keep=k + 1, tree=parents
+        session, [*call.new_tokens, *draft_tokens], keep=k + 1, tree=parents
     )  # [k+1, vocab]: after the new tokens, then after each node
     if params.greedy:
         target, probs, gen = logits.argmax(dim=-1), None, None
@@ -229,8 +192,9 @@ def _verify_tree(runtime, session, prefix, new_tokens, draft_tokens, draft_probs
         target = torch.nn.functional.one_hot(target, logits.shape[-1])
     else:
         # The rule steps node by node on the host: the rows and the proposals, copied once.
-        target, probs = to_host(warp(logits, params), draft_probs.to(runtime.device))
-        position = prefix.length + len(new_tokens)  # index of the first node in the sequence
+        assert call.draft_probs is not None  # sampling: the servicer checked
+        target, probs = to_host(warp(logits, params), call.draft_probs.to(runtime.device))
+        position = call.prefix.length + len(call.new_tokens)  # index of the first node
         gen = make_generator(params.seed, VERIFY_SALT, position)
     path, token = tree_verdict(draft_tokens, parents, target, probs, gen, params.greedy)
     runtime.ready_store.keep_path(session, len(session.tokens) - k, path)
