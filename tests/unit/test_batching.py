@@ -284,7 +284,7 @@ def test_one_session_runs_one_job_at_a_time():
 def test_config_flags(monkeypatch):
     import argparse
 
-    from specdec.common.config import ConfigError
+    from specdec.common.settings import ConfigError
 
     parser = argparse.ArgumentParser()
     VerifierConfig.add_arguments(parser, 50062)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from specdec.cli import build_parser
-from specdec.common.config import ConfigError
 from specdec.common.prefix import prefix_hash
+from specdec.common.settings import ConfigError
 from specdec.drafter.config import DrafterConfig
 from specdec.drafter.proposer import DraftCall, propose
 from specdec.drafter.runtime import DrafterRuntime

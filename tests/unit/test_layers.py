@@ -1,7 +1,9 @@
 """The layers: torch and transformers stay in specdec.replica (the engine the drafter and
 the verifier run). Every module of specdec.common, the gateway and the SDK import neither,
-and nor does the engine's seam (specdec.replica.engine). Each probe runs in a fresh
-interpreter, so that what this test process has imported does not count."""
+and nor do the engine's seam (specdec.replica.engine) and the replica's modules that
+`specdec serve` or a replica's servers load before the engine (its config, metrics, data
+plane and CPU budget). Each probe runs in a fresh interpreter, so that what this test
+process has imported does not count."""
 
 from __future__ import annotations
 
@@ -30,6 +32,10 @@ TORCH_FREE = [
     "specdec.gateway.turn",
     *modules_in(ROOT / "sdk" / "specdec" / "sdk", "specdec.sdk"),
     "specdec.replica.engine",
+    "specdec.replica.config",
+    "specdec.replica.metrics",
+    "specdec.replica.dataplane",
+    "specdec.replica.cpus",
 ]
 
 
@@ -47,9 +53,23 @@ def engine_packages_after(modules: list[str]) -> set[str]:
 
 
 def test_common_gateway_and_sdk_import_neither_torch_nor_transformers():
-    assert {"specdec.common", "specdec.common.errors", "specdec.common.metrics"} <= set(TORCH_FREE)
+    assert {"specdec.common", "specdec.common.errors", "specdec.replica.config"} <= set(TORCH_FREE)
     assert {"specdec.sdk", "specdec.sdk.client", "specdec.sdk.loadtest.runner"} <= set(TORCH_FREE)
     assert engine_packages_after(TORCH_FREE) == set()
+
+
+def test_the_gateway_loads_no_replica_module():
+    """The gateway's server and HTTP API load nothing of the replicas (what only they use
+    lives in specdec.replica, not in specdec.common)."""
+    probe = (
+        "import sys\n"
+        "import specdec.gateway.server, specdec.gateway.http.app\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.split('.')[:2] in "
+        "(['specdec', 'replica'], ['specdec', 'drafter'], ['specdec', 'verifier']))))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == []
 
 
 def test_the_probe_sees_the_engine():

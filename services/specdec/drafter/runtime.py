@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from specdec.common.config import ConfigError
+from specdec.common.settings import ConfigError
 from specdec.drafter.config import DrafterConfig
 from specdec.drafter.quantize import quantize_model
 from specdec.drafter.vocab import (

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.common.config import ConfigError, env_name
+from specdec.common.settings import ConfigError, env_name
 from specdec.replica.runtime import ModelRuntime
 
 log = logging.getLogger(__name__)

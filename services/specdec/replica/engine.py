@@ -54,13 +54,13 @@ if TYPE_CHECKING:
     import torch
     from transformers.cache_utils import Cache
 
-    from specdec.common.config import ReplicaConfig
     from specdec.common.cost import Line
-    from specdec.common.metrics import ReplicaObserver
     from specdec.common.prefix import PrefixChain
     from specdec.replica.batching import ForwardRequest, Layout, Scheduler
     from specdec.replica.compiled import Compiled
+    from specdec.replica.config import ReplicaConfig
     from specdec.replica.kvstore import Prefix
+    from specdec.replica.metrics import ReplicaObserver
     from specdec.sdk.request import Sampling
 
 T = TypeVar("T")
@@ -259,4 +259,3 @@ class Engine(Protocol[S]):
     def release(self, session_id: str) -> bool:
         """Drop the session's cache; whether there was one."""
         ...
-

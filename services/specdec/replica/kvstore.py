@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specdec.common.errors import CACHE_MISS_PREFIX, CacheMiss, CapacityExceeded
-from specdec.common.metrics import note_cache, note_eviction, note_fork, note_rollback
 from specdec.common.prefix import PrefixChain
+from specdec.replica.metrics import note_cache, note_eviction, note_fork, note_rollback
 
 if TYPE_CHECKING:
     from transformers.cache_utils import Cache

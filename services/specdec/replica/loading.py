@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from specdec.common.config import ReplicaConfig
-from specdec.common.cpus import thread_budget
 from specdec.common.settings import ConfigError, env_name
 from specdec.replica import calibrate, packing
+from specdec.replica.config import ReplicaConfig
+from specdec.replica.cpus import thread_budget
 from specdec.sdk.request import Sampling
 
 log = logging.getLogger(__name__)

@@ -14,16 +14,16 @@ from typing import Any, Protocol, TypeVar
 import grpc
 
 from specdec.common import cost
-from specdec.common.config import ReplicaConfig
-from specdec.common.dataplane import DataPlaneServer
 from specdec.common.errors import InvalidRequest, NotReady
 from specdec.common.logs import setup_logging
-from specdec.common.metrics import start_metrics_server
 from specdec.common.serving import rpc_errors, serve
 from specdec.common.settings import ConfigError, env_name
 from specdec.common.telemetry import setup_tracing
 from specdec.common.version import note_model_version, read_model_version
+from specdec.replica.config import ReplicaConfig
+from specdec.replica.dataplane import DataPlaneServer
 from specdec.replica.engine import Engine
+from specdec.replica.metrics import start_metrics_server
 from specdec.replica.runtime import ModelRuntime, Prefix
 from specdec.v1 import common_pb2
 
@@ -79,7 +79,7 @@ class ModelCall:
     """A request validated for the model: its arguments (`call`, whose job runs on the
     model thread; the jobs of its session run one at a time, in order) and how the job's
     result becomes the response message. The gRPC methods and the data plane
-    (specdec.common.dataplane) both build and answer their calls through these."""
+    (specdec.replica.dataplane) both build and answer their calls through these."""
 
     call: JobCall
     respond: Callable[[Any], Any]
@@ -100,7 +100,7 @@ class ReplicaServicer:
     def __init__(self, runtime: Engine):
         self.runtime = runtime
         self.replica_id = runtime.config.replica_id
-        self.data_port = 0  # the data plane's port (specdec.common.dataplane); 0: none
+        self.data_port = 0  # the data plane's port (specdec.replica.dataplane); 0: none
         # specdec_version.json of the model directory (specdec.common.version); "": none.
         self.model_version = read_model_version(runtime.config.model)
         note_model_version(runtime.config.role, self.model_version)

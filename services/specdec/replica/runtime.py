@@ -27,7 +27,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from specdec.common.config import ReplicaConfig
 from specdec.common.cost import CostCurve, Line, fit_points
 from specdec.common.errors import (
     BUSY_PREFIX,
@@ -37,7 +36,6 @@ from specdec.common.errors import (
     NotReady,
     ReplicaBusy,
 )
-from specdec.common.metrics import ReplicaObserver
 from specdec.replica.batching import (
     BranchStep,
     ForwardRequest,
@@ -47,9 +45,11 @@ from specdec.replica.batching import (
     tree_visibility,
 )
 from specdec.replica.compiled import Compiled
+from specdec.replica.config import ReplicaConfig
 from specdec.replica.engine import TransformersStore
 from specdec.replica.kvstore import CacheStore, Prefix, SessionCache
 from specdec.replica.loading import check_batchable, check_rollback, load_model
+from specdec.replica.metrics import ReplicaObserver
 from specdec.replica.paged import BlockPool, PagedStore
 from specdec.sdk.request import Sampling
 
@@ -89,7 +89,7 @@ class ModelRuntime:
         self.special_tokens: dict[str, str] = {}  # bos_token, eos_token, ... (chat templates)
         self.dtype_reason = ""  # why the weights are in their dtype (--dtype fastest: measured)
         self.store: TransformersStore[SessionCache] | None = None
-        self.obs = ReplicaObserver(self)  # metrics and spans (specdec.common.metrics)
+        self.obs = ReplicaObserver(self)  # metrics and spans (specdec.replica.metrics)
         self._keeps_logits = False  # the model's forward takes logits_to_keep
         # The drafter's reduced output layer (specdec.drafter.vocab.ReducedHead): hidden
         # states [..., hidden] -> fp32 logits [..., vocab], -inf outside its subset. None:

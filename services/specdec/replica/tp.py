@@ -28,7 +28,7 @@ Failure. A follower that exits takes rank 0 down: rank 0 logs which rank exited 
 what code, and exits (status 1), never waiting on a collective that cannot complete. A
 follower whose rank 0 is gone (its parent process changed) exits too.
 
-Refused with TP > 1 (specdec.common.config.check_tensor_parallel): the drafter, the paged
+Refused with TP > 1 (specdec.replica.config.check_tensor_parallel): the drafter, the paged
 engine, packed weights, --dtype fastest; token trees (draft_parents) are refused per
 request (not run across ranks yet, though the store mirrors keep_path).
 """
@@ -56,8 +56,8 @@ from typing import Any
 
 import torch
 
-from specdec.common.config import ReplicaConfig
 from specdec.replica.batching import ForwardRequest, Request
+from specdec.replica.config import ReplicaConfig
 from specdec.replica.kvstore import CacheStore, SessionCache
 from specdec.replica.runtime import ModelRuntime
 
