@@ -31,6 +31,21 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def log_libraries_as_json() -> None:
+    """A replica writes JSON lines only (specdec.common.logs). transformers and
+    huggingface_hub write progress bars (weight loading) and warnings to stderr on their
+    own: turn the bars off and send their records, and Python warnings, through the root
+    logger instead."""
+    import huggingface_hub.utils
+    from transformers.utils import logging as hf_logging
+
+    logging.captureWarnings(True)
+    hf_logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
+
+
 @dataclass(frozen=True)
 class LoadedModel:
     """A model on its device, in eval mode, and what its tokenizer and config say."""

@@ -23,6 +23,7 @@ from specdec.common.version import note_model_version, read_model_version
 from specdec.replica.config import ReplicaConfig
 from specdec.replica.dataplane import DataPlaneServer
 from specdec.replica.engine import Engine
+from specdec.replica.loading import log_libraries_as_json
 from specdec.replica.metrics import start_metrics_server
 from specdec.replica.runtime import ModelRuntime, Prefix
 from specdec.v1 import common_pb2
@@ -32,21 +33,6 @@ log = logging.getLogger(__name__)
 MAX_SESSION_ID_LEN = 256
 C = TypeVar("C", bound=ReplicaConfig)  # a replica's config: ReplicaConfig or a subclass
 _ROLES = {"drafter": common_pb2.ROLE_DRAFTER, "verifier": common_pb2.ROLE_VERIFIER}
-
-
-def log_libraries_as_json() -> None:
-    """A replica writes JSON lines only (specdec.common.logs). transformers and
-    huggingface_hub write progress bars (weight loading) and warnings to stderr on their
-    own: turn the bars off and send their records, and Python warnings, through the root
-    logger instead."""
-    import huggingface_hub.utils
-    from transformers.utils import logging as hf_logging
-
-    logging.captureWarnings(True)
-    hf_logging.disable_progress_bar()
-    huggingface_hub.utils.disable_progress_bars()
-    hf_logging.disable_default_handler()
-    hf_logging.enable_propagation()
 
 
 def check_session_id(session_id: str) -> None:

@@ -364,7 +364,7 @@ def _watch_parent(parent: int, rank: int) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """`python -m specdec.replica.tp`: a follower rank started by rank 0 (`Ranks.start`)."""
     from specdec.common.logs import setup_logging
-    from specdec.replica.replica import log_libraries_as_json
+    from specdec.replica.loading import log_libraries_as_json
 
     # A stop is rank 0's to order (its "stop", or its exit): a SIGTERM or Ctrl-C sent to
     # the whole process group reaches rank 0, which stops the followers after its forward.
