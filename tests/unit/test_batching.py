@@ -14,7 +14,8 @@ from specdec.common.errors import CacheMiss
 from specdec.common.prefix import prefix_hash
 from specdec.drafter.config import DrafterConfig
 from specdec.replica.batching import ForwardRequest, Scheduler, _Task
-from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.engine import Prefix
+from specdec.replica.runtime import ModelRuntime
 from specdec.replica.sampling import SamplingParams
 from specdec.verifier.config import VerifierConfig
 from specdec.verifier.scorer import VerifyCall, verify

@@ -17,7 +17,8 @@ from specdec.drafter.config import DrafterConfig
 from specdec.drafter.proposer import DraftCall, propose
 from specdec.drafter.speculate import BranchStore, SpeculateCall, speculate
 from specdec.replica.batching import BranchGroup, BranchStep, ForwardRequest, Scheduler, _Task
-from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.engine import Prefix
+from specdec.replica.runtime import ModelRuntime
 from tests.unit.test_batching import TOL, _held, _runtime, _seq
 
 

@@ -8,7 +8,8 @@ import pytest
 from specdec.common.params import SamplingParams
 from specdec.drafter.config import DrafterConfig
 from specdec.drafter.speculate import BranchStore, SpeculateCall, branch_budget, speculate
-from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.engine import Prefix
+from specdec.replica.runtime import ModelRuntime
 
 
 @pytest.fixture(scope="module")

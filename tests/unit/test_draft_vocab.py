@@ -16,7 +16,8 @@ from specdec.drafter.proposer import DraftCall, propose
 from specdec.drafter.runtime import DrafterRuntime
 from specdec.drafter.speculate import BranchStore, SpeculateCall, speculate
 from specdec.drafter.vocab import read_ranking, subset_ids
-from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.engine import Prefix
+from specdec.replica.runtime import ModelRuntime
 from specdec.replica.sampling import SamplingParams, decode_probs, warp
 
 N = 64  # kept tokens (the tiny tokenizer has a few hundred)

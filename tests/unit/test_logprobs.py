@@ -10,8 +10,9 @@ import torch
 from specdec.common.errors import CacheMiss
 from specdec.common.params import SamplingParams
 from specdec.common.prefix import prefix_hash
+from specdec.replica.engine import Prefix
 from specdec.replica.logprobs import LogprobsAsk, emitted_tokens, token_logprobs
-from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.runtime import ModelRuntime
 from specdec.verifier.config import VerifierConfig
 from specdec.verifier.scorer import VerifyCall, verify
 

@@ -10,7 +10,8 @@ from specdec.common.prefix import prefix_hash
 from specdec.drafter.config import DrafterConfig
 from specdec.drafter.proposer import DraftCall, propose
 from specdec.drafter.speculate import BranchStore, SpeculateCall, speculate
-from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.engine import Prefix
+from specdec.replica.runtime import ModelRuntime
 
 CONTEXT = list(range(10, 40))
 K = 4

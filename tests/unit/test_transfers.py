@@ -25,8 +25,9 @@ from specdec.drafter.runtime import DrafterRuntime
 from specdec.drafter.speculate import BranchStore, SpeculateCall, speculate
 from specdec.replica import host
 from specdec.replica.batching import BranchStep
+from specdec.replica.engine import Prefix
 from specdec.replica.logprobs import LogprobsAsk
-from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.runtime import ModelRuntime
 from specdec.replica.sampling import decode_probs
 from specdec.tools.bench.standin import build_standins
 from specdec.verifier.config import VerifierConfig

@@ -15,7 +15,7 @@ from specdec.common.params import SamplingParams
 from specdec.common.prefix import prefix_hash
 from specdec.drafter.proposer import DraftCall, propose
 from specdec.drafter.speculate import BranchStore
-from specdec.replica.runtime import Prefix
+from specdec.replica.engine import Prefix
 from specdec.replica.sampling import decode_probs, warp
 from tests.unit import test_speculate_refeed as refeed
 

@@ -10,7 +10,7 @@ import torch
 from specdec.common.errors import InvalidRequest
 from specdec.common.prefix import prefix_hash
 from specdec.replica.batching import ForwardRequest
-from specdec.replica.runtime import Prefix
+from specdec.replica.engine import Prefix
 from specdec.replica.sampling import SamplingParams
 from specdec.v1 import verifier_pb2
 from specdec.verifier.scorer import VerifyCall, verify

@@ -40,10 +40,9 @@ from specdec.drafter.speculate import (
     take_prepared,
 )
 from specdec.replica.batching import Request
-from specdec.replica.engine import Engine, Session
+from specdec.replica.engine import Engine, Prefix, Session
 from specdec.replica.host import to_host
 from specdec.replica.processors import TokenCounts
-from specdec.replica.runtime import Prefix
 from specdec.replica.sampling import EncodedProbs, SamplingParams, encoded_rows, one_hot_encoded
 
 

@@ -64,10 +64,9 @@ from specdec.common.prefix import prefix_hash
 from specdec.drafter.config import CONFIDENCE, GEOMETRIC, OUTCOME_MODELS
 from specdec.drafter.sampler import Sampler, sampler_for
 from specdec.replica.batching import BranchGroup, BranchStep, ForwardRequest, Request
-from specdec.replica.engine import Engine, Session
+from specdec.replica.engine import Engine, Prefix, Session
 from specdec.replica.host import to_host
 from specdec.replica.processors import TokenCounts, verify_logits
-from specdec.replica.runtime import Prefix
 from specdec.replica.sampling import EncodedProbs, SamplingParams, encoded_rows, warp
 
 MAX_PREPARED_SESSIONS = 32

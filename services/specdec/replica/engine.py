@@ -48,6 +48,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
@@ -59,11 +60,19 @@ if TYPE_CHECKING:
     from specdec.replica.batching import ForwardRequest, Layout, Scheduler
     from specdec.replica.compiled import Compiled
     from specdec.replica.config import ReplicaConfig
-    from specdec.replica.kvstore import Prefix
     from specdec.replica.metrics import ReplicaObserver
     from specdec.sdk.request import Sampling
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """The cached prefix a request builds on: its length and its chained hash
+    (specdec.common.prefix.prefix_hash; PrefixRef on the wire)."""
+
+    length: int
+    hash: int
 
 
 @runtime_checkable

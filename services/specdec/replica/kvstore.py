@@ -285,9 +285,3 @@ def _holding(session: SessionCache | None, what: str, length: int) -> SessionCac
             f"on {length}"
         )
     return session
-
-
-@dataclass(frozen=True)
-class Prefix:
-    length: int
-    hash: int

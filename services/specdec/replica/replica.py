@@ -22,10 +22,10 @@ from specdec.common.telemetry import setup_tracing
 from specdec.common.version import note_model_version, read_model_version
 from specdec.replica.config import ReplicaConfig
 from specdec.replica.dataplane import DataPlaneServer
-from specdec.replica.engine import Engine
+from specdec.replica.engine import Engine, Prefix
 from specdec.replica.loading import log_libraries_as_json
 from specdec.replica.metrics import start_metrics_server
-from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.runtime import ModelRuntime
 from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)

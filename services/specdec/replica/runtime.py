@@ -46,8 +46,8 @@ from specdec.replica.batching import (
 )
 from specdec.replica.compiled import Compiled
 from specdec.replica.config import ReplicaConfig
-from specdec.replica.engine import TransformersStore
-from specdec.replica.kvstore import CacheStore, Prefix, SessionCache
+from specdec.replica.engine import Prefix, TransformersStore
+from specdec.replica.kvstore import CacheStore, SessionCache
 from specdec.replica.loading import check_batchable, check_rollback, load_model
 from specdec.replica.metrics import ReplicaObserver
 from specdec.replica.paged import BlockPool, PagedStore
@@ -56,7 +56,7 @@ from specdec.sdk.request import Sampling
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-__all__ = ["CacheStore", "ModelRuntime", "Prefix", "SessionCache"]
+__all__ = ["CacheStore", "ModelRuntime", "SessionCache"]
 
 
 class ModelRuntime:

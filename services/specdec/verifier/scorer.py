@@ -19,12 +19,11 @@ import torch
 
 from specdec.common.controls import Controls
 from specdec.replica.batching import ForwardRequest
-from specdec.replica.engine import Engine, Session
+from specdec.replica.engine import Engine, Prefix, Session
 from specdec.replica.host import to_host
 from specdec.replica.logprobs import LogprobRows, LogprobsAsk, emitted_tokens, token_logprobs
 from specdec.replica.masks import apply_masks
 from specdec.replica.processors import verify_logits
-from specdec.replica.runtime import Prefix
 from specdec.replica.sampling import (
     SamplingParams,
     greedy_verdict,

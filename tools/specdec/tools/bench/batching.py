@@ -34,7 +34,8 @@ from specdec.common.prefix import prefix_hash
 from specdec.drafter.config import DrafterConfig
 from specdec.drafter.proposer import DraftCall, propose
 from specdec.drafter.speculate import BranchStore
-from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.engine import Prefix
+from specdec.replica.runtime import ModelRuntime
 from specdec.replica.sampling import SamplingParams
 from specdec.verifier.scorer import VerifyCall, verify
 

@@ -157,7 +157,7 @@ class InProcess:
         from specdec.common.params import sampling_from_proto
         from specdec.common.prefix import PrefixChain
         from specdec.drafter.proposer import DraftCall, propose
-        from specdec.replica.runtime import Prefix
+        from specdec.replica.engine import Prefix
         from specdec.v1 import common_pb2
         from specdec.verifier.scorer import VerifyCall, verify
 

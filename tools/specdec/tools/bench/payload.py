@@ -20,7 +20,8 @@ from specdec.drafter.config import DrafterConfig
 from specdec.drafter.proposer import DraftCall, propose
 from specdec.drafter.speculate import BranchStore
 from specdec.replica.convert import encoded_to_proto
-from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.engine import Prefix
+from specdec.replica.runtime import ModelRuntime
 from specdec.v1 import drafter_pb2
 
 
