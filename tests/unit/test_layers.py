@@ -39,6 +39,13 @@ TORCH_FREE = [
 ]
 
 
+def probed(probe: str) -> str:
+    """What the code `probe` prints in a fresh interpreter (which must succeed)."""
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def engine_packages_after(modules: list[str]) -> set[str]:
     """Which of ENGINE_PACKAGES a fresh interpreter holds after importing `modules`."""
     probe = (
@@ -47,9 +54,7 @@ def engine_packages_after(modules: list[str]) -> set[str]:
         "    importlib.import_module(name)\n"
         f"print(' '.join(p for p in {ENGINE_PACKAGES!r} if p in sys.modules))\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    return set(done.stdout.split())
+    return set(probed(probe).split())
 
 
 def test_common_gateway_and_sdk_import_neither_torch_nor_transformers():
@@ -67,9 +72,7 @@ def test_the_gateway_loads_no_replica_module():
         "print(' '.join(sorted(m for m in sys.modules if m.split('.')[:2] in "
         "(['specdec', 'replica'], ['specdec', 'drafter'], ['specdec', 'verifier']))))\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == []
+    assert probed(probe).split() == []
 
 
 def test_the_probe_sees_the_engine():
@@ -92,6 +95,5 @@ def test_serving_a_replica_loads_no_gateway_code():
         " and m != 'specdec.gateway.config' and not m.startswith('specdec.gateway.lookup'))))\n"
         "print('specdec.gateway.metrics' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[-1] == "False", done.stdout
+    out = probed(probe)
+    assert out.splitlines()[-1] == "False", out
