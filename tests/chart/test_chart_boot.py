@@ -212,7 +212,7 @@ def test_every_rendered_setting_is_one_the_cli_knows():
     sets is the variable of one of that service's flags (the services would ignore an
     unknown variable silently)."""
     from specdec.cli import build_parser
-    from specdec.common.config import env_name
+    from specdec.common.settings import env_name
 
     parser = build_parser()
     serve = _subcommands(parser)["serve"]

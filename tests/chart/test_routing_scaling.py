@@ -131,7 +131,7 @@ def test_monitors_select_each_role_and_its_metrics_port(kind):
 
 
 def test_keda_default_query_is_each_pools_own_queue():
-    from specdec.common.metrics import ReplicaMetrics
+    from specdec.replica.metrics import ReplicaMetrics
 
     objs = objects(
         {"drafter": {"keda": {"enabled": True}}, "verifier": {"keda": {"enabled": True}}}

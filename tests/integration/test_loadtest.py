@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec.common.cpus import usable_cpus
+from specdec.replica.cpus import usable_cpus
 
 pytestmark = pytest.mark.integration
 

@@ -121,7 +121,7 @@ def test_busy_and_capacity_are_told_apart():
 
 def test_max_queue_setting(monkeypatch):
     from specdec.cli import build_parser
-    from specdec.common.config import ConfigError
+    from specdec.common.settings import ConfigError
 
     def parse(*argv: str) -> VerifierConfig:
         return VerifierConfig.from_args(

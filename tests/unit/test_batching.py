@@ -14,10 +14,11 @@ from specdec.common.errors import CacheMiss
 from specdec.common.prefix import prefix_hash
 from specdec.drafter.config import DrafterConfig
 from specdec.replica.batching import ForwardRequest, Scheduler, _Task
-from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.engine import Prefix
+from specdec.replica.runtime import ModelRuntime
 from specdec.replica.sampling import SamplingParams
 from specdec.verifier.config import VerifierConfig
-from specdec.verifier.scorer import verify
+from specdec.verifier.scorer import VerifyCall, verify
 
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 
@@ -90,13 +91,13 @@ def test_padded_forward_equals_each_rows_own_forward(runtime):
         runtime.release(f"a{i}")
 
 
-def _verify_args(rt, sid, tokens, draft):
-    return (rt, sid, p(tokens, 0), tokens, draft, None, SamplingParams(temperature=0.0))
+def _verify_call(rt, sid, tokens, draft) -> VerifyCall:
+    return VerifyCall(rt, sid, p(tokens, 0), tokens, draft, None, SamplingParams(temperature=0.0))
 
 
 async def _verify_all(rt, jobs):
     return await asyncio.gather(
-        *(rt.run(verify, *_verify_args(rt, sid, toks, d), session=sid) for sid, toks, d in jobs),
+        *(rt.run(verify, _verify_call(rt, sid, toks, d), session=sid) for sid, toks, d in jobs),
         return_exceptions=True,
     )
 
@@ -147,7 +148,7 @@ async def test_concurrent_verifies_run_as_one_forward_and_equal_unbatched(runtim
     for sid, _, _ in jobs:
         runtime.release(sid)
     for (sid, toks, draft), verdict in zip(jobs, batched, strict=True):
-        alone = runtime.drive(verify(*_verify_args(runtime, sid, toks, draft)))
+        alone = runtime.drive(verify(_verify_call(runtime, sid, toks, draft)))
         assert (verdict.accepted, verdict.next_token) == (alone.accepted, alone.next_token)
         assert verdict.cached_length == alone.cached_length
         runtime.release(sid)
@@ -158,13 +159,15 @@ async def test_a_cache_miss_fails_alone(runtime):
     jobs = [(f"m{i}", _seq(300 + i, 5 + i, vocab), _seq(400 + i, 2, vocab)) for i in range(3)]
     missing = runtime.run(
         verify,
-        runtime,
-        "m-missing",
-        p(jobs[0][1], 3),
-        jobs[0][1][3:],
-        [],
-        None,
-        SamplingParams(temperature=0.0),
+        VerifyCall(
+            runtime,
+            "m-missing",
+            p(jobs[0][1], 3),
+            jobs[0][1][3:],
+            [],
+            None,
+            SamplingParams(temperature=0.0),
+        ),
         session="m-missing",
     )
     results, miss = await _queued_together(runtime, jobs, missing)
@@ -282,7 +285,7 @@ def test_one_session_runs_one_job_at_a_time():
 def test_config_flags(monkeypatch):
     import argparse
 
-    from specdec.common.config import ConfigError
+    from specdec.common.settings import ConfigError
 
     parser = argparse.ArgumentParser()
     VerifierConfig.add_arguments(parser, 50062)
@@ -302,9 +305,11 @@ def test_a_failed_forward_drops_the_session_of_a_job(runtime):
     """A job's forward that fails reaches the job (driven here, or by the scheduler), whose
     guarded block drops the session: the next request misses."""
     toks = _seq(42, 8, runtime.vocab_size)
-    runtime.drive(verify(*_verify_args(runtime, "f", toks, [])))
+    runtime.drive(verify(_verify_call(runtime, "f", toks, [])))
     assert "f" in runtime.store
-    bad = verify(runtime, "f", p(toks, 8), [runtime.vocab_size + 5], [], None, SamplingParams())
+    bad = verify(
+        VerifyCall(runtime, "f", p(toks, 8), [runtime.vocab_size + 5], [], None, SamplingParams())
+    )
     with pytest.raises(IndexError):
         runtime.drive(bad)
     assert "f" not in runtime.store

@@ -14,10 +14,11 @@ import torch
 
 from specdec.common.params import SamplingParams
 from specdec.drafter.config import DrafterConfig
-from specdec.drafter.proposer import propose
-from specdec.drafter.speculate import BranchStore, speculate
+from specdec.drafter.proposer import DraftCall, propose
+from specdec.drafter.speculate import BranchStore, SpeculateCall, speculate
 from specdec.replica.batching import BranchGroup, BranchStep, ForwardRequest, Scheduler, _Task
-from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.engine import Prefix
+from specdec.replica.runtime import ModelRuntime
 from tests.unit.test_batching import TOL, _held, _runtime, _seq
 
 
@@ -132,8 +133,10 @@ def test_selection_counts_a_branch_step_as_its_rows():
         tokens8.shutdown()
 
 
-def _spec_args(rt, store, sid, tokens, draft_length, params, fan_out=4):
-    return (rt, store, sid, Prefix(0, 0), tokens, draft_length, STEPS, params, fan_out, 0.7, 3)
+def _spec_call(rt, store, sid, tokens, draft_length, params, fan_out=4) -> SpeculateCall:
+    return SpeculateCall(
+        rt, store, sid, Prefix(0, 0), tokens, draft_length, STEPS, params, fan_out, 0.7, 3
+    )
 
 
 def _record(rt) -> list[list[tuple[str, int, int]]]:
@@ -178,7 +181,7 @@ async def test_two_speculates_share_their_branch_forwards(test_models, params):
         seen = _record(rt)
         results = await _together(
             rt,
-            [(speculate, _spec_args(rt, store, sid, t, d, params), sid) for sid, t, d in jobs],
+            [(speculate, (_spec_call(rt, store, sid, t, d, params),), sid) for sid, t, d in jobs],
         )
         assert all(not isinstance(r, BaseException) for r in results), results
         # One forward feeds both drafts, then each branch step of both is one forward.
@@ -187,7 +190,7 @@ async def test_two_speculates_share_their_branch_forwards(test_models, params):
         for (sid, tokens, d), together in zip(jobs, results, strict=True):
             assert len(together.branches) == 4
             alone = rt.drive(
-                speculate(*_spec_args(rt, BranchStore(), sid + "-1", tokens, d, params))
+                speculate(_spec_call(rt, BranchStore(), sid + "-1", tokens, d, params))
             )
             assert _shape(together) == _shape(alone)
             if not params.greedy:
@@ -204,8 +207,8 @@ async def test_rows_bound_each_forward_and_a_wide_group_runs_alone(test_models):
         vocab = rt.vocab_size
         store, params = BranchStore(), SamplingParams()
         jobs = [("ra", _seq(60, 12, vocab), 3), ("rb", _seq(61, 15, vocab), 3)]
-        calls = [(speculate, _spec_args(rt, store, s, t, d, params, 3), s) for s, t, d in jobs]
-        wide = _spec_args(rt, store, "rc", _seq(62, 10, vocab), 2, params, 6)
+        calls = [(speculate, (_spec_call(rt, store, s, t, d, params, 3),), s) for s, t, d in jobs]
+        wide = (_spec_call(rt, store, "rc", _seq(62, 10, vocab), 2, params, 6),)
         seen = _record(rt)
         results = await _together(rt, [*calls, (speculate, wide, "rc")])
         assert all(not isinstance(r, BaseException) for r in results), results
@@ -227,7 +230,7 @@ async def test_batch_size_one_runs_each_speculate_alone_as_before(test_models):
         jobs = [("oa", _seq(70, 12, vocab), 3), ("ob", _seq(71, 20, vocab), 2)]
         seen = _record(rt)
         results = await _together(
-            rt, [(speculate, _spec_args(rt, store, s, t, d, params), s) for s, t, d in jobs]
+            rt, [(speculate, (_spec_call(rt, store, s, t, d, params),), s) for s, t, d in jobs]
         )
         # One job at a time to completion: its feed, then its branch steps alone.
         assert seen == [
@@ -238,7 +241,7 @@ async def test_batch_size_one_runs_each_speculate_alone_as_before(test_models):
         ]
         for (sid, tokens, d), got in zip(jobs, results, strict=True):
             alone = rt.drive(
-                speculate(*_spec_args(rt, BranchStore(), sid + "-1", tokens, d, params))
+                speculate(_spec_call(rt, BranchStore(), sid + "-1", tokens, d, params))
             )
             assert _shape(got) == _shape(alone)
     finally:
@@ -261,8 +264,8 @@ async def test_a_failing_branch_forward_fails_the_jobs_in_it(test_models):
 
         rt.scheduler.run_batch = failing
         jobs = [("fa", _seq(80, 17, vocab), 3), ("fb", _seq(81, 20, vocab), 2)]
-        calls = [(speculate, _spec_args(rt, store, s, t, d, params), s) for s, t, d in jobs]
-        draft = (rt, store, "fc", Prefix(0, 0), _seq(82, 15, vocab), 1, params)
+        calls = [(speculate, (_spec_call(rt, store, s, t, d, params),), s) for s, t, d in jobs]
+        draft = (DraftCall(rt, store, "fc", Prefix(0, 0), _seq(82, 15, vocab), 1, params),)
         results = await _together(rt, [*calls, (propose, draft, "fc")])
         for failed in results[:2]:
             assert isinstance(failed, RuntimeError) and "boom" in str(failed)

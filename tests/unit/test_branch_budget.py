@@ -7,8 +7,9 @@ import pytest
 
 from specdec.common.params import SamplingParams
 from specdec.drafter.config import DrafterConfig
-from specdec.drafter.speculate import BranchStore, branch_budget, speculate
-from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.drafter.speculate import BranchStore, SpeculateCall, branch_budget, speculate
+from specdec.replica.engine import Prefix
+from specdec.replica.runtime import ModelRuntime
 
 
 @pytest.fixture(scope="module")
@@ -31,18 +32,20 @@ def test_speculate_fans_out_within_the_budget(drafter, budget, most):
     tokens = list(range(10, 50))  # 37 context tokens + a draft of 3: 40 in the session
     result = drafter.drive(
         speculate(
-            drafter,
-            BranchStore(),
-            f"s/{budget}",
-            Prefix(0, 0),
-            tokens,
-            3,
-            3,
-            SamplingParams(),
-            6,
-            0.7,
-            3,
-            budget,
+            SpeculateCall(
+                drafter,
+                BranchStore(),
+                f"s/{budget}",
+                Prefix(0, 0),
+                tokens,
+                3,
+                3,
+                SamplingParams(),
+                6,
+                0.7,
+                3,
+                budget,
+            )
         )
     )
     assert result.cached_length == 40

@@ -13,11 +13,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdec.common.config import DTYPES
-from specdec.common.cpus import cpu_info
 from specdec.drafter.config import DrafterConfig
 from specdec.replica import calibrate, packing
 from specdec.replica.calibrate import DtypeChoice, choose_dtype, fastest_dtype
+from specdec.replica.config import DTYPES
+from specdec.replica.cpus import cpu_info
 from specdec.replica.loading import load_model
 from specdec.verifier.config import VerifierConfig
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from specdec.common.config import ConfigError
+from specdec.common.settings import ConfigError
 from specdec.common.version import read_model_version
 from specdec.gateway.canary import Canary, VersionRule, parse_canary, session_share, version_rule
 from specdec.gateway.sessions import replica_session_id

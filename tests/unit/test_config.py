@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from specdec.cli import build_parser
-from specdec.common.config import ConfigError
+from specdec.common.settings import ConfigError
 from specdec.drafter.config import DrafterConfig
 from specdec.verifier.config import VerifierConfig
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specdec.common.cpus import Cpu, cgroup_quota, cpu_info, thread_budget, usable_cpus
+from specdec.replica.cpus import Cpu, cgroup_quota, cpu_info, thread_budget, usable_cpus
 from specdec.tools.stack import split_threads
 
 

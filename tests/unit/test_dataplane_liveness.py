@@ -230,7 +230,7 @@ def test_settings_refuse_a_keepalive_interval_not_below_its_timeout():
 
 def test_the_gateways_keepalive_flags_reach_its_settings():
     from specdec.cli import build_parser
-    from specdec.common.config import ConfigError
+    from specdec.common.settings import ConfigError
     from specdec.gateway.config import GatewayConfig
     from specdec.gateway.turn import data_plane_settings
 

@@ -1,4 +1,4 @@
-"""A busy replica is not a dead one: the replica's data plane (specdec.common.dataplane)
+"""A busy replica is not a dead one: the replica's data plane (specdec.replica.dataplane)
 answers the gateway's keepalive pings while a forward holds the model thread (a stand-in
 thread polls the selector, `Poller.stand_in_during_forwards`), and the calls read during
 the forward are dispatched after it, in the order they came. The real verifier servicer
@@ -13,11 +13,11 @@ import threading
 
 import pytest
 
-from specdec.common import dataplane
-from specdec.common.dataplane import DataPlaneServer
 from specdec.common.prefix import PrefixChain
 from specdec.gateway.dataplane import DataPlaneSettings, DataPlaneTransport
 from specdec.gateway.transport import CallFailed, Method
+from specdec.replica import dataplane
+from specdec.replica.dataplane import DataPlaneServer
 from specdec.replica.runtime import ModelRuntime
 from specdec.v1 import common_pb2, verifier_pb2
 from specdec.verifier.config import VerifierConfig

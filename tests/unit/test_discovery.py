@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specdec.cli import build_parser
-from specdec.common.config import ConfigError
+from specdec.common.settings import ConfigError
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.discovery import DnsTarget, K8sDiscovery, K8sTarget, parse_target
 

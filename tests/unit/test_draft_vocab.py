@@ -9,14 +9,15 @@ import pytest
 import torch
 
 from specdec.cli import build_parser
-from specdec.common.config import ConfigError
 from specdec.common.prefix import prefix_hash
+from specdec.common.settings import ConfigError
 from specdec.drafter.config import DrafterConfig
-from specdec.drafter.proposer import propose
+from specdec.drafter.proposer import DraftCall, propose
 from specdec.drafter.runtime import DrafterRuntime
-from specdec.drafter.speculate import BranchStore, speculate
+from specdec.drafter.speculate import BranchStore, SpeculateCall, speculate
 from specdec.drafter.vocab import read_ranking, subset_ids
-from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.engine import Prefix
+from specdec.replica.runtime import ModelRuntime
 from specdec.replica.sampling import SamplingParams, decode_probs, warp
 
 N = 64  # kept tokens (the tiny tokenizer has a few hundred)
@@ -97,7 +98,7 @@ def test_every_drafter_path_keeps_to_the_subset(test_models, tmp_path, max_entri
     branches = BranchStore()
     for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=3)):
         sid = f"s-{params.greedy}"
-        d = rt.drive(propose(rt, branches, sid, Prefix(0, 0), PROMPT, 4, params))
+        d = rt.drive(propose(DraftCall(rt, branches, sid, Prefix(0, 0), PROMPT, 4, params)))
         assert all(mask[t] for t in d.tokens), d.tokens
         for enc in d.probs:  # sampling: what was sampled from, over full-vocabulary ids
             probs = decode_probs(enc, rt.vocab_size)  # [vocab]
@@ -110,17 +111,19 @@ def test_every_drafter_path_keeps_to_the_subset(test_models, tmp_path, max_entri
         base = PROMPT[:-1]
         spec = rt.drive(
             speculate(
-                rt,
-                branches,
-                sid,
-                Prefix(len(base), prefix_hash(base)),
-                [PROMPT[-1], *d.tokens],
-                len(d.tokens),
-                3,
-                params,
-                6,
-                0.5,
-                3,
+                SpeculateCall(
+                    rt,
+                    branches,
+                    sid,
+                    Prefix(len(base), prefix_hash(base)),
+                    [PROMPT[-1], *d.tokens],
+                    len(d.tokens),
+                    3,
+                    params,
+                    6,
+                    0.5,
+                    3,
+                )
             )
         )
         assert spec.branches

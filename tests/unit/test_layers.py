@@ -1,7 +1,9 @@
 """The layers: torch and transformers stay in specdec.replica (the engine the drafter and
 the verifier run). Every module of specdec.common, the gateway and the SDK import neither,
-and nor does the engine's seam (specdec.replica.engine). Each probe runs in a fresh
-interpreter, so that what this test process has imported does not count."""
+and nor do the engine's seam (specdec.replica.engine) and the replica's modules that
+`specdec serve` or a replica's servers load before the engine (its config, metrics, data
+plane and CPU budget). Each probe runs in a fresh interpreter, so that what this test
+process has imported does not count."""
 
 from __future__ import annotations
 
@@ -30,7 +32,18 @@ TORCH_FREE = [
     "specdec.gateway.turn",
     *modules_in(ROOT / "sdk" / "specdec" / "sdk", "specdec.sdk"),
     "specdec.replica.engine",
+    "specdec.replica.config",
+    "specdec.replica.metrics",
+    "specdec.replica.dataplane",
+    "specdec.replica.cpus",
 ]
+
+
+def probed(probe: str) -> str:
+    """What the code `probe` prints in a fresh interpreter (which must succeed)."""
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 def engine_packages_after(modules: list[str]) -> set[str]:
@@ -41,15 +54,25 @@ def engine_packages_after(modules: list[str]) -> set[str]:
         "    importlib.import_module(name)\n"
         f"print(' '.join(p for p in {ENGINE_PACKAGES!r} if p in sys.modules))\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    return set(done.stdout.split())
+    return set(probed(probe).split())
 
 
 def test_common_gateway_and_sdk_import_neither_torch_nor_transformers():
-    assert {"specdec.common", "specdec.common.errors", "specdec.common.metrics"} <= set(TORCH_FREE)
+    assert {"specdec.common", "specdec.common.errors", "specdec.replica.config"} <= set(TORCH_FREE)
     assert {"specdec.sdk", "specdec.sdk.client", "specdec.sdk.loadtest.runner"} <= set(TORCH_FREE)
     assert engine_packages_after(TORCH_FREE) == set()
+
+
+def test_the_gateway_loads_no_replica_module():
+    """The gateway's server and HTTP API load nothing of the replicas (what only they use
+    lives in specdec.replica, not in specdec.common)."""
+    probe = (
+        "import sys\n"
+        "import specdec.gateway.server, specdec.gateway.http.app\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.split('.')[:2] in "
+        "(['specdec', 'replica'], ['specdec', 'drafter'], ['specdec', 'verifier']))))\n"
+    )
+    assert probed(probe).split() == []
 
 
 def test_the_probe_sees_the_engine():
@@ -72,6 +95,5 @@ def test_serving_a_replica_loads_no_gateway_code():
         " and m != 'specdec.gateway.config' and not m.startswith('specdec.gateway.lookup'))))\n"
         "print('specdec.gateway.metrics' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[-1] == "False", done.stdout
+    out = probed(probe)
+    assert out.splitlines()[-1] == "False", out

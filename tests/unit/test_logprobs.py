@@ -10,10 +10,11 @@ import torch
 from specdec.common.errors import CacheMiss
 from specdec.common.params import SamplingParams
 from specdec.common.prefix import prefix_hash
+from specdec.replica.engine import Prefix
 from specdec.replica.logprobs import LogprobsAsk, emitted_tokens, token_logprobs
-from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.runtime import ModelRuntime
 from specdec.verifier.config import VerifierConfig
-from specdec.verifier.scorer import verify
+from specdec.verifier.scorer import VerifyCall, verify
 
 PROMPT = [3, 17, 42, 8, 99, 23, 61]
 DRAFT = [5, 11, 7, 30]
@@ -65,14 +66,16 @@ def test_verify_scores_equal_log_softmax(runtime, target_model, params, k):
         probs = torch.full((k, runtime.vocab_size), 1.0 / runtime.vocab_size)
     session = f"lp/{k}/{params.greedy}"
     job = verify(
-        runtime,
-        session,
-        Prefix(0, 0),
-        PROMPT,
-        draft,
-        probs,
-        params,
-        logprobs=LogprobsAsk(top=5, prompt=True),
+        VerifyCall(
+            runtime,
+            session,
+            Prefix(0, 0),
+            PROMPT,
+            draft,
+            probs,
+            params,
+            logprobs=LogprobsAsk(top=5, prompt=True),
+        )
     )
     verdict = runtime.drive(job)
     emitted = [*draft[: verdict.accepted], verdict.next_token]
@@ -99,18 +102,20 @@ def test_verify_scores_equal_log_softmax(runtime, target_model, params, k):
 
 def test_greedy_verdict_unchanged_by_scores(runtime):
     plain = runtime.drive(
-        verify(runtime, "lp/plain", Prefix(0, 0), PROMPT, DRAFT, None, SamplingParams())
+        verify(VerifyCall(runtime, "lp/plain", Prefix(0, 0), PROMPT, DRAFT, None, SamplingParams()))
     )
     scored = runtime.drive(
         verify(
-            runtime,
-            "lp/scored",
-            Prefix(0, 0),
-            PROMPT,
-            DRAFT,
-            None,
-            SamplingParams(),
-            logprobs=LogprobsAsk(),
+            VerifyCall(
+                runtime,
+                "lp/scored",
+                Prefix(0, 0),
+                PROMPT,
+                DRAFT,
+                None,
+                SamplingParams(),
+                logprobs=LogprobsAsk(),
+            )
         )
     )
     assert (plain.accepted, plain.next_token) == (scored.accepted, scored.next_token)
@@ -120,20 +125,24 @@ def test_greedy_verdict_unchanged_by_scores(runtime):
 
 def test_fork_copies_the_prefix_and_misses_cleanly(runtime, target_model):
     seq = [*PROMPT, 1, 2, 3]
-    runtime.drive(verify(runtime, "fork/src", Prefix(0, 0), seq, [], None, SamplingParams()))
+    runtime.drive(
+        verify(VerifyCall(runtime, "fork/src", Prefix(0, 0), seq, [], None, SamplingParams()))
+    )
     n = len(PROMPT) - 1
     prefix = Prefix(n, prefix_hash(PROMPT[:n]))
     verdict = runtime.drive(
         verify(
-            runtime,
-            "fork/dst",
-            prefix,
-            PROMPT[n:],
-            [],
-            None,
-            SamplingParams(),
-            logprobs=LogprobsAsk(),
-            fork_from="fork/src",
+            VerifyCall(
+                runtime,
+                "fork/dst",
+                prefix,
+                PROMPT[n:],
+                [],
+                None,
+                SamplingParams(),
+                logprobs=LogprobsAsk(),
+                fork_from="fork/src",
+            )
         )
     )
     assert runtime.store.tokens("fork/dst") == PROMPT
@@ -155,14 +164,16 @@ def test_a_one_token_prompt_has_no_prompt_scores(runtime):
     ask = LogprobsAsk(top=2, prompt=True)
     verdict = runtime.drive(
         verify(
-            runtime,
-            "lp/one",
-            Prefix(0, 0),
-            PROMPT[:1],
-            DRAFT[:2],
-            None,
-            SamplingParams(),
-            logprobs=ask,
+            VerifyCall(
+                runtime,
+                "lp/one",
+                Prefix(0, 0),
+                PROMPT[:1],
+                DRAFT[:2],
+                None,
+                SamplingParams(),
+                logprobs=ask,
+            )
         )
     )
     assert verdict.prompt_logprobs.chosen.shape == (0,)

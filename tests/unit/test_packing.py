@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdec.common.config import ConfigError
+from specdec.common.settings import ConfigError
 from specdec.drafter.config import DrafterConfig
 from specdec.drafter.quantize import quantize_model
 from specdec.replica import packing

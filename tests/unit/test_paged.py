@@ -89,6 +89,43 @@ def test_rollback_and_prefix_reuse_drop_blocks_without_copying():
     assert _read(store, b) == [1, 2, 3, 4, 5, 40] and _read(store, a)[5] == 6
 
 
+def test_keep_path_gathers_the_accepted_nodes_in_either_store():
+    """SessionStore.keep_path after a tree's forward: the accepted nodes' KV and tokens
+    follow the tokens before the tree, the rest is rolled back; the paged store moves
+    slots within the session's blocks, the dense one within its DynamicCache."""
+    from transformers import DynamicCache
+
+    from specdec.replica.kvstore import CacheStore
+
+    before, nodes, path = [1, 2, 3, 4, 5], [10, 11, 12, 13, 14, 15], [1, 3, 4]
+    kept = [*before, *(nodes[i] for i in path)]
+    paged = _store()
+    a = paged.acquire("a", 0, 0, 20)
+    _feed(paged, a, before)
+    _feed(paged, a, nodes)  # the tree's forward: every node after the plain tokens
+    paged.keep_path(a, len(before), path)
+    assert a.tokens == kept and _read(paged, a) == kept
+    assert len(a.blocks) == -(-len(kept) // BS)  # the blocks past the path are dropped
+    again = paged.acquire("a", len(kept), prefix_hash(kept), 1)  # its prefix hash holds
+    assert again is a
+
+    dense = CacheStore(1000, DynamicCache)
+    d = dense.acquire("d", 0, 0, 20)
+    ids = torch.tensor([*before, *nodes], dtype=torch.float32)
+    for layer in range(2):  # what a forward writes: [1, heads, n, dim], the token id
+        kv = ids[None, None, :, None].expand(1, 2, len(ids), 3).clone()
+        d.kv.update(kv, kv.clone(), layer)
+    d.append([*before, *nodes])
+    dense.keep_path(d, len(before), path)
+    assert d.tokens == kept and d.kv.get_seq_length() == len(kept)
+    for layer in d.kv.layers:
+        assert layer.values[0, 0, :, 0].long().tolist() == kept
+        assert layer.keys[0, 1, :, 0].long().tolist() == kept
+    # A path that is the first nodes in order moves nothing: a rollback alone.
+    dense.keep_path(d, len(before), [0])
+    assert d.tokens == kept[: len(before) + 1] and d.kv.get_seq_length() == len(before) + 1
+
+
 def test_release_eviction_and_capacity_free_blocks():
     store = _store(max_tokens=24, blocks=4)
     a = store.acquire("a", 0, 0, 12)

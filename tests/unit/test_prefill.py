@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from specdec.common.prefix import prefix_hash
-from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.engine import Prefix
+from specdec.replica.runtime import ModelRuntime
 from specdec.verifier.config import VerifierConfig
 
 

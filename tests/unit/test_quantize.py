@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from specdec.cli import build_parser
-from specdec.common.config import ConfigError
+from specdec.common.settings import ConfigError
 from specdec.drafter.config import DrafterConfig
 from specdec.drafter.quantize import quantize_model, quantized_layers
 from specdec.drafter.runtime import DrafterRuntime
-from specdec.replica.runtime import Prefix
+from specdec.replica.engine import Prefix
 
 
 def drafter(*argv: str) -> DrafterConfig:

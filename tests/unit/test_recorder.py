@@ -138,7 +138,7 @@ def test_a_cut_last_line_is_skipped(tmp_path):
 
 
 def test_a_directory_that_cannot_be_made_stops_start_up(tmp_path):
-    from specdec.common.config import ConfigError
+    from specdec.common.settings import ConfigError
 
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -1,4 +1,4 @@
-"""The replica's queue, miss and cache accounting (specdec.common.metrics), on the real
+"""The replica's queue, miss and cache accounting (specdec.replica.metrics), on the real
 model-thread scheduler (specdec.replica.batching, plain calls: no model); the runtime is a
 stand-in holding only what the observer reads."""
 
@@ -12,8 +12,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from specdec.common.errors import CacheMiss
-from specdec.common.metrics import ReplicaObserver, note_cache, note_eviction, note_rollback
 from specdec.replica.batching import Scheduler
+from specdec.replica.metrics import ReplicaObserver, note_cache, note_eviction, note_rollback
 
 
 def value(name: str, **labels) -> float:

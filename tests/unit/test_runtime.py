@@ -10,8 +10,8 @@ import torch
 from specdec.common.errors import CacheMiss, CapacityExceeded, InvalidRequest
 from specdec.common.prefix import prefix_hash
 from specdec.drafter.config import DrafterConfig
-from specdec.replica.engine import Engine, Session, SessionStore
-from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.engine import Engine, Prefix, Session, SessionStore
+from specdec.replica.runtime import ModelRuntime
 from specdec.verifier.config import VerifierConfig
 
 

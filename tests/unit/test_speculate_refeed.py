@@ -8,9 +8,10 @@ import pytest
 from specdec.common.params import SamplingParams
 from specdec.common.prefix import prefix_hash
 from specdec.drafter.config import DrafterConfig
-from specdec.drafter.proposer import propose
-from specdec.drafter.speculate import BranchStore, speculate
-from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.drafter.proposer import DraftCall, propose
+from specdec.drafter.speculate import BranchStore, SpeculateCall, speculate
+from specdec.replica.engine import Prefix
+from specdec.replica.runtime import ModelRuntime
 
 CONTEXT = list(range(10, 40))
 K = 4
@@ -45,17 +46,19 @@ def _speculate(rt, store, session, prefix_len, seq, params):
     """Speculate for the draft at the end of seq, naming the first prefix_len as cached."""
     return rt.drive(
         speculate(
-            rt,
-            store,
-            session,
-            Prefix(prefix_len, prefix_hash(seq[:prefix_len])),
-            seq[prefix_len:],
-            K,
-            K,
-            params,
-            6,
-            0.7,
-            3,
+            SpeculateCall(
+                rt,
+                store,
+                session,
+                Prefix(prefix_len, prefix_hash(seq[:prefix_len])),
+                seq[prefix_len:],
+                K,
+                K,
+                params,
+                6,
+                0.7,
+                3,
+            )
         )
     )
 
@@ -64,7 +67,9 @@ def _speculate(rt, store, session, prefix_len, seq, params):
 def test_speculate_after_draft_feeds_one_token(drafter, fed, params):
     store = BranchStore()
     # A Draft (prefix fed whole), then Speculate the way the gateway sends it now.
-    draft = drafter.drive(propose(drafter, store, "s/new", Prefix(0, 0), CONTEXT, K, params))
+    draft = drafter.drive(
+        propose(DraftCall(drafter, store, "s/new", Prefix(0, 0), CONTEXT, K, params))
+    )
     assert draft.cached_length == len(CONTEXT) + K - 1
     assert fed == [len(CONTEXT), 1, 1, 1]  # the prefill, then d_1..d_3 one at a time
     seq = [*CONTEXT, *draft.tokens]
@@ -76,7 +81,7 @@ def test_speculate_after_draft_feeds_one_token(drafter, fed, params):
     # The same round the old way: the prefix ends before the draft, so the last context
     # token and the whole draft are fed again.
     old_store = BranchStore()
-    drafter.drive(propose(drafter, old_store, "s/old", Prefix(0, 0), CONTEXT, K, params))
+    drafter.drive(propose(DraftCall(drafter, old_store, "s/old", Prefix(0, 0), CONTEXT, K, params)))
     fed.clear()
     old = _speculate(drafter, old_store, "s/old", len(CONTEXT) - 1, seq, params)
     assert fed == [K + 1]
@@ -93,7 +98,9 @@ def test_without_the_drafts_rows_the_draft_is_fed_again(drafter, fed):
     session's own tokens, with the same branches."""
     params = SamplingParams()
     store = BranchStore()
-    draft = drafter.drive(propose(drafter, store, "s/lost", Prefix(0, 0), CONTEXT, K, params))
+    draft = drafter.drive(
+        propose(DraftCall(drafter, store, "s/lost", Prefix(0, 0), CONTEXT, K, params))
+    )
     seq = [*CONTEXT, *draft.tokens]
     assert store.pop_rows("s/lost") is not None
     fed.clear()
@@ -101,7 +108,9 @@ def test_without_the_drafts_rows_the_draft_is_fed_again(drafter, fed):
     assert fed == [K + 1]  # the last context token, d_1..d_3 from the cache, d_4
     assert store.refed_tokens == K
     reference_store = BranchStore()
-    drafter.drive(propose(drafter, reference_store, "s/ref", Prefix(0, 0), CONTEXT, K, params))
+    drafter.drive(
+        propose(DraftCall(drafter, reference_store, "s/ref", Prefix(0, 0), CONTEXT, K, params))
+    )
     ref = _speculate(drafter, reference_store, "s/ref", len(CONTEXT) - 1, seq, params)
     assert [(b.accepted, b.next_token, b.tokens) for b in again.branches] == [
         (b.accepted, b.next_token, b.tokens) for b in ref.branches

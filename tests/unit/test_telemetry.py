@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from specdec.common.config import ConfigError
+from specdec.common.settings import ConfigError
 from specdec.common.telemetry import TracingConfig
 from specdec.tools.otlpsink import OtlpReceiver
 

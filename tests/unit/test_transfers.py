@@ -20,17 +20,18 @@ from torch.overrides import TorchFunctionMode
 from specdec.common.params import SamplingParams
 from specdec.common.prefix import PrefixChain
 from specdec.drafter.config import DrafterConfig
-from specdec.drafter.proposer import propose
+from specdec.drafter.proposer import DraftCall, propose
 from specdec.drafter.runtime import DrafterRuntime
-from specdec.drafter.speculate import BranchStore, speculate
+from specdec.drafter.speculate import BranchStore, SpeculateCall, speculate
 from specdec.replica import host
 from specdec.replica.batching import BranchStep
+from specdec.replica.engine import Prefix
 from specdec.replica.logprobs import LogprobsAsk
-from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.runtime import ModelRuntime
 from specdec.replica.sampling import decode_probs
 from specdec.tools.bench.standin import build_standins
 from specdec.verifier.config import VerifierConfig
-from specdec.verifier.scorer import verify
+from specdec.verifier.scorer import VerifyCall, verify
 
 # Reads of a tensor's values on the host: each waits for the device.
 SYNCS = {
@@ -107,21 +108,27 @@ def counted(run):
 def test_verify_copies_once(runtimes, params, k):
     drafter, verifier = runtimes
     session = f"v/{k}/{params.greedy}"
-    draft = propose(drafter, BranchStore(), session, Prefix(0, 0), PROMPT, k, params) if k else None
+    draft = (
+        propose(DraftCall(drafter, BranchStore(), session, Prefix(0, 0), PROMPT, k, params))
+        if k
+        else None
+    )
     drafted = drafter.drive(draft) if k else None
     tokens = drafted.tokens if k else []
     probs = None
     if not params.greedy:  # what the verifier's servicer decodes (empty for k = 0)
         rows = [decode_probs(e, verifier.vocab_size) for e in drafted.probs] if k else []
         probs = torch.stack(rows) if rows else torch.empty(0, verifier.vocab_size)
-    job = verify(verifier, session, Prefix(0, 0), PROMPT, tokens, probs, params)
+    job = verify(VerifyCall(verifier, session, Prefix(0, 0), PROMPT, tokens, probs, params))
     verdict, counter = counted(lambda: verifier.drive(job))
     assert 0 <= verdict.accepted <= k
     assert counter.transfers == 1, counter.reads
     # Scores (logprobs, top_logprobs, the prompt's) travel in the same copy.
     ask = LogprobsAsk(top=3, prompt=True)
     job = verify(
-        verifier, session + "/lp", Prefix(0, 0), PROMPT, tokens, probs, params, logprobs=ask
+        VerifyCall(
+            verifier, session + "/lp", Prefix(0, 0), PROMPT, tokens, probs, params, logprobs=ask
+        )
     )
     scored, counter = counted(lambda: verifier.drive(job))
     assert scored.logprobs.chosen.shape == (scored.accepted + 1,)
@@ -134,7 +141,7 @@ def test_verify_copies_once(runtimes, params, k):
 def test_draft_copies_once_whatever_k(runtimes, params, k):
     drafter, _ = runtimes
     session = f"d/{k}/{params.greedy}"
-    job = propose(drafter, BranchStore(), session, Prefix(0, 0), PROMPT, k, params)
+    job = propose(DraftCall(drafter, BranchStore(), session, Prefix(0, 0), PROMPT, k, params))
     draft, counter = counted(lambda: drafter.drive(job))
     assert len(draft.tokens) == k and len(draft.probs) == (0 if params.greedy else k)
     assert counter.transfers == 1, counter.reads
@@ -149,11 +156,15 @@ def test_speculate_copies_twice(runtimes, params):
     the branches' length."""
     drafter, _ = runtimes
     session, store, k = f"s/{params.greedy}", BranchStore(), 4
-    draft = drafter.drive(propose(drafter, store, session, Prefix(0, 0), PROMPT, k, params))
+    draft = drafter.drive(
+        propose(DraftCall(drafter, store, session, Prefix(0, 0), PROMPT, k, params))
+    )
     seq = [*PROMPT, *draft.tokens]
     n = draft.cached_length
     prefix = Prefix(n, PrefixChain().hash(seq, n))
-    job = speculate(drafter, store, session, prefix, seq[n:], k, 4, params, 6, 0.7, 3)
+    job = speculate(
+        SpeculateCall(drafter, store, session, prefix, seq[n:], k, 4, params, 6, 0.7, 3)
+    )
     result, counter = counted(lambda: drafter.drive(job))
     assert len(result.branches) == 6 and all(len(b.tokens) == 4 for b in result.branches)
     assert counter.transfers == 2, counter.reads
@@ -164,11 +175,13 @@ def test_batched_draft_steps_take_device_tokens(runtimes):
     thread's scheduler does): still one copy each, and the same drafts as alone."""
     drafter, _ = runtimes
     alone = [
-        drafter.drive(propose(drafter, BranchStore(), f"b/alone/{i}", Prefix(0, 0), p, 4, GREEDY))
+        drafter.drive(
+            propose(DraftCall(drafter, BranchStore(), f"b/alone/{i}", Prefix(0, 0), p, 4, GREEDY))
+        )
         for i, p in enumerate((PROMPT, PROMPT[:4]))
     ]
     jobs = [
-        propose(drafter, BranchStore(), f"b/batch/{i}", Prefix(0, 0), p, 4, GREEDY)
+        propose(DraftCall(drafter, BranchStore(), f"b/batch/{i}", Prefix(0, 0), p, 4, GREEDY))
         for i, p in enumerate((PROMPT, PROMPT[:4]))
     ]
     with TransferCounter() as counter:

@@ -13,9 +13,9 @@ from transformers import AutoModelForCausalLM
 
 from specdec.common.params import SamplingParams
 from specdec.common.prefix import prefix_hash
-from specdec.drafter.proposer import propose
+from specdec.drafter.proposer import DraftCall, propose
 from specdec.drafter.speculate import BranchStore
-from specdec.replica.runtime import Prefix
+from specdec.replica.engine import Prefix
 from specdec.replica.sampling import decode_probs, warp
 from tests.unit import test_speculate_refeed as refeed
 
@@ -44,16 +44,18 @@ def _path(tokens: list[int], parents: list[int], node: int) -> list[int]:
 def _draft(rt, session: str, params: SamplingParams, nodes: int, depth: int):
     return rt.drive(
         propose(
-            rt,
-            BranchStore(),
-            session,
-            Prefix(0, prefix_hash([])),
-            CONTEXT,
-            K,
-            params,
-            tree_nodes=nodes,
-            tree_width=3,
-            tree_depth=depth,
+            DraftCall(
+                rt,
+                BranchStore(),
+                session,
+                Prefix(0, prefix_hash([])),
+                CONTEXT,
+                K,
+                params,
+                tree_nodes=nodes,
+                tree_width=3,
+                tree_depth=depth,
+            )
         )
     )
 

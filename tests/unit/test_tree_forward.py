@@ -1,6 +1,6 @@
 """A token tree's forward (ModelRuntime._forward_tree, and a tree row in a batched forward
 on the dense and paged engines) and the accepted path's cache
-(specdec.verifier.scorer.keep_path) against plain chain forwards of each path, fp32."""
+(SessionStore.keep_path, specdec.replica.kvstore and paged) against plain chain forwards of each path, fp32."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch
 from specdec.common.errors import InvalidRequest
 from specdec.common.prefix import prefix_hash
 from specdec.replica.batching import ForwardRequest
-from specdec.replica.runtime import Prefix
+from specdec.replica.engine import Prefix
 from specdec.replica.sampling import SamplingParams
 from specdec.v1 import verifier_pb2
-from specdec.verifier.scorer import verify
+from specdec.verifier.scorer import VerifyCall, verify
 from specdec.verifier.server import tree_parents
 from tests.unit import test_paged, test_runtime
 
@@ -67,14 +67,16 @@ def test_greedy_tree_keeps_the_accepted_path(runtime_fixture, target_path):
             if on and nodes[node] in [nodes[n] for n in target_path]:
                 nodes[node] = (nodes[node] + 1) % 100
     job = verify(
-        rt,
-        session_id,
-        Prefix(0, prefix_hash([])),
-        PROMPT,
-        nodes,
-        None,
-        SamplingParams(temperature=0.0),
-        draft_parents=parents,
+        VerifyCall(
+            rt,
+            session_id,
+            Prefix(0, prefix_hash([])),
+            PROMPT,
+            nodes,
+            None,
+            SamplingParams(temperature=0.0),
+            draft_parents=parents,
+        )
     )
     verdict = rt.drive(job)
     expected = _greedy_walk(rt, nodes, parents)
@@ -155,10 +157,10 @@ def test_tree_row_in_a_batch_and_its_path_kept(engines, engine):
     for node in (0, 6):  # the root's other children: not the argmax
         if nodes[node] == nodes[3]:
             nodes[node] = (nodes[node] + 1) % 100
-    job = verify(
+    job = verify(VerifyCall(
         rt, "batch/v", Prefix(0, prefix_hash([])), PROMPT, nodes, None,
         SamplingParams(temperature=0.0), draft_parents=list(PARENTS),
-    )  # fmt: skip
+    ))  # fmt: skip
     verdict = rt.drive(job)
     assert verdict.path[:2] == [3, 4]
     session = rt.store._sessions["batch/v"]

@@ -1,5 +1,6 @@
 """Sampling parameters as the replicas apply them: the request's Sampling
-(specdec.sdk.request, defined once), every field set and validated."""
+(specdec.sdk.request, defined once), every field set and validated; and the request limits
+the gateway and the replicas both check."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from specdec.v1 import common_pb2
 
 __all__ = [
     "GREEDY_BELOW",
+    "MAX_FAN_OUT",
     "MAX_TOP_K",
     "MAX_TOP_LOGPROBS",
+    "MAX_TREE_WIDTH",
     "SamplingParams",
     "resolved_sampling",
     "sampling_from_proto",
@@ -21,6 +24,9 @@ __all__ = [
 # Largest top_logprobs a request may ask for (OpenAI's chat limit; vLLM's default): the
 # gateway's request limit and the verifier's (specdec.replica.logprobs).
 MAX_TOP_LOGPROBS = 20
+MAX_FAN_OUT = 64  # SSD branches per round (drafter and gateway settings, Speculate requests)
+# Children of a token tree's node (SpeculationParams.tree_width, DraftRequest.tree_width).
+MAX_TREE_WIDTH = 8
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,7 @@ class RefuseMalformed(grpc.aio.ServerInterceptor):
 def status_of(e: Exception, method_name: str) -> tuple[grpc.StatusCode, str]:
     """The status code and message a failed call answers: a SpecdecError's own, anything
     else INTERNAL (logged with its traceback). The gRPC servicers (`rpc_errors`) and the
-    data plane (specdec.common.dataplane) both answer through it."""
+    data plane (specdec.replica.dataplane) both answer through it."""
     if isinstance(e, SpecdecError):
         return e.code, e.details
     log.exception("unexpected error in %s", method_name, exc_info=e)
@@ -170,7 +170,7 @@ def stream_rpc_errors(method):
 
 
 class DataPlane(Protocol):
-    """What `serve` needs of a replica's data plane (specdec.common.dataplane)."""
+    """What `serve` needs of a replica's data plane (specdec.replica.dataplane)."""
 
     port: int
 
@@ -223,7 +223,7 @@ async def serve(
     while the model loads; `ready()` then loads it and health turns SERVING.
     health_port: also serve the same health status, and nothing else, in plaintext on
     this port (probes that cannot speak the main port's TLS).
-    data_plane: a replica's data plane (specdec.common.dataplane), already listening: its
+    data_plane: a replica's data plane (specdec.replica.dataplane), already listening: its
     port is logged with the gRPC port's, and it stops gracefully beside the gRPC server.
     """
     server = grpc.aio.server(

@@ -36,7 +36,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from specdec.common.config import ConfigError
+from specdec.common.settings import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from prometheus_client import Gauge
 
-from specdec.common.config import ConfigError
+from specdec.common.settings import ConfigError
 
 VERSION_FILE = "specdec_version.json"
 # What a version id may hold: it goes into metric labels, flags and file names.

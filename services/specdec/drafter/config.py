@@ -6,18 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from specdec.common.config import (
-    LLAMA_CPP,
-    MAX_FAN_OUT,
-    ConfigError,
-    ReplicaConfig,
-    invalid,
-    non_negative,
-    one_of,
-    positive,
-    setting,
-)
+from specdec.common.params import MAX_FAN_OUT
+from specdec.common.settings import ConfigError, invalid, non_negative, one_of, positive, setting
 from specdec.drafter.quantize import QUANTIZE_MODES, check_quantize
+from specdec.replica.config import LLAMA_CPP, ReplicaConfig
 
 # How Speculate ranks verification outcomes (--ssd-outcomes; specdec.drafter.speculate).
 CONFIDENCE = "confidence"  # d_i accepted with the drafter's own probability of it

@@ -40,10 +40,9 @@ from specdec.drafter.speculate import (
     take_prepared,
 )
 from specdec.replica.batching import Request
-from specdec.replica.engine import Engine, Session, arguments
+from specdec.replica.engine import Engine, Prefix, Session
 from specdec.replica.host import to_host
 from specdec.replica.processors import TokenCounts
-from specdec.replica.runtime import Prefix
 from specdec.replica.sampling import EncodedProbs, SamplingParams, encoded_rows, one_hot_encoded
 
 
@@ -59,57 +58,59 @@ class Draft:
 
 @dataclass(frozen=True)
 class DraftCall:
-    """A validated Draft: the arguments of `propose`."""
+    """A validated Draft, what `propose` drafts: k tokens after prefix + new_tokens of the
+    session, each step under params and the request's logits processors (controls).
+    fork_from: start the session as a copy of that session's cache (SessionStore.acquire).
+    tree_nodes > 0: the draft grows into a tree of up to tree_nodes more nodes, at most
+    tree_width children per node (`plan`), the best leaves continued by tree_depth drawn
+    tokens (`continue_leaves`). branches: the replica's prepared SSD branches and kept
+    draft rows (specdec.drafter.speculate)."""
 
     runtime: Engine
     branches: BranchStore
     session_id: str
     prefix: Prefix
-    new_tokens: list[int]
+    new_tokens: Sequence[int]
     k: int
     params: SamplingParams
-    controls: Controls | None
-    fork_from: str
+    controls: Controls | None = None
+    fork_from: str = ""
     tree_nodes: int = 0
     tree_width: int = 1
     tree_depth: int = 0
 
     def job(self) -> Generator[Request, torch.Tensor, Draft]:
-        return propose(**arguments(self))
+        return propose(self)
 
 
-def propose(
-    runtime: Engine,
-    branches: BranchStore,
-    session_id: str,
-    prefix: Prefix,
-    new_tokens: Sequence[int],
-    k: int,
-    params: SamplingParams,
-    controls: Controls | None = None,
-    fork_from: str = "",
-    tree_nodes: int = 0,
-    tree_width: int = 1,
-    tree_depth: int = 0,
-) -> Generator[Request, torch.Tensor, Draft]:
-    """Draft k tokens after prefix + new_tokens (a job for the model thread,
-    `Engine.run`), each step under the request's logits processors (controls).
+def propose(call: DraftCall) -> Generator[Request, torch.Tensor, Draft]:
+    """Draft the call's k tokens (see DraftCall): a job for the model thread
+    (`Engine.run`).
 
     If Speculate prepared a draft for exactly this sequence it is returned without a
     forward and the cache stays at the prefix. Otherwise the cache ends holding
     prefix + new_tokens + d_1..d_{k-1}: d_k is only fed if it is accepted, in the next
     request's new tokens (or by the Speculate that follows, which then reuses the logits
-    kept here instead of feeding d_1..d_{k-1} again). fork_from: start the session as a
-    copy of that session's cache (CacheStore.acquire). tree_nodes > 0: the draft grows
-    into a tree of up to tree_nodes more nodes, at most tree_width children per node
-    (`plan`), the best leaves continued by tree_depth drawn tokens
-    (`continue_leaves`); a prepared draft stays a chain.
+    kept here instead of feeding d_1..d_{k-1} again). A tree's nodes leave the cache as it
+    is; a prepared draft stays a chain.
     """
+    runtime, branches, session_id, prefix = (
+        call.runtime,
+        call.branches,
+        call.session_id,
+        call.prefix,
+    )
+    new_tokens, k, params, controls = call.new_tokens, call.k, call.params, call.controls
+    tree_nodes, tree_width, tree_depth = call.tree_nodes, call.tree_width, call.tree_depth
     with runtime.guarded(session_id):
         started = time.perf_counter()
         branches.pop_rows(session_id)
         session = runtime.ready_store.acquire(
-            session_id, prefix.length, prefix.hash, len(new_tokens) + k - 1, fork_from=fork_from
+            session_id,
+            prefix.length,
+            prefix.hash,
+            len(new_tokens) + k - 1,
+            fork_from=call.fork_from,
         )
         hit = take_prepared(branches, session_id, session, new_tokens, k, params, controls)
         if hit is not None:

@@ -14,13 +14,12 @@ import logging
 
 import torch
 
-from specdec.common.config import ConfigError
+from specdec.common.settings import ConfigError
 from specdec.drafter.config import DrafterConfig
 from specdec.drafter.quantize import quantize_model
 from specdec.drafter.vocab import (
     VOCAB_FLAG,
     ReducedHead,
-    check_head,
     read_ranking,
     subset_ids,
     where,
@@ -64,7 +63,7 @@ class DrafterRuntime(ModelRuntime):
                 f"{type(layer).__name__}, not a linear layer; a reduced vocabulary needs one"
             )
         self.head = ReducedHead(layer, ids, self.vocab_size)
-        check_head(self)
+        self._check_head()
         log.info(
             "reduced draft vocabulary",
             extra={
@@ -73,3 +72,25 @@ class DrafterRuntime(ModelRuntime):
                 "source": cfg.draft_vocab_file or "token id order",
             },
         )
+
+    @torch.inference_mode()
+    def _check_head(self) -> None:
+        """Refuse a model whose logits are not its base's last hidden state times the
+        output layer (final soft-capping, logit scaling): one short forward both ways must
+        agree on the subset's entries, up to the rounding of the model's dtype."""
+        head = self.head
+        assert isinstance(head, ReducedHead)
+        ids = torch.tensor([[int(head.ids[0]), int(head.ids[-1])]], device=self.device)  # [1, 2]
+        full = self.model(input_ids=ids, use_cache=False).logits[0].float()  # [2, vocab]
+        hidden = self.model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+        reduced = head(hidden[0])  # [2, vocab]
+        expected = full[:, head.ids]
+        got = reduced[:, head.ids]
+        scale = float(expected.abs().max()) or 1.0
+        tolerance = 1e-5 if self.model.dtype == torch.float32 else 2e-2
+        if float((got - expected).abs().max()) > tolerance * scale:
+            raise ConfigError(
+                f"{where(VOCAB_FLAG)}: {self.config.model}'s logits are not its last hidden "
+                "state times its output layer (soft-capping or scaling?); a reduced draft "
+                "vocabulary would change its distribution, so it is refused"
+            )

@@ -2,7 +2,7 @@
 
 Each method is a request -> validated model call (`draft_call`, `speculate_call`) and a
 result -> response function: the gRPC methods and the data plane
-(specdec.common.dataplane) both answer through them."""
+(specdec.replica.dataplane) both answer through them."""
 
 from __future__ import annotations
 
@@ -11,11 +11,9 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from specdec.common.config import MAX_FAN_OUT, MAX_TREE_WIDTH
 from specdec.common.controls import controls_from_proto
 from specdec.common.errors import InvalidRequest
-from specdec.common.metrics import observed_rpc
-from specdec.common.params import sampling_from_proto
+from specdec.common.params import MAX_FAN_OUT, MAX_TREE_WIDTH, sampling_from_proto
 from specdec.common.serving import rpc_errors
 from specdec.drafter.config import DrafterConfig
 from specdec.drafter.proposer import DraftCall
@@ -23,6 +21,7 @@ from specdec.drafter.runtime import DrafterRuntime
 from specdec.drafter.speculate import BranchStore, SpeculateCall
 from specdec.replica.convert import encoded_to_proto, prefix_from_proto
 from specdec.replica.engine import Engine
+from specdec.replica.metrics import observed_rpc
 from specdec.replica.replica import ModelCall, ReplicaServicer, check_fork, run_replica
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 

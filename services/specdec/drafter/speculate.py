@@ -64,10 +64,9 @@ from specdec.common.prefix import prefix_hash
 from specdec.drafter.config import CONFIDENCE, GEOMETRIC, OUTCOME_MODELS
 from specdec.drafter.sampler import Sampler, sampler_for
 from specdec.replica.batching import BranchGroup, BranchStep, ForwardRequest, Request
-from specdec.replica.engine import Engine, Session, arguments
+from specdec.replica.engine import Engine, Prefix, Session
 from specdec.replica.host import to_host
 from specdec.replica.processors import TokenCounts, verify_logits
-from specdec.replica.runtime import Prefix
 from specdec.replica.sampling import EncodedProbs, SamplingParams, encoded_rows, warp
 
 MAX_PREPARED_SESSIONS = 32
@@ -160,52 +159,43 @@ class Speculation:
 
 @dataclass(frozen=True)
 class SpeculateCall:
-    """A validated Speculate: the arguments of `speculate`."""
+    """A validated Speculate, what `speculate` prepares: branches of branch_k tokens for
+    the k-token draft that ends prefix + new_tokens (which holds at least k + 1 tokens);
+    new_tokens may start inside the draft when the session's last Draft cached its
+    beginning (see the module docstring). fan_out, alpha, max_per_outcome, outcomes: which
+    outcomes get a branch (`rank_outcomes`).
+
+    max_branch_tokens (0: unbounded) bounds the branch rows' KV, one copy of the session's
+    KV per branch in each of their forwards: fan_out shrinks to what fits, down to no
+    branch. controls: the request's logits processors, applied to the ranking rows (with
+    the draft up to each) and to every branch step (with the branch's own tokens). store:
+    where the prepared branches stay (and the last Draft's rows are taken from)."""
 
     runtime: Engine
     store: BranchStore
     session_id: str
     prefix: Prefix
-    new_tokens: list[int]
+    new_tokens: Sequence[int]
     k: int
     branch_k: int
     params: SamplingParams
     fan_out: int
     alpha: float
     max_per_outcome: int
-    max_branch_tokens: int
-    controls: Controls | None
-    outcomes: str
+    max_branch_tokens: int = 0
+    controls: Controls | None = None
+    outcomes: str = CONFIDENCE
 
     def job(self) -> Generator[Request, torch.Tensor, Speculation]:
-        return speculate(**arguments(self))
+        return speculate(self)
 
 
-def speculate(
-    runtime: Engine,
-    store: BranchStore,
-    session_id: str,
-    prefix: Prefix,
-    new_tokens: Sequence[int],
-    k: int,
-    branch_k: int,
-    params: SamplingParams,
-    fan_out: int,
-    alpha: float,
-    max_per_outcome: int,
-    max_branch_tokens: int = 0,
-    controls: Controls | None = None,
-    outcomes: str = CONFIDENCE,
-) -> Generator[Request, torch.Tensor, Speculation]:
-    """Prepare next-round drafts for the draft at the end of prefix + new_tokens (a job for
-    the model thread, `Engine.run`): branches of branch_k tokens for the k-token draft
-    that ends prefix + new_tokens (which holds at least k + 1 tokens); new_tokens may start inside the draft when the session's last Draft cached
-    its beginning (see the module docstring).
-
-    max_branch_tokens (0: unbounded) bounds the branch rows' KV, one copy of the session's
-    KV per branch in each of their forwards: fan_out shrinks to what fits, down to no
-    branch. controls: the request's logits processors, applied to the ranking rows (with
-    the draft up to each) and to every branch step (with the branch's own tokens)."""
+def speculate(call: SpeculateCall) -> Generator[Request, torch.Tensor, Speculation]:
+    """Prepare next-round drafts for the draft at the end of prefix + new_tokens (see
+    SpeculateCall): a job for the model thread (`Engine.run`)."""
+    runtime, store, session_id, prefix = call.runtime, call.store, call.session_id, call.prefix
+    new_tokens, k, branch_k, params = call.new_tokens, call.k, call.branch_k, call.params
+    controls = call.controls
     with runtime.guarded(session_id):
         started = time.perf_counter()
         store.pop(session_id)
@@ -220,9 +210,10 @@ def speculate(
         draft = session.tokens[base:]
         rows = verify_logits(controls, session.tokens[:base], draft, rows)
         ranking = rows.softmax(-1) if params.greedy else warp(rows, params)
-        fan_out = min(fan_out, branch_budget(max_branch_tokens, len(session.tokens), branch_k))
+        budget = branch_budget(call.max_branch_tokens, len(session.tokens), branch_k)
+        fan_out = min(call.fan_out, budget)
         keys = (
-            rank_outcomes(ranking, draft, alpha, fan_out, max_per_outcome, outcomes)
+            rank_outcomes(ranking, draft, call.alpha, fan_out, call.max_per_outcome, call.outcomes)
             if fan_out
             else []
         )

@@ -27,8 +27,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.common.config import ConfigError, env_name
-from specdec.replica.runtime import ModelRuntime
+from specdec.common.settings import ConfigError, env_name
 
 log = logging.getLogger(__name__)
 
@@ -123,26 +122,3 @@ class ReducedHead:
         out = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"), dtype=torch.float32)
         out[..., self.ids] = sub.float()  # [..., vocab]
         return out
-
-
-@torch.inference_mode()
-def check_head(runtime: ModelRuntime) -> None:
-    """Refuse a model whose logits are not its base's last hidden state times the output
-    layer (final soft-capping, logit scaling): one short forward both ways must agree on
-    the subset's entries, up to the rounding of the model's dtype."""
-    head = runtime.head
-    assert isinstance(head, ReducedHead)
-    ids = torch.tensor([[int(head.ids[0]), int(head.ids[-1])]], device=runtime.device)  # [1, 2]
-    full = runtime.model(input_ids=ids, use_cache=False).logits[0].float()  # [2, vocab]
-    hidden = runtime.model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
-    reduced = head(hidden[0])  # [2, vocab]
-    expected = full[:, head.ids]
-    got = reduced[:, head.ids]
-    scale = float(expected.abs().max()) or 1.0
-    tolerance = 1e-5 if runtime.model.dtype == torch.float32 else 2e-2
-    if float((got - expected).abs().max()) > tolerance * scale:
-        raise ConfigError(
-            f"{where(VOCAB_FLAG)}: {runtime.config.model}'s logits are not its last hidden "
-            "state times its output layer (soft-capping or scaling?); a reduced draft "
-            "vocabulary would change its distribution, so it is refused"
-        )

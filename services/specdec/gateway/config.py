@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from specdec.common.config import (
-    MAX_FAN_OUT,
+from specdec.common.params import MAX_FAN_OUT, MAX_TOP_LOGPROBS
+from specdec.common.settings import (
     ConfigError,
     add_settings,
     env_name,
@@ -18,7 +18,6 @@ from specdec.common.config import (
     setting,
     settings_group,
 )
-from specdec.common.params import MAX_TOP_LOGPROBS
 from specdec.common.tls import (
     ClientTls,
     ReplicaTlsSettings,

@@ -1,6 +1,6 @@
 """The gateway's end of the data plane: `DataPlaneTransport`, a specdec.gateway.transport
 `Transport` over one persistent TCP connection to a replica's data port (the protocol:
-protos/specdec/v1/dataplane.proto; the replica's end: specdec.common.dataplane).
+protos/specdec/v1/dataplane.proto; the replica's end: specdec.replica.dataplane).
 
 One asyncio Protocol per connection: each call gets an id and a future, its DataCall frame
 is written at once (TCP_NODELAY), and `data_received` parses the replies as they come and
@@ -76,7 +76,7 @@ class DataPlaneSettings:
     plaintext), the name checked in their certificates ("": the address's host), and the
     connection's liveness, reconnect and buffer bounds (seconds, bytes; see the module
     docstring). A replica answers pings during a forward too (a pong waits at most about
-    0.5 s: specdec.common.dataplane)."""
+    0.5 s: specdec.replica.dataplane)."""
 
     tls: ssl.SSLContext | None = None
     server_name: str = ""

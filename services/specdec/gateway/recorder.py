@@ -42,8 +42,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from specdec.common.config import ConfigError
 from specdec.common.params import SamplingParams
+from specdec.common.settings import ConfigError
 from specdec.gateway import metrics
 from specdec.gateway.outcome import Outcome
 from specdec.v1 import common_pb2

@@ -11,7 +11,7 @@ One trace per request (under the caller's context when its metadata carries
         specdec.v1.VerifierService/Verify       CLIENT  (a cache miss or a failover shows as a
                                                          failed attempt, then the resend)
 
-The replicas' SERVER spans (specdec.common.metrics.observed_rpc) hang under these CLIENT
+The replicas' SERVER spans (specdec.replica.metrics.observed_rpc) hang under these CLIENT
 spans. With tracing off (no OTLP endpoint) every helper here is a flag check; the round
 latency histogram is recorded either way.
 """

@@ -79,7 +79,7 @@ model's own forward over its rows, as it did).
 Waking up. The loop sleeps in a selector (`Poller`), never on a condition variable: a
 `submit` from another thread (the gRPC servicers' event loop) wakes it through a socket
 pair, and sockets registered on `Scheduler.io` (the data plane's connections,
-specdec.common.dataplane) wake it directly, their callbacks running on the model thread
+specdec.replica.dataplane) wake it directly, their callbacks running on the model thread
 itself. Between two forwards the loop polls the selector without blocking, so a call read
 from a socket joins the next forward.
 """

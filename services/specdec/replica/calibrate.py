@@ -55,8 +55,8 @@ from typing import Any
 
 import torch
 
-from specdec.common.cpus import cpu_info, thread_budget
 from specdec.replica import packing
+from specdec.replica.cpus import cpu_info, thread_budget
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 
 from specdec.common.errors import InvalidRequest
+from specdec.replica.engine import Prefix
 from specdec.replica.masks import InvalidMask, decode_mask, stack_masks
-from specdec.replica.runtime import Prefix
 from specdec.replica.sampling import EncodedProbs, InvalidDistribution, decode_probs
 from specdec.v1 import common_pb2
 

@@ -23,8 +23,18 @@ job to the model thread (`Engine.run`, or `Engine.submit` from the data plane): 
   tokens it feeds and returns their last `keep` logits; SSD branches yield `BranchStep`s
   of a `BranchGroup` over the session (specdec.drafter.speculate). The scheduler batches
   the forwards of concurrent jobs of different sessions into one;
-- rolls rejected tokens back (`SessionStore.truncate`) and fills in tokens it fed from the
-  device once it has copied them to the host (`SessionStore.fill`).
+- rolls rejected tokens back (`SessionStore.truncate`), keeps a token tree's accepted path
+  (`SessionStore.keep_path`) and fills in tokens it fed from the device once it has
+  copied them to the host (`SessionStore.fill`).
+
+What a store owns. Every operation on a session's KV is a method of its store: acquire
+(prefix reuse, CacheMiss, the capacity bound, LRU eviction), fork, truncate (rollback),
+keep_path, fill, release and held (eviction passes over a session a job works on). A job
+names no store class and never touches a session's KV itself: it reads `Session.tokens`
+and `chain` and calls these, so another store (another engine's) plugs in under the same
+jobs. What the transformers engine's forwards need beyond that (the cache a batched
+forward runs on, the write-back after it, whether one session's forward runs on its own
+cache) is `TransformersStore`, which both of its stores implement.
 
 `Engine.release` drops a session (Release); `SessionStore.cached_tokens`, `len()` and
 `max_cached_tokens` are the cache's occupancy (Info, metrics).
@@ -35,25 +45,34 @@ Torch-free at import: torch's types are named only under TYPE_CHECKING.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
+    from transformers.cache_utils import Cache
 
-    from specdec.common.config import ReplicaConfig
     from specdec.common.cost import Line
-    from specdec.common.metrics import ReplicaObserver
     from specdec.common.prefix import PrefixChain
-    from specdec.replica.batching import ForwardRequest, Scheduler
+    from specdec.replica.batching import ForwardRequest, Layout, Scheduler
     from specdec.replica.compiled import Compiled
-    from specdec.replica.kvstore import Prefix
+    from specdec.replica.config import ReplicaConfig
+    from specdec.replica.metrics import ReplicaObserver
     from specdec.sdk.request import Sampling
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """The cached prefix a request builds on: its length and its chained hash
+    (specdec.common.prefix.prefix_hash; PrefixRef on the wire)."""
+
+    length: int
+    hash: int
 
 
 @runtime_checkable
@@ -71,7 +90,10 @@ S = TypeVar("S", bound=Session)
 
 @runtime_checkable
 class SessionStore(Protocol[S]):
-    """The sessions' KV caches (CacheStore), bounded in cached tokens. Model thread only."""
+    """The sessions' KV caches, bounded in cached tokens, and every operation on a session's
+    KV: a job and a servicer change a session only through these, so a store is the whole
+    of what an engine keeps per session (the dense `CacheStore`, the paged `PagedStore`).
+    Model thread only."""
 
     max_cached_tokens: int
 
@@ -96,15 +118,64 @@ class SessionStore(Protocol[S]):
         for grow_by more tokens: a fresh one for prefix_len 0, CacheMiss when it holds other
         tokens, CapacityExceeded when prefix_len + grow_by exceeds max_cached_tokens; the
         least recently used other sessions are evicted to make room. fork_from: first make
-        the session a copy of that session's first prefix_len tokens."""
+        the session a copy of that session's first prefix_len tokens (`fork`)."""
+        ...
+
+    def fork(self, source_id: str, session_id: str, length: int) -> S:
+        """session_id becomes a copy of source_id's first `length` tokens and their KV
+        (whatever it held is dropped); CacheMiss when the source does not hold them."""
         ...
 
     def truncate(self, session: S, length: int) -> None:
         """Roll the session back to its first `length` tokens (rejected drafts)."""
         ...
 
+    def keep_path(self, session: S, base: int, path: Sequence[int]) -> None:
+        """After a forward over a token tree (its nodes' KV at positions base.., in node
+        order), keep only the accepted path: the KV and tokens of nodes path[0], path[1],
+        ... moved to positions base, base + 1, ..., the rest rolled back, so the session
+        ends holding base + len(path) tokens."""
+        ...
+
     def fill(self, session: S, tokens: Sequence[int]) -> None:
         """The values of the session's last len(tokens) tokens, fed from the device."""
+        ...
+
+    def release(self, session_id: str) -> bool:
+        """Drop the session and its KV; whether there was one."""
+        ...
+
+    def held(self, session_id: str) -> AbstractContextManager[None]:
+        """Around a job's work on its session: eviction may pass over it meanwhile."""
+        ...
+
+
+@runtime_checkable
+class TransformersStore(SessionStore[S], Protocol[S]):
+    """A store of the transformers engine (ModelRuntime): also what its forwards need of
+    the sessions' KV. A batched forward runs the model over a transformers ``Cache`` the
+    store makes for the batch's `Layout` (specdec.replica.batching), and the store takes
+    the rows' new keys/values back after it."""
+
+    # Whether a forward of one session's request alone runs the model's plain forward on
+    # the session's own cache (`session.kv`, which the model updates in place): the dense
+    # store's fast path, no layout, no copy. Otherwise even one row goes through
+    # `batch_cache`.
+    own_cache_forward: bool
+
+    def batch_cache(self, layout: Layout, model_config: Any) -> Cache:
+        """The cache the model's forward over `layout`'s rows runs on (model_config: the
+        model's transformers config)."""
+        ...
+
+    def after_batch(self, cache: Cache, layout: Layout) -> None:
+        """After that forward: the rows' new keys/values and tokens are their sessions'
+        (a branch row's, its group's)."""
+        ...
+
+    def kv_footprint(self) -> dict[str, int]:
+        """What the sessions' KV holds now: `kv_bytes` (the resident keys/values), and
+        what else the store counts (the paged store's blocks)."""
         ...
 
 
@@ -198,9 +269,3 @@ class Engine(Protocol[S]):
     def release(self, session_id: str) -> bool:
         """Drop the session's cache; whether there was one."""
         ...
-
-
-def arguments(call: Any) -> dict[str, Any]:
-    """A typed call object's fields (a dataclass, e.g. DraftCall) as the keyword arguments
-    of the function whose job it stands for: one name for each, no positional copy."""
-    return {f.name: getattr(call, f.name) for f in dataclasses.fields(call)}

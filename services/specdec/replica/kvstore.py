@@ -2,11 +2,15 @@
 
 The dense engine's store: a session's cache is a transformers ``DynamicCache`` with the
 tokens it holds; rollback of rejected draft tokens is a crop, a cache miss a dict lookup,
-eviction dropping one object, a fork a deep copy. `CacheStore` bounds the tokens cached
-over all sessions (least recently used go first); the paged engine's store
-(specdec.replica.paged.PagedStore) keeps all of that and overrides the four KV operations
-(`_new_session`, `_copy`, `_crop`, `_drop`) with block operations. Everything here runs on
-the replica's model thread (specdec.replica.runtime), so it needs no locks.
+eviction dropping one object, a fork a deep copy, keeping a token tree's accepted path a
+gather of its slots. `CacheStore` bounds the tokens cached over all sessions (least
+recently used go first) and implements every operation on a session
+(specdec.replica.engine.SessionStore), and what a forward needs of the sessions' KV
+(`TransformersStore`: the batch's cache, the write-back after it). The paged engine's
+store (specdec.replica.paged.PagedStore) keeps all of that and overrides the KV
+operations (`_new_session`, `_copy`, `_crop`, `_drop`, `_gather`) and the batch's cache
+with block operations. Everything here runs on the replica's model thread
+(specdec.replica.runtime), so it needs no locks.
 """
 
 from __future__ import annotations
@@ -18,13 +22,18 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from specdec.common.errors import CACHE_MISS_PREFIX, CacheMiss, CapacityExceeded
-from specdec.common.metrics import note_cache, note_eviction, note_fork, note_rollback
 from specdec.common.prefix import PrefixChain
+from specdec.replica.metrics import note_cache, note_eviction, note_fork, note_rollback
+
+if TYPE_CHECKING:
+    from transformers.cache_utils import Cache
+
+    from specdec.replica.batching import Layout
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +66,9 @@ class CacheStore:
 
     Only ever used from the runtime's executor thread.
     """
+
+    # A session's request alone runs on its own DynamicCache (TransformersStore).
+    own_cache_forward = True
 
     def __init__(self, max_cached_tokens: int, new_cache: Callable[[], object] | None = None):
         self.max_cached_tokens = max_cached_tokens
@@ -157,6 +169,17 @@ class CacheStore:
             session.chain.crop(length)
             note_rollback(drop)
 
+    @torch.inference_mode()
+    def keep_path(self, session: SessionCache, base: int, path: Sequence[int]) -> None:
+        """After a tree forward (the nodes' slots from `base` on, in node order), keep only
+        the accepted path: its nodes' keys/values and tokens gathered to slots base..
+        base + len(path) (`_gather`), the rest rolled back (`truncate`)."""
+        if path and list(path) != list(range(len(path))):
+            sources = [base + i for i in path]
+            self._gather(session, sources, base)
+            session.tokens[base : base + len(path)] = [session.tokens[i] for i in sources]
+        self.truncate(session, base + len(path))
+
     def release(self, session_id: str) -> bool:
         session = self._sessions.pop(session_id, None)
         if session is None:
@@ -204,6 +227,37 @@ class CacheStore:
         """The session leaves the store (released, evicted or replaced): nothing to free
         here, its DynamicCache goes with it."""
 
+    def _gather(self, session: SessionCache, sources: list[int], base: int) -> None:
+        """The KV of the session's positions `sources` copied to positions base,
+        base + 1, ... (in every layer; sources are all >= base)."""
+        src = torch.tensor(sources, dtype=torch.long)
+        dst = torch.arange(base, base + len(sources), device=session.kv.layers[0].keys.device)
+        for layer in session.kv.layers:
+            index = src.to(layer.keys.device)
+            layer.keys[:, :, dst] = layer.keys[:, :, index]
+            layer.values[:, :, dst] = layer.values[:, :, index]
+
+    # -- what a forward needs (TransformersStore; PagedStore overrides them) -------------
+
+    def batch_cache(self, layout: Layout, model_config: Any) -> Cache:
+        """A padded copy of the rows' caches (Layout.cache)."""
+        cache: Cache = layout.cache(model_config)
+        return cache
+
+    def after_batch(self, cache: Cache, layout: Layout) -> None:
+        """Each row's new slots appended to its session's cache (Layout.write_back)."""
+        layout.write_back(cache)
+
+    def kv_footprint(self) -> dict[str, int]:
+        """The bytes of the sessions' DynamicCaches' keys and values."""
+        kv_bytes = sum(
+            layer.keys.nbytes + layer.values.nbytes
+            for session in self._sessions.values()
+            for layer in session.kv.layers
+            if layer.keys is not None and layer.values is not None
+        )
+        return {"kv_bytes": kv_bytes}
+
     def _make_room(self, keep: str, need: int) -> None:
         """Evict least recently used sessions (never `keep`) until `need` more tokens fit."""
         total = self.cached_tokens - len(self._sessions[keep].tokens) + need
@@ -231,9 +285,3 @@ def _holding(session: SessionCache | None, what: str, length: int) -> SessionCac
             f"on {length}"
         )
     return session
-
-
-@dataclass(frozen=True)
-class Prefix:
-    length: int
-    hash: int

@@ -54,12 +54,12 @@ from typing import Any
 
 import torch
 
-from specdec.common.config import ReplicaConfig
 from specdec.common.cost import fit_points
-from specdec.common.cpus import thread_budget
 from specdec.common.errors import CapacityExceeded
 from specdec.common.settings import ConfigError, env_name
 from specdec.replica.batching import BranchGroup, BranchStep, ForwardRequest, Request
+from specdec.replica.config import ReplicaConfig
+from specdec.replica.cpus import thread_budget
 from specdec.replica.kvstore import CacheStore, SessionCache
 from specdec.replica.runtime import ModelRuntime
 

@@ -20,15 +20,30 @@ from typing import Any
 
 import torch
 
-from specdec.common.config import ReplicaConfig
-from specdec.common.cpus import thread_budget
 from specdec.common.settings import ConfigError, env_name
 from specdec.replica import calibrate, packing
+from specdec.replica.config import ReplicaConfig
+from specdec.replica.cpus import thread_budget
 from specdec.sdk.request import Sampling
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def log_libraries_as_json() -> None:
+    """A replica writes JSON lines only (specdec.common.logs). transformers and
+    huggingface_hub write progress bars (weight loading) and warnings to stderr on their
+    own: turn the bars off and send their records, and Python warnings, through the root
+    logger instead."""
+    import huggingface_hub.utils
+    from transformers.utils import logging as hf_logging
+
+    logging.captureWarnings(True)
+    hf_logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
 
 
 @dataclass(frozen=True)

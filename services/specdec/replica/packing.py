@@ -21,7 +21,7 @@ products as torch's matmul, summed in another order, so logits differ in the las
 (as they do between torch's one-row and several-row matmuls). Greedy output through the
 stack on packed float32 weights equals `generate()` on the plain model in the tests.
 
-Which replicas pack: `--pack-weights` (specdec.common.config). Int8 (`--quantize`) layers
+Which replicas pack: `--pack-weights` (specdec.replica.config). Int8 (`--quantize`) layers
 are not `nn.Linear` and keep their own kernels.
 """
 

@@ -23,7 +23,10 @@ The block operations (`PagedStore`, the CacheStore of this engine):
   write: its first p % bs slots, once, per layer);
 - prefix reuse: the session's table already holds the prefix (a rollback to it);
 - eviction and release: drop the table's references. Eviction passes over a session a job
-  is working on (`CacheStore.held`), whose blocks its forwards still read and write.
+  is working on (`CacheStore.held`), whose blocks its forwards still read and write;
+- a token tree's accepted path (`keep_path`): its nodes' slots gathered to follow the
+  tokens before the tree, within the session's own blocks (the tree's forward wrote
+  them, so no other table shares them), then a rollback.
 
 The forward (`PagedForward`, a transformers ``Cache`` whose layers are `PagedLayer`s). The
 batch is laid out as the dense engine's (specdec.replica.batching.Layout: R rows, each
@@ -174,7 +177,11 @@ class PagedSession(SessionCache):
 
 class PagedStore(CacheStore):
     """CacheStore's sessions, bound and eviction, over a BlockPool (see the module
-    docstring): fork shares blocks, rollback and eviction drop references."""
+    docstring): fork shares blocks, rollback and eviction drop references, a batched
+    forward reads and writes the blocks in place (`PagedForward`)."""
+
+    # Even one session's forward reads its KV from the pool: through `batch_cache`.
+    own_cache_forward = False
 
     def __init__(self, max_cached_tokens: int, pool: BlockPool):
         super().__init__(max_cached_tokens)
@@ -203,6 +210,32 @@ class PagedStore(CacheStore):
 
     def _drop(self, session: SessionCache) -> None:
         self._crop(session, 0)
+
+    def _gather(self, session: SessionCache, sources: list[int], base: int) -> None:
+        assert isinstance(session, PagedSession)
+        slots = self.slots(session, max(sources) + 1)
+        src, dst = slots[sources], slots[base : base + len(sources)]
+        for keys, values in zip(self.pool.keys, self.pool.values, strict=True):
+            if keys is not None and values is not None:
+                index, to = src.to(keys.device), dst.to(keys.device)
+                keys[:, to] = keys[:, index]
+                values[:, to] = values[:, index]
+
+    def batch_cache(self, layout: Layout, model_config: Any) -> PagedForward:
+        """The rows' blocks, read and written in place (`PagedForward`)."""
+        return PagedForward(self, layout, self.pool.layers)
+
+    def after_batch(self, cache: Cache, layout: Layout) -> None:
+        assert isinstance(cache, PagedForward)  # this store's batch_cache
+        cache.finish()
+
+    def kv_footprint(self) -> dict[str, int]:
+        """The pool's bytes (every block, used or free), and its blocks in use."""
+        return {
+            "kv_bytes": self.pool.nbytes(),
+            "blocks_used": self.pool.used,
+            "blocks": self.pool.blocks,
+        }
 
     def slots(self, session: PagedSession, length: int) -> torch.Tensor:
         """The pool slots of the session's first `length` positions [length] (its table

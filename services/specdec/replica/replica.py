@@ -15,17 +15,18 @@ from typing import Any, Protocol, TypeVar
 import grpc
 
 from specdec.common import cost
-from specdec.common.config import LLAMA_CPP, ReplicaConfig
-from specdec.common.dataplane import DataPlaneServer
 from specdec.common.errors import InvalidRequest, NotReady
 from specdec.common.logs import setup_logging
-from specdec.common.metrics import start_metrics_server
 from specdec.common.serving import rpc_errors, serve
 from specdec.common.settings import ConfigError, env_name
 from specdec.common.telemetry import setup_tracing
 from specdec.common.version import note_model_version, read_model_version
-from specdec.replica.engine import Engine
-from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.config import LLAMA_CPP, ReplicaConfig
+from specdec.replica.dataplane import DataPlaneServer
+from specdec.replica.engine import Engine, Prefix
+from specdec.replica.loading import log_libraries_as_json
+from specdec.replica.metrics import start_metrics_server
+from specdec.replica.runtime import ModelRuntime
 from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -33,21 +34,6 @@ log = logging.getLogger(__name__)
 MAX_SESSION_ID_LEN = 256
 C = TypeVar("C", bound=ReplicaConfig)  # a replica's config: ReplicaConfig or a subclass
 _ROLES = {"drafter": common_pb2.ROLE_DRAFTER, "verifier": common_pb2.ROLE_VERIFIER}
-
-
-def log_libraries_as_json() -> None:
-    """A replica writes JSON lines only (specdec.common.logs). transformers and
-    huggingface_hub write progress bars (weight loading) and warnings to stderr on their
-    own: turn the bars off and send their records, and Python warnings, through the root
-    logger instead."""
-    import huggingface_hub.utils
-    from transformers.utils import logging as hf_logging
-
-    logging.captureWarnings(True)
-    hf_logging.disable_progress_bar()
-    huggingface_hub.utils.disable_progress_bars()
-    hf_logging.disable_default_handler()
-    hf_logging.enable_propagation()
 
 
 def check_session_id(session_id: str) -> None:
@@ -80,7 +66,7 @@ class ModelCall:
     """A request validated for the model: its arguments (`call`, whose job runs on the
     model thread; the jobs of its session run one at a time, in order) and how the job's
     result becomes the response message. The gRPC methods and the data plane
-    (specdec.common.dataplane) both build and answer their calls through these."""
+    (specdec.replica.dataplane) both build and answer their calls through these."""
 
     call: JobCall
     respond: Callable[[Any], Any]
@@ -101,7 +87,7 @@ class ReplicaServicer:
     def __init__(self, runtime: Engine):
         self.runtime = runtime
         self.replica_id = runtime.config.replica_id
-        self.data_port = 0  # the data plane's port (specdec.common.dataplane); 0: none
+        self.data_port = 0  # the data plane's port (specdec.replica.dataplane); 0: none
         # specdec_version.json of the model directory (specdec.common.version); "": none.
         self.model_version = read_model_version(runtime.config.model)
         note_model_version(runtime.config.role, self.model_version)

@@ -27,7 +27,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from specdec.common.config import ReplicaConfig
 from specdec.common.cost import CostCurve, Line, fit_points
 from specdec.common.errors import (
     BUSY_PREFIX,
@@ -37,7 +36,6 @@ from specdec.common.errors import (
     NotReady,
     ReplicaBusy,
 )
-from specdec.common.metrics import ReplicaObserver
 from specdec.replica.batching import (
     BranchStep,
     ForwardRequest,
@@ -47,15 +45,18 @@ from specdec.replica.batching import (
     tree_visibility,
 )
 from specdec.replica.compiled import Compiled
-from specdec.replica.kvstore import CacheStore, Prefix, SessionCache
+from specdec.replica.config import ReplicaConfig
+from specdec.replica.engine import Prefix, TransformersStore
+from specdec.replica.kvstore import CacheStore, SessionCache
 from specdec.replica.loading import check_batchable, check_rollback, load_model
-from specdec.replica.paged import BlockPool, PagedForward, PagedStore
+from specdec.replica.metrics import ReplicaObserver
+from specdec.replica.paged import BlockPool, PagedStore
 from specdec.sdk.request import Sampling
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-__all__ = ["CacheStore", "ModelRuntime", "Prefix", "SessionCache"]
+__all__ = ["CacheStore", "ModelRuntime", "SessionCache"]
 
 
 class ModelRuntime:
@@ -88,8 +89,8 @@ class ModelRuntime:
         self.special_tokens: dict[str, str] = {}  # bos_token, eos_token, ... (chat templates)
         self.dtype_reason = ""  # why the weights are in their dtype (--dtype fastest: measured)
         self.engine_reason = ""  # why --engine auto chose this engine (measured), Info
-        self.store: CacheStore | None = None
-        self.obs = ReplicaObserver(self)  # metrics and spans (specdec.common.metrics)
+        self.store: TransformersStore[SessionCache] | None = None
+        self.obs = ReplicaObserver(self)  # metrics and spans (specdec.replica.metrics)
         self._keeps_logits = False  # the model's forward takes logits_to_keep
         # The drafter's reduced output layer (specdec.drafter.vocab.ReducedHead): hidden
         # states [..., hidden] -> fp32 logits [..., vocab], -inf outside its subset. None:
@@ -213,7 +214,7 @@ class ModelRuntime:
         self.cost.add(tokens, rows, time.perf_counter() - started)
         self.cost_lines = self.cost.buckets()
 
-    def new_store(self, engine: str) -> CacheStore:
+    def new_store(self, engine: str) -> TransformersStore[SessionCache]:
         """An empty store of the engine (--engine) for the loaded model."""
         cfg = self.config
         if engine == "paged":
@@ -229,7 +230,7 @@ class ModelRuntime:
         return DynamicCache(config=self.model.config)
 
     @property
-    def ready_store(self) -> CacheStore:
+    def ready_store(self) -> TransformersStore[SessionCache]:
         """The sessions' caches (NotReady while the model loads)."""
         if self.store is None:
             raise NotReady("model is still loading")
@@ -399,14 +400,19 @@ class ModelRuntime:
         return (yield last)
 
     def _run_batch(self, requests: list[Request]) -> list[torch.Tensor]:
-        """One forward over the requests (the scheduler's run_batch). A token tree's row
-        joins the batch under its tree mask (Layout.inputs); alone on the dense engine it
-        runs on its own cache (`_forward_tree`)."""
-        paged = isinstance(self.store, PagedStore)
+        """One forward over the requests (the scheduler's run_batch). One session's request
+        alone runs on its own cache where the store allows it (own_cache_forward: the
+        dense engine), a token tree's too (`_forward_tree`); otherwise the rows are laid out
+        on the store's batch cache (`_forward_batch`), a tree's row under its tree mask
+        (Layout.inputs)."""
         if self.compiled is not None and self._compiles(requests):
             return self._forward_batch(requests, compiled=True)
-        if len(requests) == 1 and isinstance(requests[0], ForwardRequest) and not paged:
-            alone = requests[0]
+        alone = requests[0]
+        if (
+            len(requests) == 1
+            and isinstance(alone, ForwardRequest)
+            and self.ready_store.own_cache_forward
+        ):
             return [self._forward_tree(alone) if alone.tree else self._forward(alone)]
         return self._forward_batch(requests)
 
@@ -416,7 +422,7 @@ class ModelRuntime:
         own cache: each node attends to the cache, the plain tokens and its ancestors
         (a 4D additive mask), at position cached + h + its depth. The cache then holds
         every node's keys/values after the plain tokens, in node order; the caller keeps
-        one path (specdec.verifier.scorer.keep_path)."""
+        one path (SessionStore.keep_path)."""
         session, tokens, parents = request.session, list(request.tokens), request.tree
         assert parents is not None
         cached, n, m = len(session.tokens), len(tokens), len(parents)
@@ -492,10 +498,8 @@ class ModelRuntime:
             layout = Layout(requests)
         # [R, N], [R, L + N] (with a tree: [R, 1, N, L + N]), [R, N]
         input_ids, mask, positions = layout.inputs(self.device, self.model.dtype)
-        if isinstance(self.store, PagedStore):
-            cache = PagedForward(self.store, layout, self.model.config.num_hidden_layers)
-        else:
-            cache = layout.cache(self.model.config)
+        store = self.ready_store
+        cache = store.batch_cache(layout, self.model.config)
         inputs = dict(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache)
         if (
             not compiled
@@ -522,10 +526,7 @@ class ModelRuntime:
                 # the drafter's reduced head, if any, else the model's own output layer
                 head = self.head or self.model.get_output_embeddings()
                 logits = head(layout.kept(hidden)).float()  # [sum keeps, vocab]
-        if isinstance(cache, PagedForward):
-            cache.finish()
-        else:
-            layout.write_back(cache)
+        store.after_batch(cache, layout)
         self._timed(layout.longest, layout.rows, started)
         return layout.split(logits)
 

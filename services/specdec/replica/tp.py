@@ -11,7 +11,7 @@ Only rank 0 serves: gRPC, the data plane, the scheduler and the jobs run there a
 rank (`TensorParallelRuntime` is a ModelRuntime). The follower ranks hold the same
 sessions as rank 0, their KV being their shard of the heads, and replay every engine
 operation rank 0 performs, in the same order: the session store's acquire (prefix reuse,
-forks, eviction), truncate (rollback of rejected drafts), fill and release, and every
+forks, eviction), truncate (rollback of rejected drafts), keep_path, fill and release, and every
 forward over the sessions (`_run_batch`, batched or not). Rank 0 sends each operation on a
 gloo group of its own (`broadcast_object_list`) just before it runs it, from the model
 thread, so the order is the model thread's. A session is named by a handle both sides
@@ -28,9 +28,9 @@ Failure. A follower that exits takes rank 0 down: rank 0 logs which rank exited 
 what code, and exits (status 1), never waiting on a collective that cannot complete. A
 follower whose rank 0 is gone (its parent process changed) exits too.
 
-Refused with TP > 1 (specdec.common.config.check_tensor_parallel): the drafter, the paged
+Refused with TP > 1 (specdec.replica.config.check_tensor_parallel): the drafter, the paged
 engine, packed weights, --dtype fastest; token trees (draft_parents) are refused per
-request (their accepted path is gathered in the cache outside the store's operations).
+request (not run across ranks yet, though the store mirrors keep_path).
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ from typing import Any
 
 import torch
 
-from specdec.common.config import ReplicaConfig
 from specdec.replica.batching import ForwardRequest, Request
+from specdec.replica.config import ReplicaConfig
 from specdec.replica.kvstore import CacheStore, SessionCache
 from specdec.replica.runtime import ModelRuntime
 
@@ -242,6 +242,11 @@ class MirroredStore(CacheStore):
     def truncate(self, session, length):
         return self._mirrored("truncate", ("truncate", _handle(session), length), session, length)
 
+    def keep_path(self, session, base, path):
+        path = list(path)
+        operation = ("keep_path", _handle(session), base, path)
+        return self._mirrored("keep_path", operation, session, base, path)
+
     def fill(self, session, tokens):  # a staticmethod of CacheStore
         tokens = list(tokens)
         self.send(("fill", _handle(session), tokens))
@@ -256,6 +261,7 @@ class TensorParallelRuntime(ModelRuntime):
     ranks and whose store and forwards they mirror."""
 
     ranks: Ranks | None = None
+    mirror: MirroredStore | None = None  # the store, once loaded
 
     def load(self) -> None:
         self.ranks = Ranks.start(self.config)
@@ -264,11 +270,12 @@ class TensorParallelRuntime(ModelRuntime):
 
     def new_store(self, engine: str) -> CacheStore:
         assert self.ranks is not None and engine == "dense", "checked with the configuration"
-        return MirroredStore(self.ranks, self.config.max_cached_tokens, self._new_cache)
+        self.mirror = MirroredStore(self.ranks, self.config.max_cached_tokens, self._new_cache)
+        return self.mirror
 
     def _run_batch(self, requests: list[Request]) -> list[torch.Tensor]:
-        assert isinstance(self.store, MirroredStore)
-        self.store.send(("forward", [_describe(r) for r in requests]))
+        assert self.mirror is not None
+        self.mirror.send(("forward", [_describe(r) for r in requests]))
         return super()._run_batch(requests)
 
     def shutdown(self) -> None:
@@ -326,6 +333,8 @@ def _replay(runtime: ModelRuntime, sessions: dict[int, SessionCache], name: str,
             sessions[_handle(session)] = session
         elif name == "truncate":
             store.truncate(sessions[args[0]], args[1])
+        elif name == "keep_path":
+            store.keep_path(sessions[args[0]], args[1], args[2])
         elif name == "fill":
             store.fill(sessions[args[0]], args[1])
         elif name == "release":
@@ -355,7 +364,7 @@ def _watch_parent(parent: int, rank: int) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """`python -m specdec.replica.tp`: a follower rank started by rank 0 (`Ranks.start`)."""
     from specdec.common.logs import setup_logging
-    from specdec.replica.replica import log_libraries_as_json
+    from specdec.replica.loading import log_libraries_as_json
 
     # A stop is rank 0's to order (its "stop", or its exit): a SIGTERM or Ctrl-C sent to
     # the whole process group reaches rank 0, which stops the followers after its forward.

@@ -12,8 +12,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from specdec.common.config import ConfigError
-from specdec.common.settings import SettingsParser
+from specdec.common.settings import ConfigError, SettingsParser
 
 PORTS = {"drafter": 50061, "verifier": 50062}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from specdec.common.config import ReplicaConfig
+from specdec.replica.config import ReplicaConfig
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 A draft is a chain or a token tree (`draft_parents`): a tree's nodes are scored in one
 forward under a tree mask (ModelRuntime._forward_tree), the rule walks it
 (specdec.replica.sampling.tree_verdict), and only the accepted path's keys/values stay in
-the cache (`keep_path`: gathered to follow the new tokens, the rest cropped).
+the cache (the store's `keep_path`: gathered to follow the new tokens, the rest rolled
+back).
 
 `verify` is a model-thread job (specdec.replica.batching): its forward is batched with the
 forwards of other sessions' Verify calls waiting at the same time."""
@@ -18,14 +19,11 @@ import torch
 
 from specdec.common.controls import Controls
 from specdec.replica.batching import ForwardRequest
-from specdec.replica.engine import Engine, Session, arguments
+from specdec.replica.engine import Engine, Prefix, Session
 from specdec.replica.host import to_host
-from specdec.replica.kvstore import SessionCache
 from specdec.replica.logprobs import LogprobRows, LogprobsAsk, emitted_tokens, token_logprobs
 from specdec.replica.masks import apply_masks
-from specdec.replica.paged import PagedSession, PagedStore
 from specdec.replica.processors import verify_logits
-from specdec.replica.runtime import Prefix
 from specdec.replica.sampling import (
     SamplingParams,
     greedy_verdict,
@@ -55,70 +53,41 @@ class Verdict:
 
 @dataclass(frozen=True)
 class VerifyCall:
-    """A validated Verify: the arguments of `verify`."""
+    """A validated Verify, what `verify` scores: draft_tokens [k] (sampled from
+    draft_probs [k, vocab]) after prefix + new_tokens of the session, under params and the
+    request's logits processors (controls; None: none).
+
+    grammar_masks [k+1, vocab] bool (structured output): the tokens allowed at each
+    verified position; the target's other logits are -inf before the rule. None: no
+    grammar. logprobs: also score the emitted tokens (and the prompt)
+    (specdec.replica.logprobs). fork_from: start the session as a copy of that session's
+    cache (SessionStore.acquire). draft_parents [k]: the draft is a token tree
+    (VerifyRequest.draft_parents); the servicer has refused controls, grammar masks and
+    logprobs with one."""
 
     runtime: Engine
     session_id: str
     prefix: Prefix
-    new_tokens: list[int]
-    draft_tokens: list[int]
+    new_tokens: Sequence[int]
+    draft_tokens: Sequence[int]
     draft_probs: torch.Tensor | None  # [k, vocab]
     params: SamplingParams
-    controls: Controls | None
-    logprobs: LogprobsAsk | None
-    fork_from: str
-    grammar_masks: torch.Tensor | None  # [k+1, vocab] bool
-    draft_parents: list[int] | None = None  # a token tree's parents [k]; None: a chain
+    controls: Controls | None = None
+    logprobs: LogprobsAsk | None = None
+    fork_from: str = ""
+    grammar_masks: torch.Tensor | None = None  # [k+1, vocab] bool
+    draft_parents: Sequence[int] | None = None  # a token tree's parents [k]; None: a chain
 
     def job(self) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
-        return verify(**arguments(self))
+        return verify(self)
 
 
-def verify(
-    runtime: Engine,
-    session_id: str,
-    prefix: Prefix,
-    new_tokens: Sequence[int],
-    draft_tokens: Sequence[int],
-    draft_probs: torch.Tensor | None,
-    params: SamplingParams,
-    controls: Controls | None = None,
-    logprobs: LogprobsAsk | None = None,
-    fork_from: str = "",
-    grammar_masks: torch.Tensor | None = None,
-    draft_parents: Sequence[int] | None = None,
-) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
-    """Score draft_tokens [k] (sampled from draft_probs [k, vocab]) after prefix + new_tokens,
-    with the request's logits processors (controls; None: none).
-
-    grammar_masks [k+1, vocab] bool (structured output): the tokens allowed at each verified
-    position; the target's other logits are -inf before the rule. None: no grammar.
-
-    A job for the model thread (`Engine.run`). The cache ends holding prefix +
-    new_tokens + accepted drafts. logprobs: also score the emitted tokens (and the prompt)
-    (specdec.replica.logprobs). fork_from: start the session as a copy of that session's
-    cache (CacheStore.acquire).
-
-    draft_parents [k]: the draft is a token tree (VerifyRequest.draft_parents); the
-    servicer has refused controls, grammar masks and logprobs with one.
-    """
-    with runtime.guarded(session_id):
-        return (
-            yield from _verify(
-                runtime,
-                session_id,
-                prefix,
-                new_tokens,
-                draft_tokens,
-                draft_probs,
-                params,
-                controls,
-                logprobs,
-                fork_from,
-                grammar_masks,
-                draft_parents,
-            )
-        )
+def verify(call: VerifyCall) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
+    """Score the call's draft (see VerifyCall): a job for the model thread (`Engine.run`).
+    The cache ends holding prefix + new_tokens + the accepted drafts (a tree: the accepted
+    path)."""
+    with call.runtime.guarded(call.session_id):
+        return (yield from _verify(call))
 
 
 def processed_target_logits(
@@ -148,34 +117,19 @@ def processed_target_logits(
     return apply_masks(logits, grammar_masks), prompt_logits
 
 
-def _verify(
-    runtime,
-    session_id,
-    prefix,
-    new_tokens,
-    draft_tokens,
-    draft_probs,
-    params,
-    controls,
-    ask,
-    fork_from,
-    grammar_masks,
-    parents,
-):
+def _verify(call: VerifyCall) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
     started = time.perf_counter()
+    runtime, prefix, params, ask = call.runtime, call.prefix, call.params, call.logprobs
+    new_tokens, draft_tokens = call.new_tokens, call.draft_tokens
     k = len(draft_tokens)
-    session = runtime.store.acquire(
-        session_id, prefix.length, prefix.hash, len(new_tokens) + k, fork_from=fork_from
+    session = runtime.ready_store.acquire(
+        call.session_id, prefix.length, prefix.hash, len(new_tokens) + k, fork_from=call.fork_from
     )
-    if parents:
-        return (
-            yield from _verify_tree(
-                runtime, session, prefix, new_tokens, draft_tokens, draft_probs, params, parents
-            )
-        )
+    if call.draft_parents:
+        return (yield from _verify_tree(call, session))
     scored = len(new_tokens) - 1 if ask is not None and ask.prompt else 0  # prompt rows
     target_logits, prompt_logits = yield from processed_target_logits(
-        runtime, session, new_tokens, draft_tokens, controls, grammar_masks, scored
+        runtime, session, new_tokens, draft_tokens, call.controls, call.grammar_masks, scored
     )  # [k+1, vocab], [scored, vocab]
     extra: list[torch.Tensor] = []  # the scores asked for, copied with the verdict
     if params.greedy:
@@ -187,19 +141,22 @@ def _verify(
         choices, *extra = to_host(choices, *extra)  # the Verify's one copy
         n, token = greedy_verdict(draft_tokens, choices.tolist())
     else:
+        assert call.draft_probs is not None  # sampling: the servicer checked
         drafts = torch.tensor([list(draft_tokens)], dtype=torch.long)  # [1, k]
         target_probs = warp(target_logits, params)[None]  # [1, k+1, vocab]
         position = prefix.length + len(new_tokens)  # index of d_1 in the sequence
         gen = make_generator(params.seed, VERIFY_SALT, position, runtime.device)
         accepted, next_token = rejection_sample(
-            drafts, draft_probs[None].to(runtime.device), target_probs, gen, False
+            drafts, call.draft_probs[None].to(runtime.device), target_probs, gen, False
         )
         if ask is not None:
             emitted = emitted_tokens(drafts[0].to(runtime.device), accepted, next_token)
             extra += _scores(runtime, ask, prompt_logits, new_tokens, target_logits, emitted)
         verdict, *extra = to_host(torch.cat([accepted, next_token]), *extra)  # the one copy
         n, token = verdict.tolist()
-    runtime.store.truncate(session, len(session.tokens) - (k - n))  # roll back rejected drafts
+    runtime.ready_store.truncate(
+        session, len(session.tokens) - (k - n)
+    )  # roll back rejected drafts
     emitted_rows = prompt_rows = None
     if ask is not None:
         emitted_rows = LogprobRows(*extra[:3]).head(n + 1)
@@ -215,14 +172,18 @@ def _verify(
     )
 
 
-def _verify_tree(runtime, session, prefix, new_tokens, draft_tokens, draft_probs, params, parents):
+def _verify_tree(
+    call: VerifyCall, session: Session
+) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
     """A token tree's verdict (`verify`): one forward under the tree mask, the rule on the
     host, the accepted path kept."""
     started = time.perf_counter()
+    runtime, params, draft_tokens = call.runtime, call.params, call.draft_tokens
+    assert call.draft_parents is not None
     k = len(draft_tokens)
-    parents = list(parents)
+    parents = list(call.draft_parents)
     logits = yield from runtime.forward_steps(
-        session, [*new_tokens, *draft_tokens], keep=k + 1, tree=parents
+        session, [*call.new_tokens, *draft_tokens], keep=k + 1, tree=parents
     )  # [k+1, vocab]: after the new tokens, then after each node
     if params.greedy:
         target, probs, gen = logits.argmax(dim=-1), None, None
@@ -230,11 +191,12 @@ def _verify_tree(runtime, session, prefix, new_tokens, draft_tokens, draft_probs
         target = torch.nn.functional.one_hot(target, logits.shape[-1])
     else:
         # The rule steps node by node on the host: the rows and the proposals, copied once.
-        target, probs = to_host(warp(logits, params), draft_probs.to(runtime.device))
-        position = prefix.length + len(new_tokens)  # index of the first node in the sequence
+        assert call.draft_probs is not None  # sampling: the servicer checked
+        target, probs = to_host(warp(logits, params), call.draft_probs.to(runtime.device))
+        position = call.prefix.length + len(call.new_tokens)  # index of the first node
         gen = make_generator(params.seed, VERIFY_SALT, position)
     path, token = tree_verdict(draft_tokens, parents, target, probs, gen, params.greedy)
-    keep_path(runtime.store, session, len(session.tokens) - k, path)
+    runtime.ready_store.keep_path(session, len(session.tokens) - k, path)
     children = set(parents)
     return Verdict(
         accepted=len(path),
@@ -244,34 +206,6 @@ def _verify_tree(runtime, session, prefix, new_tokens, draft_tokens, draft_probs
         forward_ms=(time.perf_counter() - started) * 1e3,
         path=path,
     )
-
-
-@torch.inference_mode()
-def keep_path(store, session: Session, base: int, path: Sequence[int]) -> None:
-    """After a tree forward (the nodes' slots from `base` on, in node order), keep only the
-    accepted path: its nodes' keys/values and tokens gathered to slots base.. base+len(path)
-    of every layer, the rest cropped (on the paged engine, within the session's blocks of
-    the pool, which the tree's forward wrote, so the session's own)."""
-    if path and list(path) != list(range(len(path))) and isinstance(store, PagedStore):
-        assert isinstance(session, PagedSession)
-        slots = store.slots(session, base + max(path) + 1)
-        src, dst = slots[[base + i for i in path]], slots[base : base + len(path)]
-        for keys, values in zip(store.pool.keys, store.pool.values, strict=True):
-            if keys is not None and values is not None:
-                index, to = src.to(keys.device), dst.to(keys.device)
-                keys[:, to] = keys[:, index]
-                values[:, to] = values[:, index]
-        session.tokens[base : base + len(path)] = [session.tokens[base + i] for i in path]
-    elif path and list(path) != list(range(len(path))):
-        assert isinstance(session, SessionCache)  # the dense engine's: a DynamicCache
-        src = torch.tensor([base + i for i in path], dtype=torch.long)
-        dst = torch.arange(base, base + len(path), device=session.kv.layers[0].keys.device)
-        for layer in session.kv.layers:
-            index = src.to(layer.keys.device)
-            layer.keys[:, :, dst] = layer.keys[:, :, index]
-            layer.values[:, :, dst] = layer.values[:, :, index]
-        session.tokens[base : base + len(path)] = [session.tokens[base + i] for i in path]
-    store.truncate(session, base + len(path))
 
 
 def _scores(runtime, ask, prompt_logits, new_tokens, target_logits, emitted) -> list[torch.Tensor]:

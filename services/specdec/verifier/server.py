@@ -1,7 +1,7 @@
 """VerifierService: a thin servicer over specdec.verifier.scorer.
 
 Verify is a request -> validated model call (`verify_call`) and a result -> response
-function: the gRPC method and the data plane (specdec.common.dataplane) both answer
+function: the gRPC method and the data plane (specdec.replica.dataplane) both answer
 through them."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Any
 
 from specdec.common.controls import controls_from_proto
 from specdec.common.errors import InvalidRequest, Unimplemented
-from specdec.common.metrics import observed_rpc
 from specdec.common.params import MAX_TOP_LOGPROBS, sampling_from_proto
 from specdec.common.serving import rpc_errors
 from specdec.replica.convert import decode_draft_probs, decode_grammar_masks, prefix_from_proto
 from specdec.replica.logprobs import LogprobRows, LogprobsAsk
+from specdec.replica.metrics import observed_rpc
 from specdec.replica.replica import ModelCall, ReplicaServicer, check_fork, run_replica
 from specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.verifier.config import VerifierConfig

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 
 from specdec.common.cost import Line, ReportedCost
-from specdec.common.cpus import cpu_info
+from specdec.replica.cpus import cpu_info
 from specdec.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 
 

@@ -442,7 +442,7 @@ def table(report: Report) -> str:
 
 
 def _cpu_name() -> str:
-    from specdec.common.cpus import cpu_info
+    from specdec.replica.cpus import cpu_info
 
     return cpu_info().describe()
 

@@ -16,8 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from specdec.common.cpus import usable_cpus
 from specdec.drafter.quantize import QUANTIZE_MODES
+from specdec.replica.cpus import usable_cpus
 from specdec.tools.certs import Pki, make_pki
 from specdec.tools.launcher import (
     Interrupted,

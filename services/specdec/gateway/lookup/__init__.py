@@ -16,7 +16,7 @@ rule (DESIGN §2) accepts it with probability p(d) and recovers from p without d
 from __future__ import annotations
 
 # Children of a tree's node: candidate continuations a round may verify as one tree.
-from specdec.common.config import MAX_TREE_WIDTH as MAX_TREE_WIDTH
+from specdec.common.params import MAX_TREE_WIDTH as MAX_TREE_WIDTH
 from specdec.gateway.names import DraftMethod, Source
 from specdec.v1 import gateway_pb2
 

@@ -32,11 +32,12 @@ import time
 
 from specdec.common.prefix import prefix_hash
 from specdec.drafter.config import DrafterConfig
-from specdec.drafter.proposer import propose
+from specdec.drafter.proposer import DraftCall, propose
 from specdec.drafter.speculate import BranchStore
-from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.engine import Prefix
+from specdec.replica.runtime import ModelRuntime
 from specdec.replica.sampling import SamplingParams
-from specdec.verifier.scorer import verify
+from specdec.verifier.scorer import VerifyCall, verify
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -53,11 +54,15 @@ async def _session(rt: ModelRuntime, sid: str, mode: str, tokens: int, k: int, c
         prefix = Prefix(len(ctx) - 1, prefix_hash(ctx[:-1]))
         if mode in ("step", "verify"):
             draft = [ctx[-1]] * k if mode == "verify" else []
-            v = await rt.run(verify, rt, sid, prefix, ctx[-1:], draft, None, GREEDY, session=sid)
+            v = await rt.run(
+                verify, VerifyCall(rt, sid, prefix, ctx[-1:], draft, None, GREEDY), session=sid
+            )
             ctx.extend([*draft[: v.accepted], v.next_token])
             made += v.accepted + 1
         else:
-            d = await rt.run(propose, rt, branches, sid, prefix, ctx[-1:], k, GREEDY, session=sid)
+            d = await rt.run(
+                propose, DraftCall(rt, branches, sid, prefix, ctx[-1:], k, GREEDY), session=sid
+            )
             ctx.extend(d.tokens)  # the cache holds all but the last draft token
             made += k
 
@@ -69,7 +74,9 @@ async def _measure(rt: ModelRuntime, n: int, batch: int, a: argparse.Namespace) 
         sid = f"bench-{i}"
         rt.release(sid)
         ctx = _prompt(i, rt.vocab_size)
-        await rt.run(verify, rt, sid, Prefix(0, 0), ctx[:-1], [], None, GREEDY, session=sid)
+        await rt.run(
+            verify, VerifyCall(rt, sid, Prefix(0, 0), ctx[:-1], [], None, GREEDY), session=sid
+        )
         contexts[sid] = ctx  # the cache holds all but its last token
     started = time.perf_counter()
     await asyncio.gather(

@@ -77,7 +77,7 @@ if TYPE_CHECKING:
 
 
 def machine() -> dict:
-    from specdec.common.cpus import cpu_info
+    from specdec.replica.cpus import cpu_info
     from specdec.tools.costreport import machine_line
 
     return {

@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 from specdec.replica.batching import ForwardRequest
-from specdec.replica.paged import PagedStore
 from specdec.replica.runtime import ModelRuntime
 from specdec.verifier.config import VerifierConfig
 
@@ -73,14 +72,8 @@ def main() -> None:
         s = rt.store.acquire(f"s{i}", 0, 0, a.tokens + a.steps + 1)
         rt.forward(s, [(7 * i + 13 * j) % 200 + 5 for j in range(a.tokens)], keep=1)
         sessions.append(s)
-    if isinstance(rt.store, PagedStore):
-        resident = rt.store.pool.nbytes()
-        extra = {"blocks_used": rt.store.pool.used, "blocks": rt.store.pool.blocks}
-    else:
-        resident = sum(
-            layer.keys.nbytes + layer.values.nbytes for s in sessions for layer in s.kv.layers
-        )
-        extra = {}
+    extra = rt.ready_store.kv_footprint()  # the paged store's blocks too
+    resident = extra.pop("kv_bytes")
     before = _peak_mb()
     rt._run_batch([ForwardRequest(s, [9], 1, False) for s in sessions])
     after = _peak_mb()

@@ -156,10 +156,10 @@ class InProcess:
         and its whole time."""
         from specdec.common.params import sampling_from_proto
         from specdec.common.prefix import PrefixChain
-        from specdec.drafter.proposer import propose
-        from specdec.replica.runtime import Prefix
+        from specdec.drafter.proposer import DraftCall, propose
+        from specdec.replica.engine import Prefix
         from specdec.v1 import common_pb2
-        from specdec.verifier.scorer import verify
+        from specdec.verifier.scorer import VerifyCall, verify
 
         params = sampling_from_proto(common_pb2.SamplingParams())
         self._sessions += 1
@@ -175,14 +175,18 @@ class InProcess:
             if kk:
                 prefix = Prefix(d_cached, chain.hash(ctx, d_cached))
                 job = propose(
-                    self.drafter, self.branches, session, prefix, ctx[d_cached:], kk, params
+                    DraftCall(
+                        self.drafter, self.branches, session, prefix, ctx[d_cached:], kk, params
+                    )
                 )
                 d = self.drafter.drive(job)
                 draft, d_cached = d.tokens, d.cached_length
             t1 = time.perf_counter()
             prefix = Prefix(v_cached, chain.hash(ctx, v_cached))
             v = self.verifier.drive(
-                verify(self.verifier, session, prefix, ctx[v_cached:], draft, None, params)
+                verify(
+                    VerifyCall(self.verifier, session, prefix, ctx[v_cached:], draft, None, params)
+                )
             )
             t2 = time.perf_counter()
             new = [*draft[: v.accepted], v.next_token]

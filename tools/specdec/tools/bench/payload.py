@@ -17,10 +17,11 @@ from importlib import resources
 
 from specdec.common.params import SamplingParams
 from specdec.drafter.config import DrafterConfig
-from specdec.drafter.proposer import propose
+from specdec.drafter.proposer import DraftCall, propose
 from specdec.drafter.speculate import BranchStore
 from specdec.replica.convert import encoded_to_proto
-from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.engine import Prefix
+from specdec.replica.runtime import ModelRuntime
 from specdec.v1 import drafter_pb2
 
 
@@ -53,7 +54,11 @@ def main() -> None:
             for i, text in enumerate(prompts):
                 sid = f"s/{label}{k}/{i}"
                 d = rt.drive(
-                    propose(rt, BranchStore(), sid, Prefix(0, 0), tok(text).input_ids, k, params)
+                    propose(
+                        DraftCall(
+                            rt, BranchStore(), sid, Prefix(0, 0), tok(text).input_ids, k, params
+                        )
+                    )
                 )
                 response = drafter_pb2.DraftResponse(
                     draft_tokens=d.tokens, draft_probs=[encoded_to_proto(e) for e in d.probs]

@@ -14,7 +14,8 @@ import sys
 import time
 
 from specdec.drafter.config import DrafterConfig
-from specdec.replica.runtime import ModelRuntime, Prefix
+from specdec.replica.engine import Prefix
+from specdec.replica.runtime import ModelRuntime
 from specdec.tools.models import installed_path
 
 

@@ -167,9 +167,9 @@ def run_shapes(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from specdec.common.cpus import cpu_info
     from specdec.replica import packing
     from specdec.replica.calibrate import cast_copy
+    from specdec.replica.cpus import cpu_info
     from specdec.replica.loading import set_threads
     from specdec.tools.demo import resolve_models
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from specdec.tools.docs.common import banner, cell, code
 
-# `add_setting` (specdec.common.config) ends a help with "[env NAME; default VALUE]".
+# `add_setting` (specdec.common.settings) ends a help with "[env NAME; default VALUE]".
 SETTING = re.compile(r"\s*\[env (?P<env>[A-Z0-9_]+); default .*\]$")
 MENTIONED_ENV = re.compile(r"(?:\$|\[env )(?P<env>(?:SPECDEC|OPENAI|REDIS)_[A-Z0-9_]+)")
 

@@ -65,8 +65,8 @@ from specdec.common.frames import (
     encode,
     with_message,
 )
-from specdec.common.metrics import CallRecord, ReplicaMetrics
 from specdec.common.serving import reason_of, status_of
+from specdec.replica.metrics import CallRecord, ReplicaMetrics
 from specdec.v1 import dataplane_pb2
 
 log = logging.getLogger(__name__)

@@ -1,8 +1,10 @@
-"""Typed service configuration, read once at start-up from flags and environment variables.
+"""A model replica's configuration, read once at start-up from flags and environment
+variables.
 
-`ReplicaConfig` is what every model replica is configured with, each setting declared
-once as a field; the setting helpers (fields that are flags with SPECDEC_* variables,
-ConfigError naming the setting) are in specdec.common.settings and re-exported here.
+`ReplicaConfig` is what every model replica (drafter, verifier) is configured with, each
+setting declared once as a field; the setting helpers (fields that are flags with SPECDEC_*
+variables, ConfigError naming the setting) are specdec.common.settings. Torch-free: `specdec
+serve` builds every service's flags from it in any process.
 """
 
 from __future__ import annotations
@@ -13,16 +15,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from specdec.common.settings import (
-    ENV_PREFIX,
     ConfigError,
-    add_setting,
     add_settings,
-    boolean,
     env_name,
-    invalid,
     non_negative,
     one_of,
-    parse_value,
     port_number,
     positive,
     read_settings,
@@ -30,31 +27,6 @@ from specdec.common.settings import (
     settings_group,
 )
 from specdec.common.tls import ServerTls, ServerTlsSettings
-
-__all__ = [
-    "DTYPES",
-    "ENGINES",
-    "ENV_PREFIX",
-    "LLAMA_CPP",
-    "MAX_FAN_OUT",
-    "MAX_TREE_WIDTH",
-    "ConfigError",
-    "ReplicaConfig",
-    "add_setting",
-    "add_settings",
-    "boolean",
-    "env_name",
-    "invalid",
-    "non_negative",
-    "one_of",
-    "parse_value",
-    "port_number",
-    "positive",
-    "read_settings",
-    "setting",
-    "settings_group",
-]
-
 
 # auto: as stored in the checkpoint; fastest: whichever of float32 and bfloat16 (float16 too
 # on CUDA) runs this model fastest here, measured at start-up and cached
@@ -67,9 +39,6 @@ PACK_WEIGHTS = ("auto", "true", "false")
 # specdec.replica.paged) or llama.cpp (specdec.replica.llamacpp); auto: ReplicaConfig.kv_engine.
 LLAMA_CPP = "llama.cpp"
 ENGINES = ("auto", "dense", "paged", LLAMA_CPP)
-MAX_FAN_OUT = 64  # SSD branches per round (drafter and gateway settings, Speculate requests)
-# Children of a token tree's node (SpeculationParams.tree_width, DraftRequest.tree_width).
-MAX_TREE_WIDTH = 8
 
 
 def _data_port(value: int) -> str | None:
@@ -128,7 +97,7 @@ class ReplicaConfig:
     host: str = setting("0.0.0.0", "address to listen on")
     port: int = setting(50051, "gRPC port (0: any free port)", check=port_number)
     metrics_port: int = setting(0, "Prometheus /metrics port (0: off)", check=port_number)
-    # The data plane's port (specdec.common.dataplane): 0 any free port, -1 none.
+    # The data plane's port (specdec.replica.dataplane): 0 any free port, -1 none.
     data_port: int = setting(
         0,
         "data plane port: the round's calls from gateways over one TCP connection each, "

@@ -386,7 +386,7 @@ class CallRecord:
     a grpc servicer context or a mapping), then counted in ``requests{method,code}`` by
     `finish`. The operation's name is set in the current context for the forwards' kinds
     (create and finish it in the same contextvars context). observed_rpc (gRPC) and the
-    data plane (specdec.common.dataplane) both record their calls with it."""
+    data plane (specdec.replica.dataplane) both record their calls with it."""
 
     def __init__(self, runtime, service: str, method: str, request, carrier: Any):
         self.method = method
