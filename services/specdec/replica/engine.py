@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     import torch
 
     from specdec.common.config import ReplicaConfig
-    from specdec.common.cost import Line
+    from specdec.common.cost import Line, LoadWindow
     from specdec.common.metrics import ReplicaObserver
     from specdec.common.prefix import PrefixChain
     from specdec.replica.batching import ForwardRequest, Scheduler
@@ -127,6 +127,7 @@ class Engine(Protocol[S]):
     dtype_reason: str
     device: torch.device
     cost_lines: list[tuple[int, Line]]  # the forward cost curve as fitted now
+    load_window: LoadWindow  # the forwards of the last seconds (reported with the curve)
     pending: int  # model requests submitted and not finished (--max-queue bounds them)
     obs: ReplicaObserver  # the replica's metrics and spans
     scheduler: Scheduler  # the model thread: the data plane serves on its selector (`io`)
