@@ -111,3 +111,38 @@ def test_the_surface_reads_between_buckets_and_fills_an_unmeasured_step():
     assert cost.ms(8, 4) == pytest.approx(70.0, rel=0.05)
     assert cost.ms(4.5, 4) == pytest.approx((16.0 + 70.0) / 2, rel=0.05)  # halfway in rows
     assert cost.ms(1, 4) == pytest.approx(16.0, rel=0.05)
+
+
+def test_a_priced_round_is_counted_by_its_load_level():
+    from prometheus_client import REGISTRY
+
+    from specdec.gateway import tracing
+    from specdec.gateway.outcome import NO_DRAFT, Outcome
+    from specdec.gateway.policy import Estimate
+
+    estimate = Estimate(rows=9.5, saturation=0.9, gain=1.0)
+    assert estimate.level == "8"
+    labels = {"rows": estimate.level, "k": "0"}
+    name = "specdec_gateway_policy_rounds_by_load_total"
+    before = REGISTRY.get_sample_value(name, labels) or 0.0
+    gains = (
+        REGISTRY.get_sample_value("specdec_gateway_policy_speculation_gain_count", {"rows": "8"})
+        or 0.0
+    )
+    o = Outcome(
+        index=0, max_k=4, k=0, draft=(), accepted=0, next_token=1, source=NO_DRAFT,
+        draft_seconds=0.0, verify_seconds=0.01, queue_depth=3, resends=0,
+        load_level=estimate.level, saturation=estimate.saturation, gain=estimate.gain,
+    )  # fmt: skip
+    tracing.round_done(None, o)
+    assert REGISTRY.get_sample_value(name, labels) == before + 1
+    after = REGISTRY.get_sample_value(
+        "specdec_gateway_policy_speculation_gain_count", {"rows": "8"}
+    )
+    assert after == gains + 1
+    unpriced = Outcome(
+        index=1, max_k=4, k=4, draft=(1, 2, 3, 4), accepted=4, next_token=1, source=NO_DRAFT,
+        draft_seconds=0.0, verify_seconds=0.01, queue_depth=3, resends=0,
+    )  # fmt: skip
+    tracing.round_done(None, unpriced)  # a fixed policy's round: not counted by load
+    assert REGISTRY.get_sample_value(name, labels) == before + 1
