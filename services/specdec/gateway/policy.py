@@ -9,24 +9,30 @@ was measured so far:
 
     E(d)  = 1 + sum_{j=1..len(d)} prod_{i<j} a_s(i)    tokens the round yields: the accepted
                                                        drafts + the next token
-    T(d)  = F(1 + len(d)) + (1 - u) (o + D(d))         what the round costs (its price)
-    F(n)  = r t_v(R, n)                                the verifier's forward of n tokens a
+    T(d)  = (1 - u) [V(1 + len(d)) + D(d)]            what the round costs (its price): its
+          + u [F(max(n, W)) + (R - 1) max(0, F(n) - F(W))]   own time idle, the batch's
+                                                       under load (n = 1 + len(d))
+    V(n)  = o + F(n),  F(n) = r t_v(R, n)              the verifier's forward of n tokens a
                                                        row at R rows: its reported surface
     D(d)  = (max(o_d, w_d) + k d_t) (1 - h)            drafting, for the draft model's k tokens
     rate  = E(d) / T(d);  d* = argmax over the candidates, ties to the shorter
 
-Idle (u = 0), T is the round's own time, V(1 + k) + D with V(n) = o + F(n): the request's
-tokens per second. Under load the price is the batch's. u, the verifier's saturation, is
-the share of its time that other sessions' rows use: its reported busy share times the
-share of the rows it served that were not this request's (1 - this request's rounds per
-second / the replica's rows per second). At u = 1 every second this round spends off the
-verifier (the round trip o, which then holds the queue's wait, and drafting) is a second
-the verifier spends on other rows: no cost to the batch's goodput, which is what the
-round's forward takes from everyone. F(1 + k) = F(1) + [F(1 + k) - F(1)]: the row's own
-step and the marginal time its k draft tokens add to the batched forward at R rows, which
-every row in it waits. Priced per request instead, that wait looks like a fixed cost that
-a longer draft amortises, which is how speculation lost to k = 0 at 8 and 16 sessions
-(docs/concepts/cost-model.md). Between the two u weighs them.
+Idle (u = 0), T is the round's own time: the request's tokens per second. Under load the
+price is the batch's. u, the verifier's saturation, is the share of its time that other
+sessions' rows use: its reported busy share times the share of the rows it served that
+were not this request's (1 - this request's rounds per second / the replica's rows per
+second). At u = 1 every second this round spends off the verifier (the round trip o, which
+then holds the queue's wait, and drafting) is a second the verifier spends on other rows:
+no cost to the batch's goodput. What the round takes from everyone is the forward: at the
+batch width W (`batch_width`: where R rows all drafting k_b tokens at the gateway's
+acceptance for the source yield the most tokens per second of the forward; every request
+reads the same acceptance and surface, so under load they agree on it), and beyond W the
+marginal time its tokens add to the batched forward, once for every row that waits for
+it. Priced per request instead, the queue's wait looks like a fixed cost that a longer
+draft amortises, which is how speculation lost to k = 0 at 8 and 16 sessions
+(docs/concepts/cost-model.md#under-load). Between the two u weighs them, and the upper
+confidence bounds below shrink by 1 - u (a draft tried for what it might yield is paid by
+every row).
 
 - a_s(i), the acceptance of draft position i of source s (the draft model, prompt lookup,
   suffix, a prediction, and the lookup extension of a model draft under hybrid): accepted /
