@@ -327,7 +327,9 @@ class Load:
 
 class LoadWindow:
     """The forwards a replica ran in the last `window` seconds: `add` from the model
-    thread after each forward, `load` from any thread (a lock guards the few entries)."""
+    thread after each forward, `load` from any thread (a lock guards the entries). Both
+    are O(1) but for the forwards that leave the window: every response carries a load,
+    and a window of 2 ms forwards holds a thousand."""
 
     def __init__(self, window: float = WINDOW_S, since: float = 0.0):
         self.window = window
@@ -335,35 +337,55 @@ class LoadWindow:
         self._lock = threading.Lock()
         # (ended, seconds, rows, tokens): one per forward, oldest first
         self._forwards: deque[tuple[float, float, int, int]] = deque()
+        self._seconds = 0.0  # sums over _forwards
+        self._rows = 0
+        self._rows_squared = 0
+        self._tokens = 0
 
     def add(self, ended: float, seconds: float, rows: int, tokens: int) -> None:
         """A forward of `rows` rows, `tokens` tokens its widest, ended at `ended` after
         `seconds` (any clock, the same as `load`'s)."""
         with self._lock:
             self._forwards.append((ended, seconds, rows, rows * tokens))
-            while self._forwards and self._forwards[0][0] < ended - self.window:
-                self._forwards.popleft()
+            self._seconds += seconds
+            self._rows += rows
+            self._rows_squared += rows * rows
+            self._tokens += rows * tokens
+            self._drop(ended - self.window)
+
+    def _drop(self, start: float) -> None:
+        """Forget the forwards that ended by `start` (the lock held)."""
+        while self._forwards and self._forwards[0][0] <= start:
+            _, seconds, rows, tokens = self._forwards.popleft()
+            self._seconds -= seconds
+            self._rows -= rows
+            self._rows_squared -= rows * rows
+            self._tokens -= tokens
+        if not self._forwards:
+            self._seconds = 0.0  # no drift of the float sum
 
     def load(self, now: float, waiting: int) -> Load:
         """The load over the window ending `now`, with `waiting` requests now."""
         start = max(now - self.window, self.since)
         span = now - start
-        with self._lock:
-            recent = [f for f in self._forwards if f[0] > start]
         if span <= 0:
             return Load(waiting=waiting)
-        busy = sum(min(seconds, ended - start) for ended, seconds, _, _ in recent)
-        rows = sum(f[2] for f in recent)
-        tokens = sum(f[3] for f in recent)
-        n = len(recent)
+        with self._lock:
+            self._drop(start)
+            n, rows, tokens = len(self._forwards), self._rows, self._tokens
+            busy = self._seconds
+            if n:  # the oldest may have begun before the window
+                ended, seconds, _, _ = self._forwards[0]
+                busy -= max(0.0, seconds - (ended - start))
+            rows_squared = self._rows_squared
         return Load(
             waiting=waiting,
             window_s=span,
             forwards=n,
-            busy=min(1.0, busy / span),
+            busy=min(1.0, max(0.0, busy) / span),
             # the rows of the forward a row was in: forwards of 7 rows and of 1 give 6.25,
             # what 7 of every 8 rows shared (a plain mean would say 4)
-            rows_per_forward=sum(f[2] * f[2] for f in recent) / rows if rows else 0.0,
+            rows_per_forward=rows_squared / rows if rows else 0.0,
             tokens_per_forward=tokens / n if n else 0.0,
             rows_per_second=rows / span,
         )
