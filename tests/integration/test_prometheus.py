@@ -258,6 +258,8 @@ def test_dashboard_queries_run_on_real_prometheus(scraped):
     with Client(scraped["gateway"].address, timeout=120) as client:
         for i in range(3):
             client.generate(PROMPTS[i], max_new_tokens=16, k=3, ssd=True)
+        # the adaptive policy's panels (the stack runs --k-policy fixed)
+        client.generate(PROMPTS[0], max_new_tokens=16, k=3, k_policy="adaptive")
     dashboard = json.loads(DASHBOARD.read_text())
     queries = {
         t["expr"].replace("$__rate_interval", "5m"): panel["title"]

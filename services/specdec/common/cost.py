@@ -32,11 +32,28 @@ bucket may see one width of 2 or more), what it has not seen is taken from the `
 (the start-up probe's fit, see specdec.replica.replica) scaled to what it has. The replicas
 report their curve in every Draft and Verify response and in Info (`ForwardCost`), so a
 gateway that has never sent this replica a request already knows it.
+
+The buckets together are a surface over rows and tokens a row: each reports the mean rows
+of the forwards behind it (`Line.rows`), and the gateway reads t(rows, n) between two
+buckets by interpolating in rows (`ReportedCost.ms`). Where a bucket of several rows has
+never run a one-token forward (every session speculated), its step is the probe's shape
+scaled, which says nothing of what R rows of one token cost; a forward's cost follows the
+tokens it computes (on the 1.5B target on a CPU, 8 rows of 1 token took 841 ms and one row
+of 9 tokens 832: docs/benchmarks/2026-11-27-engine-shapes.md), so the reader takes it from
+the one-row line at R tokens instead (`step_samples` says which).
+
+With the curve the replica reports its load (`Load`, from `LoadWindow`): what its model did
+over the last seconds (busy share, rows and tokens per forward, rows per second) and the
+model requests waiting now. The gateway's adaptive policy prices a round by it
+(specdec.gateway.policy).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import threading
+from collections import deque
 from dataclasses import dataclass, replace
 
 from specdec.v1 import common_pb2
@@ -46,6 +63,7 @@ BUCKETS = (1, 2, 4, 8, 16)
 MAX_TOKENS = 32  # widest forward (tokens a row) that is fitted
 DECAY = 0.98  # weight of the past per fitted forward: about 50 forwards of memory
 HUBER = 2.5  # residuals beyond this many mean absolute residuals are weighted down
+WINDOW_S = 2.0  # the span of a replica's reported load (`LoadWindow`)
 
 
 def bucket_of(rows: int) -> int:
@@ -60,27 +78,29 @@ def bucket_of(rows: int) -> int:
 @dataclass(frozen=True, slots=True)
 class Line:
     """t(n) = base_ms + per_token_ms · n for n >= 2, and t(1) = step_ms (0: on the line),
-    fitted from `samples` forwards (decayed count) over widths up to `widest` tokens."""
+    fitted from `samples` forwards (decayed count) over widths up to `widest` tokens, of
+    `rows` rows on average (0: not known), `step_samples` of them one-token forwards."""
 
     base_ms: float
     per_token_ms: float
     samples: float
     widest: int = 1
     step_ms: float = 0.0
+    rows: float = 0.0
+    step_samples: float = 0.0
 
-    def ms(self, tokens: int) -> float:
+    def ms(self, tokens: float) -> float:
         if tokens <= 1 and self.step_ms > 0:
             return self.step_ms
         return self.base_ms + self.per_token_ms * tokens
 
     def scaled(self, factor: float) -> Line:
         """The same shape, every time times `factor`."""
-        return Line(
-            self.base_ms * factor,
-            self.per_token_ms * factor,
-            self.samples,
-            self.widest,
-            self.step_ms * factor,
+        return replace(
+            self,
+            base_ms=self.base_ms * factor,
+            per_token_ms=self.per_token_ms * factor,
+            step_ms=self.step_ms * factor,
         )
 
     @property
@@ -169,16 +189,26 @@ class _Bucket:
     """One batch bucket's fit: the one-token forwards' mean (the step) and the line through
     the wider ones."""
 
-    __slots__ = ("step", "wide")
+    __slots__ = ("rows_sum", "rows_weight", "step", "wide")
 
     def __init__(self) -> None:
         self.step = _Fit()  # forwards of one token: a decayed, Huber-weighted mean
         self.wide = _Fit()  # forwards of 2 tokens or more: the line
+        self.rows_sum = self.rows_weight = 0.0  # the forwards' rows, decayed
 
-    def add(self, n: int, ms: float, decay: float, robust: bool = True) -> None:
+    def add(self, n: int, ms: float, decay: float, robust: bool = True, rows: int = 1) -> None:
         (self.step if n <= 1 else self.wide).add(n, ms, decay, robust)
+        self.rows_sum = self.rows_sum * decay + rows
+        self.rows_weight = self.rows_weight * decay + 1.0
 
     def line(self, prior: Line | None) -> Line | None:
+        line = self._line(prior)
+        if line is None:
+            return None
+        rows = self.rows_sum / self.rows_weight if self.rows_weight > 0 else 0.0
+        return replace(line, rows=rows, step_samples=self.step.sw)
+
+    def _line(self, prior: Line | None) -> Line | None:
         step = self.step.mean()
         wide = self.wide.line(prior)
         if wide is None:
@@ -207,7 +237,7 @@ class CostCurve:
         """A forward that fed `tokens` tokens a row (the widest row) over `rows` rows."""
         if tokens < 1 or tokens > self.max_tokens or rows < 1 or not math.isfinite(seconds):
             return
-        self._fits[bucket_of(rows)].add(tokens, seconds * 1e3, self.decay)
+        self._fits[bucket_of(rows)].add(tokens, seconds * 1e3, self.decay, rows=rows)
 
     def line(self, rows: int = 1) -> Line | None:
         """The fit for forwards of `rows` rows; a bucket with no forwards yet borrows the
@@ -237,14 +267,133 @@ def fit_points(points: list[tuple[int, float]]) -> Line:
     bucket = _Bucket()
     for n, ms in points:
         bucket.add(n, ms, 1.0, robust=False)
-    line = bucket.line(None)
+    line = bucket._line(None)  # a probe's line says nothing of the rows it will be read at
     if line is None:
         raise ValueError("no points to fit")
     return line
 
 
-def to_proto(buckets: list[tuple[int, Line]]) -> common_pb2.ForwardCost:
-    """The fitted buckets (`CostCurve.buckets`) as the ForwardCost a replica reports."""
+@dataclass(frozen=True, slots=True)
+class Load:
+    """A replica's load as it reports it (common.proto ReplicaLoad)."""
+
+    waiting: int = 0  # model requests queued or running now
+    window_s: float = 0.0  # the span of what follows, seconds
+    forwards: int = 0
+    busy: float = 0.0  # share of the window spent in forwards
+    rows_per_forward: float = 0.0  # as its rows saw it (row-weighted)
+    tokens_per_forward: float = 0.0  # rows x widest row
+    rows_per_second: float = 0.0
+
+    def to_proto(self) -> common_pb2.ReplicaLoad:
+        return common_pb2.ReplicaLoad(
+            waiting=self.waiting,
+            window_s=self.window_s,
+            forwards=self.forwards,
+            busy=self.busy,
+            rows_per_forward=self.rows_per_forward,
+            tokens_per_forward=self.tokens_per_forward,
+            rows_per_second=self.rows_per_second,
+        )
+
+    @classmethod
+    def from_proto(cls, message: common_pb2.ReplicaLoad) -> Load | None:
+        """The load, or None where nothing in it is finite and in range (a report that
+        says nothing is not a load of 0)."""
+        values = (
+            message.window_s,
+            message.busy,
+            message.rows_per_forward,
+            message.tokens_per_forward,
+            message.rows_per_second,
+        )
+        if message.window_s <= 0 or not all(math.isfinite(v) and v >= 0 for v in values):
+            return None
+        return cls(
+            waiting=message.waiting,
+            window_s=message.window_s,
+            forwards=message.forwards,
+            busy=min(1.0, message.busy),
+            rows_per_forward=message.rows_per_forward,
+            tokens_per_forward=message.tokens_per_forward,
+            rows_per_second=message.rows_per_second,
+        )
+
+    @property
+    def forward_s(self) -> float:
+        """The mean forward's seconds in the window (0 without one)."""
+        return self.busy * self.window_s / self.forwards if self.forwards else 0.0
+
+
+class LoadWindow:
+    """The forwards a replica ran in the last `window` seconds: `add` from the model
+    thread after each forward, `load` from any thread (a lock guards the entries). Both
+    are O(1) but for the forwards that leave the window: every response carries a load,
+    and a window of 2 ms forwards holds a thousand."""
+
+    def __init__(self, window: float = WINDOW_S, since: float = 0.0):
+        self.window = window
+        self.since = since  # when it started counting (the window before is not known)
+        self._lock = threading.Lock()
+        # (ended, seconds, rows, tokens): one per forward, oldest first
+        self._forwards: deque[tuple[float, float, int, int]] = deque()
+        self._seconds = 0.0  # sums over _forwards
+        self._rows = 0
+        self._rows_squared = 0
+        self._tokens = 0
+
+    def add(self, ended: float, seconds: float, rows: int, tokens: int) -> None:
+        """A forward of `rows` rows, `tokens` tokens its widest, ended at `ended` after
+        `seconds` (any clock, the same as `load`'s)."""
+        with self._lock:
+            self._forwards.append((ended, seconds, rows, rows * tokens))
+            self._seconds += seconds
+            self._rows += rows
+            self._rows_squared += rows * rows
+            self._tokens += rows * tokens
+            self._drop(ended - self.window)
+
+    def _drop(self, start: float) -> None:
+        """Forget the forwards that ended by `start` (the lock held)."""
+        while self._forwards and self._forwards[0][0] <= start:
+            _, seconds, rows, tokens = self._forwards.popleft()
+            self._seconds -= seconds
+            self._rows -= rows
+            self._rows_squared -= rows * rows
+            self._tokens -= tokens
+        if not self._forwards:
+            self._seconds = 0.0  # no drift of the float sum
+
+    def load(self, now: float, waiting: int) -> Load:
+        """The load over the window ending `now`, with `waiting` requests now."""
+        start = max(now - self.window, self.since)
+        span = now - start
+        if span <= 0:
+            return Load(waiting=waiting)
+        with self._lock:
+            self._drop(start)
+            n, rows, tokens = len(self._forwards), self._rows, self._tokens
+            busy = self._seconds
+            if n:  # the oldest may have begun before the window
+                ended, seconds, _, _ = self._forwards[0]
+                busy -= max(0.0, seconds - (ended - start))
+            rows_squared = self._rows_squared
+        return Load(
+            waiting=waiting,
+            window_s=span,
+            forwards=n,
+            busy=min(1.0, max(0.0, busy) / span),
+            # the rows of the forward a row was in: forwards of 7 rows and of 1 give 6.25,
+            # what 7 of every 8 rows shared (a plain mean would say 4)
+            rows_per_forward=rows_squared / rows if rows else 0.0,
+            tokens_per_forward=tokens / n if n else 0.0,
+            rows_per_second=rows / span,
+        )
+
+
+def to_proto(buckets: list[tuple[int, Line]], load: Load | None = None) -> common_pb2.ForwardCost:
+    """The fitted buckets (`CostCurve.buckets`) and the load, as the ForwardCost a replica
+    reports."""
     return common_pb2.ForwardCost(
         buckets=[
             common_pb2.ForwardCost.Bucket(
@@ -254,30 +403,47 @@ def to_proto(buckets: list[tuple[int, Line]]) -> common_pb2.ForwardCost:
                 samples=line.samples,
                 widest=line.widest,
                 step_ms=line.step_ms,
+                rows_mean=line.rows,
+                step_samples=line.step_samples,
             )
             for rows, line in buckets
-        ]
+        ],
+        load=load.to_proto() if load is not None else None,
     )
 
 
 @dataclass(frozen=True, slots=True)
 class ReportedCost:
     """A replica's reported curve, read on the gateway: the line for a forward of `rows`
-    rows is the widest bucket at or below it."""
+    rows is the widest bucket at or below it; `ms` reads the surface between buckets.
+    `load`: what it reported with it (None: nothing, an older replica)."""
 
     buckets: tuple[tuple[int, Line], ...]
+    load: Load | None = None
 
     @classmethod
     def from_proto(cls, message: common_pb2.ForwardCost) -> ReportedCost | None:
         rows = tuple(
-            (b.rows, Line(b.base_ms, b.per_token_ms, b.samples, b.widest, b.step_ms))
+            (
+                b.rows,
+                Line(
+                    b.base_ms,
+                    b.per_token_ms,
+                    b.samples,
+                    b.widest,
+                    b.step_ms,
+                    b.rows_mean if math.isfinite(b.rows_mean) and b.rows_mean > 0 else 0.0,
+                    b.step_samples if math.isfinite(b.step_samples) else 0.0,
+                ),
+            )
             for b in sorted(message.buckets, key=lambda b: b.rows)
             if b.rows >= 1
             and math.isfinite(b.base_ms)
             and math.isfinite(b.per_token_ms)
             and math.isfinite(b.step_ms)
         )
-        return cls(rows) if rows else None
+        load = Load.from_proto(message.load) if message.HasField("load") else None
+        return cls(rows, load) if rows else None
 
     def line(self, rows: int = 1) -> Line:
         chosen = self.buckets[0][1]
@@ -285,3 +451,43 @@ class ReportedCost:
             if rows >= edge:
                 chosen = line
         return chosen
+
+    def ms(self, rows: float, tokens: float) -> float:
+        """t(rows, tokens a row) on the surface: each bucket's line read at the mean rows
+        of its forwards, linear in rows between the two buckets around `rows` (the nearest
+        one's alone outside them). A bucket that reports no mean rows (an older replica)
+        is its `line` alone."""
+        placed = [(line.rows, line) for _, line in self.buckets if line.rows > 0]
+        if len(placed) < 2:
+            return self._bucket_ms(self.line(max(1, round(rows))), tokens)
+        placed.sort(key=lambda p: p[0])
+        if rows <= placed[0][0]:
+            return self._bucket_ms(placed[0][1], tokens)
+        for (lo_rows, lo), (hi_rows, hi) in itertools.pairwise(placed):
+            if rows <= hi_rows:
+                share = (rows - lo_rows) / (hi_rows - lo_rows) if hi_rows > lo_rows else 1.0
+                low, high = self._bucket_ms(lo, tokens), self._bucket_ms(hi, tokens)
+                return low + share * (high - low)
+        return self._bucket_ms(placed[-1][1], tokens)
+
+    def _bucket_ms(self, line: Line, tokens: float) -> float:
+        """A bucket's t(n). What a bucket of R > 1 rows has not measured is read off the
+        one-row line at the tokens the forward computes (R n): its step where it ran no
+        one-token forward (never above its own t(2) when that was measured), its wider
+        forwards where it ran none (scaled by its measured step over that estimate)."""
+        one = self.buckets[0][1]
+        if line.rows < 1.5 or self.buckets[0][0] != 1 or one is line or one.rows <= 0:
+            return line.ms(tokens)
+        step_seen = line.step_samples > 0.5
+        wide_seen = line.samples - line.step_samples > 0.5
+        if tokens <= 1:
+            if step_seen:
+                return line.ms(1)
+            estimate = one.ms(line.rows)
+            return min(estimate, line.ms(2)) if wide_seen else estimate
+        if wide_seen:
+            return line.ms(tokens)
+        estimate = one.ms(line.rows * tokens)
+        if step_seen and one.ms(line.rows) > 0:
+            estimate *= line.ms(1) / one.ms(line.rows)
+        return estimate

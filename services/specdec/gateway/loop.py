@@ -200,6 +200,7 @@ class Speculator:
         a Speculate only when some outcome leaves room (`remaining` tokens may still be
         generated, >= max_k + 1) for another round with a draft."""
         started = time.perf_counter()
+        self.policy.estimate = None  # what this round's decisions price (Outcome.gain)
         with tracing.round_span(self._index) as span:
             draft = self._lookup(ctx, max_k, remaining)
             if draft is None:
@@ -218,6 +219,7 @@ class Speculator:
             ssd = self._settle(speculation, verdict, ctx, verify_sent, verified, draft)
             if ssd.state == Ssd.LATE:
                 await asyncio.sleep(0)  # the cancel leaves before the next drafter call
+            estimate = self.policy.estimate
             outcome = Outcome(
                 index=self._index,
                 max_k=max_k,
@@ -255,6 +257,9 @@ class Speculator:
                 prompt_logprobs=(
                     verdict.prompt_logprobs if verdict.HasField("prompt_logprobs") else None
                 ),
+                load_level=estimate.level if estimate is not None else "",
+                saturation=estimate.saturation if estimate is not None else 0.0,
+                gain=estimate.gain if estimate is not None else None,
             )
             self._observe(outcome, span)
         return outcome

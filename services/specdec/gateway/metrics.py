@@ -43,6 +43,28 @@ POLICY_K0_ROUNDS = Counter(
     PREFIX + "adaptive_k0_rounds",
     "Rounds the adaptive policy ran without a draft (verifier saturated or drafts not paying)",
 )
+# Speculation under load (docs/concepts/cost-model.md#under-load): the adaptive policy's
+# choice by the verifier's load level (the cost bucket of the rows its forwards hold: 1, 2,
+# 4, 8, 16), and its estimate of what speculating gains there. The crossover is the level
+# where the rounds move to k = 0 and the gain to 1.
+POLICY_ROUNDS_BY_LOAD = Counter(
+    PREFIX + "policy_rounds_by_load",
+    "Adaptive rounds by the verifier's rows per forward (its cost bucket) and the k chosen",
+    ["rows", "k"],
+)
+POLICY_GAIN = Histogram(
+    PREFIX + "policy_speculation_gain",
+    "The adaptive policy's estimate of its chosen draft's tokens per second over k = 0's, "
+    "by the verifier's rows per forward (1: speculation not paying)",
+    ["rows"],
+    buckets=(0.9, 1.0, 1.05, 1.1, 1.2, 1.35, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0),
+)
+POLICY_SATURATION = Histogram(
+    PREFIX + "policy_verifier_saturation",
+    "The verifier's saturation u the adaptive policy priced a round at: its busy share "
+    "times the share of its rows that were other sessions'",
+    buckets=(0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 1.0),
+)
 SSD_SPECULATES = Counter(PREFIX + "ssd_speculates", "Speculate calls sent")
 SSD_FAN_OUT = Counter(PREFIX + "ssd_fan_out", "Branches asked for, summed over Speculates sent")
 SSD_PAUSED_ROUNDS = Counter(

@@ -86,6 +86,13 @@ class Outcome:
     on_chain: int = 0  # a tree's accepted nodes on its first branch
     tree_leaves: int = 0  # the drafter's tree: its leaves (alternatives to draft tokens)
     tree_depth: int = 0  # the drafter's tree: the forwards that continued its leaves
+    # What the adaptive policy priced the round's draft at (specdec.gateway.policy.Estimate):
+    # the verifier's load level (the cost bucket of its rows per forward: "1", "2", "4",
+    # "8", "16"), its saturation u and the draft's expected tokens per second over k = 0's;
+    # "" / None when no estimate was made (a fixed policy, nothing measured yet).
+    load_level: str = ""
+    saturation: float = 0.0
+    gain: float | None = None
 
     @property
     def tree(self) -> bool:

@@ -9,11 +9,30 @@ was measured so far:
 
     E(d)  = 1 + sum_{j=1..len(d)} prod_{i<j} a_s(i)    tokens the round yields: the accepted
                                                        drafts + the next token
-    T(d)  = V(1 + len(d)) + D(d)                       the round's expected time
-    V(n)  = o + r t_v(n)                               Verify of n tokens: t_v the verifier's
-                                                       reported cost curve
-    D(d)  = (o_d + k d_t) (1 - h)                      drafting, for the draft model's k tokens
+    T(d)  = (1 - u) [V(1 + len(d)) + D(d)]            what the round costs (its price): its
+          + u [F(max(n, W)) + (R - 1) max(0, F(n) - F(W))]   own time idle, the batch's
+                                                       under load (n = 1 + len(d))
+    V(n)  = o + F(n),  F(n) = r t_v(R, n)              the verifier's forward of n tokens a
+                                                       row at R rows: its reported surface
+    D(d)  = (max(o_d, w_d) + k d_t) (1 - h)            drafting, for the draft model's k tokens
     rate  = E(d) / T(d);  d* = argmax over the candidates, ties to the shorter
+
+Idle (u = 0), T is the round's own time: the request's tokens per second. Under load the
+price is the batch's. u, the verifier's saturation, is the share of its time that other
+sessions' rows use: its reported busy share times the share of the rows it served that
+were not this request's (1 - this request's rounds per second / the replica's rows per
+second). At u = 1 every second this round spends off the verifier (the round trip o, which
+then holds the queue's wait, and drafting) is a second the verifier spends on other rows:
+no cost to the batch's goodput. What the round takes from everyone is the forward: at the
+batch width W (`batch_width`: where R rows all drafting k_b tokens at the gateway's
+acceptance for the source yield the most tokens per second of the forward; every request
+reads the same acceptance and surface, so under load they agree on it), and beyond W the
+marginal time its tokens add to the batched forward, once for every row that waits for
+it. Priced per request instead, the queue's wait looks like a fixed cost that a longer
+draft amortises, which is how speculation lost to k = 0 at 8 and 16 sessions
+(docs/concepts/cost-model.md#under-load). Between the two u weighs them, and the upper
+confidence bounds below shrink by 1 - u (a draft tried for what it might yield is paid by
+every row).
 
 - a_s(i), the acceptance of draft position i of source s (the draft model, prompt lookup,
   suffix, a prediction, and the lookup extension of a model draft under hybrid): accepted /
@@ -31,18 +50,24 @@ was measured so far:
   rounds since have grown its bound enough; a source measured well below paying (lookups
   at 5% on a compute-bound verifier) stays at 0. This replaces a probe every fixed number
   of rounds: exploring costs rounds in proportion to the doubt, not to the clock.
-- t_v(n) = a + b n: the verifier replica's forward cost curve (specdec.common.cost), fitted
-  on the replica from the forwards it runs and seeded by a probe at its start, reported in
-  Info and every Verify response, for the batch bucket of the load it reports (1 + its
-  queue depth rows). r corrects it for this request (its context length, say): the EMA of
-  the forward time the verifier reported over the curve's value; o is the round trip beyond
-  that forward (network, serialisation, the gateway). With no curve reported (an older
-  replica) the policy falls back to V(n) = v (1 + g (n - 1)), v measured, g from the load
-  (`idle_token_cost` idle, 1 at `saturation_queue`).
+- t_v(R, n): the verifier replica's forward cost surface (specdec.common.cost): a line
+  a + b n per batch bucket, fitted on the replica from the forwards it runs and seeded by
+  a probe at its start, reported in Info and every Verify response with the mean rows of
+  each bucket's forwards, read between buckets at R rows: the mean rows of the verifier's
+  forwards over the last seconds (its reported load; 1 + its queue depth from a replica
+  that reports none). r corrects it for this request (its context length, say): the EMA
+  of the forward time the verifier reported over the surface's value; o is the round trip
+  beyond that forward (network, serialisation, the gateway, the queue's wait). With no
+  curve reported (an older replica) the policy falls back to V(n) = v (1 + g (n - 1)), v
+  measured, g from the load (`idle_token_cost` idle, 1 at `saturation_queue`), and u = 0.
 - d_t: the drafter's time per draft token, the EMA of each Draft's reported forward time
   over its k (before the first Draft, the drafter's reported t_d(1)); o_d: a Draft's round
-  trip beyond its forwards (before the first, the Verify's o). h: the SSD hit rate, 0
-  without SSD or while SSD is paused.
+  trip beyond its forwards (before the first, the Verify's o). w_d: the drafter's queue as
+  it reports it now (any request's call brings its load): its waiting requests over its
+  rows per forward, times its mean forward. A busy drafter pool makes drafts late: that
+  lateness prices the draft model's rounds, and lookup drafts (no drafter) and SSD's
+  prepared drafts (h) take the rounds over. h: the SSD hit rate, 0 without SSD or while
+  SSD is paused.
 
 The candidates of a round, each with its zero:
 - the draft model: k in [0, max_k] (`choose_k`); under hybrid, once the draft is back, its
@@ -86,7 +111,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from specdec.common.cost import Line, ReportedCost
+from specdec.common.cost import BUCKETS, Line, Load, ReportedCost
 from specdec.gateway.names import LOOKUP_SOURCES, DraftMethod, KPolicy, Role, Source, Ssd
 from specdec.gateway.outcome import Outcome
 
@@ -140,6 +165,27 @@ def expected_tokens(a: float, k: int) -> float:
     if a >= 1.0:
         return float(k + 1)
     return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """What the adaptive policy priced its last decision at: the verifier's rows per
+    forward (R), its saturation (u) and the chosen draft's expected tokens per second
+    over k = 0's (1.0: speculation not paying, or none chosen)."""
+
+    rows: float
+    saturation: float
+    gain: float
+
+    @property
+    def level(self) -> str:
+        """The load level as a metric label: the cost bucket of R rows ("1", "2", "4",
+        "8", "16": its lowest rows)."""
+        level = BUCKETS[0]
+        for edge in BUCKETS:
+            if self.rows >= edge - 1e-9:
+                level = edge
+        return str(level)
 
 
 class _Ema:
@@ -281,6 +327,7 @@ class FixedPolicy:
     """The request's k every round; lookups and extensions whole; the configured fan-out."""
 
     kind = KPolicy.FIXED
+    estimate: Estimate | None = None  # a fixed policy prices nothing
 
     def __init__(self, fan_out: int = 0, priors: SourcePriors | None = None):
         self.fan_out = fan_out  # 0: the drafter's default
@@ -378,6 +425,8 @@ class AdaptivePolicy:
         self.step = _Ema(p.smoothing)  # s: seconds of one Speculate step, one branch
         self.overhead = _Ema(p.smoothing)  # o: a Verify's round trip beyond its forward
         self.scale = _Ema(p.smoothing)  # r: reported forward time over the curve's
+        self.round = _Ema(p.smoothing)  # seconds of one of this request's rounds
+        self.estimate: Estimate | None = None  # the last decision's (Outcome.estimate)
         self.late_in_row = 0
         self.paused = 0  # rounds left without Speculate
         self.rounds = 0  # t: the request's rounds so far
@@ -422,8 +471,11 @@ class AdaptivePolicy:
 
     @property
     def explore(self) -> float:
-        """c sqrt(ln(e + t)): the scale of the upper confidence bounds this round."""
-        return self.p.exploration * math.sqrt(math.log(math.e + self.rounds))
+        """c sqrt(ln(e + t)) (1 - u): the scale of the upper confidence bounds this round.
+        Under load a draft tried for what it might yield costs every row of the forward,
+        so the doubt is worth less as the verifier saturates."""
+        scale = self.p.exploration * math.sqrt(math.log(math.e + self.rounds))
+        return scale * (1.0 - self.saturation)
 
     @property
     def token_cost(self) -> float:
@@ -446,22 +498,109 @@ class AdaptivePolicy:
             return self._fleet.pool(role).cost(getattr(placement, "rule", None))
         return getattr(replica, "cost", None)
 
+    def verifier_load(self) -> Load | None:
+        """The verifier's load as it last reported it (None: not reported)."""
+        cost = self._cost(self._verifier, Role.VERIFIER)
+        return cost.load if cost is not None else None
+
+    @property
+    def rows(self) -> float:
+        """R: the rows a forward of the verifier holds: the mean of its forwards over the
+        last seconds as it reports them, else 1 + the queue depth it reported."""
+        load = self.verifier_load()
+        if load is not None and load.forwards > 0:
+            return max(1.0, load.rows_per_forward)
+        return 1.0 + round(self.queue.value or 0.0)
+
+    @property
+    def saturation(self) -> float:
+        """u: the share of the verifier's time that other sessions' rows use: its busy
+        share times the share of the rows it served that were not this request's (0 when
+        it reports no load, or before this request has a round)."""
+        load = self.verifier_load()
+        if load is None or load.rows_per_second <= 0 or not self.round.value:
+            return 0.0
+        own = 1.0 / self.round.value  # this request's rows per second (one per round)
+        return load.busy * max(0.0, 1.0 - own / load.rows_per_second)
+
     def verifier_line(self) -> Line | None:
-        """The verifier's reported t_v for the rows its load puts in a forward."""
+        """The verifier's reported t_v for the rows its load puts in a forward (the
+        bucket's line; `_forward_ms` reads the surface between buckets)."""
         cost = self._cost(self._verifier, Role.VERIFIER)
         if cost is None:
             return None
-        return cost.line(1 + round(self.queue.value or 0.0))
+        return cost.line(round(self.rows))
+
+    def _forward_ms(self, tokens: int) -> float | None:
+        """t_v(R, n) in ms as reported (None: no curve)."""
+        line = self.verifier_line()
+        if line is None:
+            return None
+        cost = self._cost(self._verifier, Role.VERIFIER)
+        return cost.ms(self.rows, tokens) if cost is not None else line.ms(tokens)
 
     def verify_time(self, tokens: int) -> float | None:
         """V(n): seconds of a Verify that feeds n tokens; None before anything is known."""
-        line = self.verifier_line()
-        if line is not None:
+        ms = self._forward_ms(tokens)
+        if ms is not None:
             scale = self.scale.value if self.scale.value is not None else 1.0
-            return (self.overhead.value or 0.0) + scale * line.ms(tokens) / 1e3
+            return (self.overhead.value or 0.0) + scale * ms / 1e3
         if self.verify.value is None:
             return None
         return self.verify.value * (1.0 + self.token_cost * (tokens - 1))
+
+    def price(self, tokens: int, drafting: float = 0.0, width: int = 1) -> float:
+        """T: what a round that verifies `tokens` tokens after `drafting` seconds of
+        drafting costs: its own time V(n) + drafting idle; saturated, the batch's
+        forward at the batch width W (`width`, tokens a row) and, beyond it, the marginal
+        time its tokens add to that forward, once for every row that waits for it
+        (the module docstring); u weighs the two."""
+        verify = self.verify_time(tokens)
+        assert verify is not None
+        own = verify + drafting
+        u = self.saturation if self.verifier_line() is not None else 0.0
+        if u <= 0.0:
+            return own
+        scale = self.scale.value if self.scale.value is not None else 1.0
+        forward = self._forward_ms(tokens)
+        at_width = self._forward_ms(max(1, width))
+        assert forward is not None and at_width is not None
+        beyond = max(0.0, forward - at_width)
+        batch = scale * (max(forward, at_width) + (self.rows - 1.0) * beyond) / 1e3
+        return (1.0 - u) * own + u * batch
+
+    def batch_width(self, max_k: int, source: str = MODEL) -> int:
+        """W = 1 + k_b: the width (tokens a row) at which a batch of R rows, every one
+        drafting k_b tokens of `source` at the gateway's acceptance for it (its
+        SourcePriors; this request's without them), yields the most tokens per second of
+        the verifier's forward: (1 + E(k)) / F(1 + k). Every request of the gateway reads
+        the same acceptance and the same surface, so under load they agree on one width
+        and pad no row for another's longer draft."""
+        if max_k <= 0 or self.verifier_line() is None:
+            return 1
+        if self.priors is not None:
+            default = self.p.prior_acceptance if source == MODEL else self.p.prior_lookup_acceptance
+            rate, _ = self.priors.prior(
+                source, default, self.p.prior_weight, self.p.max_prior_weight
+            )
+        else:
+            rate = self.sources[source].pooled
+        rates = []
+        for k in range(max_k + 1):
+            ms = self._forward_ms(1 + k)
+            assert ms is not None
+            rates.append(expected_tokens(rate, k) / max(ms, 1e-9))
+        return 1 + _argmax(rates)
+
+    def drafter_wait(self) -> float:
+        """w_d: seconds a Draft would wait in the drafter's queue, from the load it
+        reports: its waiting requests over its rows per forward, times its mean forward
+        (0 when it reports none)."""
+        cost = self._cost(self._drafter, Role.DRAFTER)
+        load = cost.load if cost is not None else None
+        if load is None or not load.waiting or load.forwards <= 0:
+            return 0.0
+        return load.waiting / max(1.0, load.rows_per_forward) * load.forward_s
 
     def draft_time(self) -> float | None:
         """d_t: seconds per model draft token; None before anything is known."""
@@ -473,28 +612,36 @@ class AdaptivePolicy:
         return cost.line(1).ms(1) / 1e3
 
     def draft_cost(self, k: int) -> float:
-        """D(k): seconds of a Draft of k tokens, o_d + k d_t (0 for k = 0); o_d is the
-        Draft's measured round trip beyond its forwards, before one the Verify's."""
+        """D(k): seconds of a Draft of k tokens, max(o_d, w_d) + k d_t (0 for k = 0); o_d
+        is the Draft's measured round trip beyond its forwards, before one the Verify's;
+        w_d the wait the drafter's reported queue promises now."""
         if k <= 0:
             return 0.0
         d = self.draft_time() or 0.0
         fixed = self.draft_overhead.value
         if fixed is None:
             fixed = self.overhead.value or 0.0
-        return fixed + k * d
+        return max(fixed, self.drafter_wait()) + k * d
 
     # -- the model -----------------------------------------------------------------------------
 
-    def round_time(self, k: int) -> float:
-        """T(k) of a draft model round: V(1 + k) + D(k) (1 - h), in seconds."""
-        v = self.verify_time(1 + k)
-        assert v is not None and self.draft_time() is not None
-        return v + self.draft_cost(k) * (1.0 - self.hit_rate)
+    def round_time(self, k: int, width: int = 1) -> float:
+        """T(k) of a draft model round, in seconds: V(1 + k) + D(k) (1 - h) idle, priced
+        at the batch's cost under load (`price`)."""
+        assert self.draft_time() is not None
+        return self.price(1 + k, self.draft_cost(k) * (1.0 - self.hit_rate), width)
+
+    def _estimate(self, rates: list[float], chosen: int) -> int:
+        """Keep what the decision priced (`estimate`); `chosen`, for the caller."""
+        gain = rates[chosen] / rates[0] if rates and rates[0] > 0 else 1.0
+        self.estimate = Estimate(self.rows, self.saturation, gain)
+        return chosen
 
     def rates(self, max_k: int) -> list[float]:
         """[max_k + 1]: expected tokens per second of a model draft of 0..max_k tokens."""
         expected = self.model.expected(max_k, self.explore)
-        return [(1.0 + expected[k]) / self.round_time(k) for k in range(max_k + 1)]
+        width = self.batch_width(max_k) if self.saturation > 0 else 1
+        return [(1.0 + expected[k]) / self.round_time(k, width) for k in range(max_k + 1)]
 
     def rate(self, k: int) -> float:
         """E(k) / T(k): expected tokens per second at draft length k."""
@@ -508,7 +655,8 @@ class AdaptivePolicy:
             return 0
         if self.verify_time(1) is None or self.draft_time() is None:
             return max_k  # nothing known yet: draft, so the costs get measured
-        return _argmax(self.rates(max_k))
+        rates = self.rates(max_k)
+        return self._estimate(rates, _argmax(rates))
 
     def _lookup_rates(
         self,
@@ -523,11 +671,13 @@ class AdaptivePolicy:
         model draft of model_k tokens expected to yield `first` accepted tokens, all of
         them accepted with probability `survive`, that took `drafting` seconds."""
         expected = self.sources[source].expected(length, self.explore)
+        width = 1
+        if self.saturation > 0:
+            width = self.batch_width(model_k + length, MODEL if model_k else source)
         out = []
         for n in range(length + 1):
-            time = self.verify_time(1 + model_k + n)
-            assert time is not None
-            out.append((1.0 + first + survive * expected[n]) / (time + drafting))
+            time = self.price(1 + model_k + n, drafting, width)
+            out.append((1.0 + first + survive * expected[n]) / time)
         return out
 
     def choose_lookup_k(self, bound: int, source: str = Source.NGRAM) -> int:
@@ -536,7 +686,8 @@ class AdaptivePolicy:
             return 0
         if self.verify_time(1) is None:
             return bound
-        return _argmax(self._lookup_rates(source, bound))
+        rates = self._lookup_rates(source, bound)
+        return self._estimate(rates, _argmax(rates))
 
     def lookup_or_model(self, source: str, length: int, max_k: int) -> int:
         """Under hybrid, a confident lookup draft of `length` tokens against the draft
@@ -620,10 +771,9 @@ class AdaptivePolicy:
         self.rounds += 1
         self.queue.add(float(queue))
         self._verify_s = seconds
-        line = self.verifier_line()
-        if line is not None and forward_ms > 0 and 0 < fed <= MAX_FED:
+        predicted = self._forward_ms(fed) if 0 < fed <= MAX_FED else None
+        if predicted is not None and forward_ms > 0:
             self.overhead.add(max(0.0, seconds - forward_ms / 1e3))
-            predicted = line.ms(fed)
             if predicted > 0:
                 self.scale.add(forward_ms / predicted)
         self.verify.add(seconds / (1.0 + self.token_cost * k))
@@ -663,10 +813,10 @@ class AdaptivePolicy:
         missed = 1.0 - self.sources[source].rate(0, self.explore)
         other = self.alternatives.expected(max(0, (bound - 1) // branches), self.explore)
         best, best_rate = (k, 0), 0.0
+        width = self.batch_width(k, source) if self.saturation > 0 else 1
         for c in range(1, k + 1):
             for s in range((bound - c) // branches + 1):
-                time = self.verify_time(1 + c + s * branches)
-                assert time is not None
+                time = self.price(1 + c + s * branches, 0.0, width)
                 rate = (1.0 + own[c] + missed * other[s]) / time
                 if rate > best_rate * (1.0 + 1e-9):
                     best, best_rate = (c, s), rate
@@ -692,6 +842,7 @@ class AdaptivePolicy:
         g = self.leaves.value if self.leaves.value is not None else self.acceptance / 10
         most = k * (width - 1)  # the alternatives there are
         best, best_rate = (0, 0), 0.0
+        width = self.batch_width(k) if self.saturation > 0 else 1
         for depth in range(min(k, bound - 1) + 1):
             drafting = self.draft_cost(k + depth) * (1.0 - self.hit_rate)
             for n in range(1 if depth else 0, bound + 1):
@@ -699,10 +850,8 @@ class AdaptivePolicy:
                 terminal = n - rows * (1 + depth)
                 if rows + terminal > most or (depth and rows == 0):
                     continue
-                time = self.verify_time(1 + k + n)
-                assert time is not None
                 gain = g * (rows * (1.0 + expected[depth]) + terminal * (1.0 - self.acceptance))
-                rate = (1.0 + expected[k] + gain) / (time + drafting)
+                rate = (1.0 + expected[k] + gain) / self.price(1 + k + n, drafting, width)
                 if rate > best_rate * (1.0 + 1e-9):
                     best, best_rate = (n, depth), rate
         return best
@@ -715,6 +864,8 @@ class AdaptivePolicy:
         critical path: a miss for h."""
         if self.priors is not None:
             self.priors.observe_outcome(o)
+        if o.seconds > 0:
+            self.round.add(o.seconds)
         if o.late_outcome is not None:
             self.observe_ssd(False)
         if o.source == Source.DRAFTED:  # a tree's leaves took no forward of their own, its

@@ -62,12 +62,26 @@ class Replica:
     # How a round's calls reach it (specdec.gateway.transport); its gRPC stub until the
     # data plane is connected.
     transport: Transport = field(init=False)
-    # Its forward cost curve as it last reported it (Info, then every Draft and Verify
-    # response; specdec.common.cost), None until one arrives.
-    cost: ReportedCost | None = None
+    # Its forward cost curve and load as it last reported them (Info, then every Draft and
+    # Verify response; specdec.common.cost): the message kept as it came, read only when a
+    # policy asks (`cost`), so rounds that price nothing (a fixed policy, k = 0) parse none.
+    _cost_message: common_pb2.ForwardCost | None = field(default=None, init=False, repr=False)
+    _cost: ReportedCost | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.transport = GrpcTransport(self.stub)
+
+    @property
+    def cost(self) -> ReportedCost | None:
+        """Its reported cost curve and load, None until one arrives."""
+        message, self._cost_message = self._cost_message, None
+        if message is not None:
+            self._cost = ReportedCost.from_proto(message) or self._cost
+        return self._cost
+
+    @cost.setter
+    def cost(self, value: ReportedCost | None) -> None:
+        self._cost_message, self._cost = None, value
 
     @property
     def admitted_info(self) -> common_pb2.ModelInfo:
@@ -79,7 +93,7 @@ class Replica:
     def note_cost(self, message: common_pb2.ForwardCost) -> None:
         """Take the cost curve a response carried (an empty one changes nothing)."""
         if message.buckets:
-            self.cost = ReportedCost.from_proto(message) or self.cost
+            self._cost_message = message
 
     def __repr__(self) -> str:
         return f"{self.role}@{self.address}"

@@ -146,6 +146,10 @@ def round_span(index: int) -> Iterator[Any]:
 def round_done(span: Any, outcome: Outcome) -> None:
     """A round's outcome: the round latency histogram, and its span's attributes."""
     metrics.ROUND_SECONDS.observe(outcome.seconds)
+    if outcome.gain is not None:  # the adaptive policy priced the round
+        metrics.POLICY_ROUNDS_BY_LOAD.labels(rows=outcome.load_level, k=str(outcome.k)).inc()
+        metrics.POLICY_GAIN.labels(rows=outcome.load_level).observe(outcome.gain)
+        metrics.POLICY_SATURATION.observe(outcome.saturation)
     if span is None:
         return
     attributes = {
@@ -159,6 +163,10 @@ def round_done(span: Any, outcome: Outcome) -> None:
         "specdec.round.drafter_wait_ms": round(outcome.draft_seconds * 1e3, 3),
         "specdec.round.cache_misses": outcome.resends,
     }
+    if outcome.gain is not None:
+        attributes["specdec.round.load_level"] = outcome.load_level
+        attributes["specdec.round.saturation"] = round(outcome.saturation, 3)
+        attributes["specdec.round.speculation_gain"] = round(outcome.gain, 3)
     if outcome.late_outcome is not None:  # the previous round's late Speculate
         attributes["specdec.round.ssd_late_outcome"] = outcome.late_outcome
     span.set_attributes(attributes)

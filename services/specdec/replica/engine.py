@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     import torch
     from transformers.cache_utils import Cache
 
-    from specdec.common.cost import Line
+    from specdec.common.cost import Line, LoadWindow
     from specdec.common.prefix import PrefixChain
     from specdec.replica.batching import ForwardRequest, Layout, Scheduler
     from specdec.replica.compiled import Compiled
@@ -199,6 +199,7 @@ class Engine(Protocol[S]):
     engine_reason: str  # why --engine auto chose this engine ("" when it was named)
     device: torch.device
     cost_lines: list[tuple[int, Line]]  # the forward cost curve as fitted now
+    load_window: LoadWindow  # the forwards of the last seconds (reported with the curve)
     pending: int  # model requests submitted and not finished (--max-queue bounds them)
     obs: ReplicaObserver  # the replica's metrics and spans
     scheduler: Scheduler  # the model thread: the data plane serves on its selector (`io`)

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import logging
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -153,8 +154,9 @@ class ReplicaServicer:
         return info
 
     def forward_cost(self) -> common_pb2.ForwardCost:
-        """The replica's forward cost curve as fitted now (specdec.common.cost)."""
-        return cost.to_proto(self.runtime.cost_lines)
+        """The replica's forward cost curve as fitted now and its load (specdec.common.cost)."""
+        rt = self.runtime
+        return cost.to_proto(rt.cost_lines, rt.load_window.load(time.perf_counter(), rt.pending))
 
     def release(self, session_id: str) -> bool:
         """Drop everything this replica keeps for the session (model thread)."""

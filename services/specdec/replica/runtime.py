@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from specdec.common.cost import CostCurve, Line, fit_points
+from specdec.common.cost import CostCurve, Line, LoadWindow, fit_points
 from specdec.common.errors import (
     BUSY_PREFIX,
     CacheMiss,
@@ -100,6 +100,8 @@ class ModelRuntime:
         # is its latest fit, an immutable snapshot the servicers read from the event loop.
         self.cost = CostCurve()
         self.cost_lines: list[tuple[int, Line]] = []
+        # Every forward of the last seconds, reported as the replica's load with the curve.
+        self.load_window = LoadWindow(since=time.perf_counter())
         # --compile: the decoder compiled for the short forwards (specdec.replica.compiled).
         self.compiled: Compiled | None = None
 
@@ -211,7 +213,9 @@ class ModelRuntime:
     def _timed(self, tokens: int, rows: int, started: float) -> None:
         """A forward of `tokens` tokens a row over `rows` rows began at `started`: fit it."""
         self._synchronize()
-        self.cost.add(tokens, rows, time.perf_counter() - started)
+        ended = time.perf_counter()
+        self.load_window.add(ended, ended - started, rows, tokens)
+        self.cost.add(tokens, rows, ended - started)
         self.cost_lines = self.cost.buckets()
 
     def new_store(self, engine: str) -> TransformersStore[SessionCache]:

@@ -1,0 +1,148 @@
+"""The adaptive policy under load, at concurrency 1 to 32, against k = 0 and every fixed k.
+
+specdec.tools.bench.loadsim runs the gateway's policies (one per request, the gateway's
+SourcePriors shared) against stand-in replicas: a verifier that batches continuously over
+a measured cost surface (the 1.5B target's forwards per shape on a CPU, two dtypes) or a
+modelled GPU one, fitting its cost curve and load window with the replica's own code and
+reporting them through the wire format; a drafter likewise. Time is simulated, never the
+wall clock; the draws are seeded. Each cell is aggregate tokens per simulated second.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.common.cost import CostCurve, LoadWindow, ReportedCost, fit_points, to_proto
+from specdec.tools.bench import loadsim
+
+SURFACES = loadsim.surfaces()
+_SWEEPS: dict[str, dict[int, dict[str, loadsim.Result]]] = {}
+
+# Cells where the policy is not yet within 5% of the best fixed k (strict: a fix shows up).
+BEHIND_BEST = {
+    ("cpu-float32-packed", 2): "two sessions pipeline (one drafts while the other verifies); "
+    "the policy's mix of k = 3..5 unbalances the pipeline that a fixed k = 4 keeps",
+    ("cpu-float32-packed", 4): "as at 2: 1.5 rows a forward, the mix of k pads and "
+    "unbalances what a fixed k = 4 keeps at 1.8 rows",
+    ("gpu-modelled", 32): "the 16+ rows bucket fits one line in tokens a row over forwards "
+    "of 16 to 32 rows, so its slope is the rows' spread, not the tokens': it prices k = 4 "
+    "and 5 as dear",
+}
+
+
+def sweep(name: str) -> dict[int, dict[str, loadsim.Result]]:
+    if name not in _SWEEPS:
+        _SWEEPS[name] = loadsim.sweep(loadsim.Setup(SURFACES[name]))
+    return _SWEEPS[name]
+
+
+CELLS = [(name, c) for name in SURFACES for c in loadsim.CONCURRENCY]
+
+
+@pytest.mark.parametrize(("name", "concurrency"), CELLS)
+def test_the_policy_never_loses_to_k0(name, concurrency):
+    row = sweep(name)[concurrency]
+    adaptive, k0 = row["adaptive"].tokens_per_s, row["k=0"].tokens_per_s
+    assert adaptive >= 0.98 * k0, loadsim.table(name, sweep(name))
+
+
+@pytest.mark.parametrize(
+    ("name", "concurrency"),
+    [
+        pytest.param(*cell, marks=pytest.mark.xfail(strict=True, reason=BEHIND_BEST[cell]))
+        if cell in BEHIND_BEST
+        else cell
+        for cell in CELLS
+    ],
+)
+def test_the_policy_is_within_5_percent_of_the_best_fixed_k(name, concurrency):
+    row = sweep(name)[concurrency]
+    best = max(r.tokens_per_s for mode, r in row.items() if mode != "adaptive")
+    assert row["adaptive"].tokens_per_s >= 0.95 * best, loadsim.table(name, sweep(name))
+
+
+def test_under_load_a_compute_bound_verifier_gets_no_draft():
+    """bfloat16 on a CPU without bf16 units: a row of 2 tokens costs 1.5 steps at 16 rows
+    (and more above), so the policy stops drafting, where alone it speculated least."""
+    results = sweep("cpu-bfloat16")
+    assert results[16]["adaptive"].mean_k < 0.1
+    assert results[32]["adaptive"].mean_k < 0.1
+    assert results[8]["adaptive"].mean_k < results[4]["adaptive"].mean_k
+
+
+def test_on_a_flat_surface_load_keeps_the_long_drafts():
+    results = sweep("gpu-modelled")
+    for c in (4, 8, 16):
+        assert results[c]["adaptive"].mean_k > 4.0
+
+
+def test_the_load_window_reports_busy_share_and_rows_as_rows_saw_them():
+    window = LoadWindow(window=2.0, since=0.0)
+    window.add(ended=1.0, seconds=0.5, rows=7, tokens=2)
+    window.add(ended=1.5, seconds=0.5, rows=1, tokens=4)
+    load = window.load(now=2.0, waiting=3)
+    assert load.window_s == pytest.approx(2.0)
+    assert load.busy == pytest.approx(0.5)
+    assert load.forwards == 2
+    assert load.rows_per_forward == pytest.approx((49 + 1) / 8)
+    assert load.tokens_per_forward == pytest.approx((14 + 4) / 2)
+    assert load.rows_per_second == pytest.approx(4.0)
+    assert load.waiting == 3
+    later = window.load(now=3.2, waiting=0)  # the first has left, the second half in
+    assert later.forwards == 1 and later.busy == pytest.approx(0.3 / 2.0)  # 1.2..1.5
+
+
+def test_the_surface_reads_between_buckets_and_fills_an_unmeasured_step():
+    curve = CostCurve()
+    curve.prior = fit_points([(1, 10.0), (2, 12.0), (4, 16.0), (8, 24.0)])
+    for _ in range(20):
+        curve.add(1, 1, 0.010)  # one row: a step of 10 ms, 2 ms a token
+        curve.add(4, 1, 0.016)
+        curve.add(4, 8, 0.070)  # 8 rows, only drafts of 3: 32 tokens a forward
+        curve.add(2, 8, 0.040)
+    load = LoadWindow(since=0.0).load(now=1.0, waiting=0)
+    cost = ReportedCost.from_proto(to_proto(curve.buckets(), load))
+    assert cost is not None and cost.load is not None
+    eight = cost.line(8)
+    assert eight.rows == pytest.approx(8.0) and eight.step_samples == 0.0
+    # 8 rows of one token: never measured; read off the one-row line at 8 tokens (24 ms),
+    # not the probe's shape scaled (which would put it near t(2) = 40 ms)
+    assert cost.ms(8, 1) == pytest.approx(24.0, rel=0.05)
+    assert cost.ms(8, 4) == pytest.approx(70.0, rel=0.05)
+    assert cost.ms(4.5, 4) == pytest.approx((16.0 + 70.0) / 2, rel=0.05)  # halfway in rows
+    assert cost.ms(1, 4) == pytest.approx(16.0, rel=0.05)
+
+
+def test_a_priced_round_is_counted_by_its_load_level():
+    from prometheus_client import REGISTRY
+
+    from specdec.gateway import tracing
+    from specdec.gateway.outcome import NO_DRAFT, Outcome
+    from specdec.gateway.policy import Estimate
+
+    estimate = Estimate(rows=9.5, saturation=0.9, gain=1.0)
+    assert estimate.level == "8"
+    labels = {"rows": estimate.level, "k": "0"}
+    name = "specdec_gateway_policy_rounds_by_load_total"
+    before = REGISTRY.get_sample_value(name, labels) or 0.0
+    gains = (
+        REGISTRY.get_sample_value("specdec_gateway_policy_speculation_gain_count", {"rows": "8"})
+        or 0.0
+    )
+    o = Outcome(
+        index=0, max_k=4, k=0, draft=(), accepted=0, next_token=1, source=NO_DRAFT,
+        draft_seconds=0.0, verify_seconds=0.01, queue_depth=3, resends=0,
+        load_level=estimate.level, saturation=estimate.saturation, gain=estimate.gain,
+    )  # fmt: skip
+    tracing.round_done(None, o)
+    assert REGISTRY.get_sample_value(name, labels) == before + 1
+    after = REGISTRY.get_sample_value(
+        "specdec_gateway_policy_speculation_gain_count", {"rows": "8"}
+    )
+    assert after == gains + 1
+    unpriced = Outcome(
+        index=1, max_k=4, k=4, draft=(1, 2, 3, 4), accepted=4, next_token=1, source=NO_DRAFT,
+        draft_seconds=0.0, verify_seconds=0.01, queue_depth=3, resends=0,
+    )  # fmt: skip
+    tracing.round_done(None, unpriced)  # a fixed policy's round: not counted by load
+    assert REGISTRY.get_sample_value(name, labels) == before + 1
