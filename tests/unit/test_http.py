@@ -125,7 +125,22 @@ def test_messages_from_json():
             "only text",
             "messages[0].content[0]",
         ),
-        ([{"role": "assistant", "content": None, "tool_calls": [{}]}], "tool calls", "messages[0]"),
+        (
+            [{"role": "assistant", "content": None, "tool_calls": [{}]}],
+            "must be an object",
+            "messages[0].tool_calls[0].function",
+        ),
+        (
+            [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}],
+            "JSON object",
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        (
+            [{"role": "user", "content": "x", "tool_calls": []}],
+            "assistant message's only",
+            "messages[0].tool_calls",
+        ),
+        ([{"role": "tool"}], "content is required", "messages[0].content"),
     ]:
         with pytest.raises(FieldError, match=match) as e:
             messages_from_json(bad)
@@ -304,10 +319,10 @@ def test_unknown_fields_are_ignored_and_logged(caplog):
         {"messages": hi, "echo": True, "service_tier": "auto"}, SERVED
     )
     assert messages == hi
-    with pytest.raises(FieldError, match="tools") as e:
+    with pytest.raises(FieldError, match="must be an object") as e:
         api.chat_request({"messages": hi, "tools": [{"type": "function"}]}, SERVED)
-    assert e.value.param == "tools"
-    assert api.chat_request({"messages": hi, "tools": []}, SERVED)  # the neutral value
+    assert e.value.param == "tools[0].function"
+    assert api.chat_request({"messages": hi, "tools": []}, SERVED)[1].tools is None
 
 
 LIMITS = Limits(

@@ -428,7 +428,8 @@ class OpenAIServer:
             await self._body(request), self.model, self.aliases, self.strict_fields
         )
         template = self.chat_template()
-        req.prompt = await asyncio.to_thread(template.render, messages, True)
+        tools = opts.tools.tools if opts.tools is not None else None
+        req.prompt = await asyncio.to_thread(template.render, messages, True, tools)
         turn = ChatTurn(
             codec,
             req.prompt,
@@ -437,7 +438,7 @@ class OpenAIServer:
             max_context=limits.max_context,
             max_new_tokens=limits.max_new_tokens,
         )
-        renderer = api.Renderer(chat=True, model=opts.model)
+        renderer = api.Renderer(chat=True, model=opts.model, tools=opts.tools is not None)
         self._scores(renderer, req, opts, codec)
         span = request_span(request, "/v1/chat/completions", req, opts.model)
         events = self.gateway.run(req, prompter=turn, deadline=_deadline(opts), tenant=opts.user)
