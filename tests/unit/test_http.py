@@ -642,6 +642,18 @@ def test_routing_errors():
     assert r.json()["error"]["code"] == "model_not_found"
 
 
+def test_responses_api_is_known_and_not_built():
+    """POST /v1/responses: 501 in OpenAI's error shape, naming the endpoint to use, after
+    the bearer token check like every route."""
+    r = _client(_unused).post("/v1/responses", json={"model": "tiny-target", "input": "hi"})
+    assert r.status_code == 501
+    error = r.json()["error"]
+    assert (error["type"], error["code"]) == ("not_implemented_error", "unimplemented")
+    assert "/v1/responses" in error["message"] and "/v1/chat/completions" in error["message"]
+    r = _client(_unused, tokens=frozenset({"t"})).post("/v1/responses", json={})
+    assert r.status_code == 401
+
+
 def test_strict_fields_reach_the_routes():
     r = _client(_unused).post("/v1/completions", json={"prompt": "x", "frobnicate": 1, "model": 5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"  # frobnicate ignored
