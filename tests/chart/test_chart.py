@@ -334,6 +334,22 @@ def test_notes_show_a_curl_of_the_openai_api():
     assert "OpenAI" not in off and "8000" not in off
 
 
+def test_schema_engines_and_dtypes_are_the_clis():
+    """values.schema.json takes exactly the engines and dtypes `specdec serve` takes (one
+    list: specdec.common.config), so `engine: auto`, the services' default, renders."""
+    from specdec.common.config import DTYPES, ENGINES
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    for role in ("drafter", "verifier"):
+        props = schema["properties"][role]["properties"]
+        assert props["engine"]["enum"] == list(ENGINES), role
+        assert props["dtype"]["enum"] == list(DTYPES), role
+        c = container(
+            find(objects({role: {"engine": "auto"}}), "Deployment", role_name(role)), role
+        )
+        assert env_of(c)["SPECDEC_ENGINE"] == "auto"
+
+
 def test_examples_are_valid_yaml_objects():
     for path in EXAMPLES:
         assert isinstance(yaml.safe_load(path.read_text()), dict), path.name
