@@ -16,6 +16,10 @@ os.environ.setdefault("SPECDEC_THREADS", "1")
 # imported already (specdec.tools.forkserver): 0.4 s of CPU a start instead of 6. The
 # start-up tests that exec `specdec` themselves (test_up, the quick start) clear it.
 os.environ.setdefault("SPECDEC_FORK_SERVER", "1")
+# The gateway's OpenAI-compatible HTTP API serves on port 8000 by default (`serve gateway`,
+# `specdec up`): tests run many gateways at once, so in tests it is off unless a test gives
+# a port (a free one). The test of the default itself clears it (test_openai_door).
+os.environ["SPECDEC_HTTP_PORT"] = "0"
 
 import pytest
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -316,23 +317,58 @@ def test_notes_say_how_to_call_the_gateway():
     assert args.gateway == "127.0.0.1:50051" and args.prompt
 
 
+def test_notes_show_a_curl_of_the_openai_api():
+    """NOTES give the OpenAI base URL and curl commands that ask for the served model's
+    name and a chat completion through a port-forward, on the default values."""
+    notes = render()["specdec/templates/NOTES.txt"]
+    assert f"http://{role_name('gateway')}.specdec.svc:8000/v1" in notes
+    assert f"port-forward svc/{role_name('gateway')} 8000:8000" in notes
+    (models,) = [x.strip() for x in notes.splitlines() if x.strip().startswith("MODEL=$(curl")]
+    assert "http://127.0.0.1:8000/v1/models" in models
+    (chat,) = [x.strip() for x in notes.splitlines() if x.strip().startswith("curl ")]
+    words = shlex.split(chat)
+    assert words[1] == "http://127.0.0.1:8000/v1/chat/completions"
+    body = json.loads(words[words.index("-d") + 1].replace("$MODEL", "m"))
+    assert body == {"model": "m", "messages": [{"role": "user", "content": "Hello"}]}
+    off = render({"gateway": {"httpPort": 0}})["specdec/templates/NOTES.txt"]
+    assert "OpenAI" not in off and "8000" not in off
+
+
+def test_schema_engines_and_dtypes_are_the_clis():
+    """values.schema.json takes exactly the engines and dtypes `specdec serve` takes (one
+    list: specdec.replica.config), so `engine: auto`, the services' default, renders."""
+    from specdec.replica.config import DTYPES, ENGINES
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    for role in ("drafter", "verifier"):
+        props = schema["properties"][role]["properties"]
+        assert props["engine"]["enum"] == list(ENGINES), role
+        assert props["dtype"]["enum"] == list(DTYPES), role
+        c = container(
+            find(objects({role: {"engine": "auto"}}), "Deployment", role_name(role)), role
+        )
+        assert env_of(c)["SPECDEC_ENGINE"] == "auto"
+
+
 def test_examples_are_valid_yaml_objects():
     for path in EXAMPLES:
         assert isinstance(yaml.safe_load(path.read_text()), dict), path.name
 
 
-def test_gateway_http_port_is_exposed_when_set():
-    """gateway.httpPort: the container port, --http-port, the Service, the NetworkPolicy."""
+@pytest.mark.parametrize("values, port", [({}, 8000), ({"gateway": {"httpPort": 8080}}, 8080)])
+def test_gateway_http_port_is_exposed(values, port):
+    """gateway.httpPort (8000 by default, as vLLM's): the container port, --http-port, the
+    Service, the NetworkPolicy; 0 turns the HTTP API off."""
     gw = role_name("gateway")
-    objs = objects({"gateway": {"httpPort": 8000}})
+    objs = objects(values)
     c = container(find(objs, "Deployment", gw), "gateway")
-    assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in c["ports"]
-    assert env_of(c)["SPECDEC_HTTP_PORT"] == "8000"
+    assert {"name": "http", "containerPort": port, "protocol": "TCP"} in c["ports"]
+    assert env_of(c)["SPECDEC_HTTP_PORT"] == str(port)
     ports = {p["name"]: p for p in find(objs, "Service", gw)["spec"]["ports"]}
-    assert ports["http"]["port"] == 8000 and ports["http"]["targetPort"] == "http"
+    assert ports["http"]["port"] == port and ports["http"]["targetPort"] == "http"
     ingress = find(objs, "NetworkPolicy", gw)["spec"]["ingress"]
-    assert {"port": 8000, "protocol": "TCP"} in ingress[0]["ports"]
-    off = objects({})
+    assert {"port": port, "protocol": "TCP"} in ingress[0]["ports"]
+    off = objects({"gateway": {"httpPort": 0}})
     c = container(find(off, "Deployment", gw), "gateway")
     assert env_of(c)["SPECDEC_HTTP_PORT"] == "0"
     assert "http" not in [p["name"] for p in c["ports"]]
@@ -403,8 +439,13 @@ def test_tls_and_tokens_are_mounted_from_secrets():
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert rc[probe]["grpc"] == {"port": 8181}, (role, probe)
     # Nothing secret is written into the manifests themselves.
-    text = "\n".join(render(TRUST).values())
+    rendered = render(TRUST)
+    notes = rendered.pop("specdec/templates/NOTES.txt")
+    text = "\n".join(rendered.values())
     assert "BEGIN" not in text and "Bearer" not in text
+    # NOTES' curl commands name the token only as a variable the reader sets.
+    assert "BEGIN" not in notes
+    assert {m for m in re.findall(r"Bearer (\S+)", notes)} == {'$TOKEN"'}
 
 
 def test_no_trust_settings_by_default():

@@ -63,11 +63,11 @@ def test_http_api_through_an_httproute():
     ("values", "message"),
     [
         (
-            {"gateway": {"httpIngress": {"enabled": True}}},
+            {"gateway": {"httpPort": 0, "httpIngress": {"enabled": True}}},
             "gateway.httpIngress.enabled needs gateway.httpPort",
         ),
         (
-            {"gateway": {"httpRoute": {"enabled": True, "parentRefs": PARENT}}},
+            {"gateway": {"httpPort": 0, "httpRoute": {"enabled": True, "parentRefs": PARENT}}},
             "gateway.httpRoute.enabled needs gateway.httpPort",
         ),
         (

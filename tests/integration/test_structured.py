@@ -40,10 +40,28 @@ SCHEMA = {
 }
 REGEX = r"(yes|no), [a-z]{2,6}\."
 CHOICES = ["apple", "banana", "cherry pie"]
+# A Lark grammar embedding a JSON schema, shaped as the one that forces a tool call
+# (specdec.gateway.http.tools).
+LARK = "\n".join(
+    (
+        'start: "<tool_call>\\n" body "\\n</tool_call>"',
+        "body: %json "
+        + json.dumps(
+            {
+                "type": "object",
+                "properties": {"ok": {"type": "boolean"}},
+                "required": ["ok"],
+                "additionalProperties": False,
+                "x-guidance": {"whitespace_flexible": False},
+            }
+        ),
+    )
+)
 SPECS = {
     "json_schema": {"json_schema": SCHEMA},
     "regex": {"regex": REGEX},
     "choice": {"choice": CHOICES},
+    "grammar": {"grammar": LARK},
 }
 
 
@@ -60,6 +78,8 @@ def grammar_of(kind: str) -> str:
         )
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(REGEX)
+    if kind == "grammar":
+        return llguidance.LLMatcher.grammar_from_lark(LARK)
     return llguidance.LLMatcher.grammar_from_lark(
         "start: " + " | ".join(json.dumps(c) for c in CHOICES)
     )
@@ -140,14 +160,18 @@ def test_greedy_equals_constrained_generate(stack, tokenizer, constrained, kind,
                 assert set(value) == {"name", "age"} and 0 <= value["age"] <= 150
             elif kind == "choice":
                 assert out.text in CHOICES
+            elif kind == "grammar":
+                assert out.text.startswith("<tool_call>\n") and out.text.endswith("\n</tool_call>")
+                assert json.loads(out.text[12:-13])["ok"] in (True, False)
             drafted += out.stats.draft_tokens
             accepted += out.stats.accepted_tokens
             assert out.stats.ssd is (mode == "ssd")
     if k:
         assert drafted > 0
         # The drafter drafts without the grammar: its drafts of free text inside the JSON
-        # or the regex are accepted; a choice of words it would never write is not.
-        assert accepted > 0 or kind == "choice"
+        # or the regex are accepted; a choice of words or a grammar's fixed text (tags, a
+        # boolean) it would never write is not.
+        assert accepted > 0 or kind in ("choice", "grammar")
 
 
 def test_grammar_changes_the_output(stack, tokenizer, reference):
@@ -168,6 +192,8 @@ def test_grammar_changes_the_output(stack, tokenizer, reference):
         ({"json_schema": {"$ref": "#/nowhere"}}, "nowhere"),
         ({"regex": "(a"}, "unclosed group"),
         ({"choice": []}, "choice needs at least one"),
+        ({"grammar": " "}, "grammar is empty"),
+        ({"grammar": "start: nothing_defined"}, "nothing_defined"),
     ],
 )
 def test_invalid_grammar_is_invalid_argument(stack, spec, named):
@@ -210,7 +236,13 @@ def test_server_info_names_the_engine(stack):
     with Client(stack["plain"], timeout=60) as client:
         info = client.server_info()
     assert info.structured_output_engine.startswith("llguidance ")
-    assert set(info.structured_output_kinds) == {"json_object", "json_schema", "regex", "choice"}
+    assert set(info.structured_output_kinds) == {
+        "json_object",
+        "json_schema",
+        "regex",
+        "choice",
+        "grammar",
+    }
 
 
 def test_http_response_format_and_guided_fields(stack, tokenizer, constrained):

@@ -125,7 +125,22 @@ def test_messages_from_json():
             "only text",
             "messages[0].content[0]",
         ),
-        ([{"role": "assistant", "content": None, "tool_calls": [{}]}], "tool calls", "messages[0]"),
+        (
+            [{"role": "assistant", "content": None, "tool_calls": [{}]}],
+            "must be an object",
+            "messages[0].tool_calls[0].function",
+        ),
+        (
+            [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}],
+            "JSON object",
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        (
+            [{"role": "user", "content": "x", "tool_calls": []}],
+            "assistant message's only",
+            "messages[0].tool_calls",
+        ),
+        ([{"role": "tool"}], "content is required", "messages[0].content"),
     ]:
         with pytest.raises(FieldError, match=match) as e:
             messages_from_json(bad)
@@ -304,10 +319,10 @@ def test_unknown_fields_are_ignored_and_logged(caplog):
         {"messages": hi, "echo": True, "service_tier": "auto"}, SERVED
     )
     assert messages == hi
-    with pytest.raises(FieldError, match="tools") as e:
+    with pytest.raises(FieldError, match="must be an object") as e:
         api.chat_request({"messages": hi, "tools": [{"type": "function"}]}, SERVED)
-    assert e.value.param == "tools"
-    assert api.chat_request({"messages": hi, "tools": []}, SERVED)  # the neutral value
+    assert e.value.param == "tools[0].function"
+    assert api.chat_request({"messages": hi, "tools": []}, SERVED)[1].tools is None
 
 
 LIMITS = Limits(
@@ -625,6 +640,18 @@ def test_routing_errors():
     r = client.post("/v1/completions", json={"prompt": "x", "model": "other"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     assert r.json()["error"]["code"] == "model_not_found"
+
+
+def test_responses_api_is_known_and_not_built():
+    """POST /v1/responses: 501 in OpenAI's error shape, naming the endpoint to use, after
+    the bearer token check like every route."""
+    r = _client(_unused).post("/v1/responses", json={"model": "tiny-target", "input": "hi"})
+    assert r.status_code == 501
+    error = r.json()["error"]
+    assert (error["type"], error["code"]) == ("not_implemented_error", "unimplemented")
+    assert "/v1/responses" in error["message"] and "/v1/chat/completions" in error["message"]
+    r = _client(_unused, tokens=frozenset({"t"})).post("/v1/responses", json={})
+    assert r.status_code == 401
 
 
 def test_strict_fields_reach_the_routes():

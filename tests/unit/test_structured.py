@@ -168,8 +168,9 @@ def test_sdk_builds_each_kind():
     assert spec(structured_output={"regex": "a+"}).regex == "a+"
     assert list(spec(structured_output={"choice": ["a", "b"]}).choice.choices) == ["a", "b"]
     assert spec(structured_output={"json_object": True}).HasField("json_object")
+    assert spec(structured_output={"grammar": 'start: "a"'}).grammar == 'start: "a"'
     assert not build_generate_request("x").HasField("structured_output")
-    for bad in ({"regex": "a", "choice": ["a"]}, {"grammar": "x"}, "json"):
+    for bad in ({"regex": "a", "choice": ["a"]}, {"lark": "x"}, "json"):
         with pytest.raises(ValueError, match="structured_output"):
             build_generate_request("x", structured_output=bad)
 

@@ -229,7 +229,8 @@ class Output:
     ``stop_token_ids`` or EOS (unless ``ignore_eos``), not before ``min_tokens``; ``n``
     independent completions; ``structured_output``: a grammar (a ``StructuredOutput`` or
     a dict of one key: ``{"json_schema": <schema dict or JSON text>}``, ``{"regex":
-    "..."}``, ``{"choice": ["a", "b"]}`` or ``{"json_object": True}``); ``prediction``:
+    "..."}``, ``{"choice": ["a", "b"]}``, ``{"grammar": "<Lark grammar>"}`` or
+    ``{"json_object": True}``); ``prediction``:
     text or token ids the output is expected to repeat (OpenAI's Predicted Outputs, a
     source of drafts); ``record=False`` refuses the gateway's recording (``--record``)."""
 
@@ -402,7 +403,7 @@ def _structured_output(
     if not isinstance(spec, dict) or len(spec) != 1:
         raise ValueError(
             "structured_output must be a StructuredOutput or a dict of one key: json_schema, "
-            "regex, choice or json_object"
+            "regex, choice, grammar or json_object"
         )
     ((kind, value),) = spec.items()
     if kind == "json_schema":
@@ -410,6 +411,8 @@ def _structured_output(
         return gateway_pb2.StructuredOutput(json_schema=text)
     if kind == "regex":
         return gateway_pb2.StructuredOutput(regex=value)
+    if kind == "grammar":
+        return gateway_pb2.StructuredOutput(grammar=value)
     if kind == "choice":
         return gateway_pb2.StructuredOutput(
             choice=gateway_pb2.StructuredChoice(choices=list(value))

@@ -256,6 +256,29 @@ def add_settings(parser: argparse.ArgumentParser, cls: type, **defaults: Any) ->
         add_setting(parser, _flag(f), s.help, default)
 
 
+@dataclass(frozen=True)
+class Described:
+    """One setting as a reference page shows it (specdec.tools.docs.configuration)."""
+
+    flag: str
+    env: str
+    default: Any  # MISSING: required
+    help: str
+
+
+def described(cls: type) -> list[Described]:
+    """`cls`'s settings in field order, groups flattened, each with its flag, variable,
+    default (as the flag shows it) and help: what `add_settings` declares."""
+    out: list[Described] = []
+    for f, s in _declared(cls):
+        if isinstance(s, SettingsGroup):
+            out += described(s.flags)
+            continue
+        default = f.default if s.shown is AS_FIELD else s.shown
+        out.append(Described(_flag(f), env_name(_flag(f)), default, s.help))
+    return out
+
+
 def read_settings(cls: type, args: argparse.Namespace) -> dict[str, Any]:
     """The values of `cls`'s setting fields from parsed `args`, by field name; a malformed
     one raises ConfigError naming its flag and variable."""

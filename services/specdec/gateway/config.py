@@ -96,7 +96,9 @@ class GatewayConfig:
         check=port_number,
     )
     # The OpenAI-compatible HTTP API (specdec.gateway.http).
-    http_port: int = setting(0, "OpenAI-compatible HTTP API port (0: off)", check=port_number)
+    http_port: int = setting(
+        8000, "OpenAI-compatible HTTP API port, as vLLM's (0: off)", check=port_number
+    )
     served_model_name: str = setting(
         "", "HTTP API model name (default: the name of the verifier's model folder)"
     )

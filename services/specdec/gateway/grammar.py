@@ -2,7 +2,8 @@
 
 The engine is llguidance (PyPI `llguidance`, no dependencies, no torch): the gateway builds
 its tokenizer once from the replicas' tokenizer.json, compiles each request's
-`StructuredOutput` (a JSON object, a JSON schema, a regex or a choice) into a grammar, and
+`StructuredOutput` (a JSON object, a JSON schema, a regex, a choice or a Lark grammar) into a
+grammar, and
 keeps one matcher per request that follows the tokens the request emits.
 
 A round under a grammar (specdec.gateway.loop):
@@ -42,7 +43,7 @@ if TYPE_CHECKING:  # a type of llguidance's stubs only
     from llguidance._lib import JsonCompileOptions
 
 ENGINE = f"llguidance {version('llguidance')}"
-KINDS = ("json_object", "json_schema", "regex", "choice")
+KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex or the choices together
 MAX_CHOICES = 1024
 # JSON is compact by default (no whitespace between tokens): flexible whitespace lets a
@@ -70,7 +71,8 @@ def grammar_text(spec: gateway_pb2.StructuredOutput) -> tuple[str, str]:
     kind = spec.WhichOneof("kind")
     if kind is None:
         raise InvalidRequest(
-            "structured_output is set but names no kind (json_object, json_schema, regex or choice)"
+            "structured_output is set but names no kind (json_object, json_schema, regex, "
+            "choice or grammar)"
         )
     if kind == "json_object":
         return kind, llguidance.LLMatcher.grammar_from_json_schema(
@@ -97,6 +99,11 @@ def grammar_text(spec: gateway_pb2.StructuredOutput) -> tuple[str, str]:
             raise InvalidRequest("structured_output.regex is empty")
         _check_size(spec.regex, "structured_output.regex")
         return kind, llguidance.LLMatcher.grammar_from_regex(spec.regex)
+    if kind == "grammar":
+        if not spec.grammar.strip():
+            raise InvalidRequest("structured_output.grammar is empty")
+        _check_size(spec.grammar, "structured_output.grammar")
+        return kind, llguidance.LLMatcher.grammar_from_lark(spec.grammar)
     choices = list(spec.choice.choices)
     if not choices or any(not c for c in choices):
         raise InvalidRequest("structured_output.choice needs at least one non-empty string")

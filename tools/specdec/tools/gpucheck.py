@@ -322,7 +322,7 @@ def stack_ms_per_token(target: Path, prompt, new, args) -> dict:
             p.wait_healthy(timeout=1200)
         gateway = ServiceProcess.specdec(
             "gateway",
-            *("serve", "gateway", "--port", "0", "--host", "127.0.0.1"),
+            *("serve", "gateway", "--port", "0", "--host", "127.0.0.1", "--http-port", "0"),
             *("--drafter", procs[0].address, "--verifier", procs[1].address),
         ).start()
         procs.append(gateway)

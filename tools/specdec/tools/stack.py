@@ -16,7 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from specdec.common.settings import add_setting
 from specdec.drafter.quantize import QUANTIZE_MODES
+from specdec.gateway.config import GatewayConfig
 from specdec.replica.cpus import usable_cpus
 from specdec.tools.certs import Pki, make_pki
 from specdec.tools.launcher import (
@@ -206,8 +208,12 @@ def add_up_parser(commands) -> argparse.ArgumentParser:
         default=False,
         help="gateway default: speculative speculative decoding",
     )
-    p.add_argument(
-        "--http-port", type=int, default=0, help="gateway's OpenAI-compatible HTTP port (0: off)"
+    add_setting(  # the gateway's own setting: the same flag, variable and default
+        p,
+        "--http-port",
+        "gateway's OpenAI-compatible HTTP port (0: off)",
+        default=GatewayConfig.http_port,
+        type=int,
     )
     p.add_argument(
         "--served-model-name",
@@ -363,7 +369,10 @@ class LocalStack:
             str(getattr(a, "default_k", 4)),
             "--ssd" if getattr(a, "ssd", False) else "--no-ssd",
             *(["--method", a.method] if getattr(a, "method", None) else []),
-            *(["--http-port", str(a.http_port)] if getattr(a, "http_port", 0) else []),
+            # Always said: a tool without --http-port (bench, demo) runs no HTTP API,
+            # rather than the gateway's default port 8000.
+            "--http-port",
+            str(getattr(a, "http_port", 0)),
             *(
                 ["--served-model-name", a.served_model_name]
                 if getattr(a, "served_model_name", "")
@@ -376,11 +385,32 @@ class LocalStack:
         )
         self.gateway.wait_healthy(timeout=300, credentials=self._client_credentials())
         self.announce(f"gateway   {self.gateway.address} (pid {self.gateway.proc.pid})")
-        if getattr(a, "http_port", 0):
-            self.announce(f"openai    http://{a.host}:{a.http_port}/v1")
+        if self.openai_url:
+            self.announce(f"openai    {self.openai_url}")
         if getattr(a, "otlp_endpoint", None):
             self.announce(f"traces    {a.otlp_endpoint} ({a.otlp_protocol})")
         return self
+
+    @property
+    def openai_url(self) -> str:
+        """The base URL of the gateway's OpenAI-compatible API ("" when it is off), as a
+        client on this machine reaches it."""
+        a = self.args
+        port = getattr(a, "http_port", 0)
+        if not port:
+            return ""
+        host = "127.0.0.1" if a.host in ("0.0.0.0", "") else "[::1]" if a.host == "::" else a.host
+        return f"{'https' if self.pki else 'http'}://{host}:{port}/v1"
+
+    def openai_model(self) -> str:
+        """The model name the HTTP API serves (its /v1/models), for the ready line."""
+        import json
+        import ssl
+        import urllib.request
+
+        context = ssl.create_default_context(cafile=str(self.pki.ca)) if self.pki else None
+        with urllib.request.urlopen(f"{self.openai_url}/models", timeout=30, context=context) as r:
+            return json.load(r)["data"][0]["id"]
 
     def _replica_dtype(self, proc: ServiceProcess) -> tuple[str, str]:
         """The dtype a replica runs in and why, from its Info ("", "" if it does not say)."""
@@ -449,6 +479,8 @@ def run_up(args: argparse.Namespace) -> int:
                 f"ready: specdec generate --gateway {stack.gateway.address}{tls} "
                 "--prompt 'def fib(n):'"
             )
+            if stack.openai_url:
+                say(f"ready: {openai_curl(stack)}")
             try:
                 while True:
                     time.sleep(0.5)
@@ -462,6 +494,26 @@ def run_up(args: argparse.Namespace) -> int:
         say("interrupted while starting")
     say("stopped")
     return 0
+
+
+def openai_curl(stack: LocalStack) -> str:
+    """A curl command that asks the stack's OpenAI-compatible API for a chat completion."""
+    import json
+
+    ca = f" --cacert {shlex.quote(str(stack.pki.ca))}" if stack.pki else ""
+    try:
+        model = stack.openai_model()
+    except OSError:  # e.g. bearer tokens (--gateway-arg --auth-tokens-file): name no model
+        return f"curl{ca} {stack.openai_url}/models"
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Write a Python function for fib(n)."}],
+        "max_tokens": 64,
+    }
+    return (
+        f"curl{ca} {stack.openai_url}/chat/completions -H 'Content-Type: application/json' "
+        f"-d {shlex.quote(json.dumps(body))}"
+    )
 
 
 def say(line: str) -> None:

@@ -66,10 +66,20 @@ SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN]  # ids 0, 1, 2
 TOKENIZER_VOCAB_SIZE = 384
 MAX_POSITIONS = 512
 
+# A chat template that takes tools the way Qwen2.5's does (Hermes style): the tools' JSON
+# in a system turn, earlier calls as <tool_call> blocks, results as `tool` turns. Without
+# tools it renders what it always did.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}<|system|>\n# Tools\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    'Call a tool as <tool_call>\n{"name": <name>, "arguments": <object>}\n</tool_call>'
+    "{{ eos_token }}\n{% endif %}"
     "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}"
+    "{% for call in message.tool_calls or [] %}<tool_call>\n"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}'
+    "\n</tool_call>{% endfor %}{{ eos_token }}\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )

@@ -15,7 +15,7 @@ verify as one token tree), `session_id`, `session_reset`
 (bool: forget the session's history first), `record` (false: the gateway's recording,
 --record, skips this request) and `timeout` (seconds for the whole generation; past it
 the answer is 504). Structured output: OpenAI's `response_format` (`json_object`,
-`json_schema`) and vLLM's `guided_json`, `guided_regex`, `guided_choice` become
+`json_schema`) and vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` become
 GenerateRequest.structured_output. Responses carry the
 speculation statistics, timings, the token ids and, for a session, what happened to it
 under the extension key `specdec`.
@@ -46,6 +46,7 @@ from specdec.common.errors import InvalidRequest
 from specdec.gateway.http import schema
 from specdec.gateway.http.errors import FieldError, ModelNotFound
 from specdec.gateway.http.logprobs import LogprobsRenderer
+from specdec.gateway.http.tools import ToolCallReader, ToolChoice, read, tool_choice
 from specdec.sdk.request import Output, Request, Sampling, Scoring, Session, Speculation
 from specdec.v1 import gateway_pb2
 
@@ -86,6 +87,9 @@ class Options:
     # the gRPC names of the shared validation's messages -> this body's fields.
     prompt_field: str = "prompt"
     fields: dict[str, str] = field(default_factory=dict)
+    # chat: the tools in play (None: none, or tool_choice "none"), which the chat template
+    # is shown and whose calls are read from the output (specdec.gateway.http.tools)
+    tools: ToolChoice | None = None
 
 
 # The gRPC names the shared validation's messages start with (errors.leading_field) -> the
@@ -107,7 +111,13 @@ VALIDATION_FIELDS = {
     "prediction": "prediction",
     "structured_output": "response_format",
 }
-STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
+STRUCTURED_FIELDS = (
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 
 
 def _fields(body: dict, chat: bool) -> dict[str, str]:
@@ -169,6 +179,10 @@ def _structured(body: schema.Body) -> dict[str, Any] | None:
             ("guided_json", body.guided_json),
             ("guided_regex", None if body.guided_regex is None else {"regex": body.guided_regex}),
             ("guided_choice", body.guided_choice),
+            (
+                "guided_grammar",
+                None if body.guided_grammar is None else {"grammar": body.guided_grammar},
+            ),
             ("response_format", body.response_format),
         )
         if spec is not None
@@ -287,6 +301,16 @@ def chat_request(
     req.ClearField("prompt")
     opts.max_tokens_given = max_tokens is not None
     opts.prompt_field, opts.fields = "messages", _fields(body, chat=True)
+    opts.tools = tool_choice(parsed.tools, parsed.tool_choice, parsed.parallel_tool_calls)
+    if opts.tools is not None and opts.tools.forced:
+        if req.HasField("structured_output"):
+            raise FieldError(
+                "tool_choice",
+                f"tool_choice {opts.tools.mode!r} forces the output to be tool calls: give "
+                "it without response_format or guided_*",
+            )
+        req.structured_output.grammar = opts.tools.grammar()
+        opts.fields["structured_output"] = "tools"  # a tool's parameters schema
     return req, opts, [m.template_dict() for m in parsed.messages]
 
 
@@ -333,6 +357,8 @@ class Renderer:
     scores: LogprobsRenderer | None = None  # the served tokenizer, for logprobs
     echo: str | None = None  # completions with echo: the prompt's text
     prompt_scores: bool = False  # echo with logprobs: the prompt's rows first
+    tools: bool = False  # chat with tools in play: tool calls are read from the text
+    _readers: dict[int, ToolCallReader] = field(default_factory=dict)  # per choice (stream)
     _started: set[int] = field(default_factory=set)  # choices whose stream has begun
     _offsets: dict[int, int] = field(default_factory=dict)  # per choice: text offset
     _prompt: Any = None  # echo in a stream: the prompt's scores (choice 0's first event)
@@ -365,14 +391,26 @@ class Renderer:
             return self.scores.chat(table), offset
         return self.scores.completion([t for t in (prompt, table) if t is not None], offset)
 
+    def _finish_reason(self, finish: int, calls: int) -> str | None:
+        """OpenAI's finish_reason; "tool_calls" when the model ended (EOS or a stop) after
+        writing tool calls."""
+        reason = FINISH_REASON.get(finish)
+        return "tool_calls" if calls and reason == "stop" else reason
+
     def _choice(self, index: int, text: str, finish: int, table, prompt) -> dict[str, Any]:
         logprobs, _ = self._logprobs(table, prompt)
         if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            calls: list[dict[str, Any]] = []
+            if self.tools:
+                message["content"], calls = read(text)
+                if calls:
+                    message["tool_calls"] = calls
             return {
                 "index": index,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
-                "finish_reason": FINISH_REASON.get(finish),
+                "finish_reason": self._finish_reason(finish, len(calls)),
             }
         text = text if self.echo is None else self.echo + text
         return {
@@ -449,29 +487,32 @@ class Renderer:
             logprobs, self._offsets[index] = self._logprobs(table, None, 0)
             choice = {"index": index, "text": self.echo, "logprobs": logprobs}
             out.append(self._chunk([{**choice, "finish_reason": None}], **usage_field))
+        reader = self._readers.setdefault(index, ToolCallReader()) if self.tools else None
         if event.text or tokens:
             logprobs, self._offsets[index] = self._logprobs(
                 event.logprobs, None, self._offsets.get(index, 0)
             )
-            choice = (
-                {
-                    "index": index,
-                    "delta": {"content": event.text},
-                    "logprobs": logprobs,
-                    "finish_reason": None,
-                }
-                if self.chat
-                else {
-                    "index": index,
-                    "text": event.text,
-                    "logprobs": logprobs,
-                    "finish_reason": None,
-                }
-            )
-            out.append(self._chunk([choice], **usage_field, **{EXTENSION: {"token_ids": tokens}}))
+            if not self.chat:
+                deltas = [{"text": event.text}]
+            elif reader is None:
+                deltas = [{"delta": {"content": event.text}}]
+            else:  # the text held until it is content or a call; this event's extras once
+                deltas = [{"delta": d} for d in reader.feed(event.text)] or [{"delta": {}}]
+            for i, delta in enumerate(deltas):
+                choice = {"index": index, **delta, "logprobs": None, "finish_reason": None}
+                extra: dict[str, Any] = {}
+                if i == 0:
+                    choice["logprobs"], extra = logprobs, {EXTENSION: {"token_ids": tokens}}
+                out.append(self._chunk([choice], **usage_field, **extra))
         ended = event.choice if event.choice is not None else final
         if ended is not None:
-            finish = FINISH_REASON.get(ended.finish_reason)
+            calls = 0
+            if reader is not None:
+                for delta in reader.finish():
+                    choice = {"index": index, "delta": delta, "logprobs": None}
+                    out.append(self._chunk([{**choice, "finish_reason": None}], **usage_field))
+                calls = len(reader.calls)
+            finish = self._finish_reason(ended.finish_reason, calls)
             choice = (
                 {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}
                 if self.chat

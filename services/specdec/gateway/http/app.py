@@ -3,7 +3,8 @@ gateway's own event loop, next to grpc.aio, so every request calls `Gateway.run`
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
 GET /v1/models/{model}, GET /health, GET /metrics (the gateway's Prometheus registry, the
-one --metrics-port serves). Each generation is one `Gateway.run` (validation, the
+one --metrics-port serves). POST /v1/responses, OpenAI's Responses API, is known and not
+built: 501 in OpenAI's error shape, naming what to call instead. Each generation is one `Gateway.run` (validation, the
 turn lock, the loop and the session write are the gRPC path's own); this module only
 translates (specdec.gateway.http.api), streams server-sent events, enforces the request's
 `timeout` and cancels the generation when the client goes away: cancelling the turn's
@@ -36,7 +37,13 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from specdec.common import telemetry
-from specdec.common.errors import DeadlineExceeded, InvalidRequest, NotReady, SpecdecError
+from specdec.common.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    NotReady,
+    SpecdecError,
+    Unimplemented,
+)
 from specdec.common.serving import MAX_MESSAGE_BYTES
 from specdec.common.tls import ServerTls, pem_files
 from specdec.gateway import grammar, tracing
@@ -59,7 +66,14 @@ from specdec.gateway.turn import Gateway
 
 log = logging.getLogger(__name__)
 
-ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+ROUTES = (
+    "/health",
+    "/metrics",
+    "/v1/models",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+)
 HTTP_RESPONSES = Counter(
     "specdec_gateway_http_responses",
     "HTTP API answers by path and status (499: the client went away first)",
@@ -428,7 +442,8 @@ class OpenAIServer:
             await self._body(request), self.model, self.aliases, self.strict_fields
         )
         template = self.chat_template()
-        req.prompt = await asyncio.to_thread(template.render, messages, True)
+        tools = opts.tools.tools if opts.tools is not None else None
+        req.prompt = await asyncio.to_thread(template.render, messages, True, tools)
         turn = ChatTurn(
             codec,
             req.prompt,
@@ -437,11 +452,21 @@ class OpenAIServer:
             max_context=limits.max_context,
             max_new_tokens=limits.max_new_tokens,
         )
-        renderer = api.Renderer(chat=True, model=opts.model)
+        renderer = api.Renderer(chat=True, model=opts.model, tools=opts.tools is not None)
         self._scores(renderer, req, opts, codec)
         span = request_span(request, "/v1/chat/completions", req, opts.model)
         events = self.gateway.run(req, prompter=turn, deadline=_deadline(opts), tenant=opts.user)
         return Generation(events, renderer, opts, turn, span)
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API: known, not built (501, as an unbuilt gRPC method's
+        UNIMPLEMENTED), so a client learns what to call instead of a bare 404."""
+        self._authorize(request)
+        raise Unimplemented(
+            "POST /v1/responses (OpenAI's Responses API) is not served by this gateway yet: "
+            "send the same conversation to POST /v1/chat/completions (input as messages, "
+            "instructions as a system message, max_output_tokens as max_tokens)"
+        )
 
     def _scores(self, renderer: api.Renderer, req, opts: api.Options, codec: TextCodec) -> None:
         """What the renderer needs for logprobs and echo."""
@@ -469,6 +494,7 @@ class OpenAIServer:
                     _answering(self.chat_completions, "messages"),
                     methods=["POST"],
                 ),
+                Route("/v1/responses", _answering(self.responses), methods=["POST"]),
             ],
             exception_handlers={HTTPException: routing_error},
         )

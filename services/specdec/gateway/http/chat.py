@@ -31,6 +31,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.sandbox
 
 from specdec.common.errors import InvalidRequest
@@ -102,8 +103,7 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     )
 
 
-@lru_cache(maxsize=8)
-def _compile(template: str) -> jinja2.Template:
+def _environment() -> jinja2.Environment:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
@@ -112,7 +112,16 @@ def _compile(template: str) -> jinja2.Template:
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     env.globals["dict"] = _Dict()
     env.globals["namespace"] = _Namespace
-    return env.from_string(template)
+    return env
+
+
+@lru_cache(maxsize=8)
+def _compile(template: str) -> tuple[jinja2.Template, bool]:
+    """The compiled template, and whether it reads `tools` (a template that never does
+    would drop a request's tools without a word)."""
+    env = _environment()
+    variables = jinja2.meta.find_undeclared_variables(env.parse(template))
+    return env.from_string(template), "tools" in variables
 
 
 class ChatTemplate:
@@ -124,19 +133,32 @@ class ChatTemplate:
                 "the served model has no chat template; use /v1/completions with a prompt"
             )
         try:
-            self.template = _compile(template)
+            self.template, self.takes_tools = _compile(template)
         except jinja2.TemplateError as e:
             raise InvalidRequest(f"the model's chat template does not compile: {e}") from None
         self.special_tokens = dict(special_tokens)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The chat as text, as apply_chat_template(tokenize=False) renders it."""
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The chat as text, as apply_chat_template(tokenize=False, tools=tools) renders it.
+        Tools need a template that reads them (FieldError naming `tools` otherwise)."""
+        if tools and not self.takes_tools:
+            raise FieldError(
+                "tools",
+                "the served model's chat template does not take tools (it never reads "
+                "`tools`): send the request without tools, or serve a model whose template "
+                "renders them (Qwen2.5's does)",
+            )
         # As transformers: keys whose value is None are dropped (OpenAI sends content=None).
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
             return self.template.render(
                 messages=chat,
-                tools=None,
+                tools=tools or None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,

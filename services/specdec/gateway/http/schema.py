@@ -15,6 +15,7 @@ specdec.gateway.http.api turns the parsed body into the typed request parts
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from typing import Annotated, Any
 
@@ -318,15 +319,13 @@ class Body(SamplingFields):  # type: ignore[misc,valid-type]
     )
     guided_json: Annotated[dict[str, Any], BeforeValidator(_guided_json)] | None = None
     guided_regex: Str | None = None
+    guided_grammar: Str | None = None  # llguidance's Lark dialect
     guided_choice: Annotated[dict[str, Any], BeforeValidator(_guided_choice)] | None = None
     # OpenAI's fields that the gateway cannot honour, accepted with their neutral value
     best_of: Annotated[Any, _neutral(None, 1)] = None
     suffix: Annotated[Any, _neutral(None, "")] = None
-    tools: Annotated[Any, _neutral(None, [])] = None
-    tool_choice: Annotated[Any, _neutral(None, "none")] = None
     functions: Annotated[Any, _neutral(None, [])] = None
     function_call: Annotated[Any, _neutral(None, "none")] = None
-    parallel_tool_calls: Annotated[Any, _neutral(None, False, True)] = None
     store: Annotated[Any, _neutral(None, False)] = None
     metadata: Annotated[Any, _neutral(None, {})] = None
 
@@ -374,6 +373,55 @@ def _content(value: Any) -> str | None:
     return value
 
 
+def _json_object(value: Any, at: str) -> dict[str, Any]:
+    """A function's arguments: a JSON object or its text (OpenAI sends text)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise refuse(" must be a JSON object (or its text)", at=at) from None
+    if not isinstance(value, dict):
+        raise refuse(" must be a JSON object (or its text)", at=at)
+    return value
+
+
+def _function(item: Any, at: str, default_type: str | None) -> tuple[dict[str, Any], str]:
+    """A tool's or a tool call's `function` object and its name; `type` must be
+    "function" (`default_type`: its value when absent)."""
+    if not isinstance(item, dict) or item.get("type", default_type) != "function":
+        raise refuse(' must be {"type": "function", "function": {...}}', at=at)
+    function = item.get("function")
+    if not isinstance(function, dict):
+        raise refuse(" must be an object", at=f"{at}.function")
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise refuse(" must be a non-empty string", at=f"{at}.function.name")
+    return function, name
+
+
+def _tool_calls(value: Any) -> list[dict[str, Any]]:
+    """An assistant message's earlier tool calls, as chat templates read them: each
+    {"id", "type": "function", "function": {"name", "arguments"}} with its arguments as an
+    object (OpenAI sends their JSON text; Qwen2.5's template, like vLLM and transformers,
+    reads an object)."""
+    if not isinstance(value, list):
+        raise refuse(" must be a list of tool calls")
+    out = []
+    for j, call in enumerate(value):
+        function, name = _function(call, f"[{j}]", "function")
+        arguments = _json_object(function.get("arguments", {}), f"[{j}].function.arguments")
+        if "id" in call and not isinstance(call["id"], str):
+            raise refuse(" must be a string", at=f"[{j}].id")
+        entry: dict[str, Any] = {
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
+        if "id" in call:
+            entry["id"] = call["id"]
+        out.append(entry)
+    return out
+
+
 class Message(BaseModel):
     """One chat message, as a chat template reads it."""
 
@@ -382,13 +430,13 @@ class Message(BaseModel):
     name: Str | None = None
     tool_call_id: Str | None = None
     reasoning_content: Str | None = None
-    tool_calls: Any = None
+    tool_calls: Annotated[list[dict[str, Any]], BeforeValidator(_tool_calls)] | None = None
     function_call: Any = None
 
     def template_dict(self) -> dict[str, Any]:
         """The message as the dict a chat template expects."""
         out: dict[str, Any] = {"role": self.role, "content": self.content}
-        for key in ("name", "tool_call_id", "reasoning_content"):
+        for key in ("name", "tool_call_id", "reasoning_content", "tool_calls"):
             if key in self.model_fields_set:
                 out[key] = getattr(self, key)
         return out
@@ -396,11 +444,16 @@ class Message(BaseModel):
 
 def _message(value: Any) -> Any:
     _object(value)
-    if value.get("role") not in ROLES:
+    role = value.get("role")
+    if role not in ROLES:
         raise refuse(f" must be one of {', '.join(ROLES)}", at=".role")
-    if value.get("tool_calls") or value.get("function_call"):
-        raise refuse(": tool calls are not supported")
-    if value.get("content") is None and value["role"] != "assistant":
+    if value.get("function_call"):
+        raise refuse(
+            ": the legacy function_call is not supported; send tool_calls", at=".function_call"
+        )
+    if value.get("tool_calls") is not None and role != "assistant":
+        raise refuse(" are an assistant message's only", at=".tool_calls")
+    if value.get("content") is None and role != "assistant":
         raise refuse(" is required", at=".content")
     return value
 
@@ -423,10 +476,53 @@ class Messages(BaseModel):
     messages: MessageList = Field(None, validate_default=True)
 
 
+def _tools(value: Any) -> list[dict[str, Any]]:
+    """OpenAI's `tools`: function tools, each with a unique non-empty name and, if given, a
+    JSON schema object as its parameters (specdec.gateway.http.tools)."""
+    if not isinstance(value, list):
+        raise refuse(" must be a list of tools")
+    names: set[str] = set()
+    for i, tool in enumerate(value):
+        function, name = _function(tool, f"[{i}]", None)
+        if name in names:
+            raise refuse(f": the name {name!r} is given twice", at=f"[{i}].function.name")
+        names.add(name)
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise refuse(" must be a JSON schema (an object)", at=f"[{i}].function.parameters")
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
+            raise refuse(" must be a string", at=f"[{i}].function.description")
+    return value
+
+
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+def _tool_choice(value: Any) -> str | dict[str, Any]:
+    """ "none", "auto", "required" or {"type": "function", "function": {"name": ...}}."""
+    if isinstance(value, str) and value in TOOL_CHOICES:
+        return value
+    if (
+        isinstance(value, dict)
+        and value.get("type") == "function"
+        and isinstance(value.get("function"), dict)
+        and isinstance(value["function"].get("name"), str)
+    ):
+        return value
+    raise refuse(
+        ' must be "none", "auto", "required" or {"type": "function", "function": '
+        f'{{"name": ...}}}}, got {value!r}'
+    )
+
+
 class ChatBody(Body):
     """POST /v1/chat/completions."""
 
     messages: MessageList = Field(None, validate_default=True)
+    tools: Annotated[list[dict[str, Any]], BeforeValidator(_tools)] | None = None
+    tool_choice: Annotated[str | dict[str, Any], BeforeValidator(_tool_choice)] | None = None
+    parallel_tool_calls: Bool | None = None
     max_completion_tokens: Annotated[int, Strict(), Range(Request, "max_new_tokens")] | None = None
     logprobs: Bool | None = None
     top_logprobs: Annotated[int, Strict(), Range(Request, "top_logprobs")] | None = None

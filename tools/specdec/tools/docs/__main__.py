@@ -1,6 +1,7 @@
 """`python -m specdec.tools.docs [--root DIR] [--check]`: write (or check) the generated pages.
 
 `make docs-gen` runs it. The pages: docs/reference/cli.md (argparse parsers),
+docs/reference/configuration.md (the services' `setting(...)` declarations),
 docs/reference/grpc.md (protos/ comments), docs/reference/helm-values.md and the chart's
 helm/specdec/README.md (values.yaml).
 """
@@ -15,10 +16,11 @@ from pathlib import Path
 
 def pages(root: Path) -> dict[Path, Callable[[], str]]:
     """Each generated page (relative to root) and the function that renders it."""
-    from specdec.tools.docs import cli, grpc, helm
+    from specdec.tools.docs import cli, configuration, grpc, helm
 
     return {
         Path("docs/reference/cli.md"): cli.render,
+        Path("docs/reference/configuration.md"): configuration.render,
         Path("docs/reference/grpc.md"): lambda: grpc.render(root),
         Path("docs/reference/helm-values.md"): lambda: helm.render(root),
         Path("helm/specdec/README.md"): lambda: helm.readme(root),
