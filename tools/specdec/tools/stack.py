@@ -23,6 +23,8 @@ from specdec.tools.launcher import (
     Interrupted,
     ServiceFailed,
     ServiceProcess,
+    check_interrupted,
+    die_with_parent,
     forget,
     guarded,
     register,
@@ -316,8 +318,9 @@ class LocalStack:
             self.announce(f"tls       throwaway CA {self.pki.ca}")
         redis_url = os.environ.get("REDIS_URL")
         if not redis_url:
+            check_interrupted()
             with guarded():  # recorded before a signal can interrupt
-                self.redis = RedisProcess()
+                self.redis = RedisProcess(preexec_fn=die_with_parent())
                 self.redis.start()
                 assert self.redis.process is not None
                 register(self.redis.process)
@@ -452,6 +455,7 @@ def run_up(args: argparse.Namespace) -> int:
             try:
                 while True:
                     time.sleep(0.5)
+                    check_interrupted()
                     stack.check_alive()
             except Interrupted:
                 say("stopping ...")
