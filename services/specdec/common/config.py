@@ -178,14 +178,8 @@ class ReplicaConfig:
         check=one_of(ENGINES),
     )
     kv_block_size: int = setting(16, "tokens per KV block of the paged engine", check=positive)
-    # specdec.replica.tp
-    tensor_parallel: int = setting(
-        1,
-        "verifier only: run the replica as N ranks on this machine, the model's layers "
-        "sharded across them (transformers' tp_plan; gloo on cpu, NCCL on cuda, one GPU a "
-        "rank); rank 0 serves",
-        check=positive,
-    )
+    # specdec.replica.tp: a flag of the verifier only (VerifierConfig), 1 for the drafter
+    tensor_parallel: int = 1
     # specdec.replica.compiled
     compile: bool = setting(
         False,
@@ -231,7 +225,7 @@ class ReplicaConfig:
                 f"--pack-weights / {env_name('--pack-weights')}: packed weights are for "
                 f"--device cpu (got --device {device})"
             )
-        if values["tensor_parallel"] > 1:
+        if values.get("tensor_parallel", 1) > 1:
             check_tensor_parallel(
                 cls.ROLE,
                 values["tensor_parallel"],
