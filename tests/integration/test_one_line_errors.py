@@ -7,6 +7,7 @@ text)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from concurrent import futures
@@ -54,6 +55,25 @@ def test_a_missing_or_malformed_model_is_one_line(tmp_path, kind, why):
     prefix = "specdec: configuration error: --model / SPECDEC_MODEL: " + why.format(path=path)
     assert lines[0].startswith(prefix), lines[0]
     assert lines[0].endswith(EXPECTED), lines[0]
+
+
+def test_up_with_a_missing_model_says_so_in_one_line(test_models):
+    """`specdec up` reports the replica's own line, not the end of its log."""
+    argv = ["up", "--draft-model", "/nonexistent/model", "--target-model"]
+    argv += [str(test_models.target), "--port", "0", "--dtype", "float32"]
+    argv += ["--draft-threads", "1", "--target-threads", "1"]
+    done = subprocess.run(
+        [sys.executable, "-m", "specdec", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "REDIS_URL"},
+    )
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        "specdec up: drafter exited with code 2: specdec: configuration error: --model / "
+        f"SPECDEC_MODEL: no such directory '/nonexistent/model'; {EXPECTED}"
+    ]
 
 
 @pytest.fixture

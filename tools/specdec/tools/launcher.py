@@ -219,6 +219,7 @@ class ServiceProcess:
         self.lines: deque[str] = deque(maxlen=400)
         self._port_seen = threading.Event()
         self.proc: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None  # reads its output into `lines`
 
     @classmethod
     def specdec(cls, name: str, *args: str, **kw) -> ServiceProcess:
@@ -244,7 +245,7 @@ class ServiceProcess:
                     forkserver.Client.spawn(args, self.env, self.cpus),  # type: ignore[arg-type]
                     own_group=True,
                 )
-            threading.Thread(target=self._pump, daemon=True, name=f"{self.name}-log").start()
+            self._read_output()
             return self
         with guarded():  # recorded as soon as it exists
             self.proc = register(
@@ -261,8 +262,12 @@ class ServiceProcess:
                 ),
                 own_group=True,
             )
-        threading.Thread(target=self._pump, daemon=True, name=f"{self.name}-log").start()
+        self._read_output()
         return self
+
+    def _read_output(self) -> None:
+        self._reader = threading.Thread(target=self._pump, daemon=True, name=f"{self.name}-log")
+        self._reader.start()
 
     def _pump(self) -> None:
         sink = open(self.log_path, "a") if self.log_path else None  # noqa: SIM115
@@ -326,7 +331,15 @@ class ServiceProcess:
         check_interrupted()
         if not self.alive():
             code = self.proc.returncode if self.proc else None
-            raise ServiceFailed(f"{self.name} exited with code {code}:\n{self.tail()}")
+            raise ServiceFailed(f"{self.name} exited with code {code}: {self.why()}")
+
+    def why(self) -> str:
+        """Why the service exited: its one-line error (`specdec: ...`, a refused setting
+        or model, a failed start), else the end of its output."""
+        if self._reader is not None:
+            self._reader.join(2)  # its last words reach `lines` once its output closes
+        said = [line for line in self.lines if line.startswith("specdec: ")]
+        return said[-1] if said else "\n" + self.tail()
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM to its process group, wait, then SIGKILL. Returns the exit code."""
