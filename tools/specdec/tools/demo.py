@@ -167,11 +167,11 @@ def cache_state(client: Client) -> str:
     if scope == "tenant":
         return (
             "cache of recent outputs: a scope per request (--suffix-cache-scope tenant, a "
-            "tenant each), so every run below started with nothing cached, as a fresh "
-            "request does: no row replays another row's output"
+            "tenant each), so every measured run started with nothing cached, as a fresh "
+            "request does: no run replays another run's output"
         )
     return (
-        f"cache of recent outputs: scope {scope}, shared by every run below: a speculative "
+        f"cache of recent outputs: scope {scope}, shared by every measured run: a speculative "
         "run may replay its k = 0 run's output, so its speedup overstates a fresh request's"
     )
 
