@@ -13,6 +13,7 @@ import contextlib
 import signal
 import sys
 from importlib.metadata import PackageNotFoundError, entry_points, version
+from typing import Any
 
 ENTRY_POINT_GROUP = "specdec.commands"
 # Commands of the other distributions, named here so their absence gets a clear message:
@@ -26,6 +27,37 @@ OTHER_COMMANDS = {
 }
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """`--help` states every flag's default: argparse's ArgumentDefaultsHelpFormatter,
+    less its noise (no default for a flag without one, or for a switch that is off, and
+    none added to a help that already states it, as the services' settings do)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        switch = isinstance(action, argparse.BooleanOptionalAction)
+        if (
+            "default" in text.lower()
+            or not action.option_strings
+            or (action.nargs == 0 and not switch)
+            or default in (None, argparse.SUPPRESS, "", [])
+        ):
+            return action.help
+        if switch:  # --flag / --no-flag: the one in force
+            flag = action.option_strings[0]
+            return f"{text} (default: {flag if default else '--no-' + flag[2:]})"
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """The `specdec` parser, and every subcommand's parser under it (add_subparsers makes
+    them of its class): defaults shown in --help."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     return _build()[0]
 
@@ -35,7 +67,7 @@ def _build() -> tuple[argparse.ArgumentParser, set[str]]:
     from specdec.sdk.cli_generate import add_generate_parser
     from specdec.sdk.loadtest.cli import add_loadtest_parser
 
-    parser = argparse.ArgumentParser(prog="specdec", description=__doc__.splitlines()[0])
+    parser = Parser(prog="specdec", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--version", action="version", version=version_line(), help="print the version and exit"
     )

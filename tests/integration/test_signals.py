@@ -70,9 +70,11 @@ def still_running(started: set[tuple[int, str]], tag: str) -> set[int]:
 class Command:
     """A `specdec` command run with the marker; its output collected line by line."""
 
-    def __init__(self, argv: list[str], tmp_path: Path):
+    def __init__(self, argv: list[str], tmp_path: Path, fork: bool = True):
         self.tag = uuid.uuid4().hex
         env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+        if not fork:  # every service exec'd, as in production (tests/conftest.py forks)
+            env.pop("SPECDEC_FORK_SERVER", None)
         env[MARKER] = self.tag
         env["TMPDIR"] = str(tmp_path)
         self.lines: list[str] = []
@@ -135,8 +137,8 @@ class Command:
 def command(tmp_path):
     made: list[Command] = []
 
-    def start(*argv: str) -> Command:
-        made.append(Command(list(argv), tmp_path))
+    def start(*argv: str, fork: bool = True) -> Command:
+        made.append(Command(list(argv), tmp_path, fork))
         return made[-1]
 
     yield start
@@ -156,9 +158,10 @@ def _models(test_models) -> list[str]:
 # When the signal arrives: the pattern of the line printed just before, and how many
 # processes the command has started by then (Redis, drafter, verifier, gateway).
 UP_MOMENTS = {
-    "redis": (r"^redis\s", 1),
-    "loading": (r"^loading models", 3),
-    "gateway": (r"^dtype\s+verifier", 4),
+    "redis": (r"^redis\s", 1),  # before the replicas load
+    "loading": (r"^loading models", 3),  # while they load
+    "loaded": (r"^verifier\s+127\.0\.0\.1:", 3),  # once they serve, before the gateway
+    "gateway": (r"^dtype\s+verifier", 4),  # while the gateway starts
     "ready": (r"^ready:", 4),
 }
 
@@ -179,6 +182,29 @@ def test_up_stops_everything(command, test_models, moment, signum):
     up.wait_for(pattern)
     assert up.signal_and_check(signum, children) == 0
     assert "stopped" in up.output()
+
+
+@pytest.mark.parametrize("moment", list(UP_MOMENTS))
+def test_up_with_exec_services_stops_everything(command, test_models, moment):
+    """As production runs them: every service exec'd in a session of its own (nothing but
+    `up` would reap it), SIGTERM at each moment of the start; no process of the stack is
+    left, none starts after the signal, and `up` exits."""
+    up = command("up", *_models(test_models), "--port", "0", fork=False)
+    pattern, children = UP_MOMENTS[moment]
+    up.wait_for(pattern)
+    assert up.signal_and_check(signal.SIGTERM, children) == 0
+    output = up.output()
+    assert "stopped" in output
+    if moment != "ready":  # nothing announced after the signal's stop
+        assert "interrupted while starting" in output and "ready:" not in output
+
+
+def test_up_killed_outright_leaves_nothing(command, test_models):
+    """SIGKILL, which `up` cannot handle, while the replicas load: its children (each in a
+    session of its own) get SIGTERM from the kernel as it dies, and stop."""
+    up = command("up", *_models(test_models), "--port", "0", fork=False)
+    up.wait_for(UP_MOMENTS["loading"][0])
+    assert up.signal_and_check(signal.SIGKILL, 3) == -signal.SIGKILL
 
 
 def test_bench_stops_everything(command, test_models, tmp_path):

@@ -139,3 +139,63 @@ def test_old_value_form_warns(argv, capsys):
     args = build_parser().parse_args([*argv, "--drafter", "h:1", "--verifier", "h:2"])
     assert args.ssd is True
     assert "deprecated" in capsys.readouterr().err
+
+
+def test_every_help_states_the_defaults():
+    """`--help` of every command states each option's default (an option without one, or a
+    switch that is off, says nothing)."""
+    missing = []
+    for command in commands(build_parser()):
+        formatter = command.parser._get_formatter()
+        for action in command.parser._actions:
+            switch = isinstance(action, argparse.BooleanOptionalAction)
+            if (
+                not action.option_strings
+                or (action.nargs == 0 and not switch)
+                or action.default in (None, argparse.SUPPRESS, "", [])
+                or isinstance(action, (argparse._HelpAction, argparse._VersionAction))
+            ):
+                continue
+            text = formatter._get_help_string(action) or ""
+            if "default" not in text.lower():
+                missing.append(f"{command.name} {action.option_strings[0]}")
+    assert not missing, "\n".join(missing)
+
+
+@pytest.mark.parametrize(
+    ("path", "flag", "listed"),
+    [
+        (("serve", "drafter"), "--dtype", "{auto,float32,bfloat16,float16,fastest}"),
+        (("serve", "drafter"), "--quantize", "{none,int8}"),
+        (("serve", "verifier"), "--engine", "{auto,dense,paged,llama.cpp}"),
+        (("serve", "gateway"), "--method", "{model,ngram,suffix,hybrid}"),
+        (("serve", "gateway"), "--k-policy", "{fixed,adaptive}"),
+        (("serve", "gateway"), "--suffix-cache-scope", "{global,tenant,off}"),
+        (("up",), "--dtype", "{auto,float32,bfloat16,float16,fastest}"),
+        (("up",), "--draft-dtype", "{auto,float32,bfloat16,float16,fastest}"),
+    ],
+)
+def test_a_setting_with_choices_lists_them(path, flag, listed):
+    parser = {c.parser.prog.split(" ", 1)[1]: c.parser for c in commands(build_parser())}
+    help_text = parser[" ".join(path)].format_help()
+    assert f"{flag} {listed}" in help_text
+
+
+def test_up_runs_an_int8_drafter_with_the_default_dtype(tmp_path):
+    """`up --quantize int8` with the default --dtype fastest: the drafter runs in float32
+    (int8 needs it) and the verifier keeps fastest; --draft-dtype says otherwise."""
+    from specdec.drafter.config import DrafterConfig
+    from specdec.tools.stack import LocalStack
+    from specdec.verifier.config import VerifierConfig
+
+    up = ["up", "--draft-model", "d", "--target-model", "t", "--quantize", "int8"]
+    args = build_parser().parse_args(up)
+    stack = LocalStack(args)
+    drafter = build_parser().parse_args(stack.replica_argv("drafter", "d", None, 1))
+    config = DrafterConfig.from_args(drafter)
+    assert (config.dtype, config.quantize) == ("float32", "int8")
+    verifier = build_parser().parse_args(stack.replica_argv("verifier", "t", None, 1))
+    assert VerifierConfig.from_args(verifier).dtype == "fastest"
+    args = build_parser().parse_args([*up[:5], "--draft-dtype", "bfloat16"])
+    drafter = build_parser().parse_args(LocalStack(args).replica_argv("drafter", "d", None, 1))
+    assert DrafterConfig.from_args(drafter).dtype == "bfloat16"

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from specdec.cli import build_parser
@@ -37,9 +39,21 @@ def test_refused_combinations(argv, why):
         verifier("--model", "m", *argv)
 
 
-def test_the_drafter_runs_on_one_device():
-    args = build_parser().parse_args(["serve", "drafter", "--model", "m", "--tensor-parallel", "2"])
-    with pytest.raises(ConfigError, match="only the verifier runs tensor-parallel"):
-        DrafterConfig.from_args(args)
+def subcommand(*path: str) -> argparse.ArgumentParser:
+    parser = build_parser()
+    for name in path:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[name]
+    return parser
+
+
+def test_the_drafter_is_not_offered_tensor_parallel(capsys):
+    """Only the verifier runs tensor-parallel: the drafter has no such flag (it was offered
+    and always refused)."""
+    assert "--tensor-parallel" in subcommand("serve", "verifier")._option_string_actions
+    assert "--tensor-parallel" not in subcommand("serve", "drafter")._option_string_actions
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "drafter", "--model", "m", "--tensor-parallel", "2"])
+    assert "unrecognized arguments: --tensor-parallel 2" in capsys.readouterr().err
     args = build_parser().parse_args(["serve", "drafter", "--model", "m"])
     assert DrafterConfig.from_args(args).tensor_parallel == 1

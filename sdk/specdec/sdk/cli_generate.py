@@ -9,6 +9,8 @@ import sys
 import time
 from typing import Any
 
+import grpc
+
 from specdec.sdk.client import (
     DEFAULT_TIMEOUT,
     Client,
@@ -243,5 +245,26 @@ def run_generate(args: argparse.Namespace) -> int:
                 print(_summary(final, time.perf_counter() - start), file=sys.stderr)
             return 0
     except SpecdecError as e:
-        print(f"specdec: {e.code.name}: {e.details}", file=sys.stderr)
+        print(
+            f"specdec: {nothing_listening(gateway, e) or f'{e.code.name}: {e.details}'}",
+            file=sys.stderr,
+        )
         return 1
+
+
+# How grpc's UNAVAILABLE begins when no connection could be made (refused, no route, no
+# such host): the gateway's own UNAVAILABLE answers never begin so.
+_NOT_CONNECTED = ("failed to connect to all addresses", "errors resolving", "DNS resolution failed")
+
+
+def nothing_listening(gateway: str, error: SpecdecError) -> str | None:
+    """The one line that says how to start a stack, when `error` is grpc's failure to
+    connect to `gateway` (None for any other error)."""
+    if error.code != grpc.StatusCode.UNAVAILABLE or not error.details.startswith(_NOT_CONNECTED):
+        return None
+    why = error.details.rsplit(": ", 1)[-1].strip("[] ")
+    return (
+        f"no gateway answers at {gateway} ({why}); start a stack with "
+        "`specdec up --draft-model DIR --target-model DIR` (or `specdec demo`), or point "
+        "--gateway / SPECDEC_GATEWAY at a running one"
+    )

@@ -32,6 +32,11 @@ CHANNEL_OPTIONS = [
 ]
 
 
+class StartFailed(RuntimeError):
+    """A service could not start for a reason outside its code (its replicas never served,
+    or disagree); `specdec serve` prints the message as one line and exits 1."""
+
+
 class _Malformed:
     """What a request deserializer returns for bytes that do not parse (see RefuseMalformed)."""
 

@@ -139,9 +139,15 @@ def boolean(value: str | bool) -> bool:
     raise ValueError("expected true or false")
 
 
-def one_of(choices: tuple[str, ...]) -> Callable[[str], str | None]:
-    """A parse_value check: the value is one of choices."""
-    return lambda v: None if v in choices else f"must be one of {choices}"
+class one_of:  # a check, used as a function: check=one_of(CHOICES)
+    """A parse_value check: the value is one of choices. A setting so checked lists them
+    in --help, as its flag's metavar."""
+
+    def __init__(self, choices: Iterable[str]) -> None:
+        self.choices = tuple(choices)
+
+    def __call__(self, value: str) -> str | None:
+        return None if value in self.choices else f"must be one of {self.choices}"
 
 
 def positive(value: float) -> str | None:
@@ -189,6 +195,12 @@ class Setting:
     check: Callable[[Any], str | None] | None = None
     shown: Any = AS_FIELD  # the flag's default when it is written otherwise than the field's
     blank: bool = False  # an empty (or unset) value means the field's default, e.g. None: off
+    choices: tuple[str, ...] = ()  # the values a user writes, listed in --help
+
+    @property
+    def listed(self) -> tuple[str, ...]:
+        """The values --help lists: `choices`, or those of a `one_of` check."""
+        return self.choices or getattr(self.check, "choices", ())
 
 
 @dataclass(frozen=True)
@@ -208,6 +220,7 @@ def setting(
     check: Callable[[Any], str | None] | None = None,
     shown: Any = AS_FIELD,
     blank: bool = False,
+    choices: tuple[str, ...] = (),
 ) -> Any:
     """A dataclass field that is also a flag and an environment variable.
 
@@ -219,8 +232,12 @@ def setting(
     - check: value -> the problem, or None;
     - shown: the flag's default where the field's is not how a user writes it
       (`"adaptive"` for a policy held as an enum number);
-    - blank: an empty value means the field's default."""
-    meta = Setting(help, flag, convert, check, shown, blank)
+    - blank: an empty value means the field's default;
+    - choices: the values a user may write, listed in --help (the check, unless `check` or
+      `convert` says otherwise: `convert` reads them into the field's type)."""
+    if choices and check is None and convert is None:
+        check = one_of(choices)
+    meta = Setting(help, flag, convert, check, shown, blank, tuple(choices))
     return field(default=default, metadata={SETTING: meta})
 
 
@@ -253,7 +270,8 @@ def add_settings(parser: argparse.ArgumentParser, cls: type, **defaults: Any) ->
             default = s.shown
         else:
             default = None if f.default is MISSING else f.default
-        add_setting(parser, _flag(f), s.help, default)
+        listed = {"metavar": "{" + ",".join(s.listed) + "}"} if s.listed else {}
+        add_setting(parser, _flag(f), s.help, default, **listed)
 
 
 @dataclass(frozen=True)

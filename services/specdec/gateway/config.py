@@ -27,12 +27,16 @@ from specdec.common.tls import (
 )
 from specdec.gateway.canary import Canary, parse_canary
 from specdec.gateway.discovery import parse_target
+from specdec.gateway.lookup import BY_NAME as METHOD_BY_NAME
 from specdec.gateway.lookup import MAX_TREE_WIDTH, SCOPES, parse_method, tree_width
 from specdec.gateway.lookup.settings import LookupSettings, SuffixParams
 from specdec.gateway.policy import ADAPTIVE, parse_policy
+from specdec.gateway.policy import BY_NAME as POLICY_BY_NAME
 from specdec.v1 import gateway_pb2
 
 REPLICA_TRANSPORTS = ("dataplane", "grpc")
+METHOD_NAMES = tuple(METHOD_BY_NAME)  # --method
+POLICY_NAMES = tuple(POLICY_BY_NAME)  # --k-policy
 
 
 def _fan_out(value: int) -> str | None:
@@ -121,6 +125,7 @@ class GatewayConfig:
         "seeded sampled requests always draft fixed, so they stay reproducible)",
         convert=parse_policy,
         shown="adaptive",
+        choices=POLICY_NAMES,
     )
     # Lookup drafts (specdec.gateway.lookup): the default SpeculationMethod, prompt
     # lookup's n-gram lengths, the suffix tries' depth and the cache of recent outputs.
@@ -132,6 +137,7 @@ class GatewayConfig:
         "recent outputs, else the drafter's draft extended by prompt lookup)",
         convert=parse_method,
         shown="hybrid",
+        choices=METHOD_NAMES,
     )
     tree_width: int = setting(
         1,
@@ -160,7 +166,7 @@ class GatewayConfig:
         "global",
         "who shares the cache of recent outputs: global, tenant (gRPC metadata "
         "specdec-tenant, HTTP field user) or off",
-        check=lambda v: None if v in SCOPES else f"must be one of {', '.join(SCOPES)}",
+        choices=SCOPES,
     )
     max_new_tokens: int = setting(4096, "largest max_new_tokens a request may ask", check=positive)
     session_ttl: int = setting(3600, "seconds an idle session is kept", check=positive)

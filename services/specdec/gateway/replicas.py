@@ -29,7 +29,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.common.cost import ReportedCost
-from specdec.common.serving import CHANNEL_OPTIONS
+from specdec.common.serving import CHANNEL_OPTIONS, StartFailed
 from specdec.gateway import metrics
 from specdec.gateway.canary import VersionRule
 from specdec.gateway.dataplane import DataPlaneSettings, DataPlaneTransport
@@ -40,12 +40,20 @@ from specdec.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+# While start-up waits for replicas, a log line this often says which and why.
+WAIT_REPORT_SECONDS = 5.0
+
 
 class NoReplica(Exception):
     """No replica of a role is up."""
 
 
-class IncompatibleReplicas(Exception):
+class ReplicasNotServing(StartFailed, TimeoutError):
+    """Start-up waited --startup-timeout seconds and some replicas never served; the
+    message names each and why."""
+
+
+class IncompatibleReplicas(StartFailed):
     """Replicas disagree on the vocabulary or tokenizer."""
 
 
@@ -249,13 +257,20 @@ class ReplicaPool:
         )
 
     async def healthy(self, replica: Replica) -> bool:
+        return not await self.unhealthy(replica)
+
+    async def unhealthy(self, replica: Replica) -> str:
+        """Why the replica does not serve ("" when its health check answers SERVING)."""
         try:
             resp = await health_pb2_grpc.HealthStub(replica.channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=2.0
             )
-        except grpc.RpcError:
-            return False
-        return resp.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError as e:
+            return f"unreachable: {e.code().name}: {e.details()}"
+        if resp.status == health_pb2.HealthCheckResponse.SERVING:
+            return ""
+        status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+        return f"health {status} (loading its model, or stopping)"
 
     async def close(self) -> None:
         for task in list(self._closing):
@@ -321,46 +336,65 @@ class Fleet:
     def pool(self, role: Role) -> ReplicaPool:
         return self.drafters if role == Role.DRAFTER else self.verifiers
 
-    def _waiting_for(self) -> list[str]:
+    def _waiting_for(self, why: dict[str, str] | None = None) -> list[str]:
         """What start-up still waits for: every replica of a static pool, one replica of a
-        discovered pool."""
+        discovered pool; with `why` (repr of a replica -> why it is not admitted), why."""
+        why = why or {}
+
+        def replica(r: Replica, name: str) -> str:
+            return f"{name} ({why[repr(r)]})" if repr(r) in why else name
+
         waiting = []
         for pool in (self.drafters, self.verifiers):
             if pool.dynamic:
                 if not pool.up():
-                    known = ", ".join(r.address for r in pool.replicas) or "none found yet"
-                    waiting.append(f"a {pool.role} from {pool.source} ({known})")
+                    known = ", ".join(replica(r, r.address) for r in pool.replicas)
+                    waiting.append(
+                        f"a {pool.role} from {pool.source} ({known or 'none found yet'})"
+                    )
             else:
-                waiting += [repr(r) for r in pool.replicas if not r.up]
+                waiting += [replica(r, repr(r)) for r in pool.replicas if not r.up]
         return waiting
 
     async def connect(self, timeout: float) -> common_pb2.ModelInfo:
         """Start discovery; wait until every static replica, and one replica of each
         discovered pool, answers Info; check they agree; returns a verifier's Info with the
-        tokenizer. Raises IncompatibleReplicas or TimeoutError."""
+        tokenizer. Raises IncompatibleReplicas or ReplicasNotServing."""
         for pool in (self.drafters, self.verifiers):
             if pool.discovery is not None:
                 self._discovery.append(
                     asyncio.ensure_future(pool.discovery.run(pool.set_addresses))
                 )
-        deadline = time.monotonic() + timeout
-        while waiting := self._waiting_for():
+        start = time.monotonic()
+        deadline, report = start + timeout, start + WAIT_REPORT_SECONDS
+        why: dict[str, str] = {}  # repr of a replica -> why it is not admitted yet
+        while self._waiting_for():
             for r in self.members:
                 if r.up:
                     continue
                 pool = self.pool(r.role)
-                if not await pool.healthy(r):
+                problem = await pool.unhealthy(r)
+                if problem:
+                    why[repr(r)] = problem
                     continue
                 try:
                     info = await pool.fetch_info(r)
                 except grpc.RpcError as e:
+                    why[repr(r)] = f"Info failed: {e.code().name}: {e.details()}"
                     log.info("replica not ready", extra={"replica": r.address, "why": e.details()})
                     continue
                 await self._admit(r, info)
-            if self._waiting_for():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"replicas not serving after {timeout:.0f}s: " + ", ".join(waiting)
+            if waiting := self._waiting_for(why):
+                now = time.monotonic()
+                if now > deadline:
+                    raise ReplicasNotServing(
+                        f"replicas not serving after {timeout:.0f}s: " + "; ".join(waiting)
+                    )
+                if now >= report:  # one line every few seconds: what, and why
+                    report = now + WAIT_REPORT_SECONDS
+                    log.warning(
+                        "waiting for replicas: " + "; ".join(waiting),
+                        extra={"waited_s": round(now - start), "timeout_s": timeout},
                     )
                 await asyncio.sleep(0.5)
         admitted = [r for r in self.members if r.up]

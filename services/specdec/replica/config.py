@@ -158,14 +158,8 @@ class ReplicaConfig:
         "the memory; a token's logits within 1e-5 of a one-sequence run of the same GGUF)",
         check=one_of(("f16", "f32")),
     )
-    # specdec.replica.tp
-    tensor_parallel: int = setting(
-        1,
-        "verifier only: run the replica as N ranks on this machine, the model's layers "
-        "sharded across them (transformers' tp_plan; gloo on cpu, NCCL on cuda, one GPU a "
-        "rank); rank 0 serves",
-        check=positive,
-    )
+    # specdec.replica.tp: a flag of the verifier only (VerifierConfig), 1 for the drafter
+    tensor_parallel: int = 1
     # specdec.replica.compiled
     compile: bool = setting(
         False,
@@ -213,7 +207,7 @@ class ReplicaConfig:
             )
         if values["engine"] == LLAMA_CPP:
             check_llama_cpp(values)
-        if values["tensor_parallel"] > 1:
+        if values.get("tensor_parallel", 1) > 1:
             check_tensor_parallel(
                 cls.ROLE,
                 values["tensor_parallel"],
@@ -237,7 +231,10 @@ def check_llama_cpp(values: dict[str, Any]) -> None:
     refusals = [
         (values["device"] != "cpu", f"runs on the CPU (got --device {values['device']})"),
         (values["compile"], "--compile compiles the torch engines' forwards; leave it off"),
-        (values["tensor_parallel"] > 1, "--tensor-parallel shards a torch model; set it to 1"),
+        (
+            values.get("tensor_parallel", 1) > 1,
+            "--tensor-parallel shards a torch model; set it to 1",
+        ),
         (values["pack_weights"] == "true", "--pack-weights packs torch's weights; leave it auto"),
     ]
     for refused, why in refusals:

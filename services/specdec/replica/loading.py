@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -83,7 +84,24 @@ def load_model(cfg: ReplicaConfig, device: torch.device) -> LoadedModel:
         )
     fastest = cfg.dtype == calibrate.FASTEST  # load in float32, keep it or a cast copy
     dtype = "auto" if cfg.dtype == "auto" else DTYPES["float32" if fastest else cfg.dtype]
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, **kwargs, **sharding)
+    # A missing or malformed model is one line naming it (transformers' own error, with
+    # its traceback, ends in "Repo id must use alphanumeric chars" for a missing path).
+    where = f"--model / {env_name('--model')}"
+    expected = (
+        "expected a model directory (config.json, weights, tokenizer), the directory of "
+        "--gguf-file, or a hub id such as Qwen/Qwen2.5-0.5B-Instruct"
+    )
+    path = os.path.expanduser(cfg.model)
+    if cfg.model.startswith(("/", ".", "~")) and not os.path.isdir(path):
+        raise ConfigError(f"{where}: no such directory {cfg.model!r}; {expected}")
+    if os.path.isdir(path) and not cfg.gguf_file and not os.path.isfile(f"{path}/config.json"):
+        raise ConfigError(f"{where}: no config.json in {cfg.model!r}; {expected}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, **kwargs, **sharding)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model, **kwargs)
+    except (OSError, ValueError) as e:
+        cause = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
+        raise ConfigError(f"{where}: cannot load {cfg.model!r}: {cause}; {expected}") from None
     model.to(device).eval()  # type: ignore[arg-type]  # transformers' decorated .to
     # int8 layers (the drafter's --quantize, applied after loading) have their own kernels
     pack = cfg.pack_weights if getattr(cfg, "quantize", "none") == "none" else "false"
@@ -106,7 +124,6 @@ def load_model(cfg: ReplicaConfig, device: torch.device) -> LoadedModel:
             packed=True,
             reason=choice.reason + ", linear weights packed (--pack-weights true)",
         )
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model, **kwargs)
     facts = model_facts(cfg, tokenizer, model.config, getattr(model, "generation_config", None))
     return LoadedModel(
         model=model,

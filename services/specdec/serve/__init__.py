@@ -25,11 +25,16 @@ def _runner(service: str) -> Callable[[argparse.Namespace], int]:
             from specdec.verifier.server import main
         else:
             from specdec.gateway.server import main
+        from specdec.common.serving import StartFailed
+
         try:
             main(args)
         except ConfigError as e:
             print(f"specdec: configuration error: {e}", file=sys.stderr)
             return 2
+        except StartFailed as e:
+            print(f"specdec: the {service} did not start: {e}", file=sys.stderr)
+            return 1
         return 0
 
     return run

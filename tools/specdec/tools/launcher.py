@@ -10,11 +10,19 @@ started, and whatever is still running at the end (a child started while the sig
 arrived, a stop cut short) is terminated there, its process group with it. Every child is
 recorded as it starts (`register`) in a section that a signal cannot split (`guarded`), so
 none escapes the record. A second signal while stopping kills the children at once.
+
+Once told to stop, the command starts nothing more: every start and every wait for a
+child's health raises Interrupted again (`check_interrupted`), so a stop holds even where
+the first Interrupted was swallowed on its way out (an exception raised in a finalizer or a
+C callback is only printed). And every child is asked to die with the command: it gets
+SIGTERM from the kernel when this process ends, however it ends (SIGKILL included), since
+each runs in its own session and nothing else would reap it (`die_with_parent`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import json
 import os
@@ -52,6 +60,7 @@ class _Children:
         self.guarded = 0  # depth of `guarded` sections: a signal waits for their end
         self.pending: int | None = None  # a signal that arrived in a guarded section
         self.stopping = False  # the command was interrupted (or is cleaning up)
+        self.interrupted: int | None = None  # the signal that told it to stop
         self.active = False  # inside stops_children: signals interrupt
 
     def alive(self) -> list[tuple[subprocess.Popen, bool]]:
@@ -71,6 +80,36 @@ def register(proc: subprocess.Popen, own_group: bool = False) -> subprocess.Pope
 def forget(proc: subprocess.Popen) -> None:
     """A child that has been reaped."""
     CHILDREN.procs.pop(proc.pid, None)
+
+
+def check_interrupted() -> None:
+    """Raise Interrupted again when the command has been told to stop: nothing starts, and
+    no wait goes on, after that (called before every start and in every wait)."""
+    if CHILDREN.active and CHILDREN.interrupted is not None:
+        raise Interrupted(CHILDREN.interrupted)
+
+
+# prctl(PR_SET_PDEATHSIG): the signal a child gets when the thread that started it ends.
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+
+
+def die_with_parent(cpus: set[int] | None = None) -> Callable[[], None]:
+    """A Popen preexec_fn: the child gets SIGTERM when this process ends (Linux; asked
+    only from the main thread, which lives as long as the process: the kernel signals the
+    child when the thread that started it ends), and runs on `cpus` when given."""
+    parent = os.getpid()
+    main = threading.current_thread() is threading.main_thread()
+
+    def setup() -> None:
+        if _LIBC is not None and main:
+            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+            if os.getppid() != parent:  # the parent ended before prctl took effect
+                os._exit(1)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return setup
 
 
 @contextlib.contextmanager
@@ -94,6 +133,7 @@ def _on_signal(signum: int, frame) -> None:
     if CHILDREN.stopping:  # a second signal while stopping: no more waiting
         _signal_all(signal.SIGKILL)
         return
+    CHILDREN.interrupted = signum  # from now on nothing starts (check_interrupted)
     if CHILDREN.guarded:
         CHILDREN.pending = signum
         return
@@ -135,6 +175,7 @@ def stops_children() -> Iterator[None]:
     in it, and every child it recorded is stopped when it ends, however it ends."""
     previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     CHILDREN.active, CHILDREN.stopping, CHILDREN.pending = True, False, None
+    CHILDREN.interrupted = None
     try:
         yield
     finally:
@@ -178,6 +219,7 @@ class ServiceProcess:
         self.lines: deque[str] = deque(maxlen=400)
         self._port_seen = threading.Event()
         self.proc: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None  # reads its output into `lines`
 
     @classmethod
     def specdec(cls, name: str, *args: str, **kw) -> ServiceProcess:
@@ -190,6 +232,7 @@ class ServiceProcess:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> ServiceProcess:
+        check_interrupted()
         prefix = [sys.executable, "-m", "specdec"]
         args = self.argv[len(prefix) :]
         if (
@@ -202,7 +245,7 @@ class ServiceProcess:
                     forkserver.Client.spawn(args, self.env, self.cpus),  # type: ignore[arg-type]
                     own_group=True,
                 )
-            threading.Thread(target=self._pump, daemon=True, name=f"{self.name}-log").start()
+            self._read_output()
             return self
         with guarded():  # recorded as soon as it exists
             self.proc = register(
@@ -213,13 +256,18 @@ class ServiceProcess:
                     stderr=subprocess.STDOUT,
                     text=True,
                     start_new_session=True,  # Ctrl-C in a terminal reaches the parent only
-                    # Pin before exec, so every thread the service starts inherits the CPUs.
-                    preexec_fn=(lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None,
+                    # Pin before exec, so every thread the service starts inherits the
+                    # CPUs; and end with this process, however it ends.
+                    preexec_fn=die_with_parent(self.cpus),
                 ),
                 own_group=True,
             )
-        threading.Thread(target=self._pump, daemon=True, name=f"{self.name}-log").start()
+        self._read_output()
         return self
+
+    def _read_output(self) -> None:
+        self._reader = threading.Thread(target=self._pump, daemon=True, name=f"{self.name}-log")
+        self._reader.start()
 
     def _pump(self) -> None:
         sink = open(self.log_path, "a") if self.log_path else None  # noqa: SIM115
@@ -280,9 +328,18 @@ class ServiceProcess:
                 time.sleep(0.2)
 
     def _check_running(self) -> None:
+        check_interrupted()
         if not self.alive():
             code = self.proc.returncode if self.proc else None
-            raise ServiceFailed(f"{self.name} exited with code {code}:\n{self.tail()}")
+            raise ServiceFailed(f"{self.name} exited with code {code}: {self.why()}")
+
+    def why(self) -> str:
+        """Why the service exited: its one-line error (`specdec: ...`, a refused setting
+        or model, a failed start), else the end of its output."""
+        if self._reader is not None:
+            self._reader.join(2)  # its last words reach `lines` once its output closes
+        said = [line for line in self.lines if line.startswith("specdec: ")]
+        return said[-1] if said else "\n" + self.tail()
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM to its process group, wait, then SIGKILL. Returns the exit code."""

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -100,6 +101,7 @@ class RedisProcess:
         binary: str | None = None,
         startup_timeout: float = 10.0,
         extra_args: tuple[str, ...] | list[str] = (),
+        preexec_fn: Callable[[], None] | None = None,
     ) -> None:
         if port is not None and not 0 < port < 65536:
             raise ValueError(f"port must be in 1..65535, got {port}")
@@ -108,6 +110,7 @@ class RedisProcess:
         self.binary = binary
         self.startup_timeout = startup_timeout
         self.extra_args = tuple(extra_args)
+        self.preexec_fn = preexec_fn  # run in the child before exec (Popen's)
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: str | None = None
 
@@ -170,7 +173,11 @@ class RedisProcess:
         # Early failures (bad arguments) go to stderr before the log file is opened.
         with open(os.path.join(self._dir, "stderr.log"), "wb") as err:
             self._proc = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                preexec_fn=self.preexec_fn,
             )
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:

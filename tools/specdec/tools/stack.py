@@ -19,12 +19,15 @@ from pathlib import Path
 from specdec.common.settings import add_setting
 from specdec.drafter.quantize import QUANTIZE_MODES
 from specdec.gateway.config import GatewayConfig
+from specdec.replica.config import DTYPES
 from specdec.replica.cpus import usable_cpus
 from specdec.tools.certs import Pki, make_pki
 from specdec.tools.launcher import (
     Interrupted,
     ServiceFailed,
     ServiceProcess,
+    check_interrupted,
+    die_with_parent,
     forget,
     guarded,
     register,
@@ -42,9 +45,11 @@ def add_stack_arguments(p: argparse.ArgumentParser, port_default: int = 50051) -
     p.add_argument(
         "--dtype",
         default="fastest",
-        help="weights dtype of both models: fastest (each replica times float32 and bfloat16 "
-        "at start-up and keeps the faster, cached per machine), float32, bfloat16, float16 "
-        "or auto (as stored)",
+        choices=DTYPES,
+        help="weights dtype of both models (of the target only where a drafter dtype is "
+        "given or needed: `up --draft-dtype`): fastest (each replica times float32 and "
+        "bfloat16 at start-up and keeps the faster, cached per machine), float32, bfloat16, "
+        "float16 or auto (as stored)",
     )
     p.add_argument("--device", default="cpu", help="torch device of both models")
     p.add_argument(
@@ -224,7 +229,14 @@ def add_up_parser(commands) -> argparse.ArgumentParser:
         "--quantize",
         choices=QUANTIZE_MODES,
         default="none",
-        help="weights of the draft model (int8: int8 matmuls, CPU only, needs --dtype float32)",
+        help="weights of the draft model (int8: int8 matmuls with float32 activations, CPU "
+        "only; the drafter then runs in float32 unless --draft-dtype says otherwise)",
+    )
+    p.add_argument(
+        "--draft-dtype",
+        choices=DTYPES,
+        help="weights dtype of the draft model (default: --dtype's, float32 with --quantize "
+        "int8, which needs it)",
     )
     p.add_argument(
         "--tls",
@@ -234,6 +246,15 @@ def add_up_parser(commands) -> argparse.ArgumentParser:
     )
     p.set_defaults(func=run_up)
     return p
+
+
+def draft_dtype(args: argparse.Namespace) -> str:
+    """The drafter's dtype: `up --draft-dtype`, else float32 under `--quantize int8` (its
+    int8 matmuls take float32 activations), else the stack's --dtype."""
+    explicit = getattr(args, "draft_dtype", None)
+    if explicit:
+        return explicit
+    return "float32" if getattr(args, "quantize", "none") == "int8" else args.dtype
 
 
 def otel_env(args: argparse.Namespace, service: str) -> dict[str, str]:
@@ -296,9 +317,14 @@ class LocalStack:
     def _replica(
         self, role: str, model: str, gguf: str | None, threads: int, cpus: list[int] | None
     ) -> ServiceProcess:
+        return self._service(role, *self.replica_argv(role, model, gguf, threads), cpus=cpus)
+
+    def replica_argv(self, role: str, model: str, gguf: str | None, threads: int) -> list[str]:
+        """The `specdec serve drafter|verifier` arguments of one replica of this stack."""
         a = self.args
+        dtype = draft_dtype(a) if role == "drafter" else a.dtype
         argv = ["serve", role, "--model", model, "--port", "0", "--host", a.host]
-        argv += ["--dtype", a.dtype, "--device", a.device, "--threads", str(threads)]
+        argv += ["--dtype", dtype, "--device", a.device, "--threads", str(threads)]
         if gguf:
             argv += ["--gguf-file", gguf]
         if role == "verifier" and getattr(a, "pack_weights", None):  # resolve_dtype's choice
@@ -310,7 +336,7 @@ class LocalStack:
         argv += list(getattr(a, "replica_flags", None) or ())  # both replicas (bench --overhead)
         argv += self._tls_flags(client_ca=True)  # only the gateway's certificate gets in
         argv += service_args(a, role)  # --drafter-arg / --verifier-arg: last, so they win
-        return self._service(role, *argv, cpus=cpus)
+        return argv
 
     def start(self) -> LocalStack:
         a = self.args
@@ -322,8 +348,9 @@ class LocalStack:
             self.announce(f"tls       throwaway CA {self.pki.ca}")
         redis_url = os.environ.get("REDIS_URL")
         if not redis_url:
+            check_interrupted()
             with guarded():  # recorded before a signal can interrupt
-                self.redis = RedisProcess()
+                self.redis = RedisProcess(preexec_fn=die_with_parent())
                 self.redis.start()
                 assert self.redis.process is not None
                 register(self.redis.process)
@@ -484,6 +511,7 @@ def run_up(args: argparse.Namespace) -> int:
             try:
                 while True:
                     time.sleep(0.5)
+                    check_interrupted()
                     stack.check_alive()
             except Interrupted:
                 say("stopping ...")
