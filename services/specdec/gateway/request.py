@@ -171,8 +171,8 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
         raise InvalidRequest("session options given without a session id")
     if session.expected_turns and session.mode == gateway_pb2.SESSION_MODE_RESET:
         raise InvalidRequest(
-            "session expected_turns cannot be used with SESSION_MODE_RESET: a reset session "
-            "starts with no turns"
+            "session options: expected_turns cannot be used with SESSION_MODE_RESET (a "
+            "reset session starts with no turns)"
         )
     if len(session.id) > MAX_SESSION_ID_CHARS:
         raise InvalidRequest(f"session id is longer than {MAX_SESSION_ID_CHARS} characters")

@@ -102,7 +102,6 @@ VALIDATION_FIELDS = {
     "stop strings": "stop",
     "session id": "session_id",
     "session options": "session_reset",
-    "session expected_turns": "session_expected_turns",
     "num_draft_tokens": "k",
     "top_logprobs": "top_logprobs",
     "prompt_logprobs": "echo",
