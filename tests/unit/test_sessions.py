@@ -361,6 +361,31 @@ async def test_a_deleted_session_is_not_written_back(server, raw):
         await b.close()
 
 
+async def test_outage_copies_go_back_as_soon_as_redis_answers(server):
+    """Records written here during an outage are written back when Redis answers again,
+    before any read of them here: another gateway continuing them finds them."""
+    a = SessionIndex(server.url)
+    b = SessionIndex(server.url, local_capacity=0)
+    try:
+        server.stop()
+        await a.put(record("o1", n=2))
+        await a.put(record("o2", n=3))
+        server.start()
+        before = restored("outage")
+        assert await a.ping()  # the first success after the outage
+        for _ in range(100):
+            if restored("outage") == before + 2:
+                break
+            await asyncio.sleep(0.02)
+        assert (await b.get("o1")).tokens == [100, 101]
+        assert (await b.get("o2")).tokens == [100, 101, 102]
+        assert restored("outage") == before + 2
+        assert a.local.dirty() == []
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_newer_record_in_redis_wins_over_outage_copy(server):
     a = SessionIndex(server.url)
     b = SessionIndex(server.url)

@@ -72,7 +72,8 @@ def _check_turns(job: Job, record: SessionRecord | None) -> None:
     raise SessionLost(
         f"session {job.session.id!r} holds {held} turns, the request expected "
         f"{job.session.expected_turns}: its history was lost (the session store restarted "
-        "without its data and no gateway had a copy); start it again with "
+        "without it, or a gateway that wrote it while the store was unreachable has not "
+        "written it back, and this gateway has no copy); start it again with "
         "SESSION_MODE_RESET and the whole conversation"
     )
 

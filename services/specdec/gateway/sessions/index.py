@@ -9,16 +9,17 @@ Redis down degrades, never crashes: every call has short socket timeouts, a Redi
 logged (a WARNING, at most once per ``warn_interval`` seconds per kind of error), counted in
 ``specdec_gateway_session_store_errors_total{op}``, and the call falls back to a bounded
 in-process LRU copy (write-through on every put, filled on every successful get). Records
-written locally during an outage are written back to Redis by the next successful ``get`` of
-that session, unless Redis holds a newer one. A session Redis lacks (it restarted without
-its data, or evicted it) but the local copy holds is written back and used too, never
-read as a new session (``specdec_gateway_sessions_restored_total{why}``; a WARNING names
-it). ``url=None`` runs without Redis: sessions live
-only in the local copy (still bounded and still expiring).
+written locally during an outage are written back to Redis as soon as it answers again (and
+by the next successful ``get`` of that session), unless Redis holds a newer one. A session
+Redis lacks (it restarted without its data, or evicted it) but the local copy holds is
+written back and used too, never read as a new session
+(``specdec_gateway_sessions_restored_total{why}``; a WARNING names it). ``url=None`` runs
+without Redis: sessions live only in the local copy (still bounded and still expiring).
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import time
@@ -202,6 +203,7 @@ class SessionIndex:
         self.local = LocalCopy(int(local_capacity))
         self._limiter = _WarnLimiter(self.warn_interval)
         self._available = url is not None
+        self._flush: asyncio.Task | None = None  # writing dirty records back after an outage
         self.redis: aioredis.Redis | None = None
         if url is not None:
             # One retry without backoff: enough to replace a pooled connection that went stale
@@ -335,6 +337,8 @@ class SessionIndex:
         return True
 
     async def close(self) -> None:
+        if self._flush is not None:
+            self._flush.cancel()
         if self.redis is not None:
             redis, self.redis = self.redis, None
             try:
@@ -371,7 +375,22 @@ class SessionIndex:
         STORE_UP.set(1)
         if not self._available:
             log.info("session store (Redis) reachable again")
+            if self.local.dirty() and (self._flush is None or self._flush.done()):
+                # Records written here during the outage go back now, not at their next
+                # read here: another gateway may continue those sessions first.
+                self._flush = asyncio.ensure_future(self._write_back_dirty())
         self._available = True
+
+    async def _write_back_dirty(self) -> None:
+        for session_id in self.local.dirty():
+            entry = self.local.entry(session_id)
+            if entry is None or not entry.dirty or self.redis is None:
+                continue
+            outcome = await self._write_back(self.key(session_id), entry, "outage")
+            if outcome is _Restore.FAILED:
+                return  # unreachable again: the next success starts over
+            if outcome is _Restore.DELETED:
+                self.local.pop(session_id)
 
     def _warn(self, kind: str, message: str) -> None:
         if self._limiter.should_log(kind):
@@ -437,9 +456,10 @@ class SessionIndex:
             self.failed("put", e)
             return _Restore.FAILED
         outcome = _Restore(int(got))
+        if outcome is not _Restore.DELETED:
+            entry.dirty = False  # Redis holds it, or a record as new or newer
         if outcome is not _Restore.WRITTEN:
             return outcome
-        entry.dirty = False
         metrics.SESSIONS_RESTORED.labels(why=why).inc()
         if why == "missing":
             self._warn(
