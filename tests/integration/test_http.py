@@ -307,7 +307,7 @@ def _two_turns(oai, tokenizer, reference, session: str):
     ids = chat_ids(tokenizer, first)
     assert ext(one)["token_ids"] == reference(ids, N)
     assert ext(one)["session"] == {
-        "id": session, "history_tokens": 0, "continued": False, "restarted": None,
+        "id": session, "history_tokens": 0, "turns": 1, "continued": False, "restarted": None,
     }  # fmt: skip
     history = ids + ext(one)["token_ids"]
     second = [
@@ -332,6 +332,7 @@ def test_chat_session_two_turns_reuse_the_cache(oai, tokenizer, reference):
     assert ext(two)["token_ids"] == reference(history + new, N)
     assert ext(two)["session"]["continued"] is True
     assert ext(two)["session"]["history_tokens"] == len(history)
+    assert ext(two)["session"]["turns"] == 2
     assert ext(two)["stats"]["cache_misses"] == 0
     assert two.usage.prompt_tokens_details.cached_tokens == len(history)
     assert two.usage.prompt_tokens == len(history) + len(new)
@@ -551,6 +552,7 @@ def test_disconnect_cancels_and_the_session_stays_usable(stack, oai, tokenizer, 
                 model="tiny", messages=second, max_tokens=2, extra_body={"session_id": session}
             )
         assert e.value.status_code == 409 and "has a turn in progress" in _error(e)["message"]
+        assert e.value.response.headers["retry-after"] == "1"  # a live turn: a short hint
         long_turn.close()  # the client goes away mid-stream
         gateway = stack["gateway"]
         deadline = time.monotonic() + 120

@@ -35,7 +35,7 @@ from specdec.gateway.http.errors import (
 from specdec.gateway.loop import Unavailable
 from specdec.gateway.request import ContextLengthExceeded, Limits, validate
 from specdec.gateway.response import Event
-from specdec.gateway.sessions import SessionRecord
+from specdec.gateway.sessions import Holder, SessionLost, SessionRecord
 from specdec.gateway.text import TextCodec
 from specdec.gateway.transport import CallFailed
 from specdec.gateway.turn import Aborted
@@ -357,6 +357,10 @@ LIMITS = Limits(
         ({"prompt": [500]}, "prompt"),
         ({"messages": [], "session_id": "s" * 300}, "session_id"),
         ({"prompt": "x", "session_reset": True}, "session_reset"),
+        (
+            {"prompt": "x", "session_id": "s", "session_reset": True, "session_expected_turns": 1},
+            "session_reset",
+        ),
         ({"prompt": "x", "logprobs": 25}, "logprobs"),
         ({"messages": [], "logprobs": True, "top_logprobs": 25}, "top_logprobs"),
         ({"prompt": "x", "echo": True, "logprobs": 1, "session_id": "s"}, "echo"),
@@ -499,6 +503,21 @@ def test_error_table_and_shape():
         assert body["error"]["param"] == param
     assert http_status(_with_code(grpc.StatusCode.DEADLINE_EXCEEDED)) == 504
     assert http_status(_with_code(grpc.StatusCode.UNAUTHENTICATED)) == 401
+
+
+def test_a_busy_session_says_when_to_retry():
+    """A session whose lock is held is 409 with Retry-After: when the lease of a gateway
+    that stopped answering lapses (rounded up), else 1 s; a lost history is 400."""
+    stopped = Holder("gw-a", lease=4.0, lapses_in=1.2)
+    assert stopped.stopped
+    got = answer(stopped.error("s"))
+    assert got.status == 409 and got.headers == {"Retry-After": "2"}
+    assert "gw-a, which stopped answering" in got.body["error"]["message"]
+    live = Holder("gw-a", lease=4.0, lapses_in=3.9)
+    assert answer(live.error("s")).headers == {"Retry-After": "1"}
+    assert answer(Aborted("busy")).headers == {}
+    lost = answer(SessionLost("gone"))
+    assert (lost.status, lost.body["error"]["code"]) == (400, "session_lost")
 
 
 def _with_code(code):

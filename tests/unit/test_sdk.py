@@ -257,7 +257,7 @@ def test_to_dict_is_json_serialisable():
             text="é\n",
             token_ids=[1, 2],
             finish_reason=gateway_pb2.FINISH_REASON_STOP,
-            usage=gateway_pb2.Usage(prompt_tokens=1, completion_tokens=2),
+            usage=gateway_pb2.Usage(prompt_tokens=1, completion_tokens=2, session_turns=3),
             stats=_stats(),
             session_id="s",
         )
@@ -272,6 +272,7 @@ def test_to_dict_is_json_serialisable():
         "history_tokens": 0,
         "accepted_prediction_tokens": 0,
         "rejected_prediction_tokens": 0,
+        "session_turns": 3,
     }
     assert d["timings"] == {"time_to_first_token_ms": 0.0, "total_ms": 0.0}
     assert d["session_id"] == "s"

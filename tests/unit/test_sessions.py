@@ -7,12 +7,21 @@ import logging
 import os
 import random
 import signal
+import threading
 
 import pytest
 import redis
 from prometheus_client import REGISTRY
 
-from specdec.gateway.sessions import LockLost, SessionIndex, SessionRecord, TurnLease, TurnLocks
+from specdec.gateway.sessions import (
+    Holder,
+    LockLost,
+    SessionBusy,
+    SessionIndex,
+    SessionRecord,
+    TurnLease,
+    TurnLocks,
+)
 from specdec.tools.redisproc import RedisProcess, redis_server_binary
 
 PREFIX = "specdec:session:"
@@ -43,6 +52,10 @@ async def index(server):
 
 def errors(op: str) -> float:
     return REGISTRY.get_sample_value("specdec_gateway_session_store_errors_total", {"op": op}) or 0
+
+
+def restored(why: str) -> float:
+    return REGISTRY.get_sample_value("specdec_gateway_sessions_restored_total", {"why": why}) or 0
 
 
 def store_up() -> float | None:
@@ -319,10 +332,58 @@ async def test_redis_restart_on_same_port_reconnects(server, raw):
     other = SessionIndex(server.url, local_capacity=0)
     assert (await other.get("written-during-outage")).tokens == [100, 101, 102]
 
-    # A record only cached locally (not dirty) is not resurrected: Redis is authoritative.
-    assert await idx.get("a") is None
+    # A record Redis lost (it restarted empty) that this gateway's copy still holds is
+    # written back and used (issue 46: never read as a new session), and counted.
+    before = restored("missing")
+    got = await idx.get("a")
+    assert got is not None and got.tokens == [100, 101, 102, 103, 104]
+    assert (await other.get("a")).tokens == [100, 101, 102, 103, 104]  # back in Redis
+    assert restored("missing") == before + 1
     await other.close()
     await idx.close()
+
+
+async def test_a_deleted_session_is_not_written_back(server, raw):
+    """A session one gateway deleted stays deleted: another gateway's older copy of it is
+    not written back (the delete's tombstone), and a newer write is not blocked."""
+    a, b = SessionIndex(server.url), SessionIndex(server.url)
+    try:
+        await a.put(record("gone", n=3))
+        assert (await b.get("gone")).tokens == [100, 101, 102]  # B holds a copy
+        await a.delete("gone")
+        assert await b.get("gone") is None
+        assert raw.exists(PREFIX + "gone") == 0
+        await asyncio.sleep(0.01)
+        await a.put(record("gone", n=2))  # the id used again, later
+        assert (await b.get("gone")).tokens == [100, 101]
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_outage_copies_go_back_as_soon_as_redis_answers(server):
+    """Records written here during an outage are written back when Redis answers again,
+    before any read of them here: another gateway continuing them finds them."""
+    a = SessionIndex(server.url)
+    b = SessionIndex(server.url, local_capacity=0)
+    try:
+        server.stop()
+        await a.put(record("o1", n=2))
+        await a.put(record("o2", n=3))
+        server.start()
+        before = restored("outage")
+        assert await a.ping()  # the first success after the outage
+        for _ in range(100):
+            if restored("outage") == before + 2:
+                break
+            await asyncio.sleep(0.02)
+        assert (await b.get("o1")).tokens == [100, 101]
+        assert (await b.get("o2")).tokens == [100, 101, 102]
+        assert restored("outage") == before + 2
+        assert a.local.dirty() == []
+    finally:
+        await a.close()
+        await b.close()
 
 
 async def test_newer_record_in_redis_wins_over_outage_copy(server):
@@ -559,3 +620,187 @@ async def test_a_lock_held_by_nobody_is_taken_back(server, raw):
     finally:
         await a.close()
         await b.close()
+
+
+# -- leases that live with their holder (issue 46) --------------------------------------------
+
+
+def lapsed(holder: str) -> float:
+    return (
+        REGISTRY.get_sample_value("specdec_gateway_turn_leases_lapsed_total", {"holder": holder})
+        or 0
+    )
+
+
+def lock_waits(outcome: str) -> float:
+    return (
+        REGISTRY.get_sample_value(
+            "specdec_gateway_turn_lock_wait_seconds_count", {"outcome": outcome}
+        )
+        or 0
+    )
+
+
+def unlocks_retried() -> float:
+    return REGISTRY.get_sample_value("specdec_gateway_turn_unlocks_retried_total") or 0
+
+
+@pytest.mark.parametrize("newer_turn", ["writes", "holds", "released"])
+async def test_a_paused_holder_cannot_write_after_its_lease_lapsed(server, raw, newer_turn):
+    """The fencing token. Gateway A's turn is paused past its lease (its event loop blocked,
+    as by a long GC pause or SIGSTOP: no renewal runs); gateway B takes the session. A wakes
+    and writes its turn late: refused whether B's newer turn wrote its history, still holds
+    the lock, or released it without writing (a failed turn): the newer token was drawn."""
+    acquired, resume = threading.Event(), threading.Event()
+    late: dict[str, object] = {}
+
+    async def paused_holder() -> None:
+        index = SessionIndex(server.url)
+        locks = TurnLocks(index)
+        try:
+            lease = await locks.lock("p", ttl_seconds=0.4)
+            assert lease is not None and lease.number > 0
+            late["number"] = lease.number
+            acquired.set()
+            resume.wait(30)  # blocks this loop: the keep-alive cannot renew
+            try:
+                await index.put(record("p", n=3, turns=1), fence=lease.fence)
+                late["result"] = "written"
+            except LockLost as e:
+                late["result"] = e
+            await locks.unlock(lease)
+        finally:
+            await index.close()
+
+    thread = threading.Thread(target=lambda: asyncio.run(paused_holder()))
+    thread.start()
+    b = SessionIndex(server.url)
+    lb = TurnLocks(b)
+    try:
+        assert await asyncio.to_thread(acquired.wait, 30)
+        before = lapsed("other")
+        newer = await lb.acquire("p", ttl_seconds=5, wait_seconds=1.0)  # waits for the lapse
+        assert isinstance(newer, TurnLease), newer
+        assert newer.number > late["number"]  # the fencing token orders the turns
+        assert lapsed("other") == before + 1
+        if newer_turn == "writes":
+            await b.put(record("p", n=7, turns=1), fence=newer.fence)
+        if newer_turn != "holds":
+            await lb.unlock(newer)
+        resume.set()
+        await asyncio.to_thread(thread.join, 30)
+        assert isinstance(late["result"], LockLost), late
+        assert late["result"].code.name == "ABORTED"
+        stored = await SessionIndex(server.url).get("p")
+        if newer_turn == "writes":
+            assert stored is not None and len(stored.tokens) == 7 and stored.fence == newer.number
+        else:
+            assert stored is None  # nothing from the lapsed holder
+        if newer_turn == "holds":  # and the late writer did not touch the newer lock
+            assert raw.get("specdec:session-lock:p") == newer.token.encode()
+            await lb.unlock(newer)
+    finally:
+        resume.set()
+        thread.join(30)
+        await b.close()
+
+
+async def test_a_holder_that_stopped_answering_is_named_and_outlived(server):
+    """A gateway dies mid-turn (no renewal, no release): a turn elsewhere is told who holds
+    the session, that it stopped answering and when its lease lapses, then is served once
+    it lapsed; a live holder is named as busy with a short retry hint."""
+    a, b = SessionIndex(server.url), SessionIndex(server.url)
+    la, lb = TurnLocks(a, holder="gw-a"), TurnLocks(b, holder="gw-b")
+    try:
+        live = await la.lock("d", ttl_seconds=30)
+        assert live is not None
+        busy = await lb.acquire("d", ttl_seconds=30, wait_seconds=0.0)
+        assert isinstance(busy, Holder) and not busy.stopped and busy.gateway == "gw-a"
+        assert busy.retry_after == 1.0
+        assert "turn in progress on gateway gw-a" in busy.describe("d")
+        error = busy.error("d")
+        assert isinstance(error, SessionBusy) and error.code.name == "ABORTED"
+        await la.unlock(live)
+
+        lease = await la.lock("d", ttl_seconds=2.0)
+        assert lease is not None and lease._keepalive is not None
+        lease._keepalive.cancel()  # the gateway died: nothing renews the lease
+        await asyncio.sleep(1.2)  # more than two missed renewals (every 0.5 s)
+        stuck = await lb.acquire("d", ttl_seconds=30, wait_seconds=0.0, wait_for_lapse=False)
+        assert isinstance(stuck, Holder) and stuck.stopped, stuck
+        assert 0 < stuck.lapses_in <= 1.0 and stuck.retry_after == stuck.lapses_in
+        message = stuck.describe("d")
+        assert "gw-a, which stopped answering" in message and "lapses in" in message
+        waits = lock_waits("acquired")
+        served = await lb.acquire("d", ttl_seconds=30, wait_seconds=0.0)  # waits the lapse
+        assert isinstance(served, TurnLease)
+        assert lock_waits("acquired") == waits + 1
+        await lb.unlock(served)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_release_that_failed_while_redis_was_down_is_retried(tmp_path):
+    """Redis is SIGKILLed with a turn in flight and restarted from its append-only file,
+    which replays the turn's lock; the release that failed meanwhile is retried when Redis
+    answers, so no stale lock is left for the session's next turn on any gateway."""
+    server = RedisProcess(aof_dir=tmp_path, appendfsync="always").start()
+    a, b = SessionIndex(server.url), SessionIndex(server.url)
+    la, lb = TurnLocks(a), TurnLocks(b)
+    raw = redis.Redis.from_url(server.url)
+    try:
+        lease = await la.lock("u", ttl_seconds=30)  # a long lease: only the release frees it
+        assert lease is not None
+        server.kill()
+        await la.unlock(lease)  # fails: Redis is down
+        assert la.unreleased == 1
+        before = unlocks_retried()
+        server.start()  # the AOF replays the lock
+        deadline = asyncio.get_running_loop().time() + 10
+        while la.unreleased and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        assert la.unreleased == 0
+        assert raw.exists("specdec:session-lock:u") == 0
+        assert unlocks_retried() == before + 1
+        got = await lb.lock("u", ttl_seconds=30)
+        assert got is not None
+        await lb.unlock(got)
+    finally:
+        raw.close()
+        await a.close()
+        await b.close()
+        server.stop()
+
+
+async def test_this_gateways_own_stale_lock_is_dropped_at_once(server, raw):
+    """A lock of this gateway that no turn here holds (an append-only-file replay of a
+    release that never reached Redis): its next turn of the session drops it and runs."""
+    index = SessionIndex(server.url)
+    locks = TurnLocks(index, holder="gw-self")
+    try:
+        raw.set("specdec:session-lock:o", "gw-self|30000|old", px=30_000)
+        lease = await locks.lock("o", ttl_seconds=30)
+        assert lease is not None and raw.get("specdec:session-lock:o") == lease.token.encode()
+        await locks.unlock(lease)
+    finally:
+        await index.close()
+
+
+async def test_fencing_tokens_keep_increasing_across_an_empty_restart(server):
+    """Tokens are at least Redis's clock in microseconds: a restart that lost the counter
+    and the record never hands out a token a lapsed holder from before could beat."""
+    index = SessionIndex(server.url)
+    locks = TurnLocks(index)
+    try:
+        first = await locks.lock("m", ttl_seconds=30)
+        assert first is not None
+        await index.put(record("m", n=2, turns=1), fence=first.fence)
+        await locks.unlock(first)
+        server.stop()
+        server.start()  # empty
+        second = await locks.lock("m", ttl_seconds=30)
+        assert second is not None and second.number > first.number
+        await locks.unlock(second)
+    finally:
+        await index.close()

@@ -22,6 +22,7 @@ import grpc
 
 __all__ = [
     "REASON_KEY",
+    "RETRY_AFTER_KEY",
     "DeadlineExceeded",
     "InternalError",
     "InvalidArgument",
@@ -37,6 +38,9 @@ __all__ = [
 
 #: The gRPC trailing metadata key that carries a failed call's :class:`Reason` by name.
 REASON_KEY = "specdec-reason"
+#: The gRPC trailing metadata key that says, in milliseconds, when a refused call may be
+#: retried (a session whose turn lock is held: ABORTED); read into ``retry_after``.
+RETRY_AFTER_KEY = "specdec-retry-after-ms"
 
 
 class Reason(str, enum.Enum):
@@ -88,6 +92,9 @@ class SpecdecError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
     #: Why, beyond the code.
     reason: Reason = Reason.UNSPECIFIED
+    #: Seconds after which the same call may succeed, when the server said (None: it did
+    #: not): a session's turn lock held by another turn (ABORTED).
+    retry_after: float | None = None
     #: The class's ``code`` (its earlier name, kept for callers).
     default_code: ClassVar[grpc.StatusCode] = grpc.StatusCode.UNKNOWN
 
@@ -204,7 +211,22 @@ def from_rpc_error(err: grpc.RpcError) -> SpecdecError:
         code = grpc.StatusCode.UNKNOWN
     if details is None:
         details = str(err)
-    return error_for(code, details, reason_in(err))
+    error = error_for(code, details, reason_in(err))
+    error.retry_after = retry_after_in(err)
+    return error
+
+
+def retry_after_in(err: grpc.RpcError) -> float | None:
+    """Seconds after which a failed call may be retried, when its trailing metadata says."""
+    metadata_fn = getattr(err, "trailing_metadata", None)
+    metadata = metadata_fn() if callable(metadata_fn) else None
+    for key, value in metadata or ():
+        if key == RETRY_AFTER_KEY:
+            try:
+                return int(value) / 1000
+            except (TypeError, ValueError):
+                return None
+    return None
 
 
 def reason_in(err: grpc.RpcError) -> Reason:

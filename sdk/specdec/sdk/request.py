@@ -201,16 +201,24 @@ class Speculation:
 class Session:
     """Which conversation a request continues: none (``session_id`` None: a one-off
     request), or a session's history, forgotten first with ``reset_session``;
-    ``session_ttl_seconds``: its idle time to live (0: the server's default)."""
+    ``session_ttl_seconds``: its idle time to live (0: the server's default);
+    ``session_expected_turns``: the session's turns this client saw complete
+    (``usage.session_turns`` of its last response; 0: not checked): a session that holds
+    fewer lost its history and the server refuses the turn (FAILED_PRECONDITION) instead of
+    continuing it as a new one."""
 
     session_id: str | None = None
     reset_session: bool = False
     session_ttl_seconds: int = 0
+    session_expected_turns: int = 0
 
     def to_proto(self) -> gateway_pb2.SessionOptions | None:
         if not self.session_id:
-            if self.reset_session or self.session_ttl_seconds:
-                raise ValueError("reset_session and session_ttl_seconds need a session_id")
+            if self.reset_session or self.session_ttl_seconds or self.session_expected_turns:
+                raise ValueError(
+                    "reset_session, session_ttl_seconds and session_expected_turns need a "
+                    "session_id"
+                )
             return None
         return gateway_pb2.SessionOptions(
             id=self.session_id,
@@ -220,6 +228,7 @@ class Session:
                 else gateway_pb2.SESSION_MODE_CONTINUE
             ),
             ttl_seconds=self.session_ttl_seconds,
+            expected_turns=self.session_expected_turns,
         )
 
 

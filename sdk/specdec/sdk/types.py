@@ -45,6 +45,8 @@ class Usage:
     #: Draft tokens from the request's prediction the verifier accepted / rejected.
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    #: A session's turns after this one: its next turn's ``session_expected_turns``.
+    session_turns: int = 0
 
 
 @dataclass(frozen=True)
@@ -211,6 +213,7 @@ class Generation:
                 "history_tokens": self.usage.history_tokens,
                 "accepted_prediction_tokens": self.usage.accepted_prediction_tokens,
                 "rejected_prediction_tokens": self.usage.rejected_prediction_tokens,
+                "session_turns": self.usage.session_turns,
             },
             "timings": {
                 "time_to_first_token_ms": self.timings.time_to_first_token_ms,
@@ -265,6 +268,7 @@ def usage_from_proto(msg: gateway_pb2.Usage) -> Usage:
         history_tokens=msg.history_tokens,
         accepted_prediction_tokens=msg.accepted_prediction_tokens,
         rejected_prediction_tokens=msg.rejected_prediction_tokens,
+        session_turns=msg.session_turns,
     )
 
 

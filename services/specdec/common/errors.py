@@ -12,6 +12,7 @@ import grpc
 
 from specdec.sdk.errors import (
     REASON_KEY,
+    RETRY_AFTER_KEY,
     DeadlineExceeded,
     InvalidArgument,
     Reason,
@@ -25,6 +26,7 @@ __all__ = [
     "BUSY_PREFIX",
     "CACHE_MISS_PREFIX",
     "REASON_KEY",
+    "RETRY_AFTER_KEY",
     "CacheMiss",
     "CapacityExceeded",
     "DeadlineExceeded",

@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from specdec.common.errors import REASON_KEY, Reason, SpecdecError
+from specdec.common.errors import REASON_KEY, RETRY_AFTER_KEY, Reason, SpecdecError
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +135,14 @@ def reason_of(e: Exception) -> Reason:
 async def _abort(context: grpc.aio.ServicerContext, method_name: str, e: Exception):
     code, message = status_of(e, method_name)
     reason = reason_of(e)
+    trailing: list[tuple[str, str]] = []
     if reason is not Reason.UNSPECIFIED:
-        context.set_trailing_metadata(((REASON_KEY, reason.value),))
+        trailing.append((REASON_KEY, reason.value))
+    retry_after = e.retry_after if isinstance(e, SpecdecError) else None
+    if retry_after is not None:  # when the same call may succeed (a busy session)
+        trailing.append((RETRY_AFTER_KEY, str(max(1, round(retry_after * 1000)))))
+    if trailing:
+        context.set_trailing_metadata(tuple(trailing))
     await context.abort(code, message)
 
 

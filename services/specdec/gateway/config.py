@@ -38,6 +38,11 @@ REPLICA_TRANSPORTS = ("dataplane", "grpc")
 METHOD_NAMES = tuple(METHOD_BY_NAME)  # --method
 POLICY_NAMES = tuple(POLICY_BY_NAME)  # --k-policy
 
+# The default lease of a session's turn lock (specdec.gateway.sessions.turns): renewed every
+# quarter, so it survives three missed renewals (a Redis blip, a loaded event loop), and
+# lapses this long after its holder's death.
+TURN_LEASE_SECONDS = 4.0
+
 
 def _fan_out(value: int) -> str | None:
     return None if 0 <= value <= MAX_FAN_OUT else f"must be in [0, {MAX_FAN_OUT}]"
@@ -171,6 +176,12 @@ class GatewayConfig:
     max_new_tokens: int = setting(4096, "largest max_new_tokens a request may ask", check=positive)
     session_ttl: int = setting(3600, "seconds an idle session is kept", check=positive)
     max_session_ttl: int = 30 * 24 * 3600  # no flag
+    turn_lease: float = setting(
+        TURN_LEASE_SECONDS,
+        "seconds a session's turn lock lives unless its turn renews it (every quarter): a "
+        "gateway that dies frees its sessions this long after its last renewal",
+        check=positive,
+    )
     rpc_timeout: float = setting(
         120.0, "deadline of each drafter/verifier call (s)", check=positive
     )

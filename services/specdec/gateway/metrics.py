@@ -162,3 +162,38 @@ RECORD_BYTES = Counter(PREFIX + "record_bytes", "Bytes written to the recording"
 RECORD_DROPPED = Counter(
     PREFIX + "record_dropped_rows", "Finished requests not recorded, by reason", ["reason"]
 )
+# Sessions that survive crashes (docs/concepts/sessions.md): the turn lock's lease and the
+# gateway's own copy of session records.
+TURN_LOCK_WAIT = Histogram(
+    PREFIX + "turn_lock_wait_seconds",
+    "Time a session's turn waited for its turn lock, by outcome (acquired, busy)",
+    ["outcome"],
+    buckets=(0.001, 0.005, 0.02, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16),
+)
+TURN_LEASES_LAPSED = Counter(
+    PREFIX + "turn_leases_lapsed",
+    "Turn-lock leases that lapsed: this gateway's turn lost its own (holder=this), or a "
+    "gateway that stopped renewing its lease lost the session to this one (holder=other)",
+    ["holder"],
+)
+TURN_UNLOCKS_RETRIED = Counter(
+    PREFIX + "turn_unlocks_retried",
+    "Turn-lock releases that failed while the session store was unreachable and were "
+    "retried until it answered",
+)
+SESSIONS_RESTORED = Counter(
+    PREFIX + "sessions_restored",
+    "Session records written back to the session store from this gateway's copy: the "
+    "store lacked them (why=missing: restarted empty, evicted) or held an older one "
+    "written before an outage (why=outage)",
+    ["why"],
+)
+SESSIONS_LOST = Counter(
+    PREFIX + "sessions_lost",
+    "Turns refused because the session holds fewer turns than the request expected "
+    "(its history was lost in the store and no gateway copy had it)",
+)
+for _holder in ("this", "other"):
+    TURN_LEASES_LAPSED.labels(holder=_holder)
+for _why in ("missing", "outage"):
+    SESSIONS_RESTORED.labels(why=_why)

@@ -78,6 +78,7 @@ class Session:
     id: str | None = None
     reset: bool = False  # forget its history first
     ttl: int = 0  # seconds of idle time it lives
+    expected_turns: int = 0  # turns the client saw complete (0: not checked)
 
 
 @dataclass(frozen=True)
@@ -166,8 +167,13 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
     session = req.session
     if session.mode not in gateway_pb2.SessionMode.values():
         raise InvalidRequest(f"unknown session mode {session.mode}")
-    if not session.id and (session.mode or session.ttl_seconds):
+    if not session.id and (session.mode or session.ttl_seconds or session.expected_turns):
         raise InvalidRequest("session options given without a session id")
+    if session.expected_turns and session.mode == gateway_pb2.SESSION_MODE_RESET:
+        raise InvalidRequest(
+            "session options: expected_turns cannot be used with SESSION_MODE_RESET (a "
+            "reset session starts with no turns)"
+        )
     if len(session.id) > MAX_SESSION_ID_CHARS:
         raise InvalidRequest(f"session id is longer than {MAX_SESSION_ID_CHARS} characters")
     if session.ttl_seconds > limits.max_session_ttl:
@@ -251,6 +257,7 @@ def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
             id=session.id or None,
             reset=session.mode == gateway_pb2.SESSION_MODE_RESET,
             ttl=session.ttl_seconds or limits.default_ttl,
+            expected_turns=session.expected_turns,
         ),
         scoring=Scoring(
             logprobs=req.logprobs,

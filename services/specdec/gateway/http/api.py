@@ -12,7 +12,9 @@ Speculation settings are extension fields of the body, as vLLM accepts extra fie
 `k` is then an upper bound per round), `method` ("model", "ngram", "suffix" or
 "hybrid": where drafts come from), `tree_width` (candidate continuations a round may
 verify as one token tree), `session_id`, `session_reset`
-(bool: forget the session's history first), `record` (false: the gateway's recording,
+(bool: forget the session's history first), `session_expected_turns` (the session's turns
+the client saw complete, `specdec.session.turns` of its last response: a session that holds
+fewer lost its history and is refused, 400 `session_lost`), `record` (false: the gateway's recording,
 --record, skips this request) and `timeout` (seconds for the whole generation; past it
 the answer is 504). Structured output: OpenAI's `response_format` (`json_object`,
 `json_schema`) and vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` become
@@ -225,7 +227,10 @@ def _build(
         token_ids=token_ids,
         sampling=Sampling(**sampling),
         speculation=Speculation(**{f: getattr(body, f) for f in SPECULATION_FIELDS}),
-        session=Session(session_id=body.session_id),
+        session=Session(
+            session_id=body.session_id,
+            session_expected_turns=body.session_expected_turns or 0,
+        ),
         output=Output(
             max_new_tokens=max_new_tokens,
             stop=body.stop or (),

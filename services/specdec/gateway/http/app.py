@@ -227,6 +227,7 @@ class Generation:
         session: dict[str, Any] = {
             "id": self.opts.session_id,
             "history_tokens": final.usage.history_tokens,
+            "turns": final.usage.session_turns,
         }
         if self.turn is not None:
             session["continued"] = self.turn.continued

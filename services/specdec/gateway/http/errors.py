@@ -11,6 +11,8 @@ act on an answer it is OpenAI's answer:
   RESOURCE_EXHAUSTED from the replica), is 400 ``context_length_exceeded`` with ``param``
   the prompt's field: no retry can help, and the `openai` client retries every 429;
 - backpressure (every replica of a role has a full queue) is 429 with ``Retry-After``;
+- a session whose turn lock is held is 409 with ``Retry-After`` (the error's
+  ``retry_after``: when the lease of a gateway that stopped answering lapses, else 1 s);
 - ``param`` names the request field an error is about;
 - a 500 tells nothing of its cause: a generic message naming the request's id (its trace
   id when traced), and the exception logged under that id.
@@ -19,6 +21,7 @@ act on an answer it is OpenAI's answer:
 from __future__ import annotations
 
 import logging
+import math
 import re
 import uuid
 from collections.abc import Mapping
@@ -206,6 +209,8 @@ def answer(e: BaseException, context: ErrorContext | None = None) -> ErrorAnswer
         code = getattr(e, "error_code", None) or e.code.name.lower()
         if status == 429:
             headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+        elif e.retry_after is not None:  # a busy session: when its lock may be free
+            headers["Retry-After"] = str(max(1, math.ceil(e.retry_after)))
     body = {
         "error": {
             "message": message,

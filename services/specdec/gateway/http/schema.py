@@ -104,6 +104,12 @@ def _positive(value: float) -> float:
     return value
 
 
+def _turns(value: int) -> int:
+    if not 0 <= value < 2**32:
+        raise refuse(f" must be in 0..{2**32 - 1}, got {value}")
+    return value
+
+
 def _non_empty(value: str) -> str:
     if not value:
         raise refuse(" must be a non-empty string")
@@ -311,6 +317,7 @@ class Body(SamplingFields):  # type: ignore[misc,valid-type]
     k_policy: Annotated[str, Strict(), _choice(K_POLICIES)] | None = None
     session_id: Annotated[str, Strict(), AfterValidator(_non_empty)] | None = None
     session_reset: Bool | None = None
+    session_expected_turns: Annotated[int, Strict(), AfterValidator(_turns)] | None = None
     timeout: Annotated[float, Strict(), AfterValidator(_positive)] | None = None
     record: Bool | None = None
     # structured output: OpenAI's response_format, vLLM's guided_* (one of them)

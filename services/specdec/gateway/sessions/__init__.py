@@ -1,21 +1,33 @@
 """The session index: per-session token history and cache affinity, kept in Redis (design §3).
 
 - ``record``: what a session is (SessionRecord) and its Redis hash format;
-- ``local``: the bounded in-process copy used while Redis is unreachable;
-- ``index``: SessionIndex, Redis with that local fallback and the write-back after an outage;
-- ``turns``: TurnLocks, one turn at a time per session across gateway replicas;
+- ``local``: the gateway's bounded in-process copy (Redis unreachable, or lost the record);
+- ``index``: SessionIndex, Redis with that local copy and the write-back from it;
+- ``turns``: TurnLocks, one turn at a time per session across gateway replicas (a lease
+  renewed by its live turn, a fencing token ordering the history writes);
 - ``ids``: the id under which the replicas cache a request's KV (replica_session_id).
 """
 
 from specdec.gateway.sessions.ids import replica_session_id
 from specdec.gateway.sessions.index import LockLost, SessionIndex
 from specdec.gateway.sessions.record import MAX_SESSION_ID_LEN, SessionRecord, validate_session_id
-from specdec.gateway.sessions.turns import TurnLease, TurnLocks
+from specdec.gateway.sessions.turns import (
+    DEFAULT_LEASE_SECONDS,
+    Holder,
+    SessionBusy,
+    SessionLost,
+    TurnLease,
+    TurnLocks,
+)
 
 __all__ = [
+    "DEFAULT_LEASE_SECONDS",
     "MAX_SESSION_ID_LEN",
+    "Holder",
     "LockLost",
+    "SessionBusy",
     "SessionIndex",
+    "SessionLost",
     "SessionRecord",
     "TurnLease",
     "TurnLocks",

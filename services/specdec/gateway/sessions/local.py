@@ -1,8 +1,10 @@
-"""The bounded in-process copy of session records, used while Redis is unreachable.
+"""The gateway's bounded in-process copy of session records.
 
-An LRU of at most ``capacity`` records, each expiring like its Redis key. A record written
-here during an outage is *dirty*: the index writes it back to Redis at the next successful
-read of that session, unless Redis holds a newer one.
+An LRU of at most ``capacity`` records, each expiring like its Redis key, written on every
+put and filled on every successful get. It serves while Redis is unreachable, and restores a
+record Redis lost: the index writes a record back to Redis at the next successful read of
+that session when Redis lacks it, or when it was written here during an outage (*dirty*)
+and Redis holds an older one; dirty records go back as soon as Redis answers again.
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ class LocalCopy:
         self._entries.move_to_end(record.session_id)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
+
+    def dirty(self) -> list[str]:
+        """The sessions written here while Redis was unreachable and not written back yet."""
+        return [sid for sid, entry in self._entries.items() if entry.dirty]
 
     def pop(self, session_id: str) -> None:
         self._entries.pop(session_id, None)

@@ -10,6 +10,7 @@ One Redis hash per session at ``key_prefix + session_id``::
     verifier_cached  same for the verifier
     turns            completed turns
     updated_at       unix time of the last put
+    fence            the fencing token of the turn that wrote it (0: none; turns.py)
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class SessionRecord:
     verifier_cached: int = 0
     turns: int = 0
     updated_at: float = 0.0  # unix time
+    # The fencing token of the turn lock's lease that wrote this record (0: written without
+    # one: no Redis when its turn ran, or a record of an earlier version).
+    fence: int = 0
 
     def copy(self) -> SessionRecord:
         return dataclasses.replace(self, tokens=list(self.tokens))
@@ -83,6 +87,7 @@ def encode_record(record: SessionRecord) -> dict[str, bytes | str]:
         "verifier_cached": str(int(record.verifier_cached)),
         "turns": str(int(record.turns)),
         "updated_at": repr(float(record.updated_at)),
+        "fence": str(int(record.fence)),
     }
 
 
@@ -104,4 +109,5 @@ def decode_record(session_id: str, raw: dict[bytes, bytes]) -> SessionRecord:
         verifier_cached=int(raw.get(b"verifier_cached", b"0")),
         turns=int(raw.get(b"turns", b"0")),
         updated_at=float(raw.get(b"updated_at", b"0")),
+        fence=int(raw.get(b"fence", b"0")),
     )
