@@ -268,3 +268,17 @@ def test_auto_chooses_the_engine_by_measurement(gguf_models, test_models):
     finally:
         for p in procs:
             p.stop()
+
+
+def test_time_shapes_covers_every_cell(gguf_models):
+    """The llama.cpp row of `specdec bench --shapes`: a median for every (rows, tokens)
+    cell, decoded as the engine batches sessions (rows sequences sharing a prefix)."""
+    from specdec.replica.llamacpp import LlamaContext
+
+    context = LlamaContext(gguf_models["target"] / "model.gguf", 512, 128, 1, "f32")
+    try:
+        cells = context.time_shapes([1, 4, 9], [1, 3], prefix=16, repeats=1)
+    finally:
+        context.close()
+    assert set(cells) == {(r, n) for r in (1, 3) for n in (1, 4, 9)}
+    assert all(ms > 0 for ms in cells.values())

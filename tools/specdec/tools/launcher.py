@@ -22,10 +22,10 @@ each runs in its own session and nothing else would reap it (`die_with_parent`).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -89,27 +89,23 @@ def check_interrupted() -> None:
         raise Interrupted(CHILDREN.interrupted)
 
 
-# prctl(PR_SET_PDEATHSIG): the signal a child gets when the thread that started it ends.
-_PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+def die_with_parent(cpus: set[int] | None = None) -> list[str]:
+    """The argv prefix that makes a child get SIGTERM when this process ends (util-linux's
+    `setpriv --pdeathsig`, Linux; asked only from the main thread, which lives as long as
+    the process: the kernel signals the child when the thread that started it ends) and run
+    on `cpus` when given (`taskset`), both before the child's own program starts, so every
+    thread it starts inherits the CPUs.
 
-
-def die_with_parent(cpus: set[int] | None = None) -> Callable[[], None]:
-    """A Popen preexec_fn: the child gets SIGTERM when this process ends (Linux; asked
-    only from the main thread, which lives as long as the process: the kernel signals the
-    child when the thread that started it ends), and runs on `cpus` when given."""
-    parent = os.getpid()
+    Not a Popen preexec_fn: Python code between fork and exec in a process with threads
+    can deadlock the child (a lock another thread held at the fork), and the tests' and
+    `specdec up`'s processes have threads: a gateway's start hung there in a test run."""
+    prefix: list[str] = []
     main = threading.current_thread() is threading.main_thread()
-
-    def setup() -> None:
-        if _LIBC is not None and main:
-            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-            if os.getppid() != parent:  # the parent ended before prctl took effect
-                os._exit(1)
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-
-    return setup
+    if sys.platform == "linux" and main and shutil.which("setpriv"):
+        prefix += ["setpriv", "--pdeathsig", "TERM", "--"]
+    if cpus:
+        prefix += ["taskset", "--cpu-list", ",".join(str(c) for c in sorted(cpus))]
+    return prefix
 
 
 @contextlib.contextmanager
@@ -250,15 +246,14 @@ class ServiceProcess:
         with guarded():  # recorded as soon as it exists
             self.proc = register(
                 subprocess.Popen(
-                    self.argv,
+                    [*die_with_parent(self.cpus), *self.argv],
                     env=self.env,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     text=True,
                     start_new_session=True,  # Ctrl-C in a terminal reaches the parent only
-                    # Pin before exec, so every thread the service starts inherits the
-                    # CPUs; and end with this process, however it ends.
-                    preexec_fn=die_with_parent(self.cpus),
+                    # Pinned before its program starts, and ends with this process,
+                    # however it ends (die_with_parent's argv prefix).
                 ),
                 own_group=True,
             )

@@ -21,7 +21,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -104,7 +104,7 @@ class RedisProcess:
         binary: str | None = None,
         startup_timeout: float = 10.0,
         extra_args: tuple[str, ...] | list[str] = (),
-        preexec_fn: Callable[[], None] | None = None,
+        wrapper: Sequence[str] = (),
         aof_dir: str | os.PathLike[str] | None = None,
         appendfsync: str = "everysec",
     ) -> None:
@@ -115,7 +115,7 @@ class RedisProcess:
         self.binary = binary
         self.startup_timeout = startup_timeout
         self.extra_args = tuple(extra_args)
-        self.preexec_fn = preexec_fn  # run in the child before exec (Popen's)
+        self.wrapper = list(wrapper)  # an argv prefix the server runs under (die_with_parent)
         self.aof_dir = str(aof_dir) if aof_dir is not None else None
         if appendfsync not in ("always", "everysec", "no"):
             raise ValueError(f"appendfsync must be always, everysec or no, got {appendfsync!r}")
@@ -184,11 +184,10 @@ class RedisProcess:
         # Early failures (bad arguments) go to stderr before the log file is opened.
         with open(os.path.join(self._dir, "stderr.log"), "wb") as err:
             self._proc = subprocess.Popen(
-                args,
+                [*self.wrapper, *args],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=err,
-                preexec_fn=self.preexec_fn,
             )
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:

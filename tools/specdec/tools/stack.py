@@ -350,7 +350,7 @@ class LocalStack:
         if not redis_url:
             check_interrupted()
             with guarded():  # recorded before a signal can interrupt
-                self.redis = RedisProcess(preexec_fn=die_with_parent())
+                self.redis = RedisProcess(wrapper=die_with_parent())
                 self.redis.start()
                 assert self.redis.process is not None
                 register(self.redis.process)
