@@ -238,8 +238,8 @@ class LlamaContext:
         cparams.no_perf = True
         # Flash attention on the CPU accumulates in an order that follows the cells' order
         # in the cache, which forks, trees and other sessions change: its logits moved by up
-        # to 1e-2 between layouts of the same sequence on the tiny models. Off, they stay
-        # within 1e-5 (f32 cells) of a one-sequence run.
+        # to 8e-3 between layouts of the same sequence on the tiny models. Off, they stay
+        # within 1.5e-5 (f32 cells) of a one-sequence run.
         cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         cparams.type_k = cparams.type_v = KV_TYPES[kv_dtype]
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
@@ -460,8 +460,8 @@ class LlamaStore(CacheStore):
         self, session: LlamaSession, base: int, parents: Sequence[int]
     ) -> TreeSequences:
         """Sequences for a token tree whose first node will sit at position `base`: one per
-        leaf, each a copy of the session's cells before `base`... the plain tokens of the
-        same forward join them there (`LlamaCppRuntime._rows`)."""
+        leaf, each a copy of the session's cached cells (the plain tokens fed before the tree
+        in the same forward join every leaf's sequence, `LlamaCppRuntime._rows`)."""
         self._drop_tree(session)
         m = len(parents)
         children = [0] * m
@@ -597,9 +597,6 @@ class LlamaCppRuntime(ModelRuntime):
     @property
     def dtype_name(self) -> str:
         return "gguf" if self.context is not None else ""
-
-    def shutdown(self) -> None:
-        super().shutdown()
 
     # -- forwards -----------------------------------------------------------------------
 

@@ -601,7 +601,11 @@ def run_peers(
                 "acceptance": round(sum(accepts) / len(accepts), 4) if accepts else None,
                 "version": next((r["version"] for r in mine if r.get("version")), ""),
                 "per_prompt": [
-                    {"tokens": r["tokens"], "tokens_per_second": r["tokens_per_second"]}
+                    {
+                        "tokens": r["tokens"],
+                        "tokens_per_second": r["tokens_per_second"],
+                        "token_ids": r["token_ids"],
+                    }
                     for r in mine
                 ],
             }
