@@ -361,7 +361,6 @@ def test_models_list_the_supported_fields(stack):
         ({"stop_token_ids": 5}, "stop_token_ids must be a list of token ids"),
         # Still not built: refused by name, never ignored.
         ({"best_of": 2}, "best_of=2 is not supported"),
-        ({"tools": [{"type": "function"}]}, "tools="),
     ],
 )
 def test_http_bad_controls_are_400(stack, extra, message):

@@ -11,6 +11,7 @@ chi-square check's own negative control). Skipped where llama-cpp-python is not 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import shutil
 
 import grpc
@@ -282,3 +283,24 @@ def test_time_shapes_covers_every_cell(gguf_models):
         context.close()
     assert set(cells) == {(r, n) for r in (1, 3) for n in (1, 4, 9)}
     assert all(ms > 0 for ms in cells.values())
+
+
+def test_the_exactness_check_of_the_bench(llama_stack, gguf_models, tmp_path):
+    """`python -m specdec.tools.bench.llamacpp_exact` (the real-weights check of the bench
+    page) against the stack: every row identical to llama.cpp alone, exit 0, its JSON."""
+    from specdec.tools.bench import llamacpp_exact
+
+    out = tmp_path / "exact.json"
+    code = llamacpp_exact.main(
+        [
+            *("--gateway", llama_stack["gateway"].address),
+            *("--target-gguf", str(gguf_models["target"] / "model.gguf")),
+            *("--tokenizer", str(gguf_models["target"])),
+            *("--num-prompts", "2", "--max-new-tokens", "8", "--kv-dtype", "f32"),
+            *("--out", str(out)),
+        ]
+    )
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2
+    assert all(r[m]["identical"] for r in rows for m in ("k=0", "defaults"))

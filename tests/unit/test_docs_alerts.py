@@ -26,7 +26,7 @@ def _exported_metrics() -> set[str]:
     gateway = (ROOT / "services" / "specdec" / "gateway" / "metrics.py").read_text()
     names |= {"specdec_gateway_" + n for n in re.findall(r'PREFIX \+ "(\w+)"', gateway)}
     for role in ("drafter", "verifier"):
-        replica = (ROOT / "services" / "specdec" / "common" / "metrics.py").read_text()
+        replica = (ROOT / "services" / "specdec" / "replica" / "metrics.py").read_text()
         names |= {f"specdec_{role}_" + n for n in re.findall(r'p \+ "(\w+)"', replica)}
     for path in (ROOT / "services").rglob("*.py"):
         names |= set(re.findall(r'"(specdec_\w+)"', path.read_text()))

@@ -761,7 +761,10 @@ def test_cli_errors(echo_server, capsys):
         ["generate", "--gateway", f"127.0.0.1:{_free_port()}", "--prompt", "x", "--timeout", "10"]
     )
     assert run_generate(args) == 1
-    assert capsys.readouterr().err.startswith("specdec: UNAVAILABLE: ")
+    # nothing listening: one line saying how to start a stack (tests/integration/test_one_line_errors.py)
+    err = capsys.readouterr().err
+    assert err.startswith("specdec: no gateway answers at ") and "specdec up" in err
+    assert err.count("\n") == 1
     args = _parser().parse_args(["generate", "--prompt", "x", "--reset-session"])
     assert run_generate(args) == 2  # rejected before connecting
 
