@@ -262,7 +262,9 @@ def test_auto_chooses_the_engine_by_measurement(gguf_models, test_models):
                 )
         chosen = infos["gguf"]
         assert chosen.engine in ("llama.cpp", "paged")
-        assert chosen.dtype_reason.startswith(f"engine {chosen.engine}, measured: t(1) + t(8) ")
+        assert chosen.dtype_reason.startswith(
+            f"engine {chosen.engine}, measured: ms per token at the best draft length "
+        )
         assert "on llama.cpp (model.gguf) against" in chosen.dtype_reason
         assert infos["plain"].engine == "paged"
         assert infos["plain"].dtype_reason.startswith("engine paged: no GGUF beside the model")
@@ -304,3 +306,18 @@ def test_the_exactness_check_of_the_bench(llama_stack, gguf_models, tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 2
     assert all(r[m]["identical"] for r in rows for m in ("k=0", "defaults"))
+
+
+def test_role_price():
+    """A drafter is priced by its step; a verifier by ms per emitted token at its best
+    draft length: a curve whose extra tokens cost a step each is priced by its step, a flat
+    one by a verify of several tokens, so a 4x faster step can lose to a flat curve."""
+    from specdec.replica.llamacpp import ACCEPTANCE_PRIOR, role_price
+
+    steep, flat = {1: 57.0, 8: 420.0}, {1: 250.0, 8: 275.0}
+    assert role_price(steep, drafter=True) == 57.0
+    assert role_price(steep, drafter=False) == 57.0  # k = 0 is its best
+    expected = (1 - ACCEPTANCE_PRIOR**8) / (1 - ACCEPTANCE_PRIOR)
+    # no better than the best round can do: 8 tokens verified, `expected` emitted at most
+    assert 250.0 / expected < role_price(flat, drafter=False) <= 275.0 / expected
+    assert role_price({1: 57.0, 8: 60.0}, drafter=False) < 57.0 / 2

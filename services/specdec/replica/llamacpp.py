@@ -736,20 +736,42 @@ def llama_candidate(cfg: ReplicaConfig) -> tuple[Path | None, str]:
         return None, "no GGUF beside the model"
 
 
+# The share of draft tokens a verifier's price assumes accepted, each independently: between
+# the hybrid drafts' 42% and the draft model's 78% on the pretrained pair (2026-11-28,
+# docs/benchmarks/2026-11-28-llamacpp.md).
+ACCEPTANCE_PRIOR = 0.6
+
+
+def role_price(timings: dict[int, float], drafter: bool) -> float:
+    """What a forward curve (ms by tokens: {1: t(1), 8: t(8)}) costs a role, in ms: a
+    drafter its one-token step; a verifier the ms per emitted token of a round verifying
+    k + 1 tokens, t(k + 1) over the tokens it emits at ACCEPTANCE_PRIOR ((1 - a^(k+1)) /
+    (1 - a)), at its best k from 0 (a plain decode) to 7, t on the line through the two
+    points. A curve whose extra tokens cost nearly a step each (llama.cpp's CPU kernels)
+    is priced by its step; a flat one (torch's packed layouts) by its verify."""
+    if drafter:
+        return timings[1]
+    (n0, t0), (n1, t1) = sorted(timings.items())[:2]
+    slope = (t1 - t0) / (n1 - n0)
+    a = ACCEPTANCE_PRIOR
+    return min((t0 + slope * k) / ((1 - a ** (k + 1)) / (1 - a)) for k in range(n1))
+
+
 def choose_engine(cfg: ReplicaConfig) -> EngineChoice:
-    """--engine auto: the engine that costs this replica least here, by measurement. Where
-    llama.cpp can run the model (`llama_candidate`), its forwards of 1 and 8 tokens after a
-    short prefix (with the replica's threads) are timed against the torch engine's in the
-    dtype it would load (specdec.replica.calibrate, cached per machine), and the one with
-    the lower calibrate.score (t(1) + t(8); t(1) for a drafter serving one session at a
-    time) is kept. Otherwise the torch engines' own choice (ReplicaConfig.kv_engine)."""
+    """--engine auto: the engine that gives this replica's role the most tokens per second
+    here, by measurement. Where llama.cpp can run the model (`llama_candidate`), its
+    forwards of 1 and 8 tokens after a short prefix (with the replica's threads) are timed
+    against the torch engine's in the dtype it would load (specdec.replica.calibrate, cached
+    per machine), and each engine is priced for the role (`role_price`): a drafter by its
+    one-token step, a verifier by the milliseconds per emitted token of its verify curve at
+    its best draft length. Otherwise the torch engines' own choice (ReplicaConfig.kv_engine)."""
     from specdec.replica import calibrate
 
     torch_engine = cfg.kv_engine
     gguf, why = llama_candidate(cfg)
     if gguf is None:
         return EngineChoice(torch_engine, f"engine {torch_engine}: {why}")
-    one_token = cfg.role == "drafter" and cfg.max_batch_size == 1
+    drafter = cfg.role == "drafter"
     threads = thread_budget(cfg.threads).threads
     context = LlamaContext(gguf, 256, 64, threads, cfg.llama_kv_dtype)
     try:
@@ -778,11 +800,15 @@ def choose_engine(cfg: ReplicaConfig) -> EngineChoice:
         return EngineChoice(
             torch_engine, f"engine {torch_engine}: --dtype {cfg.dtype} was not measured", timings
         )
-    label = min(measured_torch, key=lambda lab: calibrate.score(measured_torch[lab], one_token))
+    label = min(measured_torch, key=lambda lab: role_price(measured_torch[lab], drafter))
     torch_ms = measured_torch[label]
     timings[f"{torch_engine} {label}"] = torch_ms
-    ours, theirs = calibrate.score(llama, one_token), calibrate.score(torch_ms, one_token)
-    price = "t(1)" if one_token else "t(1) + t(8)"
+    ours, theirs = role_price(llama, drafter), role_price(torch_ms, drafter)
+    price = (
+        "a draft step"
+        if drafter
+        else f"ms per token at the best draft length (acceptance {ACCEPTANCE_PRIOR:.0%})"
+    )
     engine = ENGINE if ours < theirs else torch_engine
     reason = (
         f"engine {engine}, measured: {price} {ours:.0f} ms on llama.cpp ({gguf.name}) "
