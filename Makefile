@@ -32,12 +32,15 @@ $(VENV)/.installed: pyproject.toml sdk/pyproject.toml tools/pyproject.toml
 # `llamacpp`, llama-cpp-python built from its sdist for this machine's CPU (cmake and a C++
 # compiler; about 11 minutes on 2 cores, pip caches the wheel). LLAMACPP=0 skips it: the
 # replicas then run the torch engines only, and the llama.cpp tests skip.
+# Only the extra's requirement is installed (its pin read from pyproject.toml), not the
+# project again: CI builds it while lint runs from the same virtualenv.
 LLAMACPP ?= 1
+LLAMACPP_REQ := $(shell grep -o 'llama-cpp-python==[0-9.]*' pyproject.toml)
 llamacpp-install: $(VENV)/.llamacpp
 
-$(VENV)/.llamacpp: $(VENV)/.installed
+$(VENV)/.llamacpp: $(VENV)/.installed pyproject.toml
 ifeq ($(LLAMACPP),1)
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(VPY) -m pip install -q -e '.[llamacpp]'
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(VPY) -m pip install -q '$(LLAMACPP_REQ)'
 endif
 	touch $@
 
