@@ -54,7 +54,6 @@ from typing import Any
 
 import torch
 
-from specdec.common.cost import fit_points
 from specdec.common.errors import CapacityExceeded
 from specdec.common.settings import ConfigError, env_name
 from specdec.replica.batching import BranchGroup, BranchStep, ForwardRequest, Request
@@ -661,9 +660,7 @@ class LlamaCppRuntime(ModelRuntime):
         the fastest of a few sweeps per width; their line seeds the cost curve."""
         store = self.store
         assert isinstance(store, LlamaStore) and self.context is not None
-        widths = [n for n in self.PROBE_WIDTHS if n <= self.config.max_draft_tokens + 1] or [1]
-        if len(widths) == 1:
-            widths.append(2)
+        widths = self.probe_widths()
         vocab = max(1, self.vocab_size)
         ids = [(7 * i + 3) % vocab for i in range(self.PROBE_CONTEXT + max(widths) + 2)]
         name = self.PROBE_SEQUENCE_NAME
@@ -685,20 +682,7 @@ class LlamaCppRuntime(ModelRuntime):
                     break
         finally:
             store.release(name)
-        points = sorted(best.items())
-        line = fit_points(points)
-        self.cost.prior = line
-        self.cost_lines = self.cost.buckets()
-        log.info(
-            "forward cost probed",
-            extra={
-                "engine": ENGINE,
-                "base_ms": round(line.base_ms, 3),
-                "per_token_ms": round(line.per_token_ms, 3),
-                "points_ms": {n: round(ms, 3) for n, ms in points},
-            },
-        )
-        return line
+        return self.seed_cost(best)
 
     def compile(self) -> None:
         raise ConfigError(

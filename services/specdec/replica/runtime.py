@@ -160,9 +160,7 @@ class ModelRuntime:
     def probe_cost(self) -> Line:
         """Time forwards of PROBE_WIDTHS tokens after a short context on a scratch cache
         (no session), a warm-up first; their line seeds the cost curve (model thread)."""
-        widths = [n for n in self.PROBE_WIDTHS if n <= self.config.max_draft_tokens + 1] or [1]
-        if len(widths) == 1:
-            widths.append(2)
+        widths = self.probe_widths()
         vocab = max(1, self.vocab_size)
         ids = [(7 * i + 3) % vocab for i in range(self.PROBE_CONTEXT + sum(widths) + 2)]
         kv = self._new_cache()
@@ -192,6 +190,19 @@ class ModelRuntime:
                 break
             kv.crop(self.PROBE_CONTEXT - kv.get_seq_length())  # the next sweep: same positions
             at = self.PROBE_CONTEXT
+        return self.seed_cost(best)
+
+    def probe_widths(self) -> list[int]:
+        """The widths the start-up probe times: PROBE_WIDTHS up to a verify of the longest
+        draft, at least two."""
+        widths = [n for n in self.PROBE_WIDTHS if n <= self.config.max_draft_tokens + 1] or [1]
+        if len(widths) == 1:
+            widths.append(2)
+        return widths
+
+    def seed_cost(self, best: dict[int, float]) -> Line:
+        """The probe's fastest forward per width (ms by tokens): their line seeds the cost
+        curve, and the log says so (model thread)."""
         points = sorted(best.items())
         line = fit_points(points)
         self.cost.prior = line
@@ -199,6 +210,7 @@ class ModelRuntime:
         log.info(
             "forward cost probed",
             extra={
+                "engine": self.config.kv_engine,
                 "base_ms": round(line.base_ms, 3),
                 "per_token_ms": round(line.per_token_ms, 3),
                 "points_ms": {n: round(ms, 3) for n, ms in points},
