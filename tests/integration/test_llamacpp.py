@@ -20,6 +20,7 @@ import pytest
 from specdec.sdk import Client
 from specdec.v1 import common_pb2, verifier_pb2_grpc
 from tests.conftest import PROMPTS, start_up_error
+from tests.integration.test_controls import hf  # noqa: F401  (fixture)
 from tests.integration.test_gateway import small_stack
 from tests.integration.test_lookup import GROUNDED
 from tests.integration.test_ssd import check_sequence_counts, exact_sequence_probs, sample_top2
@@ -321,3 +322,45 @@ def test_role_price():
     # no better than the best round can do: 8 tokens verified, `expected` emitted at most
     assert 250.0 / expected < role_price(flat, drafter=False) <= 275.0 / expected
     assert role_price({1: 57.0, 8: 60.0}, drafter=False) < 57.0 / 2
+
+
+@pytest.mark.parametrize("name", ["presence", "repetition", "logit_bias", "all"])
+def test_logits_processors_and_logprobs_as_on_torch(llama_stack, tokenizer, hf, name):  # noqa: F811
+    """The request's logits processors run on the llama.cpp engine's logits as on the torch
+    engine's: greedy with penalties and logit_bias at k = 3 equals transformers' generate()
+    with the same processors (the float32 GGUF is the checkpoint, test above), and the
+    logprobs the verifier reports are the target's log-softmax within float32 tolerance."""
+    import torch
+
+    from tests.integration.test_controls import PROCESSORS
+
+    kwargs, controls = PROCESSORS[name]
+    with Client(llama_stack["gateway"].address, timeout=120) as client:
+        for text in PROMPTS[:2]:
+            ids = tokenizer(text).input_ids
+            got = client.generate(token_ids=ids, max_new_tokens=16, k=3, logprobs=True, **kwargs)
+            assert list(got.tokens) == hf(ids, 16, controls), (name, text)
+            assert got.logprobs is not None and len(got.logprobs) == len(got.tokens)
+    plain = hf(ids, 16, type(controls)())
+    with Client(llama_stack["gateway"].address, timeout=120) as client:
+        scored = client.generate(token_ids=ids, max_new_tokens=16, k=3, logprobs=True)
+    assert list(scored.tokens) == plain
+    from transformers import AutoModelForCausalLM  # the checkpoint's own scores
+
+    model = AutoModelForCausalLM.from_pretrained(
+        llama_stack_target(llama_stack), dtype=torch.float32
+    )
+    with torch.inference_mode():
+        logits = model(torch.tensor([[*ids, *plain]])).logits[0, len(ids) - 1 : -1]
+    expected = torch.log_softmax(logits.float(), -1)
+    for i, row in enumerate(scored.logprobs or ()):
+        assert row.logprob == pytest.approx(float(expected[i, row.token_id]), abs=1e-3)
+
+
+def llama_stack_target(stack) -> str:
+    """The target folder the stack's verifier serves (its Info's model id)."""
+    with grpc.insecure_channel(stack["verifier"].address) as channel:
+        info = verifier_pb2_grpc.VerifierServiceStub(channel).Info(
+            common_pb2.InfoRequest(), timeout=30
+        )
+    return info.model_id
