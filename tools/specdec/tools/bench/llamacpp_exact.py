@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
             row: dict = {"kind": prompt.kind, "prompt_tokens": len(ids)}
             for mode, options in (("k=0", {"k": 0}), ("defaults", {})):
                 got = list(client.generate(token_ids=ids, max_new_tokens=n, **options).tokens)
-                first = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), None)
+                first = next(
+                    (i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), None
+                )
                 gap = None if first is None else gap_at(ids + expected[:first])
                 tie = first is None or (gap is not None and gap <= args.tie_bound)
                 certified &= tie
