@@ -285,11 +285,13 @@ class LlamaContext:
         count = sum(1 for o in outputs if o)
         if not count:
             return torch.empty(0, self.n_vocab)
-        pointer = self.lib.llama_get_logits(self.ctx)
-        array = (ctypes.c_float * (count * self.n_vocab)).from_address(
-            ctypes.addressof(pointer.contents)
+        import numpy as np
+
+        # llama.cpp's buffer, reused by the next decode: one copy out of it
+        rows = np.ctypeslib.as_array(
+            self.lib.llama_get_logits(self.ctx), shape=(count, self.n_vocab)
         )
-        return torch.frombuffer(bytearray(array), dtype=torch.float32).view(count, self.n_vocab)
+        return torch.from_numpy(rows.copy())
 
     def time_shapes(
         self, tokens: Sequence[int], rows: Sequence[int], prefix: int, repeats: int
