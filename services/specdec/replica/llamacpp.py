@@ -568,13 +568,7 @@ class LlamaCppRuntime(ModelRuntime):
         self.max_context = min(
             x for x in (self.context.n_ctx_train, cfg.max_context, facts.max_context) if x
         )
-        self.eos_token_ids = facts.eos_token_ids
-        self.sampling_defaults = facts.sampling_defaults
-        self.bos_token_id = facts.bos_token_id
-        self.chat_template = facts.chat_template
-        self.special_tokens = facts.special_tokens
-        self.tokenizer_json = facts.tokenizer_json
-        self.tokenizer_fingerprint = facts.tokenizer_fingerprint
+        self.adopt_facts(facts)
         self.dtype_reason = f"GGUF as shipped: {self.context.description} ({self.gguf.name}); {why}"
         self.store = LlamaStore(cfg.max_cached_tokens, self.context)
         if cfg.cost_probe:

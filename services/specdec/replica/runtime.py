@@ -115,13 +115,7 @@ class ModelRuntime:
         self.model = loaded.model
         self.vocab_size = loaded.vocab_size
         self.max_context = loaded.max_context
-        self.eos_token_ids = loaded.eos_token_ids
-        self.sampling_defaults = loaded.sampling_defaults
-        self.bos_token_id = loaded.bos_token_id
-        self.chat_template = loaded.chat_template
-        self.special_tokens = loaded.special_tokens
-        self.tokenizer_json = loaded.tokenizer_json
-        self.tokenizer_fingerprint = loaded.tokenizer_fingerprint
+        self.adopt_facts(loaded)
         self.dtype_reason = loaded.dtype_reason
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         check_rollback(self._new_cache(), cfg.model)
@@ -150,6 +144,17 @@ class ModelRuntime:
                 "seconds": round(time.monotonic() - started, 2),
             },
         )
+
+    def adopt_facts(self, facts: Any) -> None:
+        """What Info reports of the tokenizer and the generation config, from a loaded
+        model's facts (specdec.replica.loading: LoadedModel or ModelFacts)."""
+        self.eos_token_ids = facts.eos_token_ids
+        self.sampling_defaults = facts.sampling_defaults
+        self.bos_token_id = facts.bos_token_id
+        self.chat_template = facts.chat_template
+        self.special_tokens = facts.special_tokens
+        self.tokenizer_json = facts.tokenizer_json
+        self.tokenizer_fingerprint = facts.tokenizer_fingerprint
 
     PROBE_CONTEXT = 32  # tokens cached before the probe's forwards
     PROBE_WIDTHS = (1, 2, 4, 8, 16)
