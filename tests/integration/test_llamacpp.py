@@ -189,7 +189,8 @@ def test_mixed_pairs(gguf_models, test_models, tokenizer, alone, reference, llam
 
 def test_info_and_cost_curve(llama_stack):
     """Info names the engine and the GGUF, and reports the forward cost measured at
-    start-up (the policy's prior)."""
+    start-up (the policy's prior), as a ragged curve: one line over the tokens a forward
+    computes (llama.cpp pads no row)."""
     with grpc.insecure_channel(llama_stack["verifier"].address) as channel:
         info = verifier_pb2_grpc.VerifierServiceStub(channel).Info(
             common_pb2.InfoRequest(), timeout=30
@@ -199,6 +200,8 @@ def test_info_and_cost_curve(llama_stack):
     assert "model.gguf" in info.dtype_reason
     assert "extra buffer types decoded in a probe" in info.dtype_reason
     assert info.forward_cost.buckets, info.forward_cost
+    assert info.forward_cost.ragged
+    assert [b.rows for b in info.forward_cost.buckets] == [1]
 
 
 def test_refused_settings(gguf_models):

@@ -4,7 +4,9 @@ specdec.tools.bench.loadsim runs the gateway's policies (one per request, the ga
 SourcePriors shared) against stand-in replicas: a verifier that batches continuously over
 a measured cost surface (the 1.5B target's forwards per shape on a CPU, two dtypes) or a
 modelled GPU one, fitting its cost curve and load window with the replica's own code and
-reporting them through the wire format; a drafter likewise. Time is simulated, never the
+reporting them through the wire format; a drafter likewise. The llama.cpp surface is
+ragged (no pads: a forward costs its rows' tokens) and its drafter's step is the target's,
+as measured. Time is simulated, never the
 wall clock; the draws are seeded. Each cell is aggregate tokens per simulated second.
 """
 
@@ -32,7 +34,7 @@ BEHIND_BEST = {
 
 def sweep(name: str) -> dict[int, dict[str, loadsim.Result]]:
     if name not in _SWEEPS:
-        _SWEEPS[name] = loadsim.sweep(loadsim.Setup(SURFACES[name]))
+        _SWEEPS[name] = loadsim.sweep(loadsim.setup_of(SURFACES[name]))
     return _SWEEPS[name]
 
 
@@ -146,3 +148,62 @@ def test_a_priced_round_is_counted_by_its_load_level():
     )  # fmt: skip
     tracing.round_done(None, unpriced)  # a fixed policy's round: not counted by load
     assert REGISTRY.get_sample_value(name, labels) == before + 1
+
+
+def test_a_ragged_curve_is_one_line_over_the_tokens_a_forward_computes():
+    """llama.cpp's forwards have no pads: 8 rows of one token and one row of 8 tokens cost
+    the same, and a row of 5 beside seven of 1 costs its 12 tokens, not 40."""
+    curve = CostCurve(ragged=True)
+    for _ in range(30):
+        for computed in (1, 4, 8, 12, 40):
+            curve.add(computed, 8, (2.0 + 10.0 * computed) / 1e3)  # rows are not fitted
+    assert [edge for edge, _ in curve.buckets()] == [1]
+    window = LoadWindow(since=0.0)
+    window.add(ended=1.0, seconds=0.12, rows=8, tokens=5, computed=12)
+    load = window.load(now=1.0, waiting=0)
+    assert load.tokens_per_forward == pytest.approx(12.0)
+    cost = ReportedCost.from_proto(to_proto(curve.buckets(), load, ragged=True))
+    assert cost is not None and cost.ragged
+    assert cost.row_tokens == pytest.approx(1.5)  # 12 tokens over the 8 rows
+    # a row of 3 tokens beside 7 others of 1.5 tokens: 13.5 tokens
+    assert cost.ms(8, 3) == pytest.approx(2.0 + 10.0 * 13.5, rel=0.02)
+    assert cost.ms(1, 3) == pytest.approx(32.0, rel=0.02)
+    padded = ReportedCost.from_proto(to_proto(curve.buckets(), load))
+    assert padded is not None and not padded.ragged
+
+
+def _bound_policy(cost: ReportedCost):
+    from types import SimpleNamespace
+
+    from specdec.gateway.policy import AdaptivePolicy
+
+    policy = AdaptivePolicy(ssd=False, max_fan_out=1)
+    verifier = SimpleNamespace(replica=SimpleNamespace(cost=cost))
+    drafter = SimpleNamespace(replica=SimpleNamespace(cost=cost))
+    policy.bind(drafter, verifier)
+    return policy
+
+
+def _busy_load(rows: int) -> LoadWindow:
+    window = LoadWindow(since=0.0)
+    for i in range(10):
+        window.add(ended=0.2 * (i + 1), seconds=0.2, rows=rows, tokens=1, computed=rows)
+    return window
+
+
+def test_a_ragged_verifier_has_no_free_width_and_prices_a_new_request_under_load():
+    """Padded, tokens up to the batch's width cost nothing more; ragged, none is free. And a
+    request's first round, before it has a round time of its own, is priced at the load
+    the verifier reports, not idle (priced idle, each new request drafted into a full
+    verifier, and on llama.cpp at 16 sessions the simulated policy fell to 0.74x of k = 0)."""
+    curve = CostCurve(ragged=True)
+    curve.prior = fit_points([(1, 50.0), (2, 100.0), (4, 200.0), (8, 400.0), (16, 800.0)])
+    load = _busy_load(8).load(now=2.0, waiting=4)
+    policy = _bound_policy(ReportedCost.from_proto(to_proto(curve.buckets(), load, ragged=True)))
+    assert policy.saturation == pytest.approx(1.0 - 1.0 / 8.0)
+    assert policy.batch_width(4) == 1
+    assert policy.choose_k(4) == 0  # every draft token costs a step of every waiting row
+    flat = CostCurve()
+    flat.prior = fit_points([(1, 50.0), (2, 50.5), (4, 51.0), (8, 52.0), (16, 54.0)])
+    padded = _bound_policy(ReportedCost.from_proto(to_proto(flat.buckets(), load)))
+    assert padded.batch_width(4) > 1

@@ -42,6 +42,14 @@ tokens it computes (on the 1.5B target on a CPU, 8 rows of 1 token took 841 ms a
 of 9 tokens 832: docs/benchmarks/2026-11-27-engine-shapes.md), so the reader takes it from
 the one-row line at R tokens instead (`step_samples` says which).
 
+An engine that batches without pads (llama.cpp: a forward's rows are the tokens of every
+sequence laid end to end) costs the tokens it computes, whatever the rows: 8 rows of one
+token cost what one row of 8 does, and a row of 5 beside seven of 1 costs 12 tokens, not 40.
+Its curve is one line over a forward's tokens (`CostCurve(ragged=True)` fits every forward in
+the one-row bucket at the tokens it computed, up to `RAGGED_MAX_TOKENS`), and its reports say
+so (`ForwardCost.ragged`): the reader prices R rows at the tokens they compute, its own row's
+and the others' (`ReportedCost.ms`).
+
 With the curve the replica reports its load (`Load`, from `LoadWindow`): what its model did
 over the last seconds (busy share, rows and tokens per forward, rows per second) and the
 model requests waiting now. The gateway's adaptive policy prices a round by it
@@ -61,6 +69,7 @@ from specdec.v1 import common_pb2
 # Lower edges of the batch buckets (rows in a forward).
 BUCKETS = (1, 2, 4, 8, 16)
 MAX_TOKENS = 32  # widest forward (tokens a row) that is fitted
+RAGGED_MAX_TOKENS = 256  # widest forward (tokens in all) fitted where a forward has no pads
 DECAY = 0.98  # weight of the past per fitted forward: about 50 forwards of memory
 HUBER = 2.5  # residuals beyond this many mean absolute residuals are weighted down
 WINDOW_S = 2.0  # the span of a replica's reported load (`LoadWindow`)
@@ -227,14 +236,21 @@ class _Bucket:
 class CostCurve:
     """A replica's forward cost per batch bucket (see the module docstring)."""
 
-    def __init__(self, decay: float = DECAY, max_tokens: int = MAX_TOKENS):
+    def __init__(self, decay: float = DECAY, max_tokens: int | None = None, ragged: bool = False):
         self.decay = decay
+        self.ragged = ragged  # forwards without pads: one line over the tokens computed
+        if max_tokens is None:
+            max_tokens = RAGGED_MAX_TOKENS if ragged else MAX_TOKENS
         self.max_tokens = max_tokens
         self._fits = [_Bucket() for _ in BUCKETS]
         self.prior: Line | None = None  # the start-up probe's line (rows = 1)
 
     def add(self, tokens: int, rows: int, seconds: float) -> None:
-        """A forward that fed `tokens` tokens a row (the widest row) over `rows` rows."""
+        """A forward that fed `tokens` tokens a row (the widest row) over `rows` rows; of a
+        ragged curve, `tokens` is what the forward computed in all (its rows are not
+        fitted: they cost their tokens)."""
+        if self.ragged:
+            rows = 1
         if tokens < 1 or tokens > self.max_tokens or rows < 1 or not math.isfinite(seconds):
             return
         self._fits[bucket_of(rows)].add(tokens, seconds * 1e3, self.decay, rows=rows)
@@ -282,7 +298,7 @@ class Load:
     forwards: int = 0
     busy: float = 0.0  # share of the window spent in forwards
     rows_per_forward: float = 0.0  # as its rows saw it (row-weighted)
-    tokens_per_forward: float = 0.0  # rows x widest row
+    tokens_per_forward: float = 0.0  # rows x widest row (ragged: the rows' tokens)
     rows_per_second: float = 0.0
 
     def to_proto(self) -> common_pb2.ReplicaLoad:
@@ -342,15 +358,20 @@ class LoadWindow:
         self._rows_squared = 0
         self._tokens = 0
 
-    def add(self, ended: float, seconds: float, rows: int, tokens: int) -> None:
+    def add(
+        self, ended: float, seconds: float, rows: int, tokens: int, computed: int | None = None
+    ) -> None:
         """A forward of `rows` rows, `tokens` tokens its widest, ended at `ended` after
-        `seconds` (any clock, the same as `load`'s)."""
+        `seconds` (any clock, the same as `load`'s); `computed`: the tokens it computed
+        (default rows x widest: pads included; a ragged forward's own count)."""
+        if computed is None:
+            computed = rows * tokens
         with self._lock:
-            self._forwards.append((ended, seconds, rows, rows * tokens))
+            self._forwards.append((ended, seconds, rows, computed))
             self._seconds += seconds
             self._rows += rows
             self._rows_squared += rows * rows
-            self._tokens += rows * tokens
+            self._tokens += computed
             self._drop(ended - self.window)
 
     def _drop(self, start: float) -> None:
@@ -391,10 +412,14 @@ class LoadWindow:
         )
 
 
-def to_proto(buckets: list[tuple[int, Line]], load: Load | None = None) -> common_pb2.ForwardCost:
+def to_proto(
+    buckets: list[tuple[int, Line]], load: Load | None = None, ragged: bool = False
+) -> common_pb2.ForwardCost:
     """The fitted buckets (`CostCurve.buckets`) and the load, as the ForwardCost a replica
-    reports."""
+    reports; `ragged`: its forwards have no pads (the buckets are one line over a forward's
+    tokens)."""
     return common_pb2.ForwardCost(
+        ragged=ragged,
         buckets=[
             common_pb2.ForwardCost.Bucket(
                 rows=rows,
@@ -416,10 +441,12 @@ def to_proto(buckets: list[tuple[int, Line]], load: Load | None = None) -> commo
 class ReportedCost:
     """A replica's reported curve, read on the gateway: the line for a forward of `rows`
     rows is the widest bucket at or below it; `ms` reads the surface between buckets.
-    `load`: what it reported with it (None: nothing, an older replica)."""
+    `load`: what it reported with it (None: nothing, an older replica). `ragged`: the
+    replica's forwards have no pads, and its line is over the tokens a forward computes."""
 
     buckets: tuple[tuple[int, Line], ...]
     load: Load | None = None
+    ragged: bool = False
 
     @classmethod
     def from_proto(cls, message: common_pb2.ForwardCost) -> ReportedCost | None:
@@ -443,7 +470,7 @@ class ReportedCost:
             and math.isfinite(b.step_ms)
         )
         load = Load.from_proto(message.load) if message.HasField("load") else None
-        return cls(rows, load) if rows else None
+        return cls(rows, load, message.ragged) if rows else None
 
     def line(self, rows: int = 1) -> Line:
         chosen = self.buckets[0][1]
@@ -456,7 +483,11 @@ class ReportedCost:
         """t(rows, tokens a row) on the surface: each bucket's line read at the mean rows
         of its forwards, linear in rows between the two buckets around `rows` (the nearest
         one's alone outside them). A bucket that reports no mean rows (an older replica)
-        is its `line` alone."""
+        is its `line` alone. Ragged: the line at the tokens the forward computes, this
+        row's and the other rows' (each the tokens a row computed in the reported load,
+        else one)."""
+        if self.ragged:
+            return self.line(1).ms(tokens + max(0.0, rows - 1.0) * self.row_tokens)
         placed = [(line.rows, line) for _, line in self.buckets if line.rows > 0]
         if len(placed) < 2:
             return self._bucket_ms(self.line(max(1, round(rows))), tokens)
@@ -469,6 +500,14 @@ class ReportedCost:
                 low, high = self._bucket_ms(lo, tokens), self._bucket_ms(hi, tokens)
                 return low + share * (high - low)
         return self._bucket_ms(placed[-1][1], tokens)
+
+    @property
+    def row_tokens(self) -> float:
+        """Tokens a row computed in the forwards of the reported load (1 without one)."""
+        load = self.load
+        if load is None or load.forwards <= 0 or load.rows_per_forward <= 0:
+            return 1.0
+        return max(1.0, load.tokens_per_forward / load.rows_per_forward)
 
     def _bucket_ms(self, line: Line, tokens: float) -> float:
         """A bucket's t(n). What a bucket of R > 1 rows has not measured is read off the

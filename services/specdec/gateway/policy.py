@@ -28,7 +28,9 @@ batch width W (`batch_width`: where R rows all drafting k_b tokens at the gatewa
 acceptance for the source yield the most tokens per second of the forward; every request
 reads the same acceptance and surface, so under load they agree on it), and beyond W the
 marginal time its tokens add to the batched forward, once for every row that waits for
-it. Priced per request instead, the queue's wait looks like a fixed cost that a longer
+it. A replica whose forwards have no pads (llama.cpp: ForwardCost.ragged) has W = 1: each
+token a row adds costs the forward its time, and F reads its one line at the tokens the
+forward computes, this row's and the other rows'. Priced per request instead, the queue's wait looks like a fixed cost that a longer
 draft amortises, which is how speculation lost to k = 0 at 8 and 16 sessions
 (docs/concepts/cost-model.md#under-load). Between the two u weighs them, and the upper
 confidence bounds below shrink by 1 - u (a draft tried for what it might yield is paid by
@@ -516,10 +518,14 @@ class AdaptivePolicy:
     def saturation(self) -> float:
         """u: the share of the verifier's time that other sessions' rows use: its busy
         share times the share of the rows it served that were not this request's (0 when
-        it reports no load, or before this request has a round)."""
+        it reports no load). Before this request has a round, its share is one row of
+        the forwards the verifier reports: a request that starts under load is priced
+        as one (priced idle, every new request drafted into a full verifier)."""
         load = self.verifier_load()
-        if load is None or load.rows_per_second <= 0 or not self.round.value:
+        if load is None or load.rows_per_second <= 0:
             return 0.0
+        if not self.round.value:
+            return load.busy * max(0.0, 1.0 - 1.0 / max(1.0, load.rows_per_forward))
         own = 1.0 / self.round.value  # this request's rows per second (one per round)
         return load.busy * max(0.0, 1.0 - own / load.rows_per_second)
 
@@ -578,6 +584,9 @@ class AdaptivePolicy:
         and pad no row for another's longer draft."""
         if max_k <= 0 or self.verifier_line() is None:
             return 1
+        cost = self._cost(self._verifier, Role.VERIFIER)
+        if cost is not None and cost.ragged:
+            return 1  # no pads: every token a row adds costs its time, from the first
         if self.priors is not None:
             default = self.p.prior_acceptance if source == MODEL else self.p.prior_lookup_acceptance
             rate, _ = self.priors.prior(

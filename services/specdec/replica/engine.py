@@ -49,7 +49,7 @@ from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -199,6 +199,7 @@ class Engine(Protocol[S]):
     engine_reason: str  # why --engine auto chose this engine ("" when it was named)
     device: torch.device
     cost_lines: list[tuple[int, Line]]  # the forward cost curve as fitted now
+    RAGGED: ClassVar[bool]  # forwards without pads: cost_lines is one line over their tokens
     load_window: LoadWindow  # the forwards of the last seconds (reported with the curve)
     pending: int  # model requests submitted and not finished (--max-queue bounds them)
     obs: ReplicaObserver  # the replica's metrics and spans

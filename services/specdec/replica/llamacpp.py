@@ -534,6 +534,10 @@ class LlamaCppRuntime(ModelRuntime):
     """A replica's engine on llama.cpp: the ModelRuntime's queue, scheduler, validation and
     jobs, with the model, the sessions' KV and the forwards in llama.cpp."""
 
+    # A forward is its rows' tokens laid end to end (no pads): it costs the tokens it
+    # computes, and the replica's cost curve is one line over them (specdec.common.cost).
+    RAGGED = True
+
     def __init__(self, config: ReplicaConfig):
         super().__init__(config)
         self.context: LlamaContext | None = None
@@ -616,7 +620,7 @@ class LlamaCppRuntime(ModelRuntime):
                 request.session.append(request.tokens)
             else:
                 request.group.fed += 1
-        self._timed(longest, sum(r.rows for r in requests), started)
+        self._timed(longest, sum(r.rows for r in requests), started, computed=tokens)
         return list(logits.split(counts))
 
     def _rows(self, store: LlamaStore, request: Request, rows: _Rows) -> int:

@@ -156,7 +156,8 @@ class ReplicaServicer:
     def forward_cost(self) -> common_pb2.ForwardCost:
         """The replica's forward cost curve as fitted now and its load (specdec.common.cost)."""
         rt = self.runtime
-        return cost.to_proto(rt.cost_lines, rt.load_window.load(time.perf_counter(), rt.pending))
+        load = rt.load_window.load(time.perf_counter(), rt.pending)
+        return cost.to_proto(rt.cost_lines, load, ragged=rt.RAGGED)
 
     def release(self, session_id: str) -> bool:
         """Drop everything this replica keeps for the session (model thread)."""

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -62,6 +62,10 @@ __all__ = ["CacheStore", "ModelRuntime", "SessionCache"]
 class ModelRuntime:
     """A causal LM with per-session KV caches, driven from one model thread."""
 
+    # A batched forward pads every row to its widest (torch): its cost curve has a line per
+    # batch bucket over tokens a row. True: no pads (specdec.common.cost, "ragged").
+    RAGGED: ClassVar[bool] = False
+
     def __init__(self, config: ReplicaConfig):
         self.config = config
         self.scheduler = Scheduler(
@@ -98,7 +102,7 @@ class ModelRuntime:
         self.head: Callable[[torch.Tensor], torch.Tensor] | None = None
         # The forward cost curve (specdec.common.cost), fed on the model thread; `cost_lines`
         # is its latest fit, an immutable snapshot the servicers read from the event loop.
-        self.cost = CostCurve()
+        self.cost = CostCurve(ragged=self.RAGGED)
         self.cost_lines: list[tuple[int, Line]] = []
         # Every forward of the last seconds, reported as the replica's load with the curve.
         self.load_window = LoadWindow(since=time.perf_counter())
@@ -227,12 +231,17 @@ class ModelRuntime:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _timed(self, tokens: int, rows: int, started: float) -> None:
-        """A forward of `tokens` tokens a row over `rows` rows began at `started`: fit it."""
+    def _timed(self, tokens: int, rows: int, started: float, computed: int | None = None) -> None:
+        """A forward of `tokens` tokens a row (its widest) over `rows` rows began at
+        `started`: fit it. `computed`: the tokens it computed in all, where that is not
+        rows x widest (a RAGGED engine's forward)."""
         self._synchronize()
         ended = time.perf_counter()
-        self.load_window.add(ended, ended - started, rows, tokens)
-        self.cost.add(tokens, rows, ended - started)
+        self.load_window.add(ended, ended - started, rows, tokens, computed)
+        if self.RAGGED:
+            self.cost.add(computed if computed is not None else rows * tokens, 1, ended - started)
+        else:
+            self.cost.add(tokens, rows, ended - started)
         self.cost_lines = self.cost.buckets()
 
     def new_store(self, engine: str) -> TransformersStore[SessionCache]:

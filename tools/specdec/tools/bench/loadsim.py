@@ -31,7 +31,10 @@ without bf16 units (docs/bench/2026-11-27-engine-shapes/results.json: float32 wi
 weights, the layout the calibration keeps there, and bfloat16), read through the tokens a
 forward computes (rows x widest row), which is what those measurements follow (8 rows of
 one token cost what one row of 8 or 9 does); and one modelled GPU (a 7 ms step, flat to 64
-tokens a forward, then 0.03 ms a token), labelled as modelled.
+tokens a forward, then 0.03 ms a token), labelled as modelled. And one ragged surface:
+llama.cpp's forwards of the same target's Q4_K_M GGUF on a 2-vCPU AMD EPYC (Zen 4)
+(docs/bench/2026-11-28-llamacpp-shapes), which cost the tokens their rows compute (no
+pads), with a drafter as dear as the target there (`DRAFT_SHARE`).
 """
 
 from __future__ import annotations
@@ -51,7 +54,13 @@ from specdec.common.cost import CostCurve, LoadWindow, ReportedCost, fit_points,
 from specdec.gateway.outcome import DRAFTED, NO_DRAFT, Outcome
 from specdec.gateway.policy import AdaptivePolicy, FixedPolicy, SourcePriors
 
-SHAPES = Path(__file__).resolve().parents[4] / "docs/bench/2026-11-27-engine-shapes/results.json"
+BENCH = Path(__file__).resolve().parents[4] / "docs/bench"
+SHAPES = BENCH / "2026-11-27-engine-shapes/results.json"
+LLAMACPP_SHAPES = BENCH / "2026-11-28-llamacpp-shapes/results.json"
+# A drafter step over the target's, per surface where it is not Setup's quarter: on
+# llama.cpp the 0.5B GGUF's step (56 ms) was the 1.5B's (57 ms) on the machine of its shapes
+# (`specdec up` on an AMD EPYC Zen 4, 2 vCPUs, --engine auto's measurement).
+DRAFT_SHARE = {"cpu-llamacpp": 1.0}
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
 PROBE_WIDTHS = (1, 2, 4, 8, 16)  # the replica's start-up probe (one row)
 
@@ -65,9 +74,12 @@ class Surface:
     name: str
     points: tuple[tuple[int, float], ...]  # (tokens a forward computes, ms), by tokens
     measured: bool = True
+    # No pads (llama.cpp): a forward computes its rows' tokens, not rows x widest, and its
+    # replica fits and reports one line over them (specdec.common.cost, "ragged").
+    ragged: bool = False
 
     @classmethod
-    def from_shapes(cls, name: str, cells: dict[str, float]) -> Surface:
+    def from_shapes(cls, name: str, cells: dict[str, float], ragged: bool = False) -> Surface:
         """From "<rows>x<tokens>": ms cells (the shapes bench's results.json)."""
         by_tokens: dict[int, list[float]] = {}
         for shape, ms in cells.items():
@@ -77,7 +89,7 @@ class Surface:
         for tokens in sorted(by_tokens):
             top = max(top, sum(by_tokens[tokens]) / len(by_tokens[tokens]))
             points.append((tokens, top))
-        return cls(name, tuple(points))
+        return cls(name, tuple(points), ragged=ragged)
 
     def ms(self, rows: int, tokens: int) -> float:
         n = rows * tokens
@@ -91,15 +103,18 @@ class Surface:
         return y1 + (y1 - y0) / (x1 - x0) * (n - x1)
 
     def scaled(self, factor: float, name: str) -> Surface:
-        return Surface(name, tuple((n, ms * factor) for n, ms in self.points), self.measured)
+        points = tuple((n, ms * factor) for n, ms in self.points)
+        return Surface(name, points, self.measured, self.ragged)
 
 
 def surfaces() -> dict[str, Surface]:
     """The measured CPU surfaces and the modelled GPU one (the module docstring)."""
     cells = json.loads(SHAPES.read_text())["ms"]
+    llama = json.loads(LLAMACPP_SHAPES.read_text())["ms"]["llama.cpp"]
     return {
         "cpu-float32-packed": Surface.from_shapes("cpu-float32-packed", cells["float32+packed"]),
         "cpu-bfloat16": Surface.from_shapes("cpu-bfloat16", cells["bfloat16"]),
+        "cpu-llamacpp": Surface.from_shapes("cpu-llamacpp", llama, ragged=True),
         "gpu-modelled": Surface(
             "gpu-modelled", ((1, 7.0), (64, 7.0), (256, 12.76), (1024, 35.8)), measured=False
         ),
@@ -119,6 +134,12 @@ class Setup:
     request_tokens: int = 64  # tokens of each request (then a new one, a new policy)
 
 
+def setup_of(surface: Surface, **kwargs: Any) -> Setup:
+    """The deployment a surface was measured in: its drafter's share (DRAFT_SHARE)."""
+    kwargs.setdefault("draft_share", DRAFT_SHARE.get(surface.name, Setup.draft_share))
+    return Setup(surface, **kwargs)
+
+
 @dataclass
 class Replica:
     """A simulated replica: its model's queue, its fitted curve and load window, and the
@@ -126,13 +147,14 @@ class Replica:
 
     surface: Surface
     max_rows: int
-    curve: CostCurve = field(default_factory=CostCurve)
+    curve: CostCurve = field(init=False)
     window: LoadWindow = field(default_factory=LoadWindow)
     queue: list[Any] = field(default_factory=list)
     busy_until: float = -1.0
     cost: ReportedCost | None = None
 
     def __post_init__(self) -> None:
+        self.curve = CostCurve(ragged=self.surface.ragged)
         # The start-up probe: one row of each width (a replica's probe_cost).
         points = [(n, self.surface.ms(1, n)) for n in PROBE_WIDTHS]
         self.curve.prior = fit_points(points)
@@ -140,14 +162,22 @@ class Replica:
 
     def report(self, now: float) -> None:
         load = self.window.load(now, len(self.queue) + (now < self.busy_until))
-        self.cost = ReportedCost.from_proto(to_proto(self.curve.buckets(), load))
+        message = to_proto(self.curve.buckets(), load, ragged=self.surface.ragged)
+        self.cost = ReportedCost.from_proto(message)
 
-    def forward(self, rows: int, widest: int, now: float, noise: float = 1.0) -> float:
+    def forward(
+        self, rows: int, widest: int, now: float, noise: float = 1.0, computed: int = 0
+    ) -> float:
         """Run one forward now, `noise` times the surface's time: its seconds (fitted
-        and counted)."""
-        seconds = self.surface.ms(rows, widest) / 1e3 * noise
-        self.curve.add(widest, rows, seconds)
-        self.window.add(now + seconds, seconds, rows, widest)
+        and counted). `computed`: the rows' tokens, what a ragged forward costs."""
+        if self.surface.ragged:
+            seconds = self.surface.ms(1, computed) / 1e3 * noise
+            self.curve.add(computed, rows, seconds)
+            self.window.add(now + seconds, seconds, rows, widest, computed)
+        else:
+            seconds = self.surface.ms(rows, widest) / 1e3 * noise
+            self.curve.add(widest, rows, seconds)
+            self.window.add(now + seconds, seconds, rows, widest)
         self.busy_until = now + seconds
         return seconds
 
@@ -259,9 +289,9 @@ class _Sim:
             return
         batch = replica.queue[: self.setup.max_rows]
         del replica.queue[: len(batch)]
-        widest = max(1 + s.k for s in batch) if replica is self.verifier else 1
+        widths = [1 + s.k if replica is self.verifier else 1 for s in batch]
         noise = 1.0 + self.setup.jitter * (self.rng.random() - 0.5)
-        seconds = replica.forward(len(batch), widest, now, noise)
+        seconds = replica.forward(len(batch), max(widths), now, noise, sum(widths))
         if replica is self.verifier:
             self.forwards += 1
             self.rows += len(batch)
@@ -395,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for name, surface in surfaces().items():
         if args.surface and name not in args.surface:
             continue
-        setup = Setup(surface, acceptance=args.acceptance)
+        setup = setup_of(surface, acceptance=args.acceptance)
         label = f"{name} ({'measured' if surface.measured else 'modelled'}), " + (
             f"acceptance {args.acceptance}"
         )
