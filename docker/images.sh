@@ -88,7 +88,8 @@ wheels() {
     [ "$host" = "${target%.*}" ] ||
         die "$PYTHON is Python $host, the image runs $target: its wheels would not fit"
     "$PYTHON" docker/fill_wheels.py docker/wheels "$target" \
-        "setuptools>=77" "grpcio-tools==1.85.1" "torch==$TORCH_VERSION+$TORCH_VARIANT" ./sdk ".[replica]"
+        "setuptools>=77" "grpcio-tools==1.85.1" "torch==$TORCH_VERSION+$TORCH_VARIANT" ./sdk \
+        ./services/common ./services/gateway ./services/replica ./services/drafter ./services/verifier
     touch docker/wheels/.filled
     echo "images: docker/wheels/ holds $(find docker/wheels -name '*.whl' | wc -l) wheels" \
         "($(du -sh docker/wheels | cut -f1)) for Python $target, in $((SECONDS - start)) s"
@@ -114,14 +115,18 @@ build() {
     local b role
     b=$(builder)
     for role in "$@"; do
-        [ -f "docker/Dockerfile.$role" ] || die "no docker/Dockerfile.$role"
+        [ -f "services/$role/Dockerfile" ] || die "no services/$role/Dockerfile"
     done
     if [ "$b" = buildah ]; then
         buildah_ inspect --type image "$LOCAL_BASE" >/dev/null 2>&1 || base
         # (re)fill docker/wheels/ when the dependencies changed since it was filled, or it
         # lacks this TORCH_VARIANT's torch
         local stamp=docker/wheels/.filled
-        if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ sdk/pyproject.toml -nt "$stamp" ] ||
+        local newer=0 project
+        for project in sdk/pyproject.toml services/*/pyproject.toml; do
+            [ "$project" -nt "$stamp" ] && newer=1
+        done
+        if [ ! -f "$stamp" ] || [ "$newer" = 1 ] ||
             ! compgen -G "docker/wheels/torch-$TORCH_VERSION+$TORCH_VARIANT-*.whl" >/dev/null; then
             wheels
         fi
@@ -129,7 +134,7 @@ build() {
     for role in "$@"; do
         local tag start=$SECONDS
         tag=$(name "$role")
-        local args=(--file "docker/Dockerfile.$role" --tag "$tag")
+        local args=(--file "services/$role/Dockerfile" --tag "$tag")
         [ "$role" = gateway ] || args+=(--build-arg "TORCH_VARIANT=$TORCH_VARIANT")
         if [ "$b" = docker ]; then
             [ -z "${BASE_IMAGE:-}" ] || args+=(--build-arg "BASE_IMAGE=$BASE_IMAGE")

@@ -1,7 +1,7 @@
 """The `specdec` command line. Torch-free at import: model code loads only when served.
 
 This module ships with the SDK (specdec-sdk) and owns `specdec generate` and `specdec
-loadtest`. The server distribution (specdec-server) adds `serve`, and the tooling
+loadtest`. The services' shared distribution (specdec-common) adds `serve`, and the tooling
 (specdec-tools) `up`, `demo`, `models` and `bench`, through the "specdec.commands" entry
 point group; without them, those commands say what to install.
 """
@@ -19,9 +19,9 @@ ENTRY_POINT_GROUP = "specdec.commands"
 # Commands of the other distributions, named here so their absence gets a clear message:
 # the command -> (its distribution, how to install it from a checkout).
 OTHER_COMMANDS = {
-    "serve": ("specdec-server", "pip install ./sdk '.[replica]'"),
+    "serve": ("specdec-common", "pip install ./sdk ./services/common ./services/gateway"),
     **{
-        name: ("specdec-tools", "pip install ./sdk '.[replica]' ./tools")
+        name: ("specdec-tools", "make install")
         for name in ("up", "demo", "models", "bench", "distill")
     },
 }
@@ -83,7 +83,15 @@ def version_line() -> str:
     """`specdec 0.1.0`, plus the version of each other distribution installed beside the SDK
     when it differs (a mixed install is worth seeing)."""
     found = {}
-    for dist in ("specdec-sdk", "specdec-server", "specdec-tools"):
+    for dist in (
+        "specdec-sdk",
+        "specdec-common",
+        "specdec-gateway",
+        "specdec-replica",
+        "specdec-drafter",
+        "specdec-verifier",
+        "specdec-tools",
+    ):
         with contextlib.suppress(PackageNotFoundError):
             found[dist] = version(dist)
     sdk = found.get("specdec-sdk", "unknown")

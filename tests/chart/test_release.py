@@ -66,12 +66,12 @@ def test_matrix_builds_three_roles_for_both_torch_variants():
     # each job builds its role's Dockerfile with its variant, and pushes to ghcr.io
     steps = {s.get("uses", s.get("name")): s for s in job["steps"]}
     build = steps["docker/build-push-action@v6"]["with"]
-    assert build["file"] == "docker/Dockerfile.${{ matrix.role }}"
+    assert build["file"] == "services/${{ matrix.role }}/Dockerfile"
     assert build["push"] == "true" and build["tags"] == "${{ steps.name.outputs.ref }}"
     assert "TORCH_VARIANT=${{ steps.name.outputs.variant }}" in build["build-args"]
     assert steps["docker/login-action@v3"]["with"]["registry"] == "ghcr.io"
     for combo in combos:
-        assert (ROOT / "docker" / f"Dockerfile.{combo['role']}").is_file()
+        assert (ROOT / "services" / combo["role"] / "Dockerfile").is_file()
     digest = steps["Digest"]
     assert digest["env"]["DIGEST"] == "${{ steps.build.outputs.digest }}"
     assert "$GITHUB_STEP_SUMMARY" in digest["run"] and 'echo "$REF@$DIGEST"' in digest["run"]

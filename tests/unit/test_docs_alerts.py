@@ -23,10 +23,10 @@ def _rules() -> str:
 def _exported_metrics() -> set[str]:
     """Metric names the services define, as Prometheus exposes them."""
     names = set()
-    gateway = (ROOT / "services" / "specdec" / "gateway" / "metrics.py").read_text()
+    gateway = (ROOT / "services" / "gateway" / "specdec" / "gateway" / "metrics.py").read_text()
     names |= {"specdec_gateway_" + n for n in re.findall(r'PREFIX \+ "(\w+)"', gateway)}
     for role in ("drafter", "verifier"):
-        replica = (ROOT / "services" / "specdec" / "replica" / "metrics.py").read_text()
+        replica = (ROOT / "services" / "replica" / "specdec" / "replica" / "metrics.py").read_text()
         names |= {f"specdec_{role}_" + n for n in re.findall(r'p \+ "(\w+)"', replica)}
     for path in (ROOT / "services").rglob("*.py"):
         names |= set(re.findall(r'"(specdec_\w+)"', path.read_text()))

@@ -27,7 +27,7 @@ def modules_in(folder: Path, package: str) -> list[str]:
 
 
 TORCH_FREE = [
-    *modules_in(ROOT / "services" / "specdec" / "common", "specdec.common"),
+    *modules_in(ROOT / "services" / "common" / "specdec" / "common", "specdec.common"),
     "specdec.gateway.server",
     "specdec.gateway.turn",
     *modules_in(ROOT / "sdk" / "specdec" / "sdk", "specdec.sdk"),
@@ -97,3 +97,43 @@ def test_serving_a_replica_loads_no_gateway_code():
     )
     out = probed(probe)
     assert out.splitlines()[-1] == "False", out
+
+
+def _requirements(part: str) -> list[str]:
+    """The names of what services/<part>/'s distribution depends on, its own and, for the
+    repository's distributions among them, theirs (read from the pyproject files)."""
+    import re
+
+    import tomllib
+
+    project = tomllib.loads((ROOT / "services" / part / "pyproject.toml").read_text())["project"]
+    names = []
+    for requirement in project["dependencies"]:
+        name = re.match(r"[A-Za-z0-9_.-]+", requirement).group(0).lower()
+        names.append(name)
+        if name.startswith("specdec-") and name != "specdec-sdk":
+            names += _requirements(name.removeprefix("specdec-"))
+    return names
+
+
+def test_each_service_is_a_distribution_of_its_own_and_the_gateways_has_no_torch():
+    """The design's folders: services/gateway/, drafter/ and verifier/ each hold their
+    service's package, its pyproject.toml and its Dockerfile; the gateway's distribution
+    needs neither torch nor transformers, the replicas' need both (through the engine)."""
+    for role in ("gateway", "drafter", "verifier"):
+        folder = ROOT / "services" / role
+        assert (folder / "specdec" / role / "__init__.py").is_file()
+        assert (folder / "pyproject.toml").is_file() and (folder / "Dockerfile").is_file()
+    gateway = _requirements("gateway")
+    assert "specdec-common" in gateway
+    assert not {"torch", "transformers", "specdec-replica"} & set(gateway), gateway
+    for role in ("drafter", "verifier"):
+        assert {"torch", "transformers", "specdec-replica"} <= set(_requirements(role))
+
+
+def test_specdec_serve_runs_the_services_installed_beside_it():
+    """Each service registers itself (the "specdec.services" entry points); a checkout's
+    install has all three."""
+    from specdec.serve import installed
+
+    assert sorted(installed()) == ["drafter", "gateway", "verifier"]

@@ -58,11 +58,16 @@ def test_distribution_dependencies():
     sdk = requires("specdec-sdk") or []
     assert _names([r for r in sdk if "extra ==" not in r]) == {"grpcio", "protobuf"}
     assert _names([r for r in sdk if 'extra == "loadtest"' in r]) == {"matplotlib", "httpx"}
-    server = requires("specdec-server") or []
-    gateway = [r for r in server if 'extra == "gateway"' in r]
-    replica = [r for r in server if 'extra == "replica"' in r]
-    assert "torch" not in _names(gateway) and "transformers" not in _names(gateway)
-    assert {"torch", "transformers"} <= _names(replica)
+    for torch_free in ("specdec-common", "specdec-gateway"):
+        names = _names(requires(torch_free))
+        assert not {"torch", "transformers", "specdec-replica"} & names, torch_free
+    assert "specdec-common" in _names(requires("specdec-gateway"))
+    assert {"torch", "transformers", "specdec-common"} <= _names(requires("specdec-replica"))
+    for replica in ("specdec-drafter", "specdec-verifier"):
+        assert _names(requires(replica)) == {"specdec-replica"}
+    assert {"specdec-gateway", "specdec-drafter", "specdec-verifier"} <= _names(
+        requires("specdec-server")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -87,24 +92,40 @@ def test_sdk_wheel_carries_only_the_client(sdk_wheel):
     assert not [n for n in code if not n.startswith(("specdec/sdk/", "specdec/v1/"))
                 and n not in ("specdec/cli.py", "specdec/__main__.py")]  # fmt: skip
     assert not any(part in n for n in names for part in ("bench", "demo", "tools/", "gateway/"))
-    assert "specdec/__init__.py" not in names  # a namespace shared with specdec-server
+    assert "specdec/__init__.py" not in names  # a namespace shared with the services
 
 
-def test_server_wheel_carries_no_tooling(tmp_path):
-    """The images install specdec-server: the local stack, demo, bench and model
-    installer (specdec-tools) are not in it, nor its commands."""
+def _wheel(folder: Path, out: Path) -> zipfile.ZipFile:
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-         "-w", str(tmp_path), str(ROOT)],
+         "-w", str(out), str(folder)],
         check=True,
     )  # fmt: skip
-    (wheel,) = tmp_path.glob("specdec_server-*.whl")
-    archive = zipfile.ZipFile(wheel)
-    names = archive.namelist()
-    assert "specdec/gateway/loop.py" in names and "specdec/serve/__init__.py" in names
-    assert not [n for n in names if n.startswith("specdec/tools/")]
-    (entry_points,) = [n for n in names if n.endswith("entry_points.txt")]
-    commands = archive.read(entry_points).decode()
-    assert "serve" in commands and not {"up =", "bench =", "demo =", "models ="} & {
-        line.split("=")[0].strip() + " =" for line in commands.splitlines() if "=" in line
+    (wheel,) = out.glob("*.whl")
+    return zipfile.ZipFile(wheel)
+
+
+def _entry_points(archive: zipfile.ZipFile) -> str:
+    (entry_points,) = [n for n in archive.namelist() if n.endswith("entry_points.txt")]
+    return archive.read(entry_points).decode()
+
+
+def test_each_service_wheel_carries_its_own_code_and_no_tooling(tmp_path):
+    """The images install the services' distributions: each carries its own package and
+    registers itself for `specdec serve`; none carries the local stack, demo, bench and
+    model installer (specdec-tools) or their commands."""
+    for part in ("common", "gateway", "replica", "drafter", "verifier"):
+        out = tmp_path / part
+        out.mkdir()
+        archive = _wheel(ROOT / "services" / part, out)
+        names = archive.namelist()
+        code = {n.split("/")[1] for n in names if n.startswith("specdec/") and n.endswith(".py")}
+        assert code == ({"common", "serve"} if part == "common" else {part}), (part, code)
+        assert "specdec/__init__.py" not in names
+        if part in ("gateway", "drafter", "verifier"):
+            assert f"{part} = specdec.{part}.cli:SERVICE" in _entry_points(archive)
+    common = _entry_points(zipfile.ZipFile(next((tmp_path / "common").glob("*.whl"))))
+    assert "serve = specdec.serve:add_serve_parser" in common
+    assert not {"up =", "bench =", "demo =", "models ="} & {
+        line.split("=")[0].strip() + " =" for line in common.splitlines() if "=" in line
     }

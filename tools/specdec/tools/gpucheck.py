@@ -86,7 +86,7 @@ ALWAYS_CARRY = frozenset({"transformers", "protobuf", "grpcio"})
 # with grpcio-tools (sdk/setup.py).
 BUILD_CARRY = ("setuptools", "grpcio-tools")
 NEVER_CARRY = ("torch", "triton", "nvidia-", "cuda-", "numpy")
-ROOTS = ("specdec-server[gateway,replica]", "specdec-sdk")
+ROOTS = ("specdec-gateway", "specdec-drafter", "specdec-verifier", "specdec-sdk")
 
 IDEAL_SELF_DRAFT = 5.0  # k = 4, all accepted: five tokens a verifier forward
 

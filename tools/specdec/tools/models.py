@@ -306,9 +306,7 @@ def install(
     needed = ("torch", "transformers", "gguf", "safetensors", "tqdm")
     lacking = [m for m in needed if importlib.util.find_spec(m) is None]
     if lacking:
-        raise ModelError(
-            f"converting needs {', '.join(lacking)}: pip install 'specdec-server[replica]'"
-        )
+        raise ModelError(f"converting needs {', '.join(lacking)}: pip install ./services/replica")
     gguf = folder / spec.gguf_name
     if gguf.is_file():  # an earlier run stopped after assembling; the file passed its check
         if _sha256_files([gguf], f"checking {gguf.name}") != [spec.sha256]:

@@ -148,7 +148,7 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
         "# CLI reference",
         "",
         "`specdec` is one command with subcommands. `generate` and `loadtest` come with the "
-        "SDK (`specdec-sdk`), `serve` with the services (`specdec-server`), `up`, `demo`, "
+        "SDK (`specdec-sdk`), `serve` with the services (`specdec-common`, which runs the services installed beside it), `up`, `demo`, "
         "`models` and `bench` with the tooling (`specdec-tools`). Every flag of `specdec serve` can also be set by the environment "
         "variable beside it (the flag wins); a malformed value stops start-up with a message "
         "naming the setting. See [Configuration](configuration.md) for what the settings do.",

@@ -96,11 +96,14 @@ def _table(settings, ports: dict[str, int] | None = None) -> list[str]:
 
 def render() -> str:
     from specdec.common.settings import described
+    from specdec.drafter import cli as drafter_cli
     from specdec.drafter.config import DrafterConfig
     from specdec.gateway.config import GatewayConfig
     from specdec.replica.config import ReplicaConfig
-    from specdec.serve import PORTS
+    from specdec.verifier import cli as verifier_cli
     from specdec.verifier.config import VerifierConfig
+
+    ports = {"drafter": drafter_cli.PORT, "verifier": verifier_cli.PORT}
 
     gateway = described(GatewayConfig)
     shared = described(ReplicaConfig)
@@ -128,7 +131,7 @@ def render() -> str:
         "",
         "`specdec serve drafter` and `specdec serve verifier`:",
         "",
-        *_table(shared, PORTS),
+        *_table(shared, ports),
     ]
     for role, settings in own.items():
         if settings:

@@ -78,7 +78,7 @@ def available() -> str:
     except ImportError as e:
         return (
             f"llama-cpp-python is not installed ({e}); install the replica's llama.cpp extra "
-            "(`pip install 'specdec-server[llamacpp]'`, or `make install`)"
+            "(`pip install './services/replica[llamacpp]'`, or `make install`)"
         )
     return ""
 
