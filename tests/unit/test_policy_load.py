@@ -172,6 +172,28 @@ def test_a_ragged_curve_is_one_line_over_the_tokens_a_forward_computes():
     assert padded is not None and not padded.ragged
 
 
+def test_a_ragged_curve_keeps_measured_points_and_reads_between_them():
+    """llama.cpp's cost is not a line in the tokens (57 ms for one, 450 for 8, 505 for 16):
+    a ragged curve keeps a decayed mean point per range of tokens, seeded by the probe, and
+    the reader interpolates between them (and beyond the widest, at its cost a token)."""
+    curve = CostCurve(ragged=True)
+    curve.seed([(1, 57.0), (4, 192.0), (8, 450.0), (16, 505.0)])
+    for _ in range(40):
+        curve.add(32, 1, 0.845)
+    points = curve.points()
+    assert [round(n) for n, _, _ in points] == [1, 4, 8, 16, 32]
+    cost = ReportedCost.from_proto(to_proto(curve.buckets(), None, True, points))
+    assert cost is not None and cost.ragged and len(cost.points) == 5
+    assert cost.ragged_ms(12) == pytest.approx((450.0 + 505.0) / 2, rel=0.01)
+    assert cost.ragged_ms(24) == pytest.approx((505.0 + 845.0) / 2, rel=0.01)
+    assert cost.ragged_ms(64) == pytest.approx(845.0 * 2, rel=0.01)
+    assert cost.batch_ms(8, 2) == pytest.approx(505.0, rel=0.01)  # 8 rows of 2: 16 tokens
+    # a padded replica reports none
+    padded = CostCurve()
+    padded.seed([(1, 57.0), (4, 192.0)])
+    assert padded.points() == []
+
+
 def _bound_policy(cost: ReportedCost):
     from types import SimpleNamespace
 
@@ -207,3 +229,22 @@ def test_a_ragged_verifier_has_no_free_width_and_prices_a_new_request_under_load
     flat.prior = fit_points([(1, 50.0), (2, 50.5), (4, 51.0), (8, 52.0), (16, 54.0)])
     padded = _bound_policy(ReportedCost.from_proto(to_proto(flat.buckets(), load)))
     assert padded.batch_width(4) > 1
+
+
+def test_on_a_ragged_verifier_a_drafter_as_dear_prices_its_steps_under_load():
+    """The verifier's marginal token is cheap where its surface is flat (9 to 16 tokens a
+    forward: 479 to 505 ms), but a drafter as dear as the target takes a forward of its
+    own per draft token: with the sessions split between the two queues, speculating at
+    16 sessions passes fewer rounds a second than k = 0 (the simulated policy, priced on
+    the verifier alone, drafted 3 tokens a round there and fell to 0.65x of k = 0)."""
+    curve = CostCurve(ragged=True)
+    curve.seed([(1, 57.0), (4, 192.0), (8, 450.0), (9, 479.0), (16, 505.0), (32, 845.0)])
+    window = LoadWindow(since=0.0)
+    for i in range(4):
+        window.add(ended=0.5 * (i + 1), seconds=0.5, rows=16, tokens=1, computed=16)
+    load = window.load(now=2.0, waiting=16)
+    cost = ReportedCost.from_proto(to_proto(curve.buckets(), load, True, curve.points()))
+    policy = _bound_policy(cost)
+    assert policy.sessions == pytest.approx(32.0)  # 16 rows in each replica's forwards
+    assert policy.network_time(2, 1) > policy.network_time(1, 0) * 1.75  # k=1 yields 1.75
+    assert policy.choose_k(4) == 0

@@ -45,10 +45,14 @@ the one-row line at R tokens instead (`step_samples` says which).
 An engine that batches without pads (llama.cpp: a forward's rows are the tokens of every
 sequence laid end to end) costs the tokens it computes, whatever the rows: 8 rows of one
 token cost what one row of 8 does, and a row of 5 beside seven of 1 costs 12 tokens, not 40.
-Its curve is one line over a forward's tokens (`CostCurve(ragged=True)` fits every forward in
-the one-row bucket at the tokens it computed, up to `RAGGED_MAX_TOKENS`), and its reports say
-so (`ForwardCost.ragged`): the reader prices R rows at the tokens they compute, its own row's
-and the others' (`ReportedCost.ms`).
+Its curve is over a forward's tokens (`CostCurve(ragged=True)` fits every forward in the
+one-row bucket at the tokens it computed, up to `RAGGED_MAX_TOKENS`), and its reports say so
+(`ForwardCost.ragged`): the reader prices R rows at the tokens they compute, its own row's
+and the others' (`ReportedCost.ms`). That cost is not a line: on llama.cpp's CPU kernels the
+1.5B Q4_K_M GGUF took 57 ms for one token, 450 for 8 and 505 for 16 (a token costs half as
+much from about 16 tokens a forward), so a ragged curve also keeps a measured point per
+range of tokens (`RAGGED_EDGES`, seeded by the start-up probe), and the reader interpolates
+between them.
 
 With the curve the replica reports its load (`Load`, from `LoadWindow`): what its model did
 over the last seconds (busy share, rows and tokens per forward, rows per second) and the
@@ -58,6 +62,7 @@ model requests waiting now. The gateway's adaptive policy prices a round by it
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import threading
@@ -70,6 +75,8 @@ from specdec.v1 import common_pb2
 BUCKETS = (1, 2, 4, 8, 16)
 MAX_TOKENS = 32  # widest forward (tokens a row) that is fitted
 RAGGED_MAX_TOKENS = 256  # widest forward (tokens in all) fitted where a forward has no pads
+# Lower edges of the ranges of tokens a ragged forward computes, one measured point each.
+RAGGED_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 DECAY = 0.98  # weight of the past per fitted forward: about 50 forwards of memory
 HUBER = 2.5  # residuals beyond this many mean absolute residuals are weighted down
 WINDOW_S = 2.0  # the span of a replica's reported load (`LoadWindow`)
@@ -244,6 +251,30 @@ class CostCurve:
         self.max_tokens = max_tokens
         self._fits = [_Bucket() for _ in BUCKETS]
         self.prior: Line | None = None  # the start-up probe's line (rows = 1)
+        # ragged: a decayed mean point (tokens, ms) per range of RAGGED_EDGES
+        self._points = [_Fit() for _ in RAGGED_EDGES] if ragged else []
+
+    def seed(self, points: list[tuple[int, float]]) -> Line:
+        """The start-up probe's forwards (ms by tokens, one row): their line is the prior,
+        and a ragged curve's points start from them. Returns the line."""
+        self.prior = fit_points(points)
+        for n, ms in points:
+            self._add_point(n, ms)
+        return self.prior
+
+    def _add_point(self, tokens: int, ms: float) -> None:
+        if self._points and 1 <= tokens <= self.max_tokens:
+            index = bisect.bisect_right(RAGGED_EDGES, tokens) - 1
+            self._points[index].add(tokens, ms, self.decay)
+
+    def points(self) -> list[tuple[float, float, float]]:
+        """A ragged curve's measured points, (mean tokens, mean ms, forwards), narrowest
+        first (empty for a padded curve)."""
+        out = []
+        for fit in self._points:
+            if fit.sw > 0:
+                out.append((fit.sx / fit.sw, fit.sy / fit.sw, fit.sw))
+        return out
 
     def add(self, tokens: int, rows: int, seconds: float) -> None:
         """A forward that fed `tokens` tokens a row (the widest row) over `rows` rows; of a
@@ -253,6 +284,7 @@ class CostCurve:
             rows = 1
         if tokens < 1 or tokens > self.max_tokens or rows < 1 or not math.isfinite(seconds):
             return
+        self._add_point(tokens, seconds * 1e3)
         self._fits[bucket_of(rows)].add(tokens, seconds * 1e3, self.decay, rows=rows)
 
     def line(self, rows: int = 1) -> Line | None:
@@ -413,13 +445,19 @@ class LoadWindow:
 
 
 def to_proto(
-    buckets: list[tuple[int, Line]], load: Load | None = None, ragged: bool = False
+    buckets: list[tuple[int, Line]],
+    load: Load | None = None,
+    ragged: bool = False,
+    points: list[tuple[float, float, float]] | None = None,
 ) -> common_pb2.ForwardCost:
     """The fitted buckets (`CostCurve.buckets`) and the load, as the ForwardCost a replica
     reports; `ragged`: its forwards have no pads (the buckets are one line over a forward's
-    tokens)."""
+    tokens), and `points` its measured surface (`CostCurve.points`)."""
     return common_pb2.ForwardCost(
         ragged=ragged,
+        points=[
+            common_pb2.ForwardCost.Point(tokens=n, ms=ms, samples=w) for n, ms, w in points or ()
+        ],
         buckets=[
             common_pb2.ForwardCost.Bucket(
                 rows=rows,
@@ -447,6 +485,7 @@ class ReportedCost:
     buckets: tuple[tuple[int, Line], ...]
     load: Load | None = None
     ragged: bool = False
+    points: tuple[tuple[float, float], ...] = ()  # ragged: (tokens, ms), ms non-decreasing
 
     @classmethod
     def from_proto(cls, message: common_pb2.ForwardCost) -> ReportedCost | None:
@@ -470,7 +509,11 @@ class ReportedCost:
             and math.isfinite(b.step_ms)
         )
         load = Load.from_proto(message.load) if message.HasField("load") else None
-        return cls(rows, load, message.ragged) if rows else None
+        points: list[tuple[float, float]] = []
+        for p in sorted(message.points, key=lambda p: p.tokens):
+            if math.isfinite(p.tokens) and p.tokens >= 1 and math.isfinite(p.ms) and p.ms > 0:
+                points.append((p.tokens, max(p.ms, points[-1][1] if points else 0.0)))
+        return cls(rows, load, message.ragged, tuple(points)) if rows else None
 
     def line(self, rows: int = 1) -> Line:
         chosen = self.buckets[0][1]
@@ -487,7 +530,7 @@ class ReportedCost:
         row's and the other rows' (each the tokens a row computed in the reported load,
         else one)."""
         if self.ragged:
-            return self.line(1).ms(tokens + max(0.0, rows - 1.0) * self.row_tokens)
+            return self.ragged_ms(tokens + max(0.0, rows - 1.0) * self.row_tokens)
         placed = [(line.rows, line) for _, line in self.buckets if line.rows > 0]
         if len(placed) < 2:
             return self._bucket_ms(self.line(max(1, round(rows))), tokens)
@@ -500,6 +543,25 @@ class ReportedCost:
                 low, high = self._bucket_ms(lo, tokens), self._bucket_ms(hi, tokens)
                 return low + share * (high - low)
         return self._bucket_ms(placed[-1][1], tokens)
+
+    def batch_ms(self, rows: float, tokens: float) -> float:
+        """A forward of `rows` rows of `tokens` tokens each: on the surface (`ms`) for a
+        padded replica, at the tokens they compute for a ragged one."""
+        return self.ragged_ms(rows * tokens) if self.ragged else self.ms(rows, tokens)
+
+    def ragged_ms(self, computed: float) -> float:
+        """A ragged forward's ms at the tokens it computes: between the measured points,
+        linear; beyond the widest, its cost a token; without points, the line."""
+        points = self.points
+        if not points:
+            return self.line(1).ms(computed)
+        if computed <= points[0][0]:
+            return points[0][1]
+        for (n0, ms0), (n1, ms1) in itertools.pairwise(points):
+            if computed <= n1:
+                return ms0 + (ms1 - ms0) * (computed - n0) / (n1 - n0) if n1 > n0 else ms1
+        n, ms = points[-1]
+        return ms * computed / n
 
     @property
     def row_tokens(self) -> float:

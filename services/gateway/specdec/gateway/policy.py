@@ -28,9 +28,13 @@ batch width W (`batch_width`: where R rows all drafting k_b tokens at the gatewa
 acceptance for the source yield the most tokens per second of the forward; every request
 reads the same acceptance and surface, so under load they agree on it), and beyond W the
 marginal time its tokens add to the batched forward, once for every row that waits for
-it. A replica whose forwards have no pads (llama.cpp: ForwardCost.ragged) has W = 1: each
-token a row adds costs the forward its time, and F reads its one line at the tokens the
-forward computes, this row's and the other rows'. Priced per request instead, the queue's wait looks like a fixed cost that a longer
+it. A replica whose forwards have no pads (llama.cpp: ForwardCost.ragged) pads no row to a
+width: F reads its measured points at the tokens the forward computes, this row's and the
+other rows', and under load a round is priced at what the replicas pass when every session
+runs rounds like it (`network_time`): the S sessions split between the verifier's queue and
+the drafter's so that both pass as many rounds a second. A drafter as dear as the target
+(llama.cpp's 0.5B GGUF against its 1.5B) then holds the rows that would fill the verifier's
+forwards, which the verifier's cheap marginal token alone does not show. Priced per request instead, the queue's wait looks like a fixed cost that a longer
 draft amortises, which is how speculation lost to k = 0 at 8 and 16 sessions
 (docs/concepts/cost-model.md#under-load). Between the two u weighs them, and the upper
 confidence bounds below shrink by 1 - u (a draft tried for what it might yield is paid by
@@ -555,18 +559,23 @@ class AdaptivePolicy:
             return None
         return self.verify.value * (1.0 + self.token_cost * (tokens - 1))
 
-    def price(self, tokens: int, drafting: float = 0.0, width: int = 1) -> float:
+    def price(self, tokens: int, drafting: float = 0.0, width: int = 1, steps: int = 0) -> float:
         """T: what a round that verifies `tokens` tokens after `drafting` seconds of
-        drafting costs: its own time V(n) + drafting idle; saturated, the batch's
-        forward at the batch width W (`width`, tokens a row) and, beyond it, the marginal
-        time its tokens add to that forward, once for every row that waits for it
-        (the module docstring); u weighs the two."""
+        drafting (`steps` drafter forwards) costs: its own time V(n) + drafting idle;
+        saturated, the batch's forward at the batch width W (`width`, tokens a row) and,
+        beyond it, the marginal time its tokens add to that forward, once for every row
+        that waits for it; on a ragged verifier, the replicas' time a round when every
+        session runs rounds like it (`network_time`). u weighs the two (the module
+        docstring)."""
         verify = self.verify_time(tokens)
         assert verify is not None
         own = verify + drafting
         u = self.saturation if self.verifier_line() is not None else 0.0
         if u <= 0.0:
             return own
+        cost = self._cost(self._verifier, Role.VERIFIER)
+        if cost is not None and cost.ragged:
+            return (1.0 - u) * own + u * self.network_time(tokens, steps)
         scale = self.scale.value if self.scale.value is not None else 1.0
         forward = self._forward_ms(tokens)
         at_width = self._forward_ms(max(1, width))
@@ -574,6 +583,45 @@ class AdaptivePolicy:
         beyond = max(0.0, forward - at_width)
         batch = scale * (max(forward, at_width) + (self.rows - 1.0) * beyond) / 1e3
         return (1.0 - u) * own + u * batch
+
+    @property
+    def sessions(self) -> float:
+        """S: the sessions sharing the replicas, as their loads show them: the rows of the
+        verifier's forwards and, while the drafter is busy, the rows of its forwards."""
+        rows = self.rows
+        cost = self._cost(self._drafter, Role.DRAFTER)
+        load = cost.load if cost is not None else None
+        if load is not None and load.forwards > 0:
+            rows += load.busy * max(1.0, load.rows_per_forward)
+        return rows
+
+    def network_time(self, tokens: int, steps: int) -> float:
+        """S / X: seconds of the replicas a round costs when the S sessions sharing them
+        all run rounds like it (`tokens` verified a row, `steps` drafter forwards before):
+        the sessions split between the verifier's queue (x rows a forward of t_v(x, n))
+        and the drafter's (S - x rows, `steps` forwards of t_d(S - x, 1) a round) so that
+        both pass as many rounds a second, and X is that rate."""
+        verifier = self._cost(self._verifier, Role.VERIFIER)
+        assert verifier is not None
+        scale = self.scale.value if self.scale.value is not None else 1.0
+        total = max(1.0, self.sessions)
+
+        def verify_ms(rows: float) -> float:
+            return scale * verifier.batch_ms(rows, tokens)
+
+        drafter = self._cost(self._drafter, Role.DRAFTER)
+        if steps <= 0 or drafter is None:
+            return verify_ms(total) / 1e3
+        lo, hi = min(1.0, total), total
+        for _ in range(30):  # rounds a second through the verifier rise with x, the drafter's fall
+            x = (lo + hi) / 2
+            drafting = max(total - x, 1e-9)
+            if x / verify_ms(x) < drafting / (steps * drafter.batch_ms(max(drafting, 1.0), 1)):
+                lo = x
+            else:
+                hi = x
+        x = (lo + hi) / 2
+        return total * verify_ms(x) / x / 1e3
 
     def batch_width(self, max_k: int, source: str = MODEL) -> int:
         """W = 1 + k_b: the width (tokens a row) at which a batch of R rows, every one
@@ -585,8 +633,7 @@ class AdaptivePolicy:
         if max_k <= 0 or self.verifier_line() is None:
             return 1
         cost = self._cost(self._verifier, Role.VERIFIER)
-        if cost is not None and cost.ragged:
-            return 1  # no pads: every token a row adds costs its time, from the first
+        assert cost is not None
         if self.priors is not None:
             default = self.p.prior_acceptance if source == MODEL else self.p.prior_lookup_acceptance
             rate, _ = self.priors.prior(
@@ -596,8 +643,7 @@ class AdaptivePolicy:
             rate = self.sources[source].pooled
         rates = []
         for k in range(max_k + 1):
-            ms = self._forward_ms(1 + k)
-            assert ms is not None
+            ms = cost.batch_ms(self.rows, 1 + k)
             rates.append(expected_tokens(rate, k) / max(ms, 1e-9))
         return 1 + _argmax(rates)
 
@@ -638,7 +684,7 @@ class AdaptivePolicy:
         """T(k) of a draft model round, in seconds: V(1 + k) + D(k) (1 - h) idle, priced
         at the batch's cost under load (`price`)."""
         assert self.draft_time() is not None
-        return self.price(1 + k, self.draft_cost(k) * (1.0 - self.hit_rate), width)
+        return self.price(1 + k, self.draft_cost(k) * (1.0 - self.hit_rate), width, k)
 
     def _estimate(self, rates: list[float], chosen: int) -> int:
         """Keep what the decision priced (`estimate`); `chosen`, for the caller."""
@@ -685,7 +731,7 @@ class AdaptivePolicy:
             width = self.batch_width(model_k + length, MODEL if model_k else source)
         out = []
         for n in range(length + 1):
-            time = self.price(1 + model_k + n, drafting, width)
+            time = self.price(1 + model_k + n, drafting, width, model_k)
             out.append((1.0 + first + survive * expected[n]) / time)
         return out
 
@@ -860,7 +906,8 @@ class AdaptivePolicy:
                 if rows + terminal > most or (depth and rows == 0):
                     continue
                 gain = g * (rows * (1.0 + expected[depth]) + terminal * (1.0 - self.acceptance))
-                rate = (1.0 + expected[k] + gain) / self.price(1 + k + n, drafting, width)
+                time = self.price(1 + k + n, drafting, width, k + depth)
+                rate = (1.0 + expected[k] + gain) / time
                 if rate > best_rate * (1.0 + 1e-9):
                     best, best_rate = (n, depth), rate
         return best

@@ -200,6 +200,7 @@ class Engine(Protocol[S]):
     device: torch.device
     cost_lines: list[tuple[int, Line]]  # the forward cost curve as fitted now
     RAGGED: ClassVar[bool]  # forwards without pads: cost_lines is one line over their tokens
+    cost_points: list[tuple[float, float, float]]  # RAGGED: (tokens, ms, forwards) measured
     load_window: LoadWindow  # the forwards of the last seconds (reported with the curve)
     pending: int  # model requests submitted and not finished (--max-queue bounds them)
     obs: ReplicaObserver  # the replica's metrics and spans

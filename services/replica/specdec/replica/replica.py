@@ -157,7 +157,7 @@ class ReplicaServicer:
         """The replica's forward cost curve as fitted now and its load (specdec.common.cost)."""
         rt = self.runtime
         load = rt.load_window.load(time.perf_counter(), rt.pending)
-        return cost.to_proto(rt.cost_lines, load, ragged=rt.RAGGED)
+        return cost.to_proto(rt.cost_lines, load, rt.RAGGED, rt.cost_points)
 
     def release(self, session_id: str) -> bool:
         """Drop everything this replica keeps for the session (model thread)."""

@@ -27,7 +27,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from specdec.common.cost import CostCurve, Line, LoadWindow, fit_points
+from specdec.common.cost import CostCurve, Line, LoadWindow
 from specdec.common.errors import (
     BUSY_PREFIX,
     CacheMiss,
@@ -104,6 +104,7 @@ class ModelRuntime:
         # is its latest fit, an immutable snapshot the servicers read from the event loop.
         self.cost = CostCurve(ragged=self.RAGGED)
         self.cost_lines: list[tuple[int, Line]] = []
+        self.cost_points: list[tuple[float, float, float]] = []  # RAGGED: the measured points
         # Every forward of the last seconds, reported as the replica's load with the curve.
         self.load_window = LoadWindow(since=time.perf_counter())
         # --compile: the decoder compiled for the short forwards (specdec.replica.compiled).
@@ -213,9 +214,9 @@ class ModelRuntime:
         """The probe's fastest forward per width (ms by tokens): their line seeds the cost
         curve, and the log says so (model thread)."""
         points = sorted(best.items())
-        line = fit_points(points)
-        self.cost.prior = line
+        line = self.cost.seed(points)
         self.cost_lines = self.cost.buckets()
+        self.cost_points = self.cost.points()
         log.info(
             "forward cost probed",
             extra={
@@ -243,6 +244,7 @@ class ModelRuntime:
         else:
             self.cost.add(tokens, rows, ended - started)
         self.cost_lines = self.cost.buckets()
+        self.cost_points = self.cost.points()
 
     def new_store(self, engine: str) -> TransformersStore[SessionCache]:
         """An empty store of the engine (--engine) for the loaded model."""

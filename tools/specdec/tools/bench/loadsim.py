@@ -50,7 +50,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from specdec.common.cost import CostCurve, LoadWindow, ReportedCost, fit_points, to_proto
+from specdec.common.cost import CostCurve, LoadWindow, ReportedCost, to_proto
 from specdec.gateway.outcome import DRAFTED, NO_DRAFT, Outcome
 from specdec.gateway.policy import AdaptivePolicy, FixedPolicy, SourcePriors
 
@@ -157,12 +157,12 @@ class Replica:
         self.curve = CostCurve(ragged=self.surface.ragged)
         # The start-up probe: one row of each width (a replica's probe_cost).
         points = [(n, self.surface.ms(1, n)) for n in PROBE_WIDTHS]
-        self.curve.prior = fit_points(points)
+        self.curve.seed(points)
         self.report(0.0)
 
     def report(self, now: float) -> None:
         load = self.window.load(now, len(self.queue) + (now < self.busy_until))
-        message = to_proto(self.curve.buckets(), load, ragged=self.surface.ragged)
+        message = to_proto(self.curve.buckets(), load, self.surface.ragged, self.curve.points())
         self.cost = ReportedCost.from_proto(message)
 
     def forward(
