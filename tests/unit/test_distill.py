@@ -154,7 +154,7 @@ def test_the_output_keeps_the_parents_dtype(test_models, distilled, tmp_path):
 def test_batched_target_outputs_equal_one_prompt_at_a_time(target_model, tokenizer):
     """--gen-batch-size: prompts of different lengths continued together (left-padded)
     give each prompt the target's own greedy continuation, cut after its end token."""
-    from specdec.tools.distill.cli import batch_generate
+    from specdec.tools.distill.data import batch_generate
 
     texts = ["def f(x):", "The history of", "a b c d e f g h i j", "import os\nimport sys\n"]
     prompts = [tokenizer(t).input_ids for t in texts]

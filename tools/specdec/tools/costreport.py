@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import os
+import platform
 from dataclasses import dataclass
 
 import grpc
@@ -105,3 +107,14 @@ def verdict(speedup: float, stats, verifier: Line | None, drafter: Line | None) 
         "with bf16 matrix units, or float32 on a CPU without them) and drafts are accepted"
     )
     return "; ".join(parts) + "."
+
+
+def machine() -> dict:
+    """The machine of a benchmark's figures: the CPU, the CPUs this process may use, the
+    platform, and `machine_line`."""
+    return {
+        "cpu": cpu_info().name,
+        "cpus": len(os.sched_getaffinity(0)),
+        "platform": platform.platform(),
+        "describe": machine_line(),  # the CPU flags that decide bf16's cost, CUDA's device
+    }

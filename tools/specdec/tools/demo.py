@@ -32,13 +32,13 @@ import argparse
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from specdec.sdk import Client
 from specdec.sdk.types import Generation
 from specdec.tools.bench.modes import DRAFTERS
 from specdec.tools.costreport import machine_line, policy_line, replica_costs, verdict
 from specdec.tools.launcher import ServiceFailed, stopping_children
+from specdec.tools.models import resolve_models
 from specdec.tools.stack import LocalStack, add_stack_arguments, pin_roles
 
 # The drafter variant of `specdec bench --drafters` that made speculation fastest on the
@@ -88,31 +88,6 @@ def add_demo_parser(commands) -> argparse.ArgumentParser:
     add_stack_arguments(p, port_default=0)
     p.set_defaults(func=run_demo, dtype="fastest")  # each replica measures its own, cached
     return p
-
-
-def resolve_models(args: argparse.Namespace, command: str) -> str | None:
-    """Fill args.draft_model / target_model (tiny, given, or the installed default pair);
-    an error message when there are none."""
-    if args.tiny:
-        from specdec.tools.tinymodels import build_test_models
-
-        models = build_test_models(Path(args.tiny))
-        args.draft_model, args.target_model = str(models.draft_noisy), str(models.target)
-        args.dtype = "float32"
-        print(f"tiny random models in {args.tiny}: output is gibberish, exactness is real")
-        return None
-    if args.draft_model and args.target_model:
-        return None
-    from specdec.tools.models import DEFAULT_DRAFT, DEFAULT_TARGET, installed_path
-
-    draft, target = installed_path(DEFAULT_DRAFT), installed_path(DEFAULT_TARGET)
-    if not (draft and target):
-        return (
-            f"specdec {command}: the default model pair is not installed; run "
-            "`specdec models install`, or give --draft-model and --target-model (or --tiny DIR)"
-        )
-    args.draft_model, args.target_model = str(draft), str(target)
-    return None
 
 
 # The gateway's cache of recent outputs (suffix drafts) would hold each row's k = 0 output

@@ -425,3 +425,26 @@ def add_models_parser(commands) -> argparse.ArgumentParser:
     path.add_argument("name", choices=list(MODELS), metavar="NAME")
     path.set_defaults(func=_cmd_path)
     return p
+
+
+def resolve_models(args: argparse.Namespace, command: str) -> str | None:
+    """Fill args.draft_model / target_model (tiny, given, or the installed default pair);
+    an error message when there are none."""
+    if args.tiny:
+        from specdec.tools.tinymodels import build_test_models
+
+        models = build_test_models(Path(args.tiny))
+        args.draft_model, args.target_model = str(models.draft_noisy), str(models.target)
+        args.dtype = "float32"
+        print(f"tiny random models in {args.tiny}: output is gibberish, exactness is real")
+        return None
+    if args.draft_model and args.target_model:
+        return None
+    draft, target = installed_path(DEFAULT_DRAFT), installed_path(DEFAULT_TARGET)
+    if not (draft and target):
+        return (
+            f"specdec {command}: the default model pair is not installed; run "
+            "`specdec models install`, or give --draft-model and --target-model (or --tiny DIR)"
+        )
+    args.draft_model, args.target_model = str(draft), str(target)
+    return None

@@ -37,7 +37,6 @@ import contextlib
 import datetime as dt
 import json
 import os
-import platform
 import shlex
 import sys
 from pathlib import Path
@@ -74,18 +73,6 @@ from specdec.tools.launcher import stopping_children
 
 if TYPE_CHECKING:
     from specdec.tools.otlpsink import OtlpReceiver
-
-
-def machine() -> dict:
-    from specdec.replica.cpus import cpu_info
-    from specdec.tools.costreport import machine_line
-
-    return {
-        "cpu": cpu_info().name,
-        "cpus": len(os.sched_getaffinity(0)),
-        "platform": platform.platform(),
-        "describe": machine_line(),  # the CPU flags that decide bf16's cost, CUDA's device
-    }
 
 
 def add_bench_parser(commands) -> argparse.ArgumentParser:
@@ -363,8 +350,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return run_shapes(args)
     args.k = "2,3,4" if args.k is None else args.k
     args.ssd_k = "2,3,4" if args.ssd_k is None else args.ssd_k
-    from specdec.tools.demo import resolve_models
     from specdec.tools.launcher import ServiceFailed
+    from specdec.tools.models import resolve_models
     from specdec.tools.stack import pin_roles, resolve_dtype
 
     try:
@@ -376,6 +363,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if problem:
         print(problem, file=sys.stderr)
         return 2
+    from specdec.tools.costreport import machine
+
     host = machine()  # before this process pins itself to one CPU
     print(host["describe"], flush=True)
     all_cpus = os.sched_getaffinity(0)

@@ -377,9 +377,9 @@ def _frame(text: str) -> str:
 
 
 def run_overhead(args: argparse.Namespace) -> int:
-    from specdec.tools.bench.cli import machine
     from specdec.tools.bench.modes import load_prompts
     from specdec.tools.bench.standin import build_standins
+    from specdec.tools.costreport import machine
     from specdec.tools.launcher import ServiceFailed
     from specdec.tools.stack import LocalStack
     from specdec.tools.tinymodels import _build_tokenizer

@@ -171,7 +171,7 @@ def run_shapes(args: argparse.Namespace) -> int:
     from specdec.replica.calibrate import cast_copy
     from specdec.replica.cpus import cpu_info
     from specdec.replica.loading import set_threads
-    from specdec.tools.demo import resolve_models
+    from specdec.tools.models import resolve_models
 
     problem = resolve_models(args, "bench")
     if problem:

@@ -86,8 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from specdec.tools.bench.cli import machine
     from specdec.tools.bench.standin import build_standins
+    from specdec.tools.costreport import machine
 
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     modes = [Mode(p, w, ssd) for ssd in (False, True)[: 1 + args.ssd] for p in policies

@@ -105,8 +105,8 @@ def run_structured(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
 
     from specdec.sdk import Client
-    from specdec.tools.demo import resolve_models
     from specdec.tools.launcher import ServiceFailed
+    from specdec.tools.models import resolve_models
     from specdec.tools.stack import LocalStack, resolve_dtype, say
 
     problem = resolve_models(args, "bench")

@@ -20,7 +20,13 @@ from dataclasses import fields
 from pathlib import Path
 
 from specdec.sdk.progress import add_progress_argument, progress_enabled
-from specdec.tools.distill.data import Sequence, load_recordings, split, write_rows
+from specdec.tools.distill.data import (
+    Sequence,
+    batch_generate,
+    load_recordings,
+    split,
+    write_rows,
+)
 from specdec.tools.distill.prompts import bench_prompts, build_prompts, write_prompts
 
 
@@ -209,40 +215,6 @@ def prompt_outputs(args, tokenizer, note: dict) -> list[Sequence]:
     note["generated_by"] = "drafter" if args.on_policy else "target"
     write_rows(cache, out, str(args.target_model))
     del model
-    return out
-
-
-def batch_generate(
-    model, prompts: list[list[int]], device, max_new_tokens: int, eos, pad: int, sample=False
-) -> list[list[int]]:
-    """The model's continuation of each prompt (greedy; with `sample`, at temperature 1 and
-    top-p 0.95 from torch's seed), generated together: left-padded to one length, masked,
-    each output cut after its first end-of-sequence token. The
-    weights are read once per step for all rows: 120 stdlib prompts x 128 tokens came at
-    16 tok/s in batches of 8 against 10.7 one prompt at a time (the 1.5B target, bfloat16,
-    2 threads, Intel Xeon with AMX, 2026-11-25; padding to the longest prompt of a batch
-    eats part of the gain). bfloat16 rows padded to different lengths can break near-ties
-    differently from a run of one: training data, not a reference."""
-    import torch
-
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    how = {"do_sample": True, "temperature": 1.0, "top_p": 0.95, "top_k": 0} if sample else {}
-    with torch.inference_mode():
-        y = model.generate(
-            ids,
-            attention_mask=mask,
-            **({"do_sample": False} | how),
-            max_new_tokens=max_new_tokens,
-            eos_token_id=eos,
-            pad_token_id=pad,
-        )
-    stops = set(eos if isinstance(eos, list) else [eos]) - {None}
-    out = []
-    for row in y[:, width:].tolist():
-        end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
-        out.append(row[:end])
     return out
 
 

@@ -114,7 +114,7 @@ def write_prompts_with(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specdec.tools.bench.modes import Prompt, encode_prompt
-    from specdec.tools.distill.cli import batch_generate
+    from specdec.tools.distill.data import batch_generate
     from specdec.tools.distill.train import DTYPES
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
