@@ -204,6 +204,29 @@ def test_info_and_cost_curve(llama_stack):
     assert [b.rows for b in info.forward_cost.buckets] == [1]
 
 
+def test_features_are_not_available(llama_stack, tokenizer):
+    """A Verify asking for the target's features (a head drafter's input) is refused with
+    one line: llama.cpp's decode gives logits, not the layers' hidden states."""
+    from specdec.v1 import verifier_pb2
+
+    ids = tokenizer(PROMPTS[0]).input_ids
+    request = verifier_pb2.VerifyRequest(
+        session_id="llama/features",
+        new_tokens=ids,
+        features=common_pb2.FeatureRequest(layers=[2], format=common_pb2.FEATURE_FORMAT_FLOAT32),
+    )
+    with (
+        grpc.insecure_channel(llama_stack["verifier"].address) as channel,
+        pytest.raises(grpc.RpcError) as failed,
+    ):
+        verifier_pb2_grpc.VerifierServiceStub(channel).Verify(request, timeout=30)
+    assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert failed.value.details() == (
+        "features (the target's hidden states, for a head drafter) are not available with "
+        "--engine llama.cpp; run the verifier with --engine dense or paged"
+    )
+
+
 def test_refused_settings(gguf_models):
     """Settings the llama.cpp engine does not run with stop start-up with one line."""
     err = start_up_error("verifier", gguf_models["target"], *ENGINE, "--compile")

@@ -56,7 +56,14 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-__all__ = ["TestModels", "build_shaped_model", "build_test_models", "write_gguf"]
+__all__ = [
+    "TestModels",
+    "build_one_layer_target",
+    "build_shaped_model",
+    "build_test_head",
+    "build_test_models",
+    "write_gguf",
+]
 
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
@@ -360,6 +367,59 @@ def build_shaped_model(path: Path, shape: dict, name: str, seed: int = 0) -> Pat
     config = _make_config(shape, tokenizer)
     model = _new_model(config, _generator(seed, name), _suppressed_ids(tokenizer))
     return _save(model, tokenizer, Path(path))
+
+
+def build_one_layer_target(path: Path, seed: int = 0) -> Path:
+    """The tiny target's shape with one decoder layer (same tokenizer and init): the
+    target a head can copy exactly (`build_test_head(..., exact=True)`)."""
+    return build_shaped_model(path, dict(TARGET_SHAPE, num_hidden_layers=1), "target1", seed)
+
+
+@torch.no_grad()
+def build_test_head(
+    target: Path, folder: Path, exact: bool = False, seed: int = 0, noise: float = 0.0
+) -> Path:
+    """A head folder for a tiny target (specdec.drafter.head.write_head: the embedding,
+    final norm and output matrix copied from the target).
+
+    exact: the head's decoder layer is the target's last layer and fc passes the token
+    embedding through (fc = [0 | I]): on a one-layer target (`build_one_layer_target`) its
+    entry at each position is the target's own, so it predicts the target's next token.
+    noise: with exact, the layer's weights get Gaussian noise of `noise` times each
+    tensor's std, and fc's feature half a random matrix of that scale: a head that agrees
+    with the target often but not always, and reads the feature. Else a random head: a
+    freshly initialised layer (the loud init) and a random fc, which drafts poorly but
+    from every input, the feature included."""
+    from transformers import AutoConfig
+
+    from specdec.drafter.head import write_head
+
+    config = AutoConfig.from_pretrained(target)
+    hidden = config.hidden_size
+    if exact:
+        model = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32)
+        layer = model.model.layers[-1].state_dict()
+        fc = torch.cat([torch.zeros(hidden, hidden), torch.eye(hidden)], dim=1)
+        if noise:
+            gen = _generator(seed, "head-noise")
+            for name, t in layer.items():
+                if not name.endswith("norm.weight"):
+                    t.add_(torch.randn(t.shape, generator=gen) * (noise * t.std().item()))
+            fc[:, :hidden] = torch.randn(hidden, hidden, generator=gen) * (
+                noise / math.sqrt(hidden)
+            )
+    else:
+        shape = {k: getattr(config, k) for k in TARGET_SHAPE}
+        tokenizer = _build_tokenizer()
+        gen = _generator(seed, "head")
+        model = _new_model(
+            _make_config(dict(shape, num_hidden_layers=1), tokenizer),
+            gen,
+            _suppressed_ids(tokenizer),
+        )
+        layer = model.model.layers[0].state_dict()
+        fc = torch.randn(hidden, 2 * hidden, generator=gen) / math.sqrt(2 * hidden)
+    return write_head(folder, target, layer, fc)
 
 
 def _rope_permute(weight: torch.Tensor, heads: int) -> torch.Tensor:

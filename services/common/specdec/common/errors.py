@@ -30,6 +30,7 @@ __all__ = [
     "CacheMiss",
     "CapacityExceeded",
     "DeadlineExceeded",
+    "FailedPrecondition",
     "InvalidRequest",
     "NotReady",
     "Reason",
@@ -49,6 +50,14 @@ class CacheMiss(SpecdecError):
 
     code = grpc.StatusCode.FAILED_PRECONDITION
     reason = Reason.CACHE_MISS
+
+
+class FailedPrecondition(SpecdecError):
+    """The replica cannot serve this request as it was started (the target's features
+    from a llama.cpp verifier; a token tree or SSD from a head drafter): the message says
+    which, and what would."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class CapacityExceeded(ResourceExhausted):

@@ -91,10 +91,22 @@ class DrafterConfig(ReplicaConfig):
         check=one_of(QUANTIZE_MODES),
     )
 
+    # A head drafter (specdec.drafter.head): drafts from the target's features.
+    head: str = setting(
+        "",
+        "a head folder (docs/concepts/heads.md): draft with one decoder layer over the "
+        "target's features, which the gateway passes from the verifier; --model is then "
+        "the target's folder (its tokenizer, and its embedding and output matrices where "
+        "the head folder holds none). Chains only: no trees, no SSD (empty: draft with "
+        "--model itself)",
+    )
+
     ROLE: ClassVar[str] = "drafter"
 
     @classmethod
     def check_role_settings(cls, values: dict[str, Any]) -> None:
+        if values["head"]:
+            check_head(values)
         quantize = values["quantize"]
         if values["engine"] == LLAMA_CPP and (
             quantize != "none" or values["draft_vocab"] or values["draft_vocab_file"]
@@ -116,3 +128,25 @@ class DrafterConfig(ReplicaConfig):
                 "--pack-weights true with --quantize: int8 layers have their own kernels; "
                 "pack float weights, or quantize them, not both"
             )
+
+
+def check_head(values: dict[str, Any]) -> None:
+    """ConfigError for the settings a head drafter (--head) does not run with."""
+    where = "--head"
+    refusals = [
+        (
+            values["engine"] == LLAMA_CPP,
+            f"a head runs on the torch engines, not --engine {LLAMA_CPP}",
+        ),
+        (values["quantize"] != "none", "--quantize is the draft model's; leave it none"),
+        (
+            bool(values["draft_vocab"] or values["draft_vocab_file"]),
+            "--draft-vocab is the draft model's; a head drafts over the target's vocabulary",
+        ),
+        (values["compile"], "--compile is not built for heads; leave it off"),
+        (values["pack_weights"] == "true", "--pack-weights true is not built for heads"),
+        (values["dtype"] == "fastest", "--dtype fastest is not built for heads; name the dtype"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"{where}: {why}")

@@ -11,16 +11,20 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from specdec.common.controls import controls_from_proto
-from specdec.common.errors import InvalidRequest
+from specdec.common.errors import FailedPrecondition, InvalidRequest
 from specdec.common.params import MAX_FAN_OUT, MAX_TREE_WIDTH, sampling_from_proto
 from specdec.common.serving import rpc_errors
 from specdec.drafter.config import DrafterConfig
+from specdec.drafter.head import HeadDraftCall, HeadRuntime
 from specdec.drafter.proposer import DraftCall
 from specdec.drafter.runtime import DrafterRuntime
 from specdec.drafter.speculate import BranchStore, SpeculateCall
 from specdec.replica.convert import encoded_to_proto, prefix_from_proto
 from specdec.replica.engine import Engine
+from specdec.replica.features import decode_features
 from specdec.replica.metrics import observed_rpc
 from specdec.replica.replica import ModelCall, ReplicaServicer, check_fork, run_replica
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
@@ -72,7 +76,7 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
         )
         check_fork(request.fork_from)
         tree_nodes, tree_width, tree_depth = self._tree(request, controls)
-        call = DraftCall(
+        fields: dict[str, Any] = dict(
             runtime=rt,
             branches=self.branches,
             session_id=request.session_id,
@@ -82,11 +86,44 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             params=params,
             controls=controls,
             fork_from=request.fork_from,
-            tree_nodes=tree_nodes,
-            tree_width=tree_width,
-            tree_depth=tree_depth,
+        )
+        if isinstance(rt, HeadRuntime):
+            if tree_nodes:
+                raise FailedPrecondition(
+                    "token trees (tree_nodes) are not built for head drafters yet; send a chain"
+                )
+            features = self._head_features(rt, request, prefix.length + len(new_tokens))
+            return ModelCall(HeadDraftCall(**fields, features=features), self._draft_response)
+        if request.features:
+            raise FailedPrecondition(
+                "features are a head drafter's input (serve drafter --head); this drafter "
+                "drafts with its own model and takes none"
+            )
+        call = DraftCall(
+            **fields, tree_nodes=tree_nodes, tree_width=tree_width, tree_depth=tree_depth
         )
         return ModelCall(call, self._draft_response)
+
+    @staticmethod
+    def _head_features(
+        rt: HeadRuntime, request: drafter_pb2.DraftRequest, length: int
+    ) -> tuple[tuple[int, torch.Tensor], ...]:
+        """The target's features a Draft carries to a head drafter, decoded and checked
+        (the head's width and format, within the request's sequence of `length` tokens):
+        (start position, rows [positions, width]) each."""
+        ask = rt.head_features
+        assert ask is not None  # a loaded head
+        features = []
+        for msg in request.features:
+            rows = decode_features(msg, rt.width, ask.format)
+            if msg.start + msg.positions > length:
+                raise InvalidRequest(
+                    f"features cover positions {msg.start}..{msg.start + msg.positions - 1}, "
+                    f"beyond the sequence of {length} tokens (prefix + new_tokens)"
+                )
+            features.append((int(msg.start), rows))
+            rt.obs.features_received(len(msg.data))
+        return tuple(features)
 
     def _tree(self, request: drafter_pb2.DraftRequest, controls) -> tuple[int, int, int]:
         """A Draft's (tree_nodes, tree_width, tree_depth), validated; (0, 1, 0): a chain."""
@@ -132,6 +169,11 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
         rt = self.ready_runtime()
         cfg = rt.config
         assert isinstance(cfg, DrafterConfig)  # a drafter serves a DrafterConfig
+        if isinstance(rt, HeadRuntime):
+            raise FailedPrecondition(
+                "SSD (Speculate) is not built for head drafters yet; run the gateway without "
+                "--ssd for this drafter"
+            )
         branch_k = self._k(request.num_draft_tokens)  # the prepared drafts' length
         k = self._k(request.draft_length, "draft_length")  # the draft under verification
         new_tokens = list(request.new_tokens)
@@ -196,5 +238,10 @@ def main(args: argparse.Namespace) -> None:
         lambda servicer, server: drafter_pb2_grpc.add_DrafterServiceServicer_to_server(
             servicer, server
         ),
-        runtime_type=DrafterRuntime,
+        runtime_type=drafter_runtime,
     )
+
+
+def drafter_runtime(config: DrafterConfig) -> DrafterRuntime | HeadRuntime:
+    """The drafter's engine: a head's (--head), else the draft model's."""
+    return HeadRuntime(config) if config.head else DrafterRuntime(config)

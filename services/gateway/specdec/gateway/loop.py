@@ -64,6 +64,7 @@ from specdec.common.controls import processes_logits
 from specdec.common.params import SamplingParams
 from specdec.gateway import metrics, tracing
 from specdec.gateway.caller import Placement, ReplicaCaller, UpstreamError
+from specdec.gateway.features import FeatureRelay
 from specdec.gateway.grammar import Constraint
 from specdec.gateway.lookup import HYBRID, MODEL, PREDICTION
 from specdec.gateway.lookup.hybrid import RequestLookup
@@ -194,6 +195,7 @@ class Speculator:
         # n > 1 (specdec.gateway.choices): per role, the replica session whose cache the
         # next call that names a prefix starts from (VerifyRequest.fork_from).
         self.fork_from: dict[Role, str] = {}
+        self.features = FeatureRelay(caller.fleet)  # a head drafter's, verifier to drafter
 
     async def round(self, ctx: Sequence[int], max_k: int, remaining: int) -> Outcome:
         """One round after ctx, drafting at most max_k tokens (the policy picks k); with SSD
@@ -405,6 +407,7 @@ class Speculator:
             late_outcome = Ssd.HIT if answer is not None and answer.response.prepared else Ssd.MISS
         if answer is None:
             return Draft((), (), Source.NO_DRAFTER, seconds, 0, late_outcome)
+        self.features.delivered()
         if self._without_drafter:
             log.info("drafter back; speculation resumes", extra={"replica": self.drafter.address})
             self._without_drafter = False
@@ -433,8 +436,8 @@ class Speculator:
         """The nodes a Draft of k tokens may add as a dynamic tree and the tokens that may
         continue a leaf (DraftRequest.tree_nodes, tree_depth): (0, 0) for a chain (tree
         width 1), else what the policy sizes within the verifier's bound."""
-        if self.tree_width <= 1 or k <= 0:
-            return 0, 0
+        if self.tree_width <= 1 or k <= 0 or self.features.ask(self.drafter) is not None:
+            return 0, 0  # a chain (a head drafter drafts chains only)
         bound = min(self.lookup_max_k, self.max_context - len(ctx) - 1) - k
         return self.policy.model_tree(k, self.tree_width, bound) if bound > 0 else (0, 0)
 
@@ -479,6 +482,7 @@ class Speculator:
                 tree_nodes=tree_nodes,
                 tree_width=self.tree_width if tree_nodes else 0,
                 tree_depth=tree_depth,
+                features=self.features.for_draft(self.drafter),
             )
 
         return build
@@ -507,7 +511,8 @@ class Speculator:
         accepted" leaves remaining - 1 tokens, room for a round of remaining - 2 drafts."""
         k = len(draft)
         branch_k = min(max_branch_k, remaining - 2, self.max_context - len(ctx) - k - 1)
-        if not self.ssd or k == 0 or branch_k < 1:
+        head = self.features.ask(self.drafter) is not None  # SSD with heads: not built
+        if not self.ssd or k == 0 or branch_k < 1 or head:
             return SpeculateCall(Ssd.OFF)
         fan_out = self.policy.choose_fan_out(k, branch_k)
         if fan_out is None:  # the policy paused SSD: its Speculates kept arriving late
@@ -577,6 +582,7 @@ class Speculator:
                 fork_from=self._fork(Role.VERIFIER, prefix),
                 grammar_masks=masks,
                 draft_parents=draft.parents,
+                features=self.features.ask(self.drafter),
             )
 
         try:
@@ -589,6 +595,7 @@ class Speculator:
                     task.exception()  # retrieved: not logged as never retrieved
             raise
         verdict = answer.response
+        self.features.verdict(verdict)
         answer.replica.note_cost(verdict.forward_cost)
         self.fork_from.pop(Role.VERIFIER, None)
         self.verifier.answered(verdict.cached_length)

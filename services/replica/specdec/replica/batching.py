@@ -97,9 +97,12 @@ from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from specdec.replica.features import FeatureSink
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +119,12 @@ class ForwardRequest:
     # A token tree over the last len(tree) tokens: each one's parent among them (-1: the
     # token before the tree). Its row attends under a tree mask (`tree_visibility`).
     tree: list[int] | None = None
+    # The target's features asked for (specdec.replica.features): the forward appends the
+    # asked decoder layers' outputs at these tokens [n, width] to it.
+    features: FeatureSink | None = None
+    # A head drafter's per-token inputs [n, width] (specdec.drafter.head): the feature each
+    # token is fed with beside its embedding. None for every other model.
+    inputs: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:

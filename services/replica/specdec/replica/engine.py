@@ -23,6 +23,9 @@ job to the model thread (`Engine.run`, or `Engine.submit` from the data plane): 
   tokens it feeds and returns their last `keep` logits; SSD branches yield `BranchStep`s
   of a `BranchGroup` over the session (specdec.drafter.speculate). The scheduler batches
   the forwards of concurrent jobs of different sessions into one;
+- asks, where the request does (a Verify for a head drafter), for the target's features
+  of the tokens it feeds (`Engine.feature_ask`, then a `FeatureSink` given to
+  `forward_steps`: specdec.replica.features);
 - rolls rejected tokens back (`SessionStore.truncate`), keeps a token tree's accepted path
   (`SessionStore.keep_path`) and fills in tokens it fed from the device once it has
   copied them to the host (`SessionStore.fill`).
@@ -60,6 +63,7 @@ if TYPE_CHECKING:
     from specdec.replica.batching import ForwardRequest, Layout, Scheduler
     from specdec.replica.compiled import Compiled
     from specdec.replica.config import ReplicaConfig
+    from specdec.replica.features import FeatureAsk, FeatureSink
     from specdec.replica.metrics import ReplicaObserver
     from specdec.sdk.request import Sampling
 
@@ -206,6 +210,9 @@ class Engine(Protocol[S]):
     obs: ReplicaObserver  # the replica's metrics and spans
     scheduler: Scheduler  # the model thread: the data plane serves on its selector (`io`)
     compiled: Compiled | None  # --compile: the compiled forwards (None: eager only)
+    # A head drafter (specdec.drafter.head): the target's features it drafts from
+    # (ModelInfo.features); None for every other engine.
+    head_features: FeatureAsk | None
 
     @property
     def store(self) -> SessionStore[S] | None:
@@ -237,6 +244,12 @@ class Engine(Protocol[S]):
         new_tokens + extra fits the model's context."""
         ...
 
+    def feature_ask(self, msg: Any) -> FeatureAsk:
+        """A request's common_pb2.FeatureRequest, validated for this model: InvalidRequest
+        for layers outside its decoder layers or an unknown format; FailedPrecondition (or
+        Unimplemented) where the engine cannot read its hidden states."""
+        ...
+
     async def run(
         self, fn: Callable[..., T], *args: Any, bounded: bool = True, session: str | None = None
     ) -> T:
@@ -262,11 +275,16 @@ class Engine(Protocol[S]):
         tokens: Sequence[int] | torch.Tensor,
         keep: int | None = None,
         tree: Sequence[int] | None = None,
+        features: FeatureSink | None = None,
+        inputs: torch.Tensor | None = None,
     ) -> Generator[ForwardRequest, torch.Tensor, torch.Tensor]:
         """A job's forwards feeding tokens (a list, or a device tensor [n]) after the
         session's cache: the logits of the last `keep` of them [keep, vocab] fp32 (all when
         None). tree: the parents of the last len(tree) tokens, a token tree (-1: the token
-        before it), each scored after its ancestors only. `yield from` it in a job."""
+        before it), each scored after its ancestors only. features: the sink that gets
+        every fed token's features, in order (after `feature_ask`). inputs [n, width]:
+        each token's input feature, for an engine over a draft head
+        (specdec.drafter.head); None for a model. `yield from` it in a job."""
         ...
 
     def release(self, session_id: str) -> bool:

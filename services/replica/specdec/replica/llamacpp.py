@@ -54,11 +54,12 @@ from typing import Any
 
 import torch
 
-from specdec.common.errors import CapacityExceeded
+from specdec.common.errors import CapacityExceeded, FailedPrecondition
 from specdec.common.settings import ConfigError, env_name
 from specdec.replica.batching import BranchGroup, BranchStep, ForwardRequest, Request
 from specdec.replica.config import ReplicaConfig
 from specdec.replica.cpus import thread_budget
+from specdec.replica.features import FeatureAsk
 from specdec.replica.kvstore import CacheStore, SessionCache
 from specdec.replica.runtime import ModelRuntime
 
@@ -597,6 +598,13 @@ class LlamaCppRuntime(ModelRuntime):
     def dtype_name(self) -> str:
         return "gguf" if self.context is not None else ""
 
+    def feature_ask(self, msg) -> FeatureAsk:
+        """Refused: llama.cpp's decode gives logits, not the layers' hidden states."""
+        raise FailedPrecondition(
+            f"features (the target's hidden states, for a head drafter) are not available "
+            f"with --engine {ENGINE}; run the verifier with --engine dense or paged"
+        )
+
     # -- forwards -----------------------------------------------------------------------
 
     def _run_batch(self, requests: list[Request]) -> list[torch.Tensor]:
@@ -711,6 +719,8 @@ def llama_candidate(cfg: ReplicaConfig) -> tuple[Path | None, str]:
         or getattr(cfg, "draft_vocab_file", "")
     ):
         return None, "--quantize and --draft-vocab are the torch engine's"
+    if getattr(cfg, "head", ""):
+        return None, "a head drafter (--head) runs on the torch engines"
     missing = available()
     if missing:
         return None, "llama-cpp-python is not installed"

@@ -125,6 +125,11 @@ def load_model(cfg: ReplicaConfig, device: torch.device) -> LoadedModel:
             reason=choice.reason + ", linear weights packed (--pack-weights true)",
         )
     facts = model_facts(cfg, tokenizer, model.config, getattr(model, "generation_config", None))
+    return loaded_model(model, facts, choice.summary())
+
+
+def loaded_model(model: Any, facts: ModelFacts, dtype_reason: str) -> LoadedModel:
+    """A loaded model (on its device, in eval mode) with its facts."""
     return LoadedModel(
         model=model,
         vocab_size=int(model.get_output_embeddings().weight.shape[0]),
@@ -136,7 +141,7 @@ def load_model(cfg: ReplicaConfig, device: torch.device) -> LoadedModel:
         special_tokens=facts.special_tokens,
         tokenizer_json=facts.tokenizer_json,
         tokenizer_fingerprint=facts.tokenizer_fingerprint,
-        dtype_reason=choice.summary(),
+        dtype_reason=dtype_reason,
     )
 
 

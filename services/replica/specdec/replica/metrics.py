@@ -145,6 +145,17 @@ class ReplicaMetrics:
             self.ssd_served = Counter(
                 p + "ssd_branches_served", "Drafts answered from a prepared SSD branch"
             )
+            self.head_feature_bytes = Counter(
+                p + "head_feature_bytes",
+                "A head drafter: bytes of the target's features received with Drafts",
+            )
+            self.head_feature_positions = Counter(
+                p + "head_feature_positions",
+                "A head drafter: positions fed, by the feature they were fed with (target: "
+                "the verifier's; own: the head's prediction, a draft step; missing: zeros, "
+                "the target's never arrived)",
+                ["source"],
+            )
         if role == "verifier":
             self.num_drafts = Counter(
                 p + "spec_decode_num_drafts", "Verifications of a non-empty draft"
@@ -152,6 +163,11 @@ class ReplicaMetrics:
             self.num_draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Tokens verified")
             self.num_accepted_tokens = Counter(
                 p + "spec_decode_num_accepted_tokens", "Draft tokens accepted"
+            )
+            self.feature_bytes = Counter(
+                p + "feature_bytes",
+                "Bytes of the target's features sent with verdicts (VerifyRequest.features, "
+                "for head drafters)",
             )
 
 
@@ -357,6 +373,20 @@ class ReplicaObserver:
 
     def ssd_served(self) -> None:
         self.metrics.ssd_served.inc()
+
+    def features_sent(self, data_bytes: int) -> None:
+        self.metrics.feature_bytes.inc(data_bytes)
+
+    def features_received(self, data_bytes: int) -> None:
+        self.metrics.head_feature_bytes.inc(data_bytes)
+
+    def head_fed(self, target: int, own: int, missing: int) -> None:
+        """A head drafter fed positions with the target's features, its own, or zeros
+        (model thread)."""
+        m = self.metrics
+        for source, count in (("target", target), ("own", own), ("missing", missing)):
+            if count:
+                m.child(m.head_feature_positions, source).inc(count)
 
     def verified(self, draft_tokens: int, accepted: int) -> None:
         m = self.metrics

@@ -149,6 +149,8 @@ class ReplicaServicer:
             compile_seconds=rt.compiled.seconds if rt.compiled is not None else 0.0,
             forward_cost=self.forward_cost(),
         )
+        if rt.head_features is not None:
+            info.features.CopyFrom(rt.head_features.to_proto())
         if request.include_tokenizer:
             info.tokenizer_json_zlib = rt.tokenizer_json
         return info

@@ -35,6 +35,7 @@ from specdec.common.errors import (
     InvalidRequest,
     NotReady,
     ReplicaBusy,
+    Unimplemented,
 )
 from specdec.replica.batching import (
     BranchStep,
@@ -47,8 +48,9 @@ from specdec.replica.batching import (
 from specdec.replica.compiled import Compiled
 from specdec.replica.config import ReplicaConfig
 from specdec.replica.engine import Prefix, TransformersStore
+from specdec.replica.features import FeatureAsk, FeatureSink, ask_from_proto, recording
 from specdec.replica.kvstore import CacheStore, SessionCache
-from specdec.replica.loading import check_batchable, check_rollback, load_model
+from specdec.replica.loading import LoadedModel, check_batchable, check_rollback, load_model
 from specdec.replica.metrics import ReplicaObserver
 from specdec.replica.paged import BlockPool, PagedStore
 from specdec.sdk.request import Sampling
@@ -109,6 +111,9 @@ class ModelRuntime:
         self.load_window = LoadWindow(since=time.perf_counter())
         # --compile: the decoder compiled for the short forwards (specdec.replica.compiled).
         self.compiled: Compiled | None = None
+        # A head drafter (specdec.drafter.head): the target's features it drafts from
+        # (ModelInfo.features). None: a model that drafts or verifies by itself.
+        self.head_features: FeatureAsk | None = None
 
     # -- loading ------------------------------------------------------------------------
 
@@ -116,7 +121,7 @@ class ModelRuntime:
         """Load model and tokenizer (blocking; call on the model thread)."""
         cfg = self.config
         started = time.monotonic()
-        loaded = load_model(cfg, self.device)
+        loaded = self.load_weights()
         self.model = loaded.model
         self.vocab_size = loaded.vocab_size
         self.max_context = loaded.max_context
@@ -149,6 +154,12 @@ class ModelRuntime:
                 "seconds": round(time.monotonic() - started, 2),
             },
         )
+
+    def load_weights(self) -> LoadedModel:
+        """The model and its facts (specdec.replica.loading.load_model: --model as
+        configured); a runtime that builds its model otherwise (a head drafter) overrides
+        it."""
+        return load_model(self.config, self.device)
 
     def adopt_facts(self, facts: Any) -> None:
         """What Info reports of the tokenizer and the generation config, from a loaded
@@ -335,6 +346,18 @@ class ModelRuntime:
                 f"+ draft {extra}) exceeds the model's context of {self.max_context}"
             )
 
+    def feature_ask(self, msg) -> FeatureAsk:
+        """A request's FeatureRequest (common_pb2) for this model, validated: its layers
+        within the model's decoder layers, a known format (InvalidRequest otherwise);
+        Unimplemented on a tensor-parallel model (its ranks' forwards are replayed, not
+        read)."""
+        if self.config.tensor_parallel > 1:
+            raise Unimplemented(
+                "features (the target's hidden states) are not built for --tensor-parallel "
+                "> 1 yet; run the verifier on one device"
+            )
+        return ask_from_proto(msg, int(self.model.config.num_hidden_layers))
+
     # -- model calls (model thread only) ------------------------------------------------
 
     def extend(
@@ -401,6 +424,8 @@ class ModelRuntime:
         tokens: Sequence[int] | torch.Tensor,
         keep: int | None = None,
         tree: Sequence[int] | None = None,
+        features: FeatureSink | None = None,
+        inputs: torch.Tensor | None = None,
     ) -> Generator[ForwardRequest, torch.Tensor, torch.Tensor]:
         """Append tokens (a list, or a device tensor [n] of tokens drawn there) to the
         session's cache; the logits of the last `keep` of them [keep, vocab] fp32 (all when
@@ -414,6 +439,10 @@ class ModelRuntime:
 
         tree: the parents of the last len(tree) tokens, a token tree (`_forward_tree`); the
         last chunk holds all of it.
+
+        features: every token's features go there, in order (specdec.replica.features:
+        the asked decoder layers' outputs [len(tokens), width]). inputs [len(tokens),
+        width]: a head drafter's input feature of each token (specdec.drafter.head).
         """
         if not isinstance(tokens, torch.Tensor):  # a device tensor [n] is fed as it is
             tokens = list(tokens)
@@ -426,13 +455,42 @@ class ModelRuntime:
             head = len(tokens) - max(chunk, keep, tail)  # fed before the last forward
             while start < head:
                 end = min(start + chunk, head)
-                yield ForwardRequest(session, tokens[start:end], 1, fresh)
+                part = inputs[start:end] if inputs is not None else None
+                yield ForwardRequest(session, tokens[start:end], 1, fresh, None, features, part)
                 start = end
-        last = ForwardRequest(session, tokens[start:], keep, fresh, list(tree) if tree else None)
+        last = ForwardRequest(
+            session,
+            tokens[start:],
+            keep,
+            fresh,
+            list(tree) if tree else None,
+            features,
+            inputs[start:] if inputs is not None else None,
+        )
         return (yield last)
 
     def _run_batch(self, requests: list[Request]) -> list[torch.Tensor]:
-        """One forward over the requests (the scheduler's run_batch). One session's request
+        """One forward over the requests (the scheduler's run_batch), `_forward_requests`;
+        where a request asks for features (ForwardRequest.features) the asked decoder
+        layers' outputs are recorded during it (specdec.replica.features.recording) and
+        each asking request's rows appended to its sink."""
+        asked = [r for r in requests if isinstance(r, ForwardRequest) and r.features]
+        if not asked:
+            return self._forward_requests(requests)
+        layers = {i for r in asked for i in r.features.layers}  # type: ignore[union-attr]
+        with recording(self.model, sorted(layers)) as outputs:
+            results = self._forward_requests(requests)
+        row = 0
+        for r in requests:  # a request's rows in the forward: one a session's request
+            if isinstance(r, ForwardRequest) and r.features is not None:
+                n = len(r.tokens)
+                parts = [outputs[i][row, :n] for i in r.features.layers]  # [n, hidden] each
+                r.features.add(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
+            row += r.rows
+        return results
+
+    def _forward_requests(self, requests: list[Request]) -> list[torch.Tensor]:
+        """One forward over the requests. One session's request
         alone runs on its own cache where the store allows it (own_cache_forward: the
         dense engine), a token tree's too (`_forward_tree`); otherwise the rows are laid out
         on the store's batch cache (`_forward_batch`), a tree's row under its tree mask
@@ -563,10 +621,11 @@ class ModelRuntime:
         return layout.split(logits)
 
     def _compiles(self, requests: list[Request]) -> bool:
-        """Whether the forward over these requests runs compiled: no token tree, every row
-        short, after a cache of at least 2 slots (Compiled.takes)."""
+        """Whether the forward over these requests runs compiled: no token tree and no
+        features asked (their hooks are eager), every row short, after a cache of at least
+        2 slots (Compiled.takes)."""
         assert self.compiled is not None
-        if any(isinstance(r, ForwardRequest) and r.tree for r in requests):
+        if any(isinstance(r, ForwardRequest) and (r.tree or r.features) for r in requests):
             return False
         layout = Layout(requests)
         return self.compiled.takes(layout.longest, layout.width)

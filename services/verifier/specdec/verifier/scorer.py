@@ -20,6 +20,7 @@ import torch
 from specdec.common.controls import Controls
 from specdec.replica.batching import ForwardRequest
 from specdec.replica.engine import Engine, Prefix, Session
+from specdec.replica.features import FeatureAsk, FeatureSink, sent_rows
 from specdec.replica.host import to_host
 from specdec.replica.logprobs import LogprobRows, LogprobsAsk, emitted_tokens, token_logprobs
 from specdec.replica.masks import apply_masks
@@ -49,6 +50,11 @@ class Verdict:
     logprobs: LogprobRows | None = None
     prompt_logprobs: LogprobRows | None = None
     path: list[int] | None = None  # a tree's accepted nodes, root to leaf
+    # Asked for (VerifyCall.features): the target's features of the positions from
+    # `features_start` on whose next token the verdict makes known [m, width], on the host
+    # in the wire dtype (at most MAX_FEATURE_BYTES: the last rows).
+    features: torch.Tensor | None = None
+    features_start: int = 0
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,8 @@ class VerifyCall:
     (specdec.replica.logprobs). fork_from: start the session as a copy of that session's
     cache (SessionStore.acquire). draft_parents [k]: the draft is a token tree
     (VerifyRequest.draft_parents); the servicer has refused controls, grammar masks and
-    logprobs with one."""
+    logprobs with one. features: also return the features (specdec.replica.features) of
+    the new tokens and the accepted drafts (Verdict.features)."""
 
     runtime: Engine
     session_id: str
@@ -77,6 +84,7 @@ class VerifyCall:
     fork_from: str = ""
     grammar_masks: torch.Tensor | None = None  # [k+1, vocab] bool
     draft_parents: Sequence[int] | None = None  # a token tree's parents [k]; None: a chain
+    features: FeatureAsk | None = None  # also return the target's features (Verdict)
 
     def job(self) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
         return verify(self)
@@ -98,6 +106,7 @@ def processed_target_logits(
     controls: Controls | None,
     grammar_masks: torch.Tensor | None = None,
     scored: int = 0,
+    features: FeatureSink | None = None,
 ) -> Generator[ForwardRequest, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The target's processed logits [k+1, vocab] at the draft's k+1 positions (the model's
     forward over new_tokens + draft_tokens, then the request's processors with the prefix
@@ -105,10 +114,10 @@ def processed_target_logits(
     specdec.replica.masks.apply_masks): what the rule, greedy or sampled, and the emitted
     tokens' log-probabilities read. Also the raw logits of the
     `scored` prompt positions before them [scored, vocab] (echo scores the prompt as the
-    model sees it, without processors)."""
+    model sees it, without processors). features: the fed tokens' features go there."""
     k = len(draft_tokens)
     logits = yield from runtime.forward_steps(
-        session, [*new_tokens, *draft_tokens], keep=scored + k + 1
+        session, [*new_tokens, *draft_tokens], keep=scored + k + 1, features=features
     )  # [scored + k+1, vocab]
     prompt_logits, logits = logits[:scored], logits[scored:]
     if controls is not None:
@@ -128,9 +137,18 @@ def _verify(call: VerifyCall) -> Generator[ForwardRequest, torch.Tensor, Verdict
     if call.draft_parents:
         return (yield from _verify_tree(call, session))
     scored = len(new_tokens) - 1 if ask is not None and ask.prompt else 0  # prompt rows
+    sink = FeatureSink(call.features.layers) if call.features is not None else None
     target_logits, prompt_logits = yield from processed_target_logits(
-        runtime, session, new_tokens, draft_tokens, call.controls, call.grammar_masks, scored
+        runtime,
+        session,
+        new_tokens,
+        draft_tokens,
+        call.controls,
+        call.grammar_masks,
+        scored,
+        sink,
     )  # [k+1, vocab], [scored, vocab]
+    feats = _wire_features(call, sink)  # [new + k, width], copied with the verdict
     extra: list[torch.Tensor] = []  # the scores asked for, copied with the verdict
     if params.greedy:
         # The target's choices [k+1], copied once; the rule on the host: accept while the
@@ -138,7 +156,7 @@ def _verify(call: VerifyCall) -> Generator[ForwardRequest, torch.Tensor, Verdict
         choices = target_logits.argmax(dim=-1)
         if ask is not None:  # the emitted tokens are the target's choices, up to the verdict
             extra += _scores(runtime, ask, prompt_logits, new_tokens, target_logits, choices)
-        choices, *extra = to_host(choices, *extra)  # the Verify's one copy
+        choices, *extra = to_host(choices, *extra, *feats)  # the Verify's one copy
         n, token = greedy_verdict(draft_tokens, choices.tolist())
     else:
         assert call.draft_probs is not None  # sampling: the servicer checked
@@ -152,11 +170,14 @@ def _verify(call: VerifyCall) -> Generator[ForwardRequest, torch.Tensor, Verdict
         if ask is not None:
             emitted = emitted_tokens(drafts[0].to(runtime.device), accepted, next_token)
             extra += _scores(runtime, ask, prompt_logits, new_tokens, target_logits, emitted)
-        verdict, *extra = to_host(torch.cat([accepted, next_token]), *extra)  # the one copy
+        verdict, *extra = to_host(torch.cat([accepted, next_token]), *extra, *feats)  # one copy
         n, token = verdict.tolist()
     runtime.ready_store.truncate(
         session, len(session.tokens) - (k - n)
     )  # roll back rejected drafts
+    if feats:  # the positions whose next token is known: the new tokens, the accepted drafts
+        *extra, rows = extra
+        feats = [rows[: len(new_tokens) + n]]
     emitted_rows = prompt_rows = None
     if ask is not None:
         emitted_rows = LogprobRows(*extra[:3]).head(n + 1)
@@ -169,6 +190,7 @@ def _verify(call: VerifyCall) -> Generator[ForwardRequest, torch.Tensor, Verdict
         forward_ms=(time.perf_counter() - started) * 1e3,
         logprobs=emitted_rows,
         prompt_logprobs=prompt_rows,
+        **_features_sent(call, feats),
     )
 
 
@@ -182,21 +204,28 @@ def _verify_tree(
     assert call.draft_parents is not None
     k = len(draft_tokens)
     parents = list(call.draft_parents)
+    sink = FeatureSink(call.features.layers) if call.features is not None else None
     logits = yield from runtime.forward_steps(
-        session, [*call.new_tokens, *draft_tokens], keep=k + 1, tree=parents
+        session, [*call.new_tokens, *draft_tokens], keep=k + 1, tree=parents, features=sink
     )  # [k+1, vocab]: after the new tokens, then after each node
+    feats = _wire_features(call, sink)  # [new + k, width]: the new tokens', then each node's
     if params.greedy:
         target, probs, gen = logits.argmax(dim=-1), None, None
-        (target,) = to_host(target)  # the Verify's one copy
+        target, *feats = to_host(target, *feats)  # the Verify's one copy
         target = torch.nn.functional.one_hot(target, logits.shape[-1])
     else:
         # The rule steps node by node on the host: the rows and the proposals, copied once.
         assert call.draft_probs is not None  # sampling: the servicer checked
-        target, probs = to_host(warp(logits, params), call.draft_probs.to(runtime.device))
+        target, probs, *feats = to_host(
+            warp(logits, params), call.draft_probs.to(runtime.device), *feats
+        )
         position = call.prefix.length + len(call.new_tokens)  # index of the first node
         gen = make_generator(params.seed, VERIFY_SALT, position)
     path, token = tree_verdict(draft_tokens, parents, target, probs, gen, params.greedy)
     runtime.ready_store.keep_path(session, len(session.tokens) - k, path)
+    if feats:  # the new tokens', then the accepted path's nodes' (their order in the cache)
+        h = len(call.new_tokens)
+        feats = [torch.cat([feats[0][:h], feats[0][[h + i for i in path]]])]
     children = set(parents)
     return Verdict(
         accepted=len(path),
@@ -205,7 +234,27 @@ def _verify_tree(
         cached_length=len(session.tokens),
         forward_ms=(time.perf_counter() - started) * 1e3,
         path=path,
+        **_features_sent(call, feats),
     )
+
+
+def _wire_features(call: VerifyCall, sink: FeatureSink | None) -> list[torch.Tensor]:
+    """The fed tokens' features in the wire dtype, still on the device ([] when not asked):
+    copied to the host with the verdict, cut there once it is known."""
+    if call.features is None or sink is None:
+        return []
+    return [sink.tensor().to(call.features.dtype)]
+
+
+def _features_sent(call: VerifyCall, feats: list[torch.Tensor]) -> dict:
+    """Verdict.features and features_start from the known positions' rows on the host
+    ({} when not asked): the last rows that fit MAX_FEATURE_BYTES."""
+    if call.features is None:
+        return {}
+    rows = feats[0]
+    kept = sent_rows(rows.shape[0], rows.shape[1], call.features.format)
+    dropped = rows.shape[0] - kept
+    return {"features": rows[dropped:], "features_start": call.prefix.length + dropped}
 
 
 def _scores(runtime, ask, prompt_logits, new_tokens, target_logits, emitted) -> list[torch.Tensor]:

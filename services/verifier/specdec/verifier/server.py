@@ -16,6 +16,7 @@ from specdec.common.errors import InvalidRequest, Unimplemented
 from specdec.common.params import MAX_TOP_LOGPROBS, sampling_from_proto
 from specdec.common.serving import rpc_errors
 from specdec.replica.convert import decode_draft_probs, decode_grammar_masks, prefix_from_proto
+from specdec.replica.features import encode_features
 from specdec.replica.logprobs import LogprobRows, LogprobsAsk
 from specdec.replica.metrics import observed_rpc
 from specdec.replica.replica import ModelCall, ReplicaServicer, check_fork, run_replica
@@ -76,6 +77,7 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
                 "grammar masks or logprobs is not supported yet; send a chain"
             )
         check_fork(request.fork_from)
+        features = rt.feature_ask(request.features) if request.HasField("features") else None
         queue_depth = rt.pending  # the load this call waits behind (itself not counted yet)
         call = VerifyCall(
             runtime=rt,
@@ -90,9 +92,16 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
             fork_from=request.fork_from,
             grammar_masks=masks,
             draft_parents=parents,
+            features=features,
         )
         respond = functools.partial(
-            self._verify_response, k, queue_depth, new_tokens, draft_tokens, request.logprobs
+            self._verify_response,
+            k,
+            queue_depth,
+            new_tokens,
+            draft_tokens,
+            request.logprobs,
+            features.format if features is not None else 0,
         )
         return ModelCall(call, respond)
 
@@ -103,6 +112,7 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
         new_tokens: list[int],
         draft_tokens: list[int],
         logprobs: bool,
+        features_format: int,
         verdict,
     ) -> verifier_pb2.VerifyResponse:
         self.runtime.obs.verified(k, verdict.accepted)
@@ -128,6 +138,11 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
             response.prompt_logprobs.CopyFrom(
                 logprobs_to_proto(new_tokens, verdict.prompt_logprobs)
             )
+        if verdict.features is not None:
+            response.features.CopyFrom(
+                encode_features(verdict.features, verdict.features_start, features_format)
+            )
+            self.runtime.obs.features_sent(len(response.features.data))
         return response
 
 
