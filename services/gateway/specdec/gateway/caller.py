@@ -31,7 +31,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from opentelemetry.trace import SpanKind
 
+from specdec.common import telemetry
 from specdec.common.errors import SpecdecError, Unavailable
 from specdec.common.prefix import PrefixChain
 from specdec.gateway import metrics, tracing
@@ -39,10 +41,14 @@ from specdec.gateway.names import Role
 from specdec.gateway.placement import Placement as Placement
 from specdec.gateway.replicas import Fleet, NoReplica, Replica
 from specdec.gateway.transport import CallFailed, Method
-from specdec.v1 import common_pb2
+from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 # Pauses before retrying the only verifier that answered UNAVAILABLE (seconds).
 RETRY_BACKOFF = (0.2, 0.5, 1.0, 2.0)
+SERVICES = {
+    Role.DRAFTER: drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name,
+    Role.VERIFIER: verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name,
+}
 
 
 class UpstreamError(SpecdecError):
@@ -62,6 +68,38 @@ class Answer:
     response: Any
     replica: Replica
     resends: int
+
+
+async def traced_call(replica: Replica, method: Method, request: Any, timeout: float) -> Any:
+    """A round call to the replica (through its transport) as a CLIENT span, with the
+    trace context sent along. Errors (CallFailed) are raised unchanged, recorded on the
+    span."""
+    if not telemetry.enabled():
+        return await replica.transport.call(method, request, timeout)
+    service = SERVICES[method.role]
+    host, _, port = replica.address.rpartition(":")
+    with telemetry.tracer.start_as_current_span(
+        f"{service}/{method.rpc}",
+        kind=SpanKind.CLIENT,
+        attributes={
+            **telemetry.rpc_attributes(service, method.rpc),
+            "server.address": host,
+            "server.port": int(port) if port.isdigit() else 0,
+        },
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        try:
+            response = await replica.transport.call(
+                method, request, timeout, telemetry.traceparent()
+            )
+        except CallFailed as failure:
+            telemetry.set_grpc_status(span, failure.code, failure.details)
+            if failure.cache_miss:
+                span.set_attribute("specdec.cache_miss", True)
+            raise
+        telemetry.set_grpc_status(span, grpc.StatusCode.OK)
+        return response
 
 
 # Builds a call's request from the prefix it names and the tokens after it.
@@ -133,7 +171,7 @@ class ReplicaCaller:
             new = [*ctx[n:], *tail[max(0, n - len(ctx)) :]] if tail else list(ctx[n:])
             replica.in_flight += 1
             try:
-                response = await tracing.call(replica, method, build(prefix, new), self.timeout())
+                response = await traced_call(replica, method, build(prefix, new), self.timeout())
                 return Answer(response, replica, resends)
             except CallFailed as failure:
                 resends += 1

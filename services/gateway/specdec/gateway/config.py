@@ -28,20 +28,16 @@ from specdec.common.tls import (
 from specdec.gateway.canary import Canary, parse_canary
 from specdec.gateway.discovery import parse_target
 from specdec.gateway.lookup import BY_NAME as METHOD_BY_NAME
-from specdec.gateway.lookup import MAX_TREE_WIDTH, SCOPES, parse_method, tree_width
+from specdec.gateway.lookup import MAX_TREE_WIDTH, SCOPES, parse_method
 from specdec.gateway.lookup.settings import LookupSettings, SuffixParams
 from specdec.gateway.policy import ADAPTIVE, parse_policy
 from specdec.gateway.policy import BY_NAME as POLICY_BY_NAME
+from specdec.gateway.request import TURN_LEASE_SECONDS, tree_width
 from specdec.v1 import gateway_pb2
 
 REPLICA_TRANSPORTS = ("dataplane", "grpc")
 METHOD_NAMES = tuple(METHOD_BY_NAME)  # --method
 POLICY_NAMES = tuple(POLICY_BY_NAME)  # --k-policy
-
-# The default lease of a session's turn lock (specdec.gateway.sessions.turns): renewed every
-# quarter, so it survives three missed renewals (a Redis blip, a loaded event loop), and
-# lapses this long after its holder's death.
-TURN_LEASE_SECONDS = 4.0
 
 
 def _fan_out(value: int) -> str | None:

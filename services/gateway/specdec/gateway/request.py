@@ -16,8 +16,12 @@ from dataclasses import dataclass
 
 from specdec.common.controls import MAX_STOP_TOKEN_IDS, check_sampling_controls
 from specdec.common.errors import InvalidRequest
-from specdec.common.params import MAX_TOP_LOGPROBS, SamplingParams, sampling_from_proto
-from specdec.gateway.lookup import METHODS, tree_width
+from specdec.common.params import (
+    MAX_TOP_LOGPROBS,
+    MAX_TREE_WIDTH,
+    SamplingParams,
+    sampling_from_proto,
+)
 from specdec.gateway.names import DraftMethod, KPolicy
 from specdec.sdk.request import Sampling, Scoring
 from specdec.v1 import gateway_pb2
@@ -31,6 +35,21 @@ MAX_CHARS_PER_TOKEN = 64
 # Completions per request (alternatives per scored token: MAX_TOP_LOGPROBS, which the
 # verifier enforces too).
 MAX_CHOICES = 16
+
+# The default lease of a session's turn lock (specdec.gateway.sessions.turns): renewed every
+# quarter, so it survives three missed renewals (a Redis blip, a loaded event loop), and
+# lapses this long after its holder's death.
+TURN_LEASE_SECONDS = 4.0
+
+# gateway_pb2.SpeculationMethod value -> the method
+METHODS = {method.proto: method for method in DraftMethod}
+
+
+def tree_width(value: int) -> str | None:
+    """Why a tree width is invalid (None: it is valid)."""
+    if 1 <= value <= MAX_TREE_WIDTH:
+        return None
+    return f"must be in [1, {MAX_TREE_WIDTH}]"
 
 
 class ContextLengthExceeded(InvalidRequest):

@@ -1,4 +1,4 @@
-"""The gateway's spans: the request, its rounds, every replica call, every Redis operation.
+"""The gateway's spans: the request, its rounds, every Redis operation.
 
 One trace per request (under the caller's context when its metadata carries
 ``traceparent``):
@@ -11,8 +11,9 @@ One trace per request (under the caller's context when its metadata carries
         specdec.v1.VerifierService/Verify       CLIENT  (a cache miss or a failover shows as a
                                                          failed attempt, then the resend)
 
-The replicas' SERVER spans (specdec.replica.metrics.observed_rpc) hang under these CLIENT
-spans. With tracing off (no OTLP endpoint) every helper here is a flag check; the round
+A replica call's CLIENT span is opened by the caller that sends it
+(specdec.gateway.caller.traced_call), which knows the transport; the replicas' SERVER
+spans (specdec.replica.metrics.observed_rpc) hang under it. With tracing off (no OTLP endpoint) every helper here is a flag check; the round
 latency histogram is recorded either way.
 """
 
@@ -29,16 +30,10 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from specdec.common import telemetry
 from specdec.common.errors import SpecdecError
 from specdec.gateway import metrics
-from specdec.gateway.names import Role
 from specdec.gateway.outcome import Outcome
-from specdec.gateway.transport import CallFailed, Method
-from specdec.v1 import drafter_pb2, gateway_pb2, verifier_pb2
+from specdec.v1 import gateway_pb2
 
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
-SERVICES = {
-    Role.DRAFTER: drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name,
-    Role.VERIFIER: verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name,
-}
 TRACE_ID_METADATA = "specdec-trace-id"
 FINISH_NAMES = {v: k for k, v in gateway_pb2.FinishReason.items()}
 
@@ -170,38 +165,6 @@ def round_done(span: Any, outcome: Outcome) -> None:
     if outcome.late_outcome is not None:  # the previous round's late Speculate
         attributes["specdec.round.ssd_late_outcome"] = outcome.late_outcome
     span.set_attributes(attributes)
-
-
-async def call(replica, method: Method, request, timeout: float):
-    """A round call to the replica (through its transport) as a CLIENT span, with the
-    trace context sent along. Errors (CallFailed) are raised unchanged, recorded on the
-    span."""
-    if not telemetry.enabled():
-        return await replica.transport.call(method, request, timeout)
-    service = SERVICES[method.role]
-    host, _, port = replica.address.rpartition(":")
-    with telemetry.tracer.start_as_current_span(
-        f"{service}/{method.rpc}",
-        kind=SpanKind.CLIENT,
-        attributes={
-            **telemetry.rpc_attributes(service, method.rpc),
-            "server.address": host,
-            "server.port": int(port) if port.isdigit() else 0,
-        },
-        record_exception=False,
-        set_status_on_exception=False,
-    ) as span:
-        try:
-            response = await replica.transport.call(
-                method, request, timeout, telemetry.traceparent()
-            )
-        except CallFailed as failure:
-            telemetry.set_grpc_status(span, failure.code, failure.details)
-            if failure.cache_miss:
-                span.set_attribute("specdec.cache_miss", True)
-            raise
-        telemetry.set_grpc_status(span, grpc.StatusCode.OK)
-        return response
 
 
 def note_cache_miss(role: str, address: str) -> None:

@@ -26,18 +26,9 @@ SUFFIX = DraftMethod.SUFFIX
 HYBRID = DraftMethod.HYBRID
 PREDICTION = Source.PREDICTION  # a draft source (any method), not a method
 
-# gateway_pb2.SpeculationMethod value -> the method
-METHODS = {method.proto: method for method in DraftMethod}
 BY_NAME = {method.value: method.proto for method in DraftMethod}
 
 SCOPES = ("global", "tenant", "off")
-
-
-def tree_width(value: int) -> str | None:
-    """Why a tree width is invalid (None: it is valid)."""
-    if 1 <= value <= MAX_TREE_WIDTH:
-        return None
-    return f"must be in [1, {MAX_TREE_WIDTH}]"
 
 
 def parse_method(name: str) -> gateway_pb2.SpeculationMethod:

@@ -49,7 +49,7 @@ import grpc
 
 from specdec.common.errors import SpecdecError
 from specdec.gateway import metrics
-from specdec.gateway.config import TURN_LEASE_SECONDS
+from specdec.gateway.request import TURN_LEASE_SECONDS
 from specdec.gateway.sessions.index import (
     NEXT_FENCE_LUA,
     STORE_FAILURES,
