@@ -37,9 +37,11 @@ def test_no_torch_in_the_gateway_image(gateway_image):
     r = gateway_image.buildah_run("python", "-c", "import torch")
     assert r.returncode != 0
     assert "No module named 'torch'" in r.stderr
-    r = gateway_image.buildah_run("python", "-c", "import specdec.gateway.server, transformers")
+    r = gateway_image.buildah_run(
+        "python", "-c", "import specdec.gateway.front.server, transformers"
+    )
     assert "No module named 'transformers'" in r.stderr
-    r = gateway_image.buildah_run("python", "-c", "import specdec.gateway.server, tokenizers")
+    r = gateway_image.buildah_run("python", "-c", "import specdec.gateway.front.server, tokenizers")
     assert r.returncode == 0, r.stderr
 
 

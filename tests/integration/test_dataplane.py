@@ -17,8 +17,8 @@ import pytest
 from specdec.common.frames import PREFACE, FrameReader, encode
 from specdec.common.prefix import PrefixChain
 from specdec.common.tls import ClientTls
-from specdec.gateway.dataplane import DataPlaneSettings, DataPlaneTransport
-from specdec.gateway.transport import CallFailed, GrpcTransport, Method
+from specdec.gateway.fleet.dataplane import DataPlaneSettings, DataPlaneTransport
+from specdec.gateway.fleet.transport import CallFailed, GrpcTransport, Method
 from specdec.sdk import Client
 from specdec.tools.bench.standin import build_standins
 from specdec.tools.certs import make_pki

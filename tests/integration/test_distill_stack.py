@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from specdec.cli import main as specdec
-from specdec.gateway.canary import parse_canary, version_rule
+from specdec.gateway.fleet.canary import parse_canary, version_rule
 from specdec.gateway.sessions import replica_session_id
 from specdec.sdk import Client
 from specdec.tools.distill.data import read_rows

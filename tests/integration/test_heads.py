@@ -14,8 +14,8 @@ import grpc
 import pytest
 import torch
 
-from specdec.gateway.dataplane import DataPlaneTransport
-from specdec.gateway.transport import CallFailed, GrpcTransport, Method
+from specdec.gateway.fleet.dataplane import DataPlaneTransport
+from specdec.gateway.fleet.transport import CallFailed, GrpcTransport, Method
 from specdec.sdk import Client
 from specdec.tools.redisproc import free_port
 from specdec.tools.tinymodels import build_one_layer_target, build_test_head

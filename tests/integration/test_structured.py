@@ -41,7 +41,7 @@ SCHEMA = {
 REGEX = r"(yes|no), [a-z]{2,6}\."
 CHOICES = ["apple", "banana", "cherry pie"]
 # A Lark grammar embedding a JSON schema, shaped as the one that forces a tool call
-# (specdec.gateway.http.tools).
+# (specdec.gateway.front.http.tools).
 LARK = "\n".join(
     (
         'start: "<tool_call>\\n" body "\\n</tool_call>"',

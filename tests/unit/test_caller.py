@@ -1,4 +1,4 @@
-"""The replica caller (specdec.gateway.caller): prefixes, cache misses, busy replicas,
+"""The replica caller (specdec.gateway.fleet.caller): prefixes, cache misses, busy replicas,
 failover. The replicas are stand-ins: transports that answer from a script (a response,
 or the CallFailed a replica's status would give); no server runs."""
 
@@ -8,9 +8,9 @@ import grpc
 import pytest
 
 from specdec.common.prefix import prefix_hash
-from specdec.gateway.caller import Placement, ReplicaCaller, Unavailable, UpstreamError
-from specdec.gateway.replicas import Fleet
-from specdec.gateway.transport import CallFailed, Method
+from specdec.gateway.fleet.caller import Placement, ReplicaCaller, Unavailable, UpstreamError
+from specdec.gateway.fleet.replicas import Fleet
+from specdec.gateway.fleet.transport import CallFailed, Method
 from specdec.v1 import verifier_pb2
 
 BUSY = CallFailed(

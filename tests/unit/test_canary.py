@@ -8,7 +8,13 @@ import pytest
 
 from specdec.common.settings import ConfigError
 from specdec.common.version import read_model_version
-from specdec.gateway.canary import Canary, VersionRule, parse_canary, session_share, version_rule
+from specdec.gateway.fleet.canary import (
+    Canary,
+    VersionRule,
+    parse_canary,
+    session_share,
+    version_rule,
+)
 from specdec.gateway.sessions import replica_session_id
 from specdec.v1 import common_pb2
 
@@ -57,7 +63,7 @@ def test_rule_matches_versions():
 def test_pool_picks_by_rule_and_falls_back(monkeypatch):
     from prometheus_client import REGISTRY
 
-    from specdec.gateway.replicas import Replica, ReplicaPool
+    from specdec.gateway.fleet.replicas import Replica, ReplicaPool
 
     pool = ReplicaPool.__new__(ReplicaPool)  # no channels: pick reads the replica list only
     pool.role, pool.source = "drafter", "test"

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from specdec.common.errors import InvalidRequest
-from specdec.gateway.http import api
-from specdec.gateway.request import Job, Output, Speculation
-from specdec.gateway.response import Event
+from specdec.gateway.front.http import api
+from specdec.gateway.front.response import Event
+from specdec.gateway.front.turn import output_controls
+from specdec.gateway.job import Job, Output, Speculation
 from specdec.gateway.text import Completion
-from specdec.gateway.turn import output_controls
 from specdec.sdk.client import build_generate_request
 from specdec.v1 import common_pb2
 from tests.unit.test_text import codec  # noqa: F401  (the fixture)
@@ -151,7 +151,7 @@ def test_stream_options_continuous_usage_stats():
 def test_structured_output_refuses_min_tokens_and_ignore_eos(field):
     """A complete grammar allows only EOS: min_tokens or ignore_eos beside structured_output
     would leave no token to draw, so the request is refused before any replica is called."""
-    from specdec.gateway.request import Limits, validate
+    from specdec.gateway.job import Limits, validate
     from specdec.v1 import gateway_pb2
 
     limits = Limits(

@@ -1,7 +1,7 @@
 """The adaptive policy against simulated hardware: a verifier whose forward of n tokens
 takes a + b·n (its reported cost curve, specdec.common.cost), a drafter whose token costs
 d, and draft sources whose tokens are accepted i.i.d. at a rate of their own. Each round
-is simulated exactly as the gateway's loop asks the policy (specdec.gateway.loop): a
+is simulated exactly as the gateway's loop asks the policy (specdec.gateway.round.loop): a
 lookup draft sized by `choose_lookup_k` / `lookup_or_model`, else a model draft of
 `choose_k` tokens extended by `choose_extension`. Time is the simulation's, never the
 wall clock: the assertions are on what the policy chose and on the modelled tokens per
@@ -18,7 +18,7 @@ import pytest
 
 from specdec.common.cost import Line, ReportedCost, fit_points
 from specdec.gateway.outcome import DRAFTED, LOOKUP_NGRAM, NO_DRAFT, Outcome
-from specdec.gateway.policy import AdaptivePolicy, FixedPolicy, PolicyParams, SourcePriors
+from specdec.gateway.round.policy import AdaptivePolicy, FixedPolicy, PolicyParams, SourcePriors
 
 
 @dataclass(frozen=True)
@@ -282,8 +282,8 @@ async def test_the_first_round_is_priced_before_a_replica_is_placed():
     prices that round with the curve of the replica the pool would pick. (Without it the
     first round of a lookup method verified its whole 16-token match in the prompt's
     prefill: 2.6 s more to the first token on a compute-bound CPU.)"""
-    from specdec.gateway.caller import Placement
-    from specdec.gateway.replicas import Fleet
+    from specdec.gateway.fleet.caller import Placement
+    from specdec.gateway.fleet.replicas import Fleet
 
     m = Machine(**COMPUTE_BOUND)
     fleet = Fleet(["d0:1"], ["v0:1"])

@@ -1,4 +1,4 @@
-"""The gateway's end of the data plane (specdec.gateway.dataplane) against an in-process
+"""The gateway's end of the data plane (specdec.gateway.fleet.dataplane) against an in-process
 peer over a socket pair (tests/fakewire.py): keepalive, bounded write buffer, version
 handshake, reconnect back-off, typed reasons. No wall-clock limit: each test waits for an
 outcome and asserts on it."""
@@ -11,8 +11,8 @@ import grpc
 import pytest
 
 from specdec.common.frames import PREFACE
-from specdec.gateway.dataplane import DataPlaneSettings, DataPlaneTransport
-from specdec.gateway.transport import CallFailed, Method
+from specdec.gateway.fleet.dataplane import DataPlaneSettings, DataPlaneTransport
+from specdec.gateway.fleet.transport import CallFailed, Method
 from specdec.v1 import dataplane_pb2, verifier_pb2
 from tests.fakewire import FakeReplica
 
@@ -232,7 +232,7 @@ def test_the_gateways_keepalive_flags_reach_its_settings():
     from specdec.cli import build_parser
     from specdec.common.settings import ConfigError
     from specdec.gateway.config import GatewayConfig
-    from specdec.gateway.turn import data_plane_settings
+    from specdec.gateway.front.turn import data_plane_settings
 
     def gateway(*argv):
         base = ["serve", "gateway", "--drafter", "h:1", "--verifier", "h:2"]

@@ -14,8 +14,8 @@ import threading
 import pytest
 
 from specdec.common.prefix import PrefixChain
-from specdec.gateway.dataplane import DataPlaneSettings, DataPlaneTransport
-from specdec.gateway.transport import CallFailed, Method
+from specdec.gateway.fleet.dataplane import DataPlaneSettings, DataPlaneTransport
+from specdec.gateway.fleet.transport import CallFailed, Method
 from specdec.replica import dataplane
 from specdec.replica.dataplane import DataPlaneServer
 from specdec.replica.runtime import ModelRuntime

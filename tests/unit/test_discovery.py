@@ -7,7 +7,7 @@ import pytest
 from specdec.cli import build_parser
 from specdec.common.settings import ConfigError
 from specdec.gateway.config import GatewayConfig
-from specdec.gateway.discovery import DnsTarget, K8sDiscovery, K8sTarget, parse_target
+from specdec.gateway.fleet.discovery import DnsTarget, K8sDiscovery, K8sTarget, parse_target
 
 
 @pytest.mark.parametrize(

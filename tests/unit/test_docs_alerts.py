@@ -23,7 +23,9 @@ def _rules() -> str:
 def _exported_metrics() -> set[str]:
     """Metric names the services define, as Prometheus exposes them."""
     names = set()
-    gateway = (ROOT / "services" / "gateway" / "specdec" / "gateway" / "metrics.py").read_text()
+    gateway = (
+        ROOT / "services" / "gateway" / "specdec" / "gateway" / "observe" / "metrics.py"
+    ).read_text()
     names |= {"specdec_gateway_" + n for n in re.findall(r'PREFIX \+ "(\w+)"', gateway)}
     for role in ("drafter", "verifier"):
         replica = (ROOT / "services" / "replica" / "specdec" / "replica" / "metrics.py").read_text()

@@ -18,9 +18,9 @@ from specdec.common.errors import (
     ReplicaBusy,
 )
 from specdec.common.serving import rpc_errors
-from specdec.gateway.caller import UpstreamError
-from specdec.gateway.http.errors import FieldError, answer
-from specdec.gateway.transport import CallFailed
+from specdec.gateway.fleet.caller import UpstreamError
+from specdec.gateway.fleet.transport import CallFailed
+from specdec.gateway.front.http.errors import FieldError, answer
 from specdec.sdk import errors as sdk
 from specdec.v1 import dataplane_pb2
 

@@ -19,11 +19,12 @@ from specdec.common.errors import (
     ReplicaBusy,
     SpecdecError,
 )
-from specdec.gateway.caller import UpstreamError
-from specdec.gateway.http import api
-from specdec.gateway.http.app import OpenAIServer, model_folder_name
-from specdec.gateway.http.chat import ChatTemplate, ChatTurn, messages_from_json
-from specdec.gateway.http.errors import (
+from specdec.gateway.fleet.caller import UpstreamError
+from specdec.gateway.fleet.transport import CallFailed
+from specdec.gateway.front.http import api
+from specdec.gateway.front.http.app import OpenAIServer, model_folder_name
+from specdec.gateway.front.http.chat import ChatTemplate, ChatTurn, messages_from_json
+from specdec.gateway.front.http.errors import (
     BodyTooLarge,
     ErrorContext,
     FieldError,
@@ -32,13 +33,12 @@ from specdec.gateway.http.errors import (
     error_body,
     http_status,
 )
-from specdec.gateway.loop import Unavailable
-from specdec.gateway.request import ContextLengthExceeded, Limits, validate
-from specdec.gateway.response import Event
+from specdec.gateway.front.response import Event
+from specdec.gateway.front.turn import Aborted
+from specdec.gateway.job import ContextLengthExceeded, Limits, validate
+from specdec.gateway.round.loop import Unavailable
 from specdec.gateway.sessions import Holder, SessionLost, SessionRecord
 from specdec.gateway.text import TextCodec
-from specdec.gateway.transport import CallFailed
-from specdec.gateway.turn import Aborted
 from specdec.v1 import gateway_pb2
 
 # A template in the style of Qwen2.5's: a default system message, namespace, loop
@@ -307,7 +307,7 @@ def test_unknown_fields_are_ignored_and_logged(caplog):
         "prompt": "x", "max_tokens": 3, "frobnicate": True, "echo": False, "stream": True,
         "stream_options": {"include_usage": True, "include_obfuscation": False},
     }  # fmt: skip
-    with caplog.at_level(logging.DEBUG, logger="specdec.gateway.http.api"):
+    with caplog.at_level(logging.DEBUG, logger="specdec.gateway.front.http.api"):
         req, opts = api.completion_request(body, SERVED)
     assert req.prompt == "x" and req.max_new_tokens == 3 and opts.include_usage
     logged = [
@@ -616,7 +616,7 @@ def test_a_500_tells_nothing_of_its_cause(caplog):
         yield Event("a", [1])
         raise KeyError(SECRET)
 
-    with caplog.at_level(logging.ERROR, logger="specdec.gateway.http.errors"):
+    with caplog.at_level(logging.ERROR, logger="specdec.gateway.front.http.errors"):
         r = _client(broken).post("/v1/completions", json={"prompt": "x"})
     assert r.status_code == 500
     error = r.json()["error"]
@@ -627,7 +627,7 @@ def test_a_500_tells_nothing_of_its_cause(caplog):
     assert SECRET in caplog.text  # the whole exception is in the log
     # After the stream has started the same body arrives as an event.
     caplog.clear()
-    with caplog.at_level(logging.ERROR, logger="specdec.gateway.http.errors"):
+    with caplog.at_level(logging.ERROR, logger="specdec.gateway.front.http.errors"):
         r = _client(broken_later).post("/v1/completions", json={"prompt": "x", "stream": True})
     assert r.status_code == 200 and SECRET not in r.text and "KeyError" not in r.text
     events = [json.loads(line[6:]) for line in r.text.split("\n\n") if line.startswith("data: {")]

@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from specdec.gateway.http import api, schema
-from specdec.gateway.http.errors import FieldError
+from specdec.gateway.front.http import api, schema
+from specdec.gateway.front.http.errors import FieldError
 from specdec.sdk.request import Sampling
 from specdec.v1 import common_pb2, gateway_pb2
 

@@ -1,4 +1,4 @@
-"""Tools on /v1/chat/completions (specdec.gateway.http.tools): reading tool calls from the
+"""Tools on /v1/chat/completions (specdec.gateway.front.http.tools): reading tool calls from the
 output, unary and streamed; tool_choice; the grammar that forces calls; the chat template
 shown the tools as transformers shows them."""
 
@@ -11,11 +11,11 @@ import llguidance
 import pytest
 
 from specdec.common.errors import InvalidRequest
-from specdec.gateway.grammar import grammar_text
-from specdec.gateway.http import api
-from specdec.gateway.http.chat import ChatTemplate
-from specdec.gateway.http.errors import FieldError
-from specdec.gateway.http.tools import ToolCallReader, read, tool_choice
+from specdec.gateway.front.http import api
+from specdec.gateway.front.http.chat import ChatTemplate
+from specdec.gateway.front.http.errors import FieldError
+from specdec.gateway.front.http.tools import ToolCallReader, read, tool_choice
+from specdec.gateway.round.grammar import grammar_text
 from specdec.v1 import gateway_pb2
 
 SERVED = "tiny"

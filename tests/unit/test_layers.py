@@ -28,8 +28,8 @@ def modules_in(folder: Path, package: str) -> list[str]:
 
 TORCH_FREE = [
     *modules_in(ROOT / "services" / "common" / "specdec" / "common", "specdec.common"),
-    "specdec.gateway.server",
-    "specdec.gateway.turn",
+    "specdec.gateway.front.server",
+    "specdec.gateway.front.turn",
     *modules_in(ROOT / "sdk" / "specdec" / "sdk", "specdec.sdk"),
     "specdec.replica.engine",
     "specdec.replica.config",
@@ -68,7 +68,7 @@ def test_the_gateway_loads_no_replica_module():
     lives in specdec.replica, not in specdec.common)."""
     probe = (
         "import sys\n"
-        "import specdec.gateway.server, specdec.gateway.http.app\n"
+        "import specdec.gateway.front.server, specdec.gateway.front.http.app\n"
         "print(' '.join(sorted(m for m in sys.modules if m.split('.')[:2] in "
         "(['specdec', 'replica'], ['specdec', 'drafter'], ['specdec', 'verifier']))))\n"
     )
@@ -83,7 +83,7 @@ def test_the_probe_sees_the_engine():
 def test_serving_a_replica_loads_no_gateway_code():
     """`specdec serve drafter|verifier` builds every service's flags (the gateway's too),
     but a replica process must not load the gateway's modules: importing
-    specdec.gateway.metrics registers the gateway's metrics, which a replica would then
+    specdec.gateway.observe.metrics registers the gateway's metrics, which a replica would then
     export beside its own (test_prometheus caught that once, through the lookup
     settings' defaults)."""
     probe = (
@@ -92,8 +92,8 @@ def test_serving_a_replica_loads_no_gateway_code():
         "add_serve_parser(argparse.ArgumentParser().add_subparsers())\n"
         "import specdec.drafter.server, specdec.verifier.server\n"
         "print(' '.join(sorted(m for m in sys.modules if m.startswith('specdec.gateway.')"
-        " and m != 'specdec.gateway.config' and not m.startswith('specdec.gateway.lookup'))))\n"
-        "print('specdec.gateway.metrics' in sys.modules)\n"
+        " and m != 'specdec.gateway.config' and not m.startswith('specdec.gateway.round.lookup'))))\n"
+        "print('specdec.gateway.observe.metrics' in sys.modules)\n"
     )
     out = probed(probe)
     assert out.splitlines()[-1] == "False", out

@@ -1,4 +1,4 @@
-"""The lookup proposers (specdec.gateway.lookup): match selection, n-gram bounds, the
+"""The lookup proposers (specdec.gateway.round.lookup): match selection, n-gram bounds, the
 suffix trie and its draft, the cache's bound, eviction and tenant isolation, predictions,
 and the draft bounds the round puts on them."""
 
@@ -8,12 +8,12 @@ import random
 
 import pytest
 
-from specdec.gateway.lookup import HYBRID, MODEL, NGRAM, PREDICTION, SUFFIX, parse_method
-from specdec.gateway.lookup.hybrid import RequestLookup
-from specdec.gateway.lookup.ngram import NgramIndex, copy_after
-from specdec.gateway.lookup.prediction import PredictionMatcher
-from specdec.gateway.lookup.settings import LookupSettings
-from specdec.gateway.lookup.suffix import (
+from specdec.gateway.round.lookup import HYBRID, MODEL, NGRAM, PREDICTION, SUFFIX, parse_method
+from specdec.gateway.round.lookup.hybrid import RequestLookup
+from specdec.gateway.round.lookup.ngram import NgramIndex, copy_after
+from specdec.gateway.round.lookup.prediction import PredictionMatcher
+from specdec.gateway.round.lookup.settings import LookupSettings
+from specdec.gateway.round.lookup.suffix import (
     Grower,
     SuffixCache,
     SuffixParams,

@@ -3,11 +3,11 @@ other candidates, and the policy's sizing of a tree against its cost curve."""
 
 from __future__ import annotations
 
-from specdec.gateway.lookup.ngram import NgramIndex
-from specdec.gateway.lookup.settings import SuffixParams
-from specdec.gateway.lookup.suffix import SuffixTrie, branches
-from specdec.gateway.lookup.tree import is_chain, merge
-from specdec.gateway.policy import AdaptivePolicy, FixedPolicy
+from specdec.gateway.round.lookup.ngram import NgramIndex
+from specdec.gateway.round.lookup.settings import SuffixParams
+from specdec.gateway.round.lookup.suffix import SuffixTrie, branches
+from specdec.gateway.round.lookup.tree import is_chain, merge
+from specdec.gateway.round.policy import AdaptivePolicy, FixedPolicy
 
 
 def test_merge_shares_prefixes_and_keeps_the_first_branch_first():
@@ -112,7 +112,7 @@ def test_model_tree_fixed_and_priced():
 
 
 def test_on_chain_and_branch_of_a_drafter_tree():
-    from specdec.gateway.loop import _branch, _on_chain
+    from specdec.gateway.round.loop import _branch, _on_chain
 
     parents = [-1, 0, 1, -1, 0]  # a draft of 3, leaves beside its tokens 0 and 1
     assert _on_chain([0, 1, 2], 3) == 3 and _branch(parents, [0, 1, 2], 3) == 0
@@ -124,7 +124,7 @@ def test_on_chain_and_branch_of_a_drafter_tree():
 
 
 def test_graft_shares_the_path_it_spells():
-    from specdec.gateway.lookup.tree import graft
+    from specdec.gateway.round.lookup.tree import graft
 
     tokens, parents = [5, 6, 7, 9], [-1, 0, 1, 0]  # a draft 5 6 7 and a leaf 9 beside 6
     assert graft(tokens, parents, [5, 9, 4, 4], 16) == 2  # 5 and 9 shared, then 4 4
@@ -137,7 +137,7 @@ def test_graft_shares_the_path_it_spells():
 def test_ssd_branch_through_a_leaf():
     """Greedy SSD after a drafter tree: a path through one leaf x, then y, uses the branch
     prepared for "on-chain tokens, then x" when its draft starts with y."""
-    from specdec.gateway.loop import Draft, Speculator
+    from specdec.gateway.round.loop import Draft, Speculator
     from specdec.v1 import drafter_pb2, verifier_pb2
 
     draft = Draft([5, 6, 7, 9], (), "drafted", parents=[-1, 0, 1, 0], chain=3)  # leaf 9 by 6

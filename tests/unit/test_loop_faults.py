@@ -14,12 +14,12 @@ import grpc
 import pytest
 
 from specdec.common.params import SamplingParams
-from specdec.gateway.caller import Placement, ReplicaCaller
-from specdec.gateway.loop import Speculator
-from specdec.gateway.policy import FixedPolicy
-from specdec.gateway.replicas import Fleet
-from specdec.gateway.request import Speculation
-from specdec.gateway.transport import GrpcTransport
+from specdec.gateway.fleet.caller import Placement, ReplicaCaller
+from specdec.gateway.fleet.replicas import Fleet
+from specdec.gateway.fleet.transport import GrpcTransport
+from specdec.gateway.job import Speculation
+from specdec.gateway.round.loop import Speculator
+from specdec.gateway.round.policy import FixedPolicy
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 

@@ -1,6 +1,6 @@
 """The gateway's str-Enums (specdec.gateway.names) write the strings metrics, JSON and logs
 always carried, and map one to one onto their proto enums; a Placement's cache changes
-only through its named transitions (specdec.gateway.placement)."""
+only through its named transitions (specdec.gateway.fleet.placement)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
+from specdec.gateway.fleet.placement import Placement
 from specdec.gateway.names import DraftMethod, Finish, KPolicy, Role, Source, Ssd
-from specdec.gateway.placement import Placement
 from specdec.v1 import gateway_pb2
 
 STRINGS = {

@@ -35,9 +35,9 @@ def test_sdk_imports_neither_torch_nor_transformers():
 
 def test_gateway_and_cli_import_no_torch():
     mods = _fresh_modules(
-        "import specdec.gateway.server, specdec.gateway.turn, specdec.gateway.loop, "
-        "specdec.gateway.sessions, specdec.gateway.replicas, specdec.tools.launcher, "
-        "specdec.gateway.http.app\n"
+        "import specdec.gateway.front.server, specdec.gateway.front.turn, specdec.gateway.round.loop, "
+        "specdec.gateway.sessions, specdec.gateway.fleet.replicas, specdec.tools.launcher, "
+        "specdec.gateway.front.http.app\n"
         "from specdec.cli import build_parser\n"
         "build_parser().parse_args(['serve', 'gateway', '--drafter', 'h:1', '--verifier', 'h:2'])"
     )

@@ -1,4 +1,4 @@
-"""The adaptive k policy (specdec.gateway.policy) as a pure object: measurements in,
+"""The adaptive k policy (specdec.gateway.round.policy) as a pure object: measurements in,
 decisions out, no processes."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specdec.gateway.outcome import DRAFTED, LOOKUP_SUFFIX, Outcome, RequestStats
-from specdec.gateway.policy import (
+from specdec.gateway.round.policy import (
     ADAPTIVE,
     FIXED,
     AdaptivePolicy,

@@ -118,9 +118,9 @@ def test_the_surface_reads_between_buckets_and_fills_an_unmeasured_step():
 def test_a_priced_round_is_counted_by_its_load_level():
     from prometheus_client import REGISTRY
 
-    from specdec.gateway import tracing
+    from specdec.gateway.observe import tracing
     from specdec.gateway.outcome import NO_DRAFT, Outcome
-    from specdec.gateway.policy import Estimate
+    from specdec.gateway.round.policy import Estimate
 
     estimate = Estimate(rows=9.5, saturation=0.9, gain=1.0)
     assert estimate.level == "8"
@@ -197,7 +197,7 @@ def test_a_ragged_curve_keeps_measured_points_and_reads_between_them():
 def _bound_policy(cost: ReportedCost):
     from types import SimpleNamespace
 
-    from specdec.gateway.policy import AdaptivePolicy
+    from specdec.gateway.round.policy import AdaptivePolicy
 
     policy = AdaptivePolicy(ssd=False, max_fan_out=1)
     verifier = SimpleNamespace(replica=SimpleNamespace(cost=cost))

@@ -9,9 +9,9 @@ import shutil
 import pytest
 from prometheus_client import REGISTRY
 
-from specdec.gateway.logprobs import LogprobsTrack, narrowed
+from specdec.gateway.front.logprobs import LogprobsTrack, narrowed
+from specdec.gateway.observe.recorder import FILE_GLOB, Recorder, recording_row
 from specdec.gateway.outcome import DRAFTED, NO_DRAFT, Outcome
-from specdec.gateway.recorder import FILE_GLOB, Recorder, recording_row
 from specdec.tools.distill.data import load_recordings, read_rows
 from specdec.v1 import common_pb2
 

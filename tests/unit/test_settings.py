@@ -23,7 +23,7 @@ from specdec.common.settings import (
 )
 from specdec.drafter.config import DrafterConfig
 from specdec.gateway.config import GatewayConfig
-from specdec.gateway.policy import ADAPTIVE
+from specdec.gateway.round.policy import ADAPTIVE
 from specdec.v1 import gateway_pb2
 from specdec.verifier.config import VerifierConfig
 

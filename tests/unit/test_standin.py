@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from specdec.gateway.lookup.ngram import NgramIndex
+from specdec.gateway.round.lookup.ngram import NgramIndex
 from specdec.tools.bench import standin_model as sm
 from specdec.tools.bench.standin import build_standins
 

@@ -1,5 +1,5 @@
 """Structured output's pieces alone: the masks on the wire and on the logits
-(specdec.replica.masks), the gateway's cut of a draft (specdec.gateway.grammar), and why the
+(specdec.replica.masks), the gateway's cut of a draft (specdec.gateway.round.grammar), and why the
 cut keeps the first forbidden draft token (the rule stays exact)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdec.common.errors import InvalidRequest
-from specdec.gateway.grammar import Grammars, encode_mask
+from specdec.gateway.round.grammar import Grammars, encode_mask
 from specdec.replica.masks import InvalidMask, apply_masks, decode_mask, stack_masks
 from specdec.replica.sampling import rejection_sample
 from specdec.v1 import gateway_pb2, verifier_pb2
@@ -196,7 +196,7 @@ def test_sdk_builds_each_kind():
     ],
 )
 def test_http_fields_become_structured_output(fields, kind, value):
-    from specdec.gateway.http import api
+    from specdec.gateway.front.http import api
 
     req, _ = api.completion_request({"prompt": "x", **fields}, "m")
     if kind is None:
@@ -220,7 +220,7 @@ def test_http_fields_become_structured_output(fields, kind, value):
     ],
 )
 def test_bad_http_fields_are_400(fields, match):
-    from specdec.gateway.http import api
+    from specdec.gateway.front.http import api
 
     with pytest.raises(InvalidRequest, match=match):
         api.completion_request({"prompt": "x", **fields}, "m")

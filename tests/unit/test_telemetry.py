@@ -262,7 +262,7 @@ def test_incoming_context_from_grpc_metadata_or_http_headers():
 def test_served_model_with_no_verifier_or_no_info_yet():
     from types import SimpleNamespace
 
-    from specdec.gateway.tracing import served_model
+    from specdec.gateway.observe.tracing import served_model
 
     def fleet(*infos):
         replicas = [SimpleNamespace(info=i) for i in infos]

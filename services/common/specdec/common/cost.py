@@ -57,7 +57,7 @@ between them.
 With the curve the replica reports its load (`Load`, from `LoadWindow`): what its model did
 over the last seconds (busy share, rows and tokens per forward, rows per second) and the
 model requests waiting now. The gateway's adaptive policy prices a round by it
-(specdec.gateway.policy).
+(specdec.gateway.round.policy).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each class's `code` is its gRPC status (specdec.common.serving answers with it) and its
 `reason` the typed Reason (sent in the trailing metadata REASON_KEY and in data-plane
 error frames), so a caller acts on the type, never on the message's wording. The HTTP API
-maps (code, reason) to its answers in one table (specdec.gateway.http.errors).
+maps (code, reason) to its answers in one table (specdec.gateway.front.http.errors).
 """
 
 from __future__ import annotations

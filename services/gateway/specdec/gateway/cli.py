@@ -15,7 +15,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _main(args: argparse.Namespace) -> None:
-    from specdec.gateway.server import main
+    from specdec.gateway.front.server import main
 
     main(args)
 

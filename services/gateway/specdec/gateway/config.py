@@ -25,23 +25,19 @@ from specdec.common.tls import (
     ServerTlsSettings,
     read_tokens,
 )
-from specdec.gateway.canary import Canary, parse_canary
-from specdec.gateway.discovery import parse_target
-from specdec.gateway.lookup import BY_NAME as METHOD_BY_NAME
-from specdec.gateway.lookup import MAX_TREE_WIDTH, SCOPES, parse_method, tree_width
-from specdec.gateway.lookup.settings import LookupSettings, SuffixParams
-from specdec.gateway.policy import ADAPTIVE, parse_policy
-from specdec.gateway.policy import BY_NAME as POLICY_BY_NAME
+from specdec.gateway.fleet.canary import Canary, parse_canary
+from specdec.gateway.fleet.discovery import parse_target
+from specdec.gateway.job import TURN_LEASE_SECONDS, tree_width
+from specdec.gateway.round.lookup import BY_NAME as METHOD_BY_NAME
+from specdec.gateway.round.lookup import MAX_TREE_WIDTH, SCOPES, parse_method
+from specdec.gateway.round.lookup.settings import LookupSettings, SuffixParams
+from specdec.gateway.round.policy import ADAPTIVE, parse_policy
+from specdec.gateway.round.policy import BY_NAME as POLICY_BY_NAME
 from specdec.v1 import gateway_pb2
 
 REPLICA_TRANSPORTS = ("dataplane", "grpc")
 METHOD_NAMES = tuple(METHOD_BY_NAME)  # --method
 POLICY_NAMES = tuple(POLICY_BY_NAME)  # --k-policy
-
-# The default lease of a session's turn lock (specdec.gateway.sessions.turns): renewed every
-# quarter, so it survives three missed renewals (a Redis blip, a loaded event loop), and
-# lapses this long after its holder's death.
-TURN_LEASE_SECONDS = 4.0
 
 
 def _fan_out(value: int) -> str | None:
@@ -49,7 +45,7 @@ def _fan_out(value: int) -> str | None:
 
 
 def address_list(raw: str) -> tuple[str, ...]:
-    """HOST:PORT[,HOST:PORT...], or one dns:/k8s: discovery target (see discovery.py)."""
+    """HOST:PORT[,HOST:PORT...], or one dns:/k8s: discovery target (see specdec.gateway.fleet.discovery)."""
     if parse_target(raw) is not None:  # raises ValueError when malformed
         return (raw.strip(),)
     addresses = tuple(a.strip() for a in raw.split(",") if a.strip())
@@ -104,7 +100,7 @@ class GatewayConfig:
         "Prometheus /metrics port (0: off; the HTTP API's port serves /metrics too)",
         check=port_number,
     )
-    # The OpenAI-compatible HTTP API (specdec.gateway.http).
+    # The OpenAI-compatible HTTP API (specdec.gateway.front.http).
     http_port: int = setting(
         8000, "OpenAI-compatible HTTP API port, as vLLM's (0: off)", check=port_number
     )
@@ -132,7 +128,7 @@ class GatewayConfig:
         shown="adaptive",
         choices=POLICY_NAMES,
     )
-    # Lookup drafts (specdec.gateway.lookup): the default SpeculationMethod, prompt
+    # Lookup drafts (specdec.gateway.round.lookup): the default SpeculationMethod, prompt
     # lookup's n-gram lengths, the suffix tries' depth and the cache of recent outputs.
     method: gateway_pb2.SpeculationMethod = setting(
         gateway_pb2.SPECULATION_METHOD_HYBRID,
@@ -194,7 +190,7 @@ class GatewayConfig:
     # TLS (mTLS with a certificate) to the replicas.
     replica_tls: ClientTls | None = settings_group(ReplicaTlsSettings)
     # How the round's calls reach a replica: "dataplane" (its data port when its Info has
-    # one, specdec.gateway.dataplane) or "grpc" (unary calls, specdec.gateway.transport).
+    # one, specdec.gateway.fleet.dataplane) or "grpc" (unary calls, specdec.gateway.fleet.transport).
     replica_transport: str = setting(
         "dataplane",
         "how the round's calls (Draft, Speculate, Verify) reach the replicas: dataplane "
@@ -215,7 +211,7 @@ class GatewayConfig:
         "and its calls fail over (a replica answers pings during a forward too)",
         check=positive,
     )
-    # Recording of finished requests (specdec.gateway.recorder); None: off.
+    # Recording of finished requests (specdec.gateway.observe.recorder); None: off.
     record_dir: str | None = setting(
         None,
         "directory where finished requests are recorded for `specdec distill` (token "
@@ -236,7 +232,7 @@ class GatewayConfig:
         "row (0-20; 0: none), for specdec distill's KL",
         check=_top_logprobs,
     )
-    # A share of new sessions to drafters of one model version (specdec.gateway.canary).
+    # A share of new sessions to drafters of one model version (specdec.gateway.fleet.canary).
     drafter_canary: Canary | None = setting(
         None,
         "VERSION:PERCENT: send that share of new sessions to the drafters whose model "

@@ -67,7 +67,7 @@ class Source(StrEnum):
     PREPARED = "prepared"  # an SSD branch: held by the gateway (greedy) or by the drafter
     NO_DRAFT = "none"  # k = 0 by choice (the request's k, the policy, or no room left)
     NO_DRAFTER = "no-drafter"  # k = 0 because no drafter could draft (same output, slower)
-    # Lookup drafts built by the gateway (specdec.gateway.lookup): no model call, one-hot q.
+    # Lookup drafts built by the gateway (specdec.gateway.round.lookup): no model call, one-hot q.
     NGRAM = "ngram"
     SUFFIX = "suffix"
     PREDICTION = "prediction"

@@ -1,10 +1,10 @@
 """What a speculation round did (`Outcome`), and the request's statistics built from it.
 
-A round (specdec.gateway.loop) keeps no books: it returns one frozen `Outcome`, and
+A round (specdec.gateway.round.loop) keeps no books: it returns one frozen `Outcome`, and
 everything that counts, learns or reports reads that record and nothing else:
 `RequestStats.observe` (the request's SpeculationStats and the gateway's metrics), the
-k policy's `observe` (specdec.gateway.policy) and the round's span
-(specdec.gateway.tracing).
+k policy's `observe` (specdec.gateway.round.policy) and the round's span
+(specdec.gateway.observe.tracing).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class Outcome:
     on_chain: int = 0  # a tree's accepted nodes on its first branch
     tree_leaves: int = 0  # the drafter's tree: its leaves (alternatives to draft tokens)
     tree_depth: int = 0  # the drafter's tree: the forwards that continued its leaves
-    # What the adaptive policy priced the round's draft at (specdec.gateway.policy.Estimate):
+    # What the adaptive policy priced the round's draft at (specdec.gateway.round.policy.Estimate):
     # the verifier's load level (the cost bucket of its rows per forward: "1", "2", "4",
     # "8", "16"), its saturation u and the draft's expected tokens per second over k = 0's;
     # "" / None when no estimate was made (a fixed policy, nothing measured yet).

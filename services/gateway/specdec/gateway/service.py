@@ -2,10 +2,10 @@
 
 `Service` holds what outlives a request: the replica fleet, the session index and its
 turn locks, the recorder, and, once the replicas have answered Info (`start`), the
-tokenizer, the limits a request must respect (specdec.gateway.request.Limits), the EOS ids
+tokenizer, the limits a request must respect (specdec.gateway.job.Limits), the EOS ids
 and the grammar engine; and across requests, the draft sources' acceptance priors and the
-suffix cache. The session turn (specdec.gateway.turn) and a completion's rounds
-(specdec.gateway.completion) run on it.
+suffix cache. The session turn (specdec.gateway.front.turn) and a completion's rounds
+(specdec.gateway.front.completion) run on it.
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ import zlib
 import grpc
 
 from specdec.gateway.config import GatewayConfig
-from specdec.gateway.dataplane import DataPlaneSettings
-from specdec.gateway.grammar import Grammars
-from specdec.gateway.lookup.settings import LookupSettings, SuffixParams
-from specdec.gateway.lookup.suffix import SuffixCache
-from specdec.gateway.placement import Placement
-from specdec.gateway.policy import SourcePriors
-from specdec.gateway.recorder import Recorder
-from specdec.gateway.replicas import Fleet
-from specdec.gateway.request import Limits
+from specdec.gateway.fleet.dataplane import DataPlaneSettings
+from specdec.gateway.fleet.placement import Placement
+from specdec.gateway.fleet.replicas import Fleet
+from specdec.gateway.job import Limits
+from specdec.gateway.observe.recorder import Recorder
+from specdec.gateway.round.grammar import Grammars
+from specdec.gateway.round.lookup.settings import LookupSettings, SuffixParams
+from specdec.gateway.round.lookup.suffix import SuffixCache
+from specdec.gateway.round.policy import SourcePriors
 from specdec.gateway.sessions import SessionIndex, TurnLocks
 from specdec.gateway.text import TextCodec
 from specdec.sdk.request import Sampling
@@ -72,10 +72,10 @@ class Service:
         self.codec: TextCodec | None = None
         self.limits: Limits | None = None
         self.eos_token_ids: frozenset[int] = frozenset()
-        self.grammars: Grammars | None = None  # structured output (specdec.gateway.grammar)
+        self.grammars: Grammars | None = None  # structured output (specdec.gateway.round.grammar)
         self.grammars_error = "the gateway is still connecting to its replicas"
         # Each draft source's acceptance over the requests served: where a new request's
-        # adaptive policy starts from (specdec.gateway.policy).
+        # adaptive policy starts from (specdec.gateway.round.policy).
         self.source_priors = SourcePriors()
         self._background: set[asyncio.Task] = set()
         self.lookup_settings = LookupSettings(

@@ -1,6 +1,6 @@
 """The replica's data plane: the round's calls (Draft, Speculate, Verify) over one TCP
 connection per gateway, read and answered on the model thread (the protocol:
-protos/specdec/v1/dataplane.proto; the gateway's end: specdec.gateway.dataplane).
+protos/specdec/v1/dataplane.proto; the gateway's end: specdec.gateway.fleet.dataplane).
 
 Why. A unary gRPC call costs about half a millisecond of round trip on the development
 machine, and handing a call from the servicers' event loop to the model thread and back

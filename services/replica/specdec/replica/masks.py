@@ -1,7 +1,7 @@
 """Grammar masks on the target's logits (structured output): torch only, no gRPC.
 
 A structured generation's gateway sends, with each Verify, the tokens its grammar allows at
-every verified position (specdec.gateway.grammar). The verifier turns them into one boolean
+every verified position (specdec.gateway.round.grammar). The verifier turns them into one boolean
 tensor and sets the forbidden logits to -inf before warping (temperature, top-k, top-p) and
 before the greedy argmax, so the rule of DESIGN §2 runs on the constrained target
 distribution at every position.

@@ -5,7 +5,7 @@
 
 Starts one stand-in verifier (specdec.tools.bench.standin, a forward of --target-ms) and
 sends it Verify calls of --k draft tokens over each transport (its data plane, a unary
-gRPC call, as the gateway would: specdec.gateway.transport, or one bidirectional gRPC
+gRPC call, as the gateway would: specdec.gateway.fleet.transport, or one bidirectional gRPC
 stream: specdec.tools.bench.grpcstream, whose verifier then serves all three), one at a
 time, waiting --gaps milliseconds (slept, so the caller's CPU goes idle, as a gateway's
 does while the other replica works) before each. Per gap, the transports take turns
@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     import uvloop
 
     from specdec.common.prefix import PrefixChain
-    from specdec.gateway.dataplane import DataPlaneTransport
-    from specdec.gateway.transport import GrpcTransport, Method
+    from specdec.gateway.fleet.dataplane import DataPlaneTransport
+    from specdec.gateway.fleet.transport import GrpcTransport, Method
     from specdec.tools.bench.grpcstream import StreamTransport
     from specdec.tools.bench.standin import build_standins
     from specdec.tools.launcher import ServiceProcess

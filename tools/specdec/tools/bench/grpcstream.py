@@ -11,7 +11,7 @@ plane's page, docs/concepts/dataplane.md, "What it costs").
     python -m specdec.tools.bench.grpcstream [specdec serve verifier's flags]
 
 runs a verifier that also serves the stream (service specdec.bench.DataStream, method
-Calls); `StreamTransport` is its gateway end (a specdec.gateway.transport Transport).
+Calls); `StreamTransport` is its gateway end (a specdec.gateway.fleet.transport Transport).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any
 
 import grpc
 
-from specdec.gateway.dataplane import FIELDS
-from specdec.gateway.transport import CallFailed, Method
+from specdec.gateway.fleet.dataplane import FIELDS
+from specdec.gateway.fleet.transport import CallFailed, Method
 from specdec.v1 import dataplane_pb2
 
 PATH = "/specdec.bench.DataStream/Calls"

@@ -1,7 +1,7 @@
 """The speculation policy under load, simulated: stand-in replicas with a measured cost surface.
 
 What the gateway's policy decides at each concurrency, without models and without the wall
-clock. Sessions run the gateway's rounds (specdec.gateway.loop) against a simulated
+clock. Sessions run the gateway's rounds (specdec.gateway.round.loop) against a simulated
 verifier and drafter; only time is simulated:
 
 - The verifier batches continuously, as a replica does (specdec.replica.batching): when
@@ -14,7 +14,7 @@ verifier and drafter; only time is simulated:
 - The drafter is a second such replica: a Draft of k tokens is k steps, each step one
   batched forward over the Drafts in progress.
 - Each session runs requests of `request_tokens` tokens, each with its own policy
-  (specdec.gateway.policy: adaptive, or fixed k), sharing the gateway's `SourcePriors`,
+  (specdec.gateway.round.policy: adaptive, or fixed k), sharing the gateway's `SourcePriors`,
   and feeds it each round's `Outcome` as the loop does. Draft tokens are accepted i.i.d.
   at `acceptance`; a round's call pays `overhead_ms` of round trip beyond the forwards.
   Each forward's time varies by `jitter` (uniform, +-5% by default): without it, sessions
@@ -52,7 +52,7 @@ from typing import Any
 
 from specdec.common.cost import CostCurve, LoadWindow, ReportedCost, to_proto
 from specdec.gateway.outcome import DRAFTED, NO_DRAFT, Outcome
-from specdec.gateway.policy import AdaptivePolicy, FixedPolicy, SourcePriors
+from specdec.gateway.round.policy import AdaptivePolicy, FixedPolicy, SourcePriors
 
 BENCH = Path(__file__).resolve().parents[4] / "docs/bench"
 SHAPES = BENCH / "2026-11-27-engine-shapes/results.json"

@@ -22,9 +22,9 @@ import statistics
 import time
 from pathlib import Path
 
-from specdec.gateway.lookup.hybrid import RequestLookup
-from specdec.gateway.lookup.settings import LookupSettings
-from specdec.gateway.lookup.suffix import SuffixCache
+from specdec.gateway.round.lookup.hybrid import RequestLookup
+from specdec.gateway.round.lookup.settings import LookupSettings
+from specdec.gateway.round.lookup.suffix import SuffixCache
 
 METHODS = ("ngram", "suffix", "hybrid")
 TOKENS_PER_ROUND = 4

@@ -1,7 +1,7 @@
 """What `specdec distill` trains on: (prompt ids, target output ids) sequences.
 
 Two sources, one format. A gateway's recordings (`--data DIR`: the rows of
-specdec.gateway.recorder, schema ``specdec.record/1``) already hold what the target said.
+specdec.gateway.observe.recorder, schema ``specdec.record/1``) already hold what the target said.
 A prompt file (`--prompts FILE`, the bench's JSONL format: ``{"kind", "prompt"}`` or
 ``{"kind", "messages"}``) is first run through the target (greedy), and the result is
 written as recording rows to ``OUT/distill/data.jsonl``, so a resumed run reads it back
@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-SCHEMA = "specdec.record/1"  # the recorder's (specdec.gateway.recorder.SCHEMA)
+SCHEMA = "specdec.record/1"  # the recorder's (specdec.gateway.observe.recorder.SCHEMA)
 
 
 @dataclass(frozen=True)

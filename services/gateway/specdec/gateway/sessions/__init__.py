@@ -6,6 +6,9 @@
 - ``turns``: TurnLocks, one turn at a time per session across gateway replicas (a lease
   renewed by its live turn, a fencing token ordering the history writes);
 - ``ids``: the id under which the replicas cache a request's KV (replica_session_id).
+
+It may import observe and the ground floor; never the round, the fleet, the front, the
+service or config.
 """
 
 from specdec.gateway.sessions.ids import replica_session_id

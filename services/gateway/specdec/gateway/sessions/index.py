@@ -33,7 +33,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from specdec.common.errors import SpecdecError
-from specdec.gateway import metrics
+from specdec.gateway.observe import metrics
+from specdec.gateway.observe.tracing import redis_failed, redis_op
 from specdec.gateway.sessions.local import LocalCopy, LocalEntry
 from specdec.gateway.sessions.record import (
     SessionRecord,
@@ -41,7 +42,6 @@ from specdec.gateway.sessions.record import (
     encode_record,
     validate_session_id,
 )
-from specdec.gateway.tracing import redis_failed, redis_op
 
 log = logging.getLogger(__name__)
 

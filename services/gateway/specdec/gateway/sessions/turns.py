@@ -48,8 +48,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from specdec.common.errors import SpecdecError
-from specdec.gateway import metrics
-from specdec.gateway.config import TURN_LEASE_SECONDS
+from specdec.gateway.job import TURN_LEASE_SECONDS
+from specdec.gateway.observe import metrics
+from specdec.gateway.observe.tracing import redis_op
 from specdec.gateway.sessions.index import (
     NEXT_FENCE_LUA,
     STORE_FAILURES,
@@ -57,7 +58,6 @@ from specdec.gateway.sessions.index import (
     SessionIndex,
 )
 from specdec.gateway.sessions.record import validate_session_id
-from specdec.gateway.tracing import redis_op
 
 log = logging.getLogger(__name__)
 
