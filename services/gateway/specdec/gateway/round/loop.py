@@ -192,7 +192,7 @@ class Speculator:
         # Scores asked of each Verify (with top_logprobs alternatives per token); the
         # prompt's with the first round's.
         self.scoring = scoring
-        # n > 1 (specdec.gateway.choices): per role, the replica session whose cache the
+        # n > 1 (specdec.gateway.front.choices): per role, the replica session whose cache the
         # next call that names a prefix starts from (VerifyRequest.fork_from).
         self.fork_from: dict[Role, str] = {}
         self.features = FeatureRelay(caller.fleet)  # a head drafter's, verifier to drafter
