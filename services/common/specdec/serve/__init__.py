@@ -14,6 +14,7 @@ import argparse
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import import_module
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -25,14 +26,33 @@ ROLES = ("drafter", "verifier", "gateway")  # the order `specdec serve --help` l
 
 @dataclass(frozen=True)
 class Service:
-    """One service as `specdec serve` runs it: `add_arguments` declares its flags on its
-    subcommand's parser; `main` runs it until SIGTERM (both import the service's modules
-    only when called)."""
+    """One service as `specdec serve` runs it: its settings class and its `main`, named
+    "module:attribute" and imported only when used (the parser imports the config, the
+    run imports the server); `port`, the default gRPC port a replica's settings take
+    (None: the config's own)."""
 
     role: str
     help: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    main: Callable[[argparse.Namespace], None]
+    config: str
+    main: str
+    port: int | None = None
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Declare the service's flags on its subcommand's parser."""
+        config = _load(self.config)
+        if self.port is None:
+            config.add_arguments(parser)
+        else:
+            config.add_arguments(parser, default_port=self.port)
+
+    def run(self, args: argparse.Namespace) -> None:
+        """Run the service until SIGTERM."""
+        _load(self.main)(args)
+
+
+def _load(name: str) -> Any:
+    module, attribute = name.split(":")
+    return getattr(import_module(module), attribute)
 
 
 def installed() -> dict[str, Service]:
@@ -51,7 +71,7 @@ def _runner(service: Service) -> Callable[[argparse.Namespace], int]:
         from specdec.common.serving import StartFailed
 
         try:
-            service.main(args)
+            service.run(args)
         except ConfigError as e:
             print(f"specdec: configuration error: {e}", file=sys.stderr)
             return 2

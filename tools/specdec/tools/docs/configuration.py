@@ -104,7 +104,7 @@ def render() -> str:
     from specdec.verifier import cli as verifier_cli
     from specdec.verifier.config import VerifierConfig
 
-    ports = {"drafter": drafter_cli.PORT, "verifier": verifier_cli.PORT}
+    ports = {"drafter": drafter_cli.SERVICE.port, "verifier": verifier_cli.SERVICE.port}
 
     gateway = described(GatewayConfig)
     shared = described(ReplicaConfig)
