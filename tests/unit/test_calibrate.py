@@ -110,6 +110,11 @@ def test_load_model_fastest_measures_both_and_keeps_one(test_models, cache_dir, 
     for timing in entry["timings_ms"].values():
         assert set(timing) == {"1", "8"} and all(ms > 0 for ms in timing.values())
     direct = AutoModelForCausalLM.from_pretrained(test_models.target, dtype=getattr(torch, kept))
+    # Packed or not is the machine's choice; packed weights unpack bit for bit.
+    packed = loaded.dtype_reason.split(": ")[0].endswith(calibrate.PACKED)
+    assert packing.is_packed(loaded.model) == packed
+    if packed:
+        packing.unpack_linears(loaded.model)
     assert_same_model(loaded.model, direct.eval())
 
     forwards[0] = 0  # a second start-up: the cached choice, not a single forward
