@@ -211,9 +211,9 @@ def test_a_drafts_fixed_cost_is_apart_from_its_cost_per_token():
     policy.bind(placement(None), placement(Line(10.0, 0.1, 20.0, 16)))
     for _ in range(10):
         policy.observe_draft(2, (5.0 + 2.0) / 1e3, forward_ms=2.0)
-    assert policy.draft_cost(4) == pytest.approx(9.0 / 1e3, rel=0.01)
-    assert policy.draft_cost(1) == pytest.approx(6.0 / 1e3, rel=0.01)
-    assert policy.draft_cost(0) == 0.0
+    assert policy.prices.draft_cost(4) == pytest.approx(9.0 / 1e3, rel=0.01)
+    assert policy.prices.draft_cost(1) == pytest.approx(6.0 / 1e3, rel=0.01)
+    assert policy.prices.draft_cost(0) == 0.0
 
 
 def rejected_at_once(k: int, m: Machine) -> Outcome:
@@ -271,10 +271,10 @@ def test_a_draft_that_prefilled_the_prompt_is_not_the_cost_of_drafting():
     policy = adaptive()
     policy.bind(placement(Line(85.0, 7.0, 20.0, 16)), placement(Line(460.0, 152.0, 20.0, 16)))
     policy.observe_draft(3, 12.0, forward_ms=11_900.0, fed=300)  # the prompt's prefill
-    assert policy.draft.value is None  # still the drafter's reported curve
+    assert policy.prices.draft.value is None  # still the drafter's reported curve
     assert policy.choose_k(3) >= 2  # 2 at the 0.7 prior: drafting pays
     policy.observe_draft(3, 0.30, forward_ms=280.0, fed=4)
-    assert policy.draft_time() == pytest.approx(280.0 / 3 / 1e3)
+    assert policy.prices.draft_time() == pytest.approx(280.0 / 3 / 1e3)
 
 
 async def test_the_first_round_is_priced_before_a_replica_is_placed():
@@ -293,7 +293,7 @@ async def test_the_first_round_is_priced_before_a_replica_is_placed():
     priors.observe(LOOKUP_NGRAM, 1, 10)  # the gateway saw its lookups fail
     policy = AdaptivePolicy(ssd=False, max_fan_out=1, priors=priors)
     policy.bind(Placement(), Placement(), fleet)
-    assert policy.verifier_line() == m.line
+    assert policy.prices.verifier_line() == m.line
     assert policy.choose_lookup_k(16, LOOKUP_NGRAM) == 0
     unplaced = AdaptivePolicy(ssd=False, max_fan_out=1, priors=priors)
     unplaced.bind(Placement(), Placement())  # no fleet: nothing known yet, so the bound

@@ -3,6 +3,9 @@ other candidates, and the policy's sizing of a tree against its cost curve."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+from specdec.common.cost import Line, ReportedCost
 from specdec.gateway.round.lookup.ngram import NgramIndex
 from specdec.gateway.round.lookup.settings import SuffixParams
 from specdec.gateway.round.lookup.suffix import SuffixTrie, branches
@@ -48,17 +51,10 @@ def test_fixed_policy_gives_other_branches_a_share():
     assert FixedPolicy().tree_sizes(16, 3, 16) == (10, 2)
 
 
-class _Line:
-    def __init__(self, per_token_ms: float):
-        self.per_token_ms = per_token_ms
-
-    def ms(self, tokens: int) -> float:
-        return 10.0 + self.per_token_ms * tokens
-
-
 def _adaptive(per_token_ms: float) -> AdaptivePolicy:
     policy = AdaptivePolicy(ssd=False, max_fan_out=1)
-    policy.verifier_line = lambda: _Line(per_token_ms)  # the verifier's cost curve
+    verifier = ReportedCost(((1, Line(10.0, per_token_ms, 20.0, 32)),))  # its cost curve
+    policy.bind(None, SimpleNamespace(replica=SimpleNamespace(cost=verifier)))
     for _ in range(50):  # a source whose first token is often wrong, other branches good
         policy.sources["ngram"].observe(8, 0)
         policy.sources["ngram"].observe(8, 8)

@@ -12,10 +12,10 @@ from specdec.gateway.round.policy import (
     AdaptivePolicy,
     FixedPolicy,
     PolicyParams,
-    expected_tokens,
     make_policy,
     parse_policy,
 )
+from specdec.gateway.round.policy.acceptance import expected_tokens
 
 
 def rounds(policy: AdaptivePolicy, n: int, *, k: int, accepted: int, verify_s: float,
@@ -86,7 +86,7 @@ def test_the_model_picks_the_argmax_of_expected_tokens_per_second():
     policy = AdaptivePolicy(ssd=False, max_fan_out=1)
     rounds(policy, 20, k=2, accepted=1, verify_s=0.33, draft_s=0.24)
     k = policy.choose_k(6)
-    rates = [policy.rate(j) for j in range(7)]
+    rates = [policy.rates(j)[j] for j in range(7)]
     assert rates[k] == max(rates)
     assert 0 < k < 6  # an interior optimum: acceptance ~0.5 with a drafter at 0.37 of a step
 
@@ -102,7 +102,7 @@ def test_saturated_verifier_shrinks_k_to_zero_and_headroom_grows_it_back():
         k = policy.choose_k(4)
         ks.append(k)
         rounds(policy, 1, k=k, accepted=min(k, 3), verify_s=2.4, draft_s=0.12, queue=8)
-    assert policy.token_cost == pytest.approx(1.0, abs=0.05)
+    assert policy.prices.token_cost == pytest.approx(1.0, abs=0.05)
     assert ks[-1] == 0 and ks == sorted(ks, reverse=True)
     # Load gone: measured at k = 0 too, so k comes back (to 3 at least: the fourth
     # position, rejected in every round that reached it, may have stopped paying).
@@ -128,8 +128,8 @@ def test_ssd_hits_hide_drafting_so_k_is_larger():
         for accepted in (3, 2, 1, 3, 3, 0, 2, 3) * 3:  # about 0.7 a position
             rounds(policy, 1, k=3, accepted=accepted, verify_s=0.3, draft_s=0.15)
     for _ in range(10):
-        ssd.observe_ssd(True)
-    assert ssd.hit_rate > 0.95
+        ssd.fanout.observe_ssd(True)
+    assert ssd.fanout.hit_rate > 0.95
     assert ssd.choose_k(8) > plain.choose_k(8)
 
 
@@ -142,8 +142,8 @@ def test_fan_out_fits_the_speculate_inside_the_verify():
     for _ in range(5):
         policy.observe_speculate(3, 2, 0.36)
     f = policy.choose_fan_out(2, 2)
-    step = policy.step.value
-    budget = params.fit_margin * policy.verify.value * (1 + policy.token_cost * 2)
+    step = policy.fanout.step.value
+    budget = params.fit_margin * policy.prices.verify.value * (1 + policy.prices.token_cost * 2)
 
     def cost(fan_out: int) -> float:
         return step * 3 * (1 + params.branch_cost * (fan_out - 1))
@@ -171,13 +171,13 @@ def test_late_speculates_shrink_the_fan_out_then_pause_ssd_and_retry():
     assert fan_outs[-params.late_limit :] == [1] * params.late_limit
     # Paused: no Speculate for pause_rounds rounds (the None above was the first of them),
     # and no hidden drafting counted meanwhile.
-    assert policy.hit_rate == 0.0
+    assert policy.fanout.hit_rate == 0.0
     paused = [policy.choose_fan_out(2, 2) for _ in range(params.pause_rounds - 1)]
     assert paused == [None] * (params.pause_rounds - 1)
     assert policy.choose_fan_out(2, 2) == 1  # then it tries again
     # An answered Speculate in time resets the count of late ones.
     policy.observe_speculate(1, 2, 0.05)
-    assert policy.late_in_row == 0
+    assert policy.fanout.late_in_row == 0
 
 
 def lookup_outcome(k: int, accepted: int, queue: int = 0) -> Outcome:
@@ -197,7 +197,7 @@ def test_lookup_drafts_are_free_so_long_ones_pay_until_the_verifier_saturates():
     for _ in range(20):
         p.observe(lookup_outcome(16, 16))
     assert p.choose_lookup_k(16, LOOKUP_SUFFIX) == 16
-    assert p.accepted == p.rejections == 0 and p.lookup_accepted == 320
+    assert p.counts() == (0, 0) and p.counts(lookup=True)[0] == 320
     bad = AdaptivePolicy(ssd=False, max_fan_out=1)
     for _ in range(40):
         bad.observe(lookup_outcome(16, 0))
@@ -230,7 +230,7 @@ def test_a_lookup_extension_counts_apart_from_the_model_draft():
     ):
         p.observe(o)
         stats.observe(o)
-    assert (p.accepted, p.rejections) == (7, 1)
-    assert (p.lookup_accepted, p.lookup_rejections) == (5, 1)
+    assert p.counts() == (7, 1)
+    assert p.counts(lookup=True) == (5, 1)
     assert stats.by_source == {"model": [3, 9, 7], "ngram": [3, 15, 5]}
     assert stats.draft_tokens == 24 and stats.accepted_tokens == 12

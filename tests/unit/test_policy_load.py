@@ -222,7 +222,7 @@ def test_a_ragged_verifier_has_no_free_width_and_prices_a_new_request_under_load
     curve.prior = fit_points([(1, 50.0), (2, 100.0), (4, 200.0), (8, 400.0), (16, 800.0)])
     load = _busy_load(8).load(now=2.0, waiting=4)
     policy = _bound_policy(ReportedCost.from_proto(to_proto(curve.buckets(), load, ragged=True)))
-    assert policy.saturation == pytest.approx(1.0 - 1.0 / 8.0)
+    assert policy.prices.saturation == pytest.approx(1.0 - 1.0 / 8.0)
     assert policy.batch_width(4) == 1
     assert policy.choose_k(4) == 0  # every draft token costs a step of every waiting row
     flat = CostCurve()
@@ -245,6 +245,6 @@ def test_on_a_ragged_verifier_a_drafter_as_dear_prices_its_steps_under_load():
     load = window.load(now=2.0, waiting=16)
     cost = ReportedCost.from_proto(to_proto(curve.buckets(), load, True, curve.points()))
     policy = _bound_policy(cost)
-    assert policy.sessions == pytest.approx(32.0)  # 16 rows in each replica's forwards
-    assert policy.network_time(2, 1) > policy.network_time(1, 0) * 1.75  # k=1 yields 1.75
+    assert policy.prices.sessions == pytest.approx(32.0)  # 16 rows in each replica's forwards
+    assert policy.prices.network_time(2, 1) > policy.prices.network_time(1, 0) * 1.75  # k=1 yields 1.75
     assert policy.choose_k(4) == 0
