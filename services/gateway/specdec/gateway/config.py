@@ -58,7 +58,7 @@ def address_list(raw: str) -> tuple[str, ...]:
     return addresses
 
 
-def non_empty(value) -> str | None:
+def non_empty(value: object) -> str | None:
     return None if value else "must name at least one HOST:PORT"
 
 

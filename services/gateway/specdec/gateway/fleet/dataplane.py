@@ -39,7 +39,7 @@ import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -118,22 +118,23 @@ class _Protocol(asyncio.Protocol):
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.reader = FrameReader()
-        self.pending: dict[int, tuple[asyncio.Future, Method]] = {}
-        self.ready: asyncio.Future = self.loop.create_future()
+        self.pending: dict[int, tuple[asyncio.Future[Any], Method]] = {}
+        self.ready: asyncio.Future[None] = self.loop.create_future()
         self.lost: str | None = None  # why the connection is gone; None while it is up
         self.reason = Reason.DISCONNECTED  # the Reason of the loss
         self.unsent: list[bytes] = []  # frames queued in this pass of the event loop
         self.unsent_bytes = 0
         self.paused = False  # the transport's buffer is over its high-water mark
-        self._drained: list[asyncio.Future] = []  # calls waiting for room
+        self._drained: list[asyncio.Future[None]] = []  # calls waiting for room
         self.last_heard = self.loop.time()  # when the replica last sent anything
         self.pings = 0  # sent
         self.pongs = 0  # answered
         self._tick: asyncio.TimerHandle | None = None
         self.on_lost: Callable[[_Protocol], None] | None = None
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A stream connection's transport (asyncio's or uvloop's, which share no base class).
+        self.transport = transport = cast(asyncio.Transport, transport)
         high = self.settings.max_buffered
         transport.set_write_buffer_limits(high=high, low=high // 2)
         sock = transport.get_extra_info("socket")
@@ -307,14 +308,14 @@ class DataPlaneTransport:
         self.target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._connector = connector or self._dial
         self._protocol: _Protocol | None = None
-        self._connecting: asyncio.Future | None = None
+        self._connecting: asyncio.Future[None] | None = None
         self._ids = itertools.count(1)
         self._closed = False
         self.delay = 0.0  # the back-off after the last failure; 0 while connected
         self.retry_at = 0.0  # loop.time() of the next attempt after a failure
         self.delays: list[float] = []  # every back-off taken, in order (for inspection)
         self.last_failure = ""
-        self._reconnecting: asyncio.Task | None = None
+        self._reconnecting: asyncio.Future[None] | None = None
 
     def __repr__(self) -> str:
         return f"DataPlaneTransport({self.target})"
@@ -451,7 +452,7 @@ class DataPlaneTransport:
         finally:
             timer.cancel()
 
-    def _expire(self, protocol: _Protocol, call_id: int, future: asyncio.Future) -> None:
+    def _expire(self, protocol: _Protocol, call_id: int, future: asyncio.Future[Any]) -> None:
         if protocol.pending.pop(call_id, None) is None or future.done():
             return
         self._cancel(protocol, call_id)

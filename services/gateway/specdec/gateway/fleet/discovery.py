@@ -27,7 +27,7 @@ import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported where used: kubernetes is needed by k8s: discovery only
     from kubernetes.watch import Watch
@@ -188,7 +188,7 @@ class K8sDiscovery:
             ) from None
 
     @staticmethod
-    def api_client():
+    def api_client() -> Any:
         """In-cluster credentials when running in a pod, else $KUBECONFIG / ~/.kube/config."""
         from kubernetes import client, config
 
@@ -197,7 +197,7 @@ class K8sDiscovery:
             return client.ApiClient()
         return config.new_client_from_config()
 
-    def addresses(self, raw_slice: dict) -> frozenset[str]:
+    def addresses(self, raw_slice: dict[str, Any]) -> frozenset[str]:
         """The ready endpoints of one EndpointSlice (a dict as the API sends it)."""
         if raw_slice.get("addressType") not in ("IPv4", "IPv6"):
             return frozenset()
@@ -219,7 +219,7 @@ class K8sDiscovery:
     def _union(self) -> frozenset[str]:
         return frozenset().union(*self._slices.values())
 
-    def _list(self, api) -> str:
+    def _list(self, api: Any) -> str:
         selector = f"{SERVICE_NAME_LABEL}={self.target.service}"
         resp = api.list_namespaced_endpoint_slice(
             self.namespace, label_selector=selector, _preload_content=False
@@ -228,7 +228,7 @@ class K8sDiscovery:
 
         body = json.loads(resp.data)
         self._slices = {s["metadata"]["name"]: self.addresses(s) for s in body.get("items") or []}
-        return body["metadata"]["resourceVersion"]
+        return str(body["metadata"]["resourceVersion"])
 
     def _follow(self, publish: Publish) -> None:
         """Runs in a thread until stop(): list, publish, watch; relist after 410."""
@@ -270,7 +270,7 @@ class K8sDiscovery:
                     break
                 self._failed(e)
 
-    def _extra(self) -> dict:
+    def _extra(self) -> dict[str, str]:
         return {"target": str(self.target), "namespace": self.namespace}
 
     def _failed(self, e: Exception) -> None:

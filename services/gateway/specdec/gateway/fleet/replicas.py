@@ -156,7 +156,7 @@ class ReplicaPool:
         self.source = ",".join(addresses)
         self.discovery = make_discovery(addresses[0], dns_interval) if len(addresses) == 1 else None
         self.replicas: list[Replica] = []
-        self._closing: set[asyncio.Task] = set()
+        self._closing: set[asyncio.Task[None]] = set()
         if self.discovery is None:
             self.replicas = [self._new(a) for a in addresses]
         self._report()
@@ -252,9 +252,10 @@ class ReplicaPool:
     async def fetch_info(
         self, replica: Replica, include_tokenizer: bool = False
     ) -> common_pb2.ModelInfo:
-        return await replica.stub.Info(
+        info: common_pb2.ModelInfo = await replica.stub.Info(
             common_pb2.InfoRequest(include_tokenizer=include_tokenizer), timeout=self.info_timeout
         )
+        return info
 
     async def healthy(self, replica: Replica) -> bool:
         return not await self.unhealthy(replica)
@@ -314,8 +315,8 @@ class Fleet:
         tls: dict[str, Any] = {"credentials": credentials, "server_name": server_name}
         self.drafters = ReplicaPool(Role.DRAFTER, drafters, dns_interval=dns_interval, **tls)
         self.verifiers = ReplicaPool(Role.VERIFIER, verifiers, dns_interval=dns_interval, **tls)
-        self._probe: asyncio.Task | None = None
-        self._discovery: list[asyncio.Task] = []
+        self._probe: asyncio.Future[None] | None = None
+        self._discovery: list[asyncio.Task[None]] = []
         # What every replica must match, fixed at start: (vocab size, tokenizer fingerprint),
         # and the smallest context and largest draft length k (the replicas' least
         # --max-draft-tokens) the gateway's limits were taken from.

@@ -55,8 +55,6 @@ SCORE_DIGITS = 5  # decimals kept of a recorded log-probability (float32 has abo
 FILE_GLOB = "record-*.jsonl"
 QUEUE_ROWS = 1024  # rows waiting for the writer; past it, rows are dropped (counted)
 
-_STOP = object()
-
 
 def recording_row(
     *,
@@ -119,14 +117,16 @@ class Recorder:
             raise ConfigError(f"--record {self.directory}: cannot create it ({e})") from None
         if not os.access(self.directory, os.W_OK | os.X_OK):
             raise ConfigError(f"--record {self.directory}: not writable by this process")
-        self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_ROWS)
+        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(
+            maxsize=QUEUE_ROWS
+        )  # None: stop
         self._file: BinaryIO | None = None
         self._size = 0
         self._count = 0
         self._thread = threading.Thread(target=self._run, name="specdec-recorder", daemon=True)
         self._thread.start()
 
-    def submit(self, row: dict) -> bool:
+    def submit(self, row: dict[str, Any]) -> bool:
         """Queue a row for writing; False (and counted) when the queue is full."""
         try:
             self._queue.put_nowait(row)
@@ -137,7 +137,7 @@ class Recorder:
 
     def close(self, timeout: float = 10.0) -> None:
         """Write what is queued, then stop the writer thread."""
-        self._queue.put(_STOP)
+        self._queue.put(None)
         self._thread.join(timeout)
 
     @staticmethod
@@ -145,12 +145,12 @@ class Recorder:
         metrics.RECORD_DROPPED.labels(reason=reason).inc()
 
     def _run(self) -> None:
-        while (row := self._queue.get()) is not _STOP:
+        while (row := self._queue.get()) is not None:
             self._write(row)
         if self._file is not None:
             self._file.close()
 
-    def _write(self, row: dict) -> None:
+    def _write(self, row: dict[str, Any]) -> None:
         try:
             line = (json.dumps(row, separators=(",", ":")) + "\n").encode()
         except (TypeError, ValueError) as e:  # a bug, not a reason to stop the writer

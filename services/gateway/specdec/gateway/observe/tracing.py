@@ -20,9 +20,9 @@ latency histogram is recorded either way.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -38,7 +38,7 @@ TRACE_ID_METADATA = "specdec-trace-id"
 FINISH_NAMES = {v: k for k, v in gateway_pb2.FinishReason.items()}
 
 
-def served_model(fleet) -> str:
+def served_model(fleet: Any) -> str:
     """The target model's id (a verifier's Info); '' while no verifier has answered Info
     (before start-up, or while discovery lists none)."""
     return next((r.info.model_id for r in fleet.verifiers.replicas if r.info is not None), "")
@@ -65,7 +65,7 @@ def _request_attributes(request: gateway_pb2.GenerateRequest, model: str) -> dic
 
 @contextmanager
 def request_span(
-    method: str, context, request: gateway_pb2.GenerateRequest, model: str = ""
+    method: str, context: Any, request: gateway_pb2.GenerateRequest, model: str = ""
 ) -> Iterator[Any]:
     """The SERVER span of a Generate / GenerateStream call; None when tracing is off.
 
@@ -85,7 +85,7 @@ def request_span(
             raise
 
 
-def finish(span, final: gateway_pb2.GenerateResponse, context) -> str:
+def finish(span: Any, final: gateway_pb2.GenerateResponse, context: Any) -> str:
     """Put the request's figures on its span, its trace id in the final response and in
     the trailing metadata; returns the trace id ('' when not traced)."""
     trace_id = telemetry.trace_id_hex(span)
@@ -181,19 +181,22 @@ def note_failover(role: str, address: str, why: str) -> None:
     telemetry.event("failover", specdec__role=role, specdec__replica=address, specdec__why=why)
 
 
-def redis_op(operation: str):
+_Op = TypeVar("_Op", bound=Callable[..., Awaitable[Any]])  # a SessionIndex / TurnLocks method
+
+
+def redis_op(operation: str) -> Callable[[_Op], _Op]:
     """A CLIENT span `redis <operation>` around a SessionIndex / TurnLocks method (only
     when Redis is configured); `redis_failed` marks it when the store fails."""
 
-    def decorate(fn):
+    def decorate(fn: _Op) -> _Op:
         @functools.wraps(fn)
-        async def wrapper(self, *args, **kwargs):
+        async def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
             index = getattr(self, "index", self)
             redis = getattr(index, "redis", None)
             if not telemetry.enabled() or redis is None:
                 return await fn(self, *args, **kwargs)
             kw = redis.connection_pool.connection_kwargs
-            attributes = {
+            attributes: dict[str, str | int] = {
                 "db.system.name": "redis",
                 "db.system": "redis",
                 "db.operation.name": operation,
@@ -206,7 +209,7 @@ def redis_op(operation: str):
             ):
                 return await fn(self, *args, **kwargs)
 
-        return wrapper
+        return cast(_Op, wrapper)  # functools.wraps keeps fn's signature
 
     return decorate
 

@@ -203,7 +203,9 @@ class SessionIndex:
         self.local = LocalCopy(int(local_capacity))
         self._limiter = _WarnLimiter(self.warn_interval)
         self._available = url is not None
-        self._flush: asyncio.Task | None = None  # writing dirty records back after an outage
+        self._flush: asyncio.Future[None] | None = (
+            None  # writing dirty records back after an outage
+        )
         self.redis: aioredis.Redis | None = None
         if url is not None:
             # One retry without backoff: enough to replace a pooled connection that went stale

@@ -43,7 +43,9 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import grpc
 
@@ -58,6 +60,8 @@ from specdec.gateway.sessions.index import (
     SessionIndex,
 )
 from specdec.gateway.sessions.record import validate_session_id
+
+_T = TypeVar("_T")
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +140,7 @@ class TurnLease:
     ttl_seconds: float
     number: int = 0  # fencing token (0: taken while Redis was unreachable)
     lost: bool = False
-    _keepalive: asyncio.Task | None = field(default=None, repr=False)
+    _keepalive: asyncio.Future[None] | None = field(default=None, repr=False)
 
     @property
     def fence(self) -> Fence:
@@ -231,9 +235,9 @@ class TurnLocks:
         self.index = index
         self.holder = holder or holder_id()
         self._held: set[str] = set()  # sessions with a turn in flight in this process
-        self._cleanup: set[asyncio.Task] = set()
+        self._cleanup: set[asyncio.Future[Any]] = set()
         self._unreleased: dict[str, str] = {}  # lock key -> value whose release failed
-        self._release_retry: asyncio.Task | None = None
+        self._release_retry: asyncio.Future[None] | None = None
 
     async def lock(
         self,
@@ -419,7 +423,7 @@ class TurnLocks:
                 if not await self._release(key, value):
                     break  # still unreachable
 
-    def _spawn(self, coro) -> asyncio.Task:
+    def _spawn(self, coro: Awaitable[_T]) -> asyncio.Future[_T]:
         task = asyncio.ensure_future(coro)
         self._cleanup.add(task)
         task.add_done_callback(self._cleanup.discard)
