@@ -4,9 +4,10 @@ gateway's own event loop, next to grpc.aio, so every request calls `Gateway.run`
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
 GET /v1/models/{model}, GET /health, GET /metrics (the gateway's Prometheus registry, the
 one --metrics-port serves). POST /v1/responses, OpenAI's Responses API, is known and not
-built: 501 in OpenAI's error shape, naming what to call instead. Each generation is one `Gateway.run` (validation, the
-turn lock, the loop and the session write are the gRPC path's own); this module only
-translates (specdec.gateway.front.http.api), streams server-sent events, enforces the request's
+built: 501 in OpenAI's error shape, naming what to call instead. Each generation is one
+`Gateway.run` of the typed Request the body becomes (its resolution, the turn lock, the
+loop and the session write are the gRPC path's own); this module only translates
+(specdec.gateway.front.http.api), streams server-sent events, enforces the request's
 `timeout` and cancels the generation when the client goes away: cancelling the turn's
 generator runs its cleanup, so the session's turn lock is released at once.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -64,6 +66,7 @@ from specdec.gateway.job import Limits
 from specdec.gateway.observe import tracing
 from specdec.gateway.round import grammar
 from specdec.gateway.text import TextCodec
+from specdec.sdk import request as typed
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +273,7 @@ class _NoMetadata:
         pass
 
 
-def request_span(request: Request, route: str, req, model: str) -> Span | None:
+def request_span(request: Request, route: str, asked: typed.Request, model: str) -> Span | None:
     """The SERVER span of one HTTP generation, under the caller's `traceparent` header
     (None when tracing is off). Started here, made current while the answer runs."""
     if not telemetry.enabled():
@@ -282,7 +285,7 @@ def request_span(request: Request, route: str, req, model: str) -> Span | None:
         attributes={
             "http.request.method": "POST",
             "url.path": route,
-            **tracing._request_attributes(req, model),
+            **tracing._request_attributes(asked, model),
         },
         record_exception=False,
         set_status_on_exception=False,
@@ -428,36 +431,37 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Generation:
         self._authorize(request)
         _, codec = self._ready()
-        req, opts = api.completion_request(
+        asked, opts = api.completion_request(
             await self._body(request), self.model, self.aliases, self.strict_fields
         )
         renderer = api.Renderer(chat=False, model=opts.model)
-        self._scores(renderer, req, opts, codec)
-        span = request_span(request, "/v1/completions", req, opts.model)
-        events = self.gateway.run(req, deadline=_deadline(opts), tenant=opts.user)
+        self._scores(renderer, asked, opts, codec)
+        span = request_span(request, "/v1/completions", asked, opts.model)
+        events = self.gateway.run(asked, deadline=_deadline(opts), tenant=opts.user)
         return Generation(events, renderer, opts, None, span)
 
     async def chat_completions(self, request: Request) -> Generation:
         self._authorize(request)
         limits, codec = self._ready()
-        req, opts, messages = api.chat_request(
+        asked, opts, messages = api.chat_request(
             await self._body(request), self.model, self.aliases, self.strict_fields
         )
         template = self.chat_template()
         tools = opts.tools.tools if opts.tools is not None else None
-        req.prompt = await asyncio.to_thread(template.render, messages, True, tools)
+        rendered = await asyncio.to_thread(template.render, messages, True, tools)
+        asked = dataclasses.replace(asked, prompt=rendered)
         turn = ChatTurn(
             codec,
-            req.prompt,
+            rendered,
             opts.session_id,
             fill_context=not opts.max_tokens_given,
             max_context=limits.max_context,
             max_new_tokens=limits.max_new_tokens,
         )
         renderer = api.Renderer(chat=True, model=opts.model, tools=opts.tools is not None)
-        self._scores(renderer, req, opts, codec)
-        span = request_span(request, "/v1/chat/completions", req, opts.model)
-        events = self.gateway.run(req, prompter=turn, deadline=_deadline(opts), tenant=opts.user)
+        self._scores(renderer, asked, opts, codec)
+        span = request_span(request, "/v1/chat/completions", asked, opts.model)
+        events = self.gateway.run(asked, prompter=turn, deadline=_deadline(opts), tenant=opts.user)
         return Generation(events, renderer, opts, turn, span)
 
     async def responses(self, request: Request) -> Response:
@@ -470,15 +474,18 @@ class OpenAIServer:
             "instructions as a system message, max_output_tokens as max_tokens)"
         )
 
-    def _scores(self, renderer: api.Renderer, req, opts: api.Options, codec: TextCodec) -> None:
+    def _scores(
+        self, renderer: api.Renderer, asked: typed.Request, opts: api.Options, codec: TextCodec
+    ) -> None:
         """What the renderer needs for logprobs and echo."""
-        if req.logprobs:
+        if asked.scoring.logprobs:
             renderer.scores = LogprobsRenderer(codec)
-        renderer.prompt_scores = req.prompt_logprobs
+        renderer.prompt_scores = asked.scoring.prompt_logprobs
         if opts.echo:
-            which = req.WhichOneof("input")
             renderer.echo = (
-                req.prompt if which == "prompt" else codec.decode(req.prompt_token_ids.ids)
+                asked.prompt
+                if asked.prompt is not None
+                else codec.decode(list(asked.token_ids or ()))
             )
 
     def app(self) -> Starlette:
