@@ -78,7 +78,7 @@ class Service:
         # Each draft source's acceptance over the requests served: where a new request's
         # adaptive policy starts from (specdec.gateway.round.policy).
         self.source_priors = SourcePriors()
-        self._background: set[asyncio.Task] = set()
+        self._background: set[asyncio.Task[None]] = set()
         self.lookup_settings = LookupSettings(
             prompt_lookup_min=config.prompt_lookup_min,
             prompt_lookup_max=config.prompt_lookup_max,

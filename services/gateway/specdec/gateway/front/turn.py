@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 from specdec.common.errors import InvalidRequest, SpecdecError
 from specdec.gateway.config import GatewayConfig
@@ -99,7 +99,7 @@ class Gateway(Service):
         prompter: Prompter | None = None,
         deadline: float | None = None,
         tenant: str = "",
-    ) -> AsyncIterator[Event]:
+    ) -> AsyncGenerator[Event, None]:
         """Resolve and run one request; errors are SpecdecError with their status (a bad
         request: InvalidRequest naming its field).
 

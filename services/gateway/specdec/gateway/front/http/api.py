@@ -45,13 +45,18 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from google.protobuf.message import Message
+
 from specdec.common.errors import InvalidRequest
 from specdec.gateway.front.http import schema
 from specdec.gateway.front.http.errors import FieldError, ModelNotFound
 from specdec.gateway.front.http.logprobs import LogprobsRenderer
 from specdec.gateway.front.http.tools import ToolCallReader, ToolChoice, read, tool_choice
+from specdec.gateway.front.response import Event
 from specdec.sdk.request import Output, Request, Sampling, Scoring, Session, Speculation
-from specdec.v1 import gateway_pb2
+from specdec.v1 import common_pb2, gateway_pb2
+
+Scores = common_pb2.TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +109,7 @@ STRUCTURED_FIELDS = (
 )
 
 
-def _body_names(body: dict, chat: bool) -> dict[str, str]:
+def _body_names(body: dict[str, Any], chat: bool) -> dict[str, str]:
     """The body field each Request field came from, where the names differ: an error's
     `field` -> its `param` (errors.ErrorContext.fields)."""
     prompt = "messages" if chat else "prompt"
@@ -270,7 +275,7 @@ def completion_request(
 
 def chat_request(
     body: Any, served: str, aliases: Collection[str] = (), strict: bool = False
-) -> tuple[Request, Options, list[dict]]:
+) -> tuple[Request, Options, list[dict[str, Any]]]:
     """POST /v1/chat/completions body -> (Request without its prompt, Options, messages).
     The caller renders the messages into `prompt`. Without max_tokens a chat may use what
     is left of the context, up to the gateway's --max-new-tokens: ChatTurn sets it once the
@@ -307,7 +312,7 @@ def chat_request(
     return request, opts, [m.template_dict() for m in parsed.messages]
 
 
-def proto_dict(msg) -> dict[str, Any]:
+def proto_dict(msg: Message) -> dict[str, Any]:
     """A proto message's fields as plain JSON values (defaults included)."""
     out: dict[str, Any] = {}
     for f in msg.DESCRIPTOR.fields:
@@ -363,7 +368,9 @@ class Renderer:
     def object(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
-    def extension(self, final: gateway_pb2.GenerateResponse, token_ids: list[int]) -> dict:
+    def extension(
+        self, final: gateway_pb2.GenerateResponse, token_ids: list[int]
+    ) -> dict[str, Any]:
         ext: dict[str, Any] = {
             "token_ids": token_ids,
             "stats": proto_dict(final.stats),
@@ -375,7 +382,9 @@ class Renderer:
             ext["trace_id"] = self.trace_id
         return ext
 
-    def _logprobs(self, table, prompt=None, offset: int = 0) -> tuple[dict[str, Any] | None, int]:
+    def _logprobs(
+        self, table: Scores | None, prompt: Scores | None = None, offset: int = 0
+    ) -> tuple[dict[str, Any] | None, int]:
         """A choice's (or a delta's) OpenAI logprobs, None when not asked; the text offset
         after it (completions)."""
         if self.scores is None or table is None:
@@ -390,7 +399,9 @@ class Renderer:
         reason = FINISH_REASON.get(finish)
         return "tool_calls" if calls and reason == "stop" else reason
 
-    def _choice(self, index: int, text: str, finish: int, table, prompt) -> dict[str, Any]:
+    def _choice(
+        self, index: int, text: str, finish: int, table: Scores | None, prompt: Scores | None
+    ) -> dict[str, Any]:
         logprobs, _ = self._logprobs(table, prompt)
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -429,7 +440,7 @@ class Renderer:
             EXTENSION: self.extension(final, list(final.token_ids)),
         }
 
-    def _chunk(self, choices: list[dict], **extra) -> dict[str, Any]:
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {
             "id": self.id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -440,7 +451,7 @@ class Renderer:
         }
 
     def chunks(
-        self, event, include_usage: bool, continuous_usage: bool = False
+        self, event: Event, include_usage: bool, continuous_usage: bool = False
     ) -> list[dict[str, Any]]:
         """The stream chunks for one event (specdec.gateway.front.response.Event): the delta of its
         choice, then at a choice's end a chunk with its finish reason and, on the last
@@ -485,6 +496,7 @@ class Renderer:
             logprobs, self._offsets[index] = self._logprobs(
                 event.logprobs, None, self._offsets.get(index, 0)
             )
+            deltas: list[dict[str, Any]]
             if not self.chat:
                 deltas = [{"text": event.text}]
             elif reader is None:

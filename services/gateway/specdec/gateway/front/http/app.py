@@ -21,6 +21,7 @@ import hmac
 import json
 import logging
 import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from http import HTTPStatus
 from pathlib import PurePosixPath
 from ssl import CERT_REQUIRED
@@ -36,7 +37,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specdec.common import telemetry
 from specdec.common.errors import (
@@ -48,6 +49,7 @@ from specdec.common.errors import (
 )
 from specdec.common.serving import MAX_MESSAGE_BYTES
 from specdec.common.tls import ServerTls, pem_files
+from specdec.gateway.config import GatewayConfig
 from specdec.gateway.front.http import api
 from specdec.gateway.front.http.chat import ChatTemplate, ChatTurn
 from specdec.gateway.front.http.errors import (
@@ -61,12 +63,14 @@ from specdec.gateway.front.http.errors import (
 )
 from specdec.gateway.front.http.logprobs import LogprobsRenderer
 from specdec.gateway.front.info import supported_request_fields
+from specdec.gateway.front.response import Event
 from specdec.gateway.front.turn import Gateway
 from specdec.gateway.job import Limits
 from specdec.gateway.observe import tracing
 from specdec.gateway.round import grammar
 from specdec.gateway.text import TextCodec
 from specdec.sdk import request as typed
+from specdec.v1 import common_pb2, gateway_pb2
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +133,7 @@ class Generation:
 
     def __init__(
         self,
-        events,
+        events: AsyncGenerator[Event, None],
         renderer: api.Renderer,
         opts: api.Options,
         turn: ChatTurn | None,
@@ -225,7 +229,7 @@ class Generation:
         finally:
             await self.events.aclose()
 
-    def _note_session(self, final) -> None:
+    def _note_session(self, final: gateway_pb2.GenerateResponse) -> None:
         if not self.opts.session_id:
             return
         session: dict[str, Any] = {
@@ -269,7 +273,7 @@ class _NoMetadata:
     """tracing.finish sets gRPC trailing metadata; an HTTP answer carries the trace id in
     its `specdec` extension instead."""
 
-    def set_trailing_metadata(self, metadata) -> None:
+    def set_trailing_metadata(self, metadata: object) -> None:
         pass
 
 
@@ -294,7 +298,7 @@ def request_span(request: Request, route: str, asked: typed.Request, model: str)
     return span
 
 
-async def _no_receive() -> dict:
+async def _no_receive() -> Message:
     raise AssertionError("a response does not read the request")
 
 
@@ -332,7 +336,7 @@ class OpenAIServer:
             raise NotReady("the gateway is starting: its replicas have not all answered yet")
         return limits, codec
 
-    def _verifier_info(self):
+    def _verifier_info(self) -> common_pb2.ModelInfo:
         for replica in self.gateway.fleet.verifiers.replicas:
             if replica.info is not None:
                 return replica.info
@@ -509,12 +513,14 @@ class OpenAIServer:
         )
 
 
-def _answering(handler, prompt: str | None = None):
+def _answering(
+    handler: Callable[[Request], Awaitable[ASGIApp]], prompt: str | None = None
+) -> Callable[[Request], Awaitable[ASGIApp]]:
     """A route that answers every error of `handler` in OpenAI's shape (a generation's
     own errors are answered by Generation): its status, or a 500 that names a request id
     and tells nothing else. prompt: the field a request that cannot fit is about."""
 
-    async def route(request: Request) -> Response:
+    async def route(request: Request) -> ASGIApp:
         try:
             return await handler(request)
         except Exception as e:
@@ -545,7 +551,7 @@ async def routing_error(request: Request, exc: Exception) -> Response:
 class CountResponses:
     """ASGI wrapper: counts every answer in HTTP_RESPONSES by path and status."""
 
-    def __init__(self, app):
+    def __init__(self, app: ASGIApp):
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -557,7 +563,7 @@ class CountResponses:
             path = "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
         status = {"code": 499}
 
-        async def counting_send(message) -> None:
+        async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
             await send(message)
@@ -572,7 +578,7 @@ class _Server(uvicorn.Server):
     """uvicorn without its own signal handlers: the gateway's bootstrap owns SIGTERM."""
 
     @contextlib.contextmanager
-    def capture_signals(self):
+    def capture_signals(self) -> Iterator[None]:
         yield
 
 
@@ -580,7 +586,9 @@ class HttpServer:
     """uvicorn serving the app in the running event loop; HTTPS with the gateway's TLS
     settings (--tls-cert/--tls-key, client certificates with --tls-client-ca)."""
 
-    def __init__(self, app, host: str, port: int, grace_seconds: float, tls: ServerTls | None):
+    def __init__(
+        self, app: ASGIApp, host: str, port: int, grace_seconds: float, tls: ServerTls | None
+    ):
         pems: dict[str, bytes] = {}
         if tls is not None:
             # uvicorn reads PEM files: the bytes read at start-up go to anonymous in-memory
@@ -607,7 +615,7 @@ class HttpServer:
             config.load()  # builds the TLS context now, from the PEM bytes
         self.scheme = "https" if tls else "http"
         self.server = _Server(config)
-        self.task: asyncio.Task | None = None
+        self.task: asyncio.Task[None] | None = None
         self.port = port
 
     async def start(self) -> None:
@@ -628,7 +636,7 @@ class HttpServer:
             await self.task
 
 
-async def start_http(gateway: Gateway, config) -> HttpServer:
+async def start_http(gateway: Gateway, config: GatewayConfig) -> HttpServer:
     """Serve the OpenAI-compatible API on config.http_port (GatewayConfig)."""
     routes = OpenAIServer(
         gateway, config.served_model_name, config.auth_tokens, config.strict_fields

@@ -26,6 +26,7 @@ import math
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -145,7 +146,7 @@ class ErrorContext:
 @dataclass(frozen=True)
 class ErrorAnswer:
     status: int
-    body: dict
+    body: dict[str, Any]
     headers: dict[str, str]
 
 
@@ -157,7 +158,7 @@ def _upstream_details(e: SpecdecError) -> str:
 def _param(e: BaseException, context: ErrorContext) -> str | None:
     if is_context_length(e):
         return context.prompt
-    given = getattr(e, "param", None)
+    given: str | None = getattr(e, "param", None)
     if given:
         return given
     field = e.field if isinstance(e, InvalidRequest) else None
@@ -205,6 +206,6 @@ def answer(e: BaseException, context: ErrorContext | None = None) -> ErrorAnswer
     return ErrorAnswer(status, body, headers)
 
 
-def error_body(e: BaseException, context: ErrorContext | None = None) -> dict:
+def error_body(e: BaseException, context: ErrorContext | None = None) -> dict[str, Any]:
     """OpenAI's error object for an exception."""
     return answer(e, context).body

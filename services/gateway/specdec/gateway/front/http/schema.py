@@ -274,7 +274,7 @@ _SAMPLING_TYPES: dict[str, Any] = {
 }
 
 
-def _sampling_type(f: dataclasses.Field) -> Any:
+def _sampling_type(f: dataclasses.Field[Any]) -> Any:
     if f.name in _SAMPLING_TYPES:
         return _SAMPLING_TYPES[f.name]
     if str(f.type).startswith("int"):
@@ -564,7 +564,7 @@ def _words(error: Any, path: str) -> str:
     """What follows the field's path in the message refusing it."""
     kind, ctx, value = error["type"], error.get("ctx") or {}, error["input"]
     if kind == "refused":
-        return ctx["tail"]
+        return str(ctx["tail"])
     if kind in TYPE_WORDS:
         return FIELD_WORDS.get(path, TYPE_WORDS[kind])
     if kind == "greater_than_equal" and path in FLOORS:
