@@ -1,6 +1,6 @@
 """The gateway's side of the length, stop and logits-processor controls: Completion's stop
 token ids, ignore_eos and min_tokens; what the replicas are told (OutputControls); the HTTP
-body's translation into GenerateRequest; the SDK's request."""
+body's translation into the typed Request; the SDK's request."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_output_controls_mask_eos_and_stop_ids_unless_ignored():
     assert (got.output_start, got.min_tokens, list(got.min_tokens_ids)) == (5, 0, [])
 
 
-def test_http_body_translates_to_the_grpc_fields():
+def test_http_body_translates_to_the_typed_fields():
     body = {
         "prompt": "x",
         "presence_penalty": 0.5,
@@ -81,12 +81,13 @@ def test_http_body_translates_to_the_grpc_fields():
     s = req.sampling
     assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -1, 1.25)
     assert dict(s.logit_bias) == {5: 10.0, 17: -100.0}
-    assert req.ignore_eos and req.min_tokens == 3 and list(req.stop_token_ids) == [4, 9]
+    out = req.output
+    assert out.ignore_eos and out.min_tokens == 3 and list(out.stop_token_ids) == [4, 9]
     chat, opts, _ = api.chat_request({"messages": [{"role": "user", "content": "x"}], **{
         k: v for k, v in body.items() if k != "prompt"
     }}, "m")  # fmt: skip
     assert chat.sampling == s and not opts.max_tokens_given
-    assert chat.max_new_tokens == 3  # room for min_tokens until the context fixes it
+    assert chat.output.max_new_tokens == 3  # room for min_tokens until the context fixes it
 
 
 @pytest.mark.parametrize(
@@ -151,8 +152,9 @@ def test_stream_options_continuous_usage_stats():
 def test_structured_output_refuses_min_tokens_and_ignore_eos(field):
     """A complete grammar allows only EOS: min_tokens or ignore_eos beside structured_output
     would leave no token to draw, so the request is refused before any replica is called."""
-    from specdec.gateway.job import Limits, validate
-    from specdec.v1 import gateway_pb2
+    from specdec.gateway.job import Limits
+    from specdec.gateway.names import KPolicy
+    from specdec.sdk.request import Request
 
     limits = Limits(
         vocab_size=100,
@@ -160,15 +162,14 @@ def test_structured_output_refuses_min_tokens_and_ignore_eos(field):
         max_k=4,
         default_k=2,
         default_ssd=False,
-        default_k_policy=gateway_pb2.K_POLICY_FIXED,
+        default_k_policy=KPolicy.FIXED,
         max_new_tokens=32,
         default_ttl=60,
         max_session_ttl=600,
     )
-    req = gateway_pb2.GenerateRequest(
-        prompt="hi", max_new_tokens=8, structured_output={"regex": "a+"}
-    )
-    validate(req, limits)  # alone: fine
-    setattr(req, field, 2 if field == "min_tokens" else True)
+    req = Request.build("hi", max_new_tokens=8, structured_output={"regex": "a+"})
+    Job.resolve(req, limits)  # alone: fine
+    value = 2 if field == "min_tokens" else True
+    req = Request.build("hi", max_new_tokens=8, structured_output={"regex": "a+"}, **{field: value})
     with pytest.raises(InvalidRequest, match=f"structured_output cannot be combined with {field}"):
-        validate(req, limits)
+        Job.resolve(req, limits)

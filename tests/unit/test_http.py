@@ -5,6 +5,7 @@ the answers of the app itself over a stand-in gateway (a 500 tells nothing of it
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from types import SimpleNamespace
@@ -35,7 +36,8 @@ from specdec.gateway.front.http.errors import (
 )
 from specdec.gateway.front.response import Event
 from specdec.gateway.front.turn import Aborted
-from specdec.gateway.job import ContextLengthExceeded, Limits, validate
+from specdec.gateway.job import ContextLengthExceeded, Job, Limits
+from specdec.gateway.names import KPolicy
 from specdec.gateway.round.loop import Unavailable
 from specdec.gateway.sessions import Holder, SessionLost, SessionRecord
 from specdec.gateway.text import TextCodec
@@ -217,26 +219,30 @@ def test_completion_request_translation():
         },
         SERVED,
     )
-    assert req.prompt == "def f():" and req.max_new_tokens == 7
+    assert req.prompt == "def f():" and req.output.max_new_tokens == 7
     assert req.sampling.temperature == 0 and req.sampling.top_p == 0.5
     assert req.sampling.top_k == 0 and req.sampling.seed == 3
-    assert list(req.stop) == ["\n"] and req.session.id == "abc"
-    assert req.speculation.num_draft_tokens == 2 and req.speculation.ssd
-    assert req.speculation.k_policy == gateway_pb2.K_POLICY_ADAPTIVE
+    assert req.output.stop == ("\n",) and req.session.session_id == "abc"
+    assert req.speculation.k == 2 and req.speculation.ssd
+    assert req.speculation.k_policy is KPolicy.ADAPTIVE
     assert req.speculation.tree_width == 3
     assert opts.stream and opts.include_usage and opts.timeout == 1.5 and opts.session_id == "abc"
-    assert not req.logprobs and not req.prompt_logprobs and not opts.echo and req.n == 1
+    scoring = req.scoring
+    assert not scoring.logprobs and not scoring.prompt_logprobs and not opts.echo
+    assert req.output.n == 1
     req, opts = api.completion_request({"prompt": "x", "logprobs": 0, "n": 3}, SERVED)
-    assert req.logprobs and req.top_logprobs == 0 and not req.prompt_logprobs and req.n == 3
+    scoring = req.scoring
+    assert scoring.logprobs and scoring.top_logprobs == 0 and not scoring.prompt_logprobs
+    assert req.output.n == 3
     req, opts = api.completion_request({"prompt": [[5, 6]], "logprobs": 2, "echo": True}, SERVED)
-    assert req.prompt_logprobs and req.top_logprobs == 2 and opts.echo
+    assert req.scoring.prompt_logprobs and req.scoring.top_logprobs == 2 and opts.echo
     req, opts = api.completion_request({"prompt": [1, 2, 3]}, SERVED)
-    assert list(req.prompt_token_ids.ids) == [1, 2, 3]
-    assert req.max_new_tokens == api.DEFAULT_COMPLETION_TOKENS
+    assert list(req.token_ids) == [1, 2, 3] and req.prompt is None
+    assert req.output.max_new_tokens == api.DEFAULT_COMPLETION_TOKENS
     # Unset: the model's generation_config at the gateway (as the SDK and gRPC).
-    assert req.sampling.model_defaults and not req.sampling.HasField("temperature")
-    assert not req.speculation.HasField("num_draft_tokens") and not opts.stream
-    assert req.speculation.k_policy == gateway_pb2.K_POLICY_UNSPECIFIED  # the gateway's default
+    assert req.sampling.temperature is None
+    assert req.speculation.k is None and not opts.stream
+    assert req.speculation.k_policy is None  # the gateway's default
 
 
 STREAM = {"stream": True}
@@ -309,7 +315,7 @@ def test_unknown_fields_are_ignored_and_logged(caplog):
     }  # fmt: skip
     with caplog.at_level(logging.DEBUG, logger="specdec.gateway.front.http.api"):
         req, opts = api.completion_request(body, SERVED)
-    assert req.prompt == "x" and req.max_new_tokens == 3 and opts.include_usage
+    assert req.prompt == "x" and req.output.max_new_tokens == 3 and opts.include_usage
     logged = [
         r.fields for r in caplog.records if r.getMessage() == "unknown request fields ignored"
     ]
@@ -331,7 +337,7 @@ LIMITS = Limits(
     max_k=8,
     default_k=4,
     default_ssd=False,
-    default_k_policy=gateway_pb2.K_POLICY_FIXED,
+    default_k_policy=KPolicy.FIXED,
     max_new_tokens=32,
     default_ttl=60,
     max_session_ttl=3600,
@@ -369,18 +375,18 @@ LIMITS = Limits(
     ],
 )
 def test_shared_validation_errors_name_the_body_field(body, param):
-    """The gateway's own validation (the gRPC path's) speaks of GenerateRequest fields;
-    the error body's `param` is the field of this request they come from."""
+    """The gateway's own checks (the gRPC path's, Job.resolve) name the Request's field;
+    the error body's `param` is the field of this request it comes from."""
     chat = "messages" in body
     if chat:
         req, opts, _ = api.chat_request(
             {**body, "messages": [{"role": "user", "content": "a"}]}, SERVED
         )
-        req.prompt = "a"
+        req = dataclasses.replace(req, prompt="a")
     else:
         req, opts = api.completion_request(body, SERVED)
     with pytest.raises(InvalidRequest) as e:
-        validate(req, LIMITS)
+        Job.resolve(req, LIMITS)
     context = ErrorContext(prompt=opts.prompt_field, fields=opts.fields)
     error = error_body(e.value, context)["error"]
     assert (error["param"], error["code"]) == (param, "invalid_argument"), error["message"]
@@ -398,7 +404,7 @@ def test_a_prompt_that_cannot_fit_is_context_length_exceeded():
     RESOURCE_EXHAUSTED): 400 context_length_exceeded naming the prompt's field, never 429."""
     req, _ = api.completion_request({"prompt": "x" * (64 * 64 + 1)}, SERVED)
     with pytest.raises(ContextLengthExceeded) as e:
-        validate(req, LIMITS)
+        Job.resolve(req, LIMITS)
     kv = UpstreamError(
         _Replica(),
         CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, "session needs 340 cached tokens"),
@@ -436,13 +442,14 @@ def test_unknown_model_and_chat_fields():
         api.completion_request({"model": "gpt-4", "prompt": "x"}, SERVED)
     hi = [{"role": "user", "content": "hi"}]
     req, opts, messages = api.chat_request({"messages": hi, "max_completion_tokens": 5}, SERVED)
-    assert req.max_new_tokens == 5 and opts.max_tokens_given and messages == hi
+    assert req.output.max_new_tokens == 5 and opts.max_tokens_given and messages == hi
     _, opts, _ = api.chat_request({"messages": hi}, SERVED)
     assert not opts.max_tokens_given
     with pytest.raises(InvalidRequest, match="not both"):
         api.chat_request({"messages": hi, "max_tokens": 1, "max_completion_tokens": 1}, SERVED)
     req, _, _ = api.chat_request({"messages": hi, "logprobs": True, "top_logprobs": 4}, SERVED)
-    assert req.logprobs and req.top_logprobs == 4 and not req.prompt_logprobs
+    assert req.scoring.logprobs and req.scoring.top_logprobs == 4
+    assert not req.scoring.prompt_logprobs
     with pytest.raises(InvalidRequest, match="top_logprobs needs logprobs: true"):
         api.chat_request({"messages": hi, "top_logprobs": 4}, SERVED)
     with pytest.raises(InvalidRequest, match=r"unsupported field.*echo"):
@@ -548,9 +555,9 @@ def test_session_reset_extension():
     req, _ = api.completion_request(
         {"prompt": "x", "session_id": "s", "session_reset": True}, SERVED
     )
-    assert req.session.id == "s" and req.session.mode == gateway_pb2.SESSION_MODE_RESET
+    assert req.session.session_id == "s" and req.session.reset_session
     req, _ = api.completion_request({"prompt": "x", "session_id": "s"}, SERVED)
-    assert req.session.mode == gateway_pb2.SESSION_MODE_CONTINUE
+    assert not req.session.reset_session
     with pytest.raises(InvalidRequest, match="session_reset must be true or false"):
         api.completion_request({"prompt": "x", "session_reset": "yes"}, SERVED)
 
@@ -575,9 +582,9 @@ def test_loadtest_backend_reads_openai_errors():
 
 def test_record_extension():
     req, _ = api.completion_request({"prompt": "x", "record": False}, SERVED)
-    assert req.HasField("record") and req.record is False
+    assert req.output.record is False
     req, _ = api.completion_request({"prompt": "x"}, SERVED)
-    assert not req.HasField("record")  # the gateway's default: recorded when it records
+    assert req.output.record is None  # the gateway's default: recorded when it records
     with pytest.raises(InvalidRequest, match="record must be true or false"):
         api.completion_request({"prompt": "x", "record": "no"}, SERVED)
 

@@ -9,6 +9,7 @@ import pytest
 
 from specdec.gateway.front.http import api, schema
 from specdec.gateway.front.http.errors import FieldError
+from specdec.sdk.names import DraftMethod, KPolicy
 from specdec.sdk.request import Sampling
 from specdec.v1 import common_pb2, gateway_pb2
 
@@ -85,11 +86,13 @@ def test_a_chat_parses_into_the_typed_parts():
         "m",
     )
     assert messages == [{"role": "user", "content": "hi"}]
-    assert not req.HasField("prompt") and req.max_new_tokens == 3 and req.min_tokens == 3
-    assert req.speculation.k_policy == gateway_pb2.K_POLICY_ADAPTIVE
-    assert req.speculation.method == gateway_pb2.SPECULATION_METHOD_SUFFIX
-    assert req.session.id == "s" and req.session.mode == gateway_pb2.SESSION_MODE_RESET
-    assert list(req.structured_output.choice.choices) == ["yes", "no"]
-    assert req.prediction.text == "yes" and req.logprobs and not req.top_logprobs
+    out = req.output
+    assert req.prompt is None and out.max_new_tokens == 3 and out.min_tokens == 3
+    assert req.speculation.k_policy is KPolicy.ADAPTIVE
+    assert req.speculation.method is DraftMethod.SUFFIX
+    assert req.session.session_id == "s" and req.session.reset_session
+    assert out.structured_output == {"choice": ["yes", "no"]}
+    assert list(out.grammar.choice.choices) == ["yes", "no"]
+    assert out.prediction == "yes" and req.scoring.logprobs and not req.scoring.top_logprobs
     assert opts.stream and opts.include_usage and opts.continuous_usage
     assert not opts.max_tokens_given and opts.prompt_field == "messages"

@@ -137,10 +137,10 @@ def test_chat_request_fields():
     req, opts, _ = api.chat_request(
         {"messages": HI, "tools": [WEATHER], "tool_choice": "required"}, SERVED
     )
-    assert req.structured_output.WhichOneof("kind") == "grammar"
-    assert req.structured_output.grammar == opts.tools.grammar()
+    assert req.output.grammar.WhichOneof("kind") == "grammar"
+    assert req.output.grammar.grammar == opts.tools.grammar()
     req, opts, _ = api.chat_request({"messages": HI, "tool_choice": "auto"}, SERVED)
-    assert opts.tools is None and not req.HasField("structured_output")
+    assert opts.tools is None and req.output.structured_output is None
     for body, match, param in [
         ({"tools": [WEATHER], "tool_choice": "any"}, "tool_choice must be", "tool_choice"),
         ({"tools": [WEATHER, WEATHER]}, "given twice", "tools[1].function.name"),

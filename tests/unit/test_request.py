@@ -1,5 +1,6 @@
 """The request's typed parts (specdec.sdk.request): one declaration each, one conversion
-to and from protobuf, and the rule for unset sampling fields."""
+to and from protobuf (Request.from_proto mirrors to_proto, every field), and the rule for
+unset sampling fields."""
 
 from __future__ import annotations
 
@@ -14,8 +15,18 @@ from specdec.common.params import SamplingParams, sampling_from_proto
 from specdec.replica.loading import generation_sampling
 from specdec.sdk import AsyncClient, Client
 from specdec.sdk.client import build_generate_request
-from specdec.sdk.request import PARTS, Request, Sampling, request_parameters
-from specdec.v1 import common_pb2
+from specdec.sdk.names import DraftMethod, KPolicy
+from specdec.sdk.request import (
+    PARTS,
+    Output,
+    Request,
+    Sampling,
+    Scoring,
+    Session,
+    Speculation,
+    request_parameters,
+)
+from specdec.v1 import common_pb2, gateway_pb2
 
 MODEL = Sampling(temperature=0.7, top_p=0.9, top_k=20, repetition_penalty=1.05)
 
@@ -41,6 +52,94 @@ def test_round_trip_through_the_proto():
     request = Request.build("hi", k=2, method="ngram", session_id="s", logprobs=True)
     msg = request.to_proto()
     assert msg.speculation.num_draft_tokens == 2 and msg.session.id == "s" and msg.logprobs
+
+
+# Every field of every part set to a value other than its default (a new field fails
+# test_the_round_trip_covers_every_field until it is added here).
+EVERY_FIELD = Request(
+    prompt="hello",
+    sampling=Sampling(
+        temperature=0.5,
+        top_p=0.75,
+        top_k=7,
+        min_p=0.125,
+        seed=11,
+        presence_penalty=0.25,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.5,
+        logit_bias={3: -2.0, 9: 4.5},
+    ),
+    speculation=Speculation(
+        k=3, ssd=True, k_policy=KPolicy.ADAPTIVE, method=DraftMethod.SUFFIX, tree_width=4
+    ),
+    session=Session(
+        session_id="s1", reset_session=True, session_ttl_seconds=90, session_expected_turns=0
+    ),
+    output=Output(
+        max_new_tokens=17,
+        stop=("\n\n", "END"),
+        stop_token_ids=(5, 6),
+        ignore_eos=True,
+        min_tokens=2,
+        n=3,
+        structured_output=gateway_pb2.StructuredOutput(regex="[a-z]+"),
+        prediction=(1, 2, 3),
+        record=False,
+    ),
+    scoring=Scoring(logprobs=True, top_logprobs=4, prompt_logprobs=True),
+)
+
+
+def test_the_round_trip_covers_every_field():
+    """Request.from_proto is the mirror of to_proto: every field of every part comes back."""
+    for part in PARTS:
+        name = part.__name__.lower()
+        for f in dataclasses.fields(part):
+            given, default = getattr(getattr(EVERY_FIELD, name), f.name), f.default
+            # session_expected_turns cannot be given with reset_session: checked below
+            if f.name != "session_expected_turns":
+                assert given != default, f"set {name}.{f.name} in EVERY_FIELD"
+    assert Request.from_proto(EVERY_FIELD.to_proto()) == EVERY_FIELD
+    continued = dataclasses.replace(
+        EVERY_FIELD,
+        prompt=None,
+        token_ids=(4, 5, 6),
+        session=Session(session_id="s2", session_ttl_seconds=5, session_expected_turns=2),
+        output=dataclasses.replace(EVERY_FIELD.output, prediction="text", record=True),
+    )
+    assert Request.from_proto(continued.to_proto()) == continued
+    assert Request.from_proto(Request(prompt="x").to_proto()) == Request(prompt="x")
+    # Names given as strings (the SDK's keywords) are the enum's members.
+    assert Request.build("x", method="ngram", k_policy="fixed").speculation == Speculation(
+        method=DraftMethod.NGRAM, k_policy=KPolicy.FIXED
+    )
+
+
+@pytest.mark.parametrize(
+    ("build", "field", "match"),
+    [
+        (lambda m: setattr(m.speculation, "method", 9), "method", "speculation.method must be"),
+        (lambda m: setattr(m.speculation, "k_policy", 7), "k_policy", "K_POLICY_ADAPTIVE, got 7"),
+        (lambda m: setattr(m.session, "mode", 7), "reset_session", "unknown session mode 7"),
+        (lambda m: setattr(m.session, "mode", 1), "reset_session", "without a session id"),
+        (lambda m: m.prediction.SetInParent(), "prediction", "prediction is set but empty"),
+    ],
+)
+def test_what_no_request_can_hold_is_refused_naming_its_field(build, field, match):
+    msg = gateway_pb2.GenerateRequest(prompt="x", max_new_tokens=4)
+    build(msg)
+    with pytest.raises(InvalidRequest, match=match) as e:
+        Request.from_proto(msg)
+    assert e.value.field == field
+
+
+def test_a_bad_name_is_refused_naming_its_field():
+    with pytest.raises(InvalidRequest, match="method must be one of model, ngram") as e:
+        Speculation(method="fast")
+    assert e.value.field == "method"
+    with pytest.raises(InvalidRequest, match="top_p must be in") as e:
+        SamplingParams(top_p=2.0)
+    assert e.value.field == "top_p"
 
 
 def test_unset_fields_take_the_models_then_neutral():

@@ -21,6 +21,7 @@ from specdec.sdk.errors import (
     DeadlineExceeded,
     InternalError,
     InvalidArgument,
+    InvalidRequest,
     NotFound,
     Reason,
     ResourceExhausted,
@@ -29,6 +30,7 @@ from specdec.sdk.errors import (
     Unimplemented,
     from_rpc_error,
 )
+from specdec.sdk.names import DraftMethod, KPolicy
 from specdec.sdk.types import (
     Choice,
     Generation,
@@ -45,9 +47,12 @@ __all__ = [
     "Choice",
     "Client",
     "DeadlineExceeded",
+    "DraftMethod",
     "Generation",
     "InternalError",
     "InvalidArgument",
+    "InvalidRequest",
+    "KPolicy",
     "NotFound",
     "Reason",
     "ResourceExhausted",

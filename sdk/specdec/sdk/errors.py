@@ -26,6 +26,7 @@ __all__ = [
     "DeadlineExceeded",
     "InternalError",
     "InvalidArgument",
+    "InvalidRequest",
     "NotFound",
     "Reason",
     "ResourceExhausted",
@@ -140,6 +141,31 @@ class InvalidArgument(SpecdecError):
     """The request was rejected as invalid (bad parameters, prompt too long, ...)."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class InvalidRequest(InvalidArgument, ValueError):
+    """A request refused before it runs: malformed input, a value out of range (bad token
+    ids, an empty prompt, k too large, bad sampling values). ``field`` names the request
+    field it is about, as the request's parts spell it (``"temperature"``, ``"k"``,
+    ``"max_new_tokens"``, ``"prompt"``; :mod:`specdec.sdk.request`), None when it is about
+    none; the gRPC answer is its message alone, the HTTP API's names the body's field."""
+
+    def __init__(
+        self,
+        details: str = "",
+        code: grpc.StatusCode | None = None,
+        reason: Reason | str | None = None,
+        *,
+        field: str | None = None,
+    ) -> None:
+        super().__init__(details, code, reason)
+        self.field = field
+
+    def about(self, field: str) -> InvalidRequest:
+        """This error, naming ``field`` unless it names one already (re-raise it)."""
+        if self.field is None:
+            self.field = field
+        return self
 
 
 class Unavailable(SpecdecError):

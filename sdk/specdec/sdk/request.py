@@ -26,6 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
+from specdec.sdk.errors import InvalidRequest
+from specdec.sdk.names import DraftMethod, KPolicy, WireEnum
 from specdec.v1 import common_pb2, gateway_pb2
 
 __all__ = [
@@ -48,15 +50,10 @@ GREEDY_BELOW = 1e-5
 # Largest accepted top_k; larger values behave like 0 (no filter) and are most likely a
 # client bug, so they are refused rather than silently clamped.
 MAX_TOP_K = 1 << 20
-#: ``k_policy`` values: how the gateway picks each round's draft length.
-K_POLICIES = {"fixed": gateway_pb2.K_POLICY_FIXED, "adaptive": gateway_pb2.K_POLICY_ADAPTIVE}
-#: ``method`` values: where drafts come from.
-METHODS = {
-    "model": gateway_pb2.SPECULATION_METHOD_MODEL,
-    "ngram": gateway_pb2.SPECULATION_METHOD_NGRAM,
-    "suffix": gateway_pb2.SPECULATION_METHOD_SUFFIX,
-    "hybrid": gateway_pb2.SPECULATION_METHOD_HYBRID,
-}
+#: ``k_policy`` values: how the gateway picks each round's draft length (name -> proto).
+K_POLICIES = {policy.value: policy.proto for policy in KPolicy}
+#: ``method`` values: where drafts come from (name -> proto).
+METHODS = {method.value: method.proto for method in DraftMethod}
 
 
 @dataclass(frozen=True)
@@ -105,22 +102,23 @@ class Sampling:
         return dataclasses.replace(self, **values)
 
     def check(self) -> None:
-        """ValueError naming the first field out of range (unset fields pass)."""
+        """InvalidRequest (a ValueError) naming the first field out of range (unset fields
+        pass)."""
         t, p, k, seed = self.temperature, self.top_p, self.top_k, self.seed
         if t is not None and not (math.isfinite(t) and t >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {t}")
+            raise _bad("temperature", f"must be a finite number >= 0, got {t}")
         if p is not None and not (math.isfinite(p) and 0.0 < p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {p}")
+            raise _bad("top_p", f"must be in (0, 1], got {p}")
         if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
-            raise ValueError(f"top_k must be an integer, got {k!r}")
+            raise _bad("top_k", f"must be an integer, got {k!r}")
         if self.min_p is not None and not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise _bad("min_p", f"must be in [0, 1], got {self.min_p}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
+            raise _bad("seed", f"must be an integer, got {seed!r}")
         if k is not None and not 0 <= k <= MAX_TOP_K:
-            raise ValueError(f"top_k must be in [0, {MAX_TOP_K}] (0 = off), got {k}")
+            raise _bad("top_k", f"must be in [0, {MAX_TOP_K}] (0 = off), got {k}")
         if seed is not None and not 0 <= seed < 1 << 64:
-            raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+            raise _bad("seed", f"must be in [0, 2**64), got {seed}")
 
     def to_proto(self) -> common_pb2.SamplingParams:
         """The message (unset fields stay unset; model_defaults marks that they may be)."""
@@ -153,6 +151,11 @@ class Sampling:
         return cls(**values)
 
 
+def _bad(field: str, why: str) -> InvalidRequest:
+    """The refusal of one field: its name, then why ("top_p must be in (0, 1], got 2")."""
+    return InvalidRequest(f"{field} {why}", field=field)
+
+
 # Fields whose 0 cannot be meant (a client from before `optional` sent 0 for "unset").
 _ZERO_IS_UNSET = ("top_p", "repetition_penalty")
 
@@ -166,35 +169,77 @@ class Speculation:
     """How drafts are made; every choice gives the same output (speed only).
 
     ``k``: draft length (an upper bound under ``k_policy="adaptive"``); ``ssd``:
-    speculative speculative decoding; ``k_policy``: ``"fixed"`` or ``"adaptive"``;
-    ``method``: ``"model"``, ``"ngram"``, ``"suffix"`` or ``"hybrid"``; ``tree_width``:
-    candidate continuations a lookup round verifies together (1..8). None: the server's
-    default.
+    speculative speculative decoding; ``k_policy``: ``"fixed"`` or ``"adaptive"``
+    (:class:`~specdec.sdk.names.KPolicy`); ``method``: ``"model"``, ``"ngram"``,
+    ``"suffix"`` or ``"hybrid"`` (:class:`~specdec.sdk.names.DraftMethod`; a name becomes
+    its member); ``tree_width``: candidate continuations a lookup round verifies together
+    (1..8). None: the server's default.
     """
 
     k: int | None = None
     ssd: bool | None = None
-    k_policy: str | None = None
-    method: str | None = None
+    k_policy: KPolicy | None = None
+    method: DraftMethod | None = None
     tree_width: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, kind in (("k_policy", KPolicy), ("method", DraftMethod)):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                object.__setattr__(self, name, _member(kind, value, name))
 
     def to_proto(self) -> gateway_pb2.SpeculationParams | None:
         """The message, or None when every field is the server's default."""
-        if self.method is not None and self.method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if self.k_policy is not None and self.k_policy not in K_POLICIES:
-            raise ValueError(
-                f"k_policy must be one of {', '.join(K_POLICIES)}, got {self.k_policy!r}"
-            )
         if self == Speculation():
             return None
         return gateway_pb2.SpeculationParams(
             num_draft_tokens=self.k,
             ssd=self.ssd,
-            k_policy=K_POLICIES.get(self.k_policy or "", gateway_pb2.K_POLICY_UNSPECIFIED),
-            method=METHODS.get(self.method or "", gateway_pb2.SPECULATION_METHOD_UNSPECIFIED),
+            k_policy=self.k_policy.proto if self.k_policy else gateway_pb2.K_POLICY_UNSPECIFIED,
+            method=self.method.proto if self.method else gateway_pb2.SPECULATION_METHOD_UNSPECIFIED,
             tree_width=self.tree_width,
         )
+
+    @classmethod
+    def from_proto(cls, msg: gateway_pb2.SpeculationParams | None) -> Speculation:
+        """The message's choices (None: every one the server's default); InvalidRequest
+        for an enum value this version does not know."""
+        if msg is None:
+            return cls()
+        return cls(
+            k=msg.num_draft_tokens if msg.HasField("num_draft_tokens") else None,
+            ssd=msg.ssd if msg.HasField("ssd") else None,
+            k_policy=_of_proto(KPolicy, msg.k_policy, "k_policy"),
+            method=_of_proto(DraftMethod, msg.method, "method"),
+            tree_width=msg.tree_width if msg.HasField("tree_width") else None,
+        )
+
+
+E = TypeVar("E", bound=WireEnum)
+
+
+def _member(kind: type[E], name: str, field: str) -> E:
+    """The member a name gives (``"ngram"``), or InvalidRequest listing the names."""
+    try:
+        return kind(name)
+    except ValueError:
+        names = ", ".join(kind)
+        raise InvalidRequest(f"{field} must be one of {names}, got {name!r}", field=field) from None
+
+
+def _of_proto(kind: type[E], value: int, field: str) -> E | None:
+    """The member of a proto value (None: UNSPECIFIED), or InvalidRequest listing the
+    proto's names."""
+    if value == 0:
+        return None
+    try:
+        return kind.of(value)
+    except KeyError:
+        enum_type, _ = kind.wire()
+        *names, last = enum_type.keys()
+        raise InvalidRequest(
+            f"speculation.{field} must be {', '.join(names)} or {last}, got {value}", field=field
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -212,13 +257,27 @@ class Session:
     session_ttl_seconds: int = 0
     session_expected_turns: int = 0
 
-    def to_proto(self) -> gateway_pb2.SessionOptions | None:
+    def check(self) -> None:
+        """InvalidRequest for options that contradict each other (the ranges that depend
+        on the server are the server's to check)."""
         if not self.session_id:
-            if self.reset_session or self.session_ttl_seconds or self.session_expected_turns:
-                raise ValueError(
-                    "reset_session, session_ttl_seconds and session_expected_turns need a "
-                    "session_id"
-                )
+            given = [
+                name
+                for name in ("reset_session", "session_ttl_seconds", "session_expected_turns")
+                if getattr(self, name)
+            ]
+            if given:
+                raise _without_id(given[0])
+        elif self.session_expected_turns and self.reset_session:
+            raise InvalidRequest(
+                "session options: expected_turns cannot be used with SESSION_MODE_RESET (a "
+                "reset session starts with no turns)",
+                field="reset_session",
+            )
+
+    def to_proto(self) -> gateway_pb2.SessionOptions | None:
+        self.check()
+        if not self.session_id:
             return None
         return gateway_pb2.SessionOptions(
             id=self.session_id,
@@ -231,6 +290,27 @@ class Session:
             expected_turns=self.session_expected_turns,
         )
 
+    @classmethod
+    def from_proto(cls, msg: gateway_pb2.SessionOptions | None) -> Session:
+        """The message's session (None: a one-off request); InvalidRequest for a mode this
+        version does not know, or a mode without a session id."""
+        if msg is None:
+            return cls()
+        if msg.mode not in gateway_pb2.SessionMode.values():
+            raise InvalidRequest(f"unknown session mode {msg.mode}", field="reset_session")
+        if not msg.id and msg.mode:
+            raise _without_id("reset_session")
+        return cls(
+            session_id=msg.id or None,
+            reset_session=msg.mode == gateway_pb2.SESSION_MODE_RESET,
+            session_ttl_seconds=msg.ttl_seconds,
+            session_expected_turns=msg.expected_turns,
+        )
+
+
+def _without_id(field: str) -> InvalidRequest:
+    return InvalidRequest("session options given without a session id", field=field)
+
 
 @dataclass(frozen=True)
 class Output:
@@ -241,7 +321,8 @@ class Output:
     "..."}``, ``{"choice": ["a", "b"]}``, ``{"grammar": "<Lark grammar>"}`` or
     ``{"json_object": True}``); ``prediction``:
     text or token ids the output is expected to repeat (OpenAI's Predicted Outputs, a
-    source of drafts); ``record=False`` refuses the gateway's recording (``--record``)."""
+    source of drafts); ``record=False`` refuses the gateway's recording (``--record``).
+    ``stop`` (one string or several) and ``stop_token_ids`` are kept as tuples."""
 
     max_new_tokens: int = 128
     stop: Sequence[str] = ()
@@ -253,28 +334,78 @@ class Output:
     prediction: str | Sequence[int] | None = None
     record: bool | None = None
 
+    def __post_init__(self) -> None:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)  # one string
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.prediction, bytes):
+            raise TypeError("prediction must be a str or a sequence of ints")
+
+    @property
+    def grammar(self) -> gateway_pb2.StructuredOutput | None:
+        """``structured_output`` as its message (InvalidRequest for a malformed dict)."""
+        spec = self.structured_output
+        return None if spec is None else _structured_output(spec)
+
     def fill(self, request: gateway_pb2.GenerateRequest) -> None:
         """Write this part's fields into ``request``."""
-        stop = (self.stop,) if isinstance(self.stop, str) else self.stop  # one stop string
         request.max_new_tokens = self.max_new_tokens
-        request.stop.extend(stop)
+        request.stop.extend(self.stop)
         request.stop_token_ids.extend(self.stop_token_ids)
         request.ignore_eos, request.min_tokens, request.n = (
             self.ignore_eos,
             self.min_tokens,
             self.n,
         )
-        if self.structured_output is not None:
-            request.structured_output.CopyFrom(_structured_output(self.structured_output))
+        grammar = self.grammar
+        if grammar is not None:
+            request.structured_output.CopyFrom(grammar)
         if isinstance(self.prediction, str):
             if self.prediction:
                 request.prediction.text = self.prediction
         elif self.prediction is not None:
-            if isinstance(self.prediction, bytes):
-                raise TypeError("prediction must be a str or a sequence of ints")
             request.prediction.token_ids.ids.extend(self.prediction)
         if self.record is not None:
             request.record = self.record
+
+    @classmethod
+    def from_proto(cls, msg: gateway_pb2.GenerateRequest) -> Output:
+        """The part's fields of ``msg`` (its grammar as the message; n 0 reads as 1)."""
+        return cls(
+            max_new_tokens=msg.max_new_tokens,
+            stop=tuple(msg.stop),
+            stop_token_ids=tuple(msg.stop_token_ids),
+            ignore_eos=msg.ignore_eos,
+            min_tokens=msg.min_tokens,
+            n=msg.n or 1,
+            structured_output=(
+                _copy(msg.structured_output) if msg.HasField("structured_output") else None
+            ),
+            prediction=_prediction(msg),
+            record=msg.record if msg.HasField("record") else None,
+        )
+
+
+def _copy(msg: gateway_pb2.StructuredOutput) -> gateway_pb2.StructuredOutput:
+    out = gateway_pb2.StructuredOutput()
+    out.CopyFrom(msg)
+    return out
+
+
+def _prediction(msg: gateway_pb2.GenerateRequest) -> str | tuple[int, ...] | None:
+    """GenerateRequest.prediction as text or ids (None: none); InvalidRequest when the
+    message is set but holds neither."""
+    if not msg.HasField("prediction"):
+        return None
+    which = msg.prediction.WhichOneof("content")
+    if which == "text":
+        return msg.prediction.text
+    if which == "token_ids":
+        return tuple(msg.prediction.token_ids.ids)
+    raise InvalidRequest(
+        "prediction is set but empty: set prediction.text or prediction.token_ids",
+        field="prediction",
+    )
 
 
 @dataclass(frozen=True)
@@ -290,6 +421,14 @@ class Scoring:
     def fill(self, request: gateway_pb2.GenerateRequest) -> None:
         request.logprobs, request.top_logprobs = self.logprobs, self.top_logprobs
         request.prompt_logprobs = self.prompt_logprobs
+
+    @classmethod
+    def from_proto(cls, msg: gateway_pb2.GenerateRequest) -> Scoring:
+        return cls(
+            logprobs=msg.logprobs,
+            top_logprobs=msg.top_logprobs,
+            prompt_logprobs=msg.prompt_logprobs,
+        )
 
 
 _Part = Sampling | Speculation | Session | Output | Scoring
@@ -354,6 +493,25 @@ class Request:
         self.scoring.fill(request)
         return request
 
+    @classmethod
+    def from_proto(cls, msg: gateway_pb2.GenerateRequest) -> Request:
+        """The request a ``GenerateRequest`` carries: the mirror of :meth:`to_proto`
+        (``Request.from_proto(r.to_proto()) == r``). Each part reads its own fields; what
+        no Request can hold (an enum value this version does not know, session options
+        without a session id, an empty prediction) is InvalidRequest naming its field."""
+        which = msg.WhichOneof("input")
+        return cls(
+            prompt=msg.prompt if which == "prompt" else None,
+            token_ids=tuple(msg.prompt_token_ids.ids) if which == "prompt_token_ids" else None,
+            sampling=Sampling.from_proto(msg.sampling if msg.HasField("sampling") else None),
+            speculation=Speculation.from_proto(
+                msg.speculation if msg.HasField("speculation") else None
+            ),
+            session=Session.from_proto(msg.session if msg.HasField("session") else None),
+            output=Output.from_proto(msg),
+            scoring=Scoring.from_proto(msg),
+        )
+
 
 @functools.cache
 def _owners() -> dict[str, type[_Part]]:
@@ -410,9 +568,10 @@ def _structured_output(
     if isinstance(spec, gateway_pb2.StructuredOutput):
         return spec
     if not isinstance(spec, dict) or len(spec) != 1:
-        raise ValueError(
+        raise InvalidRequest(
             "structured_output must be a StructuredOutput or a dict of one key: json_schema, "
-            "regex, choice, grammar or json_object"
+            "regex, choice, grammar or json_object",
+            field="structured_output",
         )
     ((kind, value),) = spec.items()
     if kind == "json_schema":
@@ -428,4 +587,4 @@ def _structured_output(
         )
     if kind == "json_object" and value:
         return gateway_pb2.StructuredOutput(json_object=gateway_pb2.StructuredJsonObject())
-    raise ValueError(f"structured_output: unknown kind {kind!r}")
+    raise InvalidRequest(f"structured_output: unknown kind {kind!r}", field="structured_output")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.sdk.errors import InternalError
+from specdec.sdk.names import DraftMethod, Finish, KPolicy, WireEnum
 from specdec.sdk.request import Sampling
 from specdec.v1 import common_pb2, gateway_pb2
 
@@ -29,11 +30,14 @@ __all__ = [
     "usage_from_proto",
 ]
 
-_FINISH_REASONS: dict[int, str] = {
-    gateway_pb2.FINISH_REASON_LENGTH: "length",
-    gateway_pb2.FINISH_REASON_EOS: "eos",
-    gateway_pb2.FINISH_REASON_STOP: "stop",
-}
+
+def _name(kind: type[WireEnum], value: int) -> str:
+    """The name of a proto enum value ("" for UNSPECIFIED or one this version does not
+    know: a newer server's)."""
+    try:
+        return kind.of(value).value
+    except KeyError:
+        return ""
 
 
 @dataclass(frozen=True)
@@ -258,7 +262,7 @@ def _f32(x: float) -> float:
 
 
 def finish_reason_from_proto(reason: int) -> str:
-    return _FINISH_REASONS.get(reason, "unknown")
+    return _name(Finish, reason) or "unknown"
 
 
 def usage_from_proto(msg: gateway_pb2.Usage) -> Usage:
@@ -298,14 +302,14 @@ def speculation_stats_from_proto(msg: gateway_pb2.SpeculationStats) -> Speculati
         ssd_bytes=msg.ssd_bytes,
         ssd_late=msg.ssd_late,
         ssd_speculates=msg.ssd_speculates,
-        k_policy=_K_POLICY_NAMES.get(msg.k_policy, ""),
+        k_policy=_name(KPolicy, msg.k_policy),
         rounds_by_k=tuple(msg.rounds_by_k),
         mean_k=_f32(msg.mean_k),
         policy_k0_rounds=msg.policy_k0_rounds,
         mean_fan_out=_f32(msg.mean_fan_out),
         ssd_paused_rounds=msg.ssd_paused_rounds,
         mean_verifier_queue=_f32(msg.mean_verifier_queue),
-        method=_METHOD_NAMES.get(msg.method, ""),
+        method=_name(DraftMethod, msg.method),
         by_source={s.source: (s.drafts, s.draft_tokens, s.accepted_tokens) for s in msg.by_source},
         lookup_no_match_rounds=msg.lookup_no_match_rounds,
         tree_rounds=msg.tree_rounds,
@@ -314,15 +318,6 @@ def speculation_stats_from_proto(msg: gateway_pb2.SpeculationStats) -> Speculati
         drafter_version=msg.drafter_version,
         recorded=msg.recorded,
     )
-
-
-_K_POLICY_NAMES = {gateway_pb2.K_POLICY_FIXED: "fixed", gateway_pb2.K_POLICY_ADAPTIVE: "adaptive"}
-_METHOD_NAMES = {
-    gateway_pb2.SPECULATION_METHOD_MODEL: "model",
-    gateway_pb2.SPECULATION_METHOD_NGRAM: "ngram",
-    gateway_pb2.SPECULATION_METHOD_SUFFIX: "suffix",
-    gateway_pb2.SPECULATION_METHOD_HYBRID: "hybrid",
-}
 
 
 def _generation(
@@ -487,7 +482,7 @@ def server_info_from_proto(msg: gateway_pb2.GetServerInfoResponse) -> ServerInfo
         max_logit_bias=msg.max_logit_bias,
         structured_output_engine=msg.structured_output_engine,
         structured_output_kinds=tuple(msg.structured_output_kinds),
-        default_method=_METHOD_NAMES.get(msg.default_method, ""),
+        default_method=_name(DraftMethod, msg.default_method),
         lookup={f.name: getattr(msg.lookup, f.name) for f in msg.lookup.DESCRIPTOR.fields},
         recording=msg.recording,
         drafter_versions=tuple(msg.drafter_versions),

@@ -10,7 +10,9 @@ gateway works out for each Draft, Speculate and Verify).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from specdec.common.errors import InvalidRequest
 from specdec.v1 import common_pb2
@@ -58,34 +60,53 @@ class Controls:
         return bool(self.presence_penalty or self.frequency_penalty)
 
 
-def check_sampling_controls(msg: common_pb2.SamplingParams, vocab_size: int) -> None:
-    """InvalidRequest naming the first SamplingParams processor field out of range."""
+class Penalties(Protocol):
+    """The processor fields of a request's sampling: a SamplingParams message, or the typed
+    Sampling (specdec.sdk.request) where None is unset."""
+
+    @property
+    def presence_penalty(self) -> float: ...
+    @property
+    def frequency_penalty(self) -> float: ...
+    @property
+    def repetition_penalty(self) -> float | None: ...
+    @property
+    def logit_bias(self) -> Mapping[int, float] | None: ...
+
+
+def check_sampling_controls(msg: Penalties, vocab_size: int) -> None:
+    """InvalidRequest naming the first processor field out of range (its `field`)."""
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(msg, name)
         if not (math.isfinite(value) and -PENALTY_RANGE <= value <= PENALTY_RANGE):
             raise InvalidRequest(
                 f"sampling: {name} must be in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}], "
-                f"got {value:g}"
+                f"got {value:g}",
+                field=name,
             )
-    rp = msg.repetition_penalty
+    rp = msg.repetition_penalty or 0.0
     if not (math.isfinite(rp) and rp >= 0):  # 0: unset
         raise InvalidRequest(
-            f"sampling: repetition_penalty must be a finite number > 0 (0: unset), got {rp:g}"
+            f"sampling: repetition_penalty must be a finite number > 0 (0: unset), got {rp:g}",
+            field="repetition_penalty",
         )
-    bias = msg.logit_bias
+    bias = msg.logit_bias or {}
     if len(bias) > MAX_LOGIT_BIAS:
         raise InvalidRequest(
-            f"sampling: logit_bias holds {len(bias)} entries, at most {MAX_LOGIT_BIAS}"
+            f"sampling: logit_bias holds {len(bias)} entries, at most {MAX_LOGIT_BIAS}",
+            field="logit_bias",
         )
     for token, value in bias.items():
         if not 0 <= token < vocab_size:
             raise InvalidRequest(
-                f"sampling: logit_bias token id {token} is outside the vocabulary [0, {vocab_size})"
+                f"sampling: logit_bias token id {token} is outside the vocabulary [0, {vocab_size})",
+                field="logit_bias",
             )
         if not (math.isfinite(value) and -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE):
             raise InvalidRequest(
                 f"sampling: logit_bias of token {token} must be in "
-                f"[-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], got {value:g}"
+                f"[-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], got {value:g}",
+                field="logit_bias",
             )
 
 

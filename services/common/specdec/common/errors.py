@@ -14,7 +14,7 @@ from specdec.sdk.errors import (
     REASON_KEY,
     RETRY_AFTER_KEY,
     DeadlineExceeded,
-    InvalidArgument,
+    InvalidRequest,
     Reason,
     ResourceExhausted,
     SpecdecError,
@@ -39,10 +39,6 @@ __all__ = [
     "Unavailable",
     "Unimplemented",
 ]
-
-
-class InvalidRequest(InvalidArgument, ValueError):
-    """Malformed input: bad token ids, empty input, k too large, bad sampling values."""
 
 
 class CacheMiss(SpecdecError):

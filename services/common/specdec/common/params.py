@@ -50,8 +50,8 @@ def resolved_sampling(sampling: Sampling, defaults: Sampling | None = None) -> S
     fields = sampling.resolve(defaults).__dict__
     try:
         return SamplingParams(**fields)
-    except ValueError as e:
-        raise InvalidRequest(f"sampling: {e}") from None
+    except InvalidRequest as e:
+        raise InvalidRequest(f"sampling: {e.details}", field=e.field) from None
 
 
 def sampling_from_proto(

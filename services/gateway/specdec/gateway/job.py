@@ -1,17 +1,23 @@
-"""Validation of a GenerateRequest against the gateway's limits: proto in, `Job` out.
+"""A request resolved against the gateway's limits: the SDK's typed `Request` in, a `Job` out.
 
-A `Job` carries the request as typed parts, each resolved once here: `Output` (length,
-stops, grammar, prediction), `Speculation` (k, SSD, k policy, method, tree width: the
-gateway's defaults where the request leaves them), `Session`, `Scoring` (the SDK's) and
-the sampling (the model's generation_config where the request leaves a field unset).
+Both doors hand the same `Request` (specdec.sdk.request) to `Job.resolve`: the gRPC
+servicer converts its GenerateRequest once (`Request.from_proto`), the HTTP API builds the
+Request from its body. A `Job` carries the request as typed parts, each resolved (and
+checked) by its own `resolve`: `Output` (length, stops, grammar, prediction),
+`Speculation` (k, SSD, k policy, method, tree width: the gateway's defaults where the
+request leaves them), `Session`, the scoring (the SDK's `Scoring`) and the sampling (the
+model's generation_config where the request leaves a field unset).
 
 Every check runs before anything is tokenized or sent to a replica, so a bad request costs
-nothing and touches no session. The limits come from the replicas' Info (vocabulary,
-context, largest k) and the gateway's own configuration.
+nothing and touches no session. A refusal is InvalidRequest with its `field`: the
+Request's name of the field it is about (the HTTP API answers with the body's name of
+it). The limits come from the replicas' Info (vocabulary, context, largest k) and the
+gateway's own configuration.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specdec.common.controls import MAX_STOP_TOKEN_IDS, check_sampling_controls
@@ -20,10 +26,11 @@ from specdec.common.params import (
     MAX_TOP_LOGPROBS,
     MAX_TREE_WIDTH,
     SamplingParams,
-    sampling_from_proto,
+    resolved_sampling,
 )
 from specdec.gateway.names import DraftMethod, KPolicy
-from specdec.sdk.request import Sampling, Scoring
+from specdec.sdk import request
+from specdec.sdk.request import Request, Sampling, Scoring
 from specdec.v1 import gateway_pb2
 
 MAX_STOP_STRINGS = 16
@@ -40,9 +47,6 @@ MAX_CHOICES = 16
 # quarter, so it survives three missed renewals (a Redis blip, a loaded event loop), and
 # lapses this long after its holder's death.
 TURN_LEASE_SECONDS = 4.0
-
-# gateway_pb2.SpeculationMethod value -> the method
-METHODS = {method.proto: method for method in DraftMethod}
 
 
 def tree_width(value: int) -> str | None:
@@ -67,11 +71,11 @@ class Limits:
     max_k: int  # the replicas' largest draft length
     default_k: int
     default_ssd: bool
-    default_k_policy: int  # gateway_pb2.KPolicy: FIXED or ADAPTIVE
+    default_k_policy: KPolicy
     max_new_tokens: int
     default_ttl: int  # seconds
     max_session_ttl: int  # seconds
-    default_method: gateway_pb2.SpeculationMethod = gateway_pb2.SPECULATION_METHOD_HYBRID
+    default_method: DraftMethod = DraftMethod.HYBRID
     default_tree_width: int = 1
     # What a request's unset sampling fields become: the target's generation_config
     # (ModelInfo.sampling_defaults); None: neutral (greedy).
@@ -89,6 +93,35 @@ class Speculation:
     method: DraftMethod = DraftMethod.MODEL
     tree_width: int = 1  # candidate continuations per lookup round (1: chains)
 
+    @classmethod
+    def resolve(
+        cls, asked: request.Speculation, sampling: SamplingParams, limits: Limits
+    ) -> Speculation:
+        """The request's choices, the gateway's defaults where it leaves them."""
+        k = limits.default_k if asked.k is None else asked.k
+        if not 0 <= k <= limits.max_k:
+            raise InvalidRequest(
+                f"num_draft_tokens must be in [0, {limits.max_k}], got {k}", field="k"
+            )
+        k_policy = asked.k_policy or limits.default_k_policy
+        if asked.k_policy is None and sampling.seed is not None and not sampling.greedy:
+            # A seeded sampled output is reproducible for a given sequence of drafts: the
+            # adaptive policy's depend on timings (specdec.gateway.round.policy), so it
+            # drafts fixed.
+            k_policy = KPolicy.FIXED
+        width = limits.default_tree_width if asked.tree_width is None else asked.tree_width
+        why = tree_width(width)
+        if why is not None:
+            raise InvalidRequest(f"speculation.tree_width {why}, got {width}", field="tree_width")
+        ssd = limits.default_ssd if asked.ssd is None else asked.ssd
+        return cls(
+            k=k,
+            ssd=ssd and k > 0,
+            k_policy=k_policy,
+            method=asked.method or limits.default_method,
+            tree_width=width,
+        )
+
 
 @dataclass(frozen=True)
 class Session:
@@ -98,6 +131,28 @@ class Session:
     reset: bool = False  # forget its history first
     ttl: int = 0  # seconds of idle time it lives
     expected_turns: int = 0  # turns the client saw complete (0: not checked)
+
+    @classmethod
+    def resolve(cls, asked: request.Session, limits: Limits) -> Session:
+        """The session the request names, its ttl the gateway's default where unset."""
+        asked.check()
+        if len(asked.session_id or "") > MAX_SESSION_ID_CHARS:
+            raise InvalidRequest(
+                f"session id is longer than {MAX_SESSION_ID_CHARS} characters",
+                field="session_id",
+            )
+        if asked.session_ttl_seconds > limits.max_session_ttl:
+            raise InvalidRequest(
+                f"session ttl_seconds must be at most {limits.max_session_ttl}, "
+                f"got {asked.session_ttl_seconds}",
+                field="session_ttl_seconds",
+            )
+        return cls(
+            id=asked.session_id or None,
+            reset=asked.reset_session,
+            ttl=asked.session_ttl_seconds or limits.default_ttl,
+            expected_turns=asked.session_expected_turns,
+        )
 
 
 @dataclass(frozen=True)
@@ -116,14 +171,68 @@ class Output:
     prediction: str | list[int] | None = None
     record: bool = True  # False: the request refused recording (GenerateRequest.record)
 
+    @classmethod
+    def resolve(cls, asked: request.Output, limits: Limits) -> Output:
+        """The request's output, checked against the limits."""
+        max_new = asked.max_new_tokens
+        if not 1 <= max_new <= limits.max_new_tokens:
+            raise InvalidRequest(
+                f"max_new_tokens must be in [1, {limits.max_new_tokens}], got {max_new}",
+                field="max_new_tokens",
+            )
+        if asked.min_tokens > max_new:
+            raise InvalidRequest(
+                f"min_tokens must be at most max_new_tokens ({max_new}), got {asked.min_tokens}",
+                field="min_tokens",
+            )
+        stop_ids = list(asked.stop_token_ids)
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(
+                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(stop_ids)}",
+                field="stop_token_ids",
+            )
+        _check_ids(stop_ids, limits, "stop_token_ids")
+        stop = tuple(asked.stop)
+        if len(stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(
+                f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", field="stop"
+            )
+        if any(not s or len(s) > MAX_STOP_CHARS for s in stop):
+            raise InvalidRequest(
+                f"stop strings must have 1..{MAX_STOP_CHARS} characters", field="stop"
+            )
+        if not 1 <= asked.n <= MAX_CHOICES:
+            raise InvalidRequest(f"n must be in [1, {MAX_CHOICES}], got {asked.n}", field="n")
+        structured = asked.grammar
+        if structured is not None and (asked.min_tokens or asked.ignore_eos):
+            # A complete grammar allows only EOS: min_tokens would mask every token, and
+            # ignore_eos would ask for tokens after the grammar has ended.
+            which = "min_tokens" if asked.min_tokens else "ignore_eos"
+            raise InvalidRequest(
+                f"structured_output cannot be combined with {which}: the grammar decides "
+                "where the output ends",
+                field="structured_output",
+            )
+        return cls(
+            max_new_tokens=max_new,
+            stop=stop,
+            stop_token_ids=frozenset(stop_ids),
+            ignore_eos=asked.ignore_eos,
+            min_tokens=asked.min_tokens,
+            n=asked.n,
+            structured=structured,
+            prediction=_prediction(asked.prediction, limits),
+            record=asked.record is not False,
+        )
+
 
 NO_SCORING = Scoring()  # no log-probabilities
 
 
 @dataclass(frozen=True)
 class Job:
-    """A validated GenerateRequest: its prompt and its typed parts (the SDK's Request,
-    specdec.sdk.request, with every default resolved)."""
+    """A resolved request: its prompt and its typed parts (the SDK's Request,
+    specdec.sdk.request, checked, with every default resolved)."""
 
     prompt: str | list[int]  # text (tokenized once the history is known) or token ids
     sampling: SamplingParams  # every field set: the request's, else the model's defaults
@@ -133,184 +242,101 @@ class Job:
     scoring: Scoring = NO_SCORING  # logprobs, top_logprobs, prompt_logprobs
     tenant: str = ""  # who the request is for (gRPC metadata specdec-tenant, HTTP `user`)
 
-
-def validate(req: gateway_pb2.GenerateRequest, limits: Limits) -> Job:
-    """The request as a Job, or InvalidRequest naming the first problem."""
-    which = req.WhichOneof("input")
-    if which == "prompt":
-        if not req.prompt:
-            raise InvalidRequest("prompt is empty")
-        if len(req.prompt) > limits.max_context * MAX_CHARS_PER_TOKEN:
-            raise ContextLengthExceeded(
-                f"prompt of {len(req.prompt)} characters cannot fit the model's context "
-                f"of {limits.max_context} tokens"
-            )
-        prompt: str | list[int] = req.prompt
-    elif which == "prompt_token_ids":
-        prompt = list(req.prompt_token_ids.ids)
-        if not prompt:
-            raise InvalidRequest("prompt is empty: prompt_token_ids has no ids")
-        bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
-        if bad:
+    @classmethod
+    def resolve(cls, asked: Request, limits: Limits, tenant: str = "") -> Job:
+        """The request as a Job, or InvalidRequest naming the first problem (its field)."""
+        prompt = _prompt(asked, limits)
+        output = Output.resolve(asked.output, limits)
+        sampling = resolved_sampling(asked.sampling, limits.sampling_defaults)
+        check_sampling_controls(sampling, limits.vocab_size)
+        session = Session.resolve(asked.session, limits)
+        scoring = _scoring(asked.scoring)
+        if scoring.prompt_logprobs and session.id:
             raise InvalidRequest(
-                f"prompt_token_ids holds {bad[0]}, outside the vocabulary [0, {limits.vocab_size})"
+                "prompt_logprobs cannot be used with a session id: the prompt is scored "
+                "whole, in a request of its own",
+                field="prompt_logprobs",
             )
-    else:
-        raise InvalidRequest("prompt is empty: set prompt or prompt_token_ids")
-    if not 1 <= req.max_new_tokens <= limits.max_new_tokens:
-        raise InvalidRequest(
-            f"max_new_tokens must be in [1, {limits.max_new_tokens}], got {req.max_new_tokens}"
+        if output.n > 1 and session.id:
+            raise InvalidRequest(
+                "n > 1 cannot be used with a session id: a session continues one conversation",
+                field="n",
+            )
+        return cls(
+            prompt=prompt,
+            sampling=sampling,
+            output=output,
+            speculation=Speculation.resolve(asked.speculation, sampling, limits),
+            session=session,
+            scoring=scoring,
+            tenant=tenant,
         )
-    sampling = sampling_from_proto(
-        req.sampling if req.HasField("sampling") else None, limits.sampling_defaults
-    )
-    check_sampling_controls(req.sampling, limits.vocab_size)
-    if req.min_tokens > req.max_new_tokens:
-        raise InvalidRequest(
-            f"min_tokens must be at most max_new_tokens ({req.max_new_tokens}), "
-            f"got {req.min_tokens}"
-        )
-    stop_ids = list(req.stop_token_ids)
-    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(stop_ids)}")
-    bad = [t for t in stop_ids if not 0 <= t < limits.vocab_size]
+
+
+def _check_ids(ids: Sequence[int], limits: Limits, field: str, what: str = "") -> None:
+    """InvalidRequest naming `field` when an id of `what` (the field itself unless
+    given) lies outside the vocabulary."""
+    bad = [t for t in ids if not 0 <= t < limits.vocab_size]
     if bad:
         raise InvalidRequest(
-            f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {limits.vocab_size})"
+            f"{what or field} holds {bad[0]}, outside the vocabulary [0, {limits.vocab_size})",
+            field=field,
         )
-    stop = tuple(req.stop)
-    if len(stop) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
-    if any(not s or len(s) > MAX_STOP_CHARS for s in stop):
-        raise InvalidRequest(f"stop strings must have 1..{MAX_STOP_CHARS} characters")
-    session = req.session
-    if session.mode not in gateway_pb2.SessionMode.values():
-        raise InvalidRequest(f"unknown session mode {session.mode}")
-    if not session.id and (session.mode or session.ttl_seconds or session.expected_turns):
-        raise InvalidRequest("session options given without a session id")
-    if session.expected_turns and session.mode == gateway_pb2.SESSION_MODE_RESET:
-        raise InvalidRequest(
-            "session options: expected_turns cannot be used with SESSION_MODE_RESET (a "
-            "reset session starts with no turns)"
-        )
-    if len(session.id) > MAX_SESSION_ID_CHARS:
-        raise InvalidRequest(f"session id is longer than {MAX_SESSION_ID_CHARS} characters")
-    if session.ttl_seconds > limits.max_session_ttl:
-        raise InvalidRequest(
-            f"session ttl_seconds must be at most {limits.max_session_ttl}, "
-            f"got {session.ttl_seconds}"
-        )
-    spec = req.speculation
-    k = spec.num_draft_tokens if spec.HasField("num_draft_tokens") else limits.default_k
-    if not 0 <= k <= limits.max_k:
-        raise InvalidRequest(f"num_draft_tokens must be in [0, {limits.max_k}], got {k}")
-    ssd = spec.ssd if spec.HasField("ssd") else limits.default_ssd
-    k_policy = spec.k_policy or limits.default_k_policy
-    if not spec.k_policy and sampling.seed is not None and not sampling.greedy:
-        # A seeded sampled output is reproducible for a given sequence of drafts: the
-        # adaptive policy's depend on timings (specdec.gateway.round.policy), so it drafts fixed.
-        k_policy = gateway_pb2.K_POLICY_FIXED
-    if k_policy not in (gateway_pb2.K_POLICY_FIXED, gateway_pb2.K_POLICY_ADAPTIVE):
-        raise InvalidRequest(
-            f"speculation.k_policy must be K_POLICY_UNSPECIFIED, K_POLICY_FIXED or "
-            f"K_POLICY_ADAPTIVE, got {spec.k_policy}"
-        )
-    if req.top_logprobs > MAX_TOP_LOGPROBS:
-        raise InvalidRequest(
-            f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}"
-        )
-    if req.top_logprobs and not (req.logprobs or req.prompt_logprobs):
-        raise InvalidRequest("top_logprobs needs logprobs or prompt_logprobs")
-    if req.prompt_logprobs and session.id:
-        raise InvalidRequest(
-            "prompt_logprobs cannot be used with a session id: the prompt is scored whole, "
-            "in a request of its own"
-        )
-    n = req.n or 1
-    if n > MAX_CHOICES:
-        raise InvalidRequest(f"n must be in [1, {MAX_CHOICES}], got {n}")
-    if n > 1 and session.id:
-        raise InvalidRequest(
-            "n > 1 cannot be used with a session id: a session continues one conversation"
-        )
-    if req.HasField("structured_output") and (req.min_tokens or req.ignore_eos):
-        # A complete grammar allows only EOS: min_tokens would mask every token, and
-        # ignore_eos would ask for tokens after the grammar has ended.
-        which = "min_tokens" if req.min_tokens else "ignore_eos"
-        raise InvalidRequest(
-            f"structured_output cannot be combined with {which}: the grammar decides where "
-            "the output ends"
-        )
-    method = spec.method or limits.default_method
-    if method not in METHODS:
-        raise InvalidRequest(
-            "speculation.method must be SPECULATION_METHOD_UNSPECIFIED, _MODEL, _NGRAM, "
-            f"_SUFFIX or _HYBRID, got {spec.method}"
-        )
-    width = spec.tree_width if spec.HasField("tree_width") else limits.default_tree_width
-    why = tree_width(width)
-    if why is not None:
-        raise InvalidRequest(f"speculation.tree_width {why}, got {width}")
-    return Job(
-        prompt=prompt,
-        sampling=sampling,
-        output=Output(
-            max_new_tokens=req.max_new_tokens,
-            stop=stop,
-            stop_token_ids=frozenset(stop_ids),
-            ignore_eos=req.ignore_eos,
-            min_tokens=req.min_tokens,
-            n=n,
-            structured=req.structured_output if req.HasField("structured_output") else None,
-            prediction=_prediction(req, limits),
-            record=req.record if req.HasField("record") else True,
-        ),
-        speculation=Speculation(
-            k=k,
-            ssd=ssd and k > 0,
-            k_policy=KPolicy.of(k_policy),
-            method=DraftMethod.of(method),
-            tree_width=width,
-        ),
-        session=Session(
-            id=session.id or None,
-            reset=session.mode == gateway_pb2.SESSION_MODE_RESET,
-            ttl=session.ttl_seconds or limits.default_ttl,
-            expected_turns=session.expected_turns,
-        ),
-        scoring=Scoring(
-            logprobs=req.logprobs,
-            top_logprobs=req.top_logprobs,
-            prompt_logprobs=req.prompt_logprobs,
-        ),
-    )
 
 
-def _prediction(req: gateway_pb2.GenerateRequest, limits: Limits) -> str | list[int] | None:
-    """GenerateRequest.prediction as text or ids, checked like the prompt."""
-    if not req.HasField("prediction"):
+def _prompt(asked: Request, limits: Limits) -> str | list[int]:
+    """The request's prompt: text, or token ids inside the vocabulary."""
+    if asked.prompt is not None and asked.token_ids is not None:
+        raise InvalidRequest("give exactly one of prompt or token_ids", field="prompt")
+    if asked.prompt is not None:
+        if not asked.prompt:
+            raise InvalidRequest("prompt is empty", field="prompt")
+        if len(asked.prompt) > limits.max_context * MAX_CHARS_PER_TOKEN:
+            raise ContextLengthExceeded(
+                f"prompt of {len(asked.prompt)} characters cannot fit the model's context "
+                f"of {limits.max_context} tokens",
+                field="prompt",
+            )
+        return asked.prompt
+    if asked.token_ids is None:
+        raise InvalidRequest("prompt is empty: set prompt or prompt_token_ids", field="prompt")
+    ids = list(asked.token_ids)
+    if not ids:
+        raise InvalidRequest("prompt is empty: prompt_token_ids has no ids", field="token_ids")
+    _check_ids(ids, limits, "token_ids", "prompt_token_ids")
+    return ids
+
+
+def _scoring(asked: Scoring) -> Scoring:
+    """The request's log-probabilities, checked."""
+    if not 0 <= asked.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(
+            f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {asked.top_logprobs}",
+            field="top_logprobs",
+        )
+    if asked.top_logprobs and not (asked.logprobs or asked.prompt_logprobs):
+        raise InvalidRequest("top_logprobs needs logprobs or prompt_logprobs", field="top_logprobs")
+    return asked
+
+
+def _prediction(prediction: str | Sequence[int] | None, limits: Limits) -> str | list[int] | None:
+    """The request's prediction as text or ids (None: none), checked like the prompt."""
+    if isinstance(prediction, str):
+        if len(prediction) > limits.max_context * MAX_CHARS_PER_TOKEN:
+            raise InvalidRequest(
+                f"prediction.text of {len(prediction)} characters cannot fit the model's "
+                f"context of {limits.max_context} tokens",
+                field="prediction",
+            )
+        return prediction or None
+    if prediction is None:
         return None
-    which = req.prediction.WhichOneof("content")
-    if which == "text":
-        text = req.prediction.text
-        if len(text) > limits.max_context * MAX_CHARS_PER_TOKEN:
-            raise InvalidRequest(
-                f"prediction.text of {len(text)} characters cannot fit the model's context "
-                f"of {limits.max_context} tokens"
-            )
-        return text or None
-    if which == "token_ids":
-        ids = list(req.prediction.token_ids.ids)
-        bad = [t for t in ids if not 0 <= t < limits.vocab_size]
-        if bad:
-            raise InvalidRequest(
-                f"prediction.token_ids holds {bad[0]}, outside the vocabulary "
-                f"[0, {limits.vocab_size})"
-            )
-        if len(ids) > limits.max_context:
-            raise InvalidRequest(
-                f"prediction.token_ids has {len(ids)} ids, more than the model's context "
-                f"of {limits.max_context}"
-            )
-        return ids or None
-    raise InvalidRequest("prediction is set but empty: set prediction.text or prediction.token_ids")
+    ids = list(prediction)
+    _check_ids(ids, limits, "prediction", "prediction.token_ids")
+    if len(ids) > limits.max_context:
+        raise InvalidRequest(
+            f"prediction.token_ids has {len(ids)} ids, more than the model's context "
+            f"of {limits.max_context}",
+            field="prediction",
+        )
+    return ids or None

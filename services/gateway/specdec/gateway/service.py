@@ -21,6 +21,7 @@ from specdec.gateway.fleet.dataplane import DataPlaneSettings
 from specdec.gateway.fleet.placement import Placement
 from specdec.gateway.fleet.replicas import Fleet
 from specdec.gateway.job import Limits
+from specdec.gateway.names import DraftMethod, KPolicy
 from specdec.gateway.observe.recorder import Recorder
 from specdec.gateway.round.grammar import Grammars
 from specdec.gateway.round.lookup.settings import LookupSettings, SuffixParams
@@ -77,7 +78,7 @@ class Service:
         # Each draft source's acceptance over the requests served: where a new request's
         # adaptive policy starts from (specdec.gateway.round.policy).
         self.source_priors = SourcePriors()
-        self._background: set[asyncio.Task] = set()
+        self._background: set[asyncio.Task[None]] = set()
         self.lookup_settings = LookupSettings(
             prompt_lookup_min=config.prompt_lookup_min,
             prompt_lookup_max=config.prompt_lookup_max,
@@ -111,11 +112,11 @@ class Service:
             max_k=max_k,
             default_k=default_k,
             default_ssd=self.config.ssd,
-            default_k_policy=self.config.k_policy,
+            default_k_policy=KPolicy.of(self.config.k_policy),
             max_new_tokens=self.config.max_new_tokens,
             default_ttl=self.config.session_ttl,
             max_session_ttl=self.config.max_session_ttl,
-            default_method=self.config.method,
+            default_method=DraftMethod.of(self.config.method),
             default_tree_width=self.config.tree_width,
             sampling_defaults=(
                 Sampling.from_proto(info.sampling_defaults)

@@ -75,7 +75,7 @@ def server_info(gateway: Service) -> gateway_pb2.GetServerInfoResponse:
         max_choices=job.MAX_CHOICES,
         structured_output_engine=grammar.ENGINE if gateway.grammars else "",
         structured_output_kinds=grammar.KINDS if gateway.grammars else (),
-        default_method=limits.default_method,
+        default_method=limits.default_method.proto,
         sampling_defaults=(limits.sampling_defaults or Sampling()).resolve().to_proto(),
         lookup=gateway_pb2.LookupInfo(
             prompt_lookup_min=gateway.config.prompt_lookup_min,

@@ -1,4 +1,7 @@
-"""GatewayService: the thin gRPC servicer over specdec.gateway.front.turn, and the bootstrap."""
+"""GatewayService: the thin gRPC servicer over specdec.gateway.front.turn, and the bootstrap.
+
+A call's GenerateRequest becomes the SDK's typed Request once, here (`Request.from_proto`),
+and goes to `Gateway.run` as the HTTP API's does."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import time
 
 import uvloop
 
+from specdec.common.errors import SpecdecError
 from specdec.common.logs import setup_logging
 from specdec.common.serving import rpc_errors, serve, stream_rpc_errors
 from specdec.common.telemetry import setup_tracing
@@ -15,7 +19,8 @@ from specdec.gateway.config import GatewayConfig
 from specdec.gateway.front.info import server_info
 from specdec.gateway.front.response import stream_message
 from specdec.gateway.front.turn import Gateway
-from specdec.gateway.observe import tracing
+from specdec.gateway.observe import metrics, tracing
+from specdec.sdk.request import Request
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
@@ -38,12 +43,23 @@ def client_tenant(context) -> str:
     return ""
 
 
+def typed_request(message: gateway_pb2.GenerateRequest) -> Request:
+    """The call's request as the SDK's Request (InvalidRequest, counted as a failed
+    request, for what no Request can hold)."""
+    try:
+        return Request.from_proto(message)
+    except SpecdecError as e:
+        metrics.REQUEST_ERRORS.labels(code=e.code.name).inc()
+        raise
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, gateway: Gateway):
         self.gateway = gateway
 
     @rpc_errors
-    async def Generate(self, request, context) -> gateway_pb2.GenerateResponse:
+    async def Generate(self, message, context) -> gateway_pb2.GenerateResponse:
+        request = typed_request(message)
         # Drain the generator (never return from inside the loop): its cleanup (the
         # session's turn lock, metrics, cache release) must run before the answer leaves.
         with tracing.request_span(
@@ -64,7 +80,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return server_info(self.gateway)
 
     @stream_rpc_errors
-    async def GenerateStream(self, request, context):
+    async def GenerateStream(self, message, context):
+        request = typed_request(message)
         with tracing.request_span(
             "GenerateStream", context, request, tracing.served_model(self.gateway.fleet)
         ) as span:

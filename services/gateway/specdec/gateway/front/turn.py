@@ -5,8 +5,9 @@ specdec.gateway.front.server translates; an HTTP front can call the same `run`):
 runs on (specdec.gateway.service: start-up, limits, the fleet and the session index) and
 the session turn. A turn:
 
-1. validates the request (specdec.gateway.job) and, for a session, takes its turn
-   lock (one turn at a time per session, across gateways);
+1. resolves the typed request (the SDK's Request, from either door) into a Job
+   (specdec.gateway.job) and, for a session, takes its turn lock (one turn at a time per
+   session, across gateways);
 2. reads the session's record (history, which replicas cache it and how much);
 3. tokenizes the prompt after the history and checks it fits the context;
 4. runs its completion (specdec.gateway.front.completion; n > 1: specdec.gateway.front.choices)
@@ -19,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 from specdec.common.errors import InvalidRequest, SpecdecError
 from specdec.gateway.config import GatewayConfig
@@ -30,7 +31,7 @@ from specdec.gateway.front.completion import Aborted as Aborted
 from specdec.gateway.front.completion import Completion, Completions
 from specdec.gateway.front.completion import output_controls as output_controls
 from specdec.gateway.front.response import Event, record_metrics
-from specdec.gateway.job import ContextLengthExceeded, Job, validate
+from specdec.gateway.job import ContextLengthExceeded, Job
 from specdec.gateway.observe import metrics
 from specdec.gateway.observe.recorder import recording_row
 from specdec.gateway.round.grammar import Grammar
@@ -44,7 +45,7 @@ from specdec.gateway.sessions import (
     TurnLease,
     replica_session_id,
 )
-from specdec.v1 import gateway_pb2
+from specdec.sdk.request import Request
 
 # How long a turn waits for its session's previous turn to end before ABORTED: covers a
 # cancelled turn that is still cleaning up (milliseconds), not a turn that is running. A
@@ -93,13 +94,14 @@ class Gateway(Service):
 
     async def run(
         self,
-        req: gateway_pb2.GenerateRequest,
+        request: Request,
         *,
         prompter: Prompter | None = None,
         deadline: float | None = None,
         tenant: str = "",
-    ) -> AsyncIterator[Event]:
-        """Validate and run one request; errors are SpecdecError with their status.
+    ) -> AsyncGenerator[Event, None]:
+        """Resolve and run one request; errors are SpecdecError with their status (a bad
+        request: InvalidRequest naming its field).
 
         tenant: who the request is for; keys the suffix cache under --suffix-cache-scope
         tenant (the gRPC metadata specdec-tenant, the HTTP API's `user` field).
@@ -111,14 +113,8 @@ class Gateway(Service):
         metrics.IN_FLIGHT.inc()
         try:
             assert self.limits is not None, "the service has started"
-            job = dataclasses.replace(validate(req, self.limits), tenant=tenant)
-            grammar = None
-            if job.output.structured is not None:  # before any replica is called
-                if self.grammars is None:
-                    raise InvalidRequest(
-                        f"structured_output is not available on this server: {self.grammars_error}"
-                    )
-                grammar = await asyncio.to_thread(self.grammars.compile, job.output.structured)
+            job = Job.resolve(request, self.limits, tenant)
+            grammar = await self._grammar(job)  # before any replica is called
             async for event in self._run(job, prompter, deadline, grammar):
                 yield event
         except SpecdecError as e:
@@ -126,6 +122,21 @@ class Gateway(Service):
             raise
         finally:
             metrics.IN_FLIGHT.dec()
+
+    async def _grammar(self, job: Job) -> Grammar | None:
+        """The request's compiled grammar (None: it has none); InvalidRequest naming
+        structured_output when it cannot be compiled, or this server has no engine."""
+        if job.output.structured is None:
+            return None
+        if self.grammars is None:
+            raise InvalidRequest(
+                f"structured_output is not available on this server: {self.grammars_error}",
+                field="structured_output",
+            )
+        try:
+            return await asyncio.to_thread(self.grammars.compile, job.output.structured)
+        except InvalidRequest as e:
+            raise e.about("structured_output") from None
 
     async def _run(
         self,
@@ -223,7 +234,8 @@ class Gateway(Service):
                 if output.min_tokens > max_new_tokens:
                     raise InvalidRequest(
                         f"min_tokens {output.min_tokens} exceeds the {max_new_tokens} tokens "
-                        "left for the completion"
+                        "left for the completion",
+                        field="min_tokens",
                     )
         elif isinstance(job.prompt, str):
             # A new conversation gets the tokenizer's special tokens (BOS), as
@@ -231,7 +243,7 @@ class Gateway(Service):
             assert self.codec is not None, "the service has started"
             prompt_ids = await asyncio.to_thread(self.codec.encode, job.prompt, not history)
             if not prompt_ids:
-                raise InvalidRequest("prompt is empty after tokenization")
+                raise InvalidRequest("prompt is empty after tokenization", field="prompt")
         else:
             prompt_ids = job.prompt
         needs = len(history) + len(prompt_ids) + job.output.max_new_tokens

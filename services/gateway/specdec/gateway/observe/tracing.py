@@ -31,6 +31,7 @@ from specdec.common import telemetry
 from specdec.common.errors import SpecdecError
 from specdec.gateway.observe import metrics
 from specdec.gateway.outcome import Outcome
+from specdec.sdk.request import Request
 from specdec.v1 import gateway_pb2
 
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
@@ -44,29 +45,28 @@ def served_model(fleet: Any) -> str:
     return next((r.info.model_id for r in fleet.verifiers.replicas if r.info is not None), "")
 
 
-def _request_attributes(request: gateway_pb2.GenerateRequest, model: str) -> dict[str, Any]:
+def _request_attributes(request: Request, model: str) -> dict[str, Any]:
+    sampling = request.sampling
     attributes: dict[str, Any] = {
         "gen_ai.operation.name": "text_completion",
-        "gen_ai.request.max_tokens": request.max_new_tokens,
+        "gen_ai.request.max_tokens": request.output.max_new_tokens,
     }
     # As the request asked; unset (the model's generation_config) is left out.
-    if request.sampling.HasField("temperature") or not request.sampling.model_defaults:
-        attributes["gen_ai.request.temperature"] = request.sampling.temperature
+    if sampling.temperature is not None:
+        attributes["gen_ai.request.temperature"] = sampling.temperature
     if model:
         attributes["gen_ai.request.model"] = model
-    if request.sampling.top_p:
-        attributes["gen_ai.request.top_p"] = request.sampling.top_p
-    if request.sampling.top_k:
-        attributes["gen_ai.request.top_k"] = request.sampling.top_k
-    if request.HasField("session") and request.session.id:
-        attributes["gen_ai.conversation.id"] = request.session.id
+    if sampling.top_p:
+        attributes["gen_ai.request.top_p"] = sampling.top_p
+    if sampling.top_k:
+        attributes["gen_ai.request.top_k"] = sampling.top_k
+    if request.session.session_id:
+        attributes["gen_ai.conversation.id"] = request.session.session_id
     return attributes
 
 
 @contextmanager
-def request_span(
-    method: str, context: Any, request: gateway_pb2.GenerateRequest, model: str = ""
-) -> Iterator[Any]:
+def request_span(method: str, context: Any, request: Request, model: str = "") -> Iterator[Any]:
     """The SERVER span of a Generate / GenerateStream call; None when tracing is off.
 
     `context` is the grpc servicer context, or for another front (HTTP) a mapping of its

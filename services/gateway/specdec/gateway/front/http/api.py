@@ -1,11 +1,12 @@
-"""OpenAI request bodies to GenerateRequest, and gateway events to OpenAI responses.
+"""OpenAI request bodies to the typed Request, and gateway events to OpenAI responses.
 
 A thin translation: a body is parsed once by its declared schema
 (specdec.gateway.front.http.schema: JSON types, OpenAI's field names, what the wire can hold)
-into the typed request parts (specdec.sdk.request), which make the GenerateRequest; every
-range that depends on the served model (max_tokens, temperature, top_p, top_k, k, stop
-strings, session id, context) is checked by specdec.gateway.job.validate, the same
-code the gRPC API runs.
+into the SDK's typed Request (specdec.sdk.request), which goes to Gateway.run as it is (no
+GenerateRequest on this path); every range that depends on the served model (max_tokens,
+temperature, top_p, top_k, k, stop strings, session id, context) is checked by
+specdec.gateway.job.Job.resolve, the same code the gRPC API runs. Its refusals name the
+Request's field; `Options.fields` says which body field that is in this request.
 
 Speculation settings are extension fields of the body, as vLLM accepts extra fields:
 `k` (draft length; 0 = no speculation), `ssd` (bool), `k_policy` ("fixed" or "adaptive":
@@ -18,12 +19,12 @@ fewer lost its history and is refused, 400 `session_lost`), `record` (false: the
 --record, skips this request) and `timeout` (seconds for the whole generation; past it
 the answer is 504). Structured output: OpenAI's `response_format` (`json_object`,
 `json_schema`) and vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` become
-GenerateRequest.structured_output. Responses carry the
+the Request's structured_output. Responses carry the
 speculation statistics, timings, the token ids and, for a session, what happened to it
 under the extension key `specdec`.
 
 OpenAI's `prediction` ({"type": "content", "content": text or a list of text parts}) is
-a source of drafts (GenerateRequest.prediction); usage reports
+a source of drafts (the Request's prediction); usage reports
 `completion_tokens_details.accepted_prediction_tokens` and `rejected_prediction_tokens`.
 `user` names the tenant of the suffix cache under --suffix-cache-scope tenant.
 
@@ -44,13 +45,18 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from google.protobuf.message import Message
+
 from specdec.common.errors import InvalidRequest
 from specdec.gateway.front.http import schema
 from specdec.gateway.front.http.errors import FieldError, ModelNotFound
 from specdec.gateway.front.http.logprobs import LogprobsRenderer
 from specdec.gateway.front.http.tools import ToolCallReader, ToolChoice, read, tool_choice
+from specdec.gateway.front.response import Event
 from specdec.sdk.request import Output, Request, Sampling, Scoring, Session, Speculation
-from specdec.v1 import gateway_pb2
+from specdec.v1 import common_pb2, gateway_pb2
+
+Scores = common_pb2.TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +78,7 @@ FINISH_REASON: dict[int, str] = {
 
 @dataclass
 class Options:
-    """What the HTTP layer itself acts on (the rest travels in the GenerateRequest)."""
+    """What the HTTP layer itself acts on (the rest travels in the Request)."""
 
     model: str
     stream: bool = False
@@ -86,7 +92,7 @@ class Options:
     echo: bool = False  # completions: the prompt's text (and scores) before the completion
     user: str = ""  # OpenAI's end-user id: the suffix cache's tenant
     # The body field a request that cannot fit is about (errors.ErrorContext.prompt), and
-    # the gRPC names of the shared validation's messages -> this body's fields.
+    # the Request's field names -> this body's, where they differ (_body_names).
     prompt_field: str = "prompt"
     fields: dict[str, str] = field(default_factory=dict)
     # chat: the tools in play (None: none, or tool_choice "none"), which the chat template
@@ -94,25 +100,6 @@ class Options:
     tools: ToolChoice | None = None
 
 
-# The gRPC names the shared validation's messages start with (errors.leading_field) -> the
-# body field each comes from; `_fields` adjusts them to one request.
-VALIDATION_FIELDS = {
-    "prompt": "prompt",
-    "prompt_token_ids": "prompt",
-    "max_new_tokens": "max_tokens",
-    **{f.name: f.name for f in dataclasses.fields(Sampling)},  # body names = Sampling's
-    "min_tokens": "min_tokens",
-    "stop_token_ids": "stop_token_ids",
-    "stop strings": "stop",
-    "session id": "session_id",
-    "session options": "session_reset",
-    "num_draft_tokens": "k",
-    "top_logprobs": "top_logprobs",
-    "prompt_logprobs": "echo",
-    "n": "n",
-    "prediction": "prediction",
-    "structured_output": "response_format",
-}
 STRUCTURED_FIELDS = (
     "response_format",
     "guided_json",
@@ -122,20 +109,27 @@ STRUCTURED_FIELDS = (
 )
 
 
-def _fields(body: dict, chat: bool) -> dict[str, str]:
-    fields = dict(VALIDATION_FIELDS)
+def _body_names(body: dict[str, Any], chat: bool) -> dict[str, str]:
+    """The body field each Request field came from, where the names differ: an error's
+    `field` -> its `param` (errors.ErrorContext.fields)."""
+    prompt = "messages" if chat else "prompt"
+    names = {
+        "prompt": prompt,
+        "token_ids": prompt,
+        "max_new_tokens": "max_tokens",
+        "reset_session": "session_reset",
+        "prompt_logprobs": "echo",
+    }
     if chat:
-        fields["prompt"] = fields["prompt_token_ids"] = "messages"
         if body.get("max_completion_tokens") is not None:
-            fields["max_new_tokens"] = "max_completion_tokens"
+            names["max_new_tokens"] = "max_completion_tokens"
         elif body.get("max_tokens") is None:
-            fields["max_new_tokens"] = "min_tokens"  # the request's only length field
+            names["max_new_tokens"] = "min_tokens"  # the request's only length field
     else:
-        fields["top_logprobs"] = "logprobs"
+        names["top_logprobs"] = "logprobs"
     structured = [name for name in STRUCTURED_FIELDS if body.get(name) is not None]
-    if structured:
-        fields["structured_output"] = structured[0]
-    return fields
+    names["structured_output"] = structured[0] if structured else "response_format"
+    return names
 
 
 def _unknown(names: list[str], strict: bool, where: str = "") -> None:
@@ -203,9 +197,9 @@ def _build(
     scoring: Scoring,
     prompt: str | None = None,
     token_ids: list[int] | None = None,
-) -> tuple[gateway_pb2.GenerateRequest, Options]:
-    """The GenerateRequest of a parsed body, through the typed request parts
-    (specdec.sdk.request), and what the HTTP layer acts on itself."""
+) -> tuple[Request, Options]:
+    """The typed Request of a parsed body (specdec.sdk.request), and what the HTTP layer
+    acts on itself."""
     opts = Options(model=check_model(body.model, served, aliases), stream=bool(body.stream))
     if body.stream_options is not None:
         if not opts.stream:
@@ -229,6 +223,7 @@ def _build(
         speculation=Speculation(**{f: getattr(body, f) for f in SPECULATION_FIELDS}),
         session=Session(
             session_id=body.session_id,
+            reset_session=bool(body.session_reset),  # forget the session's history first
             session_expected_turns=body.session_expected_turns or 0,
         ),
         output=Output(
@@ -244,17 +239,14 @@ def _build(
         ),
         scoring=scoring,
     )
-    req = request.to_proto()
-    if body.session_reset:  # forget the session's history first (validated as gRPC's)
-        req.session.mode = gateway_pb2.SESSION_MODE_RESET
-    return req, opts
+    return request, opts
 
 
 def completion_request(
     body: Any, served: str, aliases: Collection[str] = (), strict: bool = False
-) -> tuple[gateway_pb2.GenerateRequest, Options]:
-    """POST /v1/completions body -> (GenerateRequest, Options). `aliases`: other names
-    `model` may give; `strict`: unknown fields are refused (--strict-fields)."""
+) -> tuple[Request, Options]:
+    """POST /v1/completions body -> (Request, Options). `aliases`: other names `model`
+    may give; `strict`: unknown fields are refused (--strict-fields)."""
     parsed: schema.CompletionBody = _parse(body, schema.CompletionBody, strict)
     prompt = parsed.prompt
     if prompt is None:
@@ -267,7 +259,7 @@ def completion_request(
         prompt_logprobs=echo and logprobs is not None,
     )
     max_tokens = parsed.max_tokens
-    req, opts = _build(
+    request, opts = _build(
         parsed,
         served,
         aliases,
@@ -277,17 +269,17 @@ def completion_request(
         token_ids=prompt if isinstance(prompt, list) else None,
     )
     opts.max_tokens_given, opts.echo = max_tokens is not None, echo
-    opts.fields = _fields(body, chat=False)
-    return req, opts
+    opts.fields = _body_names(body, chat=False)
+    return request, opts
 
 
 def chat_request(
     body: Any, served: str, aliases: Collection[str] = (), strict: bool = False
-) -> tuple[gateway_pb2.GenerateRequest, Options, list[dict]]:
-    """POST /v1/chat/completions body -> (GenerateRequest without its prompt, Options,
-    messages). The caller renders the messages into `prompt`. Without max_tokens a chat
-    may use what is left of the context, up to the gateway's --max-new-tokens: ChatTurn
-    sets it once the prompt's length is known (the request carries 1 for validation)."""
+) -> tuple[Request, Options, list[dict[str, Any]]]:
+    """POST /v1/chat/completions body -> (Request without its prompt, Options, messages).
+    The caller renders the messages into `prompt`. Without max_tokens a chat may use what
+    is left of the context, up to the gateway's --max-new-tokens: ChatTurn sets it once the
+    prompt's length is known (the request carries 1, or min_tokens, meanwhile)."""
     parsed: schema.ChatBody = _parse(body, schema.ChatBody, strict)
     if parsed.max_tokens is not None and parsed.max_completion_tokens is not None:
         raise FieldError(
@@ -302,24 +294,25 @@ def chat_request(
     scoring = Scoring(logprobs=bool(parsed.logprobs), top_logprobs=top or 0)
     # Without max_tokens ChatTurn sets it from the context; min_tokens must fit meanwhile.
     fill = max(1, parsed.min_tokens or 0) if max_tokens is None else max_tokens
-    req, opts = _build(parsed, served, aliases, fill, scoring, prompt="")
-    req.ClearField("prompt")
+    request, opts = _build(parsed, served, aliases, fill, scoring)
     opts.max_tokens_given = max_tokens is not None
-    opts.prompt_field, opts.fields = "messages", _fields(body, chat=True)
+    opts.prompt_field, opts.fields = "messages", _body_names(body, chat=True)
     opts.tools = tool_choice(parsed.tools, parsed.tool_choice, parsed.parallel_tool_calls)
     if opts.tools is not None and opts.tools.forced:
-        if req.HasField("structured_output"):
+        if request.output.structured_output is not None:
             raise FieldError(
                 "tool_choice",
                 f"tool_choice {opts.tools.mode!r} forces the output to be tool calls: give "
                 "it without response_format or guided_*",
             )
-        req.structured_output.grammar = opts.tools.grammar()
+        grammar = {"grammar": opts.tools.grammar()}
+        output = dataclasses.replace(request.output, structured_output=grammar)
+        request = dataclasses.replace(request, output=output)
         opts.fields["structured_output"] = "tools"  # a tool's parameters schema
-    return req, opts, [m.template_dict() for m in parsed.messages]
+    return request, opts, [m.template_dict() for m in parsed.messages]
 
 
-def proto_dict(msg) -> dict[str, Any]:
+def proto_dict(msg: Message) -> dict[str, Any]:
     """A proto message's fields as plain JSON values (defaults included)."""
     out: dict[str, Any] = {}
     for f in msg.DESCRIPTOR.fields:
@@ -375,7 +368,9 @@ class Renderer:
     def object(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
-    def extension(self, final: gateway_pb2.GenerateResponse, token_ids: list[int]) -> dict:
+    def extension(
+        self, final: gateway_pb2.GenerateResponse, token_ids: list[int]
+    ) -> dict[str, Any]:
         ext: dict[str, Any] = {
             "token_ids": token_ids,
             "stats": proto_dict(final.stats),
@@ -387,7 +382,9 @@ class Renderer:
             ext["trace_id"] = self.trace_id
         return ext
 
-    def _logprobs(self, table, prompt=None, offset: int = 0) -> tuple[dict[str, Any] | None, int]:
+    def _logprobs(
+        self, table: Scores | None, prompt: Scores | None = None, offset: int = 0
+    ) -> tuple[dict[str, Any] | None, int]:
         """A choice's (or a delta's) OpenAI logprobs, None when not asked; the text offset
         after it (completions)."""
         if self.scores is None or table is None:
@@ -402,7 +399,9 @@ class Renderer:
         reason = FINISH_REASON.get(finish)
         return "tool_calls" if calls and reason == "stop" else reason
 
-    def _choice(self, index: int, text: str, finish: int, table, prompt) -> dict[str, Any]:
+    def _choice(
+        self, index: int, text: str, finish: int, table: Scores | None, prompt: Scores | None
+    ) -> dict[str, Any]:
         logprobs, _ = self._logprobs(table, prompt)
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -441,7 +440,7 @@ class Renderer:
             EXTENSION: self.extension(final, list(final.token_ids)),
         }
 
-    def _chunk(self, choices: list[dict], **extra) -> dict[str, Any]:
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {
             "id": self.id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -452,7 +451,7 @@ class Renderer:
         }
 
     def chunks(
-        self, event, include_usage: bool, continuous_usage: bool = False
+        self, event: Event, include_usage: bool, continuous_usage: bool = False
     ) -> list[dict[str, Any]]:
         """The stream chunks for one event (specdec.gateway.front.response.Event): the delta of its
         choice, then at a choice's end a chunk with its finish reason and, on the last
@@ -497,6 +496,7 @@ class Renderer:
             logprobs, self._offsets[index] = self._logprobs(
                 event.logprobs, None, self._offsets.get(index, 0)
             )
+            deltas: list[dict[str, Any]]
             if not self.chat:
                 deltas = [{"text": event.text}]
             elif reader is None:

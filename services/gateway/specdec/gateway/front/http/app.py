@@ -4,9 +4,10 @@ gateway's own event loop, next to grpc.aio, so every request calls `Gateway.run`
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
 GET /v1/models/{model}, GET /health, GET /metrics (the gateway's Prometheus registry, the
 one --metrics-port serves). POST /v1/responses, OpenAI's Responses API, is known and not
-built: 501 in OpenAI's error shape, naming what to call instead. Each generation is one `Gateway.run` (validation, the
-turn lock, the loop and the session write are the gRPC path's own); this module only
-translates (specdec.gateway.front.http.api), streams server-sent events, enforces the request's
+built: 501 in OpenAI's error shape, naming what to call instead. Each generation is one
+`Gateway.run` of the typed Request the body becomes (its resolution, the turn lock, the
+loop and the session write are the gRPC path's own); this module only translates
+(specdec.gateway.front.http.api), streams server-sent events, enforces the request's
 `timeout` and cancels the generation when the client goes away: cancelling the turn's
 generator runs its cleanup, so the session's turn lock is released at once.
 """
@@ -15,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
 import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from http import HTTPStatus
 from pathlib import PurePosixPath
 from ssl import CERT_REQUIRED
@@ -34,7 +37,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specdec.common import telemetry
 from specdec.common.errors import (
@@ -46,6 +49,7 @@ from specdec.common.errors import (
 )
 from specdec.common.serving import MAX_MESSAGE_BYTES
 from specdec.common.tls import ServerTls, pem_files
+from specdec.gateway.config import GatewayConfig
 from specdec.gateway.front.http import api
 from specdec.gateway.front.http.chat import ChatTemplate, ChatTurn
 from specdec.gateway.front.http.errors import (
@@ -59,11 +63,14 @@ from specdec.gateway.front.http.errors import (
 )
 from specdec.gateway.front.http.logprobs import LogprobsRenderer
 from specdec.gateway.front.info import supported_request_fields
+from specdec.gateway.front.response import Event
 from specdec.gateway.front.turn import Gateway
 from specdec.gateway.job import Limits
 from specdec.gateway.observe import tracing
 from specdec.gateway.round import grammar
 from specdec.gateway.text import TextCodec
+from specdec.sdk import request as typed
+from specdec.v1 import common_pb2, gateway_pb2
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +133,7 @@ class Generation:
 
     def __init__(
         self,
-        events,
+        events: AsyncGenerator[Event, None],
         renderer: api.Renderer,
         opts: api.Options,
         turn: ChatTurn | None,
@@ -222,7 +229,7 @@ class Generation:
         finally:
             await self.events.aclose()
 
-    def _note_session(self, final) -> None:
+    def _note_session(self, final: gateway_pb2.GenerateResponse) -> None:
         if not self.opts.session_id:
             return
         session: dict[str, Any] = {
@@ -266,11 +273,11 @@ class _NoMetadata:
     """tracing.finish sets gRPC trailing metadata; an HTTP answer carries the trace id in
     its `specdec` extension instead."""
 
-    def set_trailing_metadata(self, metadata) -> None:
+    def set_trailing_metadata(self, metadata: object) -> None:
         pass
 
 
-def request_span(request: Request, route: str, req, model: str) -> Span | None:
+def request_span(request: Request, route: str, asked: typed.Request, model: str) -> Span | None:
     """The SERVER span of one HTTP generation, under the caller's `traceparent` header
     (None when tracing is off). Started here, made current while the answer runs."""
     if not telemetry.enabled():
@@ -282,7 +289,7 @@ def request_span(request: Request, route: str, req, model: str) -> Span | None:
         attributes={
             "http.request.method": "POST",
             "url.path": route,
-            **tracing._request_attributes(req, model),
+            **tracing._request_attributes(asked, model),
         },
         record_exception=False,
         set_status_on_exception=False,
@@ -291,7 +298,7 @@ def request_span(request: Request, route: str, req, model: str) -> Span | None:
     return span
 
 
-async def _no_receive() -> dict:
+async def _no_receive() -> Message:
     raise AssertionError("a response does not read the request")
 
 
@@ -329,7 +336,7 @@ class OpenAIServer:
             raise NotReady("the gateway is starting: its replicas have not all answered yet")
         return limits, codec
 
-    def _verifier_info(self):
+    def _verifier_info(self) -> common_pb2.ModelInfo:
         for replica in self.gateway.fleet.verifiers.replicas:
             if replica.info is not None:
                 return replica.info
@@ -428,36 +435,37 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Generation:
         self._authorize(request)
         _, codec = self._ready()
-        req, opts = api.completion_request(
+        asked, opts = api.completion_request(
             await self._body(request), self.model, self.aliases, self.strict_fields
         )
         renderer = api.Renderer(chat=False, model=opts.model)
-        self._scores(renderer, req, opts, codec)
-        span = request_span(request, "/v1/completions", req, opts.model)
-        events = self.gateway.run(req, deadline=_deadline(opts), tenant=opts.user)
+        self._scores(renderer, asked, opts, codec)
+        span = request_span(request, "/v1/completions", asked, opts.model)
+        events = self.gateway.run(asked, deadline=_deadline(opts), tenant=opts.user)
         return Generation(events, renderer, opts, None, span)
 
     async def chat_completions(self, request: Request) -> Generation:
         self._authorize(request)
         limits, codec = self._ready()
-        req, opts, messages = api.chat_request(
+        asked, opts, messages = api.chat_request(
             await self._body(request), self.model, self.aliases, self.strict_fields
         )
         template = self.chat_template()
         tools = opts.tools.tools if opts.tools is not None else None
-        req.prompt = await asyncio.to_thread(template.render, messages, True, tools)
+        rendered = await asyncio.to_thread(template.render, messages, True, tools)
+        asked = dataclasses.replace(asked, prompt=rendered)
         turn = ChatTurn(
             codec,
-            req.prompt,
+            rendered,
             opts.session_id,
             fill_context=not opts.max_tokens_given,
             max_context=limits.max_context,
             max_new_tokens=limits.max_new_tokens,
         )
         renderer = api.Renderer(chat=True, model=opts.model, tools=opts.tools is not None)
-        self._scores(renderer, req, opts, codec)
-        span = request_span(request, "/v1/chat/completions", req, opts.model)
-        events = self.gateway.run(req, prompter=turn, deadline=_deadline(opts), tenant=opts.user)
+        self._scores(renderer, asked, opts, codec)
+        span = request_span(request, "/v1/chat/completions", asked, opts.model)
+        events = self.gateway.run(asked, prompter=turn, deadline=_deadline(opts), tenant=opts.user)
         return Generation(events, renderer, opts, turn, span)
 
     async def responses(self, request: Request) -> Response:
@@ -470,15 +478,18 @@ class OpenAIServer:
             "instructions as a system message, max_output_tokens as max_tokens)"
         )
 
-    def _scores(self, renderer: api.Renderer, req, opts: api.Options, codec: TextCodec) -> None:
+    def _scores(
+        self, renderer: api.Renderer, asked: typed.Request, opts: api.Options, codec: TextCodec
+    ) -> None:
         """What the renderer needs for logprobs and echo."""
-        if req.logprobs:
+        if asked.scoring.logprobs:
             renderer.scores = LogprobsRenderer(codec)
-        renderer.prompt_scores = req.prompt_logprobs
+        renderer.prompt_scores = asked.scoring.prompt_logprobs
         if opts.echo:
-            which = req.WhichOneof("input")
             renderer.echo = (
-                req.prompt if which == "prompt" else codec.decode(req.prompt_token_ids.ids)
+                asked.prompt
+                if asked.prompt is not None
+                else codec.decode(list(asked.token_ids or ()))
             )
 
     def app(self) -> Starlette:
@@ -502,12 +513,14 @@ class OpenAIServer:
         )
 
 
-def _answering(handler, prompt: str | None = None):
+def _answering(
+    handler: Callable[[Request], Awaitable[ASGIApp]], prompt: str | None = None
+) -> Callable[[Request], Awaitable[ASGIApp]]:
     """A route that answers every error of `handler` in OpenAI's shape (a generation's
     own errors are answered by Generation): its status, or a 500 that names a request id
     and tells nothing else. prompt: the field a request that cannot fit is about."""
 
-    async def route(request: Request) -> Response:
+    async def route(request: Request) -> ASGIApp:
         try:
             return await handler(request)
         except Exception as e:
@@ -538,7 +551,7 @@ async def routing_error(request: Request, exc: Exception) -> Response:
 class CountResponses:
     """ASGI wrapper: counts every answer in HTTP_RESPONSES by path and status."""
 
-    def __init__(self, app):
+    def __init__(self, app: ASGIApp):
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -550,7 +563,7 @@ class CountResponses:
             path = "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
         status = {"code": 499}
 
-        async def counting_send(message) -> None:
+        async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
             await send(message)
@@ -565,7 +578,7 @@ class _Server(uvicorn.Server):
     """uvicorn without its own signal handlers: the gateway's bootstrap owns SIGTERM."""
 
     @contextlib.contextmanager
-    def capture_signals(self):
+    def capture_signals(self) -> Iterator[None]:
         yield
 
 
@@ -573,7 +586,9 @@ class HttpServer:
     """uvicorn serving the app in the running event loop; HTTPS with the gateway's TLS
     settings (--tls-cert/--tls-key, client certificates with --tls-client-ca)."""
 
-    def __init__(self, app, host: str, port: int, grace_seconds: float, tls: ServerTls | None):
+    def __init__(
+        self, app: ASGIApp, host: str, port: int, grace_seconds: float, tls: ServerTls | None
+    ):
         pems: dict[str, bytes] = {}
         if tls is not None:
             # uvicorn reads PEM files: the bytes read at start-up go to anonymous in-memory
@@ -600,7 +615,7 @@ class HttpServer:
             config.load()  # builds the TLS context now, from the PEM bytes
         self.scheme = "https" if tls else "http"
         self.server = _Server(config)
-        self.task: asyncio.Task | None = None
+        self.task: asyncio.Task[None] | None = None
         self.port = port
 
     async def start(self) -> None:
@@ -621,7 +636,7 @@ class HttpServer:
             await self.task
 
 
-async def start_http(gateway: Gateway, config) -> HttpServer:
+async def start_http(gateway: Gateway, config: GatewayConfig) -> HttpServer:
     """Serve the OpenAI-compatible API on config.http_port (GatewayConfig)."""
     routes = OpenAIServer(
         gateway, config.served_model_name, config.auth_tokens, config.strict_fields

@@ -13,7 +13,8 @@ act on an answer it is OpenAI's answer:
 - backpressure (every replica of a role has a full queue) is 429 with ``Retry-After``;
 - a session whose turn lock is held is 409 with ``Retry-After`` (the error's
   ``retry_after``: when the lease of a gateway that stopped answering lapses, else 1 s);
-- ``param`` names the request field an error is about;
+- ``param`` names the body field an error is about: a FieldError's own, or the body's
+  name of the Request field an InvalidRequest names (its ``field``);
 - a 500 tells nothing of its cause: a generic message naming the request's id (its trace
   id when traced), and the exception logged under that id.
 """
@@ -22,10 +23,10 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -126,31 +127,15 @@ def http_status(e: BaseException) -> int:
     return getattr(e, "http_status", None) or HTTP_STATUS.get(e.code, 500)
 
 
-# The request field a message of the shared validation names first (specdec.gateway.job,
-# the grammar, the sampling checks): "sampling: top_p must be ...", "at most 16 stop
-# strings", "structured_output.regex is empty", "session id is longer ...".
-_LEADING_FIELD = re.compile(
-    r"(?:sampling: )?(?:at most \d+ )?(\w+)(?:\.\w+)?(?: (strings|id|options)\b)?"
-)
-
-
-def leading_field(message: str) -> str:
-    """The gRPC field a validation message starts with ("stop strings", "session id",
-    "max_new_tokens", ...), "" when it names none."""
-    m = _LEADING_FIELD.match(message)
-    if m is None:
-        return ""
-    return f"{m.group(1)} {m.group(2)}" if m.group(2) else m.group(1)
-
-
 @dataclass(frozen=True)
 class ErrorContext:
     """What the HTTP layer knows of the request an error answers.
 
     prompt: the body field a request that cannot fit is about ("prompt" or "messages").
-    fields: the gRPC names the shared validation's messages start with -> the body field
-    they come from in this request ("max_new_tokens" -> "max_tokens", "num_draft_tokens"
-    -> "k", ...). request_id: names a 500 (the request's trace id when traced).
+    fields: the Request's field names (an InvalidRequest's `field`) -> the body field each
+    comes from in this request, where they differ ("max_new_tokens" -> "max_tokens",
+    "reset_session" -> "session_reset", ...). request_id: names a 500 (the request's trace
+    id when traced).
     """
 
     prompt: str | None = None
@@ -161,7 +146,7 @@ class ErrorContext:
 @dataclass(frozen=True)
 class ErrorAnswer:
     status: int
-    body: dict
+    body: dict[str, Any]
     headers: dict[str, str]
 
 
@@ -173,12 +158,11 @@ def _upstream_details(e: SpecdecError) -> str:
 def _param(e: BaseException, context: ErrorContext) -> str | None:
     if is_context_length(e):
         return context.prompt
-    given = getattr(e, "param", None)
+    given: str | None = getattr(e, "param", None)
     if given:
         return given
-    if isinstance(e, InvalidRequest):
-        return context.fields.get(leading_field(e.details))
-    return None
+    field = e.field if isinstance(e, InvalidRequest) else None
+    return context.fields.get(field, field) if field else None
 
 
 def answer(e: BaseException, context: ErrorContext | None = None) -> ErrorAnswer:
@@ -222,6 +206,6 @@ def answer(e: BaseException, context: ErrorContext | None = None) -> ErrorAnswer
     return ErrorAnswer(status, body, headers)
 
 
-def error_body(e: BaseException, context: ErrorContext | None = None) -> dict:
+def error_body(e: BaseException, context: ErrorContext | None = None) -> dict[str, Any]:
     """OpenAI's error object for an exception."""
     return answer(e, context).body

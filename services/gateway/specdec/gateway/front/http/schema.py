@@ -6,10 +6,10 @@ body into the model, and a refusal into a FieldError naming the field (`param`) 
 OpenAI's clients read it: "max_tokens must be an integer", "stream_options.include_usage
 must be true or false", "messages[0].role must be one of ...". The ranges that depend on
 the served model (max_tokens against the context, k against the drafters, ...) are not
-here: the gateway checks them for gRPC and HTTP alike (specdec.gateway.job.validate).
+here: the gateway checks them for gRPC and HTTP alike (specdec.gateway.job.Job.resolve).
 
-specdec.gateway.front.http.api turns the parsed body into the typed request parts
-(specdec.sdk.request) and those into the GenerateRequest.
+specdec.gateway.front.http.api turns the parsed body into the SDK's typed Request
+(specdec.sdk.request), which Gateway.run takes as it is.
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ _SAMPLING_TYPES: dict[str, Any] = {
 }
 
 
-def _sampling_type(f: dataclasses.Field) -> Any:
+def _sampling_type(f: dataclasses.Field[Any]) -> Any:
     if f.name in _SAMPLING_TYPES:
         return _SAMPLING_TYPES[f.name]
     if str(f.type).startswith("int"):
@@ -564,7 +564,7 @@ def _words(error: Any, path: str) -> str:
     """What follows the field's path in the message refusing it."""
     kind, ctx, value = error["type"], error.get("ctx") or {}, error["input"]
     if kind == "refused":
-        return ctx["tail"]
+        return str(ctx["tail"])
     if kind in TYPE_WORDS:
         return FIELD_WORDS.get(path, TYPE_WORDS[kind])
     if kind == "greater_than_equal" and path in FLOORS:
