@@ -28,7 +28,7 @@ def test_no_head_by_default():
 def test_a_head_on_the_models_volume():
     values = {"models": {"source": "pvc", "pvc": {"existingClaim": "models"}},
               "drafter": {"model": {"name": "qwen-1.5b"}, "head": {"path": "heads/qwen-1.5b"}}}  # fmt: skip
-    env, c, pod = drafter_pod(values)
+    env, _, pod = drafter_pod(values)
     assert env["SPECDEC_HEAD"] == "/models/heads/qwen-1.5b"
     assert env["SPECDEC_MODEL"] == "/models/qwen-1.5b"  # the target: the head reads its tokenizer
     assert all(v["name"] != "head" for v in pod["volumes"])

@@ -261,6 +261,27 @@ def prompt_outputs(args, tokenizer, note: dict) -> list[Sequence]:
     return out
 
 
+def read_data(args: argparse.Namespace, tokenizer) -> tuple[list, list, dict]:
+    """(train, held-out, a note of where they came from): the sequences of --data, of
+    --prompts (the target's outputs) or of --text, split by --holdout and --seed."""
+    from specdec.tools.distill.data import load_text
+
+    note: dict = {}
+    if args.data:
+        sequences = load_recordings(args.data, len(tokenizer))
+        note = {"source": "recordings", "data": str(args.data)}
+    elif args.prompts:
+        note = {"source": "prompts", "prompts": str(args.prompts)}
+        sequences = prompt_outputs(args, tokenizer, note)
+    else:
+        sequences = load_text(args.text, args.text_glob, tokenizer, args.max_length)
+        note = {"source": "text", "text": str(args.text), "glob": args.text_glob}
+    if not 0 < args.holdout < 1:
+        raise ValueError(f"--holdout must be in (0, 1), got {args.holdout}")
+    train, held = split(sequences, args.holdout, args.seed)
+    return train, held, note
+
+
 def run_distill(args: argparse.Namespace) -> int:
     try:
         return _run_distill(args)
@@ -297,17 +318,7 @@ def _run_distill(args: argparse.Namespace) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    tokenizer = AutoTokenizer.from_pretrained(args.target_model)
-    note: dict = {"source": "recordings" if args.data else "prompts"}
-    if args.data:
-        sequences = load_recordings(args.data, len(tokenizer))
-        note["data"] = str(args.data)
-    else:
-        sequences = prompt_outputs(args, tokenizer, note)
-        note["prompts"] = str(args.prompts)
-    if not 0 < args.holdout < 1:
-        raise ValueError(f"--holdout must be in (0, 1), got {args.holdout}")
-    train, held = split(sequences, args.holdout, args.seed)
+    train, held, note = read_data(args, AutoTokenizer.from_pretrained(args.target_model))
     # Every field of TrainSettings is the flag of the same name.
     settings = TrainSettings(**{f.name: getattr(args, f.name) for f in fields(TrainSettings)})
     report = distill(
@@ -350,7 +361,6 @@ def _run_head(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from specdec.tools.distill.data import load_text
     from specdec.tools.distill.head import HeadSettings, check_target, train_head
 
     defaults = _defaults(args)
@@ -368,20 +378,7 @@ def _run_head(args: argparse.Namespace) -> int:
     check_target(args.target_model)
     if args.threads:
         torch.set_num_threads(args.threads)
-    tokenizer = AutoTokenizer.from_pretrained(args.target_model)
-    note: dict = {}
-    if args.data:
-        sequences = load_recordings(args.data, len(tokenizer))
-        note = {"source": "recordings", "data": str(args.data)}
-    elif args.prompts:
-        note = {"source": "prompts", "prompts": str(args.prompts)}
-        sequences = prompt_outputs(args, tokenizer, note)
-    else:
-        sequences = load_text(args.text, args.text_glob, tokenizer, args.max_length)
-        note = {"source": "text", "text": str(args.text), "glob": args.text_glob}
-    if not 0 < args.holdout < 1:
-        raise ValueError(f"--holdout must be in (0, 1), got {args.holdout}")
-    train, held = split(sequences, args.holdout, args.seed)
+    train, held, note = read_data(args, AutoTokenizer.from_pretrained(args.target_model))
     settings = HeadSettings(**{f.name: getattr(args, f.name) for f in fields(HeadSettings)})
     report = train_head(
         target_path=args.target_model,
