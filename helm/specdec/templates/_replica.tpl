@@ -24,6 +24,22 @@
 {{- $gpus = $tp }}
 {{- end }}
 {{- end }}
+{{- $head := dig "head" "path" "" $cfg }}
+{{- $headVolume := dig "head" "volume" dict $cfg }}
+{{- if and $headVolume (not $head) }}
+{{- fail (printf "%s.head.volume is set but %s.head.path is empty: name the head folder in that volume" $role $role) }}
+{{- end }}
+{{- if $head }}
+{{- if eq $cfg.engine "llama.cpp" }}
+{{- fail (printf "%s.head needs %s.engine dense or paged: a head runs on the torch engines" $role $role) }}
+{{- end }}
+{{- if $cfg.compile }}
+{{- fail (printf "%s.head needs %s.compile false: compiled forwards are not built for heads" $role $role) }}
+{{- end }}
+{{- if eq $cfg.dtype "fastest" }}
+{{- fail (printf "%s.head needs a named %s.dtype (float32, bfloat16, ...), not fastest" $role $role) }}
+{{- end }}
+{{- end }}
 {{- if and (eq $m.source "pvc") (not $m.pvc.existingClaim) }}
 {{- fail "models.source pvc needs models.pvc.existingClaim (a claim that holds the models); source hub or install downloads them (into each pod, or with models.storage claim into a claim a Job fills)" }}
 {{- end }}
@@ -161,6 +177,10 @@ spec:
                   fieldPath: metadata.name
             - name: SPECDEC_MODEL
               value: {{ include "specdec.modelPath" . | quote }}
+            {{- if $head }}
+            - name: SPECDEC_HEAD
+              value: {{ printf "%s/%s" (ternary "/head" $m.mountPath (not (empty $headVolume))) $head | quote }}
+            {{- end }}
             {{- with $cfg.model.ggufFile }}
             - name: SPECDEC_GGUF_FILE
               value: {{ . | quote }}
@@ -225,6 +245,11 @@ spec:
             - name: models
               mountPath: {{ $m.mountPath }}
               readOnly: true
+            {{- if $headVolume }}
+            - name: head
+              mountPath: /head
+              readOnly: true
+            {{- end }}
       volumes:
         - name: tmp
           emptyDir: {}
@@ -233,6 +258,10 @@ spec:
             medium: Memory
             sizeLimit: {{ $cfg.shmSize }}
         {{- include "specdec.trustVolumes" . | nindent 8 }}
+        {{- with $headVolume }}
+        - name: head
+          {{- toYaml . | nindent 10 }}
+        {{- end }}
         {{- if eq $m.source "hostPath" }}
         - name: models
           hostPath:

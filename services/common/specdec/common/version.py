@@ -35,10 +35,11 @@ def check_version(version: str) -> str:
     return version
 
 
-def read_model_version(model: str) -> str:
-    """The version of the model at `model` (a directory, hub id or GGUF path): the
-    "version" field of its specdec_version.json, "" when it has none. A file that is
-    there but malformed stops start-up (ConfigError naming it)."""
+def read_model_version(model: str, flag: str = "--model") -> str:
+    """The version of the model at `model` (a directory, hub id or GGUF path; a head
+    drafter's head folder, `flag` --head): the "version" field of its
+    specdec_version.json, "" when it has none. A file that is there but malformed stops
+    start-up (ConfigError naming `flag` and the file)."""
     path = Path(model) / VERSION_FILE
     if not path.is_file():
         return ""
@@ -48,7 +49,7 @@ def read_model_version(model: str) -> str:
             raise TypeError("version is not a string")
         return check_version(version)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"--model: {path}: no valid version id ({e})") from None
+        raise ConfigError(f"{flag}: {path}: no valid version id ({e})") from None
 
 
 def note_model_version(role: str, version: str) -> None:

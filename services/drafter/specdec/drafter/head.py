@@ -133,7 +133,7 @@ def _layer_prefix(model: Any) -> str:
     """The state-dict prefix of the model's one decoder layer ("model.layers.0.")."""
     layer = decoder_layers(model)[0]
     name = next(n for n, m in model.named_modules() if m is layer)
-    return name + "."
+    return f"{name}."
 
 
 def _target_tensors(folder: Path, names: set[str]) -> dict[str, torch.Tensor]:
@@ -181,7 +181,8 @@ class FeatureEmbedding(torch.nn.Module):
             raise AssertionError(
                 f"head features {tuple(features.shape)} do not match inputs {tuple(input_ids.shape)}"
             )
-        return self.fc(torch.cat([features.to(embedded.dtype), embedded], dim=-1))
+        out: torch.Tensor = self.fc(torch.cat([features.to(embedded.dtype), embedded], dim=-1))
+        return out
 
 
 def build_head(spec: HeadSpec, target: Path, dtype: torch.dtype) -> tuple[Any, FeatureEmbedding]:
@@ -295,7 +296,7 @@ class HeadState:
     feature (`stale`, sorted: the head's own prediction, or zeros where the target's never
     arrived), which a later Draft feeds again once the target's arrives. Model thread."""
 
-    session: weakref.ref  # the store's session object this state belongs to
+    session: weakref.ref[Any]  # the store's session object this state belongs to
     known: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> [width]
     stale: list[int] = field(default_factory=list)
 
@@ -408,9 +409,8 @@ class HeadRuntime(ModelRuntime):
         state = self.states.get(session_id)
         if fresh or state is None or state.session() is not session:
             state = self.states[session_id] = HeadState(weakref.ref(session))
-        store = self.ready_store
-        if len(self.states) > 2 * len(store) + 16:  # evicted sessions' states
-            for name in [n for n in self.states if n not in store]:  # type: ignore[operator]
+        if len(self.states) > 2 * len(self.ready_store) + 16:  # evicted sessions' states
+            for name in [n for n, s in self.states.items() if s.session() is None]:
                 del self.states[name]
         return state
 

@@ -37,6 +37,14 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
         super().__init__(runtime)
         self.branches = BranchStore()  # SSD: prepared next-round drafts (model thread only)
 
+    def versioned(self) -> tuple[str, str]:
+        """A head drafter reports its head's version (specdec distill --head), not the
+        target's it reads its tokenizer from."""
+        cfg = self.runtime.config
+        if isinstance(cfg, DrafterConfig) and cfg.head:
+            return cfg.head, "--head"
+        return super().versioned()
+
     def release(self, session_id: str) -> bool:
         self.branches.forget(session_id)
         return super().release(session_id)

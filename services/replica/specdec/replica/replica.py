@@ -89,9 +89,14 @@ class ReplicaServicer:
         self.runtime = runtime
         self.replica_id = runtime.config.replica_id
         self.data_port = 0  # the data plane's port (specdec.replica.dataplane); 0: none
-        # specdec_version.json of the model directory (specdec.common.version); "": none.
-        self.model_version = read_model_version(runtime.config.model)
+        # specdec_version.json of the model directory (specdec.common.version; a head
+        # drafter's: its head folder's, `versioned`); "": none.
+        self.model_version = read_model_version(*self.versioned())
         note_model_version(runtime.config.role, self.model_version)
+
+    def versioned(self) -> tuple[str, str]:
+        """The folder whose version the replica reports, and the flag that names it."""
+        return self.runtime.config.model, "--model"
 
     def model_calls(self) -> dict[str, Callable[[Any], ModelCall]]:
         """RPC name -> its request -> the validated ModelCall (raises SpecdecError)."""

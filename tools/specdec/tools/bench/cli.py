@@ -58,6 +58,7 @@ from specdec.tools.bench.modes import (
     Prompt,
     Sample,
     build_modes,
+    head_flags,
     load_prompts,
     parse_drafters,
     pick_quick,
@@ -139,7 +140,8 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
         default=DEFAULT_DRAFTER,
         help="drafter variants, comma-separated, each run on its own stack one after another "
         f"with its rows named 'k=2 [name]' (known: {', '.join(DRAFTERS)}; NAME=DIR serves "
-        "the drafter in DIR, NAME=DIR:VARIANT with a known variant's flags)",
+        "the drafter in DIR, or the head in DIR over the target when DIR is a head folder "
+        "(specdec distill --head), NAME=DIR:VARIANT with a known variant's flags)",
     )
     p.add_argument(
         "--quick",
@@ -291,7 +293,7 @@ def plan_memory(
     stack, in_process, extra = memory.plan(args.target_model, args.draft_model, args.dtype, step)
     free = memory.available() if free is None else free
     after = args.in_process_rows == "after"
-    if stack is None or free is None:
+    if stack is None or in_process is None or free is None:
         return step, after
     extra = extra or 0
     if args.in_process_rows == "auto" and stack + in_process + extra > free:
@@ -458,6 +460,7 @@ def run_bench(args: argparse.Namespace) -> int:
     rows = summarize(runs, ratios)
     tracing_meta = None
     if args.tracing:
+        assert receiver is not None  # the first variant's run had traced modes
         tracing_meta = check_traced(runs, parents, receiver)
         for name, row in rows.items():
             if row["traced"]:
@@ -628,7 +631,7 @@ def _run_variant(
     from specdec.tools.stack import LocalStack
 
     variant = argparse.Namespace(**vars(args))
-    flags = args.drafter_variants[drafter]
+    flags = head_flags(args.drafter_variants[drafter], args.target_model)
     variant.drafter_flags = [*flags, "--max-draft-tokens", str(max(16, n))]
     # Every mode runs the same prompts: a cache of earlier modes' outputs would draft the
     # answer itself. Lookups here see the request's own text (and its prediction) only.
@@ -645,6 +648,7 @@ def _run_variant(
             variant.otlp_endpoint = receiver.endpoint
             variant.otlp_protocol, variant.trace_sample_ratio = "grpc", 1.0
         stack = resources.enter_context(LocalStack(variant, announce=print))
+        assert stack.gateway is not None  # started
         client = resources.enter_context(Client(stack.gateway.address))
         after = args.in_process_after
         in_stack = [m for m in modes if not (after and m.engine == "hf")]

@@ -120,10 +120,12 @@ def prompt_text(tokenizer, prompt: Prompt) -> str:
     """A prompt as the model reads it: the chat template (with the generation prompt) for
     messages, the text as it is otherwise."""
     if prompt.messages is not None:
-        return tokenizer.apply_chat_template(
-            prompt.messages, tokenize=False, add_generation_prompt=True
+        return str(
+            tokenizer.apply_chat_template(
+                prompt.messages, tokenize=False, add_generation_prompt=True
+            )
         )
-    return prompt.text
+    return str(prompt.text)
 
 
 def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
@@ -139,11 +141,27 @@ def pick_quick(prompts: list[Prompt]) -> list[Prompt]:
     return list(seen.values())[:QUICK_PROMPTS]
 
 
+def is_head_folder(directory: str) -> bool:
+    """Whether DIR is a draft head's folder (its config.json has a specdec_head object)."""
+    config = Path(directory).expanduser() / "config.json"
+    try:
+        return "specdec_head" in json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def head_flags(flags: tuple[str, ...], target_model: str) -> tuple[str, ...]:
+    """A variant's drafter flags; a head's with the target as its --model (a head reads
+    the target's tokenizer, embedding and output matrix)."""
+    return (*flags, "--model", target_model) if "--head" in flags else flags
+
+
 def parse_drafters(text: str) -> dict[str, tuple[str, ...]]:
     """'bf16,int8,distilled=DIR,distilled-int8=DIR:int8' -> each variant's name and its
     drafter flags, in order. A DRAFTERS name is that variant; NAME=DIR serves the model in
-    DIR (a distilled drafter, say) as it is loaded; NAME=DIR:VARIANT with VARIANT's flags
-    (int8 weights, say). Every name once."""
+    DIR (a distilled drafter, say) as it is loaded, or the head in DIR when DIR is a head
+    folder (`specdec distill --head`; `head_flags` adds the target); NAME=DIR:VARIANT with
+    VARIANT's flags (int8 weights, say). Every name once."""
     out: dict[str, tuple[str, ...]] = {}
     for entry in (x.strip() for x in text.split(",")):
         if not entry:
@@ -163,7 +181,11 @@ def parse_drafters(text: str) -> dict[str, tuple[str, ...]]:
                 directory, base = where, DEFAULT_DRAFTER
             if not name:
                 raise ValueError(f"--drafters: {entry!r} names no variant (NAME=DIR)")
-            flags = (*DRAFTERS[base], "--model", directory.strip())
+            directory = directory.strip()
+            # A head folder (specdec distill --head) drafts over the target's features: its
+            # --model is the target's, which the bench adds (head_flags).
+            where_flag = "--head" if is_head_folder(directory) else "--model"
+            flags = (*DRAFTERS[base], where_flag, directory)
         if name in out:
             raise ValueError(f"--drafters names a variant twice: {text!r}")
         out[name] = flags
@@ -217,8 +239,8 @@ def build_modes(
     target = "target" if shared else f"target [{drafter}]"
     modes = [Mode(target, "hf", drafter=drafter, baseline=target)]
     if shared and step_layout:
-        name = step_target_name(step_layout)
-        modes.append(Mode(name, "hf", contender=False, drafter=drafter, baseline=name))
+        fastest = step_target_name(step_layout)
+        modes.append(Mode(fastest, "hf", contender=False, drafter=drafter, baseline=fastest))
     if shared:
         modes.append(Mode("k=0", "stack", k=0, drafter=drafter))
     name = lambda base: variant_name(base, drafter)  # noqa: E731

@@ -2,12 +2,18 @@
 
     specdec distill --target-model T --draft-model D (--data DIR | --prompts FILE.jsonl)
                     --out DIR [--steps N] [--lora-rank R | --train-layers last:4] ...
+    specdec distill --head --target-model T (--data DIR | --prompts FILE.jsonl | --text PATH)
+                    --out DIR [--steps N] [--ttt] ...
     specdec distill prompts --out FILE.jsonl [--count N]
 
 The new drafter is written to --out as a plain transformers checkpoint with a version id
 in specdec_version.json: serve it with `specdec serve drafter --model DIR`; the drafter
 reports the version in Info and in its metrics, and the gateway can send a share of new
 sessions to it (--drafter-canary VERSION:PERCENT). See docs/features/distill.md.
+
+With --head it trains a draft head on the target's features instead (EAGLE,
+specdec.tools.distill.head): a head folder with its version id, served with
+`specdec serve drafter --model T --head DIR` (docs/concepts/heads.md).
 """
 
 from __future__ import annotations
@@ -60,12 +66,49 @@ def add_distill_parser(commands) -> argparse.ArgumentParser:
     add_progress_argument(pp)
     pp.set_defaults(func=run_prompts)
 
+    p.add_argument(
+        "--head",
+        action="store_true",
+        help="train a draft head on the target's features (EAGLE) instead of a draft model: "
+        "writes a head folder for `specdec serve drafter --head` (docs/concepts/heads.md)",
+    )
     p.add_argument("--target-model", help="the target (a model directory)")
     p.add_argument("--draft-model", help="the drafter to start from (a model directory)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--data", help="a directory of gateway recordings (--record)")
     src.add_argument(
         "--prompts", help="a JSONL prompt file (the bench's format), run through the target"
+    )
+    src.add_argument(
+        "--text",
+        help="--head: a local text file or folder (e.g. source code for a code model), cut "
+        "into --max-length pieces",
+    )
+    p.add_argument("--text-glob", default="*.py", help="--text folder: the files read")
+    p.add_argument(
+        "--feature-layer",
+        type=int,
+        help="--head: the target's decoder layer the head reads (default: the last)",
+    )
+    p.add_argument(
+        "--feature-format",
+        choices=["float32", "bfloat16", "float16"],
+        help="--head: the features' wire format (default: the target's dtype, --teacher-dtype)",
+    )
+    p.add_argument(
+        "--feature-weight", type=float, default=1.0,
+        help="--head: weight of the smooth-L1 regression of the next feature",
+    )  # fmt: skip
+    p.add_argument(
+        "--token-weight", type=float, default=0.1,
+        help="--head: weight of the cross-entropy of the target's next-token distribution",
+    )  # fmt: skip
+    p.add_argument(
+        "--ttt",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="--head: training-time test, a second step that feeds the head its own "
+        "predicted feature (what a draft's second token reads)",
     )
     p.add_argument("--out", help="directory of the new drafter (and its training state)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
@@ -218,6 +261,27 @@ def prompt_outputs(args, tokenizer, note: dict) -> list[Sequence]:
     return out
 
 
+def read_data(args: argparse.Namespace, tokenizer) -> tuple[list, list, dict]:
+    """(train, held-out, a note of where they came from): the sequences of --data, of
+    --prompts (the target's outputs) or of --text, split by --holdout and --seed."""
+    from specdec.tools.distill.data import load_text
+
+    note: dict = {}
+    if args.data:
+        sequences = load_recordings(args.data, len(tokenizer))
+        note = {"source": "recordings", "data": str(args.data)}
+    elif args.prompts:
+        note = {"source": "prompts", "prompts": str(args.prompts)}
+        sequences = prompt_outputs(args, tokenizer, note)
+    else:
+        sequences = load_text(args.text, args.text_glob, tokenizer, args.max_length)
+        note = {"source": "text", "text": str(args.text), "glob": args.text_glob}
+    if not 0 < args.holdout < 1:
+        raise ValueError(f"--holdout must be in (0, 1), got {args.holdout}")
+    train, held = split(sequences, args.holdout, args.seed)
+    return train, held, note
+
+
 def run_distill(args: argparse.Namespace) -> int:
     try:
         return _run_distill(args)
@@ -232,6 +296,11 @@ def _run_distill(args: argparse.Namespace) -> int:
 
     from specdec.tools.distill.train import TrainSettings, distill
 
+    if args.head:
+        return _run_head(args)
+    if args.text:
+        print("specdec distill: --text trains heads only (--head)", file=sys.stderr)
+        return 2
     missing = [f for f in ("target_model", "draft_model", "out") if not getattr(args, f)]
     if missing or not (args.data or args.prompts):
         names = [f"--{f.replace('_', '-')}" for f in missing]
@@ -249,17 +318,7 @@ def _run_distill(args: argparse.Namespace) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    tokenizer = AutoTokenizer.from_pretrained(args.target_model)
-    note: dict = {"source": "recordings" if args.data else "prompts"}
-    if args.data:
-        sequences = load_recordings(args.data, len(tokenizer))
-        note["data"] = str(args.data)
-    else:
-        sequences = prompt_outputs(args, tokenizer, note)
-        note["prompts"] = str(args.prompts)
-    if not 0 < args.holdout < 1:
-        raise ValueError(f"--holdout must be in (0, 1), got {args.holdout}")
-    train, held = split(sequences, args.holdout, args.seed)
+    train, held, note = read_data(args, AutoTokenizer.from_pretrained(args.target_model))
     # Every field of TrainSettings is the flag of the same name.
     settings = TrainSettings(**{f.name: getattr(args, f.name) for f in fields(TrainSettings)})
     report = distill(
@@ -288,3 +347,69 @@ def _run_distill(args: argparse.Namespace) -> int:
         f"version {report['version']} in {args.out}"
     )
     return 0
+
+
+# Flags of a draft model's distillation that a head's has not: refused with --head when
+# set to anything but their default.
+NOT_FOR_HEADS = (
+    "draft_model", "ce_weight", "kl_weight", "top_m", "train_layers", "train_head",
+    "lora_rank", "lora_alpha", "quant_aware", "on_policy", "resume", "eval_temperature",
+)  # fmt: skip
+
+
+def _run_head(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoTokenizer
+
+    from specdec.tools.distill.head import HeadSettings, check_target, train_head
+
+    defaults = _defaults(args)
+    given = [f"--{n.replace('_', '-')}" for n in NOT_FOR_HEADS if getattr(args, n) != defaults[n]]
+    if given:
+        print(f"specdec distill --head: {', '.join(given)} is a draft model's, not a head's",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    missing = [f"--{f.replace('_', '-')}" for f in ("target_model", "out") if not getattr(args, f)]
+    if not (args.data or args.prompts or args.text):
+        missing.append("--data, --prompts or --text")
+    if missing:
+        print(f"specdec distill --head: missing {', '.join(missing)}", file=sys.stderr)
+        return 2
+    check_target(args.target_model)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    train, held, note = read_data(args, AutoTokenizer.from_pretrained(args.target_model))
+    settings = HeadSettings(**{f.name: getattr(args, f.name) for f in fields(HeadSettings)})
+    report = train_head(
+        target_path=args.target_model,
+        train=train,
+        held=held,
+        out=Path(args.out),
+        settings=settings,
+        feature_layer=args.feature_layer,
+        feature_format=args.feature_format,
+        device=args.device,
+        dtype=args.dtype,
+        teacher_dtype=args.teacher_dtype,
+        version=args.version,
+        progress=progress_enabled(args),
+        data_note=note,
+    )
+    h = report["held_out"]
+    print(json.dumps({k: report[k] for k in ("version", "held_out", "cost", "final_losses")}))
+    b, a = h["before"], h["after"]
+    print(
+        f"held-out greedy agreement {b['greedy_agreement']:.3f} -> {a['greedy_agreement']:.3f} "
+        f"(fed its own feature: {b['greedy_agreement_own_feature']:.3f} -> "
+        f"{a['greedy_agreement_own_feature']:.3f}) over {h['positions']} positions; head "
+        f"{report['version']} in {args.out}: specdec serve drafter --model "
+        f"{args.target_model} --head {args.out}"
+    )
+    return 0
+
+
+def _defaults(args: argparse.Namespace) -> dict:
+    """The distill parser's defaults (what a flag left unset holds)."""
+    parser = argparse.ArgumentParser()
+    add_distill_parser(parser.add_subparsers())
+    return vars(parser.parse_args(["distill"]))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,10 +68,12 @@ def load_recordings(directory: str | Path, vocab_size: int) -> list[Sequence]:
     out = []
     for path in files:
         for row in read_rows(path):
+            top_ids, top_logprobs = recorded_scores(row, path)
             seq = Sequence(
                 tuple(row["prompt_ids"]),
                 tuple(row["output_ids"]),
-                *recorded_scores(row, path),
+                top_ids=top_ids,
+                top_logprobs=top_logprobs,
                 on_policy=row.get("output_source", "target") == "drafter",
             )
             bad = [t for t in seq.ids if not 0 <= t < vocab_size]
@@ -173,4 +176,41 @@ def batch_generate(
     for row in y[:, width:].tolist():
         end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
         out.append(row[:end])
+    return out
+
+
+def load_text(path: str | Path, pattern: str, tokenizer, max_length: int) -> list[Sequence]:
+    """Local text as training sequences (`--text`, e.g. a code model's own source tree):
+    the file at `path`, or every file under it whose name matches `pattern`, in path
+    order, each tokenized and cut into pieces of `max_length` tokens (a last piece shorter
+    than 16 tokens is dropped). A piece has no prompt: every position is trained."""
+    root = Path(path).expanduser()
+    if root.is_file():
+        files = [root]
+    elif root.is_dir():
+        files = sorted(p for p in root.rglob(pattern) if p.is_file())
+    else:
+        raise ValueError(f"--text {path}: no such file or folder")
+    if not files:
+        raise ValueError(f"--text {path}: no file matches {pattern!r} (--text-glob)")
+    out = []
+    skipped = 0
+    for file in files:
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            skipped += 1  # not text
+            continue
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        for i in range(0, len(ids), max_length):
+            piece = ids[i : i + max_length]
+            if len(piece) >= 16:
+                out.append(Sequence((), tuple(piece)))
+    if skipped:
+        print(f"--text {path}: skipped {skipped} files that are not UTF-8 text", file=sys.stderr)
+    if len(out) < 2:
+        raise ValueError(
+            f"--text {path}: {len(out)} pieces of 16 tokens or more in {len(files)} files; "
+            "need at least 2 (one is held out)"
+        )
     return out

@@ -8,6 +8,12 @@ it made known (VerifyResponse.features); they wait here until the next Draft car
 gateway over head drafters sends them chains and no Speculate: trees and SSD with heads
 are not built yet.
 
+A request's first round over a head drafter drafts nothing (`awaits_prompt`): its Verify
+is the prompt's prefill, whose verdict returns the prompt's features (at most the
+verifier's MAX_FEATURE_BYTES, 32 MiB: the last positions that fit), so the head's first
+Draft reads the target's features of the prompt instead of zeros, as EAGLE drafts after
+the target's prefill.
+
 Bounded: at most MAX_PENDING_BYTES wait per request (rounds without a Draft add theirs);
 past it the oldest go, and the head feeds those positions a zero feature (it counts them).
 """
@@ -28,6 +34,12 @@ class FeatureRelay:
         self.fleet = fleet
         self.pending: list[common_pb2.Features] = []
         self.bytes = 0
+        self.verdicts = 0  # the request's verdicts so far
+
+    def awaits_prompt(self, drafter: Placement) -> bool:
+        """Whether this round drafts nothing: a head drafter's request before its first
+        verdict, which brings the prompt's features for its first Draft."""
+        return self.verdicts == 0 and self.ask(drafter) is not None
 
     def ask(self, drafter: Placement) -> common_pb2.FeatureRequest | None:
         """What the request's drafter drafts from: the features its replica's Info names
@@ -40,6 +52,7 @@ class FeatureRelay:
 
     def verdict(self, response: verifier_pb2.VerifyResponse) -> None:
         """Keep the features a verdict returned for the next Draft."""
+        self.verdicts += 1
         if not response.HasField("features"):
             return
         self.pending.append(response.features)

@@ -56,7 +56,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,7 +106,7 @@ class SpeculateCall:
     """The Speculate sent beside a round's Verify (task None: SSD off or paused)."""
 
     state: Ssd  # OFF, PAUSED or SENT
-    task: asyncio.Task | None = None
+    task: asyncio.Task[tuple[drafter_pb2.SpeculateResponse, Replica, float]] | None = None
     fan_out: int | None = None
     branch_k: int = 0
     sent: float = 0.0
@@ -206,9 +206,9 @@ class Speculator:
         with tracing.round_span(self._index) as span:
             draft = self._lookup(ctx, max_k, remaining)
             if draft is None:
-                draft = self._extend(
-                    ctx, await self._draft(ctx, self.policy.choose_k(max_k)), remaining
-                )
+                # A head drafter's first draft waits for the prompt's features.
+                k = 0 if self.features.awaits_prompt(self.drafter) else self.policy.choose_k(max_k)
+                draft = self._extend(ctx, await self._draft(ctx, k), remaining)
                 draft = self._graft_prediction(ctx, draft, remaining)
             draft, masks = self._constrain(draft)
             speculation = self._speculate(
@@ -467,7 +467,7 @@ class Speculator:
 
     def _draft_request(
         self, k: int, fed: list[int] | None = None, tree_nodes: int = 0, tree_depth: int = 0
-    ):
+    ) -> Callable[[common_pb2.CachedPrefix, list[int]], drafter_pb2.DraftRequest]:
         def build(prefix: common_pb2.CachedPrefix, new: list[int]) -> drafter_pb2.DraftRequest:
             if fed is not None:
                 fed[0] = len(new)  # the answered call's: a resend rebuilds it
