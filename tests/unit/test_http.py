@@ -38,9 +38,9 @@ from specdec.gateway.front.response import Event
 from specdec.gateway.front.turn import Aborted
 from specdec.gateway.job import ContextLengthExceeded, Job, Limits
 from specdec.gateway.names import KPolicy
-from specdec.gateway.round.loop import Unavailable
 from specdec.gateway.sessions import Holder, SessionLost, SessionRecord
 from specdec.gateway.text import TextCodec
+from specdec.sdk.errors import Unavailable
 from specdec.v1 import gateway_pb2
 
 # A template in the style of Qwen2.5's: a default system message, namespace, loop

@@ -9,16 +9,21 @@ from specdec.common.cost import Line, ReportedCost
 from specdec.gateway.round.lookup.ngram import NgramIndex
 from specdec.gateway.round.lookup.settings import SuffixParams
 from specdec.gateway.round.lookup.suffix import SuffixTrie, branches
-from specdec.gateway.round.lookup.tree import is_chain, merge
 from specdec.gateway.round.policy import AdaptivePolicy, FixedPolicy
+from specdec.gateway.round.ssd import through_leaf
+from specdec.gateway.round.tree import DraftTree
+from specdec.v1 import drafter_pb2, verifier_pb2
 
 
 def test_merge_shares_prefixes_and_keeps_the_first_branch_first():
-    tokens, parents = merge([[1, 2, 3], [1, 2, 4], [5, 6]], budget=10)
-    assert tokens == [1, 2, 3, 4, 5, 6]
-    assert parents == [-1, 0, 1, 1, -1, 4]
-    assert merge([[1, 2, 3], [5, 6]], budget=4) == ([1, 2, 3, 5], [-1, 0, 1, -1])
-    assert is_chain(merge([[1, 2], [1, 2]], budget=4)[1])
+    tree = DraftTree.merge([[1, 2, 3], [1, 2, 4], [5, 6]], budget=10)
+    assert tree.tokens == (1, 2, 3, 4, 5, 6)
+    assert tree.parents == (-1, 0, 1, 1, -1, 4)
+    assert tree.chain == 3 and tree.first_branch == (1, 2, 3) and tree.width == 2
+    assert DraftTree.merge([[1, 2, 3], [5, 6]], budget=4) == DraftTree(
+        (1, 2, 3, 5), (-1, 0, 1, -1), 3
+    )
+    assert DraftTree.merge([[1, 2], [1, 2]], budget=4).is_chain
 
 
 def test_ngram_candidates_start_with_different_tokens():
@@ -108,51 +113,54 @@ def test_model_tree_fixed_and_priced():
 
 
 def test_on_chain_and_branch_of_a_drafter_tree():
-    from specdec.gateway.round.loop import _branch, _on_chain
-
-    parents = [-1, 0, 1, -1, 0]  # a draft of 3, leaves beside its tokens 0 and 1
-    assert _on_chain([0, 1, 2], 3) == 3 and _branch(parents, [0, 1, 2], 3) == 0
-    assert _on_chain([0, 4], 3) == 1 and _branch(parents, [0, 4], 3) == 1
-    assert _on_chain([3], 3) == 0 and _branch(parents, [3], 3) == 1
-    assert _branch(parents, [], 3) is None
-    lookup = [-1, 0, 1, -1]  # a lookup tree: the second root branch is 1
-    assert _branch(lookup, [3], 3) == 1 and _branch(lookup, [0, 1], 3) == 0
+    tree = DraftTree((5, 6, 7, 8, 9), (-1, 0, 1, -1, 0), 3)  # a draft of 3, two leaves
+    assert tree.on_chain([0, 1, 2]) == 3 and tree.branch([0, 1, 2]) == 0
+    assert tree.on_chain([0, 4]) == 1 and tree.branch([0, 4]) == 1
+    assert tree.on_chain([3]) == 0 and tree.branch([3]) == 1
+    assert tree.branch([]) is None
+    assert tree.leaves() == (2, 0)
+    assert tree.path_first([0, 4]) == (5, 9, 6, 7, 8)
+    lookup = DraftTree((5, 6, 7, 8), (-1, 0, 1, -1), 3)  # the second root branch is 1
+    assert lookup.branch([3]) == 1 and lookup.branch([0, 1]) == 0
+    chain = DraftTree((5, 6, 7))
+    assert chain.on_chain([0, 1]) == 0 and chain.branch([0, 1]) == 0 and chain.width == 1
+    assert chain.accepted_on_chain(2, [0, 1]) == 2 and tree.accepted_on_chain(2, [0, 4]) == 1
 
 
 def test_graft_shares_the_path_it_spells():
-    from specdec.gateway.round.lookup.tree import graft
-
-    tokens, parents = [5, 6, 7, 9], [-1, 0, 1, 0]  # a draft 5 6 7 and a leaf 9 beside 6
-    assert graft(tokens, parents, [5, 9, 4, 4], 16) == 2  # 5 and 9 shared, then 4 4
-    assert tokens == [5, 6, 7, 9, 4, 4] and parents == [-1, 0, 1, 0, 3, 4]
-    assert graft(tokens, parents, [8, 1], 7) == 1  # the budget cuts it
-    assert tokens[-1] == 8 and parents[-1] == -1
-    assert graft(tokens, parents, [5, 6, 7], 16) == 0
+    tree = DraftTree((5, 6, 7, 9), (-1, 0, 1, 0), 3)  # a draft 5 6 7 and a leaf 9 beside 6
+    tree = tree.graft([5, 9, 4, 4], 16)  # 5 and 9 shared, then 4 4
+    assert tree.tokens == (5, 6, 7, 9, 4, 4) and tree.parents == (-1, 0, 1, 0, 3, 4)
+    assert tree.chain == 3 and tree.leaves() == (1, 2)
+    tree = tree.graft([8, 1], 7)  # the budget cuts it
+    assert tree.tokens[-1] == 8 and tree.parents[-1] == -1 and len(tree.tokens) == 7
+    assert tree.graft([5, 6, 7], 16) == tree
+    # onto a chain: the chain is the first branch; a graft that continues it, a chain
+    grafted = DraftTree((5, 6)).graft([5, 7], 16)
+    assert grafted == DraftTree((5, 6, 7), (-1, 0, 0), 2)
+    assert DraftTree((5, 6)).graft([5, 6, 1], 16) == DraftTree((5, 6, 1))
 
 
 def test_ssd_branch_through_a_leaf():
     """Greedy SSD after a drafter tree: a path through one leaf x, then y, uses the branch
     prepared for "on-chain tokens, then x" when its draft starts with y."""
-    from specdec.gateway.round.loop import Draft, Speculator
-    from specdec.v1 import drafter_pb2, verifier_pb2
-
-    draft = Draft([5, 6, 7, 9], (), "drafted", parents=[-1, 0, 1, 0], chain=3)  # leaf 9 by 6
+    draft = DraftTree((5, 6, 7, 9), (-1, 0, 1, 0), chain=3)  # leaf 9 by 6
     branch = drafter_pb2.SpeculatedBranch(accepted_count=1, next_token=9, draft_tokens=[4, 2, 3])
     other = drafter_pb2.SpeculatedBranch(accepted_count=1, next_token=6, draft_tokens=[4, 1])
     response = drafter_pb2.SpeculateResponse(branches=[other, branch])
     verdict = verifier_pb2.VerifyResponse(accepted_count=2, next_token=4, accepted_path=[0, 3])
-    assert Speculator._through_leaf(response, verdict, draft, 1) == branch
+    assert through_leaf(response, verdict, draft, 1) == branch
     verdict.next_token = 8  # the branch drafted 4 after the leaf: no use
-    assert Speculator._through_leaf(response, verdict, draft, 1) is None
+    assert through_leaf(response, verdict, draft, 1) is None
     deeper = verifier_pb2.VerifyResponse(accepted_count=3, next_token=4, accepted_path=[0, 3, 2])
-    assert Speculator._through_leaf(response, deeper, draft, 1) is None
+    assert through_leaf(response, deeper, draft, 1) is None
     # the leaf continued by 4 (node 4): a path through it then 2 uses the branch's rest
     # (3, 5: as long as after a terminal leaf), never a shorter one
-    continued = Draft([5, 6, 7, 9, 4], (), "drafted", parents=[-1, 0, 1, 0, 3], chain=3)
+    continued = DraftTree((5, 6, 7, 9, 4), (-1, 0, 1, 0, 3), chain=3)
     through = verifier_pb2.VerifyResponse(accepted_count=3, next_token=2, accepted_path=[0, 3, 4])
-    assert Speculator._through_leaf(response, through, continued, 1) is None  # rest: 3 only
+    assert through_leaf(response, through, continued, 1) is None  # rest: 3 only
     longer = drafter_pb2.SpeculatedBranch(accepted_count=1, next_token=9, draft_tokens=[4, 2, 3, 5])
     response = drafter_pb2.SpeculateResponse(branches=[other, longer])
-    assert Speculator._through_leaf(response, through, continued, 1) == longer
+    assert through_leaf(response, through, continued, 1) == longer
     through.next_token = 3  # the branch drafted 2 after the continuation: no use
-    assert Speculator._through_leaf(response, through, continued, 1) is None
+    assert through_leaf(response, through, continued, 1) is None
