@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -37,7 +37,7 @@ from specdec.common import telemetry
 from specdec.common.errors import SpecdecError, Unavailable
 from specdec.common.prefix import PrefixChain
 from specdec.gateway.fleet.placement import Placement as Placement
-from specdec.gateway.fleet.replicas import Fleet, NoReplica, Replica
+from specdec.gateway.fleet.replicas import Fleet, NoReplica, Replica, ReplicaPool
 from specdec.gateway.fleet.transport import CallFailed, Method
 from specdec.gateway.names import Role
 from specdec.gateway.observe import metrics, tracing
@@ -143,68 +143,97 @@ class ReplicaCaller:
         after a Draft the drafter caches ctx + d_1..d_{k-1}, so it then gets d_k alone.
         """
         pool = self.fleet.pool(method.role)
-        failed: list[Replica] = []
-        busy: list[Replica] = []  # answered "replica busy": up, but full
-        retries = resends = 0
+        tries = _Tries()
         for _ in range(3 * len(pool.replicas) + 2 + len(RETRY_BACKOFF)):
-            replica = placement.replica
-            if replica is None or not replica.up:
-                try:
-                    chosen = pool.pick(
-                        preferred=placement.address,
-                        exclude=[*failed, *busy],
-                        rule=placement.rule,
-                    )
-                except NoReplica as e:
-                    raise Unavailable(str(e)) from None
-                if chosen is not replica:
-                    was = placement.address
-                    if placement.moved(chosen):
-                        # The session's cache was on a replica that is down or gone
-                        # (between turns, or a failover below): the whole context goes
-                        # to another one, a resend like a miss's.
-                        resends += 1
-                        tracing.note_moved(method.role, was, chosen.address)
-                replica = chosen  # placement.replica now
+            replica = _replica(method, placement, pool, tries)
             n = min(placement.cached, len(ctx) + len(tail) - 1)
             prefix = common_pb2.CachedPrefix(length=n, hash=self._chain.hash(ctx, n, tail))
             new = [*ctx[n:], *tail[max(0, n - len(ctx)) :]] if tail else list(ctx[n:])
             replica.in_flight += 1
             try:
                 response = await traced_call(replica, method, build(prefix, new), self.timeout())
-                return Answer(response, replica, resends)
+                return Answer(response, replica, tries.resends)
             except CallFailed as failure:
-                resends += 1
-                if failure.cache_miss:
-                    tracing.note_cache_miss(method.role, replica.address)
-                    placement.missed()
-                    continue
-                if failure.busy:
-                    # Another replica of the pool (the cache is lost there), never marked
-                    # down; when every one is full the client gets RESOURCE_EXHAUSTED.
-                    busy.append(replica)
-                    metrics.BUSY_REDIRECTS.labels(role=method.role).inc()
-                    if not [r for r in pool.up() if r not in failed and r not in busy]:
-                        raise UpstreamError(replica, failure) from None
-                    placement.moved(None)
-                    continue
-                if failure.code != grpc.StatusCode.UNAVAILABLE:
-                    raise UpstreamError(replica, failure) from None
-                others = [r for r in pool.up() if r is not replica and r not in failed]
-                if not others and retries < len(RETRY_BACKOFF) and method.role == Role.VERIFIER:
-                    # The only verifier left: a blip (a restart) must not fail every request
-                    # at once; its cache may survive (a miss says so). Without a drafter a
-                    # round runs at k = 0 instead of waiting.
-                    await asyncio.sleep(RETRY_BACKOFF[retries])
-                    retries += 1
-                    continue
-                why = failure.details or "unavailable"
-                pool.mark_down(replica, why)
-                failed.append(replica)
-                metrics.FAILOVERS.labels(role=method.role).inc()
-                tracing.note_failover(method.role, replica.address, why)
-                placement.moved(None)
+                tries.resends += 1
+                await _recover(method, placement, pool, replica, failure, tries)
             finally:
                 replica.in_flight -= 1
                 replica.served += 1
         raise Unavailable(f"no {method.role} replica could serve the request")
+
+
+@dataclass(slots=True)
+class _Tries:
+    """What one call met so far: replicas that failed, replicas that answered busy (up,
+    but full), retries of the only verifier left, and full-context resends."""
+
+    failed: list[Replica] = field(default_factory=list)
+    busy: list[Replica] = field(default_factory=list)
+    retries: int = 0
+    resends: int = 0
+
+
+def _replica(method: Method, placement: Placement, pool: ReplicaPool, tries: _Tries) -> Replica:
+    """The placement's replica, or (it has none, or it is down) another one of the pool
+    that has not failed or answered busy this call. Raises Unavailable when none is left."""
+    replica = placement.replica
+    if replica is not None and replica.up:
+        return replica
+    try:
+        chosen = pool.pick(
+            preferred=placement.address, exclude=[*tries.failed, *tries.busy], rule=placement.rule
+        )
+    except NoReplica as e:
+        raise Unavailable(str(e)) from None
+    if chosen is not replica:
+        was = placement.address
+        if placement.moved(chosen):
+            # The session's cache was on a replica that is down or gone (between turns,
+            # or a failover below): the whole context goes to another one, a resend
+            # like a miss's.
+            tries.resends += 1
+            tracing.note_moved(method.role, was, chosen.address)
+    return chosen  # placement.replica now
+
+
+async def _recover(
+    method: Method,
+    placement: Placement,
+    pool: ReplicaPool,
+    replica: Replica,
+    failure: CallFailed,
+    tries: _Tries,
+) -> None:
+    """After a failed call: what the next try sends where (a miss: everything to the same
+    replica; busy: another replica; UNAVAILABLE: a back-off for the only verifier left,
+    else another replica, this one marked down). Raises UpstreamError when the failure is
+    the request's (another error, or every replica busy)."""
+    if failure.cache_miss:
+        tracing.note_cache_miss(method.role, replica.address)
+        placement.missed()
+        return
+    if failure.busy:
+        # Another replica of the pool (the cache is lost there), never marked down; when
+        # every one is full the client gets RESOURCE_EXHAUSTED.
+        tries.busy.append(replica)
+        metrics.BUSY_REDIRECTS.labels(role=method.role).inc()
+        if not [r for r in pool.up() if r not in tries.failed and r not in tries.busy]:
+            raise UpstreamError(replica, failure) from None
+        placement.moved(None)
+        return
+    if failure.code != grpc.StatusCode.UNAVAILABLE:
+        raise UpstreamError(replica, failure) from None
+    others = [r for r in pool.up() if r is not replica and r not in tries.failed]
+    if not others and tries.retries < len(RETRY_BACKOFF) and method.role == Role.VERIFIER:
+        # The only verifier left: a blip (a restart) must not fail every request at once;
+        # its cache may survive (a miss says so). Without a drafter a round runs at k = 0
+        # instead of waiting.
+        await asyncio.sleep(RETRY_BACKOFF[tries.retries])
+        tries.retries += 1
+        return
+    why = failure.details or "unavailable"
+    pool.mark_down(replica, why)
+    tries.failed.append(replica)
+    metrics.FAILOVERS.labels(role=method.role).inc()
+    tracing.note_failover(method.role, replica.address, why)
+    placement.moved(None)

@@ -5,9 +5,10 @@
   a bounded cache of recent outputs of this gateway (per tenant or global);
 - a prediction (specdec.gateway.round.lookup.prediction): OpenAI's Predicted Outputs;
 - `hybrid` (specdec.gateway.round.lookup.hybrid): a lookup draft where its match is confident,
-  otherwise the draft model's draft, extended by prompt lookup;
-- `tree` (specdec.gateway.round.lookup.tree): a source's candidate continuations merged into
-  one token tree (SpeculationParams.tree_width).
+  otherwise the draft model's draft, extended by prompt lookup.
+
+A source's candidate continuations are merged into one token tree
+(SpeculationParams.tree_width) by specdec.gateway.round.tree.
 
 A lookup draft is a deterministic proposal: its distribution is one-hot, so the verifier's
 rule (DESIGN §2) accepts it with probability p(d) and recovers from p without d.

@@ -42,7 +42,7 @@ class Proposal:
     tokens: list[int]  # [k], k >= 1
     source: Source  # NGRAM, SUFFIX or PREDICTION
     # With width > 1: other candidate continuations, each starting with another token
-    # than tokens and the ones before it (specdec.gateway.round.lookup.tree merges them).
+    # than tokens and the ones before it (specdec.gateway.round.tree merges them).
     others: tuple[list[int], ...] = ()
 
 
