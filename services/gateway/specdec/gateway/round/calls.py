@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specdec.gateway.fleet.caller import Answer, Placement, ReplicaCaller
+from specdec.gateway.fleet.caller import Placement, ReplicaCaller
 from specdec.gateway.fleet.transport import Method
 from specdec.gateway.names import Role
 from specdec.gateway.round.features import FeatureRelay
@@ -85,9 +85,10 @@ class RoundCalls:
 
     async def draft(
         self, ctx: Sequence[int], ask: DraftAsk
-    ) -> tuple[Answer, drafter_pb2.DraftResponse, int]:
-        """A Draft after ctx: its answer, its response, and the tokens the answered call
-        fed (its new tokens: a prefill or resend is long). Raises what the caller raises."""
+    ) -> tuple[drafter_pb2.DraftResponse, int, int]:
+        """A Draft after ctx: its response, the full-context resends it took and the tokens
+        the answered call fed (its new tokens: a prefill or resend is long). Raises what
+        the caller raises."""
         fed = 0
 
         def build(prefix: common_pb2.CachedPrefix, new: list[int]) -> drafter_pb2.DraftRequest:
@@ -113,7 +114,7 @@ class RoundCalls:
         answer.replica.note_cost(response.forward_cost)
         self.fork_from.pop(Role.DRAFTER, None)
         self.drafter.answered(response.cached_length)
-        return answer, response, fed
+        return response, answer.resends, fed
 
     async def verify(
         self,

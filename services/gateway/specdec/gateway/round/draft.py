@@ -195,7 +195,9 @@ class Drafts:
         started = time.perf_counter()
         nodes, depth = self._tree_nodes(ctx, k)
         try:
-            answer, d, fed = await self.calls.draft(ctx, DraftAsk(k, nodes, depth, self.tree_width))
+            d, resends, fed = await self.calls.draft(
+                ctx, DraftAsk(k, nodes, depth, self.tree_width)
+            )
         except (Unavailable, UpstreamError) as e:
             self._lost_drafter(e)
             seconds = time.perf_counter() - started
@@ -215,7 +217,7 @@ class Drafts:
             d.draft_probs,
             Source.PREPARED if d.prepared else Source.DRAFTED,
             seconds,
-            answer.resends,
+            resends,
             late,
             forward_ms=d.forward_ms,
             fed=fed,
