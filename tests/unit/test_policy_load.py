@@ -246,5 +246,7 @@ def test_on_a_ragged_verifier_a_drafter_as_dear_prices_its_steps_under_load():
     cost = ReportedCost.from_proto(to_proto(curve.buckets(), load, True, curve.points()))
     policy = _bound_policy(cost)
     assert policy.prices.sessions == pytest.approx(32.0)  # 16 rows in each replica's forwards
-    assert policy.prices.network_time(2, 1) > policy.prices.network_time(1, 0) * 1.75  # k=1 yields 1.75
+    assert (
+        policy.prices.network_time(2, 1) > policy.prices.network_time(1, 0) * 1.75
+    )  # k=1 yields 1.75
     assert policy.choose_k(4) == 0
