@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from contextlib import ExitStack
+from typing import Any
 
 import grpc
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from specdec.sdk import Client
 from specdec.sdk.client import build_generate_request
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
+from specdec.tools.distill.data import read_rows
 from tests.conftest import PROMPTS
 from tests.integration.test_gateway import gateway, replica
 from tests.integration.test_ssd import check_sequence_counts, exact_sequence_probs, sample_top2
@@ -50,7 +52,9 @@ def adaptive_stack(test_models):
             "small-ssd": (small, *adaptive, "--ssd"),
         }
         gws = started(*(gateway([d], [verifier], None, *rest) for d, *rest in flags.values()))
-        yield {name: g.address for name, g in zip(flags, gws, strict=True)}
+        addresses: dict[str, Any] = {name: g.address for name, g in zip(flags, gws, strict=True)}
+        addresses["replicas"] = (verifier, noisy)  # for a test's own gateway
+        yield addresses
 
 
 def check_policy_stats(s, k_max: int) -> None:
@@ -168,7 +172,8 @@ def test_adaptive_sampling_distribution(adaptive_stack, tokenizer, target_model)
     §2 for the k it was given, and the policy fixes k before the round from earlier rounds
     only, so conditionally on the tokens so far every round's tokens follow the target.
     Eight requests at a time keep the verifier's queue up, so the policy does change k
-    here (asserted: rounds at k = 0 chosen by the policy, after a first round at the bound).
+    here (asserted: requests with rounds at k = 0 chosen by the policy, the first round's
+    among them while the drafter prefills beside it, and rounds with a draft).
     """
     ids = tokenizer(PROMPTS[0]).input_ids
     exact = exact_sequence_probs(target_model, ids, steps=4, top_k=2)
@@ -176,10 +181,39 @@ def test_adaptive_sampling_distribution(adaptive_stack, tokenizer, target_model)
     for r in results:
         check_policy_stats(r.stats, 3)
     policy_k0 = sum(r.stats.policy_k0_rounds for r in results)
-    # rounds_by_k reaches only as far as the largest k a request drafted
-    at_bound = [len(r.stats.rounds_by_k) > 3 and r.stats.rounds_by_k[3] for r in results]
+    drafted = [sum(r.stats.rounds_by_k[1:]) for r in results]
     changed = sum(
-        1 for r, b in zip(results, at_bound, strict=True) if b and r.stats.policy_k0_rounds
+        1 for r, d in zip(results, drafted, strict=True) if d and r.stats.policy_k0_rounds
     )
     assert policy_k0 > 0 and changed > 0, (policy_k0, changed)
     check_sequence_counts([tuple(r.tokens) for r in results], exact)
+
+
+def test_the_first_round_prefills_the_drafter_beside_the_verifier(
+    adaptive_stack, tokenizer, reference, tmp_path
+):
+    """The adaptive policy's first round of a request drafts nothing: the drafter, which
+    holds nothing of the prompt, prefills it beside the verifier's prefill instead of
+    before it, and the rounds after draft (the recording shows each round's k and source).
+    A fixed policy drafts its k from the first round. Greedy output equals generate()."""
+    verifier, noisy = adaptive_stack["replicas"]
+    record = {policy: tmp_path / policy for policy in ("adaptive", "fixed")}
+    for policy, directory in record.items():
+        gw = gateway([noisy], [verifier], None, "--k-policy", policy, "--record", str(directory))
+        try:
+            gw.wait_healthy()
+            with Client(gw.address, timeout=120) as client:
+                for text in PROMPTS[:3]:
+                    ids = tokenizer(text).input_ids
+                    got = client.generate(token_ids=ids, max_new_tokens=N, k=4)
+                    assert list(got.tokens) == reference(ids, N), (policy, text)
+        finally:
+            gw.stop()  # the recorder writes what is queued
+    adaptive = [r for f in sorted(record["adaptive"].glob("*.jsonl")) for r in read_rows(f)]
+    fixed = [r for f in sorted(record["fixed"].glob("*.jsonl")) for r in read_rows(f)]
+    assert len(adaptive) == len(fixed) == 3
+    for row in adaptive:
+        assert row["round_k"][0] == 0 and row["round_source"][0] == "none", row
+        assert sum(row["round_k"][1:]) > 0, row  # the drafter drafts after it
+    for row in fixed:
+        assert row["round_k"][0] == 4, row

@@ -170,6 +170,7 @@ class Completion:
                 yield Event(text, tokens, time_to_first_token_ms=ttft, **self.delta(tokens))
             elif output.finish_reason is not None:
                 self.held = (text, tokens)
+        await spec.idle()
         if spec.lookup is not None:  # the output joins the suffix cache
             spec.lookup.finish(output.tokens)
 

@@ -23,6 +23,7 @@ grammar or logprobs verifies chains only.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -31,13 +32,14 @@ from dataclasses import dataclass
 
 from specdec.common.errors import Unavailable
 from specdec.gateway.fleet.caller import UpstreamError
-from specdec.gateway.names import Source, Ssd
+from specdec.gateway.names import Role, Source, Ssd
 from specdec.gateway.observe import metrics
 from specdec.gateway.round.calls import DraftAsk, RoundCalls
 from specdec.gateway.round.grammar import Constraint
 from specdec.gateway.round.lookup import HYBRID, MODEL, PREDICTION
 from specdec.gateway.round.lookup.hybrid import RequestLookup
 from specdec.gateway.round.policy import Policy
+from specdec.gateway.round.policy.prices import MAX_FED
 from specdec.gateway.round.ssd import SsdBranches
 from specdec.gateway.round.tree import DraftTree
 from specdec.v1 import common_pb2, verifier_pb2
@@ -120,6 +122,7 @@ class Drafts:
         self.greedy = greedy
         self._prediction: list[int] | None = None  # to graft onto this round's model draft
         self._without_drafter = False  # the last Draft found no drafter
+        self._prefill: asyncio.Task[None] | None = None  # the drafter's, beside a Verify
 
     def _one_hot(self, tokens: Sequence[int]) -> Sequence[common_pb2.DraftDistribution]:
         """A lookup draft's proposal distributions: none under greedy decoding."""
@@ -183,6 +186,47 @@ class Drafts:
             return DraftTree(tuple(tokens[:own]))
         tree = DraftTree.merge([tokens[:own], *(b[:share] for b in others)], bound)
         return DraftTree(tuple(tokens[:own])) if tree.is_chain else tree
+
+    def prefill_beside(self, ctx: Sequence[int], first: bool) -> bool:
+        """Whether the drafter prefills beside this round's Verify (then started), so the
+        round drafts nothing from the model: under a policy that does so (the adaptive
+        one), in a turn's first round (`first`) when the drafter holds nothing of the
+        request or lacks more than MAX_FED tokens of it (a long new message). Drafting
+        first would keep the verifier waiting for the drafter's queue, its prefill and its
+        draft before it starts on the prompt; beside the verifier's prefill, the drafter's
+        costs the round nothing, and the next round's Draft feeds only what followed. Not
+        for a head drafter (it needs the verifier's features of those tokens), a fork (n >
+        1: the cache is copied, not computed) or while no drafter answers."""
+        calls = self.calls
+        cached = calls.drafter.cached
+        if (
+            not first
+            or not self.policy.prefills_beside
+            or self._prefill is not None
+            or self._without_drafter
+            or (cached > 0 and len(ctx) - cached <= MAX_FED)
+            or Role.DRAFTER in calls.fork_from
+            or calls.features.ask(calls.drafter) is not None
+        ):
+            return False
+        self._prefill = asyncio.ensure_future(self._prefill_drafter(tuple(ctx)))
+        return True
+
+    async def _prefill_drafter(self, ctx: Sequence[int]) -> None:
+        """A Draft of one token after ctx (the least a Draft asks), which is not used: the
+        drafter's cache then holds ctx, and the next Draft feeds only what follows."""
+        try:
+            await self.calls.draft(ctx, DraftAsk(1))
+        except (Unavailable, UpstreamError) as e:
+            self._lost_drafter(e)
+        self.calls.drafter.accepted(len(ctx))  # its draft token is not the sequence's
+
+    async def drafter_ready(self) -> None:
+        """Wait for the drafter's prefill, if one is in flight: the next call to the
+        drafter names what it cached."""
+        task, self._prefill = self._prefill, None
+        if task is not None:
+            await task
 
     async def model_draft(self, ctx: Sequence[int], k: int) -> Draft:
         """The round's draft of k tokens: the one SSD prepared for exactly this context,

@@ -125,13 +125,17 @@ class Speculator:
         self.policy.estimate = None  # what this round's decisions price (Outcome.gain)
         drafts = self.drafts
         with tracing.round_span(self._index) as span:
+            await drafts.drafter_ready()  # a prefill beside the last Verify has answered
             # The draft: a lookup's (the policy sizes it, or prefers the model), else the
             # draft model's k tokens (the policy's choice: a Draft, or what SSD prepared),
             # which hybrid extends by lookup and a prediction may graft a branch onto.
             draft = drafts.lookup_draft(ctx, max_k, remaining)
+            # A drafter without the prompt prefills it beside this round's Verify.
+            prefilling = drafts.prefill_beside(ctx, first=self._index == 0)
             if draft is None:
-                # A head drafter's first draft waits for the prompt's features.
-                waits = self.calls.features.awaits_prompt(self.drafter)
+                # That round drafts nothing, as a head drafter's first, which waits for
+                # the prompt's features.
+                waits = prefilling or self.calls.features.awaits_prompt(self.drafter)
                 k = 0 if waits else self.policy.choose_k(max_k)
                 draft = await drafts.model_draft(ctx, k)
                 draft = drafts.extend(ctx, draft, remaining)
@@ -142,7 +146,8 @@ class Speculator:
             # SSD's Speculate leaves beside the Verify, for the outcomes of the draft's
             # first branch; it changes nothing until the verdict settles it.
             first = draft.tree.first_branch
-            speculation = self.ssd.send(ctx, first, remaining, self._branch_k(draft, max_k))
+            branch_k = 0 if prefilling else self._branch_k(draft, max_k)  # 0: no Speculate
+            speculation = self.ssd.send(ctx, first, remaining, branch_k)
             try:
                 verdict = await self.calls.verify(
                     ctx, draft.tree, draft.probs, self._scoring(), masks
@@ -161,6 +166,12 @@ class Speculator:
             self.policy.observe(outcome)
             tracing.round_done(span, outcome)
         return outcome
+
+    async def idle(self) -> None:
+        """Once the request's last round is done: wait for a drafter prefill still in
+        flight (a request that ended in its first round), so that nothing of the request
+        reaches its replicas after it (a release of its caches, say)."""
+        await self.drafts.drafter_ready()
 
     def _scoring(self) -> Scoring:
         """What this round's Verify scores: the request's, the prompt's with the first

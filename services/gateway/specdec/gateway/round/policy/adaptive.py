@@ -137,6 +137,7 @@ class AdaptivePolicy:
     source (`sources`), what a round costs (`prices`) and SSD's fan-out (`fanout`)."""
 
     kind = KPolicy.ADAPTIVE
+    prefills_beside = True  # a prefill's round drafts nothing (Drafts.prefill_beside)
 
     def __init__(
         self,

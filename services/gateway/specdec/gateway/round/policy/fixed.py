@@ -15,6 +15,7 @@ class FixedPolicy:
     """The request's k every round; lookups and extensions whole; the configured fan-out."""
 
     kind = KPolicy.FIXED
+    prefills_beside = False  # every round drafts the request's k
     estimate: Estimate | None = None  # a fixed policy prices nothing
 
     def __init__(self, fan_out: int = 0, priors: SourcePriors | None = None):
