@@ -12,8 +12,8 @@ import functools
 import inspect
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,6 +22,10 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 from specdec.common.errors import REASON_KEY, RETRY_AFTER_KEY, Reason, SpecdecError
 
 log = logging.getLogger(__name__)
+
+Servicer = TypeVar("Servicer")
+Request = TypeVar("Request")
+Response = TypeVar("Response")
 
 # Large enough for a dense fp16 draft distribution per position over a 152k vocabulary
 # (k * 300 KB) and for a compressed tokenizer in Info.
@@ -56,7 +60,7 @@ def _tolerant(deserialize: Callable[[bytes], object]) -> Callable[[bytes], objec
     return parse
 
 
-async def _refuse(context: grpc.aio.ServicerContext, method: str, bad: _Malformed):
+async def _refuse(context: grpc.aio.ServicerContext, method: str, bad: _Malformed) -> None:
     log.info("malformed request", extra={"method": method, "why": str(bad.error)})
     await context.abort(
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -74,7 +78,11 @@ class RefuseMalformed(grpc.aio.ServerInterceptor):
     are left as they are.
     """
 
-    async def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_streaming or handler.request_deserializer is None:
             return handler
@@ -84,7 +92,9 @@ class RefuseMalformed(grpc.aio.ServerInterceptor):
             unary_stream: Callable[..., object]
             if inspect.isasyncgenfunction(behavior):
 
-                async def streamed(request, context):
+                async def streamed(
+                    request: object, context: grpc.aio.ServicerContext
+                ) -> AsyncIterator[object]:
                     if isinstance(request, _Malformed):
                         await _refuse(context, method, request)
                     async for item in behavior(request, context):
@@ -93,7 +103,7 @@ class RefuseMalformed(grpc.aio.ServerInterceptor):
                 unary_stream = streamed
             else:
 
-                async def awaited(request, context):
+                async def awaited(request: object, context: grpc.aio.ServicerContext) -> object:
                     if isinstance(request, _Malformed):
                         await _refuse(context, method, request)
                     return await behavior(request, context)
@@ -105,7 +115,7 @@ class RefuseMalformed(grpc.aio.ServerInterceptor):
             )
         behavior = handler.unary_unary
 
-        async def unary_unary(request, context):
+        async def unary_unary(request: object, context: grpc.aio.ServicerContext) -> object:
             if isinstance(request, _Malformed):
                 await _refuse(context, method, request)
             return await behavior(request, context)
@@ -132,7 +142,7 @@ def reason_of(e: Exception) -> Reason:
     return e.reason if isinstance(e, SpecdecError) else Reason.UNSPECIFIED
 
 
-async def _abort(context: grpc.aio.ServicerContext, method_name: str, e: Exception):
+async def _abort(context: grpc.aio.ServicerContext, method_name: str, e: Exception) -> None:
     code, message = status_of(e, method_name)
     reason = reason_of(e)
     trailing: list[tuple[str, str]] = []
@@ -146,29 +156,39 @@ async def _abort(context: grpc.aio.ServicerContext, method_name: str, e: Excepti
     await context.abort(code, message)
 
 
-def rpc_errors(method):
+def rpc_errors(
+    method: Callable[[Servicer, Request, grpc.aio.ServicerContext], Awaitable[Response]],
+) -> Callable[[Servicer, Request, grpc.aio.ServicerContext], Coroutine[Any, Any, Response | None]]:
     """Map domain errors to gRPC status codes; anything unexpected is INTERNAL and logged.
 
-    A failing request never takes the server down. Wraps unary methods.
+    A failing request never takes the server down. Wraps unary methods. (The wrapper's
+    None is never answered: context.abort raises.)
     """
 
     @functools.wraps(method)
-    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+    async def wrapper(
+        self: Servicer, request: Request, context: grpc.aio.ServicerContext
+    ) -> Response | None:
         try:
             return await method(self, request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as e:  # the one place errors become statuses
             await _abort(context, method.__name__, e)
+            return None  # not reached: context.abort raises
 
     return wrapper
 
 
-def stream_rpc_errors(method):
+def stream_rpc_errors(
+    method: Callable[[Servicer, Request, grpc.aio.ServicerContext], AsyncIterator[Response]],
+) -> Callable[[Servicer, Request, grpc.aio.ServicerContext], AsyncIterator[Response]]:
     """rpc_errors for server-streaming methods (async generators)."""
 
     @functools.wraps(method)
-    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+    async def wrapper(
+        self: Servicer, request: Request, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Response]:
         try:
             async for item in method(self, request, context):
                 yield item

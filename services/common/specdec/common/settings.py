@@ -108,7 +108,12 @@ def _is_boolean(text: str) -> bool:
     return True
 
 
-def parse_value(args: argparse.Namespace, flag: str, convert: Callable[[str], T], check=None) -> T:
+def parse_value(
+    args: argparse.Namespace,
+    flag: str,
+    convert: Callable[[str], T],
+    check: Callable[[T], str | None] | None = None,
+) -> T:
     """Convert args.<flag> with `convert`, then validate with `check(value) -> error or None`."""
     raw = getattr(args, _dest(flag))
     where = f"{flag} / {env_name(flag)}"
@@ -248,12 +253,12 @@ def settings_group(flags: type, default: Any = None) -> Any:
     return field(default=default, metadata={SETTING: SettingsGroup(flags)})
 
 
-def _flag(f: Field) -> str:
+def _flag(f: Field[Any]) -> str:
     """The flag of a field declared with `setting`."""
     return f.metadata[SETTING].flag or "--" + f.name.replace("_", "-")
 
 
-def _declared(cls: type) -> list[tuple[Field, Setting | SettingsGroup]]:
+def _declared(cls: type) -> list[tuple[Field[Any], Setting | SettingsGroup]]:
     return [(f, f.metadata[SETTING]) for f in fields(cls) if SETTING in f.metadata]
 
 
@@ -321,7 +326,7 @@ _CONVERSIONS: dict[str, Callable[[str], Any]] = {
 }
 
 
-def _conversion(f: Field) -> Callable[[str], Any]:
+def _conversion(f: Field[Any]) -> Callable[[str], Any]:
     """The conversion the field's annotation names (`int`, `str | None`, ...)."""
     name = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
     name = name.removesuffix(" | None")

@@ -27,16 +27,21 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from specdec.common.settings import ConfigError
+
+if TYPE_CHECKING:
+    import grpc
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.sampling import Sampler
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +160,7 @@ class TracingConfig:
             sampler_arg=sampler_arg,
         )
 
-    def make_sampler(self):
+    def make_sampler(self) -> Sampler:
         from opentelemetry.sdk.trace import sampling
 
         ratio = self.sampler_arg if self.sampler_arg is not None else 1.0
@@ -172,7 +177,7 @@ class TracingConfig:
 class Tracing:
     """The tracer provider of this process; `shutdown` flushes and stops the exporter."""
 
-    def __init__(self, config: TracingConfig, provider):
+    def __init__(self, config: TracingConfig, provider: TracerProvider):
         self.config = config
         self.provider = provider
 
@@ -251,7 +256,13 @@ def traceparent() -> str | None:
     return carrier.get("traceparent")
 
 
-def incoming_context(source) -> otel_context.Context | None:
+class Invoked(Protocol):
+    """What incoming_context reads of a grpc servicer context."""
+
+    def invocation_metadata(self) -> Sequence[tuple[str, str | bytes]] | None: ...
+
+
+def incoming_context(source: Invoked | Mapping[str, object]) -> otel_context.Context | None:
     """The caller's trace context from a grpc servicer context's metadata, or from a
     mapping of (lower-case) HTTP headers; None when it carries no ``traceparent``."""
     if isinstance(source, Mapping):
@@ -274,7 +285,10 @@ def rpc_attributes(service: str, method: str) -> dict[str, Any]:
 
 @contextmanager
 def server_span(
-    service: str, method: str, servicer_context, attributes: Mapping[str, Any] | None = None
+    service: str,
+    method: str,
+    servicer_context: Invoked | Mapping[str, object],
+    attributes: Mapping[str, Any] | None = None,
 ) -> Iterator[Span | None]:
     """A SERVER span `<service>/<method>` under the caller's context (a grpc servicer
     context, or a mapping of HTTP headers); None when off."""
@@ -314,7 +328,7 @@ def event(name: str, **attributes: Any) -> None:
         span.add_event(name, {k.replace("__", "."): v for k, v in attributes.items()})
 
 
-def set_grpc_status(span: Span | None, code, message: str = "") -> None:
+def set_grpc_status(span: Span | None, code: grpc.StatusCode, message: str = "") -> None:
     """Record a gRPC status code (grpc.StatusCode) on a span; errors set the span's status.
 
     For a SERVER span only server-side failures are errors (as the conventions say), but

@@ -13,7 +13,7 @@ import hmac
 import logging
 import os
 import ssl
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -201,7 +201,7 @@ class BearerTokens(grpc.aio.ServerInterceptor):
     def __init__(self, tokens: Iterable[str]):
         self._tokens = tuple(t.encode() for t in tokens)
 
-    def _allowed(self, metadata) -> bool:
+    def _allowed(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
         for key, value in metadata or ():
             if key.lower() != "authorization":
                 continue
@@ -213,7 +213,11 @@ class BearerTokens(grpc.aio.ServerInterceptor):
             return any(hmac.compare_digest(given, t) for t in self._tokens)
         return False
 
-    async def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
         method = handler_call_details.method
         if method.startswith(UNAUTHENTICATED_METHODS) or self._allowed(
             handler_call_details.invocation_metadata
@@ -229,10 +233,10 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """A handler of the same shape that answers UNAUTHENTICATED."""
     message = "missing or invalid bearer token (metadata 'authorization: Bearer <token>')"
 
-    async def unary(request, context):
+    async def unary(request: object, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    async def streaming(request, context):
+    async def streaming(request: object, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover - makes this an async generator
 

@@ -95,7 +95,9 @@ def _missing(role: str) -> Callable[[argparse.Namespace], int]:
     return run
 
 
-def add_serve_parser(commands: Any) -> argparse.ArgumentParser:
+def add_serve_parser(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run one service")
     services = serve.add_subparsers(dest="service", required=True, parser_class=SettingsParser)
     present = installed()
