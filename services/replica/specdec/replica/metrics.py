@@ -30,11 +30,11 @@ import functools
 import inspect
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 from opentelemetry.trace import SpanKind
@@ -43,8 +43,13 @@ from prometheus_client import Counter, Gauge, Histogram
 from specdec.common import telemetry
 from specdec.common.errors import CacheMiss, SpecdecError
 
+if TYPE_CHECKING:
+    from specdec.replica.config import ReplicaConfig
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Request = TypeVar("Request")
+Response = TypeVar("Response")
 
 # Forward kinds: a forward into an empty cache is a prefill, else the RPC's own kind.
 FORWARD_KINDS = {"Verify": "verify", "Draft": "draft_step", "Speculate": "speculate"}
@@ -52,6 +57,28 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SESSION_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+class CachedSessions(Protocol):
+    """What the metrics read of a replica's session store (specdec.replica.engine)."""
+
+    @property
+    def max_cached_tokens(self) -> int: ...
+
+    @property
+    def cached_tokens(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+
+class Runtime(Protocol):
+    """What the metrics read of a replica's engine (specdec.replica.engine.Engine)."""
+
+    @property
+    def config(self) -> ReplicaConfig: ...
+
+    @property
+    def store(self) -> CachedSessions | None: ...
 
 
 class ReplicaMetrics:
@@ -395,7 +422,7 @@ class ReplicaObserver:
         m.num_accepted_tokens.inc(accepted)
 
 
-def _request_attributes(runtime, request) -> dict[str, Any]:
+def _request_attributes(runtime: Runtime, request: Any) -> dict[str, Any]:
     attributes: dict[str, Any] = {"gen_ai.request.model": runtime.config.model}
     if getattr(request, "session_id", ""):
         attributes["specdec.session_id"] = request.session_id
@@ -418,7 +445,14 @@ class CallRecord:
     (create and finish it in the same contextvars context). observed_rpc (gRPC) and the
     data plane (specdec.replica.dataplane) both record their calls with it."""
 
-    def __init__(self, runtime, service: str, method: str, request, carrier: Any):
+    def __init__(
+        self,
+        runtime: Runtime,
+        service: str,
+        method: str,
+        request: Any,  # the call's request message, whichever RPC's
+        carrier: telemetry.Invoked | Mapping[str, object],
+    ):
         self.method = method
         self.metrics = ReplicaMetrics.for_role(runtime.config.role)
         self._operation = _OPERATION.set(method)
@@ -437,15 +471,35 @@ class CallRecord:
             _OPERATION.reset(self._operation)
 
 
-def observed_rpc(service: str):
+class Observed(Protocol):
+    """What observed_rpc reads of the servicer it decorates a method of."""
+
+    @property
+    def runtime(self) -> Runtime: ...
+
+
+Servicer = TypeVar("Servicer", bound=Observed)
+RpcMethod = Callable[[Servicer, Request, grpc.aio.ServicerContext], Awaitable[Response]]
+
+
+def observed_rpc(
+    service: str,
+) -> Callable[
+    [RpcMethod[Servicer, Request, Response]],
+    Callable[[Servicer, Request, grpc.aio.ServicerContext], Coroutine[Any, Any, Response]],
+]:
     """Count a replica servicer method and trace it as a SERVER span (outermost decorator,
     above serving.rpc_errors, whose aborts it reads the status code of): a CallRecord."""
 
-    def decorate(method):
+    def decorate(
+        method: RpcMethod[Servicer, Request, Response],
+    ) -> Callable[[Servicer, Request, grpc.aio.ServicerContext], Coroutine[Any, Any, Response]]:
         name = method.__name__
 
         @functools.wraps(method)
-        async def wrapper(self, request, context):
+        async def wrapper(
+            self: Servicer, request: Request, context: grpc.aio.ServicerContext
+        ) -> Response:
             record = CallRecord(self.runtime, service, name, request, context)
             code, message = grpc.StatusCode.UNKNOWN, ""
             try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
+from typing import Any, TypedDict
 
 import torch
 
@@ -72,7 +73,7 @@ class VerifyCall:
     logprobs with one. features: also return the features (specdec.replica.features) of
     the new tokens and the accepted drafts (Verdict.features)."""
 
-    runtime: Engine
+    runtime: Engine[Any]
     session_id: str
     prefix: Prefix
     new_tokens: Sequence[int]
@@ -99,7 +100,7 @@ def verify(call: VerifyCall) -> Generator[ForwardRequest, torch.Tensor, Verdict]
 
 
 def processed_target_logits(
-    runtime: Engine,
+    runtime: Engine[Any],
     session: Session,
     new_tokens: Sequence[int],
     draft_tokens: Sequence[int],
@@ -246,7 +247,14 @@ def _wire_features(call: VerifyCall, sink: FeatureSink | None) -> list[torch.Ten
     return [sink.tensor().to(call.features.dtype)]
 
 
-def _features_sent(call: VerifyCall, feats: list[torch.Tensor]) -> dict:
+class _SentFeatures(TypedDict, total=False):
+    """Verdict's feature fields, when asked for."""
+
+    features: torch.Tensor  # [m, width]
+    features_start: int
+
+
+def _features_sent(call: VerifyCall, feats: list[torch.Tensor]) -> _SentFeatures:
     """Verdict.features and features_start from the known positions' rows on the host
     ({} when not asked): the last rows that fit MAX_FEATURE_BYTES."""
     if call.features is None:
@@ -257,7 +265,14 @@ def _features_sent(call: VerifyCall, feats: list[torch.Tensor]) -> dict:
     return {"features": rows[dropped:], "features_start": call.prefix.length + dropped}
 
 
-def _scores(runtime, ask, prompt_logits, new_tokens, target_logits, emitted) -> list[torch.Tensor]:
+def _scores(
+    runtime: Engine[Any],
+    ask: LogprobsAsk,
+    prompt_logits: torch.Tensor,  # [scored, vocab]
+    new_tokens: Sequence[int],
+    target_logits: torch.Tensor,  # [k+1, vocab]
+    emitted: torch.Tensor,  # [k+1]
+) -> list[torch.Tensor]:
     """The device tensors of the scores asked for: the emitted rows (k+1, cut on the host
     once the verdict is known), then the prompt's (new_tokens[1:])."""
     out = list(token_logprobs(target_logits, emitted, ask.top).tensors())

@@ -11,6 +11,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import grpc
+
 from specdec.common.controls import controls_from_proto
 from specdec.common.errors import InvalidRequest, Unimplemented
 from specdec.common.params import MAX_TOP_LOGPROBS, sampling_from_proto
@@ -22,23 +24,25 @@ from specdec.replica.metrics import observed_rpc
 from specdec.replica.replica import ModelCall, ReplicaServicer, check_fork, run_replica
 from specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.verifier.config import VerifierConfig
-from specdec.verifier.scorer import VerifyCall
+from specdec.verifier.scorer import Verdict, VerifyCall
 
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name
 
 
 class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceServicer):
-    def model_calls(self) -> dict[str, Callable[[Any], ModelCall]]:
+    def model_calls(self) -> dict[str, Callable[[Any], ModelCall[Any]]]:
         return {"Verify": self.verify_call}
 
     @observed_rpc(SERVICE_NAME)
     @rpc_errors
     async def Verify(
-        self, request: verifier_pb2.VerifyRequest, context
+        self, request: verifier_pb2.VerifyRequest, context: grpc.aio.ServicerContext
     ) -> verifier_pb2.VerifyResponse:
         return await self.answer(self.verify_call(request))
 
-    def verify_call(self, request: verifier_pb2.VerifyRequest) -> ModelCall:
+    def verify_call(
+        self, request: verifier_pb2.VerifyRequest
+    ) -> ModelCall[verifier_pb2.VerifyResponse]:
         """A Verify request, validated, as the model call that answers it."""
         rt = self.ready_runtime()
         draft_tokens = list(request.draft_tokens)
@@ -113,7 +117,7 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
         draft_tokens: list[int],
         logprobs: bool,
         features_format: int,
-        verdict,
+        verdict: Verdict,
     ) -> verifier_pb2.VerifyResponse:
         self.runtime.obs.verified(k, verdict.accepted)
         response = verifier_pb2.VerifyResponse(
