@@ -26,12 +26,13 @@ from __future__ import annotations
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from specdec.common.controls import Controls
 from specdec.drafter.config import DrafterConfig
-from specdec.drafter.sampler import TREE_SALT, sampler_for
+from specdec.drafter.sampler import TREE_SALT, Sampler, sampler_for
 from specdec.drafter.speculate import (
     BranchStore,
     DraftRows,
@@ -66,7 +67,7 @@ class DraftCall:
     tokens (`continue_leaves`). branches: the replica's prepared SSD branches and kept
     draft rows (specdec.drafter.speculate)."""
 
-    runtime: Engine
+    runtime: Engine[Any]
     branches: BranchStore
     session_id: str
     prefix: Prefix
@@ -180,7 +181,7 @@ def propose(call: DraftCall) -> Generator[Request, torch.Tensor, Draft]:
 
 
 def continue_leaves(
-    sampler,
+    sampler: Sampler,
     session: Session,
     position: int,
     keys: Sequence[tuple[int, int]],

@@ -13,8 +13,14 @@ checks every draft token against the target (docs/design.md section 2).
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
 
 QUANTIZE_MODES = ("none", "int8")
+Model = TypeVar("Model", bound="PreTrainedModel")
 
 
 def check_quantize(mode: str, dtype: str, device: str) -> str | None:
@@ -31,7 +37,7 @@ def check_quantize(mode: str, dtype: str, device: str) -> str | None:
     return None
 
 
-def quantize_model(model, mode: str):
+def quantize_model(model: Model, mode: str) -> Model:
     """Quantize `model` in place as `mode` says and return it (a float32 CPU model for int8)."""
     if mode == "none":
         return model
@@ -55,12 +61,12 @@ def quantize_model(model, mode: str):
     return model
 
 
-def _is_dynamic_int8(module) -> bool:
+def _is_dynamic_int8(module: torch.nn.Module) -> bool:
     from torch.ao.nn.quantized.dynamic import Linear
 
     return isinstance(module, Linear)
 
 
-def quantized_layers(model) -> int:
+def quantized_layers(model: torch.nn.Module) -> int:
     """How many layers of `model` run int8 matmuls."""
     return sum(1 for m in model.modules() if _is_dynamic_int8(m))

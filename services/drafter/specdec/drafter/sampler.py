@@ -9,8 +9,12 @@ makes the host wait for the device.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from specdec.drafter.config import DrafterConfig
+from specdec.replica.engine import Engine
 from specdec.replica.processors import TokenCounts
 from specdec.replica.sampling import (
     SamplingParams,
@@ -32,11 +36,15 @@ TREE_SALT = "draft-tree"
 
 
 def sampler_for(
-    params: SamplingParams, runtime, counts: TokenCounts | None = None, salt: str = DRAFT_SALT
+    params: SamplingParams,
+    runtime: Engine[Any],
+    counts: TokenCounts | None = None,
+    salt: str = DRAFT_SALT,
 ) -> Sampler:
     """The Sampler of a drafter runtime, with its proposal cut (--draft-probs-*) and the
     request's logits processors over its rows (counts; None: none)."""
-    cfg = runtime.config  # a DrafterConfig
+    cfg = runtime.config
+    assert isinstance(cfg, DrafterConfig)  # a drafter's runtime has its config
     return Sampler(
         params, runtime.device, cfg.draft_probs_max_entries, cfg.draft_probs_tail, counts, salt
     )

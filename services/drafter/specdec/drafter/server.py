@@ -11,17 +11,19 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import grpc
 import torch
 
-from specdec.common.controls import controls_from_proto
+from specdec.common.controls import Controls, controls_from_proto
 from specdec.common.errors import FailedPrecondition, InvalidRequest
 from specdec.common.params import MAX_FAN_OUT, MAX_TREE_WIDTH, sampling_from_proto
 from specdec.common.serving import rpc_errors
+from specdec.drafter import proposer
 from specdec.drafter.config import DrafterConfig
 from specdec.drafter.head import HeadDraftCall, HeadRuntime
 from specdec.drafter.proposer import DraftCall
 from specdec.drafter.runtime import DrafterRuntime
-from specdec.drafter.speculate import BranchStore, SpeculateCall
+from specdec.drafter.speculate import BranchStore, SpeculateCall, Speculation
 from specdec.replica.convert import encoded_to_proto, prefix_from_proto
 from specdec.replica.engine import Engine
 from specdec.replica.features import decode_features
@@ -33,7 +35,7 @@ SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_na
 
 
 class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
-    def __init__(self, runtime: Engine):
+    def __init__(self, runtime: Engine[Any]):
         super().__init__(runtime)
         self.branches = BranchStore()  # SSD: prepared next-round drafts (model thread only)
 
@@ -56,22 +58,24 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             raise InvalidRequest(f"{field} must be in [1, {limit}], got {k}")
         return k
 
-    def model_calls(self) -> dict[str, Callable[[Any], ModelCall]]:
+    def model_calls(self) -> dict[str, Callable[[Any], ModelCall[Any]]]:
         return {"Draft": self.draft_call, "Speculate": self.speculate_call}
 
     @observed_rpc(SERVICE_NAME)
     @rpc_errors
-    async def Draft(self, request: drafter_pb2.DraftRequest, context) -> drafter_pb2.DraftResponse:
+    async def Draft(
+        self, request: drafter_pb2.DraftRequest, context: grpc.aio.ServicerContext
+    ) -> drafter_pb2.DraftResponse:
         return await self.answer(self.draft_call(request))
 
     @observed_rpc(SERVICE_NAME)
     @rpc_errors
     async def Speculate(
-        self, request: drafter_pb2.SpeculateRequest, context
+        self, request: drafter_pb2.SpeculateRequest, context: grpc.aio.ServicerContext
     ) -> drafter_pb2.SpeculateResponse:
         return await self.answer(self.speculate_call(request))
 
-    def draft_call(self, request: drafter_pb2.DraftRequest) -> ModelCall:
+    def draft_call(self, request: drafter_pb2.DraftRequest) -> ModelCall[drafter_pb2.DraftResponse]:
         """A Draft request, validated, as the model call that answers it."""
         rt = self.ready_runtime()
         k = self._k(request.num_draft_tokens)
@@ -133,7 +137,9 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             rt.obs.features_received(len(msg.data))
         return tuple(features)
 
-    def _tree(self, request: drafter_pb2.DraftRequest, controls) -> tuple[int, int, int]:
+    def _tree(
+        self, request: drafter_pb2.DraftRequest, controls: Controls | None
+    ) -> tuple[int, int, int]:
         """A Draft's (tree_nodes, tree_width, tree_depth), validated; (0, 1, 0): a chain."""
         nodes, width, depth = request.tree_nodes, request.tree_width, request.tree_depth
         if nodes == 0:
@@ -159,7 +165,7 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             )
         return nodes, width, depth
 
-    def _draft_response(self, draft) -> drafter_pb2.DraftResponse:
+    def _draft_response(self, draft: proposer.Draft) -> drafter_pb2.DraftResponse:
         if draft.prepared:
             self.runtime.obs.ssd_served()
         return drafter_pb2.DraftResponse(
@@ -172,7 +178,9 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             draft_parents=draft.parents,
         )
 
-    def speculate_call(self, request: drafter_pb2.SpeculateRequest) -> ModelCall:
+    def speculate_call(
+        self, request: drafter_pb2.SpeculateRequest
+    ) -> ModelCall[drafter_pb2.SpeculateResponse]:
         """A Speculate request, validated, as the model call that answers it."""
         rt = self.ready_runtime()
         cfg = rt.config
@@ -223,7 +231,7 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
         )
         return ModelCall(call, self._speculate_response)
 
-    def _speculate_response(self, result) -> drafter_pb2.SpeculateResponse:
+    def _speculate_response(self, result: Speculation) -> drafter_pb2.SpeculateResponse:
         self.runtime.obs.ssd_prepared(len(result.branches))
         return drafter_pb2.SpeculateResponse(
             branches=[

@@ -56,6 +56,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
@@ -68,6 +69,8 @@ from specdec.replica.engine import Engine, Prefix, Session
 from specdec.replica.host import to_host
 from specdec.replica.processors import TokenCounts, verify_logits
 from specdec.replica.sampling import EncodedProbs, SamplingParams, encoded_rows, warp
+
+V = TypeVar("V")
 
 MAX_PREPARED_SESSIONS = 32
 # Outcome probabilities are ranked with acceptance probabilities clamped away from 0 and
@@ -124,7 +127,7 @@ class BranchStore:
         self.refed_tokens = 0  # cached draft tokens fed again for want of DraftRows
 
     @staticmethod
-    def _put(store: OrderedDict, session_id: str, value, bound: int) -> None:
+    def _put(store: OrderedDict[str, V], session_id: str, value: V, bound: int) -> None:
         store[session_id] = value
         store.move_to_end(session_id)
         while len(store) > bound:
@@ -171,7 +174,7 @@ class SpeculateCall:
     the draft up to each) and to every branch step (with the branch's own tokens). store:
     where the prepared branches stay (and the last Draft's rows are taken from)."""
 
-    runtime: Engine
+    runtime: Engine[Any]
     store: BranchStore
     session_id: str
     prefix: Prefix
@@ -241,7 +244,7 @@ def speculate(call: SpeculateCall) -> Generator[Request, torch.Tensor, Speculati
 
 
 def draft_rows(
-    runtime: Engine,
+    runtime: Engine[Any],
     store: BranchStore,
     session: Session,
     memo: DraftRows | None,
