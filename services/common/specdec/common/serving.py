@@ -126,7 +126,7 @@ class RefuseMalformed(grpc.aio.ServerInterceptor):
         )
 
 
-def status_of(e: Exception, method_name: str) -> tuple[grpc.StatusCode, str]:
+def status_of(e: BaseException, method_name: str) -> tuple[grpc.StatusCode, str]:
     """The status code and message a failed call answers: a SpecdecError's own, anything
     else INTERNAL (logged with its traceback). The gRPC servicers (`rpc_errors`) and the
     data plane (specdec.replica.dataplane) both answer through it."""
@@ -136,7 +136,7 @@ def status_of(e: Exception, method_name: str) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
 
 
-def reason_of(e: Exception) -> Reason:
+def reason_of(e: BaseException) -> Reason:
     """Why a call failed, beyond its status code (the Reason enum of dataplane.proto):
     UNSPECIFIED for anything but a SpecdecError that names one."""
     return e.reason if isinstance(e, SpecdecError) else Reason.UNSPECIFIED

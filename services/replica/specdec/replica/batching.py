@@ -102,6 +102,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from _typeshed import FileDescriptorLike
+    from transformers.cache_utils import DynamicCache
+
     from specdec.replica.features import FeatureSink
 
 log = logging.getLogger(__name__)
@@ -189,7 +192,7 @@ class _Task:
     start: Callable[[], Any]  # returns a Job (or the result itself: a plain call)
     key: str | None  # session id: one task per key in flight
     context: contextvars.Context
-    future: Future = field(default_factory=Future)
+    future: Future[Any] = field(default_factory=Future)
     job: Job | None = None
     request: Request | None = None
 
@@ -296,13 +299,17 @@ class Poller:
                     self._held = False
                 self._released.set()
 
-    def register(self, fileobj, events: int, callback: Callable[[int], None]) -> None:
+    def register(
+        self, fileobj: FileDescriptorLike, events: int, callback: Callable[[int], None]
+    ) -> None:
         self._selector.register(fileobj, events, callback)
 
-    def modify(self, fileobj, events: int, callback: Callable[[int], None]) -> None:
+    def modify(
+        self, fileobj: FileDescriptorLike, events: int, callback: Callable[[int], None]
+    ) -> None:
         self._selector.modify(fileobj, events, callback)
 
-    def unregister(self, fileobj) -> None:
+    def unregister(self, fileobj: FileDescriptorLike) -> None:
         self._selector.unregister(fileobj)
 
     def on_thread(self) -> bool:
@@ -329,14 +336,14 @@ class Poller:
         except (BlockingIOError, InterruptedError):
             pass
 
-    def select(self, timeout: float | None) -> list:
+    def select(self, timeout: float | None) -> list[tuple[selectors.SelectorKey, int]]:
         """Wait for ready file objects (None: as long as it takes; 0: do not wait)."""
         self.thread = threading.current_thread()
         for hook in self.before_select:
             hook()
         return self._selector.select(timeout)
 
-    def dispatch(self, events: list) -> None:
+    def dispatch(self, events: list[tuple[selectors.SelectorKey, int]]) -> None:
         """Run the callbacks of `events`, then the queued calls (the polling thread)."""
         for key, mask in events:
             try:
@@ -405,7 +412,7 @@ class Scheduler:
         start: Callable[[], Any],
         key: str | None = None,
         context: contextvars.Context | None = None,
-    ) -> Future:
+    ) -> Future[Any]:
         """Queue a job: start() runs on the model thread in `context` (a copy of the
         caller's when None) and returns a Job generator or a plain result."""
         task = _Task(next(self._seq), start, key, context or contextvars.copy_context())
@@ -690,7 +697,9 @@ class Layout:
             input_ids[where] = tokens
         return input_ids, mask.to(device), positions.to(device)
 
-    def _tree_mask(self, keys: torch.Tensor, positions: torch.Tensor, dtype) -> torch.Tensor:
+    def _tree_mask(
+        self, keys: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
         """The 4D additive mask of `inputs` from its 2D one (keys [R, L + N]); sets the tree
         rows' node positions in `positions` [R, N]."""
         width, longest = self.width, self.columns
@@ -708,7 +717,7 @@ class Layout:
         additive = torch.zeros(self.rows, 1, longest, width + longest, dtype=dtype)
         return additive.masked_fill_(~visible[:, None], torch.finfo(dtype).min)
 
-    def cache(self, config) -> Any:
+    def cache(self, config: Any) -> DynamicCache:
         """A DynamicCache of every row's cached keys/values, left-padded with zeros to L
         ([R, heads, L, dim] per layer): a session's cache in its row, the session's cache
         in every row of a branch group followed by that row's fed slots; an empty one when
@@ -751,11 +760,13 @@ class Layout:
 
     def split(self, logits: torch.Tensor) -> list[torch.Tensor]:
         """Logits [sum keeps, vocab] -> each request's ([keep, vocab] or [rows, vocab])."""
-        return list(logits.split(self.keeps))
+        return list(torch.split(logits, self.keeps))
 
-    def write_back(self, batch_cache) -> None:
+    def write_back(self, batch_cache: Any) -> None:
         """Each row's new slots [L, L + n) after the forward: appended to its session's
-        cache (and tokens), or to its branch row's fed slots."""
+        cache (and tokens), or to its branch row's fed slots. batch_cache: the `cache`
+        the forward ran on (Any: transformers types a cache's layers as a union of kinds,
+        some without keys and values; this one's are full-attention layers, filled)."""
         width = self.width
         for i, layer in enumerate(batch_cache.layers):
             for r, start in zip(self.requests, self.starts, strict=True):

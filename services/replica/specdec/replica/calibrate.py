@@ -49,14 +49,18 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from specdec.replica import packing
 from specdec.replica.cpus import cpu_info, thread_budget
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +166,7 @@ def cache_path() -> Path:
     return Path(root) / "calibration.json"
 
 
-def model_signature(config) -> str:
+def model_signature(config: PretrainedConfig) -> str:
     """A hash of the model's shape: what a forward costs depends on it, not on the weights."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     shape = {
@@ -180,7 +184,7 @@ def model_signature(config) -> str:
     return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def cache_key(config, device: torch.device, threads: int) -> dict[str, Any]:
+def cache_key(config: PretrainedConfig, device: torch.device, threads: int) -> dict[str, Any]:
     cpu = cpu_info()
     return {
         "version": CACHE_VERSION,
@@ -216,14 +220,20 @@ def _read_cache(path: Path) -> dict[str, Any]:
 
 
 def cached_choice(
-    config, device: torch.device, threads: int, pack: bool = True, one_token: bool = False
+    config: PretrainedConfig,
+    device: torch.device,
+    threads: int,
+    pack: bool = True,
+    one_token: bool = False,
 ) -> DtypeChoice | None:
     """The cached choice for this model shape, device and thread count, with packed weights
     a candidate or not, priced as `choose_dtype` prices it, if any."""
     return _cached(_key(config, device, threads, pack, one_token))
 
 
-def _key(config, device: torch.device, threads: int, pack: bool, one_token: bool) -> dict:
+def _key(
+    config: PretrainedConfig, device: torch.device, threads: int, pack: bool, one_token: bool
+) -> dict[str, Any]:
     pack = pack and packing.available(device) is None
     return {**cache_key(config, device, threads), "pack": pack, "one_token": one_token}
 
@@ -241,7 +251,7 @@ def _cached(key: dict[str, Any]) -> DtypeChoice | None:
 
 
 @contextlib.contextmanager
-def _locked(path: Path):
+def _locked(path: Path) -> Iterator[None]:
     """An exclusive lock beside the cache (the drafter and the verifier start together)."""
     try:
         import fcntl
@@ -285,7 +295,11 @@ def store_choice(choice: DtypeChoice, key: dict[str, Any]) -> None:
 # -- measuring ---------------------------------------------------------------------------
 
 
-def cast_copy(model, dtype: torch.dtype):
+# The models here are transformers causal LMs, typed Any: what is read of them (config,
+# input embeddings' weight, the forward's keyword arguments) transformers types loosely.
+
+
+def cast_copy(model: Any, dtype: torch.dtype) -> Any:
     """A copy of `model` whose parameters are `model`'s cast to dtype, as loading in that
     dtype gives them (buffers computed at init, such as rotary frequencies, stay as they
     are, as they do there). `model` is not touched; the float32 tensors are never copied."""
@@ -303,14 +317,14 @@ def cast_copy(model, dtype: torch.dtype):
     return out
 
 
-def _can_cast(model, dtype: torch.dtype) -> bool:
+def _can_cast(model: Any, dtype: torch.dtype) -> bool:
     """False when loading in dtype would keep some modules in float32 (transformers'
     keep_in_fp32 lists): a plain cast would not give the same model, so it is not tried."""
     plan = getattr(model, "_get_dtype_plan", None)
     return not (plan and plan(dtype))
 
 
-def prefix_cache(model, device: torch.device):
+def prefix_cache(model: Any, device: torch.device) -> Any:
     """A KV cache holding PREFIX_TOKENS tokens. What a forward after it costs does not
     depend on the cached values, so one token is fed and its keys and values repeated to
     PREFIX_TOKENS positions (a 32-token forward would cost more than the measurement);
@@ -333,7 +347,7 @@ def prefix_cache(model, device: torch.device):
     return cache
 
 
-def _layers(cache) -> bool:
+def _layers(cache: object) -> bool:
     """The cache's layers hold `keys` and `values` tensors [batch, heads, seq, head_dim]."""
     layers = getattr(cache, "layers", None) or []
     return bool(layers) and all(
@@ -343,7 +357,7 @@ def _layers(cache) -> bool:
     )
 
 
-def cast_cache(cache, dtype: torch.dtype):
+def cast_cache(cache: Any, dtype: torch.dtype) -> Any:
     """A copy of a prefix cache with its keys and values in dtype (the prefix is made once,
     in float32). None when the cache is not laid out as expected (the candidate then makes
     its own)."""
@@ -355,7 +369,9 @@ def cast_cache(cache, dtype: torch.dtype):
     return out
 
 
-def time_forwards(model, device: torch.device, sizes=SIZES, cache=None) -> dict[int, float]:
+def time_forwards(
+    model: Any, device: torch.device, sizes: Sequence[int] = SIZES, cache: Any = None
+) -> dict[int, float]:
     """Median milliseconds of a batch-1 forward of n tokens after a cached prefix (`cache`,
     in the model's dtype, or None: computed here), per n. Per n: a warm-up forward (one
     that took WARMUP_S or more counts as a sample instead: its first-call costs are noise
@@ -366,7 +382,7 @@ def time_forwards(model, device: torch.device, sizes=SIZES, cache=None) -> dict[
     vocab = int(model.get_input_embeddings().weight.shape[0])
     ids = (torch.arange(max(sizes), device=device) * 104729 + 7) % vocab  # [widest]
 
-    def sync():
+    def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
@@ -431,12 +447,12 @@ def score(timings: dict[int, float], one_token: bool = False) -> float:
 
 
 def choose_dtype(
-    model,
+    model: Any,
     device: torch.device,
     threads: int | None = None,
     pack: bool = True,
     one_token: bool = False,
-):
+) -> tuple[Any, DtypeChoice]:
     """Keep `model` (loaded in float32, on device, in eval mode) or a cast copy, plain or
     with its linear layers packed, whichever costs the replica least here (`score`);
     returns (the model kept, DtypeChoice). Reuses a cached choice without measuring.
@@ -558,6 +574,6 @@ def fastest_dtype(
         torch.set_num_threads(before)
 
 
-def resolve_dtype(dtype: str, model: str, **kwargs) -> DtypeChoice:
+def resolve_dtype(dtype: str, model: str, **kwargs: Any) -> DtypeChoice:
     """`dtype` as given, or with `fastest` the measured choice (`fastest_dtype`)."""
     return fastest_dtype(model, **kwargs) if dtype == FASTEST else asked(dtype)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -62,7 +63,7 @@ class Compiled:
     attention_mask [R, L + N], position_ids [R, N], cache: a DynamicCache of [R, heads, L,
     dim] per layer); returns the decoder's last hidden states [R, N, hidden]."""
 
-    def __init__(self, model, device: torch.device, max_tokens: int):
+    def __init__(self, model: Any, device: torch.device, max_tokens: int):  # a transformers LM
         self.buckets = buckets_for(max_tokens)
         self.cuda = device.type == "cuda"
         self.width_multiple = CUDA_WIDTH_MULTIPLE if self.cuda else 1
@@ -79,7 +80,9 @@ class Compiled:
             torch._dynamo.config.recompile_limit, self.graph_limit
         )
         torch._dynamo.config.fail_on_recompile_limit_hit = True
-        self._compiled = torch.compile(self._decoder, mode=self.mode, dynamic=False)
+        self._compiled: Callable[..., Any] = torch.compile(
+            self._decoder, mode=self.mode, dynamic=False
+        )
 
     @property
     def top(self) -> int:
@@ -118,10 +121,11 @@ class Compiled:
                 torch._dynamo.mark_dynamic(layer.values, 0)
         key = (n, batched)
         if key in self.shapes:
-            return self._compiled(**inputs, use_cache=True).last_hidden_state
+            hidden: torch.Tensor = self._compiled(**inputs, use_cache=True).last_hidden_state
+            return hidden
         started = time.perf_counter()
         try:
-            out = self._compiled(**inputs, use_cache=True).last_hidden_state
+            out: torch.Tensor = self._compiled(**inputs, use_cache=True).last_hidden_state
         except Exception as e:
             raise CompileError(
                 f"--compile: torch.compile ({'inductor, ' + self.mode if self.mode else 'inductor'}) "

@@ -10,7 +10,7 @@ from specdec.common.errors import InvalidRequest
 from specdec.replica.engine import Prefix
 from specdec.replica.masks import InvalidMask, decode_mask, stack_masks
 from specdec.replica.sampling import EncodedProbs, InvalidDistribution, decode_probs
-from specdec.v1 import common_pb2
+from specdec.v1 import common_pb2, verifier_pb2
 
 
 def prefix_from_proto(msg: common_pb2.CachedPrefix) -> Prefix:
@@ -67,7 +67,9 @@ def decode_draft_probs(
     return torch.stack(rows) if rows else torch.empty(0, vocab_size)
 
 
-def decode_grammar_masks(msgs: Sequence, rows: int, vocab_size: int) -> torch.Tensor | None:
+def decode_grammar_masks(
+    msgs: Sequence[verifier_pb2.GrammarMask], rows: int, vocab_size: int
+) -> torch.Tensor | None:
     """A Verify's grammar masks (verifier_pb2.GrammarMask [rows], or none) -> allowed
     [rows, vocab] bool, or None without a grammar (InvalidRequest if bad)."""
     if not msgs:

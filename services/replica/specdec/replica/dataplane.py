@@ -50,11 +50,11 @@ import selectors
 import socket
 import ssl
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from specdec.common.errors import NotReady, Reason
 from specdec.common.frames import (
@@ -68,6 +68,10 @@ from specdec.common.frames import (
 from specdec.common.serving import reason_of, status_of
 from specdec.replica.metrics import CallRecord, ReplicaMetrics
 from specdec.v1 import dataplane_pb2
+
+if TYPE_CHECKING:
+    from specdec.common.tls import ServerTls
+    from specdec.replica.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +105,30 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+class Plan(Protocol):
+    """A call validated for the model: the job it runs, its session, and how its result
+    becomes the response (specdec.replica.replica.ModelCall)."""
+
+    @property
+    def job(self) -> Callable[[], Any]: ...
+
+    @property
+    def session(self) -> str: ...
+
+    @property
+    def respond(self) -> Callable[[Any], Any]: ...
+
+
+class Served(Protocol):
+    """What the data plane serves: a replica's servicer (specdec.replica.replica
+    .ReplicaServicer), its engine and its model calls (RPC name -> request -> Plan)."""
+
+    @property
+    def runtime(self) -> Engine[Any]: ...
+
+    def model_calls(self) -> Mapping[str, Callable[[Any], Plan]]: ...
+
+
 class DataPlaneServer:
     """The data plane of one replica (see the module docstring).
 
@@ -108,7 +136,14 @@ class DataPlaneServer:
     whose scheduler's selector (`Scheduler.io`) this serves on, and its model_calls().
     """
 
-    def __init__(self, servicer, service_name: str, host: str, port: int, tls=None):
+    def __init__(
+        self,
+        servicer: Served,
+        service_name: str,
+        host: str,
+        port: int,
+        tls: ServerTls | None = None,
+    ):
         self.runtime = servicer.runtime
         self.role = self.runtime.config.role
         self.service_name = service_name
@@ -181,7 +216,7 @@ class DataPlaneServer:
         self.io.call_soon(self._close_listener)
         while self.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.01)
-        closed: concurrent.futures.Future = concurrent.futures.Future()
+        closed: concurrent.futures.Future[None] = concurrent.futures.Future()
 
         def close_all() -> None:
             for conn in list(self.connections):
@@ -268,7 +303,17 @@ class DataPlaneServer:
             call.traceparent,
         )
 
-    def _start(self, context, conn, call_id, kind, rpc, prepare, request, traceparent) -> None:
+    def _start(
+        self,
+        context: contextvars.Context,
+        conn: _Connection,
+        call_id: int,
+        kind: str,
+        rpc: str,
+        prepare: Callable[[Any], Plan],
+        request: Any,  # the call's request message
+        traceparent: str,
+    ) -> None:
         """Validate and queue one call, in its own context (its operation and span)."""
         record = CallRecord(
             self.runtime,
@@ -293,7 +338,16 @@ class DataPlaneServer:
             functools.partial(self._done, context, record, conn, call_id, kind, plan.respond)
         )
 
-    def _done(self, context, record, conn, call_id, kind, respond, future) -> None:
+    def _done(
+        self,
+        context: contextvars.Context,
+        record: CallRecord,
+        conn: _Connection,
+        call_id: int,
+        kind: str,
+        respond: Callable[[Any], Any],
+        future: concurrent.futures.Future[Any],
+    ) -> None:
         """A call's job ended (or was cancelled before it started): answer it."""
         if not self.io.on_thread():  # a scheduler shut down from another thread
             self.io.call_soon(
@@ -328,7 +382,7 @@ class DataPlaneServer:
 class _Connection:
     """One gateway's connection (model thread only)."""
 
-    def __init__(self, server: DataPlaneServer, sock: socket.socket, peer):
+    def __init__(self, server: DataPlaneServer, sock: socket.socket, peer: object):
         self.server = server
         self.io = server.io
         self.sock = sock
@@ -336,7 +390,7 @@ class _Connection:
         self.reader = FrameReader()
         self.out = bytearray()  # bytes for the socket not sent yet
         self.events = _READ
-        self.calls: dict[int, concurrent.futures.Future] = {}  # in flight, by call id
+        self.calls: dict[int, concurrent.futures.Future[Any]] = {}  # in flight, by call id
         self.closed = False
         self.tls: ssl.SSLObject | None = None
         self.handshaking = False
@@ -429,7 +483,7 @@ class _Connection:
             self.out += self.outgoing.read()
             self.flush()
 
-    def reply(self, call_id: int, kind: str, response) -> None:
+    def reply(self, call_id: int, kind: str, response: Message) -> None:
         head = dataplane_pb2.DataReply(id=call_id).SerializeToString()
         self.send(encode(with_message(head, REPLY_NUMBERS[kind], response.SerializeToString())))
 

@@ -52,7 +52,15 @@ from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    ClassVar,
+    Protocol,
+    TypeVar,
+    overload,
+    runtime_checkable,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -250,15 +258,29 @@ class Engine(Protocol[S]):
         Unimplemented) where the engine cannot read its hidden states."""
         ...
 
+    @overload
+    async def run(
+        self,
+        fn: Callable[..., Generator[Any, Any, T]],
+        *args: Any,
+        bounded: bool = True,
+        session: str | None = None,
+    ) -> T: ...
+
+    @overload
     async def run(
         self, fn: Callable[..., T], *args: Any, bounded: bool = True, session: str | None = None
-    ) -> T:
-        """fn(*args) on the model thread, a job (a generator of forward requests) or a plain
+    ) -> T: ...
+
+    async def run(
+        self, fn: Callable[..., Any], *args: Any, bounded: bool = True, session: str | None = None
+    ) -> Any:
+        """fn(*args) on the model thread (a job's result: its return value), a job (a generator of forward requests) or a plain
         call; one at a time per `session`. bounded: a model request (counted in `pending`,
         ReplicaBusy beyond --max-queue); housekeeping passes False."""
         ...
 
-    def submit(self, fn: Callable[..., T], *args: Any, session: str | None = None) -> Future:
+    def submit(self, fn: Callable[..., T], *args: Any, session: str | None = None) -> Future[Any]:
         """`run` (bounded) without waiting: the job's future (any thread)."""
         ...
 

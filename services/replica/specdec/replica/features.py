@@ -17,7 +17,7 @@ are float32, float16 or bfloat16, little-endian (`encode_features`, `decode_feat
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,7 +94,7 @@ class FeatureSink:
 
 def decoder_layers(model: Any) -> Sequence[torch.nn.Module]:
     """The decoder layers of a transformers causal LM (model.get_decoder().layers)."""
-    layers = getattr(model.get_decoder(), "layers", None)
+    layers: Sequence[torch.nn.Module] | None = getattr(model.get_decoder(), "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no decoder layers to read features from")
     return layers
@@ -109,8 +109,12 @@ def recording(model: Any, layers: Sequence[int]) -> Iterator[dict[int, torch.Ten
     modules = decoder_layers(model)
     handles = []
 
-    def hook(index: int):
-        def record(_module, _args, output):
+    def hook(index: int) -> Callable[[torch.nn.Module, tuple[Any, ...], Any], None]:
+        def record(
+            _module: torch.nn.Module,
+            _args: tuple[Any, ...],
+            output: torch.Tensor | tuple[torch.Tensor, ...],
+        ) -> None:
             outputs[index] = output[0] if isinstance(output, tuple) else output
 
         return record

@@ -9,7 +9,7 @@ through `to_host`. tests/unit/test_transfers.py counts the copies of each call.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -30,7 +30,9 @@ def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def packed_copy(tensors, copy) -> list[torch.Tensor]:
+def packed_copy(
+    tensors: Sequence[torch.Tensor], copy: Callable[[torch.Tensor], torch.Tensor]
+) -> list[torch.Tensor]:
     """Pack the tensors' bytes into one buffer, copy it with `copy`, unpack the copy."""
     parts, sizes = [], []
     for t in tensors:

@@ -152,8 +152,7 @@ class CacheStore:
         note_fork(length)
         return forked
 
-    @staticmethod
-    def fill(session: SessionCache, tokens: Sequence[int]) -> None:
+    def fill(self, session: SessionCache, tokens: Sequence[int]) -> None:
         """The values of the last len(tokens) tokens, fed from the device (SessionCache.append)."""
         if tokens:
             tail = session.tokens[-len(tokens) :]

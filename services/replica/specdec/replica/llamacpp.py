@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from specdec.common.cost import Line
 from specdec.common.errors import CapacityExceeded, FailedPrecondition
 from specdec.common.settings import ConfigError, env_name
 from specdec.replica.batching import BranchGroup, BranchStep, ForwardRequest, Request
@@ -62,6 +63,7 @@ from specdec.replica.cpus import thread_budget
 from specdec.replica.features import FeatureAsk
 from specdec.replica.kvstore import CacheStore, SessionCache
 from specdec.replica.runtime import ModelRuntime
+from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +172,7 @@ def find_gguf(model: str, gguf_file: str | None) -> Path:
         )
     marker = folder.parent / "specdec-model.json"
     if marker.is_file():
-        kept = folder.parent / json.loads(marker.read_text())["gguf"]["file"]
+        kept: Path = folder.parent / json.loads(marker.read_text())["gguf"]["file"]
         if kept.is_file():
             return kept
     raise ConfigError(
@@ -350,20 +352,20 @@ class LlamaContext:
 _LOG_CALLBACK: Any = None  # kept alive: llama.cpp calls it for as long as it runs
 
 
-def _quiet_logs(llama_cpp) -> None:
+def _quiet_logs(llama_cpp: Any) -> None:  # the llama_cpp module (untyped ctypes bindings)
     """llama.cpp's own log lines would break the replica's JSON logs: errors and warnings
     go through this module's logger, the rest is dropped."""
     global _LOG_CALLBACK
     if _LOG_CALLBACK is not None:
         return
 
-    @llama_cpp.llama_log_callback
-    def callback(level, text, _user_data):
+    def forward_line(level: int, text: bytes, _user_data: object) -> None:
         if level in (3, 4):  # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR
             message = text.decode(errors="replace").strip()
             if message:
                 log.warning("llama.cpp: %s", message)
 
+    callback = llama_cpp.llama_log_callback(forward_line)  # a ctypes callback
     _LOG_CALLBACK = callback
     llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
 
@@ -598,7 +600,7 @@ class LlamaCppRuntime(ModelRuntime):
     def dtype_name(self) -> str:
         return "gguf" if self.context is not None else ""
 
-    def feature_ask(self, msg) -> FeatureAsk:
+    def feature_ask(self, msg: common_pb2.FeatureRequest) -> FeatureAsk:
         """Refused: llama.cpp's decode gives logits, not the layers' hidden states."""
         raise FailedPrecondition(
             f"features (the target's hidden states, for a head drafter) are not available "
@@ -629,7 +631,7 @@ class LlamaCppRuntime(ModelRuntime):
             else:
                 request.group.fed += 1
         self._timed(longest, sum(r.rows for r in requests), started, computed=tokens)
-        return list(logits.split(counts))
+        return list(torch.split(logits, counts))
 
     def _rows(self, store: LlamaStore, request: Request, rows: _Rows) -> int:
         """Lay a request out in the batch; how many logits rows it returns."""
@@ -663,7 +665,7 @@ class LlamaCppRuntime(ModelRuntime):
 
     PROBE_SEQUENCE_NAME = "\x00probe"
 
-    def probe_cost(self):
+    def probe_cost(self) -> Line:
         """Time decodes of PROBE_WIDTHS tokens after a short context in a scratch session,
         the fastest of a few sweeps per width; their line seeds the cost curve."""
         store = self.store

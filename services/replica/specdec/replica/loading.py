@@ -16,8 +16,9 @@ import json
 import logging
 import os
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +27,15 @@ from specdec.replica import calibrate, packing
 from specdec.replica.config import ReplicaConfig
 from specdec.replica.cpus import thread_budget
 from specdec.sdk.request import Sampling
+
+if TYPE_CHECKING:
+    from transformers import (
+        GenerationConfig,
+        PretrainedConfig,
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+    )
+    from transformers.cache_utils import Cache
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +82,10 @@ def load_model(cfg: ReplicaConfig, device: torch.device) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     set_threads(cfg.threads)
-    kwargs: dict = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
+    kwargs: dict[str, Any] = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
     if cfg.trust_remote_code:
         kwargs["trust_remote_code"] = True
-    sharding: dict = {}  # the model's own tensor-parallel plan over the ranks
+    sharding: dict[str, Any] = {}  # the model's own tensor-parallel plan over the ranks
     if cfg.tensor_parallel > 1:
         from transformers.distributed import DistributedConfig
 
@@ -161,7 +171,12 @@ class ModelFacts:
     sampling_defaults: Sampling
 
 
-def model_facts(cfg: ReplicaConfig, tokenizer, config, generation_config) -> ModelFacts:
+def model_facts(
+    cfg: ReplicaConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    config: PretrainedConfig,
+    generation_config: GenerationConfig | None,
+) -> ModelFacts:
     """The facts of a loaded tokenizer and config (--max-context caps the model's own)."""
     max_context = int(getattr(config, "max_position_embeddings", 0) or cfg.max_context or 0)
     if cfg.max_context:
@@ -185,7 +200,7 @@ def model_facts(cfg: ReplicaConfig, tokenizer, config, generation_config) -> Mod
     )
 
 
-def load_facts(cfg: ReplicaConfig, gguf=None) -> ModelFacts:
+def load_facts(cfg: ReplicaConfig, gguf: str | os.PathLike[str] | None = None) -> ModelFacts:
     """The model's facts without its weights (an engine that loads the weights itself, the
     llama.cpp engine): the tokenizer, config and generation config of the --model folder,
     else those the GGUF file `gguf` carries."""
@@ -194,7 +209,7 @@ def load_facts(cfg: ReplicaConfig, gguf=None) -> ModelFacts:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     folder = Path(cfg.model)
-    kwargs: dict = {}
+    kwargs: dict[str, Any] = {}
     if not (folder.is_dir() and (folder / "config.json").is_file()):
         if gguf is None:
             raise ValueError(f"{cfg.model} is no model folder (config.json) and no GGUF was given")
@@ -225,7 +240,7 @@ def set_threads(requested: int) -> None:
     )
 
 
-def generation_sampling(config) -> Sampling:
+def generation_sampling(config: GenerationConfig | None) -> Sampling:
     """The sampling a generation_config asks for, read as transformers' generate() reads it:
     greedy unless do_sample; with do_sample its Sampling.MODEL_FIELDS (temperature 1 and the
     others neutral where it sets none); its repetition_penalty either way (generate()
@@ -241,7 +256,7 @@ def generation_sampling(config) -> Sampling:
     return Sampling(**values).resolve()
 
 
-def eos_ids(sources, tokenizer) -> list[int]:
+def eos_ids(sources: Sequence[object], tokenizer: object) -> list[int]:
     """The tokens at which `generate()` stops: the generation config's EOS, else the model
     config's, else the tokenizer's (sources: the generation config and the model config,
     either None when absent)."""
@@ -254,7 +269,7 @@ def eos_ids(sources, tokenizer) -> list[int]:
     return []
 
 
-def check_rollback(cache, model: str) -> None:
+def check_rollback(cache: Cache, model: str) -> None:
     """Refuse models whose KV cache cannot be rolled back exactly."""
     if any(getattr(cache, "is_sliding", [])):
         raise ValueError(
@@ -268,7 +283,9 @@ def check_rollback(cache, model: str) -> None:
         )
 
 
-def check_batchable(model, name: str, remedy: str = "run it with --max-batch-size 1") -> None:
+def check_batchable(
+    model: PreTrainedModel, name: str, remedy: str = "run it with --max-batch-size 1"
+) -> None:
     """Batched forwards (and every forward of the paged engine) run the model's decoder,
     then its output head on the kept rows: refuse models whose causal-LM head does more
     than that. remedy: how to run it anyway."""
@@ -286,7 +303,7 @@ def check_batchable(model, name: str, remedy: str = "run it with --max-batch-siz
         ) from None
 
 
-def canonical_tokenizer_json(tokenizer) -> bytes:
+def canonical_tokenizer_json(tokenizer: object) -> bytes:
     """The tokenizer as canonical JSON (sorted keys), from its fast backend."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:

@@ -44,12 +44,16 @@ from specdec.common import telemetry
 from specdec.common.errors import CacheMiss, SpecdecError
 
 if TYPE_CHECKING:
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from specdec.replica.batching import Job, Scheduler
     from specdec.replica.config import ReplicaConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 Request = TypeVar("Request")
 Response = TypeVar("Response")
+Metric = TypeVar("Metric", bound="MetricWrapperBase")
 
 # Forward kinds: a forward into an empty cache is a prefill, else the RPC's own kind.
 FORWARD_KINDS = {"Verify": "verify", "Draft": "draft_step", "Speculate": "speculate"}
@@ -92,10 +96,10 @@ class ReplicaMetrics:
             cls._by_role[role] = cls(role)
         return cls._by_role[role]
 
-    def child(self, metric, *labels: str):
+    def child(self, metric: Metric, *labels: str) -> Metric:
         """metric.labels(*labels), kept: a label lookup costs more than the count."""
         key = (id(metric), labels)
-        found = self._children.get(key)
+        found: Metric | None = self._children.get(key)  # a child of `metric` (the key's id)
         if found is None:
             found = self._children[key] = metric.labels(*labels)
         return found
@@ -103,7 +107,7 @@ class ReplicaMetrics:
     def __init__(self, role: str):
         p = f"specdec_{role}_"
         self.role = role
-        self._children: dict = {}
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.running = Gauge(p + "num_requests_running", "Requests being served (in flight)")
         self.waiting = Gauge(
             p + "num_requests_waiting", "Jobs queued for the model thread (queue depth)"
@@ -249,35 +253,35 @@ def note_eviction(tokens: int) -> None:
 class ReplicaObserver:
     """Instrumentation of one ModelRuntime (see the module docstring)."""
 
-    def __init__(self, runtime):
+    def __init__(self, runtime: Runtime):
         self.runtime = runtime
         self.metrics = ReplicaMetrics.for_role(runtime.config.role)
         self.metrics.max_cached_tokens.set(runtime.config.max_cached_tokens)
 
     async def run(
         self,
-        scheduler,
-        fn: Callable[..., T],
-        *args,
-        on_done: Callable | None = None,
+        scheduler: Scheduler,
+        fn: Callable[..., Any],
+        *args: Any,
+        on_done: Callable[[Future[Any] | None], object] | None = None,
         key: str | None = None,
-    ) -> T:
+    ) -> Any:
         """fn(*args) on the model thread (a specdec.replica.batching.Scheduler), in a copy of
         the caller's context, counted in the queue until the thread picks it up. fn may be
         a job (a generator of forward requests). key: the session (one job at a time each).
         on_done(future) runs once the job has ended or was cancelled before it started (also
         when it could not be submitted)."""
         future = self.submit(scheduler, fn, *args, on_done=on_done, key=key)
-        return await asyncio.wrap_future(future)
+        return await asyncio.wrap_future(future)  # fn's result (a job's: its return value)
 
     def submit(
         self,
-        scheduler,
+        scheduler: Scheduler,
         fn: Callable[..., T],
-        *args,
-        on_done: Callable | None = None,
+        *args: Any,
+        on_done: Callable[[Future[Any] | None], object] | None = None,
         key: str | None = None,
-    ) -> Future:
+    ) -> Future[Any]:
         """`run` without waiting: the job's concurrent.futures.Future (any thread; the data
         plane submits from the model thread itself)."""
         m = self.metrics
@@ -285,7 +289,7 @@ class ReplicaObserver:
         queued = time.perf_counter()
         started = False
 
-        def job():
+        def job() -> Job:
             nonlocal started
             started = True
             waited = time.perf_counter() - queued
@@ -307,7 +311,7 @@ class ReplicaObserver:
             future.add_done_callback(on_done)
         return future
 
-    def _job(self, fn: Callable[..., T], args: tuple, waited: float):
+    def _job(self, fn: Callable[..., T], args: tuple[Any, ...], waited: float) -> Job:
         """The job as a generator: its forward requests pass through (model thread, in the
         caller's context)."""
         m = self.metrics

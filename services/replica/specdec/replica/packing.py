@@ -29,11 +29,14 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
+L = TypeVar("L", bound=nn.Module)  # the kind of layer _swap replaces
 
 
 class PackedLinear(nn.Module):
@@ -55,7 +58,9 @@ class PackedLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        y = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
+        y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            rows, self.weight, self.bias, "none", [], ""
+        )
         return y.view(*x.shape[:-1], self.out_features)
 
     def unpacked(self) -> nn.Linear:
@@ -98,7 +103,7 @@ def _cpu_packing() -> str | None:
     return None
 
 
-def _swap(model: nn.Module, kind: type, make) -> int:
+def _swap(model: nn.Module, kind: type[L], make: Callable[[L], nn.Module]) -> int:
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

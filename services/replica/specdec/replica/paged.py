@@ -267,15 +267,19 @@ class PagedLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, forward: PagedForward, index: int):
-        super().__init__()
+        CacheLayerMixin.__init__(self)  # by name: its __init__ has no annotations
         self.forward = forward
         self.index = index
         self.is_initialized = True
 
-    def lazy_initialization(self, key_states, value_states) -> None:  # never lazy
+    def lazy_initialization(
+        self, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> None:  # never lazy
         pass
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.forward.write_and_gather(self.index, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

@@ -190,7 +190,7 @@ def draft_position_logits(
     return flat.reshape(n, k + 1, vocab)
 
 
-def _bincount(tokens: Sequence[int], vocab: int, device) -> torch.Tensor:
+def _bincount(tokens: Sequence[int], vocab: int, device: torch.device | str) -> torch.Tensor:
     """Counts [vocab] fp32 of tokens (ids in [0, vocab)) on device."""
     if not len(tokens):
         return torch.zeros(vocab, device=device)

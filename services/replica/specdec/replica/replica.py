@@ -9,7 +9,7 @@ import functools
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -86,7 +86,7 @@ class ReplicaServicer:
     """Info and Release, shared by DrafterService and VerifierService, and the model calls
     of the role (`model_calls`), over the replica's engine (specdec.replica.engine)."""
 
-    def __init__(self, runtime: Engine):
+    def __init__(self, runtime: Engine[Any]):
         self.runtime = runtime
         self.replica_id = runtime.config.replica_id
         self.data_port = 0  # the data plane's port (specdec.replica.dataplane); 0: none
@@ -112,17 +112,21 @@ class ReplicaServicer:
         if not self.replica_id:
             self.replica_id = f"{socket.gethostname()}:{port}"
 
-    def ready_runtime(self) -> Engine:
+    def ready_runtime(self) -> Engine[Any]:
         if self.runtime.store is None:
             raise NotReady("model is still loading")
         return self.runtime
 
-    def check_extent(self, session_id: str, prefix: Prefix, new_tokens, extra: int) -> None:
+    def check_extent(
+        self, session_id: str, prefix: Prefix, new_tokens: Sequence[int], extra: int
+    ) -> None:
         check_session_id(session_id)
         self.ready_runtime().validate_extent(prefix, new_tokens, extra)
 
     @rpc_errors
-    async def Info(self, request: common_pb2.InfoRequest, context) -> common_pb2.ModelInfo:
+    async def Info(
+        self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ModelInfo:
         rt = self.ready_runtime()
         cfg = rt.config
         cached_tokens, cached_sessions = await rt.run(
@@ -172,7 +176,9 @@ class ReplicaServicer:
         return self.runtime.release(session_id)
 
     @rpc_errors
-    async def Release(self, request: common_pb2.ReleaseRequest, context):
+    async def Release(
+        self, request: common_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ReleaseResponse:
         check_session_id(request.session_id)
         rt = self.ready_runtime()
         released = await rt.run(
@@ -205,9 +211,9 @@ def run_replica(
     config_type: type[C],
     args: argparse.Namespace,
     service_name: str,
-    make_servicer: Callable[[Engine], ReplicaServicer],
+    make_servicer: Callable[[Engine[Any]], ReplicaServicer],
     add_to_server: Callable[[ReplicaServicer, grpc.aio.Server], None],
-    runtime_type: Callable[[C], Engine] = ModelRuntime,
+    runtime_type: Callable[[C], Engine[Any]] = ModelRuntime,
 ) -> None:
     """`specdec serve drafter|verifier`: config, logging, serve until SIGTERM. runtime_type
     makes the engine (the transformers ModelRuntime, or the drafter's DrafterRuntime); with

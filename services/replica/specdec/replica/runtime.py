@@ -20,10 +20,10 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 
 import torch
 
@@ -54,6 +54,10 @@ from specdec.replica.loading import LoadedModel, check_batchable, check_rollback
 from specdec.replica.metrics import ReplicaObserver
 from specdec.replica.paged import BlockPool, PagedStore
 from specdec.sdk.request import Sampling
+from specdec.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -267,7 +271,7 @@ class ModelRuntime:
             return PagedStore(cfg.max_cached_tokens, pool)
         return CacheStore(cfg.max_cached_tokens, self._new_cache)
 
-    def _new_cache(self):
+    def _new_cache(self) -> DynamicCache:
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
@@ -285,9 +289,23 @@ class ModelRuntime:
 
     # -- execution ----------------------------------------------------------------------
 
+    @overload
     async def run(
-        self, fn: Callable[..., T], *args, bounded: bool = True, session: str | None = None
-    ) -> T:
+        self,
+        fn: Callable[..., Generator[Any, Any, T]],
+        *args: Any,
+        bounded: bool = True,
+        session: str | None = None,
+    ) -> T: ...
+
+    @overload
+    async def run(
+        self, fn: Callable[..., T], *args: Any, bounded: bool = True, session: str | None = None
+    ) -> T: ...
+
+    async def run(
+        self, fn: Callable[..., Any], *args: Any, bounded: bool = True, session: str | None = None
+    ) -> Any:
         """Run fn(*args) on the model thread, in a copy of the caller's context (its trace),
         counted in the replica's queue metrics. fn may be a job (a generator yielding
         ForwardRequests, see `forward_steps`): its forwards are batched with other jobs'.
@@ -301,7 +319,7 @@ class ModelRuntime:
             return await self.obs.run(self.scheduler, fn, *args, key=session)
         return await asyncio.wrap_future(self.submit(fn, *args, session=session))
 
-    def submit(self, fn: Callable[..., T], *args, session: str | None = None) -> Future:
+    def submit(self, fn: Callable[..., T], *args: Any, session: str | None = None) -> Future[Any]:
         """A request for the model, without waiting for it (any thread; the data plane
         submits from the model thread itself): the job's future. When max_queue requests
         already wait behind the running one, raise ReplicaBusy (RESOURCE_EXHAUSTED) at once
@@ -318,7 +336,7 @@ class ModelRuntime:
         # started), not when a cancelled caller stops waiting for a job that still runs.
         return self.obs.submit(self.scheduler, fn, *args, on_done=self._finished, key=session)
 
-    def _finished(self, _future) -> None:
+    def _finished(self, _future: Future[Any] | None) -> None:
         with self._pending_lock:
             self.pending -= 1
 
@@ -346,7 +364,7 @@ class ModelRuntime:
                 f"+ draft {extra}) exceeds the model's context of {self.max_context}"
             )
 
-    def feature_ask(self, msg) -> FeatureAsk:
+    def feature_ask(self, msg: common_pb2.FeatureRequest) -> FeatureAsk:
         """A request's FeatureRequest (common_pb2) for this model, validated: its layers
         within the model's decoder layers, a known format (InvalidRequest otherwise);
         Unimplemented on a tensor-parallel model (its ranks' forwards are replayed, not
@@ -379,7 +397,7 @@ class ModelRuntime:
         return session, self.forward(session, new_tokens, keep)
 
     @contextmanager
-    def guarded(self, session_id: str):
+    def guarded(self, session_id: str) -> Iterator[None]:
         """Drop the session if the block fails after touching its cache.
 
         A forward that fails half-way (out of memory, say) can leave some layers one
@@ -416,7 +434,8 @@ class ModelRuntime:
                     continue
                 request = job.send(logits)
         except StopIteration as stop:
-            return stop.value
+            result: T = stop.value  # the job's return value
+            return result
 
     def forward_steps(
         self,
@@ -555,7 +574,7 @@ class ModelRuntime:
         self._timed(len(tokens), 1, started)
         return logits
 
-    def model_logits(self, keep: int, **inputs) -> torch.Tensor:
+    def model_logits(self, keep: int, **inputs: Any) -> torch.Tensor:
         """One forward of the model over `inputs` (input_ids [batch, n], cache,
         optionally attention_mask and position_ids), updating the cache it is given; the
         logits of the last `keep` positions [batch, keep, vocab].
@@ -566,7 +585,8 @@ class ModelRuntime:
         """
         if self.head is None:
             kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
-            return self.model(**inputs, use_cache=True, **kwargs).logits[:, -keep:]
+            logits: torch.Tensor = self.model(**inputs, use_cache=True, **kwargs).logits
+            return logits[:, -keep:]
         base = self.model.get_decoder()
         hidden = base(**inputs, use_cache=True).last_hidden_state[:, -keep:]  # [b, keep, hidden]
         return self.head(hidden)  # [b, keep, vocab]

@@ -54,7 +54,9 @@ __all__ = [
 ]
 
 
-def make_generator(seed: int | None, salt: str, position: int, device: torch.device | str = "cpu"):
+def make_generator(
+    seed: int | None, salt: str, position: int, device: torch.device | str = "cpu"
+) -> torch.Generator:
     """A torch.Generator for one sampling step.
 
     With a seed, the stream depends only on (seed, salt, position): a replayed round (after

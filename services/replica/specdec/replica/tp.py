@@ -50,7 +50,8 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -60,6 +61,9 @@ from specdec.replica.batching import ForwardRequest, Request
 from specdec.replica.config import ReplicaConfig
 from specdec.replica.kvstore import CacheStore, SessionCache
 from specdec.replica.runtime import ModelRuntime
+
+# One operation of rank 0, as the followers receive it: its name, then its arguments.
+Operation = tuple[Any, ...]
 
 log = logging.getLogger("specdec.replica.tp")  # __main__ in a follower
 
@@ -89,21 +93,22 @@ class Ranks:
         )
         # Operations travel on a gloo group of their own (NCCL carries tensors only).
         self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-        self.followers: list[subprocess.Popen] = []
+        self.followers: list[subprocess.Popen[bytes]] = []
 
-    def send(self, operation: tuple) -> None:
+    def send(self, operation: Operation) -> None:
         """Rank 0: one operation to every follower."""
         import torch.distributed as dist
 
         dist.broadcast_object_list([operation], src=0, group=self.control)
 
-    def receive(self) -> tuple:
+    def receive(self) -> Operation:
         """A follower: the next operation of rank 0."""
         import torch.distributed as dist
 
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=self.control)
-        return box[0]
+        operation: Operation = box[0]  # what rank 0's send broadcast
+        return operation
 
     # -- rank 0 -------------------------------------------------------------------------
 
@@ -161,7 +166,7 @@ class Ranks:
 _stopping = threading.Event()  # rank 0 stops its followers: their exits are expected
 
 
-def _watch_follower(rank: int, process: subprocess.Popen) -> None:
+def _watch_follower(rank: int, process: subprocess.Popen[bytes]) -> None:
     """Rank 0: a follower that exits while this replica serves takes it down."""
     code = process.wait()
     if _stopping.is_set():
@@ -174,7 +179,7 @@ def _watch_follower(rank: int, process: subprocess.Popen) -> None:
     _exit(1)
 
 
-def _end_followers(followers: list[subprocess.Popen]) -> None:
+def _end_followers(followers: list[subprocess.Popen[bytes]]) -> None:
     """Rank 0 stops or exits: give its followers STOP_SECONDS to end, then kill them."""
     _stopping.set()
     deadline = time.monotonic() + STOP_SECONDS
@@ -210,13 +215,13 @@ class MirroredStore(CacheStore):
     """Rank 0's session store: every operation that changes a session goes to the
     followers first (an operation's inner calls, acquire's truncate, are not sent again)."""
 
-    def __init__(self, ranks: Ranks, max_cached_tokens: int, new_cache):
+    def __init__(self, ranks: Ranks, max_cached_tokens: int, new_cache: Callable[[], object]):
         super().__init__(max_cached_tokens, new_cache)
         self.ranks = ranks
         self._depth = 0  # inside a mirrored operation
         self._dead: deque[int] = deque()  # handles of sessions gone from rank 0
 
-    def send(self, operation: tuple) -> None:
+    def send(self, operation: Operation) -> None:
         if self._depth:
             return
         forgotten = []
@@ -224,36 +229,48 @@ class MirroredStore(CacheStore):
             forgotten.append(self._dead.popleft())
         self.ranks.send((*operation, forgotten))
 
-    def _mirrored(self, name: str, operation: tuple, *args):
+    @contextmanager
+    def _mirrored(self, operation: Operation) -> Iterator[None]:
+        """Around CacheStore's own operation: sent first, its inner calls not again."""
         self.send(operation)
         self._depth += 1
         try:
-            return getattr(super(), name)(*args)
+            yield
         finally:
             self._depth -= 1
 
-    def acquire(self, session_id, prefix_len, prefix_hash_, grow_by, fork_from=""):
+    def acquire(
+        self,
+        session_id: str,
+        prefix_len: int,
+        prefix_hash_: int,
+        grow_by: int,
+        fork_from: str = "",
+    ) -> SessionCache:
         args = (session_id, prefix_len, prefix_hash_, grow_by, fork_from)
-        session = self._mirrored("acquire", ("acquire", args), *args)
+        with self._mirrored(("acquire", args)):
+            session = super().acquire(*args)
         if not getattr(session, "tp_handle", 0):
             weakref.finalize(session, self._dead.append, _handle(session))
         return session
 
-    def truncate(self, session, length):
-        return self._mirrored("truncate", ("truncate", _handle(session), length), session, length)
+    def truncate(self, session: SessionCache, length: int) -> None:
+        with self._mirrored(("truncate", _handle(session), length)):
+            super().truncate(session, length)
 
-    def keep_path(self, session, base, path):
+    def keep_path(self, session: SessionCache, base: int, path: Sequence[int]) -> None:
         path = list(path)
-        operation = ("keep_path", _handle(session), base, path)
-        return self._mirrored("keep_path", operation, session, base, path)
+        with self._mirrored(("keep_path", _handle(session), base, path)):
+            super().keep_path(session, base, path)
 
-    def fill(self, session, tokens):  # a staticmethod of CacheStore
+    def fill(self, session: SessionCache, tokens: Sequence[int]) -> None:
         tokens = list(tokens)
         self.send(("fill", _handle(session), tokens))
-        CacheStore.fill(session, tokens)
+        super().fill(session, tokens)
 
-    def release(self, session_id):
-        return self._mirrored("release", ("release", session_id), session_id)
+    def release(self, session_id: str) -> bool:
+        with self._mirrored(("release", session_id)):
+            return super().release(session_id)
 
 
 class TensorParallelRuntime(ModelRuntime):
@@ -284,7 +301,7 @@ class TensorParallelRuntime(ModelRuntime):
         super().shutdown()
 
 
-def _describe(request: Request) -> tuple:
+def _describe(request: Request) -> Operation:
     if not isinstance(request, ForwardRequest):
         raise TypeError(f"a tensor-parallel verifier runs session forwards only, not {request!r}")
     tokens = request.tokens
@@ -322,7 +339,9 @@ def follow(config: ReplicaConfig, rank: int) -> None:
     log.info("tensor-parallel rank stopped", extra={"rank": rank})
 
 
-def _replay(runtime: ModelRuntime, sessions: dict[int, SessionCache], name: str, *args) -> None:
+def _replay(
+    runtime: ModelRuntime, sessions: dict[int, SessionCache], name: str, *args: Any
+) -> None:
     """One operation of rank 0 on this rank's store and shard. Whatever it raises, rank 0's
     raised too (a cache miss, the capacity bound): the same state either way."""
     store = runtime.store
@@ -350,7 +369,14 @@ def _replay(runtime: ModelRuntime, sessions: dict[int, SessionCache], name: str,
             log.debug("replayed operation raised", extra={"operation": name, "why": repr(e)})
 
 
-def _request(sessions: dict[int, SessionCache], handle, tokens, keep, fresh, tree):
+def _request(
+    sessions: dict[int, SessionCache],
+    handle: int,
+    tokens: list[int],
+    keep: int,
+    fresh: bool,
+    tree: list[int] | None,
+) -> ForwardRequest:
     return ForwardRequest(sessions[handle], tokens, keep, fresh, tree)
 
 
