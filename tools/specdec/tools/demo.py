@@ -48,7 +48,8 @@ from specdec.tools.stack import LocalStack, add_stack_arguments, pin_roles
 BEST_DRAFTER = "int8"
 BEST_DRAFTER_FROM = "`specdec bench` on an Intel Xeon with AMX, 2026-11-22"
 
-PROMPTS = [
+# (kind, a prompt's text or a chat's messages)
+PROMPTS: list[tuple[str, str | list[dict[str, str]]]] = [
     ("code", "def quicksort(items):\n    "),
     ("prose", "The history of the printing press begins"),
     ("chat", [{"role": "user", "content": "Write a haiku about a lighthouse."}]),

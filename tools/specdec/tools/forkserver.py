@@ -121,6 +121,7 @@ class ForkedProcess:
     def wait(self, timeout: float | None = None) -> int:
         self._collect(timeout)
         if self.returncode is None:
+            assert timeout is not None  # without one, _collect waits for the exit
             raise subprocess.TimeoutExpired(self.args, timeout)
         return self.returncode
 

@@ -341,12 +341,12 @@ def stack_ms_per_token(target: Path, prompt, new, args) -> dict:
                     )
 
                 run()  # warm-up: opens the replicas' caches of the prompt for this k
-                times, stats = [], None
+                times = []
                 for _ in range(3):
                     started = time.perf_counter()
                     generation = run()
                     times.append((time.perf_counter() - started) * 1e3)
-                    stats = generation.stats
+                stats = generation.stats  # the last run's
                 out[label] = {
                     "ms_per_token": statistics.median(times) / new,
                     "tokens": new,
@@ -419,11 +419,12 @@ def table(report: Report) -> str:
     lines.append("")
     if report.compile_seconds is not None:
         lines.append(f"Compiling every shape took {report.compile_seconds:.1f} s.")
-    for compiled in (False, True):
-        c = report.c(compiled)
+    for timed_compiled in (False, True):
+        c = report.c(timed_compiled)
         if c is not None:
             lines.append(
-                f"- c (drafter step / target step), {'compiled' if compiled else 'eager'}: {c:.3f}"
+                f"- c (drafter step / target step), {'compiled' if timed_compiled else 'eager'}: "
+                f"{c:.3f}"
             )
     s = report.stack
     if s:
@@ -519,12 +520,12 @@ def carried_requirements() -> list[str]:
             ):
                 todo.append(sub)
     keep = []
-    for name, version in sorted(seen.items()):
-        if name.startswith("specdec") or name.startswith(NEVER_CARRY):
+    for carried, version in sorted(seen.items()):
+        if carried.startswith("specdec") or carried.startswith(NEVER_CARRY):
             continue
-        if name in GPU_IMAGE and name not in ALWAYS_CARRY:
+        if carried in GPU_IMAGE and carried not in ALWAYS_CARRY:
             continue
-        keep.append(f"{name}=={version}")
+        keep.append(f"{carried}=={version}")
     return keep
 
 

@@ -227,6 +227,13 @@ class ServiceProcess:
             raise ServiceFailed(f"{self.name} has not reported its port")
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int:
+        """The started process's id."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} has not started")
+        return self.proc.pid
+
     def start(self) -> ServiceProcess:
         check_interrupted()
         prefix = [sys.executable, "-m", "specdec"]

@@ -26,11 +26,12 @@ class PrometheusProcess:
     """`with PrometheusProcess({job: "HOST:PORT"}) as prom:` scrapes every `scrape_s` seconds."""
 
     def __init__(self, targets: dict[str, str], scrape_s: int = 1):
-        self.binary = shutil.which("prometheus")
-        if self.binary is None:
+        binary = shutil.which("prometheus")
+        if binary is None:
             raise RuntimeError(
                 "the prometheus binary is not installed (Debian: `make system-deps`)"
             )
+        self.binary = binary
         self.targets = targets
         self.scrape_s = scrape_s
         self.port = free_port()

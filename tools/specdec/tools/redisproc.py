@@ -206,9 +206,11 @@ class RedisProcess:
         )
 
     def _log_tail(self) -> str:
+        if self._dir is None:
+            return ""
         text = ""
         for name in ("stderr.log", "redis.log"):
-            with contextlib.suppress(OSError, TypeError):
+            with contextlib.suppress(OSError):
                 text += Path(self._dir, name).read_text(errors="replace") + "\n"
         lines = [ln for ln in text.strip().splitlines() if ln.strip()]
         return " | ".join(lines[-5:])

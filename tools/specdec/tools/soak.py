@@ -27,6 +27,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from specdec.sdk import AsyncClient, SpecdecError
 from specdec.tools.stack import LocalStack, add_stack_arguments
@@ -64,11 +65,11 @@ class Load:
     async def worker(self, w: int, until: float) -> None:
         # A few conversations per worker; one ends after TURNS turns and a new one starts
         # (its history stays within the tiny models' 512-token context).
-        sessions = [[f"soak-{w}-{i}", 0] for i in range(3)]
+        sessions: list[list[Any]] = [[f"soak-{w}-{i}", 0] for i in range(3)]  # [id, turns]
         started = len(sessions)
         while time.monotonic() < until:
             rng = self.rng
-            kw = {
+            kw: dict[str, Any] = {
                 "prompt": rng.choice(PROMPTS),
                 "max_new_tokens": rng.randint(4, self.args.max_new_tokens),
                 "k": rng.choice((0, 3)),
@@ -101,7 +102,7 @@ class Load:
 
 
 async def soak(args: argparse.Namespace, stack: LocalStack) -> dict:
-    pids = {p.name: p.proc.pid for p in stack.procs}
+    pids = {p.name: p.pid for p in stack.procs}
     samples: list[tuple[float, dict[str, float]]] = []
     started = time.monotonic()
     until = started + args.duration

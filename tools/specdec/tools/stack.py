@@ -274,6 +274,12 @@ def otel_env(args: argparse.Namespace, service: str) -> dict[str, str]:
     }
 
 
+def _started(service: ServiceProcess | None, name: str) -> ServiceProcess:
+    if service is None:
+        raise RuntimeError(f"the local stack has not started its {name} (start() it first)")
+    return service
+
+
 class LocalStack:
     """Redis + drafter + verifier + gateway as child processes; a context manager."""
 
@@ -283,9 +289,9 @@ class LocalStack:
         self.log_dir = Path(args.log_dir) if getattr(args, "log_dir", None) else None
         self.redis: RedisProcess | None = None
         self.procs: list[ServiceProcess] = []
-        self.gateway: ServiceProcess | None = None
-        self.drafter: ServiceProcess | None = None
-        self.verifier: ServiceProcess | None = None
+        self._gateway: ServiceProcess | None = None
+        self._drafter: ServiceProcess | None = None
+        self._verifier: ServiceProcess | None = None
         self.pki: Pki | None = None  # with --tls: the throwaway CA and its certificates
         self._pki_dir: str | None = None
         # role -> (dtype, why) as each replica's Info reports it (--dtype fastest: measured)
@@ -338,6 +344,18 @@ class LocalStack:
         argv += service_args(a, role)  # --drafter-arg / --verifier-arg: last, so they win
         return argv
 
+    @property
+    def gateway(self) -> ServiceProcess:
+        return _started(self._gateway, "gateway")
+
+    @property
+    def drafter(self) -> ServiceProcess:
+        return _started(self._drafter, "drafter")
+
+    @property
+    def verifier(self) -> ServiceProcess:
+        return _started(self._verifier, "verifier")
+
     def start(self) -> LocalStack:
         a = self.args
         if self.log_dir:
@@ -370,15 +388,15 @@ class LocalStack:
         verifier = self._replica(
             "verifier", a.target_model, a.target_gguf_file, target_threads, a.target_cpus
         )
-        self.drafter, self.verifier = drafter, verifier
+        self._drafter, self._verifier = drafter, verifier
         self.announce("loading models ...")
         for p in (drafter, verifier):
             p.wait_healthy(timeout=1800, credentials=self._client_credentials())
-            self.announce(f"{p.name:<9} {p.address} (pid {p.proc.pid})")
+            self.announce(f"{p.name:<9} {p.address} (pid {p.pid})")
         for p in (drafter, verifier):
             dtype, why = self.dtypes[p.name] = self._replica_dtype(p)
             self.announce(f"dtype     {p.name} {why or dtype}")
-        self.gateway = self._service(
+        gateway = self._gateway = self._service(
             "gateway",
             "serve",
             "gateway",
@@ -410,8 +428,8 @@ class LocalStack:
             *(getattr(a, "gateway_flags", None) or ()),
             *service_args(a, "gateway"),
         )
-        self.gateway.wait_healthy(timeout=300, credentials=self._client_credentials())
-        self.announce(f"gateway   {self.gateway.address} (pid {self.gateway.proc.pid})")
+        gateway.wait_healthy(timeout=300, credentials=self._client_credentials())
+        self.announce(f"gateway   {gateway.address} (pid {gateway.pid})")
         if self.openai_url:
             self.announce(f"openai    {self.openai_url}")
         if getattr(a, "otlp_endpoint", None):
@@ -445,10 +463,13 @@ class LocalStack:
 
         from specdec.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 
-        stub = {
+        stubs: dict[
+            str, type[drafter_pb2_grpc.DrafterServiceStub | verifier_pb2_grpc.VerifierServiceStub]
+        ] = {
             "drafter": drafter_pb2_grpc.DrafterServiceStub,
             "verifier": verifier_pb2_grpc.VerifierServiceStub,
-        }[proc.name]
+        }
+        stub = stubs[proc.name]
         credentials = self._client_credentials()
         channel = (
             grpc.insecure_channel(proc.address)

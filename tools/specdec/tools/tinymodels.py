@@ -54,7 +54,13 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
 
 __all__ = [
     "TestModels",
@@ -255,7 +261,7 @@ def _make_config(shape: dict, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig
         vocab_size=len(tokenizer),
         max_position_embeddings=MAX_POSITIONS,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         hidden_act="silu",
         tie_word_embeddings=False,
         attention_bias=False,
@@ -297,7 +303,7 @@ def _new_model(config: LlamaConfig, gen: torch.Generator, suppressed_ids: list[i
     # fork_rng: building the module draws from the global RNG; leave the caller's alone.
     with torch.random.fork_rng(devices=[]):
         model = LlamaForCausalLM(config)
-    model.to(torch.float32)
+    model.float()
     _init_weights(model, gen, suppressed_ids)
     model.eval()
     return model
@@ -313,7 +319,7 @@ def _add_noise(model: LlamaForCausalLM, gen: torch.Generator, suppressed_ids: li
             param[suppressed_ids] = 0.0
 
 
-def _save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, path: Path) -> Path:
+def _save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, path: Path) -> Path:
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

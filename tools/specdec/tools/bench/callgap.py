@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from specdec.common.prefix import PrefixChain
     from specdec.gateway.fleet.dataplane import DataPlaneTransport
-    from specdec.gateway.fleet.transport import GrpcTransport, Method
+    from specdec.gateway.fleet.transport import GrpcTransport, Method, Transport
     from specdec.tools.bench.grpcstream import StreamTransport
     from specdec.tools.bench.standin import build_standins
     from specdec.tools.launcher import ServiceProcess
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         channel = grpc.aio.insecure_channel(verifier.address)
         stub = verifier_pb2_grpc.VerifierServiceStub(channel)
         info = await stub.Info(common_pb2.InfoRequest())
-        transports = {
+        transports: dict[str, Transport] = {
             "dataplane": DataPlaneTransport("127.0.0.1", info.data_port),
             "grpc": GrpcTransport(stub),
             "grpcstream": StreamTransport(channel),
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         print("| --- | --: | --: | --: | --: |")
         per_turn = max(1, args.calls // args.rounds)
         for gap in [float(g) for g in args.gaps.split(",")]:
-            times = {name: ([], []) for name in names}
+            times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in names}
             for _ in range(args.rounds):
                 for name in names:
                     calls, jobs = times[name]

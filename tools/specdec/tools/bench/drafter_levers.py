@@ -57,7 +57,7 @@ def load(name: str, variant: str):
     cfg = DrafterConfig(role="drafter", model=str(path), dtype=dtype, quantize=quantize, threads=1)
     rt = ModelRuntime(cfg)
     rt.load()
-    rt.executor.shutdown()
+    rt.shutdown()  # the model thread: the steps run here (`drive`)
     return rt
 
 
@@ -69,7 +69,7 @@ class Stepper:
         self.model = model
         self.static = static
         self.forward = model.forward
-        self.compile_s = None
+        self.compile_s: float | None = None
         if compiled:
             self.forward = torch.compile(model.forward, dynamic=False)
 

@@ -205,7 +205,7 @@ def phase_speed(args) -> None:
     rt.load()
     torch.set_num_threads(1)
     layer = rt.model.get_output_embeddings()
-    heads = {"full": None}
+    heads: dict[str, ReducedHead | None] = {"full": None}
     for n in args.ns:
         heads[str(n)] = ReducedHead(
             layer, subset_ids(n, None, rt.vocab_size, rt.eos_token_ids), rt.vocab_size
@@ -222,10 +222,11 @@ def phase_speed(args) -> None:
     for rep in range(args.reps):
         # One session per variant; the variants take turns step by step (the order
         # rotating), so a change in the machine's load hits them alike.
-        sessions, last, steps = {}, {}, {name: [] for name in heads}
+        sessions, last = {}, {}
+        steps: dict[str, list[float]] = {name: [] for name in heads}
         for name in order:
             rt.head = heads[name]
-            sessions[name] = rt.store.acquire(f"{rep}-{name}", 0, 0, len(prompt) + args.steps)
+            sessions[name] = rt.ready_store.acquire(f"{rep}-{name}", 0, 0, len(prompt) + args.steps)
             last[name] = rt.forward(sessions[name], prompt, keep=1)[-1]
         for step in range(args.steps):
             shift = step % len(order)

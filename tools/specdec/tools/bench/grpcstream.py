@@ -94,7 +94,7 @@ class StreamTransport:
 
     def __init__(self, channel: grpc.aio.Channel):
         self.channel = channel
-        self._stream = None
+        self._stream: Any = None  # grpc's StreamStreamCall, once opened (grpc has no types)
         self._reader: asyncio.Task | None = None
         self._pending: dict[int, tuple[asyncio.Future, Method]] = {}
         self._ids = itertools.count(1)

@@ -69,7 +69,7 @@ def main() -> None:
     rt.load()
     sessions = []
     for i in range(a.sessions):
-        s = rt.store.acquire(f"s{i}", 0, 0, a.tokens + a.steps + 1)
+        s = rt.ready_store.acquire(f"s{i}", 0, 0, a.tokens + a.steps + 1)
         rt.forward(s, [(7 * i + 13 * j) % 200 + 5 for j in range(a.tokens)], keep=1)
         sessions.append(s)
     extra = rt.ready_store.kv_footprint()  # the paged store's blocks too

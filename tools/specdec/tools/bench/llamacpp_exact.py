@@ -22,6 +22,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             ids = list(encode_prompt(tokenizer, prompt))
             expected = reference(ids)
             row: dict = {"kind": prompt.kind, "prompt_tokens": len(ids)}
-            for mode, options in (("k=0", {"k": 0}), ("defaults", {})):
+            modes: tuple[tuple[str, dict[str, Any]], ...] = (("k=0", {"k": 0}), ("defaults", {}))
+            for mode, options in modes:
                 got = list(client.generate(token_ids=ids, max_new_tokens=n, **options).tokens)
                 first = next(
                     (i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), None

@@ -125,7 +125,9 @@ def prompt_text(tokenizer, prompt: Prompt) -> str:
                 prompt.messages, tokenize=False, add_generation_prompt=True
             )
         )
-    return str(prompt.text)
+    if prompt.text is None:
+        raise ValueError(f"a {prompt.kind} prompt with neither text nor messages")
+    return prompt.text
 
 
 def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:

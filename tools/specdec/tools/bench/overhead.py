@@ -60,6 +60,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,7 @@ class InProcess:
         from specdec.replica.runtime import ModelRuntime
         from specdec.verifier.config import VerifierConfig
 
-        common = dict(trust_remote_code=True, threads=1, max_batch_size=1)
+        common: dict[str, Any] = dict(trust_remote_code=True, threads=1, max_batch_size=1)
         self.drafter = DrafterRuntime(
             DrafterConfig(role="drafter", model=str(draft_model), **common)
         )
@@ -164,10 +165,11 @@ class InProcess:
         params = sampling_from_proto(common_pb2.SamplingParams())
         self._sessions += 1
         session = f"r/inproc-{self._sessions}"
-        ctx, chain, out = list(prompt), PrefixChain(), []
+        ctx, chain = list(prompt), PrefixChain()
+        out: list[int] = []
         steady = {"draft": 0.0, "verify": 0.0, "rounds": 0, "seconds": 0.0}
         d_cached = v_cached = 0
-        first_end = None
+        first_end: float | None = None
         while len(out) < n:
             kk = min(k, n - len(out) - 1)
             draft: list[int] = []
@@ -200,6 +202,7 @@ class InProcess:
                 steady["draft"] += t1 - t0
                 steady["verify"] += t2 - t1
                 steady["rounds"] += 1
+        assert first_end is not None  # n > 0: a round ran
         steady["seconds"] = time.perf_counter() - first_end
         self.drafter.release(session)
         self.verifier.release(session)
@@ -473,13 +476,15 @@ def run_overhead(args: argparse.Namespace) -> int:
                 procs = [stack.gateway, stack.drafter, stack.verifier]
                 for m in (modes[0], max((x for x in modes if not x.ssd), key=lambda x: x.k)):
                     tag = m.name.replace(" ", "").replace("=", "")
-                    out = Path(args.profile)
-                    with _profiled(procs, out, args.profile_seconds, tag):
+                    profile_dir = Path(args.profile)
+                    with _profiled(procs, profile_dir, args.profile_seconds, tag):
                         until = time.perf_counter() + args.profile_seconds - 1
                         while time.perf_counter() < until:
                             _run_stack_mode(address, m, prompts, n, 1, 1, reference)
-                    for p in procs:
-                        profiles[f"{m.name} {p.name}"] = top_frames(out / f"{tag}-{p.name}.txt")
+                    for proc in procs:
+                        profiles[f"{m.name} {proc.name}"] = top_frames(
+                            profile_dir / f"{tag}-{proc.name}.txt"
+                        )
     except ServiceFailed as e:
         print(f"specdec bench --overhead: {e}", file=sys.stderr)
         return 1
@@ -506,10 +511,10 @@ def run_overhead(args: argparse.Namespace) -> int:
         "projections": _projections(results, args, project),
         "profiles": profiles,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "overhead.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "overhead.md").write_text(render(result))
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "overhead.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out_dir / "overhead.md").write_text(render(result))
     print(render(result))
     return 0 if all(r["exact"] for r in results.values()) else 1
 

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 from importlib import resources
+from typing import Any
 
 from specdec.common.params import SamplingParams
 from specdec.drafter.config import DrafterConfig
@@ -47,7 +48,7 @@ def main() -> None:
     prompts = [prompts[0], prompts[4], prompts[5]]  # two prose, one code
     params = SamplingParams(temperature=1.0, seed=7)
     for k in map(int, a.k.split(",")):
-        out: dict[str, object] = {"k": k}
+        out: dict[str, Any] = {"k": k}
         for label, entries in (("whole", 0), ("cut", 2048)):
             rt.config = dataclasses.replace(cfg, draft_probs_max_entries=entries)
             sizes, counts = [], []
@@ -64,7 +65,7 @@ def main() -> None:
                     draft_tokens=d.tokens, draft_probs=[encoded_to_proto(e) for e in d.probs]
                 )
                 sizes.append(response.ByteSize())
-                counts += [e.token_ids.numel() if e.is_sparse else -1 for e in d.probs]
+                counts += [e.token_ids.numel() if e.token_ids is not None else -1 for e in d.probs]
                 rt.release(sid)
             out[f"{label}_bytes_per_round"] = round(sum(sizes) / len(sizes))
             if label == "cut":

@@ -330,17 +330,12 @@ def render_prompts(tokenizer_dir: str | Path, prompt_set: str = "grounded") -> l
     tokenizer, not torch)."""
     from transformers import AutoTokenizer
 
-    from specdec.tools.bench.modes import load_prompts
+    from specdec.tools.bench.modes import load_prompts, prompt_text
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     out = []
     for p in load_prompts(None, prompt_set):
-        if p.messages is not None:
-            out.append(
-                tok.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True)
-            )
-        else:
-            out.append(p.text)
+        out.append(prompt_text(tok, p))
     return out
 
 

@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 VARIANTS = (
     "float32",
@@ -89,7 +90,9 @@ def time_shapes(
         base = DynamicCache(config=model.config)
         model(input_ids=ids[:prefix].view(1, -1), cache=base, use_cache=True)
         for r in rows:
-            cache = copy.deepcopy(base)  # r copies of the prefix, in place before timing
+            # r copies of the prefix, in place before timing (Any: transformers types a layer
+            # as a union of kinds, some without keys; this cache's are full attention)
+            cache: Any = copy.deepcopy(base)
             for layer in cache.layers:
                 layer.keys = layer.keys.expand(r, -1, -1, -1).contiguous()
                 layer.values = layer.values.expand(r, -1, -1, -1).contiguous()
@@ -205,6 +208,7 @@ def run_shapes(args: argparse.Namespace) -> int:
         )
         fp32.eval()
     for variant in variants:
+        assert fp32 is not None  # loaded above for the variants
         dtype, _, how = variant.partition("+")
         model = fp32 if dtype == "float32" else cast_copy(fp32, getattr(torch, dtype))
         if how == "packed":

@@ -30,6 +30,7 @@ def run(rounds: int) -> dict:
         # Room for every span, so that all are exported (and counted) rather than dropped.
         os.environ.setdefault("OTEL_BSP_MAX_QUEUE_SIZE", "1000000")
         tracing = telemetry.setup_tracing("spancost")
+        assert tracing is not None  # the endpoint is set just above
         tracer = telemetry.tracer
         spans = 0
 

@@ -236,6 +236,7 @@ class StandinModel(PreTrainedModel):
 
     config_class = StandinConfig
     base_model_prefix = "model"
+    config: StandinConfig
 
     def __init__(self, config: StandinConfig):
         super().__init__(config)
@@ -269,9 +270,9 @@ class StandinModel(PreTrainedModel):
     def _sequences(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """S and N as tensors [P] on the device (made on first use)."""
         if self._s is None or self._s[0].device != device:
-            self._s = tuple(
-                torch.tensor(t, dtype=torch.long, device=device)
-                for t in (sequence(self.config), noise_tokens(self.config))
+            self._s = (
+                torch.tensor(sequence(self.config), dtype=torch.long, device=device),
+                torch.tensor(noise_tokens(self.config), dtype=torch.long, device=device),
             )
         return self._s
 

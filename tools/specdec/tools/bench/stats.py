@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specdec.tools.bench.modes import ModeRun
+from specdec.tools.bench.modes import ModeRun, Sample
 
 
 def cost_ratios(runs: dict[str, ModeRun]) -> dict[str, float]:
@@ -45,7 +45,7 @@ def summarize(runs: dict[str, ModeRun], cost_ratio: dict[str, float] | None) -> 
             "tokens_per_second": round(tps, 3),
             "ttft_ms": round(sum(s.ttft_ms for s in run.samples) / len(run.samples), 1),
             "speedup_vs_target": round(tps / mode_tps(base), 3),
-            "speedup_vs_k0": round(tps / mode_tps(k0), 3) if same_run else None,
+            "speedup_vs_k0": round(tps / mode_tps(k0), 3) if k0 is not None and same_run else None,
             "speedup_vs_fastest_target": round(tps / fastest, 3) if fastest else None,
         }
         c = (cost_ratio or {}).get(run.mode.drafter)
@@ -69,7 +69,7 @@ def summarize(runs: dict[str, ModeRun], cost_ratio: dict[str, float] | None) -> 
             ]
             row |= {"exact": not differ, "mismatched_prompts": differ}
         if run.mode.engine == "stack" and run.mode.k:
-            stats = [s.stats for s in run.samples]
+            stats = [_stats(s) for s in run.samples]
             rounds = sum(s["rounds"] for s in stats)
             drafted = sum(s["draft_tokens"] for s in stats)
             accepted = sum(s["accepted_tokens"] for s in stats)
@@ -119,6 +119,13 @@ def summarize(runs: dict[str, ModeRun], cost_ratio: dict[str, float] | None) -> 
     return out
 
 
+def _stats(sample: Sample) -> dict:
+    """A stack sample's speculation stats (the response's; a stack run records them)."""
+    if sample.stats is None:
+        raise ValueError("a stack mode's sample carries no speculation stats")
+    return sample.stats
+
+
 def _by_source(stats: list[dict]) -> dict[str, dict[str, int]]:
     """Drafts, draft tokens and accepted tokens per draft source, over the samples."""
     out: dict[str, dict[str, int]] = {}
@@ -147,7 +154,7 @@ def mode_tps(run: ModeRun) -> float:
     return sum(len(s.tokens) for s in run.samples) / sum(s.seconds for s in run.samples)
 
 
-def _alpha(mean_len: float, k: int) -> float:
+def _alpha(mean_len: float, k: float) -> float:
     """The i.i.d. acceptance a with (1 - a^(k+1)) / (1 - a) == mean_len (bisection)."""
     lo, hi = 0.0, 1.0
     for _ in range(60):

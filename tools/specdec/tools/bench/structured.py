@@ -26,9 +26,10 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 # A JSON schema a code model can fill: compact JSON (the gateway's default).
-SCHEMA = {
+SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
         "name": {"type": "string"},

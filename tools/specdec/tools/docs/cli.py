@@ -103,7 +103,8 @@ def flags(parser: argparse.ArgumentParser) -> list[Flag]:
             choices = ", ".join(map(str, action.choices))
             if choices not in help:
                 help = f"{help} (one of: {choices})" if help else f"one of: {choices}"
-        names = tuple(action.option_strings) or (action.metavar or action.dest,)
+        shown = action.metavar if isinstance(action.metavar, str) else None
+        names = tuple(action.option_strings) or (shown or action.dest,)
         out.append(
             Flag(
                 names=names,
@@ -167,8 +168,8 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
         if c.help:
             lines += [cell(c.help), ""]
         fs = flags(c.parser)
-        if _subparsers(c.parser) is not None:
-            sub = _subparsers(c.parser)
+        sub = _subparsers(c.parser)
+        if sub is not None:
             names = ", ".join(f"[`{n}`](#{anchor_of((*c.path, n))})" for n in sub.choices)
             lines += [f"Subcommands: {names}.", ""]
         if not fs:

@@ -82,7 +82,7 @@ def _default(value: Any) -> str:
     return code(str(value))
 
 
-def _table(settings, ports: dict[str, int] | None = None) -> list[str]:
+def _table(settings, ports: dict[str, int | None] | None = None) -> list[str]:
     rows = ["| flag | variable | default | meaning |", "| --- | --- | --- | --- |"]
     for s in settings:
         default = _default(s.default)

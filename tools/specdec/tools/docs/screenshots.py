@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from specdec.tools.docs import dashboard, traceview
 from specdec.tools.otlpsink import OtlpReceiver, ReceivedSpan
@@ -98,7 +99,7 @@ def traffic(address: str, seconds: float, clients: int = 2) -> int:
     """Requests from `clients` threads for `seconds`, through every kind of draft."""
     from specdec.sdk import Client
 
-    mixes = (
+    mixes: tuple[dict[str, Any], ...] = (
         {"method": "model", "k": 4, "ssd": True},
         {"method": "ngram", "k": 3},
         {"method": "suffix", "k": 4},

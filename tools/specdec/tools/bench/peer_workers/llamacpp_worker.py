@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Any
 
 from protocol import parse_mode, serve
 
@@ -77,7 +78,7 @@ def run(job: dict) -> dict:
                 gen.close()
             return np.array(out, dtype=np.intc)
 
-    common = dict(n_threads=threads, n_threads_batch=threads, verbose=False, seed=0)
+    common: dict[str, Any] = dict(n_threads=threads, n_threads_batch=threads, verbose=False, seed=0)
     # The context: the longest prompt, the new tokens and a draft's overshoot.
     probe = Llama(model_path=job["target_gguf"], vocab_only=True, verbose=False)
     prompts = [
@@ -130,7 +131,7 @@ def run(job: dict) -> dict:
     for i, ids in enumerate(prompts):
         out, seconds, acceptance = generate(ids)
         row = {"prompt_index": i, "token_ids": out, "seconds": seconds}
-        if acceptance is not None:
+        if acceptance is not None and drafter is not None:
             row["acceptance"] = acceptance
             row["proposed"] = drafter.proposed
             row["accepted"] = drafter.accepted
