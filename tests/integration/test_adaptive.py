@@ -13,8 +13,8 @@ import pytest
 
 from specdec.sdk import Client
 from specdec.sdk.client import build_generate_request
-from specdec.v1 import gateway_pb2, gateway_pb2_grpc
 from specdec.tools.distill.data import read_rows
+from specdec.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.conftest import PROMPTS
 from tests.integration.test_gateway import gateway, replica
 from tests.integration.test_ssd import check_sequence_counts, exact_sequence_probs, sample_top2

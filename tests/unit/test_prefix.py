@@ -69,7 +69,7 @@ async def test_gateway_round_cost_does_not_grow_with_context(monkeypatch):
         for size in (8_192, 131_072):
             ctx = [i % 100 for i in range(size)]
             s = speculator(fleet, "s/y")
-            s.ssd = False
+            s.ssd.enabled = False  # no Speculate: the Draft and Verify alone
             for _ in range(2):  # the first calls send everything, then hash it once
                 ctx.extend((await s.round(ctx, 2, 10)).tokens)
             hashed.total = 0

@@ -68,7 +68,8 @@ def add_distill_parser(commands) -> argparse.ArgumentParser:
 
     p.add_argument(
         "--head",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="train a draft head on the target's features (EAGLE) instead of a draft model: "
         "writes a head folder for `specdec serve drafter --head` (docs/concepts/heads.md)",
     )
