@@ -121,8 +121,8 @@ lint-proto: install-core
 	$(VENV)/bin/buf lint
 
 # Lint, format, the import layers, and mypy ([tool.mypy] in pyproject.toml): --strict on the
-# SDK, common, serve, the replica engine, the drafter and the verifier; the gateway's
-# modules --strict as they pass it, mypy's default checks on the rest and on the tools.
+# SDK, the gateway, common, serve, the replica engine, the drafter and the verifier; mypy's
+# default checks on the tools.
 lint: install-core lint-proto lint-docker
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import AsyncIterator
 
+import grpc
 import uvloop
 
 from specdec.common.errors import SpecdecError
@@ -26,7 +28,7 @@ from specdec.v1 import gateway_pb2, gateway_pb2_grpc
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 
 
-def client_deadline(context) -> float | None:
+def client_deadline(context: grpc.aio.ServicerContext) -> float | None:
     """The call's deadline as time.monotonic(), or None when the client set none."""
     remaining = context.time_remaining()
     return None if remaining is None else time.monotonic() + remaining
@@ -35,7 +37,7 @@ def client_deadline(context) -> float | None:
 TENANT_METADATA = "specdec-tenant"
 
 
-def client_tenant(context) -> str:
+def client_tenant(context: grpc.aio.ServicerContext) -> str:
     """The call's tenant (metadata specdec-tenant), "" when it names none."""
     for key, value in context.invocation_metadata() or ():
         if key == TENANT_METADATA:
@@ -58,7 +60,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.gateway = gateway
 
     @rpc_errors
-    async def Generate(self, message, context) -> gateway_pb2.GenerateResponse:
+    async def Generate(
+        self, message: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.GenerateResponse:
         request = typed_request(message)
         # Drain the generator (never return from inside the loop): its cleanup (the
         # session's turn lock, metrics, cache release) must run before the answer leaves.
@@ -76,11 +80,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return final
 
     @rpc_errors
-    async def GetServerInfo(self, request, context) -> gateway_pb2.GetServerInfoResponse:
+    async def GetServerInfo(
+        self, request: gateway_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.GetServerInfoResponse:
         return server_info(self.gateway)
 
     @stream_rpc_errors
-    async def GenerateStream(self, message, context):
+    async def GenerateStream(
+        self, message: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         request = typed_request(message)
         with tracing.request_span(
             "GenerateStream", context, request, tracing.served_model(self.gateway.fleet)

@@ -23,15 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import Any, NoReturn
 
 import jinja2
 import jinja2.ext
 import jinja2.meta
+import jinja2.nodes
+import jinja2.parser
 import jinja2.sandbox
 
 from specdec.common.errors import InvalidRequest
@@ -50,33 +52,33 @@ class _GenerationTag(jinja2.ext.Extension):
 
     tags = {"generation"}
 
-    def parse(self, parser):
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return jinja2.nodes.CallBlock(self.call_method("_render", []), [], [], body).set_lineno(
             lineno
         )
 
-    def _render(self, caller) -> str:
+    def _render(self, caller: Callable[[], str]) -> str:
         return caller()
 
 
 class _Namespace(jinja2.utils.Namespace):
     """Jinja's namespace without underscore attributes (as transformers' sandbox)."""
 
-    def __init__(*args, **kwargs):
+    def __init__(*args: Any, **kwargs: Any) -> None:
         self, args = args[0], args[1:]
         attrs = dict(*args, **kwargs)
         for name in attrs:
             _Namespace._check(name)
         jinja2.utils.Namespace.__init__(self, attrs)
 
-    def __setitem__(self, name, value):
+    def __setitem__(self, name: str, value: Any) -> None:
         _Namespace._check(name)
         jinja2.utils.Namespace.__setitem__(self, name, value)
 
     @staticmethod
-    def _check(name) -> None:
+    def _check(name: object) -> None:
         if isinstance(name, str) and name.startswith("_"):
             raise jinja2.exceptions.SecurityError(
                 f"chat templates cannot set underscore attributes on a namespace: {name!r}"
@@ -84,18 +86,24 @@ class _Namespace(jinja2.utils.Namespace):
 
 
 class _Dict:
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
         return dict(*args, **kwargs)
 
-    def fromkeys(self, *args, **kwargs):
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
         return dict.fromkeys(*args, **kwargs)
 
 
-def _raise_exception(message):
+def _raise_exception(message: str) -> NoReturn:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     import json
 
     return json.dumps(
