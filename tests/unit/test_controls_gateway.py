@@ -1,4 +1,4 @@
-"""The gateway's side of the length, stop and logits-processor controls: Completion's stop
+"""The gateway's side of the length, stop and logits-processor controls: TextOutput's stop
 token ids, ignore_eos and min_tokens; what the replicas are told (OutputControls); the HTTP
 body's translation into the typed Request; the SDK's request."""
 
@@ -10,8 +10,8 @@ from specdec.common.errors import InvalidRequest
 from specdec.gateway.front.http import api
 from specdec.gateway.front.response import Event
 from specdec.gateway.front.turn import output_controls
-from specdec.gateway.job import Job, Output, Speculation
-from specdec.gateway.text import Completion
+from specdec.gateway.job import Job, ResolvedOutput, Speculation
+from specdec.gateway.text import TextOutput
 from specdec.sdk.client import build_generate_request
 from specdec.v1 import common_pb2
 from tests.unit.test_text import codec  # noqa: F401  (the fixture)
@@ -21,7 +21,7 @@ EOS = 2
 
 def test_stop_token_id_ends_with_stop_and_drops_its_text(codec):  # noqa: F811
     ids = codec.encode("alpha beta gamma delta")
-    c = Completion(codec, 100, frozenset({EOS}), stop_token_ids=frozenset({ids[2]}))
+    c = TextOutput(codec, 100, frozenset({EOS}), stop_token_ids=frozenset({ids[2]}))
     text, tokens = c.push(ids)
     assert c.finish_reason == "stop"
     assert c.tokens == tokens == ids[:3]  # the stop token is kept, what follows is not
@@ -30,16 +30,16 @@ def test_stop_token_id_ends_with_stop_and_drops_its_text(codec):  # noqa: F811
 
 def test_ignore_eos_generates_through_eos(codec):  # noqa: F811
     ids = codec.encode("alpha beta")
-    c = Completion(codec, 4, frozenset({EOS}), ignore_eos=True)
+    c = TextOutput(codec, 4, frozenset({EOS}), ignore_eos=True)
     _, tokens = c.push([ids[0], EOS, ids[1], EOS, ids[0]])
     assert c.finish_reason == "length" and tokens == [ids[0], EOS, ids[1], EOS]
 
 
 def test_stop_strings_wait_for_min_tokens(codec):  # noqa: F811
     ids = codec.encode("ab STOP cd STOP ef")
-    early = Completion(codec, 100, frozenset({EOS}), ("STOP",))
+    early = TextOutput(codec, 100, frozenset({EOS}), ("STOP",))
     early.push(ids)
-    late = Completion(codec, 100, frozenset({EOS}), ("STOP",), min_tokens=len(ids) - 2)
+    late = TextOutput(codec, 100, frozenset({EOS}), ("STOP",), min_tokens=len(ids) - 2)
     late.push(ids)
     assert early.finish_reason == late.finish_reason == "stop"
     assert early.text == "ab " and late.text == "ab STOP cd "
@@ -49,7 +49,7 @@ def _job(**output) -> Job:
     return Job(
         prompt=[1],
         sampling=common_pb2.SamplingParams(),
-        output=Output(max_new_tokens=8, **output),
+        output=ResolvedOutput(max_new_tokens=8, **output),
         speculation=Speculation(k=3),
     )
 

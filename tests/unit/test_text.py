@@ -1,4 +1,4 @@
-"""The gateway's Completion: EOS, token limit, stop strings and what may be streamed."""
+"""The gateway's TextOutput: EOS, token limit, stop strings and what may be streamed."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import zlib
 
 import pytest
 
-from specdec.gateway.text import Completion, TextCodec
+from specdec.gateway.text import TextCodec, TextOutput
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def codec(test_models):
 
 
 def completion(codec, stop=(), max_new=100, eos=(2,)):
-    return Completion(codec, max_new, frozenset(eos), tuple(stop))
+    return TextOutput(codec, max_new, frozenset(eos), tuple(stop))
 
 
 def test_from_info_checks_fingerprint(codec, test_models):

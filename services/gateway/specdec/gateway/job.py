@@ -3,10 +3,11 @@
 Both doors hand the same `Request` (specdec.sdk.request) to `Job.resolve`: the gRPC
 servicer converts its GenerateRequest once (`Request.from_proto`), the HTTP API builds the
 Request from its body. A `Job` carries the request as typed parts, each resolved (and
-checked) by its own `resolve`: `Output` (length, stops, grammar, prediction),
-`Speculation` (k, SSD, k policy, method, tree width: the gateway's defaults where the
-request leaves them), `Session`, the scoring (the SDK's `Scoring`) and the sampling (the
-model's generation_config where the request leaves a field unset).
+checked) by its own `resolve` from the SDK's part of the same name: `ResolvedOutput`
+(length, stops, grammar, prediction), `Speculation` (k, SSD, k policy, method, tree width:
+the gateway's defaults where the request leaves them), `ResolvedSession`, the scoring (the
+SDK's `Scoring`) and the sampling (the model's generation_config where the request leaves
+a field unset).
 
 Every check runs before anything is tokenized or sent to a replica, so a bad request costs
 nothing and touches no session. A refusal is InvalidRequest with its `field`: the
@@ -124,8 +125,9 @@ class Speculation:
 
 
 @dataclass(frozen=True)
-class Session:
-    """Which conversation a request continues (id None: a one-off request)."""
+class ResolvedSession:
+    """Which conversation a request continues, resolved: the request's Session with the
+    gateway's default ttl (id None: a one-off request)."""
 
     id: str | None = None
     reset: bool = False  # forget its history first
@@ -133,7 +135,7 @@ class Session:
     expected_turns: int = 0  # turns the client saw complete (0: not checked)
 
     @classmethod
-    def resolve(cls, asked: request.Session, limits: Limits) -> Session:
+    def resolve(cls, asked: request.Session, limits: Limits) -> ResolvedSession:
         """The session the request names, its ttl the gateway's default where unset."""
         asked.check()
         if len(asked.session_id or "") > MAX_SESSION_ID_CHARS:
@@ -156,8 +158,9 @@ class Session:
 
 
 @dataclass(frozen=True)
-class Output:
-    """What a request generates and where it ends."""
+class ResolvedOutput:
+    """What a request generates and where it ends, resolved: the request's Output,
+    checked against the limits."""
 
     max_new_tokens: int
     stop: tuple[str, ...] = ()
@@ -172,7 +175,7 @@ class Output:
     record: bool = True  # False: the request refused recording (GenerateRequest.record)
 
     @classmethod
-    def resolve(cls, asked: request.Output, limits: Limits) -> Output:
+    def resolve(cls, asked: request.Output, limits: Limits) -> ResolvedOutput:
         """The request's output, checked against the limits."""
         max_new = asked.max_new_tokens
         if not 1 <= max_new <= limits.max_new_tokens:
@@ -236,9 +239,9 @@ class Job:
 
     prompt: str | list[int]  # text (tokenized once the history is known) or token ids
     sampling: SamplingParams  # every field set: the request's, else the model's defaults
-    output: Output
+    output: ResolvedOutput
     speculation: Speculation
-    session: Session = Session()
+    session: ResolvedSession = ResolvedSession()
     scoring: Scoring = NO_SCORING  # logprobs, top_logprobs, prompt_logprobs
     tenant: str = ""  # who the request is for (gRPC metadata specdec-tenant, HTTP `user`)
 
@@ -246,10 +249,10 @@ class Job:
     def resolve(cls, asked: Request, limits: Limits, tenant: str = "") -> Job:
         """The request as a Job, or InvalidRequest naming the first problem (its field)."""
         prompt = _prompt(asked, limits)
-        output = Output.resolve(asked.output, limits)
+        output = ResolvedOutput.resolve(asked.output, limits)
         sampling = resolved_sampling(asked.sampling, limits.sampling_defaults)
         check_sampling_controls(sampling, limits.vocab_size)
-        session = Session.resolve(asked.session, limits)
+        session = ResolvedSession.resolve(asked.session, limits)
         scoring = _scoring(asked.scoring)
         if scoring.prompt_logprobs and session.id:
             raise InvalidRequest(

@@ -1,6 +1,6 @@
-"""The gateway's service: its start-up, its limits and what every request shares.
+"""The gateway's core: its start-up, its limits and what every request shares.
 
-`Service` holds what outlives a request: the replica fleet, the session index and its
+`GatewayCore` (the base of the turns' `Gateway`, specdec.gateway.front.turn) holds what outlives a request: the replica fleet, the session index and its
 turn locks, the recorder, and, once the replicas have answered Info (`start`), the
 tokenizer, the limits a request must respect (specdec.gateway.job.Limits), the EOS ids
 and the grammar engine; and across requests, the draft sources' acceptance priors and the
@@ -50,7 +50,7 @@ def data_plane_settings(config: GatewayConfig) -> DataPlaneSettings | None:
     )
 
 
-class Service:
+class GatewayCore:
     """The replica fleet, the session index and the limits, shared by every request."""
 
     def __init__(self, config: GatewayConfig):

@@ -46,7 +46,7 @@ class TextCodec:
 
 
 @dataclass
-class Completion:
+class TextOutput:
     """The completion of one request as tokens arrive: text, stop strings, EOS, length.
 
     Tokens are taken one at a time, whatever the size of the round that brought them, so

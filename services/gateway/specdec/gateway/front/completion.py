@@ -4,8 +4,8 @@ A `Completion` is the unit a turn runs once (n = 1, specdec.gateway.front.turn) 
 specdec.gateway.front.choices composes n times: its `Speculator` (specdec.gateway.round.loop) on a
 drafter and a verifier placement, the output it has produced (specdec.gateway.text), and
 its log-probabilities. `rounds` runs speculation rounds until the output finishes, yielding
-each round's delta as an `Event`. `Completions` builds them on the gateway's service
-(specdec.gateway.service): its fleet, limits, grammar engine, acceptance priors and suffix
+each round's delta as an `Event`. `Completions` builds them on the gateway's core
+(`GatewayCore`, specdec.gateway.service): its fleet, limits, grammar engine, acceptance priors and suffix
 cache, each completion with its own lookup proposer (`lookup`).
 """
 
@@ -32,9 +32,9 @@ from specdec.gateway.round.grammar import Grammar
 from specdec.gateway.round.lookup.hybrid import RequestLookup
 from specdec.gateway.round.loop import Speculator
 from specdec.gateway.round.policy import make_policy
-from specdec.gateway.service import Service
+from specdec.gateway.service import GatewayCore
 from specdec.gateway.sessions import TurnLease
-from specdec.gateway.text import Completion as TextOutput
+from specdec.gateway.text import TextOutput
 from specdec.sdk.request import Scoring
 from specdec.v1 import common_pb2, gateway_pb2
 
@@ -176,9 +176,9 @@ class Completion:
 
 
 class Completions:
-    """Builds a request's completions on the gateway's service."""
+    """Builds a request's completions on the gateway's core."""
 
-    def __init__(self, service: Service):
+    def __init__(self, service: GatewayCore):
         self.service = service
 
     def new(

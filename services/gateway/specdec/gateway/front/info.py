@@ -14,7 +14,7 @@ from specdec.sdk.request import Sampling
 from specdec.v1 import gateway_pb2
 
 if TYPE_CHECKING:
-    from specdec.gateway.service import Service
+    from specdec.gateway.service import GatewayCore
 
 # The optional request fields this gateway supports (GenerateRequest and SamplingParams
 # names; the HTTP API uses the same names): GetServerInfo and /v1/models list them.
@@ -36,13 +36,13 @@ SUPPORTED_REQUEST_FIELDS = (
 )
 
 
-def supported_request_fields(gateway: Service) -> list[str]:
+def supported_request_fields(gateway: GatewayCore) -> list[str]:
     """The optional request fields this gateway serves: SUPPORTED_REQUEST_FIELDS, and
     structured_output when the grammar engine could read the model's tokenizer."""
     return [*SUPPORTED_REQUEST_FIELDS, *(["structured_output"] if gateway.grammars else [])]
 
 
-def server_info(gateway: Service) -> gateway_pb2.GetServerInfoResponse:
+def server_info(gateway: GatewayCore) -> gateway_pb2.GetServerInfoResponse:
     """What a client needs to build valid requests (NotReady until the replicas answered)."""
     limits, codec = gateway.limits, gateway.codec
     if limits is None or codec is None:

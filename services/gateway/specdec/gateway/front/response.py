@@ -9,7 +9,7 @@ from specdec.gateway.job import Job
 from specdec.gateway.names import Source
 from specdec.gateway.observe import metrics
 from specdec.gateway.outcome import RequestStats
-from specdec.gateway.text import Completion
+from specdec.gateway.text import TextOutput
 from specdec.v1 import common_pb2, gateway_pb2
 
 
@@ -37,21 +37,21 @@ def build_response(
     job: Job,
     prompt_ids: list[int],
     history_tokens: int,
-    completion: Completion,
+    output: TextOutput,
     stats: RequestStats,
     started: float,
     first_at: float | None,
 ) -> gateway_pb2.GenerateResponse:
     """The final answer of a turn; started / first_at are perf_counter() seconds."""
     _, predicted, accepted_predicted = stats.by_source.get(Source.PREDICTION, (0, 0, 0))
-    assert completion.finish_reason is not None  # a turn's final answer: it has finished
+    assert output.finish_reason is not None  # a turn's final answer: it has finished
     return gateway_pb2.GenerateResponse(
-        text=completion.text,
-        token_ids=completion.tokens,
-        finish_reason=completion.finish_reason.proto,
+        text=output.text,
+        token_ids=output.tokens,
+        finish_reason=output.finish_reason.proto,
         usage=gateway_pb2.Usage(
             prompt_tokens=len(prompt_ids),
-            completion_tokens=len(completion.tokens),
+            completion_tokens=len(output.tokens),
             history_tokens=history_tokens,
             accepted_prediction_tokens=accepted_predicted,
             rejected_prediction_tokens=predicted - accepted_predicted,
@@ -136,7 +136,7 @@ def stream_message(
 
 
 def record_metrics(
-    job: Job, stats: RequestStats, completion: Completion, drafter_version: str = ""
+    job: Job, stats: RequestStats, output: TextOutput, drafter_version: str = ""
 ) -> None:
     """Add a turn's figures to the gateway's Prometheus counters (finished or not);
     drafter_version labels the per-version acceptance counters."""
@@ -148,9 +148,9 @@ def record_metrics(
         metrics.NUM_ACCEPTED_TOKENS_BY_DRAFTER.labels(drafter_version=drafter_version).inc(
             s.accepted_tokens
         )
-    if completion.finish_reason:
-        metrics.REQUESTS.labels(finish_reason=completion.finish_reason).inc()
-    metrics.GENERATION_TOKENS.inc(len(completion.tokens))
+    if output.finish_reason:
+        metrics.REQUESTS.labels(finish_reason=output.finish_reason).inc()
+    metrics.GENERATION_TOKENS.inc(len(output.tokens))
     metrics.NUM_DRAFTS.inc(s.drafts)
     metrics.NUM_DRAFT_TOKENS.inc(s.draft_tokens)
     metrics.NUM_ACCEPTED_TOKENS.inc(s.accepted_tokens)

@@ -1,9 +1,9 @@
 """One turn of a request: the session's history, the completion, the session write.
 
 `Gateway` is the request-level logic, independent of gRPC plumbing (the servicer in
-specdec.gateway.front.server translates; an HTTP front can call the same `run`): the service it
-runs on (specdec.gateway.service: start-up, limits, the fleet and the session index) and
-the session turn. A turn:
+specdec.gateway.front.server translates; an HTTP front can call the same `run`): the core it
+runs on (`GatewayCore`, specdec.gateway.service: start-up, limits, the fleet and the
+session index) and the session turn. A turn:
 
 1. resolves the typed request (the SDK's Request, from either door) into a Job
    (specdec.gateway.job) and, for a session, takes its turn lock (one turn at a time per
@@ -35,7 +35,7 @@ from specdec.gateway.job import ContextLengthExceeded, Job
 from specdec.gateway.observe import metrics
 from specdec.gateway.observe.recorder import recording_row
 from specdec.gateway.round.grammar import Grammar
-from specdec.gateway.service import Service
+from specdec.gateway.service import GatewayCore
 from specdec.gateway.service import data_plane_settings as data_plane_settings
 from specdec.gateway.sessions import (
     Holder,
@@ -85,8 +85,9 @@ def drafter_version(placement: Placement) -> str:
     return replica.info.model_version if replica is not None and replica.info else ""
 
 
-class Gateway(Service):
-    """Session turns on the service: each request's completions, its session's history."""
+class Gateway(GatewayCore):
+    """Session turns on the gateway's core: each request's completions, its session's
+    history."""
 
     def __init__(self, config: GatewayConfig):
         super().__init__(config)

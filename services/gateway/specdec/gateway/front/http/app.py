@@ -121,7 +121,7 @@ def _sse(obj: Any) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-class Generation:
+class GenerationResponse:
     """An ASGI response that runs one generation: unary JSON or a stream of events.
 
     Three things race: the generation (`_pump`), the client going away (`_disconnect`)
@@ -432,7 +432,7 @@ class OpenAIServer:
             ),
         }
 
-    async def completions(self, request: Request) -> Generation:
+    async def completions(self, request: Request) -> GenerationResponse:
         self._authorize(request)
         _, codec = self._ready()
         asked, opts = api.completion_request(
@@ -442,9 +442,9 @@ class OpenAIServer:
         self._scores(renderer, asked, opts, codec)
         span = request_span(request, "/v1/completions", asked, opts.model)
         events = self.gateway.run(asked, deadline=_deadline(opts), tenant=opts.user)
-        return Generation(events, renderer, opts, None, span)
+        return GenerationResponse(events, renderer, opts, None, span)
 
-    async def chat_completions(self, request: Request) -> Generation:
+    async def chat_completions(self, request: Request) -> GenerationResponse:
         self._authorize(request)
         limits, codec = self._ready()
         asked, opts, messages = api.chat_request(
@@ -466,7 +466,7 @@ class OpenAIServer:
         self._scores(renderer, asked, opts, codec)
         span = request_span(request, "/v1/chat/completions", asked, opts.model)
         events = self.gateway.run(asked, prompter=turn, deadline=_deadline(opts), tenant=opts.user)
-        return Generation(events, renderer, opts, turn, span)
+        return GenerationResponse(events, renderer, opts, turn, span)
 
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API: known, not built (501, as an unbuilt gRPC method's
@@ -517,8 +517,9 @@ def _answering(
     handler: Callable[[Request], Awaitable[ASGIApp]], prompt: str | None = None
 ) -> Callable[[Request], Awaitable[ASGIApp]]:
     """A route that answers every error of `handler` in OpenAI's shape (a generation's
-    own errors are answered by Generation): its status, or a 500 that names a request id
-    and tells nothing else. prompt: the field a request that cannot fit is about."""
+    own errors are answered by GenerationResponse): its status, or a 500 that names a
+    request id and tells nothing else. prompt: the field a request that cannot fit is
+    about."""
 
     async def route(request: Request) -> ASGIApp:
         try:

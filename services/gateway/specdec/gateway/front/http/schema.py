@@ -33,9 +33,9 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from specdec.gateway.front.http.errors import FieldError
-from specdec.sdk.request import K_POLICIES, METHODS
-from specdec.sdk.request import Sampling as SdkSampling
+from specdec.sdk.request import K_POLICIES, METHODS, Sampling
 from specdec.v1 import common_pb2, gateway_pb2
+from specdec.v1.gateway_pb2 import GenerateRequest, SpeculationParams
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -234,11 +234,6 @@ def _neutral(*allowed: Any) -> AfterValidator:
     return AfterValidator(check)
 
 
-Request = gateway_pb2.GenerateRequest
-Sampling = common_pb2.SamplingParams
-Speculation = gateway_pb2.SpeculationParams
-
-
 def _object(value: Any) -> Any:
     if not isinstance(value, dict):
         raise refuse(" must be an object")
@@ -285,7 +280,7 @@ def _sampling_type(f: dataclasses.Field[Any]) -> Any:
 # The sampling fields: one per field of specdec.sdk.request.Sampling, by the same name (a
 # new sampling option is a body field without a change here).
 _SAMPLING_FIELDS: dict[str, Any] = {
-    f.name: (_sampling_type(f) | None, None) for f in dataclasses.fields(SdkSampling)
+    f.name: (_sampling_type(f) | None, None) for f in dataclasses.fields(Sampling)
 }
 SamplingFields: type[BaseModel] = create_model(
     "SamplingFields", __config__=ConfigDict(extra="allow"), **_SAMPLING_FIELDS
@@ -298,21 +293,21 @@ class Body(SamplingFields):  # type: ignore[misc,valid-type]
     (--strict-fields)."""
 
     model: Str | None = None
-    max_tokens: Annotated[int, Strict(), Range(Request, "max_new_tokens")] | None = None
-    n: Annotated[int, Strict(), Range(Request, "n", at_least=1)] | None = None
+    max_tokens: Annotated[int, Strict(), Range(GenerateRequest, "max_new_tokens")] | None = None
+    n: Annotated[int, Strict(), Range(GenerateRequest, "n", at_least=1)] | None = None
     stop: Annotated[list[str], BeforeValidator(_stop)] | None = None
     stream: Bool | None = None
     stream_options: Annotated[StreamOptions, BeforeValidator(_object)] | None = None
     user: Str | None = None
     # vLLM's extensions
     ignore_eos: Bool | None = None
-    min_tokens: Annotated[int, Strict(), Range(Request, "min_tokens")] | None = None
+    min_tokens: Annotated[int, Strict(), Range(GenerateRequest, "min_tokens")] | None = None
     stop_token_ids: Annotated[list[int], BeforeValidator(_stop_token_ids)] | None = None
     # specdec's extensions
     prediction: Annotated[str, BeforeValidator(_prediction)] | None = None
-    k: Annotated[int, Strict(), Range(Speculation, "num_draft_tokens")] | None = None
+    k: Annotated[int, Strict(), Range(SpeculationParams, "num_draft_tokens")] | None = None
     method: Annotated[str, Strict(), _choice(METHODS)] | None = None
-    tree_width: Annotated[int, Strict(), Range(Speculation, "tree_width")] | None = None
+    tree_width: Annotated[int, Strict(), Range(SpeculationParams, "tree_width")] | None = None
     ssd: Bool | None = None
     k_policy: Annotated[str, Strict(), _choice(K_POLICIES)] | None = None
     session_id: Annotated[str, Strict(), AfterValidator(_non_empty)] | None = None
@@ -359,7 +354,7 @@ class CompletionBody(Body):
 
     prompt: Annotated[str | list[int], BeforeValidator(_prompt)] | None = None
     # alternatives per token (the legacy API's logprobs)
-    logprobs: Annotated[int, Strict(), Range(Request, "top_logprobs")] | None = None
+    logprobs: Annotated[int, Strict(), Range(GenerateRequest, "top_logprobs")] | None = None
     echo: Bool | None = None
 
 
@@ -530,9 +525,11 @@ class ChatBody(Body):
     tools: Annotated[list[dict[str, Any]], BeforeValidator(_tools)] | None = None
     tool_choice: Annotated[str | dict[str, Any], BeforeValidator(_tool_choice)] | None = None
     parallel_tool_calls: Bool | None = None
-    max_completion_tokens: Annotated[int, Strict(), Range(Request, "max_new_tokens")] | None = None
+    max_completion_tokens: (
+        Annotated[int, Strict(), Range(GenerateRequest, "max_new_tokens")] | None
+    ) = None
     logprobs: Bool | None = None
-    top_logprobs: Annotated[int, Strict(), Range(Request, "top_logprobs")] | None = None
+    top_logprobs: Annotated[int, Strict(), Range(GenerateRequest, "top_logprobs")] | None = None
 
 
 # Each body's field names (unknown ones are the caller's to ignore or refuse).
