@@ -10,7 +10,7 @@ from specdec.common.errors import InvalidRequest
 from specdec.gateway.front.http import api
 from specdec.gateway.front.response import Event
 from specdec.gateway.front.turn import output_controls
-from specdec.gateway.job import Job, ResolvedOutput, Speculation
+from specdec.gateway.job import Job, ResolvedOutput, ResolvedSpeculation
 from specdec.gateway.text import TextOutput
 from specdec.sdk.client import build_generate_request
 from specdec.v1 import common_pb2
@@ -50,7 +50,7 @@ def _job(**output) -> Job:
         prompt=[1],
         sampling=common_pb2.SamplingParams(),
         output=ResolvedOutput(max_new_tokens=8, **output),
-        speculation=Speculation(k=3),
+        speculation=ResolvedSpeculation(k=3),
     )
 
 

@@ -17,7 +17,7 @@ from specdec.common.params import SamplingParams
 from specdec.gateway.fleet.caller import Placement, ReplicaCaller
 from specdec.gateway.fleet.replicas import Fleet
 from specdec.gateway.fleet.transport import GrpcTransport
-from specdec.gateway.job import Speculation
+from specdec.gateway.job import ResolvedSpeculation
 from specdec.gateway.round.loop import Speculator
 from specdec.gateway.round.policy import FixedPolicy
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
@@ -37,7 +37,7 @@ def speculator(fleet: Fleet, session: str) -> Speculator:
         Placement(),
         Placement(),
         FixedPolicy(),
-        speculation=Speculation(k=2, ssd=True),
+        speculation=ResolvedSpeculation(k=2, ssd=True),
         max_context=512,
     )
 

@@ -1,8 +1,10 @@
 """One name, one meaning: a class or a type alias defined at the top level of a module under
 sdk/ or services/ is defined there once, so `Session` or `Speculation` means one thing
 whichever file a reader opens. An alias that re-exports the same class under the same name
-(`Name = module.Name`) is not a second meaning; those are listed in REEXPORTS. The glossary
-of docs/development.md ("One name, one meaning") says where each name it lists lives."""
+(`Name = module.Name`) is not a second meaning; those are listed in REEXPORTS. A type
+parameter (`RequestT = TypeVar("RequestT")`) is each module's own, so it may repeat, but it
+never takes the name of a class. The glossary of docs/development.md ("One name, one
+meaning") says where each name it lists lives."""
 
 from __future__ import annotations
 
@@ -20,33 +22,7 @@ ROOTS = ("sdk", "services")
 # (`Name = module.Name`): the same meaning under a second address.
 REEXPORTS: frozenset[str] = frozenset()
 
-# Names still defined in more than one place (those files): the replicas' side and the
-# round's modules are renamed in a commit of their own, which empties this.
-NOT_YET = {
-    "Draft": {
-        "services/drafter/specdec/drafter/proposer.py",
-        "services/gateway/specdec/gateway/round/draft.py",
-    },
-    "Job": {
-        "services/gateway/specdec/gateway/job.py",
-        "services/replica/specdec/replica/batching.py",
-    },
-    "Request": {"sdk/specdec/sdk/request.py", "services/replica/specdec/replica/batching.py"},
-    "Session": {"sdk/specdec/sdk/request.py", "services/replica/specdec/replica/engine.py"},
-    "SpeculateCall": {
-        "services/drafter/specdec/drafter/speculate.py",
-        "services/gateway/specdec/gateway/round/ssd.py",
-    },
-    "Speculation": {
-        "sdk/specdec/sdk/request.py",
-        "services/drafter/specdec/drafter/speculate.py",
-        "services/gateway/specdec/gateway/job.py",
-    },
-    "Verdict": {
-        "services/gateway/specdec/gateway/round/calls.py",
-        "services/verifier/specdec/verifier/scorer.py",
-    },
-}
+TYPE_PARAMETERS = ("TypeVar", "ParamSpec", "TypeVarTuple")
 
 
 def _is_type_name(name: str) -> bool:
@@ -54,8 +30,18 @@ def _is_type_name(name: str) -> bool:
     return name[:1].isupper() and not name.isupper()
 
 
+def _is_type_parameter(value: ast.expr) -> bool:
+    """`TypeVar(...)`, `typing.TypeVar(...)` (or ParamSpec, TypeVarTuple)."""
+    if not isinstance(value, ast.Call):
+        return False
+    func = value.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+    return name in TYPE_PARAMETERS
+
+
 def definitions(tree: ast.Module) -> list[tuple[str, int, ast.expr | None]]:
-    """The module's top-level classes (value None) and CapWords aliases (their value)."""
+    """The module's top-level classes (value None) and CapWords aliases and type
+    parameters (their value)."""
     out: list[tuple[str, int, ast.expr | None]] = []
     for node in tree.body:
         if isinstance(node, ast.ClassDef):
@@ -78,29 +64,35 @@ def is_reexport(name: str, value: ast.expr | None) -> bool:
 def clashes(root: Path, folders: tuple[str, ...], reexports: frozenset[str]) -> dict[str, set[str]]:
     """Each name defined in more than one place under root/folders (files relative to
     root), re-exports in `reexports` left out; an entry there that is not a re-export of
-    the same name raises."""
+    the same name raises. A type parameter named as a class or alias counts as one more
+    place of that name."""
     where: dict[str, set[str]] = defaultdict(set)
+    parameters: dict[str, set[str]] = defaultdict(set)
     for folder in folders:
         for path in sorted((root / folder).rglob("*.py")):
             rel = path.relative_to(root).as_posix()
             for name, line, value in definitions(ast.parse(path.read_text(), rel)):
+                if value is not None and _is_type_parameter(value):
+                    parameters[name].add(rel)
+                    continue
                 if f"{rel}::{name}" in reexports:
                     if not is_reexport(name, value):
                         raise AssertionError(f"{rel}:{line}: {name} is not `{name} = x.{name}`")
                     continue
                 where[name].add(rel)
+    for name, files in parameters.items():
+        if name in where:
+            where[name] |= files
     return {name: files for name, files in where.items() if len(files) > 1}
 
 
 def test_one_name_one_meaning():
-    found = clashes(ROOT, ROOTS, REEXPORTS)
-    new = {name: sorted(files) for name, files in found.items() if files != NOT_YET.get(name)}
-    assert not new, (
-        f"names defined more than once: {new}; name each after what it is (docs/development.md, "
-        "'One name, one meaning'), or list a re-export of the same class in REEXPORTS"
+    found = {name: sorted(files) for name, files in clashes(ROOT, ROOTS, REEXPORTS).items()}
+    assert not found, (
+        f"names defined more than once: {found}; name each after what it is "
+        "(docs/development.md, 'One name, one meaning'), or list a re-export of the same "
+        "class in REEXPORTS"
     )
-    gone = sorted(set(NOT_YET) - set(found))
-    assert not gone, f"no longer defined twice: remove {gone} from NOT_YET"
 
 
 def _write(root: Path, files: dict[str, str]) -> None:
@@ -135,6 +127,19 @@ def test_a_reexport_is_the_same_meaning(tmp_path):
     )
     assert clashes(tmp_path, ("a",), frozenset()) == {"Session": {"a/x.py", "a/y.py"}}
     assert clashes(tmp_path, ("a",), frozenset({"a/y.py::Session"})) == {}
+
+
+def test_a_type_parameter_never_takes_a_class_name(tmp_path):
+    _write(
+        tmp_path,
+        {
+            "a/x.py": "class Request:\n    pass\n",
+            "a/y.py": "import typing\nRequest = typing.TypeVar('Request')\n",
+            "a/z.py": "from typing import TypeVar\nResponseT = TypeVar('ResponseT')\n",
+            "a/w.py": "from typing import TypeVar\nResponseT = TypeVar('ResponseT')\n",
+        },
+    )
+    assert clashes(tmp_path, ("a",), frozenset()) == {"Request": {"a/x.py", "a/y.py"}}
 
 
 GLOSSARY_ROW = re.compile(r"^\| `(\w+)` \| [^|]+ \| `(specdec(?:\.\w+)+)` \|$")

@@ -10,7 +10,7 @@ import torch
 from specdec.common.errors import CacheMiss, CapacityExceeded, InvalidRequest
 from specdec.common.prefix import prefix_hash
 from specdec.drafter.config import DrafterConfig
-from specdec.replica.engine import Engine, Prefix, Session, SessionStore
+from specdec.replica.engine import CachedSession, Engine, Prefix, SessionStore
 from specdec.replica.runtime import ModelRuntime
 from specdec.verifier.config import VerifierConfig
 
@@ -137,5 +137,5 @@ def test_model_runtime_is_the_engine(runtime):
     _same_operations(SessionStore, runtime.store)
     toks = list(range(3, 9))
     session = runtime.store.acquire("engine", 0, 0, len(toks))
-    assert isinstance(session, Session)
+    assert isinstance(session, CachedSession)
     runtime.release("engine")

@@ -23,9 +23,9 @@ from specdec.common.errors import REASON_KEY, RETRY_AFTER_KEY, Reason, SpecdecEr
 
 log = logging.getLogger(__name__)
 
-Servicer = TypeVar("Servicer")
-Request = TypeVar("Request")
-Response = TypeVar("Response")
+ServicerT = TypeVar("ServicerT")
+RequestT = TypeVar("RequestT")
+ResponseT = TypeVar("ResponseT")
 
 # Large enough for a dense fp16 draft distribution per position over a 152k vocabulary
 # (k * 300 KB) and for a compressed tokenizer in Info.
@@ -157,8 +157,10 @@ async def _abort(context: grpc.aio.ServicerContext, method_name: str, e: Excepti
 
 
 def rpc_errors(
-    method: Callable[[Servicer, Request, grpc.aio.ServicerContext], Awaitable[Response]],
-) -> Callable[[Servicer, Request, grpc.aio.ServicerContext], Coroutine[Any, Any, Response | None]]:
+    method: Callable[[ServicerT, RequestT, grpc.aio.ServicerContext], Awaitable[ResponseT]],
+) -> Callable[
+    [ServicerT, RequestT, grpc.aio.ServicerContext], Coroutine[Any, Any, ResponseT | None]
+]:
     """Map domain errors to gRPC status codes; anything unexpected is INTERNAL and logged.
 
     A failing request never takes the server down. Wraps unary methods. (The wrapper's
@@ -167,8 +169,8 @@ def rpc_errors(
 
     @functools.wraps(method)
     async def wrapper(
-        self: Servicer, request: Request, context: grpc.aio.ServicerContext
-    ) -> Response | None:
+        self: ServicerT, request: RequestT, context: grpc.aio.ServicerContext
+    ) -> ResponseT | None:
         try:
             return await method(self, request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -181,14 +183,14 @@ def rpc_errors(
 
 
 def stream_rpc_errors(
-    method: Callable[[Servicer, Request, grpc.aio.ServicerContext], AsyncIterator[Response]],
-) -> Callable[[Servicer, Request, grpc.aio.ServicerContext], AsyncIterator[Response]]:
+    method: Callable[[ServicerT, RequestT, grpc.aio.ServicerContext], AsyncIterator[ResponseT]],
+) -> Callable[[ServicerT, RequestT, grpc.aio.ServicerContext], AsyncIterator[ResponseT]]:
     """rpc_errors for server-streaming methods (async generators)."""
 
     @functools.wraps(method)
     async def wrapper(
-        self: Servicer, request: Request, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Response]:
+        self: ServicerT, request: RequestT, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ResponseT]:
         try:
             async for item in method(self, request, context):
                 yield item

@@ -51,9 +51,9 @@ import torch
 
 from specdec.common.settings import ConfigError, env_name
 from specdec.drafter.config import DrafterConfig
-from specdec.drafter.proposer import Draft, DraftCall
+from specdec.drafter.proposer import DraftCall, DraftResult
 from specdec.drafter.sampler import sampler_for
-from specdec.replica.batching import ForwardRequest, Request
+from specdec.replica.batching import ForwardRequest, ModelRequest
 from specdec.replica.features import FORMAT_NAMES, FeatureAsk, FeatureSink, decoder_layers
 from specdec.replica.host import to_host
 from specdec.replica.loading import (
@@ -382,7 +382,7 @@ class HeadRuntime(ModelRuntime):
         reason = f"{str(dtype).removeprefix('torch.')}: as asked (--dtype); head {cfg.head}"
         return loaded_model(model, facts, reason)
 
-    def _forward_requests(self, requests: list[Request]) -> list[torch.Tensor]:
+    def _forward_requests(self, requests: list[ModelRequest]) -> list[torch.Tensor]:
         """The forward with every row's input features laid out as its input_ids (each
         request one row, its tokens from column 0, right pads reading zeros)."""
         assert self.embedding is not None
@@ -429,11 +429,11 @@ class HeadDraftCall(DraftCall):
 
     features: tuple[tuple[int, torch.Tensor], ...] = ()
 
-    def job(self) -> Generator[Request, torch.Tensor, Draft]:
+    def job(self) -> Generator[ModelRequest, torch.Tensor, DraftResult]:
         return propose_head(self)
 
 
-def propose_head(call: HeadDraftCall) -> Generator[Request, torch.Tensor, Draft]:
+def propose_head(call: HeadDraftCall) -> Generator[ModelRequest, torch.Tensor, DraftResult]:
     """Draft the call's k tokens with the head: a job for the model thread. The session
     takes the call's features, rolls back to the first position they let it feed with the
     target's feature (HeadState.rollback_point), feeds from there and the new tokens, then
@@ -484,7 +484,9 @@ def propose_head(call: HeadDraftCall) -> Generator[Request, torch.Tensor, Draft]
         store.fill(session, tokens[: k - 1])  # the device tokens it fed
         state.prune(len(session.tokens))
         encoded = encoded_rows(host[1:]) if proposals else []
-        return Draft(tokens, encoded, len(session.tokens), (time.perf_counter() - started) * 1e3)
+        return DraftResult(
+            tokens, encoded, len(session.tokens), (time.perf_counter() - started) * 1e3
+        )
 
 
 def _steps(

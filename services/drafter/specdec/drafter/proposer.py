@@ -40,15 +40,15 @@ from specdec.drafter.speculate import (
     draft_branches,
     take_prepared,
 )
-from specdec.replica.batching import Request
-from specdec.replica.engine import Engine, Prefix, Session
+from specdec.replica.batching import ModelRequest
+from specdec.replica.engine import CachedSession, Engine, Prefix
 from specdec.replica.host import to_host
 from specdec.replica.processors import TokenCounts
 from specdec.replica.sampling import EncodedProbs, SamplingParams, encoded_rows, one_hot_encoded
 
 
 @dataclass
-class Draft:
+class DraftResult:
     tokens: list[int]  # [k]
     probs: list[EncodedProbs]  # [k], empty when greedy
     cached_length: int
@@ -80,11 +80,11 @@ class DraftCall:
     tree_width: int = 1
     tree_depth: int = 0
 
-    def job(self) -> Generator[Request, torch.Tensor, Draft]:
+    def job(self) -> Generator[ModelRequest, torch.Tensor, DraftResult]:
         return propose(self)
 
 
-def propose(call: DraftCall) -> Generator[Request, torch.Tensor, Draft]:
+def propose(call: DraftCall) -> Generator[ModelRequest, torch.Tensor, DraftResult]:
     """Draft the call's k tokens (see DraftCall): a job for the model thread
     (`Engine.run`).
 
@@ -116,7 +116,7 @@ def propose(call: DraftCall) -> Generator[Request, torch.Tensor, Draft]:
         hit = take_prepared(branches, session_id, session, new_tokens, k, params, controls)
         if hit is not None:
             tokens, probs = hit
-            return Draft(tokens, probs, len(session.tokens), _ms(started), prepared=True)
+            return DraftResult(tokens, probs, len(session.tokens), _ms(started), prepared=True)
         last = (yield from runtime.forward_steps(session, new_tokens, keep=1))[-1:]  # [1, vocab]
         position = prefix.length + len(new_tokens)  # index of d_1 in the sequence
         counts = None
@@ -151,7 +151,7 @@ def propose(call: DraftCall) -> Generator[Request, torch.Tensor, Draft]:
             DraftRows(position, n, session.chain.hash(session.tokens, n), torch.cat(rows)),
         )
         if not top:
-            return Draft(tokens, encoded, len(session.tokens), _ms(started))
+            return DraftResult(tokens, encoded, len(session.tokens), _ms(started))
         conf, values, indices = (t.tolist() for t in host[len(host) - 3 :])
         cfg = runtime.config
         assert isinstance(cfg, DrafterConfig)  # the drafter's runtime has its config
@@ -177,18 +177,18 @@ def propose(call: DraftCall) -> Generator[Request, torch.Tensor, Draft]:
             tokens += more
             parents += more_parents
             encoded += more_probs
-        return Draft(tokens, encoded, len(session.tokens), _ms(started), parents=parents)
+        return DraftResult(tokens, encoded, len(session.tokens), _ms(started), parents=parents)
 
 
 def continue_leaves(
     sampler: Sampler,
-    session: Session,
+    session: CachedSession,
     position: int,
     keys: Sequence[tuple[int, int]],
     nodes: Sequence[int],
     first: int,
     depth: int,
-) -> Generator[Request, torch.Tensor, tuple[list[int], list[int], list[EncodedProbs]]]:
+) -> Generator[ModelRequest, torch.Tensor, tuple[list[int], list[int], list[EncodedProbs]]]:
     """`depth` tokens drawn after each leaf: (their tokens, parents, distributions), node
     numbers from `first` on, leaf by leaf. keys[j] = (i, x): leaf nodes[j] is token x in
     place of draft token i (0-based), so its row sees the session's first position + i

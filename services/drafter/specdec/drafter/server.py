@@ -23,7 +23,7 @@ from specdec.drafter.config import DrafterConfig
 from specdec.drafter.head import HeadDraftCall, HeadRuntime
 from specdec.drafter.proposer import DraftCall
 from specdec.drafter.runtime import DrafterRuntime
-from specdec.drafter.speculate import BranchStore, SpeculateCall, Speculation
+from specdec.drafter.speculate import BranchStore, SpeculateCall, SpeculateResult
 from specdec.replica.convert import encoded_to_proto, prefix_from_proto
 from specdec.replica.engine import Engine
 from specdec.replica.features import decode_features
@@ -165,7 +165,7 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             )
         return nodes, width, depth
 
-    def _draft_response(self, draft: proposer.Draft) -> drafter_pb2.DraftResponse:
+    def _draft_response(self, draft: proposer.DraftResult) -> drafter_pb2.DraftResponse:
         if draft.prepared:
             self.runtime.obs.ssd_served()
         return drafter_pb2.DraftResponse(
@@ -231,7 +231,7 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
         )
         return ModelCall(call, self._speculate_response)
 
-    def _speculate_response(self, result: Speculation) -> drafter_pb2.SpeculateResponse:
+    def _speculate_response(self, result: SpeculateResult) -> drafter_pb2.SpeculateResponse:
         self.runtime.obs.ssd_prepared(len(result.branches))
         return drafter_pb2.SpeculateResponse(
             branches=[

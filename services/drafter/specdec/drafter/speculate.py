@@ -64,8 +64,8 @@ from specdec.common.controls import Controls
 from specdec.common.prefix import prefix_hash
 from specdec.drafter.config import CONFIDENCE, GEOMETRIC, OUTCOME_MODELS
 from specdec.drafter.sampler import Sampler, sampler_for
-from specdec.replica.batching import BranchGroup, BranchStep, ForwardRequest, Request
-from specdec.replica.engine import Engine, Prefix, Session
+from specdec.replica.batching import BranchGroup, BranchStep, ForwardRequest, ModelRequest
+from specdec.replica.engine import CachedSession, Engine, Prefix
 from specdec.replica.host import to_host
 from specdec.replica.processors import TokenCounts, verify_logits
 from specdec.replica.sampling import EncodedProbs, SamplingParams, encoded_rows, warp
@@ -154,7 +154,7 @@ class BranchStore:
 
 
 @dataclass
-class Speculation:
+class SpeculateResult:
     branches: list[Branch]
     cached_length: int
     forward_ms: float
@@ -189,11 +189,11 @@ class SpeculateCall:
     controls: Controls | None = None
     outcomes: str = CONFIDENCE
 
-    def job(self) -> Generator[Request, torch.Tensor, Speculation]:
+    def job(self) -> Generator[ModelRequest, torch.Tensor, SpeculateResult]:
         return speculate(self)
 
 
-def speculate(call: SpeculateCall) -> Generator[Request, torch.Tensor, Speculation]:
+def speculate(call: SpeculateCall) -> Generator[ModelRequest, torch.Tensor, SpeculateResult]:
     """Prepare next-round drafts for the draft at the end of prefix + new_tokens (see
     SpeculateCall): a job for the model thread (`Engine.run`)."""
     runtime, store, session_id, prefix = call.runtime, call.store, call.session_id, call.prefix
@@ -240,13 +240,13 @@ def speculate(call: SpeculateCall) -> Generator[Request, torch.Tensor, Speculati
                 controls=controls,
             ),
         )
-        return Speculation(branches, len(session.tokens), (time.perf_counter() - started) * 1e3)
+        return SpeculateResult(branches, len(session.tokens), (time.perf_counter() - started) * 1e3)
 
 
 def draft_rows(
     runtime: Engine[Any],
     store: BranchStore,
-    session: Session,
+    session: CachedSession,
     memo: DraftRows | None,
     prefix: Prefix,
     new_tokens: Sequence[int],
@@ -332,7 +332,7 @@ def rank_outcomes(
 
 
 def draft_branches(
-    session: Session,
+    session: CachedSession,
     base: int,
     keys: Sequence[tuple[int, int]],
     branch_k: int,
@@ -372,7 +372,7 @@ def draft_branches(
 def take_prepared(
     store: BranchStore,
     session_id: str,
-    session: Session,
+    session: CachedSession,
     new_tokens: Sequence[int],
     k: int,
     params: SamplingParams,

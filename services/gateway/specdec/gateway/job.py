@@ -4,10 +4,10 @@ Both doors hand the same `Request` (specdec.sdk.request) to `Job.resolve`: the g
 servicer converts its GenerateRequest once (`Request.from_proto`), the HTTP API builds the
 Request from its body. A `Job` carries the request as typed parts, each resolved (and
 checked) by its own `resolve` from the SDK's part of the same name: `ResolvedOutput`
-(length, stops, grammar, prediction), `Speculation` (k, SSD, k policy, method, tree width:
-the gateway's defaults where the request leaves them), `ResolvedSession`, the scoring (the
-SDK's `Scoring`) and the sampling (the model's generation_config where the request leaves
-a field unset).
+(length, stops, grammar, prediction), `ResolvedSpeculation` (k, SSD, k policy, method,
+tree width: the gateway's defaults where the request leaves them), `ResolvedSession`, the
+scoring (the SDK's `Scoring`) and the sampling (the model's generation_config where the
+request leaves a field unset).
 
 Every check runs before anything is tokenized or sent to a replica, so a bad request costs
 nothing and touches no session. A refusal is InvalidRequest with its `field`: the
@@ -84,9 +84,9 @@ class Limits:
 
 
 @dataclass(frozen=True)
-class Speculation:
-    """How a request's drafts are made, resolved: the request's SpeculationParams, else
-    the gateway's defaults (speed only, never the output)."""
+class ResolvedSpeculation:
+    """How a request's drafts are made, resolved: the request's Speculation, else the
+    gateway's defaults (speed only, never the output)."""
 
     k: int  # the draft length; an upper bound under the adaptive policy
     ssd: bool = False
@@ -97,7 +97,7 @@ class Speculation:
     @classmethod
     def resolve(
         cls, asked: request.Speculation, sampling: SamplingParams, limits: Limits
-    ) -> Speculation:
+    ) -> ResolvedSpeculation:
         """The request's choices, the gateway's defaults where it leaves them."""
         k = limits.default_k if asked.k is None else asked.k
         if not 0 <= k <= limits.max_k:
@@ -240,7 +240,7 @@ class Job:
     prompt: str | list[int]  # text (tokenized once the history is known) or token ids
     sampling: SamplingParams  # every field set: the request's, else the model's defaults
     output: ResolvedOutput
-    speculation: Speculation
+    speculation: ResolvedSpeculation
     session: ResolvedSession = ResolvedSession()
     scoring: Scoring = NO_SCORING  # logprobs, top_logprobs, prompt_logprobs
     tenant: str = ""  # who the request is for (gRPC metadata specdec-tenant, HTTP `user`)
@@ -269,7 +269,7 @@ class Job:
             prompt=prompt,
             sampling=sampling,
             output=output,
-            speculation=Speculation.resolve(asked.speculation, sampling, limits),
+            speculation=ResolvedSpeculation.resolve(asked.speculation, sampling, limits),
             session=session,
             scoring=scoring,
             tenant=tenant,

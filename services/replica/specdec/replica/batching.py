@@ -179,22 +179,22 @@ class BranchStep:
 
 
 # What a job may ask of a forward.
-Request = ForwardRequest | BranchStep
+ModelRequest = ForwardRequest | BranchStep
 REQUEST_TYPES = (ForwardRequest, BranchStep)
 
 # A job yields requests, receives their logits, and returns its result.
-Job = Generator[Request, torch.Tensor, Any]
+ModelJob = Generator[ModelRequest, torch.Tensor, Any]
 
 
 @dataclass
 class _Task:
     seq: int
-    start: Callable[[], Any]  # returns a Job (or the result itself: a plain call)
+    start: Callable[[], Any]  # returns a ModelJob (or the result itself: a plain call)
     key: str | None  # session id: one task per key in flight
     context: contextvars.Context
     future: Future[Any] = field(default_factory=Future)
-    job: Job | None = None
-    request: Request | None = None
+    job: ModelJob | None = None
+    request: ModelRequest | None = None
 
 
 class Poller:
@@ -381,8 +381,8 @@ class Scheduler:
         name: str,
         max_batch_size: int,
         max_batch_tokens: int,
-        run_batch: Callable[[list[Request]], list[torch.Tensor]] | None = None,
-        note_member: Callable[[Request, int], None] | None = None,
+        run_batch: Callable[[list[ModelRequest]], list[torch.Tensor]] | None = None,
+        note_member: Callable[[ModelRequest, int], None] | None = None,
         max_batch_wait: float = 0.0,
     ):
         self.max_batch_size = max_batch_size
@@ -414,7 +414,7 @@ class Scheduler:
         context: contextvars.Context | None = None,
     ) -> Future[Any]:
         """Queue a job: start() runs on the model thread in `context` (a copy of the
-        caller's when None) and returns a Job generator or a plain result."""
+        caller's when None) and returns a ModelJob generator or a plain result."""
         task = _Task(next(self._seq), start, key, context or contextvars.copy_context())
         with self._lock:
             if self._stopped:
@@ -524,7 +524,7 @@ class Scheduler:
                 self._expected.add(task.key)
         active.sort(key=lambda t: t.seq)
 
-    def _run(self, requests: list[Request]) -> list[torch.Tensor]:
+    def _run(self, requests: list[ModelRequest]) -> list[torch.Tensor]:
         if self.run_batch is None:
             raise RuntimeError("this scheduler has no model to run forwards on")
         return self.run_batch(requests)
@@ -635,7 +635,7 @@ class Layout:
     right-padded to `columns` (a bucket >= N) and L is rounded up to a multiple of
     `width_multiple` (more left pads); pads are masked like any other."""
 
-    def __init__(self, requests: list[Request], columns: int = 0, width_multiple: int = 1):
+    def __init__(self, requests: list[ModelRequest], columns: int = 0, width_multiple: int = 1):
         self.requests = requests
         self.starts = list(itertools.accumulate((r.rows for r in requests), initial=0))
         self.rows = self.starts.pop()  # R
@@ -794,11 +794,11 @@ class Layout:
                 r.session.append(r.tokens)
 
 
-def _request(task: _Task) -> Request:
+def _request(task: _Task) -> ModelRequest:
     """An active task's forward request (set when its job yields it)."""
     assert task.request is not None
     return task.request
 
 
-def _fed(request: Request) -> int:
+def _fed(request: ModelRequest) -> int:
     return request.group.fed if isinstance(request, BranchStep) else 0

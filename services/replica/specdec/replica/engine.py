@@ -88,7 +88,7 @@ class Prefix:
 
 
 @runtime_checkable
-class Session(Protocol):
+class CachedSession(Protocol):
     """One session's cached sequence (SessionCache): the tokens its KV covers, in order
     (a token fed from the device reads UNKNOWN_TOKEN until `SessionStore.fill`), and their
     chained prefix hashes. Jobs read them; the engine and its store change them."""
@@ -97,7 +97,7 @@ class Session(Protocol):
     chain: PrefixChain
 
 
-S = TypeVar("S", bound=Session)
+S = TypeVar("S", bound=CachedSession)
 
 
 @runtime_checkable

@@ -57,7 +57,7 @@ import torch
 from specdec.common.cost import Line
 from specdec.common.errors import CapacityExceeded, FailedPrecondition
 from specdec.common.settings import ConfigError, env_name
-from specdec.replica.batching import BranchGroup, BranchStep, ForwardRequest, Request
+from specdec.replica.batching import BranchGroup, BranchStep, ForwardRequest, ModelRequest
 from specdec.replica.config import ReplicaConfig
 from specdec.replica.cpus import thread_budget
 from specdec.replica.features import FeatureAsk
@@ -609,7 +609,7 @@ class LlamaCppRuntime(ModelRuntime):
 
     # -- forwards -----------------------------------------------------------------------
 
-    def _run_batch(self, requests: list[Request]) -> list[torch.Tensor]:
+    def _run_batch(self, requests: list[ModelRequest]) -> list[torch.Tensor]:
         """One llama_decode over the requests; each request's logits (a ForwardRequest's
         last `keep` rows [keep, vocab], a BranchStep's one row per branch [rows, vocab])."""
         store = self.store
@@ -633,7 +633,7 @@ class LlamaCppRuntime(ModelRuntime):
         self._timed(longest, sum(r.rows for r in requests), started, computed=tokens)
         return list(torch.split(logits, counts))
 
-    def _rows(self, store: LlamaStore, request: Request, rows: _Rows) -> int:
+    def _rows(self, store: LlamaStore, request: ModelRequest, rows: _Rows) -> int:
         """Lay a request out in the batch; how many logits rows it returns."""
         tokens = request.tokens
         values = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)

@@ -46,13 +46,13 @@ from specdec.common.errors import CacheMiss, SpecdecError
 if TYPE_CHECKING:
     from prometheus_client.metrics import MetricWrapperBase
 
-    from specdec.replica.batching import Job, Scheduler
+    from specdec.replica.batching import ModelJob, Scheduler
     from specdec.replica.config import ReplicaConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-Request = TypeVar("Request")
-Response = TypeVar("Response")
+RequestT = TypeVar("RequestT")
+ResponseT = TypeVar("ResponseT")
 Metric = TypeVar("Metric", bound="MetricWrapperBase")
 
 # Forward kinds: a forward into an empty cache is a prefill, else the RPC's own kind.
@@ -203,7 +203,7 @@ class ReplicaMetrics:
 
 
 @dataclass
-class ModelJob:
+class JobReport:
     """What one job on the model thread did (set through the cache store's notes)."""
 
     operation: str
@@ -217,7 +217,7 @@ class ModelJob:
 
 
 _OPERATION: contextvars.ContextVar[str] = contextvars.ContextVar("specdec_op", default="")
-_JOB: contextvars.ContextVar[ModelJob | None] = contextvars.ContextVar("specdec_job", default=None)
+_JOB: contextvars.ContextVar[JobReport | None] = contextvars.ContextVar("specdec_job", default=None)
 
 
 def note_cache(prefix_tokens: int) -> None:
@@ -289,7 +289,7 @@ class ReplicaObserver:
         queued = time.perf_counter()
         started = False
 
-        def job() -> Job:
+        def job() -> ModelJob:
             nonlocal started
             started = True
             waited = time.perf_counter() - queued
@@ -311,11 +311,11 @@ class ReplicaObserver:
             future.add_done_callback(on_done)
         return future
 
-    def _job(self, fn: Callable[..., T], args: tuple[Any, ...], waited: float) -> Job:
+    def _job(self, fn: Callable[..., T], args: tuple[Any, ...], waited: float) -> ModelJob:
         """The job as a generator: its forward requests pass through (model thread, in the
         caller's context)."""
         m = self.metrics
-        job = ModelJob(_OPERATION.get(), m)
+        job = JobReport(_OPERATION.get(), m)
         _JOB.set(job)
         try:
             result = fn(*args)
@@ -482,28 +482,28 @@ class Observed(Protocol):
     def runtime(self) -> Runtime: ...
 
 
-Servicer = TypeVar("Servicer", bound=Observed)
-RpcMethod = Callable[[Servicer, Request, grpc.aio.ServicerContext], Awaitable[Response]]
+ServicerT = TypeVar("ServicerT", bound=Observed)
+RpcMethod = Callable[[ServicerT, RequestT, grpc.aio.ServicerContext], Awaitable[ResponseT]]
 
 
 def observed_rpc(
     service: str,
 ) -> Callable[
-    [RpcMethod[Servicer, Request, Response]],
-    Callable[[Servicer, Request, grpc.aio.ServicerContext], Coroutine[Any, Any, Response]],
+    [RpcMethod[ServicerT, RequestT, ResponseT]],
+    Callable[[ServicerT, RequestT, grpc.aio.ServicerContext], Coroutine[Any, Any, ResponseT]],
 ]:
     """Count a replica servicer method and trace it as a SERVER span (outermost decorator,
     above serving.rpc_errors, whose aborts it reads the status code of): a CallRecord."""
 
     def decorate(
-        method: RpcMethod[Servicer, Request, Response],
-    ) -> Callable[[Servicer, Request, grpc.aio.ServicerContext], Coroutine[Any, Any, Response]]:
+        method: RpcMethod[ServicerT, RequestT, ResponseT],
+    ) -> Callable[[ServicerT, RequestT, grpc.aio.ServicerContext], Coroutine[Any, Any, ResponseT]]:
         name = method.__name__
 
         @functools.wraps(method)
         async def wrapper(
-            self: Servicer, request: Request, context: grpc.aio.ServicerContext
-        ) -> Response:
+            self: ServicerT, request: RequestT, context: grpc.aio.ServicerContext
+        ) -> ResponseT:
             record = CallRecord(self.runtime, service, name, request, context)
             code, message = grpc.StatusCode.UNKNOWN, ""
             try:

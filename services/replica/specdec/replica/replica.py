@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 MAX_SESSION_ID_LEN = 256
 C = TypeVar("C", bound=ReplicaConfig)  # a replica's config: ReplicaConfig or a subclass
-Response = TypeVar("Response")  # a model call's response message
+ResponseT = TypeVar("ResponseT")  # a model call's response message
 _ROLES = {"drafter": common_pb2.ROLE_DRAFTER, "verifier": common_pb2.ROLE_VERIFIER}
 
 
@@ -64,14 +64,14 @@ class JobCall(Protocol):
 
 
 @dataclass(frozen=True)
-class ModelCall(Generic[Response]):
+class ModelCall(Generic[ResponseT]):
     """A request validated for the model: its arguments (`call`, whose job runs on the
     model thread; the jobs of its session run one at a time, in order) and how the job's
     result becomes the response message. The gRPC methods and the data plane
     (specdec.replica.dataplane) both build and answer their calls through these."""
 
     call: JobCall
-    respond: Callable[[Any], Response]  # the job's result -> the response message
+    respond: Callable[[Any], ResponseT]  # the job's result -> the response message
 
     @property
     def job(self) -> Callable[[], Any]:
@@ -103,7 +103,7 @@ class ReplicaServicer:
         """RPC name -> its request -> the validated ModelCall (raises SpecdecError)."""
         return {}
 
-    async def answer(self, call: ModelCall[Response]) -> Response:
+    async def answer(self, call: ModelCall[ResponseT]) -> ResponseT:
         """Run a model call on the model thread (bounded by --max-queue) and respond."""
         rt = self.runtime
         return call.respond(await rt.run(call.job, session=call.session))

@@ -41,7 +41,7 @@ from specdec.replica.batching import (
     BranchStep,
     ForwardRequest,
     Layout,
-    Request,
+    ModelRequest,
     Scheduler,
     tree_visibility,
 )
@@ -421,7 +421,7 @@ class ModelRuntime:
         """`forward_steps` run here and now, unbatched (model thread)."""
         return self.drive(self.forward_steps(session, tokens, keep))
 
-    def drive(self, job: Generator[Request, torch.Tensor, T]) -> T:
+    def drive(self, job: Generator[ModelRequest, torch.Tensor, T]) -> T:
         """Run a job here and now, each forward unbatched (the model thread, or a tool
         that owns the runtime)."""
         try:
@@ -488,7 +488,7 @@ class ModelRuntime:
         )
         return (yield last)
 
-    def _run_batch(self, requests: list[Request]) -> list[torch.Tensor]:
+    def _run_batch(self, requests: list[ModelRequest]) -> list[torch.Tensor]:
         """One forward over the requests (the scheduler's run_batch), `_forward_requests`;
         where a request asks for features (ForwardRequest.features) the asked decoder
         layers' outputs are recorded during it (specdec.replica.features.recording) and
@@ -508,7 +508,7 @@ class ModelRuntime:
             row += r.rows
         return results
 
-    def _forward_requests(self, requests: list[Request]) -> list[torch.Tensor]:
+    def _forward_requests(self, requests: list[ModelRequest]) -> list[torch.Tensor]:
         """One forward over the requests. One session's request
         alone runs on its own cache where the store allows it (own_cache_forward: the
         dense engine), a token tree's too (`_forward_tree`); otherwise the rows are laid out
@@ -592,7 +592,9 @@ class ModelRuntime:
         return self.head(hidden)  # [b, keep, vocab]
 
     @torch.inference_mode()
-    def _forward_batch(self, requests: list[Request], compiled: bool = False) -> list[torch.Tensor]:
+    def _forward_batch(
+        self, requests: list[ModelRequest], compiled: bool = False
+    ) -> list[torch.Tensor]:
         """One forward over several sessions' caches and branch groups, padded
         (specdec.replica.batching), or read in place from their blocks (the paged engine,
         specdec.replica.paged); each request's logits. compiled: the padded layout with its
@@ -640,7 +642,7 @@ class ModelRuntime:
         self._timed(layout.longest, layout.rows, started)
         return layout.split(logits)
 
-    def _compiles(self, requests: list[Request]) -> bool:
+    def _compiles(self, requests: list[ModelRequest]) -> bool:
         """Whether the forward over these requests runs compiled: no token tree and no
         features asked (their hooks are eager), every row short, after a cache of at least
         2 slots (Compiled.takes)."""
@@ -690,7 +692,7 @@ class ModelRuntime:
             },
         )
 
-    def _note_member(self, request: Request, batch: int) -> None:
+    def _note_member(self, request: ModelRequest, batch: int) -> None:
         """A job's share of a batched forward observed in another job's context."""
         self.obs.member(len(request.tokens), batch)
 

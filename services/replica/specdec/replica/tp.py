@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from specdec.replica.batching import ForwardRequest, Request
+from specdec.replica.batching import ForwardRequest, ModelRequest
 from specdec.replica.config import ReplicaConfig
 from specdec.replica.kvstore import CacheStore, SessionCache
 from specdec.replica.runtime import ModelRuntime
@@ -290,7 +290,7 @@ class TensorParallelRuntime(ModelRuntime):
         self.mirror = MirroredStore(self.ranks, self.config.max_cached_tokens, self._new_cache)
         return self.mirror
 
-    def _run_batch(self, requests: list[Request]) -> list[torch.Tensor]:
+    def _run_batch(self, requests: list[ModelRequest]) -> list[torch.Tensor]:
         assert self.mirror is not None
         self.mirror.send(("forward", [_describe(r) for r in requests]))
         return super()._run_batch(requests)
@@ -301,7 +301,7 @@ class TensorParallelRuntime(ModelRuntime):
         super().shutdown()
 
 
-def _describe(request: Request) -> Operation:
+def _describe(request: ModelRequest) -> Operation:
     if not isinstance(request, ForwardRequest):
         raise TypeError(f"a tensor-parallel verifier runs session forwards only, not {request!r}")
     tokens = request.tokens

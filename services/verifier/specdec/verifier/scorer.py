@@ -20,7 +20,7 @@ import torch
 
 from specdec.common.controls import Controls
 from specdec.replica.batching import ForwardRequest
-from specdec.replica.engine import Engine, Prefix, Session
+from specdec.replica.engine import CachedSession, Engine, Prefix
 from specdec.replica.features import FeatureAsk, FeatureSink, sent_rows
 from specdec.replica.host import to_host
 from specdec.replica.logprobs import LogprobRows, LogprobsAsk, emitted_tokens, token_logprobs
@@ -40,7 +40,7 @@ VERIFY_SALT = "verify"
 
 
 @dataclass
-class Verdict:
+class VerifyResult:
     accepted: int  # 0..k
     next_token: int  # recovered (accepted < k) or bonus (accepted == k)
     bonus: bool  # a tree: the accepted path ends at a leaf
@@ -71,7 +71,7 @@ class VerifyCall:
     cache (SessionStore.acquire). draft_parents [k]: the draft is a token tree
     (VerifyRequest.draft_parents); the servicer has refused controls, grammar masks and
     logprobs with one. features: also return the features (specdec.replica.features) of
-    the new tokens and the accepted drafts (Verdict.features)."""
+    the new tokens and the accepted drafts (VerifyResult.features)."""
 
     runtime: Engine[Any]
     session_id: str
@@ -85,13 +85,13 @@ class VerifyCall:
     fork_from: str = ""
     grammar_masks: torch.Tensor | None = None  # [k+1, vocab] bool
     draft_parents: Sequence[int] | None = None  # a token tree's parents [k]; None: a chain
-    features: FeatureAsk | None = None  # also return the target's features (Verdict)
+    features: FeatureAsk | None = None  # also return the target's features (VerifyResult)
 
-    def job(self) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
+    def job(self) -> Generator[ForwardRequest, torch.Tensor, VerifyResult]:
         return verify(self)
 
 
-def verify(call: VerifyCall) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
+def verify(call: VerifyCall) -> Generator[ForwardRequest, torch.Tensor, VerifyResult]:
     """Score the call's draft (see VerifyCall): a job for the model thread (`Engine.run`).
     The cache ends holding prefix + new_tokens + the accepted drafts (a tree: the accepted
     path)."""
@@ -101,7 +101,7 @@ def verify(call: VerifyCall) -> Generator[ForwardRequest, torch.Tensor, Verdict]
 
 def processed_target_logits(
     runtime: Engine[Any],
-    session: Session,
+    session: CachedSession,
     new_tokens: Sequence[int],
     draft_tokens: Sequence[int],
     controls: Controls | None,
@@ -127,7 +127,7 @@ def processed_target_logits(
     return apply_masks(logits, grammar_masks), prompt_logits
 
 
-def _verify(call: VerifyCall) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
+def _verify(call: VerifyCall) -> Generator[ForwardRequest, torch.Tensor, VerifyResult]:
     started = time.perf_counter()
     runtime, prefix, params, ask = call.runtime, call.prefix, call.params, call.logprobs
     new_tokens, draft_tokens = call.new_tokens, call.draft_tokens
@@ -183,7 +183,7 @@ def _verify(call: VerifyCall) -> Generator[ForwardRequest, torch.Tensor, Verdict
     if ask is not None:
         emitted_rows = LogprobRows(*extra[:3]).head(n + 1)
         prompt_rows = LogprobRows(*extra[3:]) if ask.prompt else None
-    return Verdict(
+    return VerifyResult(
         accepted=n,
         next_token=token,
         bonus=n == k,
@@ -196,8 +196,8 @@ def _verify(call: VerifyCall) -> Generator[ForwardRequest, torch.Tensor, Verdict
 
 
 def _verify_tree(
-    call: VerifyCall, session: Session
-) -> Generator[ForwardRequest, torch.Tensor, Verdict]:
+    call: VerifyCall, session: CachedSession
+) -> Generator[ForwardRequest, torch.Tensor, VerifyResult]:
     """A token tree's verdict (`verify`): one forward under the tree mask, the rule on the
     host, the accepted path kept."""
     started = time.perf_counter()
@@ -228,7 +228,7 @@ def _verify_tree(
         h = len(call.new_tokens)
         feats = [torch.cat([feats[0][:h], feats[0][[h + i for i in path]]])]
     children = set(parents)
-    return Verdict(
+    return VerifyResult(
         accepted=len(path),
         next_token=token,
         bonus=bool(path) and path[-1] not in children,
@@ -255,7 +255,7 @@ class _SentFeatures(TypedDict, total=False):
 
 
 def _features_sent(call: VerifyCall, feats: list[torch.Tensor]) -> _SentFeatures:
-    """Verdict.features and features_start from the known positions' rows on the host
+    """VerifyResult.features and features_start from the known positions' rows on the host
     ({} when not asked): the last rows that fit MAX_FEATURE_BYTES."""
     if call.features is None:
         return {}

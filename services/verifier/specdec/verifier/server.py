@@ -24,7 +24,7 @@ from specdec.replica.metrics import observed_rpc
 from specdec.replica.replica import ModelCall, ReplicaServicer, check_fork, run_replica
 from specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.verifier.config import VerifierConfig
-from specdec.verifier.scorer import Verdict, VerifyCall
+from specdec.verifier.scorer import VerifyCall, VerifyResult
 
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name
 
@@ -117,7 +117,7 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
         draft_tokens: list[int],
         logprobs: bool,
         features_format: int,
-        verdict: Verdict,
+        verdict: VerifyResult,
     ) -> verifier_pb2.VerifyResponse:
         self.runtime.obs.verified(k, verdict.accepted)
         response = verifier_pb2.VerifyResponse(

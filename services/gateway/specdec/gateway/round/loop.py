@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from specdec.common.controls import processes_logits
 from specdec.common.params import SamplingParams
 from specdec.gateway.fleet.caller import Placement, ReplicaCaller
-from specdec.gateway.job import NO_SCORING, Speculation
+from specdec.gateway.job import NO_SCORING, ResolvedSpeculation
 from specdec.gateway.names import LOOKUP_SOURCES, KPolicy, Role, Ssd
 from specdec.gateway.observe import tracing
 from specdec.gateway.outcome import Outcome, RequestStats
@@ -40,7 +40,7 @@ from specdec.gateway.round.grammar import Constraint
 from specdec.gateway.round.lookup import HYBRID, MODEL
 from specdec.gateway.round.lookup.hybrid import RequestLookup
 from specdec.gateway.round.policy import Policy
-from specdec.gateway.round.ssd import SpeculateCall, SsdBranches, SsdVerdict
+from specdec.gateway.round.ssd import SsdBranches, SsdCall, SsdVerdict
 from specdec.sdk.request import Scoring
 from specdec.v1 import common_pb2
 
@@ -57,7 +57,7 @@ class Speculator:
         verifier: Placement,
         policy: Policy,
         *,
-        speculation: Speculation,
+        speculation: ResolvedSpeculation,
         scoring: Scoring = NO_SCORING,
         max_context: int,
         lookup_max_k: int = 0,
@@ -196,7 +196,7 @@ class Speculator:
         max_k: int,
         draft: Draft,
         verdict: Verdict,
-        speculation: SpeculateCall,
+        speculation: SsdCall,
         ssd: SsdVerdict,
         started: float,
     ) -> Outcome:

@@ -43,7 +43,7 @@ Answered = tuple[drafter_pb2.SpeculateResponse, Replica, float]
 
 
 @dataclass(slots=True)
-class SpeculateCall:
+class SsdCall:
     """The Speculate sent beside a round's Verify (task None: SSD off or paused)."""
 
     state: Ssd  # OFF, PAUSED or SENT
@@ -119,7 +119,7 @@ class SsdBranches:
 
     def send(
         self, ctx: Sequence[int], draft: Sequence[int], remaining: int, max_branch_k: int
-    ) -> SpeculateCall:
+    ) -> SsdCall:
         """The Speculate for the draft under verification (all of it: the model's tokens,
         their lookup extension, or a lookup draft), sent now; it changes no state until
         `settle` reads it. Its branches add their next token and up to max_branch_k
@@ -129,17 +129,17 @@ class SsdBranches:
         branch_k = min(max_branch_k, remaining - 2, self.max_context - len(ctx) - k - 1)
         head = self.calls.features.ask(self.calls.drafter) is not None  # with heads: not built
         if not self.enabled or k == 0 or branch_k < 1 or head:
-            return SpeculateCall(Ssd.OFF)
+            return SsdCall(Ssd.OFF)
         fan_out = self.policy.choose_fan_out(k, branch_k)
         if fan_out is None:  # the policy paused SSD: its Speculates kept arriving late
-            return SpeculateCall(Ssd.PAUSED)
-        speculation = SpeculateCall(Ssd.SENT, fan_out=fan_out, branch_k=branch_k)
+            return SsdCall(Ssd.PAUSED)
+        speculation = SsdCall(Ssd.SENT, fan_out=fan_out, branch_k=branch_k)
         speculation.sent = time.perf_counter()
         speculation.task = asyncio.ensure_future(self._speculate(ctx, draft, speculation))
         return speculation
 
     async def _speculate(
-        self, ctx: Sequence[int], draft: Sequence[int], speculation: SpeculateCall
+        self, ctx: Sequence[int], draft: Sequence[int], speculation: SsdCall
     ) -> Answered:
         """Speculate for `speculation`'s branches; its response, the replica that answered
         and when (perf_counter seconds)."""
@@ -168,7 +168,7 @@ class SsdBranches:
         return answer.response, answer.replica, time.perf_counter()
 
     def settle(
-        self, speculation: SpeculateCall, verdict: Verdict, context: int, tree: DraftTree
+        self, speculation: SsdCall, verdict: Verdict, context: int, tree: DraftTree
     ) -> SsdVerdict:
         """The round's Speculate at its verdict on `tree` after `context` tokens. Never
         waits and never raises: one still running is cancelled (late), one that failed is
