@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ROOTS = ("sdk", "services")
+# The package roots of the SDK and of every service (not their build/ copies).
+ROOTS = ("sdk/specdec", "services/*/specdec")
 
 # "path::Name" of the aliases that re-export a class of the same name defined elsewhere
 # (`Name = module.Name`): the same meaning under a second address.
@@ -62,24 +63,23 @@ def is_reexport(name: str, value: ast.expr | None) -> bool:
 
 
 def clashes(root: Path, folders: tuple[str, ...], reexports: frozenset[str]) -> dict[str, set[str]]:
-    """Each name defined in more than one place under root/folders (files relative to
-    root), re-exports in `reexports` left out; an entry there that is not a re-export of
-    the same name raises. A type parameter named as a class or alias counts as one more
+    """Each name defined in more than one place under root/folders (glob patterns; files
+    relative to root), re-exports in `reexports` left out; an entry there that is not a
+    re-export of the same name raises. A type parameter named as a class or alias counts as one more
     place of that name."""
     where: dict[str, set[str]] = defaultdict(set)
     parameters: dict[str, set[str]] = defaultdict(set)
-    for folder in folders:
-        for path in sorted((root / folder).rglob("*.py")):
-            rel = path.relative_to(root).as_posix()
-            for name, line, value in definitions(ast.parse(path.read_text(), rel)):
-                if value is not None and _is_type_parameter(value):
-                    parameters[name].add(rel)
-                    continue
-                if f"{rel}::{name}" in reexports:
-                    if not is_reexport(name, value):
-                        raise AssertionError(f"{rel}:{line}: {name} is not `{name} = x.{name}`")
-                    continue
-                where[name].add(rel)
+    for path in sorted({p for folder in folders for p in root.glob(f"{folder}/**/*.py")}):
+        rel = path.relative_to(root).as_posix()
+        for name, line, value in definitions(ast.parse(path.read_text(), rel)):
+            if value is not None and _is_type_parameter(value):
+                parameters[name].add(rel)
+                continue
+            if f"{rel}::{name}" in reexports:
+                if not is_reexport(name, value):
+                    raise AssertionError(f"{rel}:{line}: {name} is not `{name} = x.{name}`")
+                continue
+            where[name].add(rel)
     for name, files in parameters.items():
         if name in where:
             where[name] |= files
