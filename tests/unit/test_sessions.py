@@ -386,6 +386,27 @@ async def test_outage_copies_go_back_as_soon_as_redis_answers(server):
         await b.close()
 
 
+async def test_a_write_redis_lost_comes_back_from_the_gateways_copy(server, raw):
+    """Redis took a write, answered, and lost it (restarted from an AOF that had not got
+    its last second: appendfsync everysec): it holds the session's older record. The
+    gateway that wrote the newer one still has it (not dirty: Redis had taken it) and
+    writes it back on the next get, counted as why=stale."""
+    idx = SessionIndex(server.url)
+    await idx.put(record("s", n=1))
+    older = raw.hgetall(PREFIX + "s")
+    await idx.put(record("s", n=2))  # Redis takes it ...
+    raw.delete(PREFIX + "s")
+    raw.hset(PREFIX + "s", mapping=older)  # ... and loses it: the older record is back
+    before = restored("stale")
+    got = await idx.get("s")
+    assert got is not None and got.tokens == [100, 101]
+    other = SessionIndex(server.url, local_capacity=0)
+    assert (await other.get("s")).tokens == [100, 101]  # back in Redis
+    assert restored("stale") == before + 1
+    await other.close()
+    await idx.close()
+
+
 async def test_newer_record_in_redis_wins_over_outage_copy(server):
     a = SessionIndex(server.url)
     b = SessionIndex(server.url)

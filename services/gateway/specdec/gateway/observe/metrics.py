@@ -184,8 +184,9 @@ TURN_UNLOCKS_RETRIED = Counter(
 SESSIONS_RESTORED = Counter(
     PREFIX + "sessions_restored",
     "Session records written back to the session store from this gateway's copy: the "
-    "store lacked them (why=missing: restarted empty, evicted) or held an older one "
-    "written before an outage (why=outage)",
+    "store lacked them (why=missing: restarted empty, evicted), held an older one "
+    "written before an outage (why=outage), or held an older one because it lost this "
+    "gateway's last write (why=stale: restarted from an AOF without its last second)",
     ["why"],
 )
 SESSIONS_LOST = Counter(
@@ -195,5 +196,5 @@ SESSIONS_LOST = Counter(
 )
 for _holder in ("this", "other"):
     TURN_LEASES_LAPSED.labels(holder=_holder)
-for _why in ("missing", "outage"):
+for _why in ("missing", "outage", "stale"):
     SESSIONS_RESTORED.labels(why=_why)

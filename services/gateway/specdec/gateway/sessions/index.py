@@ -12,8 +12,10 @@ in-process LRU copy (write-through on every put, filled on every successful get)
 written locally during an outage are written back to Redis as soon as it answers again (and
 by the next successful ``get`` of that session), unless Redis holds a newer one. A session
 Redis lacks (it restarted without its data, or evicted it) but the local copy holds is
-written back and used too, never read as a new session
-(``specdec_gateway_sessions_restored_total{why}``; a WARNING names it). ``url=None`` runs
+written back and used too, never read as a new session, and so is this gateway's copy of
+a record Redis holds an older version of (a write it took and lost: restarted from an AOF
+without its last second) (``specdec_gateway_sessions_restored_total{why}``; a WARNING
+names a missing one). ``url=None`` runs
 without Redis: sessions live only in the local copy (still bounded and still expiring).
 """
 
@@ -254,13 +256,13 @@ class SessionIndex:
                     )
                     remote = None
             entry = self.local.entry(session_id)
-            if entry is None or not (
-                remote is None or (entry.dirty and remote.updated_at < entry.record.updated_at)
-            ):
+            if entry is None or not (remote is None or remote.updated_at < entry.record.updated_at):
                 break
-            # Redis lacks the session (it restarted without persistence, or evicted it) or
-            # holds an older copy than one written here during an outage: write ours back.
-            restored = await self._write_back(key, entry, "outage" if entry.dirty else "missing")
+            # Redis lacks the session (it restarted without persistence, or evicted it), or
+            # holds an older record than this gateway's copy: one written here during an
+            # outage, or a write Redis took and then lost (restarted from an AOF that had
+            # not yet got it: appendfsync everysec): write ours back.
+            restored = await self._write_back(key, entry, _why(entry, remote))
             if restored is _Restore.DELETED:
                 self.local.pop(session_id)
                 return None
@@ -474,6 +476,13 @@ class SessionIndex:
         else:
             log.info("session %r: local copy written back to the session store", record.session_id)
         return outcome
+
+
+def _why(entry: LocalEntry, remote: SessionRecord | None) -> str:
+    """Why this gateway's copy is written back (specdec_gateway_sessions_restored_total)."""
+    if entry.dirty:
+        return "outage"  # written here while Redis was unreachable
+    return "missing" if remote is None else "stale"  # Redis lost it, or its last write
 
 
 def _pairs(fields: dict[str, bytes | str]) -> list[bytes | str]:
