@@ -194,8 +194,8 @@ def test_the_first_round_prefills_the_drafter_beside_the_verifier(
 ):
     """The adaptive policy's first round of a request drafts nothing: the drafter, which
     holds nothing of the prompt, prefills it beside the verifier's prefill instead of
-    before it, and the rounds after draft (the recording shows each round's k and source).
-    A fixed policy drafts its k from the first round. Greedy output equals generate()."""
+    before it (the recording shows each round's k and source). A fixed policy drafts its k
+    from the first round. Greedy output equals generate()."""
     verifier, noisy = adaptive_stack["replicas"]
     record = {policy: tmp_path / policy for policy in ("adaptive", "fixed")}
     for policy, directory in record.items():
@@ -213,7 +213,7 @@ def test_the_first_round_prefills_the_drafter_beside_the_verifier(
     fixed = [r for f in sorted(record["fixed"].glob("*.jsonl")) for r in read_rows(f)]
     assert len(adaptive) == len(fixed) == 3
     for row in adaptive:
+        # (what later rounds draft is the policy's choice from their measured costs)
         assert row["round_k"][0] == 0 and row["round_source"][0] == "none", row
-        assert sum(row["round_k"][1:]) > 0, row  # the drafter drafts after it
     for row in fixed:
         assert row["round_k"][0] == 4, row
