@@ -142,6 +142,26 @@ def test_local_text_and_recordings_train_heads(test_models, tokenizer, tmp_path)
     assert read_model_version(str(out)) == "head-from-data"
 
 
+def test_resume_reuses_the_target_outputs_an_interrupted_run_collected(
+    test_models, tokenizer, prompt_file, tmp_path
+):
+    """--resume with --head: the target's outputs for --prompts that a run into OUT wrote
+    before it stopped are read back, not generated again."""
+    rows = [
+        Sequence(
+            tuple(tokenizer(f"def f{i}(x):").input_ids), tuple(tokenizer(" return x").input_ids)
+        )
+        for i in range(7)
+    ]
+    out = tmp_path / "head"
+    write_rows(out / "distill" / "data.jsonl", rows, str(test_models.target))
+    argv = head_args(test_models, out, "--prompts", str(prompt_file), "--steps", "2", "--resume")
+    assert specdec(argv) == 0
+    data = json.loads((out / VERSION_FILE).read_text())["data"]
+    assert data["source"] == "prompts" and "generated_tokens" not in data
+    assert data["train_sequences"] + data["held_out_sequences"] == len(rows)
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

@@ -131,6 +131,30 @@ def test_each_service_is_a_distribution_of_its_own_and_the_gateways_has_no_torch
         assert {"torch", "transformers", "specdec-replica"} <= set(_requirements(role))
 
 
+def test_the_package_roots_are_named_once_for_every_import_aware_tool():
+    """`specdec` is one namespace over several package roots (a distribution's folder that
+    holds a `specdec/` folder and a pyproject.toml). The type checkers do not run setuptools'
+    editable finders, so the root pyproject.toml names the roots for them: mypy's
+    mypy_path and pyright's extraPaths, each exactly the roots there are, and no folder
+    named specdec holds an __init__.py (which would hide the other roots)."""
+    import tomllib
+
+    found = [*ROOT.glob("*/pyproject.toml"), *ROOT.glob("*/*/pyproject.toml")]
+    roots = sorted(
+        str(f.parent.relative_to(ROOT))
+        for f in found
+        if (f.parent / "specdec").is_dir() and not f.relative_to(ROOT).parts[0].startswith(".")
+    )
+    assert {"sdk", "tools", "services/gateway", "services/drafter", "services/verifier"} <= set(
+        roots
+    ), roots
+    settings = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]
+    assert sorted(settings["mypy"]["mypy_path"]) == roots
+    assert sorted(settings["pyright"]["extraPaths"]) == roots
+    for root in roots:
+        assert not (ROOT / root / "specdec" / "__init__.py").exists(), root
+
+
 def test_specdec_serve_runs_the_services_installed_beside_it():
     """Each service registers itself (the "specdec.services" entry points); a checkout's
     install has all three."""

@@ -161,7 +161,8 @@ def add_distill_parser(commands) -> argparse.ArgumentParser:
         "--resume",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="continue OUT's checkpoint",
+        help="continue OUT's checkpoint; with --head: reuse the target outputs for --prompts "
+        "that an interrupted run into OUT collected",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -354,7 +355,7 @@ def _run_distill(args: argparse.Namespace) -> int:
 # set to anything but their default.
 NOT_FOR_HEADS = (
     "draft_model", "ce_weight", "kl_weight", "top_m", "train_layers", "train_head",
-    "lora_rank", "lora_alpha", "quant_aware", "on_policy", "resume", "eval_temperature",
+    "lora_rank", "lora_alpha", "quant_aware", "on_policy", "eval_temperature",
 )  # fmt: skip
 
 
