@@ -79,6 +79,52 @@ def test_greedy_through_a_head_equals_generate(head_stack, tokenizer, reference,
         second_turn_equals_generate(client, PROMPTS[4:6], f"heads-{which}", tokenizer, reference, N)
 
 
+def test_greedy_through_a_heads_trees_equals_generate(head_stack, tokenizer, reference):
+    """Trees of terminal leaves (the head's alternatives, tree_depth 0): rounds verify trees,
+    and the output is the target's generate() (the verifier returns the accepted path's
+    features, in the head's cache order)."""
+    tree_rounds = 0
+    with Client(head_stack["gateway"].address, timeout=120) as client:
+        for text in PROMPTS[:3]:
+            ids = tokenizer(text).input_ids
+            got = client.generate(
+                token_ids=ids, max_new_tokens=N, k=3, tree_width=3, k_policy="fixed"
+            )
+            assert list(got.tokens) == reference(ids, N), text
+            tree_rounds += got.stats.tree_rounds
+    assert tree_rounds > 0
+
+
+async def test_a_heads_tree_draft_adds_its_alternatives_as_leaves(head_stack, tokenizer):
+    """A Draft to the head with tree_nodes: the chain of k, then leaves that are siblings of
+    draft tokens (parents as a chain's, then each leaf's draft parent), none equal to the
+    draft token it stands beside."""
+    channel, stub = stubs(head_stack["drafter"], "drafter")
+    ids = tokenizer(PROMPTS[3]).input_ids
+    try:
+        got = await GrpcTransport(stub).call(
+            Method.DRAFT,
+            drafter_pb2.DraftRequest(
+                session_id="heads/tree",
+                prefix=prefix(ids, 0),
+                new_tokens=ids,
+                num_draft_tokens=3,
+                sampling=GREEDY,
+                tree_nodes=4,
+                tree_width=3,
+            ),
+            30,
+        )
+    finally:
+        await channel.close()
+    tokens, parents = list(got.draft_tokens), list(got.draft_parents)
+    assert 3 < len(tokens) <= 7 and len(parents) == len(tokens)
+    assert parents[:3] == [-1, 0, 1]
+    for node in range(3, len(tokens)):
+        sibling = parents[node] + 1  # the draft token the leaf stands beside
+        assert 0 <= sibling < 3 and tokens[node] != tokens[sibling]
+
+
 def test_the_features_flow_and_are_counted(head_stack, tokenizer):
     """Every position whose next token a verdict made known is sent once, 256 bytes a
     position (64 float32 values); the head fed them and its own predictions at the draft
@@ -168,6 +214,22 @@ def test_sampling_through_a_head_follows_the_target(heads, tokenizer):
     check_sequence_counts([tuple(r.tokens) for r in results], exact)
 
 
+def test_sampling_through_a_heads_trees_follows_the_target(heads, tokenizer):
+    """As above with trees of terminal leaves (tree_width 3): the tree rule keeps the
+    target's distribution over all 16 sequences, and the check's negative control."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(heads["target1"], dtype=torch.float32)
+    ids = tokenizer(PROMPTS[0]).input_ids
+    exact = exact_sequence_probs(target, ids, steps=4, top_k=2)
+    with small_stack(heads["target1"], heads["target1"], "--head", str(heads["noisy"])) as procs:
+        results = sample_top2(
+            procs["gateway"].address, ids, 1200, k=3, tree_width=3, k_policy="fixed"
+        )
+    assert sum(r.stats.tree_rounds for r in results) > 0
+    check_sequence_counts([tuple(r.tokens) for r in results], exact)
+
+
 @pytest.mark.parametrize(("head", "low", "high"), [("exact", 0.95, 1.0), ("noisy", 0.2, 0.95)])
 def test_a_head_that_copies_the_target_is_accepted(heads, tokenizer, head, low, high):
     """A one-layer target and a head whose layer is the target's and whose fc passes the
@@ -194,8 +256,8 @@ def test_a_head_that_copies_the_target_is_accepted(heads, tokenizer, head, low, 
 
 
 async def test_what_is_not_built_says_so(head_stack, tokenizer):
-    """The head drafter's Info names its features; a tree or a Speculate to it is
-    FAILED_PRECONDITION, features of another width or beyond the sequence
+    """The head drafter's Info names its features; a tree with continued leaves or a
+    Speculate to it is FAILED_PRECONDITION, features of another width or beyond the sequence
     INVALID_ARGUMENT; a Verify asking for a layer the target has not, or no format,
     INVALID_ARGUMENT."""
     d_channel, d_stub = stubs(head_stack["drafter"], "drafter")
@@ -213,8 +275,9 @@ async def test_what_is_not_built_says_so(head_stack, tokenizer):
                                    data=bytes(4 * width * positions))  # fmt: skip
 
     refused = [
-        (drafter, Method.DRAFT, draft(tree_nodes=2, tree_width=2),
-         grpc.StatusCode.FAILED_PRECONDITION, "token trees (tree_nodes) are not built for head"),
+        (drafter, Method.DRAFT, draft(tree_nodes=4, tree_width=2, tree_depth=1),
+         grpc.StatusCode.FAILED_PRECONDITION,
+         "continued leaves (tree_depth) are not built for head drafters"),
         (drafter, Method.SPECULATE,
          drafter_pb2.SpeculateRequest(session_id="heads/refused", prefix=prefix(ids, 0),
                                       new_tokens=ids, draft_length=2, num_draft_tokens=2,

@@ -31,8 +31,11 @@ from there again with the target's features (EAGLE's refresh of the accepted tok
 then drafts k tokens. `propose_head` is that job: the head engine's own, so it names the
 engine (the model drafter's jobs use the seam only).
 
-Chains only: trees and SSD (Speculate) with heads are not built yet; the servicer refuses
-them (FAILED_PRECONDITION).
+A Draft may ask for a token tree of terminal leaves (tree_nodes, tree_depth 0): the head's
+likeliest alternatives to its draft tokens, read from the rows the chain was drawn from
+(the model drafter's `plan`), at no forward of their own. Continued leaves (tree_depth > 0)
+and SSD (Speculate) with heads are not built yet; the servicer refuses them
+(FAILED_PRECONDITION).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ import torch
 
 from specdec.common.settings import ConfigError, env_name
 from specdec.drafter.config import DrafterConfig
-from specdec.drafter.proposer import DraftCall, DraftResult
+from specdec.drafter.proposer import DraftCall, DraftResult, plan, tree_tops
 from specdec.drafter.sampler import sampler_for
 from specdec.replica.batching import ForwardRequest, ModelRequest
 from specdec.replica.features import FORMAT_NAMES, FeatureAsk, FeatureSink, decoder_layers
@@ -66,7 +69,7 @@ from specdec.replica.loading import (
 )
 from specdec.replica.processors import TokenCounts
 from specdec.replica.runtime import ModelRuntime
-from specdec.replica.sampling import encoded_rows
+from specdec.replica.sampling import encoded_rows, one_hot_encoded
 
 log = logging.getLogger(__name__)
 
@@ -424,8 +427,9 @@ class HeadRuntime(ModelRuntime):
 
 @dataclass(frozen=True)
 class HeadDraftCall(DraftCall):
-    """A validated Draft for a head drafter (a chain): DraftCall's fields, and the
-    target's features it carries, (start position, rows [n, width] on the host) each."""
+    """A validated Draft for a head drafter (a chain, or a tree of terminal leaves):
+    DraftCall's fields, and the target's features it carries, (start position, rows
+    [n, width] on the host) each."""
 
     features: tuple[tuple[int, torch.Tensor], ...] = ()
 
@@ -450,8 +454,8 @@ def propose_head(call: HeadDraftCall) -> Generator[ModelRequest, torch.Tensor, D
         )
         state = runtime.state(session_id, session, fresh=prefix.length == 0)
         state.forget_after(len(session.tokens))
-        for start, rows in call.features:
-            state.receive(start, rows.to(runtime.model.dtype))
+        for start, received in call.features:
+            state.receive(start, received.to(runtime.model.dtype))
         back = state.rollback_point(len(session.tokens))
         feed = [*session.tokens[back:], *call.new_tokens]
         if back < len(session.tokens):
@@ -467,7 +471,9 @@ def propose_head(call: HeadDraftCall) -> Generator[ModelRequest, torch.Tensor, D
         sampler = sampler_for(params, runtime, counts)
         drawn: list[torch.Tensor] = []  # [1] each, on the device
         proposals: list[torch.Tensor] = []  # [1, vocab] each, under sampling
+        rows: list[torch.Tensor] = []  # [1, vocab] logits each token was drawn from
         for i in range(k):
+            rows.append(last)
             token, proposal = sampler.draw(last, [position + i])
             drawn.append(token)
             if proposal is not None:
@@ -479,13 +485,27 @@ def propose_head(call: HeadDraftCall) -> Generator[ModelRequest, torch.Tensor, D
                 last = (yield from _steps(runtime, session, token, own, sink))[-1:]
         runtime.obs.head_fed(0, k - 1, 0)
         payload = sampler.payload(proposals)
-        host = to_host(torch.cat(drawn), *payload)  # the Draft's one copy
+        chain = torch.cat(drawn)
+        top = tree_tops(rows, proposals, chain, call.tree_width) if call.tree_nodes > 0 else ()
+        host = to_host(chain, *payload, *top)  # the Draft's one copy
         tokens = host[0].tolist()
         store.fill(session, tokens[: k - 1])  # the device tokens it fed
         state.prune(len(session.tokens))
-        encoded = encoded_rows(host[1:]) if proposals else []
+        encoded = encoded_rows(host[1 : 1 + len(payload)]) if proposals else []
+        parents: list[int] = []
+        if top:  # terminal leaves: the head's alternatives, no forward of their own
+            conf, values, indices = (t.tolist() for t in host[len(host) - 3 :])
+            leaves, parents, _ = plan(
+                tokens, conf, indices, values, call.tree_nodes, call.tree_width, depth=0
+            )
+            tokens += leaves
+            encoded += [one_hot_encoded(t) for t in leaves] if proposals else []
         return DraftResult(
-            tokens, encoded, len(session.tokens), (time.perf_counter() - started) * 1e3
+            tokens,
+            encoded,
+            len(session.tokens),
+            (time.perf_counter() - started) * 1e3,
+            parents=parents,
         )
 
 

@@ -136,11 +136,7 @@ def propose(call: DraftCall) -> Generator[ModelRequest, torch.Tensor, DraftResul
                 last = (yield from runtime.forward_steps(session, token))[-1:]
         tokens_d = torch.cat(drawn)
         payload = sampler.payload(proposals)
-        top: tuple[torch.Tensor, ...] = ()
-        if tree_nodes > 0 and tree_width > 1:  # the tokens' probabilities, top alternatives
-            dist = torch.cat(proposals) if proposals else torch.softmax(torch.cat(rows).float(), -1)
-            best = torch.topk(dist, min(tree_width, dist.shape[-1]), dim=-1)
-            top = (dist.gather(1, tokens_d[:, None])[:, 0], best.values, best.indices)
+        top = tree_tops(rows, proposals, tokens_d, tree_width) if tree_nodes > 0 else ()
         host = to_host(tokens_d, *payload, *top)  # the Draft's one copy
         tokens = host[0].tolist()
         runtime.ready_store.fill(session, tokens[: k - 1])  # the device tokens it fed
@@ -178,6 +174,23 @@ def propose(call: DraftCall) -> Generator[ModelRequest, torch.Tensor, DraftResul
             parents += more_parents
             encoded += more_probs
         return DraftResult(tokens, encoded, len(session.tokens), _ms(started), parents=parents)
+
+
+def tree_tops(
+    rows: list[torch.Tensor],
+    proposals: list[torch.Tensor],
+    drawn: torch.Tensor,
+    width: int,
+) -> tuple[torch.Tensor, ...]:
+    """What `plan` reads of a chain's draft, on the device: each drawn token's probability
+    [k], and each row's `width` likeliest tokens' probabilities and ids [k, width] (rows:
+    the [1, vocab] logits each token was drawn from; proposals: the distributions it was
+    drawn from, under sampling). () for a chain (width 1)."""
+    if width <= 1:
+        return ()
+    dist = torch.cat(proposals) if proposals else torch.softmax(torch.cat(rows).float(), -1)
+    best = torch.topk(dist, min(width, dist.shape[-1]), dim=-1)
+    return dist.gather(1, drawn[:, None])[:, 0], best.values, best.indices
 
 
 def continue_leaves(

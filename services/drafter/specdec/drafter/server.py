@@ -100,12 +100,16 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             fork_from=request.fork_from,
         )
         if isinstance(rt, HeadRuntime):
-            if tree_nodes:
+            if tree_depth:
                 raise FailedPrecondition(
-                    "token trees (tree_nodes) are not built for head drafters yet; send a chain"
+                    "continued leaves (tree_depth) are not built for head drafters yet; "
+                    "send terminal leaves (tree_depth 0) or a chain"
                 )
             features = self._head_features(rt, request, prefix.length + len(new_tokens))
-            return ModelCall(HeadDraftCall(**fields, features=features), self._draft_response)
+            head = HeadDraftCall(
+                **fields, tree_nodes=tree_nodes, tree_width=tree_width, features=features
+            )
+            return ModelCall(head, self._draft_response)
         if request.features:
             raise FailedPrecondition(
                 "features are a head drafter's input (serve drafter --head); this drafter "

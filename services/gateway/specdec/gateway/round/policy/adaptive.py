@@ -334,12 +334,12 @@ class AdaptivePolicy:
             lambda nodes: self.prices.price(1 + nodes, 0.0, width),
         )
 
-    def model_tree(self, k: int, width: int, bound: int) -> tuple[int, int]:
+    def model_tree(self, k: int, width: int, bound: int, continued: bool = True) -> tuple[int, int]:
         """The nodes a model draft of k tokens may add and the tokens continuing each
         continued leaf (`trees.model_tree_sizes`; g before any round took a leaf: a tenth of the
-        draft model's acceptance)."""
+        draft model's acceptance); terminal leaves only where not `continued` (a head)."""
         if k <= 0 or bound <= 0 or not self._known():
-            return FixedPolicy.model_tree(k, width, bound)
+            return FixedPolicy.model_tree(k, width, bound, continued)
         g = self.leaves.value if self.leaves.value is not None else self.acceptance / 10
         batch = self._width(k)
         return model_tree_sizes(
@@ -352,6 +352,7 @@ class AdaptivePolicy:
             lambda n, depth: self.prices.price(
                 1 + k + n, self.drafting(k + depth), batch, k + depth
             ),
+            continued,
         )
 
     # -- measurements --------------------------------------------------------------------------
