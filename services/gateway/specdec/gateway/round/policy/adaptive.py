@@ -335,9 +335,8 @@ class AdaptivePolicy:
         )
 
     def model_tree(self, k: int, width: int, bound: int, continued: bool = True) -> tuple[int, int]:
-        """The nodes a model draft of k tokens may add and the tokens continuing each
-        continued leaf (`trees.model_tree_sizes`; g before any round took a leaf: a tenth of the
-        draft model's acceptance); terminal leaves only where not `continued` (a head)."""
+        """(nodes, depth) of a model draft of k tokens' tree (`trees.model_tree_sizes`; g before
+        a round took a leaf: a tenth of the acceptance); terminal leaves only unless `continued`."""
         if k <= 0 or bound <= 0 or not self._known():
             return FixedPolicy.model_tree(k, width, bound, continued)
         g = self.leaves.value if self.leaves.value is not None else self.acceptance / 10
