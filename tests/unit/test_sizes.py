@@ -1,7 +1,7 @@
 """The gateway reads on a screen (docs/development.md, "The gateway's wings"): its top
 level holds at most 12 modules besides its wings, no function or method runs over 80
-lines, and no class over 300. Read from the source with `ast`; a change that crosses a limit splits the code, it
-does not raise the limit."""
+lines, and no class over 300. Read from the source with `ast`; a change that crosses a
+limit splits the code, it does not raise the limit."""
 
 from __future__ import annotations
 
