@@ -80,9 +80,9 @@ def test_greedy_through_a_head_equals_generate(head_stack, tokenizer, reference,
 
 
 def test_greedy_through_a_heads_trees_equals_generate(head_stack, tokenizer, reference):
-    """Trees of terminal leaves (the head's alternatives, tree_depth 0): rounds verify trees,
-    and the output is the target's generate() (the verifier returns the accepted path's
-    features, in the head's cache order)."""
+    """Trees drafted by the head (its alternatives as leaves, continued as branch rows):
+    rounds verify trees, and the output is the target's generate() (the verifier returns
+    the accepted path's features, in the head's cache order)."""
     tree_rounds = 0
     with Client(head_stack["gateway"].address, timeout=120) as client:
         for text in PROMPTS[:3]:
@@ -95,34 +95,33 @@ def test_greedy_through_a_heads_trees_equals_generate(head_stack, tokenizer, ref
     assert tree_rounds > 0
 
 
-async def test_a_heads_tree_draft_adds_its_alternatives_as_leaves(head_stack, tokenizer):
-    """A Draft to the head with tree_nodes: the chain of k, then leaves that are siblings of
-    draft tokens (parents as a chain's, then each leaf's draft parent), none equal to the
-    draft token it stands beside."""
+async def test_a_heads_tree_draft_grows_leaves_and_continues_them(head_stack, tokenizer):
+    """A Draft to the head with tree_nodes and tree_depth: the chain of k, leaves that are
+    siblings of draft tokens (none equal to the token beside it), and continued leaves'
+    tokens, each the child of the node before it."""
     channel, stub = stubs(head_stack["drafter"], "drafter")
     ids = tokenizer(PROMPTS[3]).input_ids
     try:
         got = await GrpcTransport(stub).call(
             Method.DRAFT,
-            drafter_pb2.DraftRequest(
-                session_id="heads/tree",
-                prefix=prefix(ids, 0),
-                new_tokens=ids,
-                num_draft_tokens=3,
-                sampling=GREEDY,
-                tree_nodes=4,
-                tree_width=3,
-            ),
+            drafter_pb2.DraftRequest(session_id="heads/tree", prefix=prefix(ids, 0),
+                                     new_tokens=ids, num_draft_tokens=3, sampling=GREEDY,
+                                     tree_nodes=7, tree_width=3, tree_depth=2),
             30,
-        )
+        )  # fmt: skip
     finally:
         await channel.close()
     tokens, parents = list(got.draft_tokens), list(got.draft_parents)
-    assert 3 < len(tokens) <= 7 and len(parents) == len(tokens)
+    assert 3 < len(tokens) <= 10 and len(parents) == len(tokens)
     assert parents[:3] == [-1, 0, 1]
-    for node in range(3, len(tokens)):
+    leaves = [n for n in range(3, len(tokens)) if parents[n] < 2]
+    continued = [n for n in range(3, len(tokens)) if parents[n] >= 3]
+    assert leaves and continued and len(leaves) + len(continued) == len(tokens) - 3
+    for node in leaves:
         sibling = parents[node] + 1  # the draft token the leaf stands beside
-        assert 0 <= sibling < 3 and tokens[node] != tokens[sibling]
+        assert tokens[node] != tokens[sibling]
+    for node in continued:  # depth 2: a leaf's first token, then its second
+        assert parents[node] in leaves or parents[parents[node]] in leaves
 
 
 def test_the_features_flow_and_are_counted(head_stack, tokenizer):
@@ -215,8 +214,9 @@ def test_sampling_through_a_head_follows_the_target(heads, tokenizer):
 
 
 def test_sampling_through_a_heads_trees_follows_the_target(heads, tokenizer):
-    """As above with trees of terminal leaves (tree_width 3): the tree rule keeps the
-    target's distribution over all 16 sequences, and the check's negative control."""
+    """As above with trees (tree width 3, leaves continued as branch rows): the tree rule
+    keeps the target's distribution over all 16 sequences, and the check's negative
+    control."""
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(heads["target1"], dtype=torch.float32)
@@ -256,8 +256,7 @@ def test_a_head_that_copies_the_target_is_accepted(heads, tokenizer, head, low, 
 
 
 async def test_what_is_not_built_says_so(head_stack, tokenizer):
-    """The head drafter's Info names its features; a tree with continued leaves or a
-    Speculate to it is FAILED_PRECONDITION, features of another width or beyond the sequence
+    """The head drafter's Info names its features; a Speculate to it is FAILED_PRECONDITION, features of another width or beyond the sequence
     INVALID_ARGUMENT; a Verify asking for a layer the target has not, or no format,
     INVALID_ARGUMENT."""
     d_channel, d_stub = stubs(head_stack["drafter"], "drafter")
@@ -275,9 +274,6 @@ async def test_what_is_not_built_says_so(head_stack, tokenizer):
                                    data=bytes(4 * width * positions))  # fmt: skip
 
     refused = [
-        (drafter, Method.DRAFT, draft(tree_nodes=4, tree_width=2, tree_depth=1),
-         grpc.StatusCode.FAILED_PRECONDITION,
-         "continued leaves (tree_depth) are not built for head drafters"),
         (drafter, Method.SPECULATE,
          drafter_pb2.SpeculateRequest(session_id="heads/refused", prefix=prefix(ids, 0),
                                       new_tokens=ids, draft_length=2, num_draft_tokens=2,

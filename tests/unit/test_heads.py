@@ -20,9 +20,11 @@ from specdec.common.settings import ConfigError
 from specdec.drafter.config import DrafterConfig
 from specdec.drafter.head import HeadDraftCall, HeadRuntime, HeadState, read_head
 from specdec.drafter.speculate import BranchStore
+from specdec.replica.batching import BranchGroup, BranchStep
 from specdec.replica.engine import Prefix
 from specdec.replica.features import (
     FeatureAsk,
+    FeatureSink,
     ask_from_proto,
     decode_features,
     encode_features,
@@ -292,6 +294,50 @@ def test_a_head_that_copies_a_one_layer_target_drafts_its_tokens(one_layer, toke
         assert got.cached_length == len(ids) + 5
     finally:
         rt.shutdown()
+
+
+@pytest.mark.parametrize("engine", ["dense", "paged"])
+def test_a_heads_branch_rows_are_fed_their_inputs(one_layer, engine):
+    """A head's branch rows (a tree's continued leaves): row (v, t, f) gives the logits
+    and the output feature that feeding t with input f after the session's first v tokens
+    gives on a session of its own, and so does its next step, fed that output. Two rows
+    of different lengths in one step; the session's cache is not changed."""
+    rt = head_runtime(one_layer["random"], one_layer["target"], engine=engine)
+    try:
+        seq, width = list(range(5, 17)), rt.width
+        feats = torch.randn(len(seq), width, generator=torch.Generator().manual_seed(0))
+        first = torch.randn(2, width, generator=torch.Generator().manual_seed(1))
+        session = rt.ready_store.acquire("hb/base", 0, 0, len(seq))
+        rt.drive(rt.forward_steps(session, seq, keep=1, inputs=feats))
+        group = BranchGroup(session, [7, 10])
+        steps = [[40, 41], [42, 43]]  # each step's token per row
+        logits, outputs, inputs = [], [], first
+        for tokens in steps:
+            sink = FeatureSink((0,))
+            logits.append(rt.drive(_one(BranchStep(group, tokens, features=sink, inputs=inputs))))
+            inputs = sink.tensor()  # [rows, width]: what each row's next token is fed
+            outputs.append(inputs)
+        assert len(session.tokens) == len(seq)
+        for row, v in enumerate(group.visible):
+            alone = rt.ready_store.acquire(f"hb/{row}", 0, 0, v + len(steps))
+            rt.drive(rt.forward_steps(alone, seq[:v], keep=1, inputs=feats[:v]))
+            fed = [first[row : row + 1], outputs[0][row : row + 1]]
+            for step, tokens in enumerate(steps):
+                sink = FeatureSink((0,))
+                want = rt.drive(
+                    rt.forward_steps(alone, [tokens[row]], keep=1, features=sink, inputs=fed[step])
+                )
+                torch.testing.assert_close(logits[step][row], want[-1], atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(
+                    outputs[step][row], sink.tensor()[-1], atol=1e-4, rtol=1e-4
+                )
+    finally:
+        rt.shutdown()
+
+
+def _one(request):
+    """A job of one forward: its logits."""
+    return (yield request)
 
 
 def test_a_random_heads_drafts_depend_on_the_features(one_layer, tokenizer):

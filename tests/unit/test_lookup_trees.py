@@ -110,18 +110,6 @@ def test_model_tree_fixed_and_priced():
     nodes, depth = slow_drafter.model_tree(6, 3, 10)
     assert depth == 0 and 0 < nodes <= 10
     assert steep.model_tree(6, 3, 10) == (0, 0)
-    # A head continues no leaf: terminal leaves only, where they pay (leaves taken in a
-    # third of the rounds), none where continuing was what paid (g = 0.1).
-    often = _adaptive(0.05)
-    for _ in range(20):
-        often.leaves.add(0.3)
-        often.observe_draft(6, 0.001 + 6 * 0.1 / 1e3, forward_ms=6 * 0.1)
-        often.model.observe(6, 4)
-    assert often.model_tree(6, 3, 10)[1] > 0
-    nodes, depth = often.model_tree(6, 3, 10, continued=False)
-    assert depth == 0 and 0 < nodes <= 10
-    assert flat.model_tree(6, 3, 10, continued=False) == (0, 0)
-    assert FixedPolicy().model_tree(8, 3, 16, continued=False) == (4, 0)
 
 
 def test_on_chain_and_branch_of_a_drafter_tree():

@@ -31,11 +31,12 @@ from there again with the target's features (EAGLE's refresh of the accepted tok
 then drafts k tokens. `propose_head` is that job: the head engine's own, so it names the
 engine (the model drafter's jobs use the seam only).
 
-A Draft may ask for a token tree of terminal leaves (tree_nodes, tree_depth 0): the head's
-likeliest alternatives to its draft tokens, read from the rows the chain was drawn from
-(the model drafter's `plan`), at no forward of their own. Continued leaves (tree_depth > 0)
-and SSD (Speculate) with heads are not built yet; the servicer refuses them
-(FAILED_PRECONDITION).
+A Draft may ask for a token tree (tree_nodes): the head's likeliest alternatives to its
+draft tokens as leaves, read from the rows the chain was drawn from, the best continued
+by tree_depth tokens as branch rows (the model drafter's `grow_tree`): a leaf at position
+p is fed the feature the draft token there was fed, and each token after it the head's
+own output at the token before. SSD (Speculate) with heads is not built yet; the
+servicer refuses it (FAILED_PRECONDITION).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ import torch
 
 from specdec.common.settings import ConfigError, env_name
 from specdec.drafter.config import DrafterConfig
-from specdec.drafter.proposer import DraftCall, DraftResult, plan, tree_tops
+from specdec.drafter.proposer import DraftCall, DraftResult, grow_tree, tree_tops
 from specdec.drafter.sampler import sampler_for
 from specdec.replica.batching import ForwardRequest, ModelRequest
 from specdec.replica.features import FORMAT_NAMES, FeatureAsk, FeatureSink, decoder_layers
@@ -69,7 +70,7 @@ from specdec.replica.loading import (
 )
 from specdec.replica.processors import TokenCounts
 from specdec.replica.runtime import ModelRuntime
-from specdec.replica.sampling import encoded_rows, one_hot_encoded
+from specdec.replica.sampling import encoded_rows
 
 log = logging.getLogger(__name__)
 
@@ -386,20 +387,26 @@ class HeadRuntime(ModelRuntime):
         return loaded_model(model, facts, reason)
 
     def _forward_requests(self, requests: list[ModelRequest]) -> list[torch.Tensor]:
-        """The forward with every row's input features laid out as its input_ids (each
-        request one row, its tokens from column 0, right pads reading zeros)."""
+        """The forward with every row's input features laid out as its input_ids (a
+        session's request one row, its tokens from column 0; a branch step one row per
+        branch, its token in column 0; right pads reading zeros)."""
         assert self.embedding is not None
         rows = torch.zeros(  # on the device: a draft step's input is already there
-            len(requests),
+            sum(r.rows for r in requests),
             max(r.width for r in requests),
             self.width,
             dtype=self.model.dtype,
             device=self.device,
         )
-        for i, r in enumerate(requests):
-            if not isinstance(r, ForwardRequest) or r.inputs is None:
-                raise AssertionError("a head's forwards are session forwards with input features")
-            rows[i, : r.inputs.shape[0]] = r.inputs
+        row = 0
+        for r in requests:
+            if r.inputs is None:
+                raise AssertionError("a head's forwards carry their input features")
+            if isinstance(r, ForwardRequest):
+                rows[row, : r.inputs.shape[0]] = r.inputs
+            else:
+                rows[row : row + r.rows, 0] = r.inputs
+            row += r.rows
         self.embedding.features = rows
         try:
             return super()._forward_requests(requests)
@@ -427,8 +434,7 @@ class HeadRuntime(ModelRuntime):
 
 @dataclass(frozen=True)
 class HeadDraftCall(DraftCall):
-    """A validated Draft for a head drafter (a chain, or a tree of terminal leaves):
-    DraftCall's fields, and the target's features it carries, (start position, rows
+    """A validated Draft for a head drafter (a chain or a tree): DraftCall's fields, and the target's features it carries, (start position, rows
     [n, width] on the host) each."""
 
     features: tuple[tuple[int, torch.Tensor], ...] = ()
@@ -472,6 +478,9 @@ def propose_head(call: HeadDraftCall) -> Generator[ModelRequest, torch.Tensor, D
         drawn: list[torch.Tensor] = []  # [1] each, on the device
         proposals: list[torch.Tensor] = []  # [1, vocab] each, under sampling
         rows: list[torch.Tensor] = []  # [1, vocab] logits each token was drawn from
+        # [1, width] each, on the device: what the token at position + i is fed with, the
+        # head's own prediction at the token before (a tree's continued leaf there too)
+        feeds = [sink.tensor()[-1:]]
         for i in range(k):
             rows.append(last)
             token, proposal = sampler.draw(last, [position + i])
@@ -479,10 +488,10 @@ def propose_head(call: HeadDraftCall) -> Generator[ModelRequest, torch.Tensor, D
             if proposal is not None:
                 proposals.append(proposal)
             if i < k - 1:  # fed with the head's own prediction of its feature
-                own = sink.tensor()[-1:]  # [1, width], on the device
                 state.fed_own(position + i)
                 sink = FeatureSink((0,))
-                last = (yield from _steps(runtime, session, token, own, sink))[-1:]
+                last = (yield from _steps(runtime, session, token, feeds[i], sink))[-1:]
+                feeds.append(sink.tensor()[-1:])
         runtime.obs.head_fed(0, k - 1, 0)
         payload = sampler.payload(proposals)
         chain = torch.cat(drawn)
@@ -493,13 +502,11 @@ def propose_head(call: HeadDraftCall) -> Generator[ModelRequest, torch.Tensor, D
         state.prune(len(session.tokens))
         encoded = encoded_rows(host[1 : 1 + len(payload)]) if proposals else []
         parents: list[int] = []
-        if top:  # terminal leaves: the head's alternatives, no forward of their own
-            conf, values, indices = (t.tolist() for t in host[len(host) - 3 :])
-            leaves, parents, _ = plan(
-                tokens, conf, indices, values, call.tree_nodes, call.tree_width, depth=0
+        if top:  # the head's alternatives as leaves, the best continued as branch rows
+            top_host = [t.tolist() for t in host[len(host) - 3 :]]
+            tokens, parents, encoded = yield from grow_tree(
+                call, session, position, tokens, top_host, encoded, bool(proposals), feeds
             )
-            tokens += leaves
-            encoded += [one_hot_encoded(t) for t in leaves] if proposals else []
         return DraftResult(
             tokens,
             encoded,

@@ -102,7 +102,7 @@ def propose(call: DraftCall) -> Generator[ModelRequest, torch.Tensor, DraftResul
         call.prefix,
     )
     new_tokens, k, params, controls = call.new_tokens, call.k, call.params, call.controls
-    tree_nodes, tree_width, tree_depth = call.tree_nodes, call.tree_width, call.tree_depth
+    tree_nodes, tree_width = call.tree_nodes, call.tree_width
     with runtime.guarded(session_id):
         started = time.perf_counter()
         branches.pop_rows(session_id)
@@ -148,32 +148,56 @@ def propose(call: DraftCall) -> Generator[ModelRequest, torch.Tensor, DraftResul
         )
         if not top:
             return DraftResult(tokens, encoded, len(session.tokens), _ms(started))
-        conf, values, indices = (t.tolist() for t in host[len(host) - 3 :])
-        cfg = runtime.config
-        assert isinstance(cfg, DrafterConfig)  # the drafter's runtime has its config
-        budget = branch_budget(  # continued leaves are branch rows: SSD's KV bound holds
-            cfg.ssd_max_branch_tokens, len(session.tokens), tree_depth
+        top_host = [t.tolist() for t in host[len(host) - 3 :]]
+        tokens, parents, encoded = yield from grow_tree(
+            call, session, position, tokens, top_host, encoded, bool(proposals)
         )
-        leaves, parents, continued = plan(
-            tokens, conf, indices, values, tree_nodes, tree_width, tree_depth, budget
-        )
-        if proposals:
-            encoded += [one_hot_encoded(t) for t in leaves]
-        tokens = [*tokens, *leaves]
-        if continued:
-            more, more_parents, more_probs = yield from continue_leaves(
-                sampler_for(params, runtime, salt=TREE_SALT),
-                session,
-                position,
-                [(parents[node] + 1, tokens[node]) for node in continued],
-                continued,
-                len(tokens),
-                tree_depth,
-            )
-            tokens += more
-            parents += more_parents
-            encoded += more_probs
         return DraftResult(tokens, encoded, len(session.tokens), _ms(started), parents=parents)
+
+
+def grow_tree(
+    call: DraftCall,
+    session: CachedSession,
+    position: int,
+    chain: list[int],
+    top: Sequence[list[Any]],
+    encoded: list[EncodedProbs],
+    sampled: bool,
+    feeds: Sequence[torch.Tensor] = (),
+) -> Generator[ModelRequest, torch.Tensor, tuple[list[int], list[int], list[EncodedProbs]]]:
+    """The call's tree grown from its drawn chain (d_1 at `position`): the leaves `plan`
+    picks from `top` (`tree_tops`, on the host), the best continued by tree_depth tokens
+    drawn as branch rows (`continue_leaves`). (tokens, parents, encoded distributions);
+    parents [] when no leaf is kept. feeds: a head's, the feature each chain position
+    is fed with [1, width] (a continued leaf at that position is fed it too)."""
+    runtime = call.runtime
+    cfg = runtime.config
+    assert isinstance(cfg, DrafterConfig)  # the drafter's runtime has its config
+    budget = branch_budget(  # continued leaves are branch rows: SSD's KV bound holds
+        cfg.ssd_max_branch_tokens, len(session.tokens), call.tree_depth
+    )
+    conf, values, indices = top
+    leaves, parents, continued = plan(
+        chain, conf, indices, values, call.tree_nodes, call.tree_width, call.tree_depth, budget
+    )
+    tokens = [*chain, *leaves]
+    encoded = [*encoded, *(one_hot_encoded(t) for t in leaves)] if sampled else encoded
+    if continued:
+        keys = [(parents[node] + 1, tokens[node]) for node in continued]
+        more, more_parents, more_probs = yield from continue_leaves(
+            sampler_for(call.params, runtime, salt=TREE_SALT),
+            session,
+            position,
+            keys,
+            continued,
+            len(tokens),
+            call.tree_depth,
+            torch.cat([feeds[a] for a, _ in keys]) if feeds else None,
+        )
+        tokens += more
+        parents += more_parents
+        encoded += more_probs
+    return tokens, parents, encoded
 
 
 def tree_tops(
@@ -201,13 +225,14 @@ def continue_leaves(
     nodes: Sequence[int],
     first: int,
     depth: int,
+    inputs: torch.Tensor | None = None,
 ) -> Generator[ModelRequest, torch.Tensor, tuple[list[int], list[int], list[EncodedProbs]]]:
     """`depth` tokens drawn after each leaf: (their tokens, parents, distributions), node
     numbers from `first` on, leaf by leaf. keys[j] = (i, x): leaf nodes[j] is token x in
     place of draft token i (0-based), so its row sees the session's first position + i
     slots (the sequence and d_1..d_i), then its own tokens; depth forwards over all rows
-    (SSD's `draft_branches`)."""
-    branches = yield from draft_branches(session, position, keys, depth, sampler)
+    (SSD's `draft_branches`; inputs: a head's, each leaf's input feature [rows, width])."""
+    branches = yield from draft_branches(session, position, keys, depth, sampler, inputs)
     tokens: list[int] = []
     parents: list[int] = []
     probs: list[EncodedProbs] = []

@@ -98,26 +98,19 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             params=params,
             controls=controls,
             fork_from=request.fork_from,
+            tree_nodes=tree_nodes,
+            tree_width=tree_width,
+            tree_depth=tree_depth,
         )
         if isinstance(rt, HeadRuntime):
-            if tree_depth:
-                raise FailedPrecondition(
-                    "continued leaves (tree_depth) are not built for head drafters yet; "
-                    "send terminal leaves (tree_depth 0) or a chain"
-                )
             features = self._head_features(rt, request, prefix.length + len(new_tokens))
-            head = HeadDraftCall(
-                **fields, tree_nodes=tree_nodes, tree_width=tree_width, features=features
-            )
-            return ModelCall(head, self._draft_response)
+            return ModelCall(HeadDraftCall(**fields, features=features), self._draft_response)
         if request.features:
             raise FailedPrecondition(
                 "features are a head drafter's input (serve drafter --head); this drafter "
                 "drafts with its own model and takes none"
             )
-        call = DraftCall(
-            **fields, tree_nodes=tree_nodes, tree_width=tree_width, tree_depth=tree_depth
-        )
+        call = DraftCall(**fields)
         return ModelCall(call, self._draft_response)
 
     @staticmethod

@@ -66,6 +66,7 @@ from specdec.drafter.config import CONFIDENCE, GEOMETRIC, OUTCOME_MODELS
 from specdec.drafter.sampler import Sampler, sampler_for
 from specdec.replica.batching import BranchGroup, BranchStep, ForwardRequest, ModelRequest
 from specdec.replica.engine import CachedSession, Engine, Prefix
+from specdec.replica.features import FeatureSink
 from specdec.replica.host import to_host
 from specdec.replica.processors import TokenCounts, verify_logits
 from specdec.replica.sampling import EncodedProbs, SamplingParams, encoded_rows, warp
@@ -337,6 +338,7 @@ def draft_branches(
     keys: Sequence[tuple[int, int]],
     branch_k: int,
     sampler: Sampler,
+    inputs: torch.Tensor | None = None,
 ) -> Generator[BranchStep, torch.Tensor, list[Branch]]:
     """Draft `branch_k` tokens after base + d_1..d_a + t for every key (a, t): a job's
     forwards, one BranchStep of every branch per step, batched with other jobs' forwards
@@ -344,7 +346,11 @@ def draft_branches(
     tokens stay on the device between steps; one copy to the host at the end.
 
     Row (a, t) sees the session's first base + a cached tokens (d_{a+1}..d_k are hidden
-    from it), then its own tokens; t sits at its true position base + a."""
+    from it), then its own tokens; t sits at its true position base + a.
+
+    inputs: a head drafter's rows (specdec.drafter.head): the feature each row's t is fed
+    with [rows, width]; every later token is fed the head's own output at the token
+    before it (its one decoder layer's), as a head's chain is."""
     if not keys:
         return []
     group = BranchGroup(session, [base + a for a, _ in keys])
@@ -352,7 +358,10 @@ def draft_branches(
     drawn: list[torch.Tensor] = []  # [rows] per step
     proposals: list[torch.Tensor] = []  # [rows, vocab] per step, under sampling
     for step in range(branch_k):
-        logits = yield BranchStep(group, tokens)  # [rows, vocab]
+        sink = FeatureSink((0,)) if inputs is not None else None
+        logits = yield BranchStep(group, tokens, features=sink, inputs=inputs)  # [rows, vocab]
+        if sink is not None:
+            inputs = sink.tensor()  # [rows, width]: what each row's next token is fed
         # each row's next token, at position base + a + step + 1
         tokens, proposal = sampler.draw(logits, [v + step + 1 for v in group.visible])
         drawn.append(tokens)

@@ -164,6 +164,10 @@ class BranchStep:
     group: BranchGroup
     tokens: list[int] | torch.Tensor  # [rows]: a device tensor for tokens drawn there
     fresh: bool = False  # never a prefill (metrics)
+    # As ForwardRequest's: the asked layers' outputs at the rows' tokens go to `features`
+    # [rows, width]; a head drafter's rows are fed `inputs` [rows, width] beside them.
+    features: FeatureSink | None = None
+    inputs: torch.Tensor | None = None
 
     @property
     def session(self) -> Any:

@@ -493,17 +493,21 @@ class ModelRuntime:
         where a request asks for features (ForwardRequest.features) the asked decoder
         layers' outputs are recorded during it (specdec.replica.features.recording) and
         each asking request's rows appended to its sink."""
-        asked = [r for r in requests if isinstance(r, ForwardRequest) and r.features]
+        asked = [r.features for r in requests if r.features is not None]
         if not asked:
             return self._forward_requests(requests)
-        layers = {i for r in asked for i in r.features.layers}  # type: ignore[union-attr]
+        layers = {i for sink in asked for i in sink.layers}
         with recording(self.model, sorted(layers)) as outputs:
             results = self._forward_requests(requests)
         row = 0
-        for r in requests:  # a request's rows in the forward: one a session's request
-            if isinstance(r, ForwardRequest) and r.features is not None:
-                n = len(r.tokens)
-                parts = [outputs[i][row, :n] for i in r.features.layers]  # [n, hidden] each
+        for r in requests:  # a session's request is a row, a branch step one per branch
+            if r.features is not None:
+                # [n, hidden] each: a row's fed tokens, or each branch row's one token
+                parts = (
+                    [outputs[i][row, : len(r.tokens)] for i in r.features.layers]
+                    if isinstance(r, ForwardRequest)
+                    else [outputs[i][row : row + r.rows, 0] for i in r.features.layers]
+                )
                 r.features.add(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
             row += r.rows
         return results

@@ -273,12 +273,10 @@ class Drafts:
         """The nodes a Draft of k tokens may add as a dynamic tree and the tokens that may
         continue a leaf (DraftRequest.tree_nodes, tree_depth): (0, 0) for a chain (tree
         width 1), else what the policy sizes within the verifier's bound."""
-        calls = self.calls
         if self.tree_width <= 1 or k <= 0:
             return 0, 0  # a chain
         bound = min(self.lookup_max_k, self.max_context - len(ctx) - 1) - k
-        head = calls.features.ask(calls.drafter) is not None  # terminal leaves only
-        return self.policy.model_tree(k, self.tree_width, bound, not head) if bound > 0 else (0, 0)
+        return self.policy.model_tree(k, self.tree_width, bound) if bound > 0 else (0, 0)
 
     def _lost_drafter(self, error: Exception) -> None:
         """No drafter could draft: this round runs at k = 0 (warned once per outage, counted

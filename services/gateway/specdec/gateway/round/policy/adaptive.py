@@ -334,11 +334,11 @@ class AdaptivePolicy:
             lambda nodes: self.prices.price(1 + nodes, 0.0, width),
         )
 
-    def model_tree(self, k: int, width: int, bound: int, continued: bool = True) -> tuple[int, int]:
+    def model_tree(self, k: int, width: int, bound: int) -> tuple[int, int]:
         """(nodes, depth) of a model draft of k tokens' tree (`trees.model_tree_sizes`; g before
-        a round took a leaf: a tenth of the acceptance); terminal leaves only unless `continued`."""
+        a round took a leaf: a tenth of the acceptance)."""
         if k <= 0 or bound <= 0 or not self._known():
-            return FixedPolicy.model_tree(k, width, bound, continued)
+            return FixedPolicy.model_tree(k, width, bound)
         g = self.leaves.value if self.leaves.value is not None else self.acceptance / 10
         batch = self._width(k)
         return model_tree_sizes(
@@ -351,7 +351,6 @@ class AdaptivePolicy:
             lambda n, depth: self.prices.price(
                 1 + k + n, self.drafting(k + depth), batch, k + depth
             ),
-            continued,
         )
 
     # -- measurements --------------------------------------------------------------------------

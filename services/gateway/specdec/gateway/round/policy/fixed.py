@@ -54,17 +54,16 @@ class FixedPolicy:
         return max(1, min(k, bound - branches * share)), share
 
     @staticmethod
-    def model_tree(k: int, width: int, bound: int, continued: bool = True) -> tuple[int, int]:
+    def model_tree(k: int, width: int, bound: int) -> tuple[int, int]:
         """The nodes a model draft of k tokens may add as a dynamic tree, at most bound, and
         the tokens continuing each continued leaf (DraftRequest.tree_nodes, tree_depth):
         here width - 1 leaves (the drafter's likeliest alternatives) continued by half the
-        draft's length, shortened to fit the bound; where not even one token fits, or the
-        drafter continues no leaf (not `continued`: a head), half the draft's length (at
-        least width - 1) of terminal leaves."""
+        draft's length, shortened to fit the bound; where not even one token fits, half
+        the draft's length (at least width - 1) of terminal leaves."""
         if k <= 0 or width <= 1:
             return 0, 0
         leaves = width - 1
-        depth = max(1, k // 2) if continued else 0
+        depth = max(1, k // 2)
         while depth > 0 and leaves * (1 + depth) > bound:
             depth -= 1
         if depth:

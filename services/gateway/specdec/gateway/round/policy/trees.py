@@ -45,7 +45,6 @@ def model_tree_sizes(
     width: int,
     bound: int,
     time: Callable[[int, int], float],
-    continued: bool = True,
 ) -> tuple[int, int]:
     """The nodes a model draft of k tokens may add and the tokens continuing each
     continued leaf (DraftRequest.tree_nodes, tree_depth): the (n, D) with n in 0..bound
@@ -59,11 +58,10 @@ def model_tree_sizes(
     forwards. A taken terminal leaf only moves a token between rounds
     (docs/concepts/trees.md) unless the position after it is a miss too, which saves
     that round: it is worth 1 - a; a continued one spares the next round the tokens it
-    drew. A steep cost curve gives (0, 0): a chain; a costly drafter forward gives D = 0,
-    and so does a drafter that continues no leaf (not `continued`: a head)."""
+    drew. A steep cost curve gives (0, 0): a chain; a costly drafter forward gives D = 0."""
     most = k * (width - 1)
     best, best_rate = (0, 0), 0.0
-    for depth in range(min(k, bound - 1) + 1 if continued else 1):
+    for depth in range(min(k, bound - 1) + 1):
         for n in range(1 if depth else 0, bound + 1):
             rows = n // (1 + depth) if depth else 0
             terminal = n - rows * (1 + depth)
