@@ -147,6 +147,7 @@ def test_the_features_flow_and_are_counted(head_stack, tokenizer):
     delta = {name: after[name] - before[name] for name in before}
     # The verifier's cache ends holding the prompt and the output but its last token.
     assert delta["sent"] == 4 * WIDTH * (len(ids) + N - 1)
+    assert got.stats.feature_bytes == delta["sent"]  # the request's own count
     # All but the last verdict's reached the drafter with the next Draft.
     assert 0 < delta["received"] < delta["sent"]
     assert delta["missing"] == 0

@@ -1,5 +1,5 @@
 """Where the bench's in-process anchors run under --pin (no models loaded), and the
-drafter variants --drafters names."""
+drafter variants --drafters names; the report's lines on the fastest target and on a head's features."""
 
 import pytest
 
@@ -79,7 +79,7 @@ def test_the_target_alone_in_its_fastest_step_layout():
     from specdec.replica.calibrate import DtypeChoice
     from specdec.tools.bench.cli import fastest_step
     from specdec.tools.bench.modes import ModeRun, Sample
-    from specdec.tools.bench.report import fastest_target
+    from specdec.tools.bench.report import fastest_target, markdown
     from specdec.tools.bench.stats import summarize
 
     timings = {
@@ -125,3 +125,9 @@ def test_the_target_alone_in_its_fastest_step_layout():
     text = fastest_target(rows)
     assert "2.00x the target alone in the stack's layout" in text
     assert "the fastest stack row (k=3) is 1.25x" in text
+    assert "features per round" not in markdown(rows, None)
+    # A head drafter's rows: the target's features they moved, per round.
+    runs["k=3"].samples[0].stats["feature_bytes"] = 4 * 3072
+    rows = summarize(runs, None)
+    assert rows["k=3"]["feature_bytes_per_round"] == 3072
+    assert "verifier to head drafter): k=3 3.0 KiB." in markdown(rows, None)

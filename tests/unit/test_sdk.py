@@ -286,6 +286,7 @@ def test_to_dict_is_json_serialisable():
         "tree_rounds": 0,
         "tree_nodes": 0,
         "tree_other_branch_rounds": 0,
+        "feature_bytes": 0,
     }
 
 

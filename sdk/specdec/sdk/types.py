@@ -120,6 +120,8 @@ class SpeculationStats:
     tree_rounds: int = 0
     tree_nodes: int = 0
     tree_other_branch_rounds: int = 0
+    #: A head drafter's: bytes of the target's features the verifier returned for it.
+    feature_bytes: int = 0
     #: The model version of the drafter that served the request ("" when none).
     drafter_version: str = ""
     #: Whether the gateway recorded the request (``--record``; ``record=False`` refuses).
@@ -315,6 +317,7 @@ def speculation_stats_from_proto(msg: gateway_pb2.SpeculationStats) -> Speculati
         tree_rounds=msg.tree_rounds,
         tree_nodes=msg.tree_nodes,
         tree_other_branch_rounds=msg.tree_other_branch_rounds,
+        feature_bytes=msg.feature_bytes,
         drafter_version=msg.drafter_version,
         recorded=msg.recorded,
     )

@@ -70,6 +70,7 @@ class Outcome:
     branches: int = 0  # branches of a Speculate answered in time
     speculate_seconds: float | None = None  # its round trip, when answered in time
     speculate_bytes: int = 0  # bytes of its request and response
+    feature_bytes: int = 0  # the target's features its verdict returned (a head drafter's)
     hidden_seconds: float = 0.0  # Speculate time that overlapped the Verify
     seconds: float = 0.0  # the whole round
     verify_forward_ms: float = 0.0  # the Verify's time on the verifier, as it reported it
@@ -142,6 +143,7 @@ class RequestStats:
     tree_rounds: int = 0  # rounds that verified a token tree
     tree_nodes: int = 0  # their nodes
     tree_other_branch_rounds: int = 0  # of them, whose path took another branch than the first
+    feature_bytes: int = 0  # the target's features the verdicts returned (a head drafter's)
 
     def observe(self, o: Outcome) -> None:
         self.rounds += 1
@@ -168,6 +170,7 @@ class RequestStats:
         self.fan_out_sum += o.fan_out or 0
         self.ssd_branches += o.branches
         self.ssd_bytes += o.speculate_bytes
+        self.feature_bytes += o.feature_bytes
         self.ssd_hidden_ms += o.hidden_seconds * 1e3
         self.no_match_rounds += o.source == NO_MATCH
         if o.tree:

@@ -44,8 +44,19 @@ def markdown(
             f"vs target alone {rows['target']['tokens_per_second']:.2f} tok/s). "
             "bound = tokens per round / (c k + 1).\n"
         )
-    tail += fastest_target(rows)
+    tail += fastest_target(rows) + feature_bytes(rows)
     return head + "\n".join(lines) + "\n" + tail + drafter_table(drafters) + tracing_overhead(rows)
+
+
+def feature_bytes(rows: dict[str, dict]) -> str:
+    """The target's features a head drafter's rows moved per round (verifier to drafter)."""
+    heads = {
+        n: r["feature_bytes_per_round"] for n, r in rows.items() if "feature_bytes_per_round" in r
+    }
+    if not heads:
+        return ""
+    listed = ", ".join(f"{n} {b / 1024:.1f} KiB" for n, b in heads.items())
+    return f"\nThe target's features per round (verifier to head drafter): {listed}.\n"
 
 
 def fastest_target(rows: dict[str, dict]) -> str:

@@ -102,6 +102,9 @@ def summarize(runs: dict[str, ModeRun], cost_ratio: dict[str, float] | None) -> 
             # Where a round's time goes, per round (gateway's view).
             row["round_ms"] = round(row["seconds"] * 1e3 / rounds, 1)
             row["drafter_wait_ms_per_round"] = round(_total(stats, "drafter_wait_ms") / rounds, 1)
+            features = sum(s.get("feature_bytes", 0) for s in stats)  # a head drafter's
+            if features:
+                row["feature_bytes_per_round"] = round(features / rounds)
             if run.mode.ssd:
                 hits, misses = _total(stats, "ssd_hits"), _total(stats, "ssd_misses")
                 speculated = hits + misses

@@ -96,6 +96,7 @@ def build_response(
             tree_rounds=stats.tree_rounds,
             tree_nodes=stats.tree_nodes,
             tree_other_branch_rounds=stats.tree_other_branch_rounds,
+            feature_bytes=stats.feature_bytes,
         ),
         session_id=job.session.id or "",
     )

@@ -231,6 +231,7 @@ class Speculator:
             branches=ssd.branches,
             speculate_seconds=ssd.seconds,
             speculate_bytes=speculation.request_bytes + ssd.bytes,
+            feature_bytes=len(verified.features.data),
             hidden_seconds=ssd.hidden,
             seconds=time.perf_counter() - started,
             verify_forward_ms=verified.forward_ms,
