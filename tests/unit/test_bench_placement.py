@@ -1,5 +1,6 @@
-"""Where the bench's in-process anchors run under --pin (no models loaded), and the
-drafter variants --drafters names; the report's lines on the fastest target and on a head's features."""
+"""Where the bench's in-process anchors run under --pin (no models loaded), the drafter
+variants --drafters names, and the report's lines on the fastest target and on a head's
+features."""
 
 import pytest
 
