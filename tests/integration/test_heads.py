@@ -72,11 +72,27 @@ def test_greedy_through_a_head_equals_generate(head_stack, tokenizer, reference,
     with Client(head_stack[which].address, timeout=120) as client:
         for text in PROMPTS[:4]:
             ids = tokenizer(text).input_ids
-            got = client.generate(token_ids=ids, max_new_tokens=N, k=3)
+            got = client.generate(token_ids=ids, max_new_tokens=N, k=3, ssd=False)
             assert list(got.tokens) == reference(ids, N), (which, text)
             assert got.stats.rounds > 3 and got.stats.draft_tokens > 0
             assert not got.stats.ssd
         second_turn_equals_generate(client, PROMPTS[4:6], f"heads-{which}", tokenizer, reference, N)
+
+
+def test_greedy_through_a_head_with_ssd_equals_generate(head_stack, tokenizer, reference):
+    """SSD with a head: the drafter pre-drafts the next round for the likely outcomes with
+    its own features while the verifier works, some rounds are served from those branches,
+    and the output is the target's generate()."""
+    speculated = hits = 0
+    with Client(head_stack["gateway"].address, timeout=120) as client:
+        for text in PROMPTS[:4]:
+            ids = tokenizer(text).input_ids
+            got = client.generate(token_ids=ids, max_new_tokens=N, k=3, ssd=True)
+            assert list(got.tokens) == reference(ids, N), text
+            assert got.stats.ssd
+            speculated += got.stats.ssd_speculates
+            hits += got.stats.ssd_hits
+    assert speculated > 0 and hits > 0, (speculated, hits)
 
 
 def test_greedy_through_a_heads_trees_equals_generate(head_stack, tokenizer, reference):
@@ -214,6 +230,20 @@ def test_sampling_through_a_head_follows_the_target(heads, tokenizer):
     check_sequence_counts([tuple(r.tokens) for r in results], exact)
 
 
+def test_sampling_through_a_head_with_ssd_follows_the_target(heads, tokenizer):
+    """As above with SSD: the prepared branches (drawn with the head's own features, from
+    a stream of their own) keep the target's distribution, and the negative control."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(heads["target1"], dtype=torch.float32)
+    ids = tokenizer(PROMPTS[0]).input_ids
+    exact = exact_sequence_probs(target, ids, steps=4, top_k=2)
+    with small_stack(heads["target1"], heads["target1"], "--head", str(heads["noisy"])) as procs:
+        results = sample_top2(procs["gateway"].address, ids, 1200, k=2, ssd=True)
+    assert sum(r.stats.ssd_hits for r in results) > 0
+    check_sequence_counts([tuple(r.tokens) for r in results], exact)
+
+
 def test_sampling_through_a_heads_trees_follows_the_target(heads, tokenizer):
     """As above with trees (tree width 3, leaves continued as branch rows): the tree rule
     keeps the target's distribution over all 16 sequences, and the check's negative
@@ -257,7 +287,7 @@ def test_a_head_that_copies_the_target_is_accepted(heads, tokenizer, head, low, 
 
 
 async def test_what_is_not_built_says_so(head_stack, tokenizer):
-    """The head drafter's Info names its features; a Speculate to it is FAILED_PRECONDITION, features of another width or beyond the sequence
+    """The head drafter's Info names its features; features of another width or beyond the sequence
     INVALID_ARGUMENT; a Verify asking for a layer the target has not, or no format,
     INVALID_ARGUMENT."""
     d_channel, d_stub = stubs(head_stack["drafter"], "drafter")
@@ -275,11 +305,6 @@ async def test_what_is_not_built_says_so(head_stack, tokenizer):
                                    data=bytes(4 * width * positions))  # fmt: skip
 
     refused = [
-        (drafter, Method.SPECULATE,
-         drafter_pb2.SpeculateRequest(session_id="heads/refused", prefix=prefix(ids, 0),
-                                      new_tokens=ids, draft_length=2, num_draft_tokens=2,
-                                      sampling=GREEDY),
-         grpc.StatusCode.FAILED_PRECONDITION, "SSD (Speculate) is not built for head drafters"),
         (drafter, Method.DRAFT, draft(features=[features(32)]),
          grpc.StatusCode.INVALID_ARGUMENT, "features: width 32, the head reads 64"),
         (drafter, Method.DRAFT, draft(features=[features(WIDTH, start=len(ids) - 1)]),

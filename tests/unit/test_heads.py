@@ -18,7 +18,13 @@ from specdec.common.errors import FailedPrecondition, InvalidRequest, Unimplemen
 from specdec.common.prefix import prefix_hash
 from specdec.common.settings import ConfigError
 from specdec.drafter.config import DrafterConfig
-from specdec.drafter.head import HeadDraftCall, HeadRuntime, HeadState, read_head
+from specdec.drafter.head import (
+    HeadDraftCall,
+    HeadRuntime,
+    HeadSpeculateCall,
+    HeadState,
+    read_head,
+)
 from specdec.drafter.speculate import BranchStore
 from specdec.replica.batching import BranchGroup, BranchStep
 from specdec.replica.engine import Prefix
@@ -263,10 +269,10 @@ def head_runtime(head, target, **settings) -> HeadRuntime:
     return rt
 
 
-def draft(rt, session, seq, cached, k, features=()):
+def draft(rt, session, seq, cached, k, features=(), branches=None):
     call = HeadDraftCall(
         runtime=rt,
-        branches=BranchStore(),
+        branches=BranchStore() if branches is None else branches,
         session_id=session,
         prefix=p(seq, cached),
         new_tokens=seq[cached:],
@@ -331,6 +337,48 @@ def test_a_heads_branch_rows_are_fed_their_inputs(one_layer, engine):
                 torch.testing.assert_close(
                     outputs[step][row], sink.tensor()[-1], atol=1e-4, rtol=1e-4
                 )
+    finally:
+        rt.shutdown()
+
+
+@pytest.mark.parametrize("after_a_draft", [True, False])
+def test_a_heads_ssd_branches_continue_each_outcome(one_layer, tokenizer, after_a_draft):
+    """SSD on a head that copies a one-layer target (its drafts are the target's whatever
+    the features): after this replica's Draft (its rows and feeds kept) or without one
+    (the draft fed again), every prepared branch (a, t) is the target's greedy
+    continuation of x + d_1..d_a + t, and a Draft for one of those sequences is served
+    from its branch without a forward."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(one_layer["target"], dtype=torch.float32)
+    rt = head_runtime(one_layer["exact"], one_layer["target"], engine="dense")
+    try:
+        ids, k, branch_k = tokenizer("def add(a, b):\n    return").input_ids, 3, 3
+        store = BranchStore()
+        if after_a_draft:
+            first = draft(rt, "hs/s", ids, 0, k, branches=store)
+            d = first.tokens
+            prefix, new = p([*ids, *d[: k - 1]], len(ids) + k - 1), [d[-1]]
+        else:
+            d = [tokenizer(" a").input_ids[0], tokenizer(" +").input_ids[0], 5]
+            prefix, new = p(ids, 0), [*ids, *d]
+        call = HeadSpeculateCall(
+            runtime=rt, store=store, session_id="hs/s", prefix=prefix, new_tokens=new, k=k,
+            branch_k=branch_k, params=GREEDY, fan_out=4, alpha=0.7, max_per_outcome=2,
+        )  # fmt: skip
+        result = rt.drive(call.job())
+        assert len(result.branches) == 4
+        for b in result.branches:
+            context = [*ids, *d[: b.accepted], b.next_token]
+            with torch.inference_mode():
+                want = target.generate(torch.tensor([context]), do_sample=False,
+                                       max_new_tokens=branch_k)  # fmt: skip
+            assert b.tokens == want[0, len(context) :].tolist(), (b.accepted, b.next_token)
+        b = result.branches[0]
+        seq = [*ids, *d[: b.accepted], b.next_token]
+        cached = len(ids) + k  # the Speculate fed the whole draft
+        served = draft(rt, "hs/s", seq, min(cached, len(seq) - 1), branch_k, branches=store)
+        assert served.prepared and served.tokens == b.tokens
     finally:
         rt.shutdown()
 

@@ -35,8 +35,11 @@ A Draft may ask for a token tree (tree_nodes): the head's likeliest alternatives
 draft tokens as leaves, read from the rows the chain was drawn from, the best continued
 by tree_depth tokens as branch rows (the model drafter's `grow_tree`): a leaf at position
 p is fed the feature the draft token there was fed, and each token after it the head's
-own output at the token before. SSD (Speculate) with heads is not built yet; the
-servicer refuses it (FAILED_PRECONDITION).
+own output at the token before. SSD (`HeadSpeculateCall`): the Draft keeps its rows and
+the features it fed (DraftRows.feeds); the Speculate feeds the draft's last token with the
+head's own output, and each outcome's branch row is fed the feature its position would
+get; a Draft an outcome prepared is served without a forward (its features are kept for
+the next feed).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from specdec.common.settings import ConfigError, env_name
 from specdec.drafter.config import DrafterConfig
 from specdec.drafter.proposer import DraftCall, DraftResult, grow_tree, tree_tops
 from specdec.drafter.sampler import sampler_for
+from specdec.drafter.speculate import DraftRows, SpeculateCall, take_prepared
 from specdec.replica.batching import ForwardRequest, ModelRequest
 from specdec.replica.features import FORMAT_NAMES, FeatureAsk, FeatureSink, decoder_layers
 from specdec.replica.host import to_host
@@ -455,6 +459,7 @@ def propose_head(call: HeadDraftCall) -> Generator[ModelRequest, torch.Tensor, D
     k, params, controls = call.k, call.params, call.controls
     with runtime.guarded(session_id):
         started = time.perf_counter()
+        call.branches.pop_rows(session_id)
         session = store.acquire(
             session_id, prefix.length, prefix.hash, len(call.new_tokens) + k - 1, call.fork_from
         )
@@ -462,6 +467,12 @@ def propose_head(call: HeadDraftCall) -> Generator[ModelRequest, torch.Tensor, D
         state.forget_after(len(session.tokens))
         for start, received in call.features:
             state.receive(start, received.to(runtime.model.dtype))
+        hit = take_prepared(
+            call.branches, session_id, session, call.new_tokens, k, params, controls
+        )
+        if hit is not None:  # SSD prepared it: no forward, the cache stays at the prefix
+            ms = (time.perf_counter() - started) * 1e3
+            return DraftResult(*hit, len(session.tokens), ms, prepared=True)
         back = state.rollback_point(len(session.tokens))
         feed = [*session.tokens[back:], *call.new_tokens]
         if back < len(session.tokens):
@@ -500,6 +511,17 @@ def propose_head(call: HeadDraftCall) -> Generator[ModelRequest, torch.Tensor, D
         tokens = host[0].tolist()
         store.fill(session, tokens[: k - 1])  # the device tokens it fed
         state.prune(len(session.tokens))
+        n = len(session.tokens)
+        call.branches.put_rows(  # for the Speculate that follows (specdec.drafter.speculate)
+            session_id,
+            DraftRows(
+                position,
+                n,
+                session.chain.hash(session.tokens, n),
+                torch.cat(rows),
+                torch.cat(feeds),
+            ),
+        )
         encoded = encoded_rows(host[1 : 1 + len(payload)]) if proposals else []
         parents: list[int] = []
         if top:  # the head's alternatives as leaves, the best continued as branch rows
@@ -514,6 +536,53 @@ def propose_head(call: HeadDraftCall) -> Generator[ModelRequest, torch.Tensor, D
             (time.perf_counter() - started) * 1e3,
             parents=parents,
         )
+
+
+@dataclass(frozen=True)
+class HeadSpeculateCall(SpeculateCall):
+    """A validated Speculate for a head drafter: SSD's (specdec.drafter.speculate), its draft
+    fed with the head's own features, and each branch's first token fed the one its
+    position would get (`rows`)."""
+
+    def rows(
+        self, session: Any, memo: DraftRows | None
+    ) -> Generator[ForwardRequest, torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]]:
+        """The drafter's logits at every draft position and after it [k+1, vocab], and the
+        feature outcome a's next token is fed with [k+1, width]: the head's output at the
+        token before its position. After this replica's Draft (memo) its rows and feeds
+        cover the draft up to the cache, and the tokens after are fed one at a time, each
+        with the head's output at the one before; otherwise the draft is fed again (with
+        the target's features where they arrived, zeros elsewhere, marked stale)."""
+        runtime, k, new_tokens = self.runtime, self.k, self.new_tokens
+        assert isinstance(runtime, HeadRuntime)
+        state = runtime.state(self.session_id, session, fresh=self.prefix.length == 0)
+        cached = len(session.tokens)
+        state.forget_after(cached)
+        base = cached + len(new_tokens) - k  # the position of d_1
+        if (
+            memo is not None
+            and memo.feeds is not None
+            and (memo.length, memo.hash) == (cached, self.prefix.hash)
+            and memo.start <= base
+        ):
+            fed = [row[None] for row in memo.feeds[base - memo.start :]]  # base..cached
+            rows = [memo.rows[base - memo.start :]]
+            for j, token in enumerate(new_tokens):
+                state.fed_own(cached + j)
+                sink = FeatureSink((0,))
+                rows.append((yield from _steps(runtime, session, [token], fed[-1], sink))[-1:])
+                fed.append(sink.tensor()[-1:])
+            runtime.obs.head_fed(0, len(new_tokens), 0)
+            return torch.cat(rows), torch.cat(fed)
+        back = min(state.rollback_point(cached), cached if cached < base else base - 1)
+        feed = [*session.tokens[back:], *new_tokens]
+        if back < cached:
+            runtime.ready_store.truncate(session, back)
+        inputs, missing = state.inputs(back, len(feed), runtime.width, runtime.model.dtype)
+        runtime.obs.head_fed(len(feed) - missing, 0, missing)
+        sink = FeatureSink((0,))
+        logits = yield from _steps(runtime, session, feed, inputs, sink, keep=k + 1)
+        return logits, sink.tensor()[base - 1 - back :]
 
 
 def _steps(

@@ -20,7 +20,7 @@ from specdec.common.params import MAX_FAN_OUT, MAX_TREE_WIDTH, sampling_from_pro
 from specdec.common.serving import rpc_errors
 from specdec.drafter import proposer
 from specdec.drafter.config import DrafterConfig
-from specdec.drafter.head import HeadDraftCall, HeadRuntime
+from specdec.drafter.head import HeadDraftCall, HeadRuntime, HeadSpeculateCall
 from specdec.drafter.proposer import DraftCall
 from specdec.drafter.runtime import DrafterRuntime
 from specdec.drafter.speculate import BranchStore, SpeculateCall, SpeculateResult
@@ -182,11 +182,6 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
         rt = self.ready_runtime()
         cfg = rt.config
         assert isinstance(cfg, DrafterConfig)  # a drafter serves a DrafterConfig
-        if isinstance(rt, HeadRuntime):
-            raise FailedPrecondition(
-                "SSD (Speculate) is not built for head drafters yet; run the gateway without "
-                "--ssd for this drafter"
-            )
         branch_k = self._k(request.num_draft_tokens)  # the prepared drafts' length
         k = self._k(request.draft_length, "draft_length")  # the draft under verification
         new_tokens = list(request.new_tokens)
@@ -210,7 +205,8 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
         controls = controls_from_proto(  # the sequence before the draft under verification
             request.sampling, request.output, rt.vocab_size, prefix.length + len(new_tokens) - k
         )
-        call = SpeculateCall(
+        kind = HeadSpeculateCall if isinstance(rt, HeadRuntime) else SpeculateCall
+        call = kind(
             runtime=rt,
             store=self.branches,
             session_id=request.session_id,

@@ -112,6 +112,9 @@ class DraftRows:
     length: int
     hash: int
     rows: torch.Tensor  # [k, vocab] fp32 logits
+    # A head drafter's (specdec.drafter.head): the feature each of positions start..start +
+    # k - 1 was (or, the last, would be) fed with [k, width]. None for a model.
+    feeds: torch.Tensor | None = None
 
 
 class BranchStore:
@@ -193,6 +196,17 @@ class SpeculateCall:
     def job(self) -> Generator[ModelRequest, torch.Tensor, SpeculateResult]:
         return speculate(self)
 
+    def rows(
+        self, session: CachedSession, memo: DraftRows | None
+    ) -> Generator[ForwardRequest, torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]]:
+        """The draft fed (`draft_rows`): the drafter's logits at every draft position and
+        after it [k+1, vocab], and what outcome a's next token is fed with [k+1, width] (a
+        head drafter's, specdec.drafter.head; None for a model)."""
+        rows = yield from draft_rows(
+            self.runtime, self.store, session, memo, self.prefix, self.new_tokens, self.k
+        )
+        return rows, None
+
 
 def speculate(call: SpeculateCall) -> Generator[ModelRequest, torch.Tensor, SpeculateResult]:
     """Prepare next-round drafts for the draft at the end of prefix + new_tokens (see
@@ -207,9 +221,7 @@ def speculate(call: SpeculateCall) -> Generator[ModelRequest, torch.Tensor, Spec
         session = runtime.ready_store.acquire(
             session_id, prefix.length, prefix.hash, len(new_tokens)
         )
-        rows = yield from draft_rows(
-            runtime, store, session, memo, prefix, new_tokens, k
-        )  # [k+1, vocab]
+        rows, feeds = yield from call.rows(session, memo)  # [k+1, vocab], [k+1, width]
         base = len(session.tokens) - k
         draft = session.tokens[base:]
         rows = verify_logits(controls, session.tokens[:base], draft, rows)
@@ -227,8 +239,9 @@ def speculate(call: SpeculateCall) -> Generator[ModelRequest, torch.Tensor, Spec
             counts = TokenCounts(
                 controls, session.tokens[:base], tails, rows.shape[-1], rows.device
             )
+        inputs = feeds[[a for a, _ in keys]] if feeds is not None and keys else None
         branches = yield from draft_branches(
-            session, base, keys, branch_k, sampler_for(params, runtime, counts)
+            session, base, keys, branch_k, sampler_for(params, runtime, counts), inputs
         )
         store.put(
             session_id,

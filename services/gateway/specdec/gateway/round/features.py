@@ -5,8 +5,8 @@ drafts from the target's hidden states. For a request drafted there, each Verify
 verifier for them (VerifyRequest.features) and the verdict returns those of the positions
 it made known (VerifyResponse.features); they wait here until the next Draft carries them
 (DraftRequest.features), and are dropped once a Draft has been answered with them. A
-gateway over head drafters sends them chains and trees and no Speculate: SSD with heads
-is not built yet.
+gateway over head drafters sends them chains, trees and Speculates as to any drafter (a
+Speculate carries no features: the head pre-drafts with its own).
 
 A request's first round over a head drafter drafts nothing (`awaits_prompt`): its Verify
 is the prompt's prefill, whose verdict returns the prompt's features (at most the

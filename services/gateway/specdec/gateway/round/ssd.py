@@ -127,8 +127,7 @@ class SsdBranches:
         accepted" leaves remaining - 1 tokens, room for a round of remaining - 2 drafts."""
         k = len(draft)
         branch_k = min(max_branch_k, remaining - 2, self.max_context - len(ctx) - k - 1)
-        head = self.calls.features.ask(self.calls.drafter) is not None  # with heads: not built
-        if not self.enabled or k == 0 or branch_k < 1 or head:
+        if not self.enabled or k == 0 or branch_k < 1:
             return SsdCall(Ssd.OFF)
         fan_out = self.policy.choose_fan_out(k, branch_k)
         if fan_out is None:  # the policy paused SSD: its Speculates kept arriving late
