@@ -86,22 +86,27 @@ def test_a_trained_head_is_accepted_more_and_stays_exact(
 def test_the_bench_compares_a_head_with_a_draft_model(tmp_path):
     """The commands of docs/concepts/heads.md on tiny models: train a head on the target,
     then `specdec bench --drafters bf16,head=DIR`: the head's rows run on a stack of their
-    own (the target as the drafter's --model), reproduce the target's tokens, and report
-    acceptance per position beside the draft model's."""
+    own (the target as the drafter's --model), chains and SSD, reproduce the target's
+    tokens, and report acceptance per position beside the draft model's, and the target's
+    features that moved per round."""
     models = build_test_models(tmp_path / "models")  # what --tiny builds, the same weights
     head = tmp_path / "head"
     train_head(models.target, head, PROMPTS, "--steps", "20", "--lr", "3e-3")
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "specdec", "bench", "--tiny", str(tmp_path / "models")]
-    cmd += ["--quick", "--max-new-tokens", "12", "--k", "3", "--ssd-k", "", "--no-adaptive"]
+    cmd += ["--quick", "--max-new-tokens", "12", "--k", "3", "--ssd-k", "3", "--no-adaptive"]
     cmd += ["--drafters", f"bf16,head={head}", "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((out / "results.json").read_text())
     modes = result["modes"]
-    assert {"k=3", "k=3 [head]", "draft [head]", "target [head]"} <= set(modes)
+    assert {"k=3", "k=3 [head]", "ssd k=3 [head]", "draft [head]", "target [head]"} <= set(modes)
     assert result["meta"]["drafters"]["head"]["flags"] == ["--head", str(head)]
-    for name in ("k=3", "k=3 [head]"):
+    for name in ("k=3", "k=3 [head]", "ssd k=3 [head]"):
         row = modes[name]
         assert row["exact"] and row["tokens"] == 3 * 12, name
         assert len(row["accepted_per_position"]) == 3
+    assert modes["ssd k=3 [head]"]["ssd_hit_rate"] >= 0
+    assert modes["k=3 [head]"]["feature_bytes_per_round"] > 0
+    assert "feature_bytes_per_round" not in modes["k=3"]
+    assert "verifier to head drafter): k=3 [head]" in (out / "results.md").read_text()
