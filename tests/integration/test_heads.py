@@ -261,6 +261,39 @@ def test_sampling_through_a_heads_trees_follows_the_target(heads, tokenizer):
     check_sequence_counts([tuple(r.tokens) for r in results], exact)
 
 
+async def test_a_head_over_a_reduced_vocabulary(heads, tokenizer, test_models, reference):
+    """--draft-vocab with --head: the head's output layer keeps the first 200 token ids
+    (its step then costs less); a Draft's tokens, a tree's leaves too, stay within them,
+    and the output is the target's generate(), as chains, trees and with SSD."""
+    flags = ("--head", str(heads["random"]), "--draft-vocab", "200")
+    with small_stack(test_models.target, test_models.target, *flags) as procs:
+        with Client(procs["gateway"].address, timeout=120) as client:
+            for text, options in zip(
+                PROMPTS[:3],
+                ({}, {"tree_width": 3, "k_policy": "fixed"}, {"ssd": True}),
+                strict=True,
+            ):
+                ids = tokenizer(text).input_ids
+                got = client.generate(token_ids=ids, max_new_tokens=N, k=3, **options)
+                assert list(got.tokens) == reference(ids, N), (text, options)
+                assert got.stats.draft_tokens > 0
+        channel, stub = stubs(procs["drafter"], "drafter")
+        ids = tokenizer(PROMPTS[3]).input_ids
+        try:
+            drafted = await GrpcTransport(stub).call(
+                Method.DRAFT,
+                drafter_pb2.DraftRequest(session_id="heads/vocab", prefix=prefix(ids, 0),
+                                         new_tokens=ids, num_draft_tokens=4, sampling=GREEDY,
+                                         tree_nodes=4, tree_width=3),
+                30,
+            )  # fmt: skip
+        finally:
+            await channel.close()
+    assert len(drafted.draft_tokens) > 4
+    kept = {*range(200), tokenizer.eos_token_id}  # the subset keeps EOS
+    assert set(drafted.draft_tokens) <= kept, list(drafted.draft_tokens)
+
+
 @pytest.mark.parametrize(("head", "low", "high"), [("exact", 0.95, 1.0), ("noisy", 0.2, 0.95)])
 def test_a_head_that_copies_the_target_is_accepted(heads, tokenizer, head, low, high):
     """A one-layer target and a head whose layer is the target's and whose fc passes the

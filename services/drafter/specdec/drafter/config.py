@@ -97,8 +97,8 @@ class DrafterConfig(ReplicaConfig):
         "a head folder (docs/concepts/heads.md): draft with one decoder layer over the "
         "target's features, which the gateway passes from the verifier; --model is then "
         "the target's folder (its tokenizer, and its embedding and output matrices where "
-        "the head folder holds none). Chains only: no trees, no SSD (empty: draft with "
-        "--model itself)",
+        "the head folder holds none); chains, trees and SSD, over --draft-vocab's tokens "
+        "if given (empty: draft with --model itself)",
     )
 
     ROLE: ClassVar[str] = "drafter"
@@ -139,10 +139,6 @@ def check_head(values: dict[str, Any]) -> None:
             f"a head runs on the torch engines, not --engine {LLAMA_CPP}",
         ),
         (values["quantize"] != "none", "--quantize is the draft model's; leave it none"),
-        (
-            bool(values["draft_vocab"] or values["draft_vocab_file"]),
-            "--draft-vocab is the draft model's; a head drafts over the target's vocabulary",
-        ),
         (values["compile"], "--compile is not built for heads; leave it off"),
         (values["pack_weights"] == "true", "--pack-weights true is not built for heads"),
         (values["dtype"] == "fastest", "--dtype fastest is not built for heads; name the dtype"),

@@ -59,6 +59,7 @@ import torch
 from specdec.common.settings import ConfigError, env_name
 from specdec.drafter.config import DrafterConfig
 from specdec.drafter.proposer import DraftCall, DraftResult, grow_tree, tree_tops
+from specdec.drafter.runtime import DrafterRuntime
 from specdec.drafter.sampler import sampler_for
 from specdec.drafter.speculate import DraftRows, SpeculateCall, take_prepared
 from specdec.replica.batching import ForwardRequest, ModelRequest
@@ -73,7 +74,6 @@ from specdec.replica.loading import (
     set_threads,
 )
 from specdec.replica.processors import TokenCounts
-from specdec.replica.runtime import ModelRuntime
 from specdec.replica.sampling import encoded_rows
 
 log = logging.getLogger(__name__)
@@ -359,10 +359,10 @@ class HeadState:
 # -- the engine ----------------------------------------------------------------------------
 
 
-class HeadRuntime(ModelRuntime):
-    """The head drafter's engine: a ModelRuntime over the head (`build_head`), whose
-    forwards feed each token with its input feature (ForwardRequest.inputs), and the
-    sessions' HeadState."""
+class HeadRuntime(DrafterRuntime):
+    """The head drafter's engine: a DrafterRuntime over the head (`build_head`; its output
+    layer reduced with --draft-vocab), whose forwards feed each token with its input
+    feature (ForwardRequest.inputs), and the sessions' HeadState."""
 
     def __init__(self, config: DrafterConfig):
         super().__init__(config)
@@ -414,6 +414,17 @@ class HeadRuntime(ModelRuntime):
         self.embedding.features = rows
         try:
             return super()._forward_requests(requests)
+        finally:
+            self.embedding.features = None
+
+    def _check_head(self) -> None:
+        """DrafterRuntime's check of a reduced output layer, its forwards fed zero features."""
+        assert self.embedding is not None
+        self.embedding.features = torch.zeros(
+            1, 2, self.width, dtype=self.model.dtype, device=self.device
+        )
+        try:
+            super()._check_head()
         finally:
             self.embedding.features = None
 
