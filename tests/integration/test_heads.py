@@ -115,18 +115,8 @@ async def test_a_heads_tree_draft_grows_leaves_and_continues_them(head_stack, to
     """A Draft to the head with tree_nodes and tree_depth: the chain of k, leaves that are
     siblings of draft tokens (none equal to the token beside it), and continued leaves'
     tokens, each the child of the node before it."""
-    channel, stub = stubs(head_stack["drafter"], "drafter")
     ids = tokenizer(PROMPTS[3]).input_ids
-    try:
-        got = await GrpcTransport(stub).call(
-            Method.DRAFT,
-            drafter_pb2.DraftRequest(session_id="heads/tree", prefix=prefix(ids, 0),
-                                     new_tokens=ids, num_draft_tokens=3, sampling=GREEDY,
-                                     tree_nodes=7, tree_width=3, tree_depth=2),
-            30,
-        )  # fmt: skip
-    finally:
-        await channel.close()
+    got = await tree_draft(head_stack["drafter"], "heads/tree", ids, 3, 7, tree_depth=2)
     tokens, parents = list(got.draft_tokens), list(got.draft_parents)
     assert 3 < len(tokens) <= 10 and len(parents) == len(tokens)
     assert parents[:3] == [-1, 0, 1]
@@ -138,6 +128,19 @@ async def test_a_heads_tree_draft_grows_leaves_and_continues_them(head_stack, to
         assert tokens[node] != tokens[sibling]
     for node in continued:  # depth 2: a leaf's first token, then its second
         assert parents[node] in leaves or parents[parents[node]] in leaves
+
+
+async def tree_draft(drafter, session_id: str, ids: list[int], k: int, nodes: int, **fields):
+    """A greedy tree Draft (width 3) of ids to the drafter process, on gRPC: its response."""
+    channel, stub = stubs(drafter, "drafter")
+    request = drafter_pb2.DraftRequest(
+        session_id=session_id, prefix=prefix(ids, 0), new_tokens=ids, num_draft_tokens=k,
+        sampling=GREEDY, tree_nodes=nodes, tree_width=3, **fields,
+    )  # fmt: skip
+    try:
+        return await GrpcTransport(stub).call(Method.DRAFT, request, 30)
+    finally:
+        await channel.close()
 
 
 def test_the_features_flow_and_are_counted(head_stack, tokenizer):
@@ -277,18 +280,8 @@ async def test_a_head_over_a_reduced_vocabulary(heads, tokenizer, test_models, r
                 got = client.generate(token_ids=ids, max_new_tokens=N, k=3, **options)
                 assert list(got.tokens) == reference(ids, N), (text, options)
                 assert got.stats.draft_tokens > 0
-        channel, stub = stubs(procs["drafter"], "drafter")
         ids = tokenizer(PROMPTS[3]).input_ids
-        try:
-            drafted = await GrpcTransport(stub).call(
-                Method.DRAFT,
-                drafter_pb2.DraftRequest(session_id="heads/vocab", prefix=prefix(ids, 0),
-                                         new_tokens=ids, num_draft_tokens=4, sampling=GREEDY,
-                                         tree_nodes=4, tree_width=3),
-                30,
-            )  # fmt: skip
-        finally:
-            await channel.close()
+        drafted = await tree_draft(procs["drafter"], "heads/vocab", ids, 4, 4)
     assert len(drafted.draft_tokens) > 4
     kept = {*range(200), tokenizer.eos_token_id}  # the subset keeps EOS
     assert set(drafted.draft_tokens) <= kept, list(drafted.draft_tokens)
