@@ -449,8 +449,8 @@ class HeadRuntime(DrafterRuntime):
 
 @dataclass(frozen=True)
 class HeadDraftCall(DraftCall):
-    """A validated Draft for a head drafter (a chain or a tree): DraftCall's fields, and the target's features it carries, (start position, rows
-    [n, width] on the host) each."""
+    """A validated Draft for a head drafter (a chain or a tree): DraftCall's fields, and
+    the target's features it carries, (start position, rows [n, width] on the host) each."""
 
     features: tuple[tuple[int, torch.Tensor], ...] = ()
 
@@ -522,17 +522,8 @@ def propose_head(call: HeadDraftCall) -> Generator[ModelRequest, torch.Tensor, D
         tokens = host[0].tolist()
         store.fill(session, tokens[: k - 1])  # the device tokens it fed
         state.prune(len(session.tokens))
-        n = len(session.tokens)
-        call.branches.put_rows(  # for the Speculate that follows (specdec.drafter.speculate)
-            session_id,
-            DraftRows(
-                position,
-                n,
-                session.chain.hash(session.tokens, n),
-                torch.cat(rows),
-                torch.cat(feeds),
-            ),
-        )
+        # for the Speculate that follows (specdec.drafter.speculate)
+        call.branches.put_rows(session_id, DraftRows.after(session, position, rows, feeds))
         encoded = encoded_rows(host[1 : 1 + len(payload)]) if proposals else []
         parents: list[int] = []
         if top:  # the head's alternatives as leaves, the best continued as branch rows
@@ -573,8 +564,7 @@ class HeadSpeculateCall(SpeculateCall):
         if (
             memo is not None
             and memo.feeds is not None
-            and (memo.length, memo.hash) == (cached, self.prefix.hash)
-            and memo.start <= base
+            and memo.covers(cached, self.prefix.hash, base)
         ):
             fed = [row[None] for row in memo.feeds[base - memo.start :]]  # base..cached
             rows = [memo.rows[base - memo.start :]]

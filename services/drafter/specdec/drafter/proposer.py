@@ -141,11 +141,7 @@ def propose(call: DraftCall) -> Generator[ModelRequest, torch.Tensor, DraftResul
         tokens = host[0].tolist()
         runtime.ready_store.fill(session, tokens[: k - 1])  # the device tokens it fed
         encoded = encoded_rows(host[1 : 1 + len(payload)]) if proposals else []
-        n = len(session.tokens)
-        branches.put_rows(
-            session_id,
-            DraftRows(position, n, session.chain.hash(session.tokens, n), torch.cat(rows)),
-        )
+        branches.put_rows(session_id, DraftRows.after(session, position, rows))
         if not top:
             return DraftResult(tokens, encoded, len(session.tokens), _ms(started))
         top_host = [t.tolist() for t in host[len(host) - 3 :]]

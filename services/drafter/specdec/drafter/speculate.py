@@ -116,6 +116,25 @@ class DraftRows:
     # k - 1 was (or, the last, would be) fed with [k, width]. None for a model.
     feeds: torch.Tensor | None = None
 
+    @classmethod
+    def after(
+        cls,
+        session: CachedSession,
+        start: int,
+        rows: list[torch.Tensor],
+        feeds: list[torch.Tensor] | None = None,
+    ) -> DraftRows:
+        """A Draft's rows ([1, vocab] each, d_1 at `start`), kept at the session's cache."""
+        n = len(session.tokens)
+        kept = torch.cat(feeds) if feeds is not None else None
+        return cls(start, n, session.chain.hash(session.tokens, n), torch.cat(rows), kept)
+
+    def covers(self, cached: int, prefix_hash: int, base: int) -> bool:
+        """Whether these rows hold for a sequence whose cache is `cached` tokens of hash
+        `prefix_hash` and whose draft begins at `base`: the Draft left the cache exactly
+        there and began no later."""
+        return (self.length, self.hash) == (cached, prefix_hash) and self.start <= base
+
 
 class BranchStore:
     """Prepared branches by session, newest last, bounded to MAX_PREPARED_SESSIONS; and
@@ -277,12 +296,7 @@ def draft_rows(
     base = cached + len(new_tokens) - k  # the position of d_1
     if cached < base:  # the prefix ends before the draft: feed it all (the usual path)
         return (yield from runtime.forward_steps(session, new_tokens, keep=k + 1))
-    # The Draft's rows hold if it left the cache exactly at this prefix and began no later.
-    if (
-        memo is not None
-        and (memo.length, memo.hash) == (cached, prefix.hash)
-        and memo.start <= base
-    ):
+    if memo is not None and memo.covers(cached, prefix.hash, base):
         fresh = yield from runtime.forward_steps(
             session, new_tokens, keep=len(new_tokens)
         )  # [new, vocab]
