@@ -5,6 +5,8 @@ engine's (batched rows, a fork, SSD branch groups)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -259,3 +261,45 @@ def test_paged_branch_groups_equal_the_dense_engines(engines):
         rt.release("o")
     for mine, theirs in zip(got["paged"], got["dense"], strict=True):
         torch.testing.assert_close(mine, theirs, **TOL)
+
+
+# -- the start-up probe of batched forwards -------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ["dense", "paged"])
+def test_the_probe_times_batched_forwards_into_the_buckets(test_models, engine):
+    """A batching replica's start-up probe runs batched forwards of 2 to 8 rows through its
+    engine (--max-batch-size 8 stops it there): each bucket it reaches reports a step and
+    wide forwards it measured (not the one-row line read at rows x tokens), at its rows;
+    the scratch sessions are gone and the probe is no load."""
+    rt = _runtime(test_models, engine, max_batch_size=8)
+    try:
+        measured = rt.probe_batches()
+        assert sorted({rows for rows, _ in measured}) == [2, 4, 8]
+        assert sorted({n for _, n in measured}) == [1, 2, 8]
+        lines = dict(rt.cost.buckets())
+        assert sorted(lines) == [2, 4, 8]  # no one-row bucket: the one-row probe is the prior
+        for rows, line in lines.items():
+            assert line.rows == rows
+            assert line.step_samples == 1.0  # the 1-token forward, not the warm-up
+            assert line.samples == pytest.approx(1.0 + 1.98)  # the 2 and 8 (decayed once)
+            assert line.widest == 8
+        assert len(rt.ready_store) == 0
+        assert rt.load_window.load(time.perf_counter(), 0).forwards == 0
+    finally:
+        rt.shutdown()
+
+
+def test_the_probe_fits_what_the_replica_can_hold(test_models):
+    """Batch sizes whose scratch sessions the cache bound (or --max-batch-tokens) cannot
+    hold are not probed; with none left nothing is, and one session at a time probes none."""
+    rt = _runtime(test_models, "paged", max_batch_size=16, max_cached_tokens=4 * 40)
+    try:
+        assert sorted({rows for rows, _ in rt.probe_batches()}) == [2, 4]
+    finally:
+        rt.shutdown()
+    rt = _runtime(test_models, "paged", max_batch_size=16, max_batch_tokens=8)
+    try:
+        assert rt.probe_batches() == {}
+    finally:
+        rt.shutdown()

@@ -170,9 +170,10 @@ class ReplicaConfig:
     # The first points of the forward cost curve (specdec.common.cost).
     cost_probe: bool = setting(
         True,
-        "once loaded, time a few forwards of 1 to 16 tokens: the first points of the "
-        "forward cost curve reported to gateways (whose adaptive policy prices drafts "
-        "with it) before any request has run",
+        "once loaded, time a few forwards of 1 to 16 tokens, and with --max-batch-size "
+        "above 1 batched forwards of 2 to 16 rows: the first points of the forward cost "
+        "curve reported to gateways (whose adaptive policy prices drafts with it) before "
+        "any request has run",
     )
     tls: ServerTls | None = settings_group(ServerTlsSettings)
 

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 
 import torch
@@ -113,6 +113,8 @@ class ModelRuntime:
         self.cost_points: list[tuple[float, float, float]] = []  # RAGGED: the measured points
         # Every forward of the last seconds, reported as the replica's load with the curve.
         self.load_window = LoadWindow(since=time.perf_counter())
+        self._timing = True  # False while a probe's untimed forwards run (`_untimed`)
+        self._probing = False  # the batched probe runs: its forwards are no served forwards
         # --compile: the decoder compiled for the short forwards (specdec.replica.compiled).
         self.compiled: Compiled | None = None
         # A head drafter (specdec.drafter.head): the target's features it drafts from
@@ -142,6 +144,8 @@ class ModelRuntime:
             self.compile()
         if cfg.cost_probe:
             self.probe_cost()
+            if cfg.max_batch_size > 1 and cfg.tensor_parallel == 1:
+                self.probe_batches()
         log.info(
             "model loaded",
             extra={
@@ -217,6 +221,86 @@ class ModelRuntime:
             at = self.PROBE_CONTEXT
         return self.seed_cost(best)
 
+    PROBE_ROWS = (2, 4, 8, 16)
+    PROBE_BATCH_BUDGET_S = 8.0  # no batch size starts after the batched probe took this long
+
+    def probe_batches(self) -> dict[tuple[int, int], float]:
+        """Time batched forwards of R rows (PROBE_ROWS up to --max-batch-size and
+        --max-batch-tokens) of 1 token, 2 and the widest probe width up to 8, through the
+        engine's own batched forward on scratch sessions of PROBE_CONTEXT tokens: they enter
+        the cost curve's buckets as served forwards do, so a gateway prices a batch from
+        the start. Read off the one-row line instead (rows x tokens a row), 8 rows of 4
+        tokens came out at a third of what they took on the paged engine (about 440 against
+        1,200 ms on a 2-vCPU Zen 4), and every session drafted long into a verifier that
+        was already computing all it could. The scratch sessions' prefills and a warm-up
+        per batch size are not fitted. One sweep, smallest batch first, none started after
+        PROBE_BATCH_BUDGET_S; tensor-parallel ranks do not run it (their forwards must
+        match, which a time budget cannot promise). Returns ms by (rows, tokens a row)
+        (model thread)."""
+        cfg = self.config
+        store = self.ready_store
+        widths = [1, 2, max([n for n in self.probe_widths() if n <= 8] or [2])]
+        widths = sorted(set(widths))
+        sizes = [r for r in self.PROBE_ROWS if r <= cfg.max_batch_size]
+        context = self.PROBE_CONTEXT
+        sizes = [
+            r
+            for r in sizes
+            if r * widths[-1] <= cfg.max_batch_tokens
+            and r * (context + widths[-1]) <= cfg.max_cached_tokens
+        ]
+        if not sizes:
+            return {}
+        vocab = max(1, self.vocab_size)
+        ids = [(7 * i + 3) % vocab for i in range(context + max(widths) + 2)]
+        names = [f"\x00probe-{i}" for i in range(max(sizes))]  # no client sends these
+        measured: dict[tuple[int, int], float] = {}
+        spent = 0.0
+        self._probing = True  # not in the forward metrics (they count what was served)
+        try:
+            sessions = [store.acquire(name, 0, 0, context + max(widths)) for name in names]
+            with self._untimed():
+                self._run_batch([ForwardRequest(s, ids[:context], 1, True) for s in sessions])
+            for rows in sizes:
+                if spent >= self.PROBE_BATCH_BUDGET_S:
+                    break
+                batch = sessions[:rows]
+                for n in (0, *widths):  # 0: a warm-up of this batch size, not fitted
+                    feed = ids[context : context + max(1, n)]
+                    started = time.perf_counter()
+                    with self._untimed() if n == 0 else nullcontext():
+                        self._run_batch([ForwardRequest(s, feed, 1, False) for s in batch])
+                    ms = (time.perf_counter() - started) * 1e3
+                    spent += ms / 1e3
+                    if n:
+                        measured[(rows, n)] = ms
+                    for session in batch:
+                        store.truncate(session, context)
+        finally:
+            self._probing = False
+            for name in names:
+                store.release(name)
+        self.load_window = LoadWindow(since=time.perf_counter())  # the probe is no load
+        log.info(
+            "batched forward cost probed",
+            extra={
+                "engine": cfg.kv_engine,
+                "ms": {f"{r}x{n}": round(ms, 3) for (r, n), ms in sorted(measured.items())},
+                "seconds": round(spent, 2),
+            },
+        )
+        return measured
+
+    @contextmanager
+    def _untimed(self) -> Iterator[None]:
+        """Forwards in this block are not fitted into the cost curve nor counted as load
+        (a probe's warm-ups and scratch prefills)."""
+        self._timing = False
+        try:
+            yield
+        finally:
+            self._timing = True
+
     def probe_widths(self) -> list[int]:
         """The widths the start-up probe times: PROBE_WIDTHS up to a verify of the longest
         draft, at least two."""
@@ -252,6 +336,8 @@ class ModelRuntime:
         `started`: fit it. `computed`: the tokens it computed in all, where that is not
         rows x widest (a RAGGED engine's forward)."""
         self._synchronize()
+        if not self._timing:
+            return
         ended = time.perf_counter()
         self.load_window.add(ended, ended - started, rows, tokens, computed)
         if self.RAGGED:
@@ -626,7 +712,12 @@ class ModelRuntime:
             del inputs["attention_mask"]  # one row, no pads (the paged engine): plain causal
         fresh = all(r.fresh for r in requests)
         started = time.perf_counter()
-        with self.obs.forward(layout.tokens, layout.rows, fresh, sessions=len(requests)):
+        observed = (
+            nullcontext()
+            if self._probing
+            else self.obs.forward(layout.tokens, layout.rows, fresh, sessions=len(requests))
+        )
+        with observed:
             if not compiled and len(requests) == 1 and isinstance(requests[0], BranchStep):
                 # One branch group alone (always so under --max-batch-size 1): the model's
                 # own forward and output layer, as before batching.
