@@ -390,6 +390,11 @@ class HeadRuntime(DrafterRuntime):
         reason = f"{str(dtype).removeprefix('torch.')}: as asked (--dtype); head {cfg.head}"
         return loaded_model(model, facts, reason)
 
+    def probe_request(self, session: Any, tokens: list[int], fresh: bool) -> ForwardRequest:
+        """A probe's forward carries input features too: zeros (as the one-row probe's)."""
+        inputs = torch.zeros(len(tokens), self.width, dtype=self.model.dtype, device=self.device)
+        return ForwardRequest(session, tokens, 1, fresh, inputs=inputs)
+
     def _forward_requests(self, requests: list[ModelRequest]) -> list[torch.Tensor]:
         """The forward with every row's input features laid out as its input_ids (a
         session's request one row, its tokens from column 0; a branch step one row per

@@ -260,7 +260,7 @@ class ModelRuntime:
         try:
             sessions = [store.acquire(name, 0, 0, context + max(widths)) for name in names]
             with self._untimed():
-                self._run_batch([ForwardRequest(s, ids[:context], 1, True) for s in sessions])
+                self._run_batch([self.probe_request(s, ids[:context], True) for s in sessions])
             for rows in sizes:
                 if spent >= self.PROBE_BATCH_BUDGET_S:
                     break
@@ -269,7 +269,7 @@ class ModelRuntime:
                     feed = ids[context : context + max(1, n)]
                     started = time.perf_counter()
                     with self._untimed() if n == 0 else nullcontext():
-                        self._run_batch([ForwardRequest(s, feed, 1, False) for s in batch])
+                        self._run_batch([self.probe_request(s, feed, False) for s in batch])
                     ms = (time.perf_counter() - started) * 1e3
                     spent += ms / 1e3
                     if n:
@@ -290,6 +290,12 @@ class ModelRuntime:
             },
         )
         return measured
+
+    def probe_request(
+        self, session: SessionCache, tokens: list[int], fresh: bool
+    ) -> ForwardRequest:
+        """A probe's forward of `tokens` on a scratch session, its last logits kept."""
+        return ForwardRequest(session, tokens, 1, fresh)
 
     @contextmanager
     def _untimed(self) -> Iterator[None]:
