@@ -292,7 +292,8 @@ def test_the_probe_times_batched_forwards_into_the_buckets(test_models, engine):
 
 def test_the_probe_fits_what_the_replica_can_hold(test_models):
     """Batch sizes whose scratch sessions the cache bound (or --max-batch-tokens) cannot
-    hold are not probed; with none left nothing is, and one session at a time probes none."""
+    hold are not probed, with none left nothing is; no forward of the probe, its scratch
+    sessions' prefills included, is wider than --max-batch-tokens."""
     rt = _runtime(test_models, "paged", max_batch_size=16, max_cached_tokens=4 * 40)
     try:
         assert sorted({rows for rows, _ in rt.probe_batches()}) == [2, 4]
@@ -301,5 +302,20 @@ def test_the_probe_fits_what_the_replica_can_hold(test_models):
     rt = _runtime(test_models, "paged", max_batch_size=16, max_batch_tokens=8)
     try:
         assert rt.probe_batches() == {}
+    finally:
+        rt.shutdown()
+    rt = _runtime(test_models, "paged", max_batch_size=16, max_batch_tokens=64)
+    forwards = []  # (rows, tokens a row) of every forward the probe ran, its prefills too
+    run_batch = rt._run_batch
+
+    def counted(requests):
+        forwards.append((len(requests), max(len(r.tokens) for r in requests)))
+        return run_batch(requests)
+
+    rt._run_batch = counted
+    try:
+        assert sorted({rows for rows, _ in rt.probe_batches()}) == [2, 4, 8]
+        assert forwards and all(rows * width <= 64 for rows, width in forwards)
+        assert (2, rt.PROBE_CONTEXT) in forwards  # the prefills, two sessions a forward
     finally:
         rt.shutdown()

@@ -230,8 +230,8 @@ class ModelRuntime:
         engine's own batched forward on scratch sessions of PROBE_CONTEXT tokens: they enter
         the cost curve's buckets as served forwards do, so a gateway prices a batch from
         the start. Read off the one-row line instead (rows x tokens a row), 8 rows of 4
-        tokens came out at a third of what they took on the paged engine (about 440 against
-        1,200 ms on a 2-vCPU Zen 4), and every session drafted long into a verifier that
+        tokens came out at a third to a half of what they took on the paged engine (about
+        440 against 555 to 1,350 ms on a 2-vCPU Zen 4), and every session drafted long into a verifier that
         was already computing all it could. The scratch sessions' prefills and a warm-up
         per batch size are not fitted. One sweep, smallest batch first, none started after
         PROBE_BATCH_BUDGET_S; tensor-parallel ranks do not run it (their forwards must
@@ -259,8 +259,13 @@ class ModelRuntime:
         self._probing = True  # not in the forward metrics (they count what was served)
         try:
             sessions = [store.acquire(name, 0, 0, context + max(widths)) for name in names]
+            per = max(1, cfg.max_batch_tokens // context)  # prefills within the bound too
             with self._untimed():
-                self._run_batch([self.probe_request(s, ids[:context], True) for s in sessions])
+                for i in range(0, len(sessions), per):
+                    prefill = [
+                        self.probe_request(s, ids[:context], True) for s in sessions[i:][:per]
+                    ]
+                    self._run_batch(prefill)
             for rows in sizes:
                 if spent >= self.PROBE_BATCH_BUDGET_S:
                     break
