@@ -262,10 +262,8 @@ class ModelRuntime:
             per = max(1, cfg.max_batch_tokens // context)  # prefills within the bound too
             with self._untimed():
                 for i in range(0, len(sessions), per):
-                    prefill = [
-                        self.probe_request(s, ids[:context], True) for s in sessions[i:][:per]
-                    ]
-                    self._run_batch(prefill)
+                    group = sessions[i : i + per]
+                    self._run_batch([self.probe_request(s, ids[:context], True) for s in group])
             for rows in sizes:
                 if spent >= self.PROBE_BATCH_BUDGET_S:
                     break
