@@ -10,7 +10,7 @@ mkdir -p $OUT
 UP=$!
 for i in $(seq 1 120); do grep -q "^ready" $OUT/up.out && break; sleep 5; done
 V=$(grep '^verifier' $OUT/up.out | awk '{print $2}'); D=$(grep '^drafter' $OUT/up.out | awk '{print $2}')
-.venv/bin/python /work/diag45/poll.py $V $D $OUT/poll.jsonl &
+.venv/bin/python docs/bench/2026-11-28-load-sweep/diag-16/poll.py $V $D $OUT/poll.jsonl &
 P=$!
 echo "$(date +%T) up"
 .venv/bin/specdec loadtest --gateway 127.0.0.1:50561 --concurrency 16 --modes k0,default \
