@@ -671,8 +671,7 @@ class LlamaCppRuntime(ModelRuntime):
         store = self.store
         assert isinstance(store, LlamaStore) and self.context is not None
         widths = self.probe_widths()
-        vocab = max(1, self.vocab_size)
-        ids = [(7 * i + 3) % vocab for i in range(self.PROBE_CONTEXT + max(widths) + 2)]
+        ids = self.probe_ids(self.PROBE_CONTEXT + max(widths) + 2)
         name = self.PROBE_SEQUENCE_NAME
         session = store.acquire(name, 0, 0, self.PROBE_CONTEXT + max(widths))
         try:

@@ -190,8 +190,7 @@ class ModelRuntime:
         """Time forwards of PROBE_WIDTHS tokens after a short context on a scratch cache
         (no session), a warm-up first; their line seeds the cost curve (model thread)."""
         widths = self.probe_widths()
-        vocab = max(1, self.vocab_size)
-        ids = [(7 * i + 3) % vocab for i in range(self.PROBE_CONTEXT + sum(widths) + 2)]
+        ids = self.probe_ids(self.PROBE_CONTEXT + sum(widths) + 2)
         kv = self._new_cache()
         feed = torch.tensor([ids[: self.PROBE_CONTEXT]], dtype=torch.long, device=self.device)
         self.model_logits(1, input_ids=feed, cache=kv)
@@ -231,8 +230,8 @@ class ModelRuntime:
         the cost curve's buckets as served forwards do, so a gateway prices a batch from
         the start. Read off the one-row line instead (rows x tokens a row), 8 rows of 4
         tokens came out at a third to a half of what they took on the paged engine (about
-        440 against 555 to 1,350 ms on a 2-vCPU Zen 4), and every session drafted long into a verifier that
-        was already computing all it could. The scratch sessions' prefills and a warm-up
+        440 against 555 to 1,350 ms on a 2-vCPU Zen 4), and every session drafted long
+        into a verifier that was already computing all it could. The scratch sessions' prefills and a warm-up
         per batch size are not fitted. One sweep, smallest batch first, none started after
         PROBE_BATCH_BUDGET_S; tensor-parallel ranks do not run it (their forwards must
         match, which a time budget cannot promise). Returns ms by (rows, tokens a row)
@@ -251,14 +250,13 @@ class ModelRuntime:
         ]
         if not sizes:
             return {}
-        vocab = max(1, self.vocab_size)
-        ids = [(7 * i + 3) % vocab for i in range(context + max(widths) + 2)]
+        ids = self.probe_ids(context + widths[-1])
         names = [f"\x00probe-{i}" for i in range(max(sizes))]  # no client sends these
         measured: dict[tuple[int, int], float] = {}
         spent = 0.0
         self._probing = True  # not in the forward metrics (they count what was served)
         try:
-            sessions = [store.acquire(name, 0, 0, context + max(widths)) for name in names]
+            sessions = [store.acquire(name, 0, 0, context + widths[-1]) for name in names]
             per = max(1, cfg.max_batch_tokens // context)  # prefills within the bound too
             with self._untimed():
                 for i in range(0, len(sessions), per):
@@ -309,6 +307,11 @@ class ModelRuntime:
             yield
         finally:
             self._timing = True
+
+    def probe_ids(self, n: int) -> list[int]:
+        """n token ids for a probe's forwards, spread over the vocabulary."""
+        vocab = max(1, self.vocab_size)
+        return [(7 * i + 3) % vocab for i in range(n)]
 
     def probe_widths(self) -> list[int]:
         """The widths the start-up probe times: PROBE_WIDTHS up to a verify of the longest
