@@ -23,7 +23,7 @@ from specdec.drafter.speculate import BranchStore
 from specdec.replica.engine import Prefix
 from specdec.replica.sampling import SamplingParams
 from specdec.tools.distill.data import Sequence, write_rows
-from specdec.tools.distill.head import load_head, shifted
+from specdec.tools.distill.head import kept_ids, load_head, shifted
 from specdec.tools.distill.prompts import bench_prompts, build_prompts, write_prompts
 
 N_PROMPTS = 96
@@ -106,6 +106,42 @@ def test_the_folder_serves_what_training_predicted(trained, test_models, tokeniz
         rt.shutdown()
 
 
+def test_a_head_trained_over_a_draft_vocabulary_drafts_it(
+    test_models, prompt_file, tokenizer, target_model, tmp_path
+):
+    """--draft-vocab N trains the token loss over the ids the drafter keeps with the same
+    flag; served with it, the head's first draft is training's prediction over those ids,
+    and the held-out agreement is counted against the target's top token over all ids."""
+    out = tmp_path / "head"
+    argv = head_args(test_models, out, "--prompts", str(prompt_file), "--steps", "40")
+    assert specdec([*argv, "--lr", "3e-3", "--seed", "3", "--draft-vocab", "200"]) == 0
+    report = json.loads((out / VERSION_FILE).read_text())
+    assert report["settings"]["draft_vocab"] == 200
+    assert report["held_out"]["after"]["greedy_agreement"] > 0
+    cfg = DrafterConfig(
+        role="drafter", model=str(test_models.target), head=str(out), draft_vocab=200
+    )
+    rt = HeadRuntime(cfg)
+    rt.load()
+    try:
+        ids = tokenizer("def read_lines(path):\n    with open(path) as f:").input_ids
+        features = _features(target_model, ids)
+        call = HeadDraftCall(
+            runtime=rt, branches=BranchStore(), session_id="t/1",
+            prefix=Prefix(0, prefix_hash([])), new_tokens=ids, k=3,
+            params=SamplingParams(temperature=0.0), features=((0, features),),
+        )  # fmt: skip
+        drafted = rt.drive(call.job()).tokens
+        head = load_head(out, test_models.target, torch.float32, "cpu")
+        head.keep(kept_ids(target_model, 200))
+        with torch.no_grad():
+            h = head.hidden(torch.tensor([ids]), shifted(features[None]))
+            predicted = int(head.kept[head.log_probs(h[0, -1:]).argmax()])
+        assert drafted[0] == predicted and all(t < 200 or t in rt.eos_token_ids for t in drafted)
+    finally:
+        rt.shutdown()
+
+
 def _features(model, ids: list[int]) -> torch.Tensor:
     """The target's last layer's output (before the final norm) at every position [n, 64]."""
     seen = {}
@@ -170,6 +206,8 @@ def test_resume_reuses_the_target_outputs_an_interrupted_run_collected(
         (("--lora-rank", "4"), "--lora-rank is a draft model's, not a head's"),
         (("--steps", "-1"), "--steps must be >= 0"),
         (("--feature-weight", "0", "--token-weight", "0"), "not both 0"),
+        (("--draft-vocab", "-1"), "--draft-vocab must be >= 0"),
+        (("--draft-vocab", "10000000"), "--draft-vocab must be <= "),
     ],
 )
 def test_bad_flags_are_named(test_models, prompt_file, tmp_path, capsys, extra, message):
@@ -191,6 +229,9 @@ def test_bad_data_and_folders_are_named(test_models, tmp_path, capsys):
     refused(["distill", "--target-model", str(test_models.target), "--draft-model",
              str(test_models.draft_small), "--out", out, "--text", str(tmp_path)],
             "--text trains heads only (--head)")  # fmt: skip
+    refused(["distill", "--target-model", str(test_models.target), "--draft-model",
+             str(test_models.draft_small), "--out", out, "--prompts", str(tmp_path),
+             "--draft-vocab", "64"], "--draft-vocab trains heads only (--head)")  # fmt: skip
     row = Sequence((5, 6), (10**6,))  # recorded with a model of a larger vocabulary
     write_rows(tmp_path / "record" / "record-1.jsonl", [row, row], str(test_models.target))
     refused(head_args(test_models, out, "--data", str(tmp_path / "record")),

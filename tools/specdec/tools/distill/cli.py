@@ -111,6 +111,12 @@ def add_distill_parser(commands) -> argparse.ArgumentParser:
         help="--head: training-time test, a second step that feeds the head its own "
         "predicted feature (what a draft's second token reads)",
     )
+    p.add_argument(
+        "--draft-vocab", type=int, default=0,
+        help="--head: train the token loss over the first N token ids only, the subset the "
+        "drafter keeps with the same --draft-vocab N (0: the whole vocabulary); the output "
+        "layer is most of a step's cost",
+    )  # fmt: skip
     p.add_argument("--out", help="directory of the new drafter (and its training state)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per step")
@@ -300,9 +306,11 @@ def _run_distill(args: argparse.Namespace) -> int:
 
     if args.head:
         return _run_head(args)
-    if args.text:
-        print("specdec distill: --text trains heads only (--head)", file=sys.stderr)
-        return 2
+    for flag in ("text", "draft_vocab"):
+        if getattr(args, flag):
+            print(f"specdec distill: --{flag.replace('_', '-')} trains heads only (--head)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
     missing = [f for f in ("target_model", "draft_model", "out") if not getattr(args, f)]
     if missing or not (args.data or args.prompts):
         names = [f"--{f.replace('_', '-')}" for f in missing]
@@ -406,6 +414,7 @@ def _run_head(args: argparse.Namespace) -> int:
         f"{a['greedy_agreement_own_feature']:.3f}) over {h['positions']} positions; head "
         f"{report['version']} in {args.out}: specdec serve drafter --model "
         f"{args.target_model} --head {args.out}"
+        + (f" --draft-vocab {settings.draft_vocab}" if settings.draft_vocab else "")
     )
     return 0
 

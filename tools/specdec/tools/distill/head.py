@@ -70,6 +70,7 @@ class HeadSettings:
     ttt: bool = False  # training-time test: a second step fed its own prediction
     seed: int = 0
     max_length: int = 1024
+    draft_vocab: int = 0  # the token loss over these first ids only (0: the whole vocabulary)
 
     def check(self) -> None:
         """ValueError naming the first setting out of range."""
@@ -82,6 +83,8 @@ class HeadSettings:
             raise ValueError("--max-length must be >= 2")
         if not self.lr > 0:
             raise ValueError("--lr must be > 0")
+        if self.draft_vocab < 0:
+            raise ValueError("--draft-vocab must be >= 0 (0: the whole vocabulary)")
         w = (self.feature_weight, self.token_weight)
         if min(w) < 0 or sum(w) == 0:
             raise ValueError("--feature-weight and --token-weight must be >= 0, not both 0")
@@ -230,6 +233,12 @@ class HeadModel:
         self.lm_head = model.get_output_embeddings()
         self.autocast = False  # run the forwards in `compute` (torch.autocast)
         self.compute = torch.float32
+        self.kept: torch.Tensor | None = None  # --draft-vocab: the ids the output layer keeps
+
+    def keep(self, ids: list[int]) -> None:
+        """Train over these token ids only (the drafter's --draft-vocab subset): the token
+        loss and the agreement read the output matrix's rows of them."""
+        self.kept = torch.tensor(ids, device=self.lm_head.weight.device)
 
     def autocasting(self) -> torch.autocast:
         device = next(self.model.parameters()).device.type
@@ -275,9 +284,13 @@ class HeadModel:
         mask = two_step_mask(t, first.dtype, ids.device).expand(b, 1, -1, -1)
         return [first, self.hidden(ids, both, mask, positions)[:, t:]]
 
-    def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """log softmax of the target's output over norm(hidden) [n, vocab], float32."""
-        return self.lm_head(self.norm(hidden)).float().log_softmax(-1)
+    def log_probs(self, hidden: torch.Tensor, whole: bool = False) -> torch.Tensor:
+        """log softmax of the target's output over norm(hidden), float32: [n, vocab], or
+        over the kept ids [n, len(kept)] (renormalized there) unless `whole`."""
+        if self.kept is None or whole:
+            return self.lm_head(self.norm(hidden)).float().log_softmax(-1)
+        weight = self.lm_head.weight[self.kept]
+        return F.linear(self.norm(hidden), weight).float().log_softmax(-1)
 
 
 def losses(
@@ -325,11 +338,29 @@ def agreement(
                 mask = batch.mask.clone()
                 if step:
                     mask[:, 0] = False
-                want = head.log_probs(batch.features[mask]).argmax(-1)
+                want = head.log_probs(batch.features[mask], whole=True).argmax(-1)
                 got = head.log_probs(h[mask]).argmax(-1)
+                if head.kept is not None:
+                    got = head.kept[got]  # a kept id, against the target's over all of them
                 hits[step] += int((want == got).sum())
                 counts[step] += int(mask.sum())
     return Agreement(hits[0] / max(1, counts[0]), hits[1] / max(1, counts[1]), counts[0])
+
+
+def kept_ids(target: Any, n: int) -> list[int] | None:
+    """--draft-vocab n: the ids the drafter keeps with the same flag (its own choice,
+    specdec.drafter.vocab.subset_ids: the n smallest and the end-of-sequence tokens); None
+    for 0 (the whole vocabulary)."""
+    if not n:
+        return None
+    from specdec.drafter.vocab import subset_ids
+    from specdec.replica.loading import eos_ids
+
+    vocab = int(target.config.vocab_size)
+    if n > vocab:
+        raise ValueError(f"--draft-vocab must be <= {vocab} (the target's vocabulary), got {n}")
+    eos = eos_ids([getattr(target, "generation_config", None), target.config], None)
+    return subset_ids(n, None, vocab, eos)
 
 
 def initial_head(target: Any, folder: Path, target_path: Path, layer: int, format_: str) -> Path:
@@ -396,6 +427,7 @@ def train_head(
     target = target.to(device).eval()
     layer = feature_layer_of(target, feature_layer)
     vocab = int(target.config.vocab_size)
+    kept = kept_ids(target, settings.draft_vocab)
     bad = next((t for s in [*train, *held] for t in s.ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise ValueError(
@@ -420,6 +452,8 @@ def train_head(
     head = load_head(init, target_folder, train_dtype, device)
     head.autocast = dtype != "float32"
     head.compute = DTYPES[dtype]
+    if kept is not None:
+        head.keep(kept)
     before = agreement(head, held_ex, settings, train_dtype, device)
 
     params = head.parameters()
