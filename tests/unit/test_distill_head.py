@@ -85,25 +85,11 @@ def test_the_folder_serves_what_training_predicted(trained, test_models, tokeniz
     """The head drafter loads the folder, reports its version (not the target's), and its
     first draft token, given the target's features, is the training model's prediction."""
     out, report = trained
-    rt = HeadRuntime(DrafterConfig(role="drafter", model=str(test_models.target), head=str(out)))
-    rt.load()
-    try:
-        assert DrafterServicer(rt).model_version == report["version"]
-        ids = tokenizer("def read_lines(path):\n    with open(path) as f:").input_ids
-        features = _features(target_model, ids)
-        call = HeadDraftCall(
-            runtime=rt, branches=BranchStore(), session_id="t/1",
-            prefix=Prefix(0, prefix_hash([])), new_tokens=ids, k=3,
-            params=SamplingParams(temperature=0.0), features=((0, features),),
-        )  # fmt: skip
-        drafted = rt.drive(call.job()).tokens
-        head = load_head(out, test_models.target, torch.float32, "cpu")
-        with torch.no_grad():
-            h = head.hidden(torch.tensor([ids]), shifted(features[None]))
-            predicted = int(head.log_probs(h[0, -1:]).argmax())
-        assert drafted[0] == predicted
-    finally:
-        rt.shutdown()
+    drafted, predicted, version, _ = _served_and_predicted(
+        out, test_models, tokenizer, target_model, vocab=0
+    )
+    assert version == report["version"]
+    assert drafted[0] == predicted
 
 
 def test_a_head_trained_over_a_draft_vocabulary_drafts_it(
@@ -118,12 +104,24 @@ def test_a_head_trained_over_a_draft_vocabulary_drafts_it(
     report = json.loads((out / VERSION_FILE).read_text())
     assert report["settings"]["draft_vocab"] == 200
     assert report["held_out"]["after"]["greedy_agreement"] > 0
+    drafted, predicted, _, eos = _served_and_predicted(
+        out, test_models, tokenizer, target_model, vocab=200
+    )
+    assert drafted[0] == predicted
+    assert all(t < 200 or t in eos for t in drafted)
+
+
+def _served_and_predicted(out, test_models, tokenizer, target_model, vocab: int):
+    """The head drafter's draft from the folder `out` (--draft-vocab `vocab`), given the
+    target's features of a code prefix, and training's own first prediction there; the
+    drafter's model version and end-of-sequence ids."""
     cfg = DrafterConfig(
-        role="drafter", model=str(test_models.target), head=str(out), draft_vocab=200
+        role="drafter", model=str(test_models.target), head=str(out), draft_vocab=vocab
     )
     rt = HeadRuntime(cfg)
     rt.load()
     try:
+        version = DrafterServicer(rt).model_version
         ids = tokenizer("def read_lines(path):\n    with open(path) as f:").input_ids
         features = _features(target_model, ids)
         call = HeadDraftCall(
@@ -132,14 +130,17 @@ def test_a_head_trained_over_a_draft_vocabulary_drafts_it(
             params=SamplingParams(temperature=0.0), features=((0, features),),
         )  # fmt: skip
         drafted = rt.drive(call.job()).tokens
-        head = load_head(out, test_models.target, torch.float32, "cpu")
-        head.keep(kept_ids(target_model, 200))
-        with torch.no_grad():
-            h = head.hidden(torch.tensor([ids]), shifted(features[None]))
-            predicted = int(head.kept[head.log_probs(h[0, -1:]).argmax()])
-        assert drafted[0] == predicted and all(t < 200 or t in rt.eos_token_ids for t in drafted)
+        eos = list(rt.eos_token_ids)
     finally:
         rt.shutdown()
+    head = load_head(out, test_models.target, torch.float32, "cpu")
+    if vocab:
+        head.keep(kept_ids(target_model, vocab))
+    with torch.no_grad():
+        h = head.hidden(torch.tensor([ids]), shifted(features[None]))
+        top = int(head.log_probs(h[0, -1:]).argmax())
+    predicted = int(head.kept[top]) if head.kept is not None else top
+    return drafted, predicted, version, eos
 
 
 def _features(model, ids: list[int]) -> torch.Tensor:
