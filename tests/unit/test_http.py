@@ -313,7 +313,7 @@ def test_unknown_fields_are_ignored_and_logged(caplog):
         "prompt": "x", "max_tokens": 3, "frobnicate": True, "echo": False, "stream": True,
         "stream_options": {"include_usage": True, "include_obfuscation": False},
     }  # fmt: skip
-    with caplog.at_level(logging.DEBUG, logger="specdec.gateway.front.http.api"):
+    with caplog.at_level(logging.DEBUG, logger="specdec.gateway.front.http.schema"):
         req, opts = api.completion_request(body, SERVED)
     assert req.prompt == "x" and req.output.max_new_tokens == 3 and opts.include_usage
     logged = [

@@ -18,6 +18,7 @@ from specdec.gateway.fleet.caller import Placement, ReplicaCaller
 from specdec.gateway.fleet.replicas import Fleet
 from specdec.gateway.fleet.transport import GrpcTransport
 from specdec.gateway.job import ResolvedSpeculation
+from specdec.gateway.round.calls import RoundCalls
 from specdec.gateway.round.loop import Speculator
 from specdec.gateway.round.policy import FixedPolicy
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
@@ -30,13 +31,20 @@ class RpcFailure(grpc.aio.AioRpcError):
 
 def speculator(fleet: Fleet, session: str) -> Speculator:
     """A greedy SSD request's loop over the fleet (fixed k, the drafter's fan-out)."""
-    return Speculator(
+    sampling = SamplingParams()
+    calls = RoundCalls(
         ReplicaCaller(fleet, rpc_timeout=5.0),
         session,
-        SamplingParams(),
+        sampling.to_proto(),
+        None,
         Placement(),
         Placement(),
+    )
+    return Speculator(
+        calls,
         FixedPolicy(),
+        greedy=sampling.greedy,
+        processors=sampling.processors,
         speculation=ResolvedSpeculation(k=2, ssd=True),
         max_context=512,
     )

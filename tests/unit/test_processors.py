@@ -172,6 +172,11 @@ def _proto(**kw) -> common_pb2.SamplingParams:
     return msg
 
 
+def _processors(msg: common_pb2.SamplingParams) -> Controls:
+    """The logits processors of a wire message's sampling, as a replica reads them."""
+    return SamplingParams.from_proto(msg).processors
+
+
 @pytest.mark.parametrize(
     ("sampling", "message"),
     [
@@ -188,26 +193,28 @@ def _proto(**kw) -> common_pb2.SamplingParams:
 )
 def test_bad_sampling_controls_are_refused_by_name(sampling, message):
     with pytest.raises(InvalidRequest, match=re.escape(message)):
-        check_sampling_controls(sampling, V if "300" not in message else 1000)
+        check_sampling_controls(_processors(sampling), V if "300" not in message else 1000)
 
 
 def test_output_controls_are_checked():
     plain = common_pb2.SamplingParams(presence_penalty=1.0)
     with pytest.raises(InvalidRequest, match=r"output\.output_start 9 lies beyond"):
-        controls_from_proto(plain, common_pb2.OutputControls(output_start=9), V, 8)
+        controls_from_proto(_processors(plain), common_pb2.OutputControls(output_start=9), V, 8)
     with pytest.raises(InvalidRequest, match=f"min_tokens_ids holds {V}, outside"):
         controls_from_proto(
-            plain, common_pb2.OutputControls(min_tokens=2, min_tokens_ids=[1, V]), V, 8
+            _processors(plain), common_pb2.OutputControls(min_tokens=2, min_tokens_ids=[1, V]), V, 8
         )
     with pytest.raises(InvalidRequest, match="at most 320"):
-        controls_from_proto(plain, common_pb2.OutputControls(min_tokens_ids=range(321)), 1000, 8)
+        controls_from_proto(
+            _processors(plain), common_pb2.OutputControls(min_tokens_ids=range(321)), 1000, 8
+        )
     # Neutral values: no processors at all (the replicas skip them).
     assert (
-        controls_from_proto(common_pb2.SamplingParams(), common_pb2.OutputControls(), V, 8) is None
+        controls_from_proto(SamplingParams().processors, common_pb2.OutputControls(), V, 8) is None
     )
     assert (
         controls_from_proto(
-            common_pb2.SamplingParams(repetition_penalty=1.0),
+            SamplingParams(repetition_penalty=1.0).processors,
             common_pb2.OutputControls(min_tokens=3),  # no ids to mask
             V,
             8,
@@ -215,7 +222,7 @@ def test_output_controls_are_checked():
         is None
     )
     got = controls_from_proto(
-        _proto(repetition_penalty=0, logit_bias={7: 1.0, 2: -1.0}),
+        _processors(_proto(repetition_penalty=0, logit_bias={7: 1.0, 2: -1.0})),
         common_pb2.OutputControls(output_start=4, min_tokens=2, min_tokens_ids=[5, 1, 5]),
         V,
         8,

@@ -11,7 +11,7 @@ import pytest
 from transformers import GenerationConfig
 
 from specdec.common.errors import InvalidRequest
-from specdec.common.params import SamplingParams, sampling_from_proto
+from specdec.common.params import SamplingParams
 from specdec.replica.loading import generation_sampling
 from specdec.sdk import AsyncClient, Client
 from specdec.sdk.client import build_generate_request
@@ -143,15 +143,15 @@ def test_a_bad_name_is_refused_naming_its_field():
 
 
 def test_unset_fields_take_the_models_then_neutral():
-    got = sampling_from_proto(Sampling(top_k=3).to_proto(), MODEL)
+    got = SamplingParams.from_proto(Sampling(top_k=3).to_proto(), MODEL)
     assert (got.temperature, got.top_p, got.top_k, got.repetition_penalty) == (
         pytest.approx(0.7),
         pytest.approx(0.9),
         3,
         pytest.approx(1.05),
     )
-    assert sampling_from_proto(None, MODEL).temperature == pytest.approx(0.7)
-    plain = sampling_from_proto(Sampling().to_proto())  # no model defaults: neutral
+    assert SamplingParams.from_proto(None, MODEL).temperature == pytest.approx(0.7)
+    plain = SamplingParams.from_proto(Sampling().to_proto())  # no model defaults: neutral
     assert plain == SamplingParams() and plain.greedy
 
 
@@ -159,13 +159,13 @@ def test_a_message_without_model_defaults_reads_absent_as_neutral():
     """A client from before `optional` sends temperature 0 as nothing: greedy, whatever
     the model's defaults; top_p and repetition_penalty 0 read as unset."""
     legacy = common_pb2.SamplingParams(top_p=0.0, top_k=0)
-    got = sampling_from_proto(legacy, MODEL)
+    got = SamplingParams.from_proto(legacy, MODEL)
     assert got.greedy and got.top_p == 1.0 and got.top_k == 0 and got.repetition_penalty == 1.0
 
 
 def test_out_of_range_is_invalid_request_naming_the_field():
     with pytest.raises(InvalidRequest, match="sampling: temperature must be a finite"):
-        sampling_from_proto(common_pb2.SamplingParams(temperature=-1.0))
+        SamplingParams.from_proto(common_pb2.SamplingParams(temperature=-1.0))
     with pytest.raises(ValueError, match="top_p must be in"):
         SamplingParams(top_p=1.5)
 

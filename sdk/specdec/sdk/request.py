@@ -21,10 +21,9 @@ import dataclasses
 import functools
 import inspect
 import json
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, overload
 
 from specdec.sdk.errors import InvalidRequest
 from specdec.sdk.names import DraftMethod, KPolicy, WireEnum
@@ -54,6 +53,7 @@ MAX_TOP_K = 1 << 20
 K_POLICIES = {policy.value: policy.proto for policy in KPolicy}
 #: ``method`` values: where drafts come from (name -> proto).
 METHODS = {method.value: method.proto for method in DraftMethod}
+S = TypeVar("S", bound="Sampling")
 
 
 @dataclass(frozen=True)
@@ -91,34 +91,23 @@ class Sampling:
     def greedy(self) -> bool:
         return (self.temperature or 0.0) < GREEDY_BELOW
 
-    def resolve(self, defaults: Sampling | None = None) -> Sampling:
-        """Every unset field set: from ``defaults`` (the model's), else neutral."""
-        values: dict[str, Any] = {}
+    @overload
+    def resolve(self, defaults: Sampling | None = None) -> Sampling: ...
+    @overload
+    def resolve(self, defaults: Sampling | None, kind: type[S]) -> S: ...
+    def resolve(
+        self, defaults: Sampling | None = None, kind: type[Sampling] | None = None
+    ) -> Sampling:
+        """Every unset field set: from ``defaults`` (the model's), else neutral; as a
+        ``kind`` (a subclass that checks itself, the servers' SamplingParams), else as
+        this class."""
+        values: dict[str, Any] = {name: getattr(self, name) for name in _names(Sampling)}
         for name, neutral in self.MODEL_FIELDS.items():
-            value = getattr(self, name)
-            if value is None and defaults is not None:
-                value = getattr(defaults, name)
-            values[name] = neutral if value is None else value
-        return dataclasses.replace(self, **values)
-
-    def check(self) -> None:
-        """InvalidRequest (a ValueError) naming the first field out of range (unset fields
-        pass)."""
-        t, p, k, seed = self.temperature, self.top_p, self.top_k, self.seed
-        if t is not None and not (math.isfinite(t) and t >= 0):
-            raise _bad("temperature", f"must be a finite number >= 0, got {t}")
-        if p is not None and not (math.isfinite(p) and 0.0 < p <= 1.0):
-            raise _bad("top_p", f"must be in (0, 1], got {p}")
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
-            raise _bad("top_k", f"must be an integer, got {k!r}")
-        if self.min_p is not None and not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
-            raise _bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise _bad("seed", f"must be an integer, got {seed!r}")
-        if k is not None and not 0 <= k <= MAX_TOP_K:
-            raise _bad("top_k", f"must be in [0, {MAX_TOP_K}] (0 = off), got {k}")
-        if seed is not None and not 0 <= seed < 1 << 64:
-            raise _bad("seed", f"must be in [0, 2**64), got {seed}")
+            if values[name] is None and defaults is not None:
+                values[name] = getattr(defaults, name)
+            if values[name] is None:
+                values[name] = neutral
+        return (kind or type(self))(**values)
 
     def to_proto(self) -> common_pb2.SamplingParams:
         """The message (unset fields stay unset; model_defaults marks that they may be)."""
@@ -127,41 +116,41 @@ class Sampling:
         return common_pb2.SamplingParams(**values, model_defaults=True)
 
     @classmethod
-    def from_proto(cls, msg: common_pb2.SamplingParams | None) -> Sampling:
-        """The message's sampling: None (no message) leaves every field unset.
+    def from_proto(
+        cls: type[S], msg: common_pb2.SamplingParams | None, defaults: Sampling | None = None
+    ) -> S:
+        """The message's sampling: None (no message) leaves every field unset; unset
+        model fields take ``defaults`` where given (a server's: the model's own).
 
         A message without ``model_defaults`` comes from a client that could not leave a
         field unset (proto3 sends 0 as nothing): its absent MODEL_FIELDS are neutral, so
         an explicit temperature 0 stays greedy. A 0 top_p or repetition_penalty reads as
         unset (neither can be 0).
         """
-        if msg is None:
-            return cls()
         values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            name, field = f.name, msg.DESCRIPTOR.fields_by_name[f.name]
+        for name in _names(Sampling):
+            if msg is None:
+                break
             if name == "logit_bias":
                 values[name] = dict(msg.logit_bias) or None
-            elif not field.has_presence or _given(msg, name):
-                values[name] = getattr(msg, name)
+                continue
+            value = getattr(msg, name)
+            if not msg.DESCRIPTOR.fields_by_name[name].has_presence or (
+                msg.HasField(name) and (bool(value) or name not in _ZERO_IS_UNSET)
+            ):
+                values[name] = value
             elif name in cls.MODEL_FIELDS and not msg.model_defaults:
                 values[name] = cls.MODEL_FIELDS[name]
             else:
                 values[name] = None
+        for name in cls.MODEL_FIELDS if defaults is not None else ():
+            if values.get(name) is None:
+                values[name] = getattr(defaults, name)
         return cls(**values)
-
-
-def _bad(field: str, why: str) -> InvalidRequest:
-    """The refusal of one field: its name, then why ("top_p must be in (0, 1], got 2")."""
-    return InvalidRequest(f"{field} {why}", field=field)
 
 
 # Fields whose 0 cannot be meant (a client from before `optional` sent 0 for "unset").
 _ZERO_IS_UNSET = ("top_p", "repetition_penalty")
-
-
-def _given(msg: common_pb2.SamplingParams, name: str) -> bool:
-    return msg.HasField(name) and (bool(getattr(msg, name)) or name not in _ZERO_IS_UNSET)
 
 
 @dataclass(frozen=True)

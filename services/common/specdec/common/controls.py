@@ -9,10 +9,9 @@ gateway works out for each Draft, Speculate and Verify).
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
 from specdec.common.errors import InvalidRequest
 from specdec.v1 import common_pb2
@@ -60,43 +59,30 @@ class Controls:
         return bool(self.presence_penalty or self.frequency_penalty)
 
 
-class Penalties(Protocol):
-    """The processor fields of a request's sampling: a SamplingParams message, or the typed
-    Sampling (specdec.sdk.request) where None is unset."""
-
-    @property
-    def presence_penalty(self) -> float: ...
-    @property
-    def frequency_penalty(self) -> float: ...
-    @property
-    def repetition_penalty(self) -> float | None: ...
-    @property
-    def logit_bias(self) -> Mapping[int, float] | None: ...
-
-
-def check_sampling_controls(msg: Penalties, vocab_size: int) -> None:
-    """InvalidRequest naming the first processor field out of range (its `field`)."""
+def check_sampling_controls(controls: Controls, vocab_size: int) -> None:
+    """InvalidRequest naming the first processor field of a request's sampling (its
+    SamplingParams.processors) out of range (its `field`)."""
     for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(msg, name)
+        value = getattr(controls, name)
         if not (math.isfinite(value) and -PENALTY_RANGE <= value <= PENALTY_RANGE):
             raise InvalidRequest(
                 f"sampling: {name} must be in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}], "
                 f"got {value:g}",
                 field=name,
             )
-    rp = msg.repetition_penalty or 0.0
-    if not (math.isfinite(rp) and rp >= 0):  # 0: unset
+    rp = controls.repetition_penalty  # 0 (unset) reads as 1
+    if not (math.isfinite(rp) and rp >= 0):
         raise InvalidRequest(
             f"sampling: repetition_penalty must be a finite number > 0 (0: unset), got {rp:g}",
             field="repetition_penalty",
         )
-    bias = msg.logit_bias or {}
+    bias = controls.logit_bias
     if len(bias) > MAX_LOGIT_BIAS:
         raise InvalidRequest(
             f"sampling: logit_bias holds {len(bias)} entries, at most {MAX_LOGIT_BIAS}",
             field="logit_bias",
         )
-    for token, value in bias.items():
+    for token, value in bias:
         if not 0 <= token < vocab_size:
             raise InvalidRequest(
                 f"sampling: logit_bias token id {token} is outside the vocabulary [0, {vocab_size})",
@@ -111,17 +97,18 @@ def check_sampling_controls(msg: Penalties, vocab_size: int) -> None:
 
 
 def controls_from_proto(
-    sampling: common_pb2.SamplingParams,
+    processors: Controls,
     output: common_pb2.OutputControls,
     vocab_size: int,
     sequence_length: int,
 ) -> Controls | None:
-    """A replica call's processors (None when none changes the logits), or InvalidRequest.
+    """A replica call's processors (None when none changes the logits), or InvalidRequest:
+    the sampling's (its SamplingParams.processors) checked, with the call's output controls.
 
     sequence_length: tokens of the session's sequence before the first position the call
     samples (the draft's start; output_start may not lie beyond it).
     """
-    check_sampling_controls(sampling, vocab_size)
+    check_sampling_controls(processors, vocab_size)
     if output.output_start > sequence_length:
         raise InvalidRequest(
             f"output.output_start {output.output_start} lies beyond the sequence before "
@@ -137,24 +124,20 @@ def controls_from_proto(
         raise InvalidRequest(
             f"output.min_tokens_ids holds {bad[0]}, outside the vocabulary [0, {vocab_size})"
         )
-    controls = _controls(sampling, output)
+    controls = with_output(processors, output)
     return controls if controls.active else None
 
 
-def processes_logits(
-    sampling: common_pb2.SamplingParams, output: common_pb2.OutputControls | None
-) -> bool:
+def processes_logits(processors: Controls, output: common_pb2.OutputControls | None) -> bool:
     """Whether a request's processors change the logits (the replicas then read the
     sequence before each position: a token tree cannot be verified with them yet)."""
-    return _controls(sampling, output or common_pb2.OutputControls()).active
+    return with_output(processors, output or common_pb2.OutputControls()).active
 
 
-def _controls(sampling: common_pb2.SamplingParams, output: common_pb2.OutputControls) -> Controls:
-    return Controls(
-        presence_penalty=float(sampling.presence_penalty),
-        frequency_penalty=float(sampling.frequency_penalty),
-        repetition_penalty=float(sampling.repetition_penalty) or 1.0,
-        logit_bias=tuple(sorted((int(t), float(b)) for t, b in sampling.logit_bias.items())),
+def with_output(processors: Controls, output: common_pb2.OutputControls) -> Controls:
+    """The sampling's processors with a call's output controls."""
+    return dataclasses.replace(
+        processors,
         output_start=int(output.output_start),
         min_tokens=int(output.min_tokens),
         min_tokens_ids=tuple(sorted(set(output.min_tokens_ids))),

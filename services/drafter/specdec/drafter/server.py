@@ -16,7 +16,7 @@ import torch
 
 from specdec.common.controls import Controls, controls_from_proto
 from specdec.common.errors import FailedPrecondition, InvalidRequest
-from specdec.common.params import MAX_FAN_OUT, MAX_TREE_WIDTH, sampling_from_proto
+from specdec.common.params import MAX_FAN_OUT, MAX_TREE_WIDTH, SamplingParams
 from specdec.common.serving import rpc_errors
 from specdec.drafter import proposer
 from specdec.drafter.config import DrafterConfig
@@ -79,12 +79,12 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
         """A Draft request, validated, as the model call that answers it."""
         rt = self.ready_runtime()
         k = self._k(request.num_draft_tokens)
-        params = sampling_from_proto(request.sampling)
+        params = SamplingParams.from_proto(request.sampling)
         prefix = prefix_from_proto(request.prefix)
         new_tokens = list(request.new_tokens)
         self.check_extent(request.session_id, prefix, new_tokens, k)
         controls = controls_from_proto(
-            request.sampling, request.output, rt.vocab_size, prefix.length + len(new_tokens)
+            params.processors, request.output, rt.vocab_size, prefix.length + len(new_tokens)
         )
         check_fork(request.fork_from)
         tree_nodes, tree_width, tree_depth = self._tree(request, controls)
@@ -199,11 +199,11 @@ class DrafterServicer(ReplicaServicer, drafter_pb2_grpc.DrafterServiceServicer):
             alpha = request.acceptance_rate
             if not (math.isfinite(alpha) and 0.0 <= alpha <= 1.0):
                 raise InvalidRequest(f"acceptance_rate must be in [0, 1], got {alpha}")
-        params = sampling_from_proto(request.sampling)
+        params = SamplingParams.from_proto(request.sampling)
         # A branch adds its next token and branch_k drafts after the sequence.
         self.check_extent(request.session_id, prefix, new_tokens, branch_k + 1)
         controls = controls_from_proto(  # the sequence before the draft under verification
-            request.sampling, request.output, rt.vocab_size, prefix.length + len(new_tokens) - k
+            params.processors, request.output, rt.vocab_size, prefix.length + len(new_tokens) - k
         )
         kind = HeadSpeculateCall if isinstance(rt, HeadRuntime) else SpeculateCall
         call = kind(

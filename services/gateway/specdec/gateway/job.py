@@ -27,7 +27,6 @@ from specdec.common.params import (
     MAX_TOP_LOGPROBS,
     MAX_TREE_WIDTH,
     SamplingParams,
-    resolved_sampling,
 )
 from specdec.gateway.names import DraftMethod, KPolicy
 from specdec.sdk import request
@@ -96,16 +95,17 @@ class ResolvedSpeculation:
 
     @classmethod
     def resolve(
-        cls, asked: request.Speculation, sampling: SamplingParams, limits: Limits
+        cls, asked: request.Speculation, limits: Limits, *, seeded: bool
     ) -> ResolvedSpeculation:
-        """The request's choices, the gateway's defaults where it leaves them."""
+        """The request's choices, the gateway's defaults where it leaves them (`seeded`: the
+        request samples with a seed)."""
         k = limits.default_k if asked.k is None else asked.k
         if not 0 <= k <= limits.max_k:
             raise InvalidRequest(
                 f"num_draft_tokens must be in [0, {limits.max_k}], got {k}", field="k"
             )
         k_policy = asked.k_policy or limits.default_k_policy
-        if asked.k_policy is None and sampling.seed is not None and not sampling.greedy:
+        if asked.k_policy is None and seeded:
             # A seeded sampled output is reproducible for a given sequence of drafts: the
             # adaptive policy's depend on timings (specdec.gateway.round.policy), so it
             # drafts fixed.
@@ -250,8 +250,8 @@ class Job:
         """The request as a Job, or InvalidRequest naming the first problem (its field)."""
         prompt = _prompt(asked, limits)
         output = ResolvedOutput.resolve(asked.output, limits)
-        sampling = resolved_sampling(asked.sampling, limits.sampling_defaults)
-        check_sampling_controls(sampling, limits.vocab_size)
+        sampling = asked.sampling.resolve(limits.sampling_defaults, SamplingParams)
+        check_sampling_controls(sampling.processors, limits.vocab_size)
         session = ResolvedSession.resolve(asked.session, limits)
         scoring = _scoring(asked.scoring)
         if scoring.prompt_logprobs and session.id:
@@ -269,7 +269,9 @@ class Job:
             prompt=prompt,
             sampling=sampling,
             output=output,
-            speculation=ResolvedSpeculation.resolve(asked.speculation, sampling, limits),
+            speculation=ResolvedSpeculation.resolve(
+                asked.speculation, limits, seeded=sampling.seed is not None and not sampling.greedy
+            ),
             session=session,
             scoring=scoring,
             tenant=tenant,

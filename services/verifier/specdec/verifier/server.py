@@ -15,7 +15,7 @@ import grpc
 
 from specdec.common.controls import controls_from_proto
 from specdec.common.errors import InvalidRequest, Unimplemented
-from specdec.common.params import MAX_TOP_LOGPROBS, sampling_from_proto
+from specdec.common.params import MAX_TOP_LOGPROBS, SamplingParams
 from specdec.common.serving import rpc_errors
 from specdec.replica.convert import decode_draft_probs, decode_grammar_masks, prefix_from_proto
 from specdec.replica.features import encode_features
@@ -52,7 +52,7 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
                 f"draft of {k} tokens exceeds max_draft_tokens {rt.config.max_draft_tokens}"
             )
         rt.validate_tokens("draft_tokens", draft_tokens)
-        params = sampling_from_proto(request.sampling)
+        params = SamplingParams.from_proto(request.sampling)
         prefix = prefix_from_proto(request.prefix)
         new_tokens = list(request.new_tokens)
         self.check_extent(request.session_id, prefix, new_tokens, k)
@@ -65,7 +65,7 @@ class VerifierServicer(ReplicaServicer, verifier_pb2_grpc.VerifierServiceService
                 )
             draft_probs = decode_draft_probs(request.draft_probs, rt.vocab_size)  # [k, vocab]
         controls = controls_from_proto(
-            request.sampling, request.output, rt.vocab_size, prefix.length + len(new_tokens)
+            params.processors, request.output, rt.vocab_size, prefix.length + len(new_tokens)
         )
         masks = decode_grammar_masks(request.grammar_masks, k + 1, rt.vocab_size)  # [k+1, vocab]
         ask = logprobs_ask(request)

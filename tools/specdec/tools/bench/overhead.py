@@ -155,14 +155,14 @@ class InProcess:
         """Greedy speculation of n tokens at draft length k: the tokens, and the steady
         state (every round but the first): its seconds drafting and verifying, its rounds,
         and its whole time."""
-        from specdec.common.params import sampling_from_proto
+        from specdec.common.params import SamplingParams
         from specdec.common.prefix import PrefixChain
         from specdec.drafter.proposer import DraftCall, propose
         from specdec.replica.engine import Prefix
         from specdec.v1 import common_pb2
         from specdec.verifier.scorer import VerifyCall, verify
 
-        params = sampling_from_proto(common_pb2.SamplingParams())
+        params = SamplingParams.from_proto(common_pb2.SamplingParams())
         self._sessions += 1
         session = f"r/inproc-{self._sessions}"
         ctx, chain = list(prompt), PrefixChain()

@@ -28,6 +28,7 @@ from specdec.gateway.front.response import Event, build_response
 from specdec.gateway.job import Job
 from specdec.gateway.observe import metrics
 from specdec.gateway.outcome import Outcome
+from specdec.gateway.round.calls import RoundCalls
 from specdec.gateway.round.grammar import Grammar
 from specdec.gateway.round.lookup.hybrid import RequestLookup
 from specdec.gateway.round.loop import Speculator
@@ -201,18 +202,25 @@ class Completions:
         service, scoring = self.service, job.scoring
         limits, config = service.limits, service.config
         assert limits is not None and service.codec is not None, "the service has started"
-        spec = Speculator(
+        params = sampling or job.sampling
+        calls = RoundCalls(
             ReplicaCaller(service.fleet, config.rpc_timeout, deadline),
             replica_session,
-            sampling or job.sampling,
+            params.to_proto(),
+            output_controls(job, context_tokens, service.eos_token_ids),
             drafter,
             verifier,
+        )
+        spec = Speculator(
+            calls,
             make_policy(
                 job.speculation.k_policy,
                 job.speculation.ssd,
                 config.ssd_fan_out,
                 service.source_priors,
             ),
+            greedy=params.greedy,
+            processors=params.processors,
             speculation=job.speculation,
             # A recorded turn with --record-top-logprobs M scores its output too: one Verify
             # asks for the most either reader needs, each keeps its own (`narrowed`).
@@ -223,7 +231,6 @@ class Completions:
             ),
             max_context=limits.max_context,
             lookup_max_k=limits.max_k,
-            output=output_controls(job, context_tokens, service.eos_token_ids),
             # Structured output: this completion's own grammar state (a matcher per choice).
             constraint=(
                 service.grammars.matcher(grammar)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specdec.gateway.fleet.caller import Placement, ReplicaCaller
 from specdec.gateway.fleet.transport import Method
@@ -54,30 +54,25 @@ class Verdict:
         return self.answered - self.sent
 
 
+@dataclass
 class RoundCalls:
-    """One request's calls to its drafter and verifier placements."""
+    """One request's calls to its drafter and verifier placements: each carries the
+    request's sampling and its output controls in their wire form (where the request's
+    output starts and its min_tokens mask: the logits processors need both)."""
 
-    def __init__(
-        self,
-        caller: ReplicaCaller,
-        replica_session: str,
-        sampling: common_pb2.SamplingParams,
-        output: common_pb2.OutputControls | None,
-        drafter: Placement,
-        verifier: Placement,
-    ):
-        self.caller = caller
-        self.session = replica_session
-        self.sampling = sampling  # the wire form every replica call carries
-        # Where the request's output starts and its min_tokens mask: every replica call
-        # carries it with the sampling (the logits processors need both).
-        self.output = output
-        self.drafter = drafter
-        self.verifier = verifier
-        # n > 1 (specdec.gateway.front.choices): per role, the replica session whose cache the
-        # next call that names a prefix starts from (VerifyRequest.fork_from).
-        self.fork_from: dict[Role, str] = {}
-        self.features = FeatureRelay(caller.fleet)  # a head drafter's, verifier to drafter
+    caller: ReplicaCaller
+    session: str  # the replica session
+    sampling: common_pb2.SamplingParams
+    output: common_pb2.OutputControls | None
+    drafter: Placement
+    verifier: Placement
+    # n > 1 (specdec.gateway.front.choices): per role, the replica session whose cache the
+    # next call that names a prefix starts from (VerifyRequest.fork_from).
+    fork_from: dict[Role, str] = field(default_factory=dict)
+    features: FeatureRelay = field(init=False)  # a head drafter's, verifier to drafter
+
+    def __post_init__(self) -> None:
+        self.features = FeatureRelay(self.caller.fleet)
 
     def _fork(self, role: Role, prefix: common_pb2.CachedPrefix) -> str:
         """The fork_from of a call that names `prefix` (empty once a call was answered)."""

@@ -27,9 +27,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from specdec.common.controls import processes_logits
-from specdec.common.params import SamplingParams
-from specdec.gateway.fleet.caller import Placement, ReplicaCaller
+from specdec.common.controls import Controls, processes_logits
 from specdec.gateway.job import NO_SCORING, ResolvedSpeculation
 from specdec.gateway.names import LOOKUP_SOURCES, KPolicy, Role, Ssd
 from specdec.gateway.observe import tracing
@@ -42,7 +40,6 @@ from specdec.gateway.round.lookup.hybrid import RequestLookup
 from specdec.gateway.round.policy import Policy
 from specdec.gateway.round.ssd import SsdBranches, SsdCall, SsdVerdict
 from specdec.sdk.request import Scoring
-from specdec.v1 import common_pb2
 
 
 class Speculator:
@@ -50,29 +47,26 @@ class Speculator:
 
     def __init__(
         self,
-        caller: ReplicaCaller,
-        replica_session: str,
-        sampling: SamplingParams,
-        drafter: Placement,
-        verifier: Placement,
+        calls: RoundCalls,
         policy: Policy,
         *,
+        greedy: bool,
+        processors: Controls,
         speculation: ResolvedSpeculation,
         scoring: Scoring = NO_SCORING,
         max_context: int,
         lookup_max_k: int = 0,
-        output: common_pb2.OutputControls | None = None,
         constraint: Constraint | None = None,
         lookup: RequestLookup | None = None,
     ):
-        """One request's rounds: `speculation` (its SSD and tree width; the k of each round
+        """One request's rounds through `calls` (its placements, and the sampling and
+        output controls every call carries): whether its sampling is `greedy` and its
+        logits `processors`, `speculation` (its SSD and tree width; the k of each round
         is the turn's, `round`'s max_k), `scoring` (what each Verify scores: the prompt
         with the first round's), the context bound and the largest lookup draft (the
-        replicas' largest k), the output controls every call carries with the sampling,
-        the grammar state and the lookup proposer."""
-        self.calls = RoundCalls(
-            caller, replica_session, sampling.to_proto(), output, drafter, verifier
-        )
+        replicas' largest k), the grammar state and the lookup proposer."""
+        self.calls = calls
+        drafter, verifier, caller = calls.drafter, calls.verifier, calls.caller
         self.drafter = drafter
         self.verifier = verifier
         # n > 1 (specdec.gateway.front.choices): per role, the replica session whose cache the
@@ -90,7 +84,7 @@ class Speculator:
             constraint is not None
             or scoring.logprobs
             or scoring.prompt_logprobs
-            or processes_logits(self.calls.sampling, output)
+            or processes_logits(processors, calls.output)
         )
         self.tree_width = speculation.tree_width if tree_ok else 1
         self.stats = RequestStats(adaptive=policy.kind == KPolicy.ADAPTIVE)
@@ -99,7 +93,7 @@ class Speculator:
             policy,
             self.stats,
             enabled=speculation.ssd,
-            greedy=sampling.greedy,
+            greedy=greedy,
             max_context=max_context,
         )
         self.drafts = Drafts(
@@ -110,7 +104,7 @@ class Speculator:
             lookup_max_k=lookup_max_k,
             max_context=max_context,
             tree_width=self.tree_width,
-            greedy=sampling.greedy,
+            greedy=greedy,
         )
         # Scores asked of each Verify (with top_logprobs alternatives per token); the
         # prompt's with the first round's.

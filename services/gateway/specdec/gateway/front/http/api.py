@@ -38,16 +38,14 @@ they carry their neutral value. A bad value raises FieldError naming its body fi
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from google.protobuf.message import Message
 
-from specdec.common.errors import InvalidRequest
 from specdec.gateway.front.http import schema
 from specdec.gateway.front.http.errors import FieldError, ModelNotFound
 from specdec.gateway.front.http.logprobs import LogprobsRenderer
@@ -58,7 +56,6 @@ from specdec.v1 import common_pb2, gateway_pb2
 
 Scores = common_pb2.TokenLogprobs
 
-log = logging.getLogger(__name__)
 
 EXTENSION = "specdec"
 
@@ -109,9 +106,10 @@ STRUCTURED_FIELDS = (
 )
 
 
-def _body_names(body: dict[str, Any], chat: bool) -> dict[str, str]:
+def _body_names(given: Collection[str], chat: bool) -> dict[str, str]:
     """The body field each Request field came from, where the names differ: an error's
-    `field` -> its `param` (errors.ErrorContext.fields)."""
+    `field` -> its `param` (errors.ErrorContext.fields); `given`: the body's fields that
+    are not null."""
     prompt = "messages" if chat else "prompt"
     names = {
         "prompt": prompt,
@@ -121,26 +119,15 @@ def _body_names(body: dict[str, Any], chat: bool) -> dict[str, str]:
         "prompt_logprobs": "echo",
     }
     if chat:
-        if body.get("max_completion_tokens") is not None:
+        if "max_completion_tokens" in given:
             names["max_new_tokens"] = "max_completion_tokens"
-        elif body.get("max_tokens") is None:
+        elif "max_tokens" not in given:
             names["max_new_tokens"] = "min_tokens"  # the request's only length field
     else:
         names["top_logprobs"] = "logprobs"
-    structured = [name for name in STRUCTURED_FIELDS if body.get(name) is not None]
+    structured = [name for name in STRUCTURED_FIELDS if name in given]
     names["structured_output"] = structured[0] if structured else "response_format"
     return names
-
-
-def _unknown(names: list[str], strict: bool, where: str = "") -> None:
-    """Fields the gateway does not know: refused (400 naming the first) under
-    --strict-fields, else ignored (as vLLM and SGLang ignore them) and logged."""
-    if not names:
-        return
-    names = sorted(where + name for name in names)
-    if strict:
-        raise FieldError(names[0], f"unsupported field(s): {', '.join(names)}")
-    log.debug("unknown request fields ignored", extra={"fields": names})
 
 
 def check_model(model: str | None, served: str, aliases: Collection[str] = ()) -> str:
@@ -152,34 +139,18 @@ def check_model(model: str | None, served: str, aliases: Collection[str] = ()) -
     return served
 
 
-def _parse(body: Any, model: type[schema.Body], strict: bool) -> Any:
-    """The body as `model` (schema.parse), its unknown fields refused under --strict-fields
-    before anything else, else ignored and logged."""
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    known = schema.FIELDS[model]
-    _unknown([name for name in body if name not in known], strict)
-    parsed = schema.parse(model, body)
-    options = parsed.stream_options
-    if options is not None:
-        _unknown(list(options.model_extra or ()), strict, "stream_options.")
-    return parsed
-
-
-def _structured(body: schema.Body) -> dict[str, Any] | None:
-    """response_format / guided_json / guided_regex / guided_choice: at most one (the
-    grammar itself is checked by the gateway)."""
+def _structured(fields: Mapping[str, Any]) -> dict[str, Any] | None:
+    """response_format / guided_json / guided_regex / guided_choice (`fields`: the body's
+    STRUCTURED_FIELDS): at most one (the grammar itself is checked by the gateway)."""
+    regex, grammar = fields["guided_regex"], fields["guided_grammar"]
     given = {
         name: spec
         for name, spec in (
-            ("guided_json", body.guided_json),
-            ("guided_regex", None if body.guided_regex is None else {"regex": body.guided_regex}),
-            ("guided_choice", body.guided_choice),
-            (
-                "guided_grammar",
-                None if body.guided_grammar is None else {"grammar": body.guided_grammar},
-            ),
-            ("response_format", body.response_format),
+            ("guided_json", fields["guided_json"]),
+            ("guided_regex", None if regex is None else {"regex": regex}),
+            ("guided_choice", fields["guided_choice"]),
+            ("guided_grammar", None if grammar is None else {"grammar": grammar}),
+            ("response_format", fields["response_format"]),
         )
         if spec is not None
     }
@@ -233,7 +204,7 @@ def _build(
             ignore_eos=bool(body.ignore_eos),
             min_tokens=body.min_tokens or 0,
             n=body.n or 1,
-            structured_output=_structured(body),
+            structured_output=_structured({n: getattr(body, n) for n in STRUCTURED_FIELDS}),
             prediction=body.prediction,
             record=body.record,
         ),
@@ -247,7 +218,7 @@ def completion_request(
 ) -> tuple[Request, Options]:
     """POST /v1/completions body -> (Request, Options). `aliases`: other names `model`
     may give; `strict`: unknown fields are refused (--strict-fields)."""
-    parsed: schema.CompletionBody = _parse(body, schema.CompletionBody, strict)
+    parsed: schema.CompletionBody = schema.parse(schema.CompletionBody, body, strict)
     prompt = parsed.prompt
     if prompt is None:
         raise FieldError("prompt", "prompt must be a string or a list of token ids")
@@ -269,7 +240,7 @@ def completion_request(
         token_ids=prompt if isinstance(prompt, list) else None,
     )
     opts.max_tokens_given, opts.echo = max_tokens is not None, echo
-    opts.fields = _body_names(body, chat=False)
+    opts.fields = _body_names({n for n, v in body.items() if v is not None}, chat=False)
     return request, opts
 
 
@@ -280,7 +251,7 @@ def chat_request(
     The caller renders the messages into `prompt`. Without max_tokens a chat may use what
     is left of the context, up to the gateway's --max-new-tokens: ChatTurn sets it once the
     prompt's length is known (the request carries 1, or min_tokens, meanwhile)."""
-    parsed: schema.ChatBody = _parse(body, schema.ChatBody, strict)
+    parsed: schema.ChatBody = schema.parse(schema.ChatBody, body, strict)
     if parsed.max_tokens is not None and parsed.max_completion_tokens is not None:
         raise FieldError(
             "max_completion_tokens", "give max_tokens or max_completion_tokens, not both"
@@ -296,7 +267,10 @@ def chat_request(
     fill = max(1, parsed.min_tokens or 0) if max_tokens is None else max_tokens
     request, opts = _build(parsed, served, aliases, fill, scoring)
     opts.max_tokens_given = max_tokens is not None
-    opts.prompt_field, opts.fields = "messages", _body_names(body, chat=True)
+    opts.prompt_field, opts.fields = (
+        "messages",
+        _body_names({n for n, v in body.items() if v is not None}, chat=True),
+    )
     opts.tools = tool_choice(parsed.tools, parsed.tool_choice, parsed.parallel_tool_calls)
     if opts.tools is not None and opts.tools.forced:
         if request.output.structured_output is not None:

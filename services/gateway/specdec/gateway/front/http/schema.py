@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Mapping
 from typing import Annotated, Any
 
@@ -32,10 +33,13 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from specdec.common.errors import InvalidRequest
 from specdec.gateway.front.http.errors import FieldError
 from specdec.sdk.request import K_POLICIES, METHODS, Sampling
 from specdec.v1 import common_pb2, gateway_pb2
 from specdec.v1.gateway_pb2 import GenerateRequest, SpeculationParams
+
+log = logging.getLogger(__name__)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -545,16 +549,37 @@ def _path(loc: tuple[Any, ...]) -> str:
     return out
 
 
-def parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
+def parse(model: type[BaseModel], body: Any, strict: bool | None = None) -> Any:
     """The body as `model`, or FieldError naming the first bad field (its path in the
-    body: "stream_options.include_usage", "messages[0].role")."""
+    body: "stream_options.include_usage", "messages[0].role"). With `strict` set (a
+    request body: --strict-fields), fields the gateway does not know are refused (400
+    naming the first) when it is true, else ignored (as vLLM and SGLang ignore them) and
+    logged; they are looked at before anything else."""
+    if strict is not None:
+        if not isinstance(body, dict):
+            raise InvalidRequest("the request body must be a JSON object")
+        known = FIELDS[model]
+        _unknown([name for name in body if name not in known], strict)
     try:
-        return model.model_validate(body)
+        parsed = model.model_validate(body)
     except ValidationError as e:
         first = e.errors(include_url=False)[0]
         ctx = first.get("ctx") or {}
         path = _path(first["loc"]) + ctx.get("at", "")
         raise FieldError(path, path + _words(first, path)) from None
+    options = getattr(parsed, "stream_options", None)
+    if strict is not None and options is not None:
+        _unknown(list(options.model_extra or ()), strict, "stream_options.")
+    return parsed
+
+
+def _unknown(names: list[str], strict: bool, where: str = "") -> None:
+    if not names:
+        return
+    names = sorted(where + name for name in names)
+    if strict:
+        raise FieldError(names[0], f"unsupported field(s): {', '.join(names)}")
+    log.debug("unknown request fields ignored", extra={"fields": names})
 
 
 def _words(error: Any, path: str) -> str:
