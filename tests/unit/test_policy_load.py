@@ -250,3 +250,25 @@ def test_on_a_ragged_verifier_a_drafter_as_dear_prices_its_steps_under_load():
         policy.prices.network_time(2, 1) > policy.prices.network_time(1, 0) * 1.75
     )  # k=1 yields 1.75
     assert policy.choose_k(4) == 0
+
+
+MISPRICED = loadsim.setup_of(SURFACES["cpu-float32-packed"], unpriced=0.5)
+
+
+@pytest.mark.parametrize("concurrency", loadsim.CONCURRENCY)
+def test_the_guard_keeps_a_mispriced_policy_from_losing(concurrency):
+    """A verifier whose forwards of drafts take half again what it reports (a stand-in
+    for the costs of a speculating round the policy does not price): alone the adaptive
+    policy loses to k = 0 at 32 sessions; under the gateway's goodput guard it never does,
+    stays out of the way at one session, and gives up little of the policy's gain where
+    speculation pays."""
+    runs = {m: loadsim.run(MISPRICED, concurrency, m) for m in ("k=0", "adaptive", "guarded")}
+    k0, adaptive, guarded = (runs[m].tokens_per_s for m in ("k=0", "adaptive", "guarded"))
+    report = {m: (round(r.tokens_per_s, 2), round(r.mean_k, 2)) for m, r in runs.items()}
+    assert guarded >= 0.96 * k0, report
+    assert guarded >= 0.95 * adaptive, report
+    if concurrency == 1:
+        assert guarded == adaptive, report
+    if concurrency == 32:
+        assert adaptive < 0.8 * k0, report  # the stand-in does fool the model
+        assert guarded >= 0.98 * k0, report

@@ -128,6 +128,13 @@ class GatewayConfig:
         shown="adaptive",
         choices=POLICY_NAMES,
     )
+    goodput_guard: bool = setting(
+        True,
+        "under the adaptive policy, measure the tokens per second this gateway's requests "
+        "commit with speculation on and off at each load level (sessions, in powers of "
+        "two, from 2), in alternating epochs, and run the faster (docs/concepts/"
+        "cost-model.md#the-goodput-guard); --no-goodput-guard: the policy's model alone",
+    )
     # Lookup drafts (specdec.gateway.round.lookup): the default SpeculationMethod, prompt
     # lookup's n-gram lengths, the suffix tries' depth and the cache of recent outputs.
     method: gateway_pb2.SpeculationMethod = setting(

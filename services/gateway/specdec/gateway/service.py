@@ -22,11 +22,12 @@ from specdec.gateway.fleet.placement import Placement
 from specdec.gateway.fleet.replicas import Fleet
 from specdec.gateway.job import Limits
 from specdec.gateway.names import DraftMethod, KPolicy
+from specdec.gateway.observe import metrics
 from specdec.gateway.observe.recorder import Recorder
 from specdec.gateway.round.grammar import Grammars
 from specdec.gateway.round.lookup.settings import LookupSettings, SuffixParams
 from specdec.gateway.round.lookup.suffix import SuffixCache
-from specdec.gateway.round.policy import SourcePriors
+from specdec.gateway.round.policy import GoodputGuard, SourcePriors
 from specdec.gateway.sessions import SessionIndex, TurnLocks
 from specdec.gateway.text import TextCodec
 from specdec.sdk.request import Sampling
@@ -78,6 +79,9 @@ class GatewayCore:
         # Each draft source's acceptance over the requests served: where a new request's
         # adaptive policy starts from (specdec.gateway.round.policy).
         self.source_priors = SourcePriors()
+        # Speculation on or off by measured goodput at each load level, for every adaptive
+        # request of this gateway replica (specdec.gateway.round.policy.guard).
+        self.guard = GoodputGuard(report=metrics.guard_epoch) if config.goodput_guard else None
         self._background: set[asyncio.Task[None]] = set()
         self.lookup_settings = LookupSettings(
             prompt_lookup_min=config.prompt_lookup_min,

@@ -52,7 +52,8 @@ from typing import Any
 
 from specdec.common.cost import CostCurve, LoadWindow, ReportedCost, to_proto
 from specdec.gateway.outcome import DRAFTED, NO_DRAFT, Outcome
-from specdec.gateway.round.policy import AdaptivePolicy, FixedPolicy, SourcePriors
+from specdec.gateway.round.policy import AdaptivePolicy, FixedPolicy, GoodputGuard, SourcePriors
+from specdec.gateway.round.policy.guard import GuardMode, Ticket
 
 BENCH = Path(__file__).resolve().parents[4] / "docs/bench"
 SHAPES = BENCH / "2026-11-27-engine-shapes/results.json"
@@ -132,6 +133,10 @@ class Setup:
     jitter: float = 0.1  # each forward's time varies uniformly by this share (+- half)
     max_rows: int = 32  # rows a forward holds at most (the replicas' --max-batch-size)
     request_tokens: int = 64  # tokens of each request (then a new one, a new policy)
+    # A verifier forward of rows wider than one token takes this share more than its
+    # replica reports: a stand-in for the costs of a speculating round that the adaptive
+    # policy does not price (the guard's test; 0 elsewhere).
+    unpriced: float = 0.0
 
 
 def setup_of(surface: Surface, **kwargs: Any) -> Setup:
@@ -166,10 +171,17 @@ class Replica:
         self.cost = ReportedCost.from_proto(message)
 
     def forward(
-        self, rows: int, widest: int, now: float, noise: float = 1.0, computed: int = 0
+        self,
+        rows: int,
+        widest: int,
+        now: float,
+        noise: float = 1.0,
+        computed: int = 0,
+        unpriced: float = 0.0,
     ) -> float:
         """Run one forward now, `noise` times the surface's time: its seconds (fitted
-        and counted). `computed`: the rows' tokens, what a ragged forward costs."""
+        and counted), and `unpriced` times them more that it neither fits nor counts.
+        `computed`: the rows' tokens, what a ragged forward costs."""
         if self.surface.ragged:
             seconds = self.surface.ms(1, computed) / 1e3 * noise
             self.curve.add(computed, rows, seconds)
@@ -178,6 +190,7 @@ class Replica:
             seconds = self.surface.ms(rows, widest) / 1e3 * noise
             self.curve.add(widest, rows, seconds)
             self.window.add(now + seconds, seconds, rows, widest)
+        seconds *= 1.0 + unpriced
         self.busy_until = now + seconds
         return seconds
 
@@ -197,6 +210,7 @@ class _Session:
     round_started: float = 0.0
     verify_sent: float = 0.0
     queue_depth: int = 0
+    ticket: Ticket | None = None  # the guard's, for the round in progress
 
 
 @dataclass(frozen=True)
@@ -210,9 +224,19 @@ class Result:
 
 
 class _Sim:
-    def __init__(self, setup: Setup, concurrency: int, make_policy: Callable[[], Any], seed: int):
+    def __init__(
+        self,
+        setup: Setup,
+        concurrency: int,
+        make_policy: Callable[[], Any],
+        seed: int,
+        guarded: bool = False,
+    ):
         self.setup = setup
         self.make_policy = make_policy
+        self.now = 0.0
+        # The gateway's goodput guard over the sessions' rounds, on simulated time.
+        self.guard = GoodputGuard(clock=lambda: self.now) if guarded else None
         self.verifier = Replica(setup.target, setup.max_rows)
         self.drafter = Replica(setup.target.scaled(setup.draft_share, "drafter"), setup.max_rows)
         self.events: list[tuple[float, int, str, Any]] = []
@@ -244,6 +268,7 @@ class _Sim:
         now = 0.0
         while self.events and self.rounds < end_rounds:
             now, _, kind, payload = heapq.heappop(self.events)
+            self.now = now
             getattr(self, "_" + kind)(now, payload)
             if t0 is None and self.rounds >= start_rounds:
                 t0, tokens0, forwards0, rows0 = now, self.tokens, self.forwards, self.rows
@@ -266,6 +291,9 @@ class _Sim:
         half = self.setup.overhead_ms / 2e3
         remaining = self.setup.request_tokens - s.generated
         max_k = max(0, min(MAX_K, remaining - 1))
+        s.ticket = self.guard.begin(s.index) if self.guard is not None else None
+        if s.ticket is not None and s.ticket.mode == GuardMode.PLAIN:
+            max_k = 0
         s.k = s.policy.choose_k(max_k)
         s.round_started = now
         if s.k:
@@ -291,7 +319,8 @@ class _Sim:
         del replica.queue[: len(batch)]
         widths = [1 + s.k if replica is self.verifier else 1 for s in batch]
         noise = 1.0 + self.setup.jitter * (self.rng.random() - 0.5)
-        seconds = replica.forward(len(batch), max(widths), now, noise, sum(widths))
+        hidden = self.setup.unpriced if replica is self.verifier and max(widths) > 1 else 0.0
+        seconds = replica.forward(len(batch), max(widths), now, noise, sum(widths), hidden)
         if replica is self.verifier:
             self.forwards += 1
             self.rows += len(batch)
@@ -329,6 +358,8 @@ class _Sim:
             draft_forward_ms=s.draft_ms if s.k else 0.0, draft_fed=1 if s.k else 0,
         )  # fmt: skip
         s.policy.observe(o)
+        if self.guard is not None and s.ticket is not None:
+            self.guard.end(s.index, s.ticket, accepted + 1, o.seconds)
         self.rounds += 1
         self.tokens += accepted + 1
         self.k_sum += s.k
@@ -353,9 +384,10 @@ def run(
     warm: int = 20,
     seed: int = 1,
 ) -> Result:
-    """One simulated run: `mode` "adaptive" (one SourcePriors for the gateway) or
-    "k=<n>" (a fixed policy at k = n)."""
-    if mode == "adaptive":
+    """One simulated run: `mode` "adaptive" (one SourcePriors for the gateway),
+    "guarded" (adaptive under the gateway's GoodputGuard) or "k=<n>" (a fixed policy at
+    k = n)."""
+    if mode in ("adaptive", "guarded"):
         priors = SourcePriors()
 
         def make() -> Any:
@@ -370,7 +402,7 @@ def run(
         def make() -> Any:
             return _Fixed()
 
-    sim = _Sim(setup, concurrency, make, seed)
+    sim = _Sim(setup, concurrency, make, seed, guarded=mode == "guarded")
     tokens_per_s, rows = sim.run(rounds, warm)
     measured = sum(sim.k_counts)
     return Result(

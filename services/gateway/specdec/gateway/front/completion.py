@@ -26,6 +26,7 @@ from specdec.gateway.fleet.placement import Placement
 from specdec.gateway.front.logprobs import LogprobsTrack, narrowed
 from specdec.gateway.front.response import Event, build_response
 from specdec.gateway.job import Job
+from specdec.gateway.names import KPolicy
 from specdec.gateway.observe import metrics
 from specdec.gateway.outcome import Outcome
 from specdec.gateway.round.calls import RoundCalls
@@ -211,14 +212,12 @@ class Completions:
             drafter,
             verifier,
         )
+        policy = make_policy(
+            job.speculation.k_policy, job.speculation.ssd, config.ssd_fan_out, service.source_priors
+        )
         spec = Speculator(
             calls,
-            make_policy(
-                job.speculation.k_policy,
-                job.speculation.ssd,
-                config.ssd_fan_out,
-                service.source_priors,
-            ),
+            policy,
             greedy=params.greedy,
             processors=params.processors,
             speculation=job.speculation,
@@ -238,6 +237,7 @@ class Completions:
                 else None
             ),
             lookup=lookup,
+            guard=service.guard if policy.kind == KPolicy.ADAPTIVE else None,
         )
         out = job.output
         text = TextOutput(

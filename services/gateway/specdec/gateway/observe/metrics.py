@@ -65,6 +65,26 @@ POLICY_SATURATION = Histogram(
     "times the share of its rows that were other sessions'",
     buckets=(0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 1.0),
 )
+# The goodput guard (specdec.gateway.round.policy.guard): the tokens per second its last
+# epoch of each mode measured at each load level (sessions, in powers of two), and its
+# measured epochs by mode. Where `plain` measures more than `spec`, the guard runs the adaptive
+# requests at k = 0.
+GUARD_GOODPUT = Gauge(
+    PREFIX + "guard_goodput_tokens_per_second",
+    "Tokens per second the goodput guard's last epoch of a mode measured at a load level",
+    ["level", "mode"],
+)
+GUARD_EPOCHS = Counter(
+    PREFIX + "guard_epochs", "Epochs the goodput guard measured, by mode (spec, plain)", ["mode"]
+)
+
+
+def guard_epoch(level: int, mode: str, tokens_per_s: float) -> None:
+    """An epoch the goodput guard measured (its `report`)."""
+    GUARD_GOODPUT.labels(level=str(level), mode=mode).set(tokens_per_s)
+    GUARD_EPOCHS.labels(mode=mode).inc()
+
+
 SSD_SPECULATES = Counter(PREFIX + "ssd_speculates", "Speculate calls sent")
 SSD_FAN_OUT = Counter(PREFIX + "ssd_fan_out", "Branches asked for, summed over Speculates sent")
 SSD_PAUSED_ROUNDS = Counter(

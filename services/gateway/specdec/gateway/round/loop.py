@@ -37,7 +37,7 @@ from specdec.gateway.round.draft import Draft, Drafts, constrained
 from specdec.gateway.round.grammar import Constraint
 from specdec.gateway.round.lookup import HYBRID, MODEL
 from specdec.gateway.round.lookup.hybrid import RequestLookup
-from specdec.gateway.round.policy import Policy
+from specdec.gateway.round.policy import GoodputGuard, GuardMode, Policy
 from specdec.gateway.round.ssd import SsdBranches, SsdCall, SsdVerdict
 from specdec.sdk.request import Scoring
 
@@ -58,13 +58,15 @@ class Speculator:
         lookup_max_k: int = 0,
         constraint: Constraint | None = None,
         lookup: RequestLookup | None = None,
+        guard: GoodputGuard | None = None,
     ):
         """One request's rounds through `calls` (its placements, and the sampling and
         output controls every call carries): whether its sampling is `greedy` and its
         logits `processors`, `speculation` (its SSD and tree width; the k of each round
         is the turn's, `round`'s max_k), `scoring` (what each Verify scores: the prompt
         with the first round's), the context bound and the largest lookup draft (the
-        replicas' largest k), the grammar state and the lookup proposer."""
+        replicas' largest k), the grammar state, the lookup proposer and the gateway's
+        goodput guard (an adaptive request's: which epochs speculate)."""
         self.calls = calls
         drafter, verifier, caller = calls.drafter, calls.verifier, calls.caller
         self.drafter = drafter
@@ -109,6 +111,7 @@ class Speculator:
         # Scores asked of each Verify (with top_logprobs alternatives per token); the
         # prompt's with the first round's.
         self.scoring = scoring
+        self.guard = guard
         self._index = 0
 
     async def round(self, ctx: Sequence[int], max_k: int, remaining: int) -> Outcome:
@@ -117,6 +120,9 @@ class Speculator:
         generated, >= max_k + 1) for another round with a draft."""
         started = time.perf_counter()
         self.policy.estimate = None  # what this round's decisions price (Outcome.gain)
+        ticket = self.guard.begin(id(self)) if self.guard is not None else None
+        plain = ticket is not None and ticket.mode == GuardMode.PLAIN
+        max_k = 0 if plain else max_k  # the guard's epoch runs plain target steps
         drafts = self.drafts
         with tracing.round_span(self._index) as span:
             await drafts.drafter_ready()  # a prefill beside the last Verify has answered
@@ -125,7 +131,7 @@ class Speculator:
             # which hybrid extends by lookup and a prediction may graft a branch onto.
             draft = drafts.lookup_draft(ctx, max_k, remaining)
             # A drafter without the prompt prefills it beside this round's Verify.
-            prefilling = drafts.prefill_beside(ctx, first=self._index == 0)
+            prefilling = not plain and drafts.prefill_beside(ctx, first=self._index == 0)
             if draft is None:
                 # That round drafts nothing, as a head drafter's first, which waits for
                 # the prompt's features.
@@ -158,6 +164,8 @@ class Speculator:
             self._index += 1
             self.stats.observe(outcome)
             self.policy.observe(outcome)
+            if ticket is not None and self.guard is not None:
+                self.guard.end(id(self), ticket, len(outcome.tokens), outcome.seconds)
             tracing.round_done(span, outcome)
         return outcome
 
@@ -165,6 +173,8 @@ class Speculator:
         """Once the request's last round is done: wait for a drafter prefill still in
         flight (a request that ended in its first round), so that nothing of the request
         reaches its replicas after it (a release of its caches, say)."""
+        if self.guard is not None:
+            self.guard.leave(id(self))
         await self.drafts.drafter_ready()
 
     def _scoring(self) -> Scoring:

@@ -6,9 +6,11 @@
   expected tokens per second; its docstring has the model. Its parts: what drafts of each
   source yield (acceptance.py), what a round costs, from the replicas' reported cost and
   load (prices.py), and SSD's fan-out (fanout.py); its constants (params.py).
+- `GoodputGuard` (guard.py): the gateway's epochs of speculation on and off under load,
+  measured, for every adaptive request; the faster mode runs at each load level.
 
-The modules import down this list: params; acceptance, trees; prices, fanout; fixed;
-adaptive.
+The modules import down this list: params, guard; acceptance, trees; prices, fanout;
+fixed; adaptive.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from specdec.gateway.names import KPolicy
 from specdec.gateway.round.policy.acceptance import SourcePriors
 from specdec.gateway.round.policy.adaptive import AdaptivePolicy
 from specdec.gateway.round.policy.fixed import FixedPolicy
+from specdec.gateway.round.policy.guard import GoodputGuard, GuardMode, GuardParams
 from specdec.gateway.round.policy.params import Estimate, PolicyParams
 
 __all__ = [
@@ -27,6 +30,9 @@ __all__ = [
     "AdaptivePolicy",
     "Estimate",
     "FixedPolicy",
+    "GoodputGuard",
+    "GuardMode",
+    "GuardParams",
     "Policy",
     "PolicyParams",
     "SourcePriors",
