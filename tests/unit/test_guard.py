@@ -150,3 +150,22 @@ def test_requests_one_after_another_are_one_session():
             script.guard.end(request, t, tokens[t.mode], seconds[t.mode])
         script.guard.leave(request)
     assert set(script.modes) == {GuardMode.SPEC} and script.guard.measured == {}
+
+
+def test_a_higher_level_starts_from_what_a_lower_one_measured():
+    """Speculation measured slower at 8 sessions: at 16 it is not tried at once, but
+    after the plain steps' first epochs there, as a slower mode is."""
+    reported: list[tuple[int, str]] = []
+    script = Script()
+    script.guard.report = lambda level, mode, rate: reported.append((level, mode))
+    seconds, tokens = (
+        {GuardMode.PLAIN: 0.1, GuardMode.SPEC: 0.4},
+        {GuardMode.PLAIN: 1, GuardMode.SPEC: 2},
+    )
+    script.run(8, seconds, tokens, until=60.0)
+    assert {m for level, m in reported if level == 8} == {"spec", "plain"}
+    reported.clear()
+    script.run(16, seconds, tokens, until=script.now + 60.0)
+    at_16 = [m for level, m in reported if level == 16]
+    assert at_16[:3] == ["plain"] * 3, at_16
+    assert "spec" in at_16  # still tried, in its turn

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 from prometheus_client import Counter, Gauge, Histogram
 
+log = logging.getLogger(__name__)
 PREFIX = "specdec_gateway_"
 
 REQUESTS = Counter(PREFIX + "requests", "Finished requests", ["finish_reason"])
@@ -80,9 +83,13 @@ GUARD_EPOCHS = Counter(
 
 
 def guard_epoch(level: int, mode: str, tokens_per_s: float) -> None:
-    """An epoch the goodput guard measured (its `report`)."""
+    """An epoch the goodput guard measured (its `report`), also logged."""
     GUARD_GOODPUT.labels(level=str(level), mode=mode).set(tokens_per_s)
     GUARD_EPOCHS.labels(mode=mode).inc()
+    log.info(
+        "goodput guard epoch",
+        extra={"level": level, "mode": mode, "tokens_per_s": round(tokens_per_s, 3)},
+    )
 
 
 SSD_SPECULATES = Counter(PREFIX + "ssd_speculates", "Speculate calls sent")

@@ -206,15 +206,21 @@ class GoodputGuard:
         """The mode of the next epoch at `level`: one not measured there yet, else the
         slower one once in `every` epochs, else the faster. `every` grows with how much
         slower it measured (so trying it again costs about as much whatever the gap),
-        once each mode has been measured twice there."""
+        once each mode has been measured twice there. Speculation not yet measured at a
+        level above one where it measured slower is taken to be as much slower (load only
+        shrinks what it gains), and waits its turn."""
         rates = self.rates(level)
+        spec, plain = GuardMode.SPEC, GuardMode.PLAIN
+        ratio = self._lower_ratio(level)
+        if spec not in rates and plain in rates and ratio is not None and ratio < 1.0:
+            rates[spec] = rates[plain] * ratio
         for mode in GuardMode:
             if mode not in rates:
                 return mode
         best = max(GuardMode, key=lambda m: rates[m])
-        other = GuardMode.PLAIN if best == GuardMode.SPEC else GuardMode.SPEC
+        other = plain if best == spec else spec
         every = self.p.explore_every
-        if all(len(self.measured[(level, m)]) >= 2 for m in GuardMode):
+        if all(len(self.measured.get((level, m), ())) >= 2 for m in GuardMode):
             gap = 1.0 - rates[other] / rates[best] if rates[best] > 0 else 0.0
             every = min(self.p.max_explore_every, round(every * (1.0 + gap / self.p.gap_step)))
         self._since[level] = self._since.get(level, 0) + 1
@@ -222,3 +228,14 @@ class GoodputGuard:
             self._since[level] = 0
             return other
         return best
+
+    def _lower_ratio(self, level: int) -> float | None:
+        """Speculation's rate over plain steps' at the nearest level below `level` that
+        measured both (None: none did)."""
+        below = level // 2
+        while below >= 1:
+            rates = self.rates(below)
+            if len(rates) == len(GuardMode) and rates[GuardMode.PLAIN] > 0:
+                return rates[GuardMode.SPEC] / rates[GuardMode.PLAIN]
+            below //= 2
+        return None
