@@ -261,11 +261,12 @@ def test_the_guard_keeps_a_mispriced_policy_from_losing(concurrency):
     for the costs of a speculating round the policy does not price): alone the adaptive
     policy loses to k = 0 at 32 sessions; under the gateway's goodput guard it never does,
     stays out of the way at one session, and gives up little of the policy's gain where
-    speculation pays."""
-    runs = {m: loadsim.run(MISPRICED, concurrency, m) for m in ("k=0", "adaptive", "guarded")}
+    speculation pays. 300 rounds a session: the guard learns over epochs of several rounds."""
+    modes = ("k=0", "adaptive", "guarded")
+    runs = {m: loadsim.run(MISPRICED, concurrency, m, rounds=300) for m in modes}
     k0, adaptive, guarded = (runs[m].tokens_per_s for m in ("k=0", "adaptive", "guarded"))
     report = {m: (round(r.tokens_per_s, 2), round(r.mean_k, 2)) for m, r in runs.items()}
-    assert guarded >= 0.96 * k0, report
+    assert guarded >= 0.98 * k0, report
     assert guarded >= 0.95 * adaptive, report
     if concurrency == 1:
         assert guarded == adaptive, report

@@ -10,14 +10,15 @@ measures what it cares about: the tokens its requests commit per second.
 Time is cut into epochs. In each, every adaptive request of this gateway replica either
 speculates as its policy decides (`SPEC`), or runs plain target steps (`PLAIN`: each round
 is a k = 0 round, with no draft, no Speculate and no prefill beside). An epoch first lets
-the previous mode's rounds settle: it starts measuring once every session that was running
-has finished a round begun in the epoch. Then it counts the tokens its rounds commit for
-`measure_rounds` of its mode's mean round times (at least `min_measure` seconds). Its load
-level is the most sessions in a round at once during it, in powers of two (1, 2-3, 4-7,
-8-15, 16-31, 32+): requests one after another are one session. Per level the guard keeps each mode's last `window` epochs and runs the mode with
-the higher mean. Every `explore_every`-th epoch of a level runs the other mode, so a change
-of the drafts' acceptance or of the machine is seen. Below `min_sessions` the guard stays
-out of the way: one session's speed is its own, which the policy's model prices well, and
+the previous mode's rounds settle: once every session that was running has finished a
+round begun in the epoch, it waits one more of the epoch's mean rounds (its mode, at this
+load). Then it counts the tokens of the rounds that end in the next `measure_rounds` such
+rounds (at least `min_measure` seconds). Its load level is the most sessions in a round at
+once during it, in powers of two (1, 2-3, 4-7, 8-15, 16-31, 32+): requests one after
+another are one session. Per level the guard keeps each mode's last `window` epochs and
+runs the mode with the higher mean; the slower runs now and then (`_next`), so a change of
+the drafts' acceptance or of the machine is seen. Below `min_sessions` the guard stays out
+of the way: one session's speed is its own, which the policy's model prices well, and
 every epoch speculates.
 
 Exact: the mode is fixed before a round, from past timings only, as every other choice of
@@ -47,8 +48,8 @@ class GuardParams:
 
     min_sessions: int = 2  # below this many sessions an epoch speculates and measures nothing
     settle_rounds: float = 1.0  # ... and this many more after every session's first round
-    measure_rounds: float = 3.0  # an epoch measures this many mean round times, once settled
-    min_measure: float = 1.0  # seconds: the shortest measurement
+    measure_rounds: float = 4.0  # an epoch measures this many mean round times, once settled
+    min_measure: float = 2.0  # seconds: the shortest measurement
     window: int = 4  # epochs of each mode a level remembers
     explore_every: int = 4  # the other mode's epochs at a level: one in this many, at least
     gap_step: float = 0.05  # ... and one more epoch between for each such share it is slower
@@ -98,7 +99,7 @@ class GoodputGuard:
         self._pending: set[int] = set()  # sessions yet to finish a round of the epoch
         self._tokens = 0  # tokens counted
         self._length = 0.0  # seconds the epoch counts, once settled
-        self._ended = False  # whether a round begun in the epoch has ended
+        self._settled: list[float] = []  # seconds of the epoch's rounds ended settling
         self._peak = 0  # the most sessions in a round at once in the epoch
         self._running: set[int] = set()  # sessions with a round in progress
         self._begin(self.clock())
@@ -122,7 +123,7 @@ class GoodputGuard:
         if ticket.epoch == self.epoch:
             if self.measuring_from is None:
                 self._pending.discard(session)
-                self._ended = True
+                self._settled.append(seconds)
                 self._settle(now)
             elif self.measuring_from < now < self.measuring_from + self._length:
                 self._tokens += tokens
@@ -158,23 +159,21 @@ class GoodputGuard:
         self._pending = self._running | {s for s, t in self.last_seen.items() if now - t <= recent}
         self._tokens = 0
         self._peak = len(self._running)
-        self._ended = False
+        self._settled = []
 
     def _longest(self) -> float:
         """The longer of the modes' mean rounds (0: none seen)."""
         return max(self.round_seconds.values())
 
-    def _round(self) -> float:
-        """The mean round of the epoch's mode; the other's until one is seen."""
-        return self.round_seconds[self.mode] or self._longest()
-
     def _settle(self, now: float) -> None:
-        """Once no session is pending and a round of the epoch has ended (so its mode's
-        round time is known): count the rounds that end in the next `_length` seconds
-        (after this instant: a burst of verdicts at it is the settling's)."""
-        if not self._pending and self._ended:
-            self.measuring_from = now + self.p.settle_rounds * self._round()
-            self._length = max(self.p.min_measure, self.p.measure_rounds * self._round())
+        """Once no session is pending and a round of the epoch has ended: wait
+        `settle_rounds` more of its rounds, then count the rounds that end in the next
+        `measure_rounds` (at least `min_measure` seconds). A round here is the mean of the
+        epoch's own rounds so far (its mode at this load), not of earlier loads'."""
+        if not self._pending and self._settled:
+            mean = sum(self._settled) / len(self._settled)
+            self.measuring_from = now + self.p.settle_rounds * mean
+            self._length = max(self.p.min_measure, self.p.measure_rounds * mean)
 
     def _advance(self, now: float) -> None:
         """Close the epoch once it has measured long enough, and pick the next one's mode."""
