@@ -15,9 +15,11 @@ round begun in the epoch, it waits one more of the epoch's mean rounds (its mode
 load). Then it counts the tokens of the rounds that end in the next `measure_rounds` such
 rounds (at least `min_measure` seconds). Its load level is the most sessions in a round at
 once during it, in powers of two (1, 2-3, 4-7, 8-15, 16-31, 32+): requests one after
-another are one session. Per level the guard keeps each mode's last `window` epochs and
-runs the mode with the higher mean; the slower runs now and then (`_next`), so a change of
-the drafts' acceptance or of the machine is seen. Below `min_sessions` the guard stays out
+another are one session; an epoch at another level than the one before is a ramp and is
+not kept. Per level the guard keeps each mode's last `window` epochs (their tokens over
+their seconds) and runs plain steps where they measured `margin` faster than speculation,
+else speculation (the policy's own choice); the slower runs now and then (`_next`), so a
+change of the drafts' acceptance or of the machine is seen. Below `min_sessions` the guard stays out
 of the way: one session's speed is its own, which the policy's model prices well, and
 every epoch speculates.
 
@@ -51,6 +53,7 @@ class GuardParams:
     measure_rounds: float = 4.0  # an epoch measures this many mean round times, once settled
     min_measure: float = 2.0  # seconds: the shortest measurement
     window: int = 4  # epochs of each mode a level remembers
+    margin: float = 0.1  # plain steps run where they measured this share faster, at least
     explore_every: int = 4  # the other mode's epochs at a level: one in this many, at least
     gap_step: float = 0.05  # ... and one more epoch between for each such share it is slower
     max_explore_every: int = 40  # ... and at least one in this many
@@ -91,7 +94,9 @@ class GoodputGuard:
         self.mode = GuardMode.SPEC
         self.round_seconds = dict.fromkeys(GuardMode, 0.0)  # each mode's mean round (0: none seen)
         self.last_seen: dict[int, float] = {}  # session -> when its last round ended
-        self.measured: dict[tuple[int, GuardMode], deque[float]] = {}  # tokens per second
+        # (tokens, seconds) of each mode's last epochs at each level
+        self.measured: dict[tuple[int, GuardMode], deque[tuple[int, float]]] = {}
+        self._level = 0  # the level of the last epoch that closed
         self.epochs: dict[int, int] = {}  # level -> epochs run at it
         self._since: dict[int, int] = {}  # level -> epochs since its slower mode last ran
         self.started = 0.0  # when the epoch began
@@ -140,12 +145,13 @@ class GoodputGuard:
     # -- what it decided ----------------------------------------------------------------------
 
     def rates(self, level: int) -> dict[GuardMode, float]:
-        """The mean tokens per second measured at `level`, per mode measured."""
+        """The tokens per second measured at `level` over each mode's remembered epochs,
+        per mode measured."""
         out = {}
         for mode in GuardMode:
             seen = self.measured.get((level, mode))
             if seen:
-                out[mode] = sum(seen) / len(seen)
+                out[mode] = sum(t for t, _ in seen) / sum(s for _, s in seen)
         return out
 
     # -- epochs -------------------------------------------------------------------------------
@@ -187,17 +193,19 @@ class GoodputGuard:
             return
         if now < self.measuring_from + self._length:
             return
-        sessions = self._peak
-        if sessions >= self.p.min_sessions:
-            level = level_of(sessions)
-            seen = self.measured.setdefault((level, self.mode), deque(maxlen=self.p.window))
-            seen.append(self._tokens / self._length)
-            if self.report is not None:
-                self.report(level, self.mode.value, seen[-1])
-            self.epochs[level] = self.epochs.get(level, 0) + 1
+        level = level_of(self._peak)
+        if self._peak < self.p.min_sessions:
+            self.mode = GuardMode.SPEC
+        elif level != self._level:  # the load moved: a ramp, not a level's steady state
             self.mode = self._next(level)
         else:
-            self.mode = GuardMode.SPEC
+            seen = self.measured.setdefault((level, self.mode), deque(maxlen=self.p.window))
+            seen.append((self._tokens, self._length))
+            if self.report is not None:
+                self.report(level, self.mode.value, self._tokens / self._length)
+            self.epochs[level] = self.epochs.get(level, 0) + 1
+            self.mode = self._next(level)
+        self._level = level
         self.epoch += 1
         self._begin(now)
 
@@ -211,16 +219,19 @@ class GoodputGuard:
         rates = self.rates(level)
         spec, plain = GuardMode.SPEC, GuardMode.PLAIN
         ratio = self._lower_ratio(level)
-        if spec not in rates and plain in rates and ratio is not None and ratio < 1.0:
+        if spec not in rates and ratio is not None and ratio * (1.0 + self.p.margin) < 1.0:
+            if plain not in rates:
+                return plain
             rates[spec] = rates[plain] * ratio
         for mode in GuardMode:
             if mode not in rates:
                 return mode
-        best = max(GuardMode, key=lambda m: rates[m])
+        # Speculation is the policy's own choice: plain steps must measure clearly faster.
+        best = plain if rates[plain] > rates[spec] * (1.0 + self.p.margin) else spec
         other = plain if best == spec else spec
         every = self.p.explore_every
         if all(len(self.measured.get((level, m), ())) >= 2 for m in GuardMode):
-            gap = 1.0 - rates[other] / rates[best] if rates[best] > 0 else 0.0
+            gap = max(0.0, 1.0 - rates[other] / rates[best]) if rates[best] > 0 else 0.0
             every = min(self.p.max_explore_every, round(every * (1.0 + gap / self.p.gap_step)))
         self._since[level] = self._since.get(level, 0) + 1
         if self._since[level] >= every:
