@@ -169,3 +169,21 @@ def test_a_higher_level_starts_from_what_a_lower_one_measured():
     at_16 = [m for level, m in reported if level == 16]
     assert at_16[:3] == ["plain"] * 3, at_16
     assert "spec" in at_16  # still tried, in its turn
+
+
+def test_an_epoch_whose_load_stopped_is_not_kept():
+    """Sessions that finish within an epoch's count leave idle seconds in it: the epoch
+    measured no mode, and is not kept (its rate would read as that mode's loss)."""
+    script = Script()
+    seconds, tokens = (
+        {GuardMode.PLAIN: 0.1, GuardMode.SPEC: 0.1},
+        {GuardMode.PLAIN: 1, GuardMode.SPEC: 1},
+    )
+    script.run(4, seconds, tokens, until=20.5)  # epochs at 4 sessions; stops within one
+    for i in range(4):
+        script.guard.leave(i)
+    script.now += 10.0
+    script.run(4, seconds, tokens, until=script.now + 10.0)
+    for level_mode, seen in script.guard.measured.items():
+        for t, s in seen:
+            assert t / s > 30, (level_mode, seen)  # 4 sessions x 10 tokens a second

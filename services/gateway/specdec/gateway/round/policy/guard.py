@@ -15,8 +15,8 @@ round begun in the epoch, it waits one more of the epoch's mean rounds (its mode
 load). Then it counts the tokens of the rounds that end in the next `measure_rounds` such
 rounds (at least `min_measure` seconds). Its load level is the most sessions in a round at
 once during it, in powers of two (1, 2-3, 4-7, 8-15, 16-31, 32+): requests one after
-another are one session; an epoch at another level than the one before is a ramp and is
-not kept. Per level the guard keeps each mode's last `window` epochs (their tokens over
+another are one session; an epoch at another level than the one before is a ramp, and
+one whose rounds stopped ending for half its count a lull: neither is kept. Per level the guard keeps each mode's last `window` epochs (their tokens over
 their seconds) and runs plain steps where they measured `margin` faster than speculation,
 else speculation (the policy's own choice); the slower runs now and then (`_next`), so a
 change of the drafts' acceptance or of the machine is seen. Below `min_sessions` the guard stays out
@@ -105,6 +105,7 @@ class GoodputGuard:
         self._tokens = 0  # tokens counted
         self._length = 0.0  # seconds the epoch counts, once settled
         self._settled: list[float] = []  # seconds of the epoch's rounds ended settling
+        self._last_counted: float | None = None  # when the last counted round ended
         self._peak = 0  # the most sessions in a round at once in the epoch
         self._running: set[int] = set()  # sessions with a round in progress
         self._begin(self.clock())
@@ -132,6 +133,7 @@ class GoodputGuard:
                 self._settle(now)
             elif self.measuring_from < now < self.measuring_from + self._length:
                 self._tokens += tokens
+                self._last_counted = now
         self._advance(now)
 
     def leave(self, session: int) -> None:
@@ -166,6 +168,7 @@ class GoodputGuard:
         self._tokens = 0
         self._peak = len(self._running)
         self._settled = []
+        self._last_counted = None
 
     def _longest(self) -> float:
         """The longer of the modes' mean rounds (0: none seen)."""
@@ -194,9 +197,13 @@ class GoodputGuard:
         if now < self.measuring_from + self._length:
             return
         level = level_of(self._peak)
+        end = self.measuring_from + self._length
+        # The load stopped within the count (its sessions done, a lull): the seconds after
+        # the last counted round measured no mode.
+        stopped = self._last_counted is None or end - self._last_counted > self._length / 2
         if self._peak < self.p.min_sessions:
             self.mode = GuardMode.SPEC
-        elif level != self._level:  # the load moved: a ramp, not a level's steady state
+        elif level != self._level or stopped:  # a ramp or a lull, not a level's steady state
             self.mode = self._next(level)
         else:
             seen = self.measured.setdefault((level, self.mode), deque(maxlen=self.p.window))
