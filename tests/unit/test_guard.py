@@ -187,3 +187,19 @@ def test_an_epoch_whose_load_stopped_is_not_kept():
     for level_mode, seen in script.guard.measured.items():
         for t, s in seen:
             assert t / s > 30, (level_mode, seen)  # 4 sessions x 10 tokens a second
+
+
+def test_a_round_that_never_ends_is_forgotten():
+    """A request that failed mid-round reports no end: after ten mean rounds its session
+    no longer counts towards the level or holds up the settling."""
+    script = Script()
+    seconds, tokens = (
+        {GuardMode.PLAIN: 0.1, GuardMode.SPEC: 0.1},
+        {GuardMode.PLAIN: 1, GuardMode.SPEC: 1},
+    )
+    for lost in range(100, 106):  # six rounds begun and never ended
+        script.guard.begin(lost)
+    script.run(2, seconds, tokens, until=30.0)
+    assert len(script.guard._running) <= 2
+    assert script.guard.rates(2), script.guard.measured  # measured at 2 sessions, not 8
+    assert not script.guard.rates(8)

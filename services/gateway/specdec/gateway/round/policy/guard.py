@@ -107,15 +107,16 @@ class GoodputGuard:
         self._settled: list[float] = []  # seconds of the epoch's rounds ended settling
         self._last_counted: float | None = None  # when the last counted round ended
         self._peak = 0  # the most sessions in a round at once in the epoch
-        self._running: set[int] = set()  # sessions with a round in progress
+        self._running: dict[int, float] = {}  # sessions in a round -> when it began
         self._begin(self.clock())
 
     # -- what the rounds report -------------------------------------------------------------
 
     def begin(self, session: int) -> Ticket:
         """A round of `session` begins: the epoch and the mode it runs under."""
-        self._advance(self.clock())
-        self._running.add(session)
+        now = self.clock()
+        self._advance(now)
+        self._running[session] = now
         self._peak = max(self._peak, len(self._running))
         return Ticket(self.epoch, self.mode)
 
@@ -123,7 +124,7 @@ class GoodputGuard:
         """A round of `session` begun under `ticket` committed `tokens` in `seconds`."""
         now = self.clock()
         self.last_seen[session] = now
-        self._running.discard(session)
+        self._running.pop(session, None)
         a, mean = self.p.smoothing, self.round_seconds[ticket.mode]
         self.round_seconds[ticket.mode] = (1 - a) * mean + a * seconds if mean else seconds
         if ticket.epoch == self.epoch:
@@ -139,7 +140,7 @@ class GoodputGuard:
     def leave(self, session: int) -> None:
         """`session`'s request is done: no round of it is awaited."""
         self.last_seen.pop(session, None)
-        self._running.discard(session)
+        self._running.pop(session, None)
         self._pending.discard(session)
         if self.measuring_from is None:
             self._settle(self.clock())
@@ -164,7 +165,13 @@ class GoodputGuard:
         # Sessions in a round or seen within the last few: the epoch measures once each
         # has finished a round begun under its mode.
         recent = 3.0 * self._longest()
-        self._pending = self._running | {s for s, t in self.last_seen.items() if now - t <= recent}
+        # A round that never reported its end (its request failed) is forgotten after
+        # ten of the longer mean rounds.
+        lost = 10.0 * self._longest()
+        self._running = {s: t for s, t in self._running.items() if not lost or now - t <= lost}
+        self._pending = set(self._running) | {
+            s for s, t in self.last_seen.items() if now - t <= recent
+        }
         self._tokens = 0
         self._peak = len(self._running)
         self._settled = []
