@@ -118,7 +118,9 @@ class GoodputGuard:
         self._advance(now)
         self._running[session] = now
         self._peak = max(self._peak, len(self._running))
-        return Ticket(self.epoch, self.mode)
+        # A session alone (the load gone) speculates at once, whatever the epoch's mode.
+        alone = len(self._running) < self.p.min_sessions
+        return Ticket(self.epoch, GuardMode.SPEC if alone else self.mode)
 
     def end(self, session: int, ticket: Ticket, tokens: int, seconds: float) -> None:
         """A round of `session` begun under `ticket` committed `tokens` in `seconds`."""
@@ -127,7 +129,7 @@ class GoodputGuard:
         self._running.pop(session, None)
         a, mean = self.p.smoothing, self.round_seconds[ticket.mode]
         self.round_seconds[ticket.mode] = (1 - a) * mean + a * seconds if mean else seconds
-        if ticket.epoch == self.epoch:
+        if ticket.epoch == self.epoch and ticket.mode == self.mode:
             if self.measuring_from is None:
                 self._pending.discard(session)
                 self._settled.append(seconds)
