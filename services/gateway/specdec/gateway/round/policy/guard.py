@@ -97,7 +97,6 @@ class GoodputGuard:
         # (tokens, seconds) of each mode's last epochs at each level
         self.measured: dict[tuple[int, GuardMode], deque[tuple[int, float]]] = {}
         self._level = 0  # the level of the last epoch that closed
-        self.epochs: dict[int, int] = {}  # level -> epochs run at it
         self._since: dict[int, int] = {}  # level -> epochs since its slower mode last ran
         self.started = 0.0  # when the epoch began
         self.measuring_from: float | None = None  # when it began to count (None: settling)
@@ -219,7 +218,6 @@ class GoodputGuard:
             seen.append((self._tokens, self._length))
             if self.report is not None:
                 self.report(level, self.mode.value, self._tokens / self._length)
-            self.epochs[level] = self.epochs.get(level, 0) + 1
             self.mode = self._next(level)
         self._level = level
         self.epoch += 1
