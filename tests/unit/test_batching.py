@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -313,3 +314,69 @@ def test_a_failed_forward_drops_the_session_of_a_job(runtime):
     with pytest.raises(IndexError):
         runtime.drive(bad)
     assert "f" not in runtime.store
+
+
+def test_gathering_awaits_the_sessions_that_come_back_quickly():
+    """A forward waits for the sessions of the last one to come back (gathering), but not
+    for one whose last turnaround was longer than a wait can cover (one that drafts
+    between its Verifies): waiting for it would only delay the others."""
+    scheduler = Scheduler("unit-gather", max_batch_size=8, max_batch_tokens=64, max_batch_wait=0.02)
+    try:
+        scheduler._last_forward = 0.2  # a wait: at most min(20 ms, 50 ms)
+
+        def back(key: str, at: float) -> None:
+            task = _Task(0, lambda: None, key, None)
+            task.queued = at
+            scheduler._note_back(task)
+
+        for key in ("quick", "drafts", "new"):
+            scheduler._job_ended(key, 10.0)
+        assert scheduler._expected == {"quick", "drafts", "new"}  # none measured yet
+        back("quick", 10.004)  # the gateway's handling of its reply: 4 ms
+        back("drafts", 10.150)  # a Draft before its next Verify: 150 ms
+        scheduler._expected.clear()
+        for key in ("quick", "drafts"):
+            scheduler._job_ended(key, 11.0)
+        assert scheduler._expected == {"quick"}
+        back("drafts", 11.003)  # a plain round this time: awaited again
+        scheduler._expected.clear()
+        scheduler._job_ended("drafts", 12.0)
+        assert scheduler._expected == {"drafts"}
+    finally:
+        scheduler.shutdown()
+
+
+def test_gathering_keeps_sessions_in_one_forward():
+    """Two sessions whose next jobs come back a few milliseconds apart (a busy gateway
+    handles one reply after the other) stay in one forward each round rather than
+    splitting into two groups that alternate."""
+    rows: list[list[str]] = []
+
+    def run_batch(requests):
+        rows.append(sorted(r.session for r in requests))
+        time.sleep(0.1)  # a forward's time: gathering may wait up to a quarter of it
+        return [torch.zeros(1, 4) for _ in requests]
+
+    scheduler = Scheduler("unit-gather2", 8, 64, run_batch=run_batch, max_batch_wait=0.025)
+
+    def job(key: str):
+        yield ForwardRequest(key, [1], 1, False)  # the session: its name, for run_batch
+
+    def session(key: str, delay: float) -> None:
+        for _ in range(6):
+            scheduler.submit(lambda: job(key), key=key).result(10)
+            time.sleep(delay)  # the gateway's handling of the reply
+
+    try:
+        threads = [
+            threading.Thread(target=session, args=("a", 0.0)),
+            threading.Thread(target=session, args=("b", 0.004)),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        together = sum(r == ["a", "b"] for r in rows)
+        assert together >= 5, rows  # the first may run one alone, then both, each round
+    finally:
+        scheduler.shutdown()

@@ -199,6 +199,7 @@ class _Task:
     future: Future[Any] = field(default_factory=Future)
     job: ModelJob | None = None
     request: ModelRequest | None = None
+    queued: float = field(default_factory=time.perf_counter)  # when it was submitted
 
 
 class Poller:
@@ -394,8 +395,13 @@ class Scheduler:
         # Gathering (see `_gathering`): seconds a forward may wait for sessions of the
         # previous forward whose next request has not arrived yet (0: never waits).
         self.max_batch_wait = max_batch_wait
-        self._expected: set[str] = set()  # sessions whose job ended in the last forward
+        self._expected: set[str] = set()  # sessions of the last forward awaited back
         self._last_forward = 0.0  # seconds the last forward took
+        # Each session's turnaround: seconds from the end of the forward that ended its
+        # job to its next job's submission (the gateway's handling of the reply, or a
+        # Draft first), the last measured; and when its last job ended. Both bounded.
+        self._turnaround: dict[str, float] = {}
+        self._ended: dict[str, float] = {}
         self._gather_until: float | None = None  # the deadline of the current wait
         self.run_batch = run_batch
         self.note_member = note_member
@@ -475,13 +481,17 @@ class Scheduler:
 
         Sessions of a batch come back together: each one's next request (its next round)
         leaves the gateway once that session's reply has been handled, so the replies of a
-        forward of n sessions return over a fraction of a millisecond. Running the forward
-        as soon as the first is back splits the sessions into two groups that then
-        alternate, every round of each waiting for the other's forward. So while a session
-        whose job ended in the last forward has not sent its next request, the forward
-        waits for it, for at most max_batch_wait and a quarter of the last forward's time
-        (a session that ended its request does not come back: it costs one such wait). A
-        session alone never waits: its own request is the one that is back.
+        forward of n sessions return within the time the gateway takes to handle n
+        replies (a fraction of a millisecond each on a quiet machine, several on a busy
+        one). Running the forward as soon as the first is back splits the sessions into
+        two groups that then alternate, every round of each waiting for the other's
+        forward: half the rows a forward. So while a session whose job ended in the last
+        forward has not sent its next request, the forward waits for it, for at most
+        max_batch_wait and a quarter of the last forward's time (a session that ended its
+        request does not come back: it costs one such wait). A session whose last
+        turnaround (from the forward that ended its job to its next job) was longer than
+        that is not awaited: it drafts between its Verifies, say. A session alone never
+        waits: its own request is the one that is back.
         """
         if not self.max_batch_wait or not self._expected:
             return False
@@ -493,7 +503,7 @@ class Scheduler:
             return False
         now = time.perf_counter()
         if self._gather_until is None:
-            self._gather_until = now + min(self.max_batch_wait, self._last_forward / 4)
+            self._gather_until = now + self._wait_bound()
         if now >= self._gather_until:
             self._expected.clear()  # late or gone: the next forward runs without them
             self._gather_until = None
@@ -515,7 +525,8 @@ class Scheduler:
             results, error = [None] * len(batch), e
         finally:
             self.io.forward_ends()
-        self._last_forward = time.perf_counter() - started
+        ended = time.perf_counter()
+        self._last_forward = ended - started
         self._gather_until = None
         self._expected.clear()
         for task, result in zip(batch, results, strict=True):
@@ -525,8 +536,29 @@ class Scheduler:
             if self._step(task, result, error):
                 active.append(task)
             elif task.key is not None:
-                self._expected.add(task.key)
+                self._job_ended(task.key, ended)
         active.sort(key=lambda t: t.seq)
+
+    def _job_ended(self, key: str, ended: float) -> None:
+        """A session's job ended in the forward that ended at `ended`: awaited back by the
+        next forward unless it last came back later than a wait could cover (a session
+        that drafts between its Verifies)."""
+        self._ended[key] = ended
+        if self._turnaround.get(key, 0.0) <= self._wait_bound():
+            self._expected.add(key)
+        for bounded in (self._ended, self._turnaround):
+            while len(bounded) > 4 * self.max_batch_size:  # the oldest first
+                del bounded[next(iter(bounded))]
+
+    def _wait_bound(self) -> float:
+        """The longest a forward waits for sessions to come back (`_gathering`)."""
+        return min(self.max_batch_wait, self._last_forward / 4)
+
+    def _note_back(self, task: _Task) -> None:
+        """A session's job starts: its turnaround since its last job ended."""
+        if task.key is not None and (ended := self._ended.pop(task.key, None)) is not None:
+            self._turnaround.pop(task.key, None)  # re-inserted: the newest last
+            self._turnaround[task.key] = max(0.0, task.queued - ended)
 
     def _run(self, requests: list[ModelRequest]) -> list[torch.Tensor]:
         if self.run_batch is None:
@@ -554,6 +586,7 @@ class Scheduler:
                 task.future.set_result(started)
                 continue
             task.job = started
+            self._note_back(task)
             if self._step(task, None, None):
                 active.append(task)
 

@@ -134,10 +134,10 @@ class ReplicaConfig:
     )
     # specdec.replica.batching.Scheduler._gathering
     max_batch_wait_ms: float = setting(
-        1.0,
+        20.0,
         "how long a forward may wait for the sessions of the previous forward to send "
-        "their next request, so they stay in one batch (at most a quarter of a forward; "
-        "0: never wait)",
+        "their next request, so they stay in one batch (at most a quarter of a forward, "
+        "and not for a session whose last return took longer; 0: never wait)",
         check=non_negative,
     )
     # The sessions' KV (specdec.replica.paged).
