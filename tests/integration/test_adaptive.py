@@ -217,3 +217,40 @@ def test_the_first_round_prefills_the_drafter_beside_the_verifier(
         assert row["round_k"][0] == 0 and row["round_source"][0] == "none", row
     for row in fixed:
         assert row["round_k"][0] == 4, row
+
+
+def test_goodput_guard_switches_mid_request_and_stays_exact(adaptive_stack, tokenizer, reference):
+    """Concurrent sessions under the goodput guard with short epochs (and SSD): its epochs
+    switch between speculation and plain steps while the requests run, the drafter kept
+    fed in the plain ones, and every output is still generate()'s. Batches repeat until
+    the gateway's metrics show epochs of both modes measured (a few suffice)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.integration.test_batching import scrape
+    from tests.integration.test_gateway import _free_port
+
+    verifier, noisy = adaptive_stack["replicas"]
+    port = _free_port()
+    flags = ("--k-policy", "adaptive", "--ssd", "--guard-epoch-seconds", "0.05")
+    gw = gateway([noisy], [verifier], None, *flags, "--metrics-port", str(port))
+    prompts = [tokenizer(text).input_ids for text in PROMPTS[:4]]
+    n = 64
+    epochs = {}
+    try:
+        gw.wait_healthy()
+        with Client(gw.address, timeout=300) as client, ThreadPoolExecutor(4) as pool:
+
+            def one(ids):
+                return client.generate(token_ids=ids, max_new_tokens=n, k=4)
+
+            for _ in range(6):
+                for ids, got in zip(prompts, pool.map(one, prompts), strict=True):
+                    assert list(got.tokens) == reference(ids, n)
+                samples = scrape(port)
+                name = "specdec_gateway_guard_epochs_total"
+                epochs = {m: samples.get(f'{name}{{mode="{m}"}}', 0) for m in ("spec", "plain")}
+                if all(epochs.values()):
+                    break
+    finally:
+        gw.stop()
+    assert epochs["spec"] > 0 and epochs["plain"] > 0, epochs

@@ -1,22 +1,35 @@
 """The goodput guard (specdec.gateway.round.policy.guard) on a scripted clock: sessions run
 rounds of a fixed length and yield, per mode; the guard must find the faster mode at each
 load level, keep trying the other, stay out of the way of one session, count no round of
-an earlier epoch, and not wait for a session that left."""
+an earlier epoch, measure rounds that a batched forward ends together at their true rate,
+wait for the rounds running when its measurement ends, keep no epoch whose load drained,
+and not wait for a session that left."""
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
-from specdec.gateway.round.policy.guard import GoodputGuard, GuardMode, GuardParams, level_of
+import pytest
+
+from specdec.gateway.round.policy.guard import (
+    GoodputGuard,
+    GuardMode,
+    GuardParams,
+    Ticket,
+    level_of,
+)
 
 
 class Script:
     """`sessions` sessions running rounds back to back on a simulated clock: a round of
-    mode m takes seconds[m] (session i's offset by i ms, so they do not tie) and commits
-    tokens[m]."""
+    mode m takes seconds[m] (session i's offset by i times `stagger`, so they do not tie;
+    with none, their rounds begin and end together, as one batched forward of the verifier
+    ends them) and commits tokens[m]."""
 
-    def __init__(self, guard_params: GuardParams | None = None):
+    def __init__(self, guard_params: GuardParams | None = None, stagger: float = 1e-3):
         self.now = 0.0
+        self.stagger = stagger
         self.guard = GoodputGuard(guard_params, clock=lambda: self.now)
         self.modes: list[GuardMode] = []
 
@@ -26,19 +39,26 @@ class Script:
         seconds: dict[GuardMode, float],
         tokens: dict[GuardMode, int],
         until: float,
+        leaves: Callable[[int], bool] = lambda i: False,
     ) -> None:
+        """Until `until`; a session for which `leaves` holds once a round of it ended
+        leaves (its request done)."""
         events = []
         for i in range(sessions):
             heapq.heappush(events, (self.now, i, None))
         while events:
             self.now, i, ticket = heapq.heappop(events)
             if ticket is not None:
-                self.guard.end(i, ticket, tokens[ticket.mode], seconds[ticket.mode])
+                length = seconds[ticket.mode] + i * self.stagger
+                self.guard.end(i, ticket, tokens[ticket.mode], length)
+                if leaves(i):
+                    self.guard.leave(i)
+                    continue
             if self.now >= until:
                 continue
             ticket = self.guard.begin(i)
             self.modes.append(ticket.mode)
-            heapq.heappush(events, (self.now + seconds[ticket.mode] + i / 1e3, i, ticket))
+            heapq.heappush(events, (self.now + seconds[ticket.mode] + i * self.stagger, i, ticket))
 
 
 def test_levels_are_powers_of_two():
@@ -119,20 +139,26 @@ def test_a_round_of_an_earlier_epoch_is_not_counted_and_a_leaver_is_not_awaited(
     guard.end(1, a, 1, 0.5)
     guard.end(2, b, 1, 0.5)
     assert guard.measuring_from is not None  # settled: both ended a round of epoch 0
-    start, end = guard.measuring_from, guard.measuring_from + guard._length
-    now[0] = start + 0.1
-    old, other = guard.begin(1), guard.begin(2)  # in flight when epoch 0 closes
+    end = guard.measuring_from + guard._length
+    now[0] = end - 0.1
+    first, second = guard.begin(1), guard.begin(2)  # running when the measurement ends
     now[0] = end + 0.1
-    assert guard.begin(3).epoch == 1  # epoch 1 begins: 1 and 2 are pending
-    guard.end(1, old, 100, 0.5)  # begun in epoch 0: not counted; 1 still pending
+    late = guard.begin(3)  # begun after it: epoch 0 still waits for 1 and 2
+    assert late.epoch == 0
+    guard.end(1, first, 1, 0.2)
+    assert guard.epoch == 0  # 2 is still awaited
+    guard.leave(2)  # its request is done (it failed mid-round): not awaited
+    assert guard.epoch == 1 and guard.measuring_from is None  # epoch 1 begins: 3 pending
+    now[0] += 0.4
+    guard.end(3, late, 100, 0.5)  # begun in epoch 0: not counted; 3 still pending
     assert guard.measuring_from is None and guard._tokens == 0
+    t1, t3 = guard.begin(1), guard.begin(3)
     now[0] += 0.5
-    guard.end(1, guard.begin(1), 1, 0.5)
-    guard.end(3, guard.begin(3), 1, 0.5)
-    assert guard.measuring_from is None  # 2 is still pending
-    guard.leave(2)  # its request is done
+    guard.end(3, t3, 1, 0.5)
+    assert guard.measuring_from is None  # 1 is still pending
+    guard.leave(1)  # its request is done
     assert guard.measuring_from is not None
-    assert other.epoch == 0
+    assert second.epoch == 0 and t1.epoch == 1
 
 
 def test_requests_one_after_another_are_one_session():
@@ -203,3 +229,250 @@ def test_a_round_that_never_ends_is_forgotten():
     assert len(script.guard._running) <= 2
     assert script.guard.rates(2), script.guard.measured  # measured at 2 sessions, not 8
     assert not script.guard.rates(8)
+
+
+@pytest.mark.parametrize("seconds", [0.26, 0.3, 0.35, 0.45])
+@pytest.mark.parametrize("phase", [0.0, 0.25, 0.5, 0.75])
+def test_rounds_that_a_batched_forward_ends_together_measure_their_true_rate(seconds, phase):
+    """16 sessions whose rounds begin and end together, as under a verifier that batches
+    them into one forward: every epoch measures the true rate (within 2%) wherever its
+    measurement falls between the batches' ends (`phase`: of a round, where it begins;
+    `seconds`: where its 2 s end). Counting the rounds that end within it counted a
+    batch more or fewer than fit: 4% to 12.5% off here."""
+    reported: list[tuple[int, float]] = []
+    script = Script(GuardParams(settle_rounds=1.0 + phase), stagger=0.0)
+    script.guard.report = lambda level, mode, rate: reported.append((level, rate))
+    script.run(16, dict.fromkeys(GuardMode, seconds), dict.fromkeys(GuardMode, 2), until=60.0)
+    truth = 16 * 2 / seconds
+    assert len(reported) >= 5, reported
+    for level, rate in reported:
+        assert level == 16 and abs(rate / truth - 1) < 0.02, (rate, truth)
+
+
+def test_an_epoch_whose_load_drained_is_not_kept_at_its_peak_level():
+    """16 sessions, then 13 leave a quarter into an epoch's measurement (the end of a
+    benchmark): the epoch's peak is 16 sessions, its mean a third of that. It is not
+    kept (at 16 it would read as its mode's loss); the 3 left are measured at their own
+    level."""
+    reported: list[tuple[int, float]] = []
+    script = Script()
+    guard = script.guard
+    guard.report = lambda level, mode, rate: reported.append((level, rate))
+    draining = [False]
+
+    def leaves(i: int) -> bool:
+        start = guard.measuring_from
+        if not draining[0] and len(reported) >= 3 and start is not None:
+            draining[0] = start + guard._length / 4 <= script.now < start + guard._length
+        return draining[0] and i >= 3
+
+    seconds, tokens = dict.fromkeys(GuardMode, 0.1), dict.fromkeys(GuardMode, 1)
+    script.run(16, seconds, tokens, until=40.0, leaves=leaves)
+    assert draining[0]
+    truth = sum(1 / (0.1 + i / 1e3) for i in range(16))  # 16 sessions' tokens a second
+    at_16 = [rate for level, rate in reported if level == 16]
+    assert len(at_16) >= 3 and all(abs(rate / truth - 1) < 0.02 for rate in at_16), at_16
+    assert [level for level, _ in reported[len(at_16) :]] == [2] * (len(reported) - len(at_16))
+    assert len(reported) > len(at_16)
+
+
+@pytest.mark.parametrize("how", ["ends", "leaves", "is lost"])
+def test_a_round_running_when_the_measurement_ends_is_awaited_and_pro_rated(how):
+    """Session 1's round spans the whole measurement and ends after it: the epoch waits
+    for it (its mode runs on meanwhile; a round begun after the end counts nothing) and
+    counts the share of its tokens that its seconds within the measurement earned, as it
+    does of session 2's rounds at either bound. A session that leaves mid-round is not
+    waited for (its round committed nothing), nor a round lost past ten mean rounds (what
+    it committed is not known: the epoch is not kept)."""
+    now = [0.0]
+    reported: list[tuple[int, float]] = []
+    guard = GoodputGuard(
+        clock=lambda: now[0], report=lambda level, mode, rate: reported.append((level, rate))
+    )
+    guard._level = 2  # as if the epoch before measured this level (not a ramp)
+    a, b = guard.begin(1), guard.begin(2)
+    now[0] = 0.5
+    guard.end(1, a, 1, 0.5)
+    guard.end(2, b, 1, 0.5)
+    assert (guard.measuring_from, guard._length) == (1.0, 2.0)  # it measures [1, 3]
+    long = guard.begin(1)  # [0.5, 3.5]: 2 of its 3 s within
+    for began, ended in ((0.5, 1.5), (1.5, 2.5), (2.5, 3.2)):
+        now[0] = began
+        ticket = guard.begin(2)
+        now[0] = ended
+        guard.end(2, ticket, 2, ended - began)  # 1/2, 1, 0.5/0.7 of its 2 tokens
+    after = guard.begin(2)  # at 3.2, after the end: counts nothing
+    assert after.epoch == 0 == guard.epoch  # 1 is awaited
+    now[0] = 3.5
+    guard.end(2, after, 1000, 0.3)
+    if how == "ends":
+        guard.end(1, long, 12, 3.0)
+        assert guard.epoch == 1
+        tokens = 1 + 2 + 2 * 0.5 / 0.7 + 12 * 2 / 3
+        assert reported == [(2, pytest.approx(tokens / 2.0))]
+    elif how == "leaves":  # its request failed mid-round: that round committed nothing
+        assert guard.epoch == 0
+        guard.leave(1)
+        assert guard.epoch == 1
+        assert reported == [(2, pytest.approx((1 + 2 + 2 * 0.5 / 0.7) / 2.0))]
+    else:
+        while guard.epoch == 0:  # session 2 runs on, 1's round never ends
+            assert now[0] < 0.5 + 10 * guard._longest() + 1.0
+            ticket = guard.begin(2)
+            now[0] += 0.5
+            guard.end(2, ticket, 1, 0.5)
+        assert now[0] > 0.5 + 10 * guard._longest() and reported == []
+
+
+class Checked(GoodputGuard):
+    """A guard that asserts, of each round that ends overlapping an epoch's measurement,
+    that it began under that epoch and its mode (a session alone speculates whatever the
+    mode: of its rounds only the epoch is checked)."""
+
+    def __init__(self, clock: Callable[[], float]):
+        super().__init__(clock=clock)
+        self.overlapping = 0
+        self.alone: set[int] = set()
+
+    def begin(self, session: int) -> Ticket:
+        ticket = super().begin(session)
+        if ticket.mode != self.mode:
+            self.alone.add(session)
+        return ticket
+
+    def end(self, session: int, ticket: Ticket, tokens: int, seconds: float) -> None:
+        start, now = self.measuring_from, self.clock()
+        if start is not None and now - seconds < start + self._length and now > start:
+            mode = self.mode if session in self.alone else ticket.mode
+            assert (ticket.epoch, mode) == (self.epoch, self.mode), (ticket, now)
+            self.overlapping += 1
+        self.alone.discard(session)
+        super().end(session, ticket, tokens, seconds)
+
+
+def test_every_round_a_measurement_counts_began_under_its_epoch():
+    """The settling's promise: rounds of the previous epoch (another mode, of another
+    length) have all ended before a measurement begins, through changes of mode and of
+    load."""
+    script = Script()
+    script.guard = guard = Checked(clock=lambda: script.now)
+    seconds, tokens = (
+        {GuardMode.PLAIN: 0.1, GuardMode.SPEC: 0.4},
+        {GuardMode.PLAIN: 1, GuardMode.SPEC: 2},
+    )
+    for sessions in (8, 16, 4, 2, 8):
+        script.run(sessions, seconds, tokens, until=script.now + 20.0)
+    assert guard.overlapping > 1000 and set(script.modes) == set(GuardMode)
+
+
+def test_time_between_rounds_is_no_ramp():
+    """Rounds as short as the gateway's handling between them (tiny models, or a fast GPU
+    step): sessions spend half their time between rounds, yet the load is steady, and its
+    epochs are kept (a mean counted over time in rounds alone read half the peak)."""
+    now = [0.0]
+    reported: list[tuple[int, str, float]] = []
+    guard = GoodputGuard(
+        clock=lambda: now[0], report=lambda level, mode, rate: reported.append((level, mode, rate))
+    )
+    events = [(0.001 * i, i, None) for i in range(4)]  # (time, session, ticket in flight)
+    heapq.heapify(events)
+    while events:
+        now[0], i, ticket = heapq.heappop(events)
+        if ticket is not None:  # its round ends; its next begins 0.05 s later
+            guard.end(i, ticket, 1, 0.05)
+            if now[0] < 60.0:
+                heapq.heappush(events, (now[0] + 0.05, i, None))
+            continue
+        heapq.heappush(events, (now[0] + 0.05, i, guard.begin(i)))
+    assert {level for level, _, _ in reported} == {4}, reported
+    assert len(reported) >= 5
+    for _, _, rate in reported:  # 4 sessions, one token every 0.1 s each
+        assert abs(rate / 40.0 - 1) < 0.05, rate
+
+
+def closed_loop(params: GuardParams, until: float) -> dict[str, list[float]]:
+    """4 sessions in a closed loop, in step (one batched forward ends their rounds
+    together), each sending requests of 32 tokens one after another: a request's first
+    round is its prompt's forward (1.0 s, which holds every session: all prefill at once,
+    as their requests end together) and commits 1 token; then rounds of 0.2 s commit 1
+    token (plain) or of 0.3 s commit 2 (speculating; the last commits what is left). The
+    rates of the guard's reported epochs, per mode (all at level 4)."""
+    reported: dict[str, list[float]] = {"plain": [], "spec": []}
+
+    def report(level: int, mode: str, rate: float) -> None:
+        assert level == 4
+        reported[mode].append(rate)
+
+    now = [0.0]
+    guard = GoodputGuard(params, clock=lambda: now[0], report=report)
+    made = dict.fromkeys(range(4), 0)  # tokens of each session's request so far
+    events: list[tuple[float, int, Ticket | None, float]] = [(0.0, i, None, 0.0) for i in range(4)]
+    while events:  # (when, session, the ticket of its round in flight, that round's seconds)
+        now[0], i, ticket, length = heapq.heappop(events)
+        if ticket is not None:
+            step = 2 if ticket.mode == GuardMode.SPEC and made[i] else 1
+            step = min(step, 32 - made[i])
+            made[i] += step
+            guard.end(i, ticket, step, length)
+            if made[i] == 32:
+                guard.leave(i)
+                made[i] = 0
+            if now[0] >= until:
+                continue
+        ticket = guard.begin(i)
+        length = 1.0 if made[i] == 0 else 0.3 if ticket.mode == GuardMode.SPEC else 0.2
+        heapq.heappush(events, (now[0] + length, i, ticket, length))
+    return reported
+
+
+# The closed loop's true rates: 4 x 32 tokens in 1.0 + 31 x 0.2 s plain, in 1.0 + 16 x 0.3 s
+# speculating (2 tokens a round after the first, and 1 in the last).
+CLOSED_LOOP = {"plain": 4 * 32 / (1.0 + 31 * 0.2), "spec": 4 * 32 / (1.0 + 16 * 0.3)}
+
+
+def test_a_closed_loop_in_step_is_measured_over_whole_requests():
+    """Requests that end together prefill together, once a request. Measuring one mean
+    request at least, every epoch measures its mode's true rate within 10%."""
+    reported = closed_loop(GuardParams(), until=400.0)
+    assert all(len(rates) >= 2 for rates in reported.values()), reported
+    for mode, rates in reported.items():
+        for rate in rates:
+            assert abs(rate / CLOSED_LOOP[mode] - 1) < 0.1, (mode, rate, CLOSED_LOOP[mode])
+
+
+def test_a_measurement_of_a_few_rounds_swings_with_the_prompts_forwards():
+    """The negative control of the test above: measuring a few rounds (2 s), as the guard
+    did, an epoch saw the prompts' forwards or not by where its bounds fell, and its rate
+    was off by a fifth and more."""
+    reported = closed_loop(GuardParams(measure_requests=0.0), until=400.0)
+    worst = max(abs(r / CLOSED_LOOP[m] - 1) for m, rates in reported.items() for r in rates)
+    assert worst > 0.2, reported
+
+
+def _measured(guard: GoodputGuard, level: int, rates: dict[GuardMode, list[float]]) -> None:
+    """Epochs of 10 s each at `level`, at these rates (tokens per second) per mode."""
+    from collections import deque
+
+    for mode, seen in rates.items():
+        guard.measured[(level, mode)] = deque(((r * 10.0, 10.0) for r in seen), maxlen=4)
+
+
+@pytest.mark.parametrize(
+    "plain, spec, expected",
+    [
+        # 8 sessions on torch, 5 minutes (docs/benchmarks/2026-11-29-load-sweep-fresh.md):
+        # plain 9% faster, epochs spread 7% and 11%: clear at one standard error (6.6%).
+        ([18.4, 18.8, 20.4, 21.4], [18.83, 20.36, 17.28, 15.88], GuardMode.PLAIN),
+        # As much faster, but epochs spread twice as wide: not clear, speculation stays.
+        ([17.0, 17.5, 21.6, 22.9], [20.0, 22.5, 15.5, 14.4], GuardMode.SPEC),
+        # Two epochs of each only: the constant margin (10%) decides, as before.
+        ([19.6, 19.9], [18.0, 18.2], GuardMode.SPEC),
+        # A steady load whose modes measure 2% apart: under the least margin (3%).
+        ([20.4, 20.4, 20.4, 20.4], [20.0, 20.0, 20.0, 20.0], GuardMode.SPEC),
+        ([20.8, 20.8, 20.8, 20.8], [20.0, 20.0, 20.0, 20.0], GuardMode.PLAIN),
+    ],
+)
+def test_plain_steps_win_by_what_the_epochs_spread_makes_clear(plain, spec, expected):
+    guard = GoodputGuard()
+    _measured(guard, 8, {GuardMode.PLAIN: plain, GuardMode.SPEC: spec})
+    assert guard._next(8) == expected  # the faster mode (the slower one's turn is later)

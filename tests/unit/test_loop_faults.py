@@ -20,7 +20,7 @@ from specdec.gateway.fleet.transport import GrpcTransport
 from specdec.gateway.job import ResolvedSpeculation
 from specdec.gateway.round.calls import RoundCalls
 from specdec.gateway.round.loop import Speculator
-from specdec.gateway.round.policy import FixedPolicy
+from specdec.gateway.round.policy import FixedPolicy, GoodputGuard, Policy
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 
@@ -29,8 +29,15 @@ class RpcFailure(grpc.aio.AioRpcError):
         super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
-def speculator(fleet: Fleet, session: str) -> Speculator:
-    """A greedy SSD request's loop over the fleet (fixed k, the drafter's fan-out)."""
+def speculator(
+    fleet: Fleet,
+    session: str,
+    policy: Policy | None = None,
+    speculation: ResolvedSpeculation | None = None,
+    guard: GoodputGuard | None = None,
+) -> Speculator:
+    """A greedy request's loop over the fleet: by default an SSD request at a fixed k of 2
+    (the drafter's fan-out)."""
     sampling = SamplingParams()
     calls = RoundCalls(
         ReplicaCaller(fleet, rpc_timeout=5.0),
@@ -42,11 +49,12 @@ def speculator(fleet: Fleet, session: str) -> Speculator:
     )
     return Speculator(
         calls,
-        FixedPolicy(),
+        policy or FixedPolicy(),
         greedy=sampling.greedy,
         processors=sampling.processors,
-        speculation=ResolvedSpeculation(k=2, ssd=True),
+        speculation=speculation or ResolvedSpeculation(k=2, ssd=True),
         max_context=512,
+        guard=guard,
     )
 
 
@@ -100,14 +108,16 @@ class FakeVerifier:
         return verifier_pb2.VerifyResponse(accepted_count=a, next_token=6, cached_length=n + a)
 
 
-async def make(drafter: FakeDrafter, verifier: FakeVerifier, drafter_up: bool = True):
+async def make(drafter: FakeDrafter, verifier: FakeVerifier, drafter_up: bool = True, **loop):
+    """The fleet of the two stand-ins and a request's loop over it (`loop`: `speculator`'s
+    policy, speculation and guard)."""
     fleet = Fleet(["127.0.0.1:1"], ["127.0.0.1:2"])
     (d,) = fleet.drafters.replicas
     (v,) = fleet.verifiers.replicas
     d.transport, v.transport = GrpcTransport(drafter), GrpcTransport(verifier)
     d.info = v.info = common_pb2.ModelInfo(max_context=512, vocab_size=16)
     d.up, v.up = drafter_up, True
-    spec = speculator(fleet, "s/x")
+    spec = speculator(fleet, "s/x", **loop)
     return fleet, spec
 
 

@@ -31,7 +31,7 @@ from specdec.gateway.job import TURN_LEASE_SECONDS, tree_width
 from specdec.gateway.round.lookup import BY_NAME as METHOD_BY_NAME
 from specdec.gateway.round.lookup import MAX_TREE_WIDTH, SCOPES, parse_method
 from specdec.gateway.round.lookup.settings import LookupSettings, SuffixParams
-from specdec.gateway.round.policy import ADAPTIVE, parse_policy
+from specdec.gateway.round.policy import ADAPTIVE, GuardParams, parse_policy
 from specdec.gateway.round.policy import BY_NAME as POLICY_BY_NAME
 from specdec.v1 import gateway_pb2
 
@@ -134,6 +134,13 @@ class GatewayConfig:
         "commit with speculation on and off at each load level (sessions, in powers of "
         "two, from 2), in alternating epochs, and run the faster (docs/concepts/"
         "cost-model.md#the-goodput-guard); --no-goodput-guard: the policy's model alone",
+    )
+    guard_epoch_seconds: float = setting(
+        GuardParams.min_measure,
+        "the goodput guard's shortest measurement of an epoch, in seconds (it also counts "
+        "four mean rounds and one mean request at least, the request up to 30 s): longer "
+        "is steadier, shorter adapts faster",
+        check=positive,
     )
     # Lookup drafts (specdec.gateway.round.lookup): the default SpeculationMethod, prompt
     # lookup's n-gram lengths, the suffix tries' depth and the cache of recent outputs.

@@ -27,7 +27,7 @@ from specdec.gateway.observe.recorder import Recorder
 from specdec.gateway.round.grammar import Grammars
 from specdec.gateway.round.lookup.settings import LookupSettings, SuffixParams
 from specdec.gateway.round.lookup.suffix import SuffixCache
-from specdec.gateway.round.policy import GoodputGuard, SourcePriors
+from specdec.gateway.round.policy import GoodputGuard, GuardParams, SourcePriors
 from specdec.gateway.sessions import SessionIndex, TurnLocks
 from specdec.gateway.text import TextCodec
 from specdec.sdk.request import Sampling
@@ -81,7 +81,13 @@ class GatewayCore:
         self.source_priors = SourcePriors()
         # Speculation on or off by measured goodput at each load level, for every adaptive
         # request of this gateway replica (specdec.gateway.round.policy.guard).
-        self.guard = GoodputGuard(report=metrics.guard_epoch) if config.goodput_guard else None
+        self.guard = (
+            GoodputGuard(
+                GuardParams(min_measure=config.guard_epoch_seconds), report=metrics.guard_epoch
+            )
+            if config.goodput_guard
+            else None
+        )
         self._background: set[asyncio.Task[None]] = set()
         self.lookup_settings = LookupSettings(
             prompt_lookup_min=config.prompt_lookup_min,

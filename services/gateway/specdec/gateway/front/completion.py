@@ -136,42 +136,47 @@ class Completion:
         output, spec = self.output, self.spec
         max_new_tokens, k = job.output.max_new_tokens, job.speculation.k
         reported_first = False
-        while output.finish_reason is None:
-            remaining = max_new_tokens - len(output.tokens)
-            outcome = await spec.round(ctx, min(k, remaining - 1), remaining)
-            if self.outcomes is not None:
-                self.outcomes.append(outcome)
-            new = outcome.tokens
-            if spec.constraint is not None:
-                spec.constraint.advance(new)
-            ctx.extend(new)
-            if self.track is not None:
-                self.track.add(outcome.logprobs)
-            if self.record_track is not None:
-                self.record_track.add(outcome.logprobs)
-            if outcome.prompt_logprobs is not None:
-                self.prompt_logprobs = narrowed(outcome.prompt_logprobs, job.scoring.top_logprobs)
-            text, tokens = output.push(new)
-            now = time.perf_counter()
-            if self.first_at is None:
-                self.first_at = now
-                if self.index == 0:
-                    metrics.TTFT.observe(now - started)
-            elif tokens and self.index == 0:
-                for _ in tokens:
-                    metrics.ITL.observe((now - self.last_at) / len(tokens))
-            self.last_at = now
-            if lease is not None and lease.lost:
-                raise Aborted(
-                    f"session {job.session.id!r}: this turn lost its lock (another "
-                    "gateway may have taken the session); stopped without saving it"
-                )
-            if output.finish_reason is None and (text or tokens):
-                ttft = None if reported_first else _ms(self.first_at - started)
-                reported_first = True
-                yield Event(text, tokens, time_to_first_token_ms=ttft, **self.delta(tokens))
-            elif output.finish_reason is not None:
-                self.held = (text, tokens)
+        try:
+            while output.finish_reason is None:
+                remaining = max_new_tokens - len(output.tokens)
+                outcome = await spec.round(ctx, min(k, remaining - 1), remaining)
+                if self.outcomes is not None:
+                    self.outcomes.append(outcome)
+                new = outcome.tokens
+                if spec.constraint is not None:
+                    spec.constraint.advance(new)
+                ctx.extend(new)
+                if self.track is not None:
+                    self.track.add(outcome.logprobs)
+                if self.record_track is not None:
+                    self.record_track.add(outcome.logprobs)
+                if outcome.prompt_logprobs is not None:
+                    self.prompt_logprobs = narrowed(
+                        outcome.prompt_logprobs, job.scoring.top_logprobs
+                    )
+                text, tokens = output.push(new)
+                now = time.perf_counter()
+                if self.first_at is None:
+                    self.first_at = now
+                    if self.index == 0:
+                        metrics.TTFT.observe(now - started)
+                elif tokens and self.index == 0:
+                    for _ in tokens:
+                        metrics.ITL.observe((now - self.last_at) / len(tokens))
+                self.last_at = now
+                if lease is not None and lease.lost:
+                    raise Aborted(
+                        f"session {job.session.id!r}: this turn lost its lock (another "
+                        "gateway may have taken the session); stopped without saving it"
+                    )
+                if output.finish_reason is None and (text or tokens):
+                    ttft = None if reported_first else _ms(self.first_at - started)
+                    reported_first = True
+                    yield Event(text, tokens, time_to_first_token_ms=ttft, **self.delta(tokens))
+                elif output.finish_reason is not None:
+                    self.held = (text, tokens)
+        finally:
+            spec.leave()  # a failed or cancelled request too
         await spec.idle()
         if spec.lookup is not None:  # the output joins the suffix cache
             spec.lookup.finish(output.tokens)

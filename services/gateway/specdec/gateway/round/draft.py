@@ -46,6 +46,9 @@ from specdec.v1 import common_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
 
+# A plain round (the goodput guard's) feeds the drafter once it lags this many tokens.
+FEED_LAG = 16
+
 
 @dataclass(frozen=True, slots=True)
 class Draft:
@@ -197,14 +200,38 @@ class Drafts:
         costs the round nothing, and the next round's Draft feeds only what followed. Not
         for a head drafter (it needs the verifier's features of those tokens), a fork (n >
         1: the cache is copied, not computed) or while no drafter answers."""
+        cached = self.calls.drafter.cached
+        if not first or (cached > 0 and len(ctx) - cached <= MAX_FED):
+            return False
+        return self._start_prefill(ctx)
+
+    def feed_beside(self, ctx: Sequence[int], remaining: int) -> None:
+        """In a plain round (the goodput guard's epoch without speculation): keep the
+        drafter within FEED_LAG tokens of the sequence, beside the Verify, so that when
+        speculation resumes the request's first Draft feeds a few tokens, not everything
+        the plain rounds committed (the drafter's core is idle meanwhile). Never awaited
+        here: while the last feed is in flight the round sends none; nor near the
+        request's end (`remaining` within FEED_LAG), where a feed would only delay its
+        last event (`drafter_ready`)."""
+        task = self._prefill
+        if task is not None:
+            if not task.done():
+                return
+            self._prefill = None
+            task.result()  # its drafter's failures are handled in it; anything else raises
+        lag = len(ctx) - self.calls.drafter.cached
+        if lag >= FEED_LAG and remaining > FEED_LAG:
+            self._start_prefill(ctx)
+
+    def _start_prefill(self, ctx: Sequence[int]) -> bool:
+        """Start the drafter's prefill of ctx beside the round's Verify, unless the
+        request's policy drafts every round anyway, one is in flight, no drafter answers,
+        the drafter's cache is a fork's or a head drafter needs the verifier's features."""
         calls = self.calls
-        cached = calls.drafter.cached
         if (
-            not first
-            or not self.policy.prefills_beside
+            not self.policy.prefills_beside
             or self._prefill is not None
             or self._without_drafter
-            or (cached > 0 and len(ctx) - cached <= MAX_FED)
             or Role.DRAFTER in calls.fork_from
             or calls.features.ask(calls.drafter) is not None
         ):

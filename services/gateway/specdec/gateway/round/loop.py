@@ -125,7 +125,10 @@ class Speculator:
         max_k = 0 if plain else max_k  # the guard's epoch runs plain target steps
         drafts = self.drafts
         with tracing.round_span(self._index) as span:
-            await drafts.drafter_ready()  # a prefill beside the last Verify has answered
+            if plain:  # the drafter keeps up beside plain steps, never awaited
+                drafts.feed_beside(ctx, remaining)
+            else:
+                await drafts.drafter_ready()  # a prefill beside the last Verify has answered
             # The draft: a lookup's (the policy sizes it, or prefers the model), else the
             # draft model's k tokens (the policy's choice: a Draft, or what SSD prepared),
             # which hybrid extends by lookup and a prediction may graft a branch onto.
@@ -169,12 +172,16 @@ class Speculator:
             tracing.round_done(span, outcome)
         return outcome
 
+    def leave(self) -> None:
+        """The request runs no more rounds (done, failed or cancelled): the goodput guard
+        awaits none of it."""
+        if self.guard is not None:
+            self.guard.leave(id(self))
+
     async def idle(self) -> None:
         """Once the request's last round is done: wait for a drafter prefill still in
         flight (a request that ended in its first round), so that nothing of the request
         reaches its replicas after it (a release of its caches, say)."""
-        if self.guard is not None:
-            self.guard.leave(id(self))
         await self.drafts.drafter_ready()
 
     def _scoring(self) -> Scoring:

@@ -9,19 +9,41 @@ measures what it cares about: the tokens its requests commit per second.
 
 Time is cut into epochs. In each, every adaptive request of this gateway replica either
 speculates as its policy decides (`SPEC`), or runs plain target steps (`PLAIN`: each round
-is a k = 0 round, with no draft, no Speculate and no prefill beside). An epoch first lets
+is a k = 0 round, with no draft and no Speculate; beside its Verify the drafter is fed what
+it lacks once that is a few tokens, never awaited, so that speculation resumes without a
+long catch-up: specdec.gateway.round.draft.Drafts.feed_beside). An epoch first lets
 the previous mode's rounds settle: once every session that was running has finished a
-round begun in the epoch, it waits one more of the epoch's mean rounds (its mode, at this
-load). Then it counts the tokens of the rounds that end in the next `measure_rounds` such
-rounds (at least `min_measure` seconds). Its load level is the most sessions in a round at
-once during it, in powers of two (1, 2-3, 4-7, 8-15, 16-31, 32+): requests one after
-another are one session; an epoch at another level than the one before is a ramp, and
-one whose rounds stopped ending for half its count a lull: neither is kept. Per level the guard keeps each mode's last `window` epochs (their tokens over
-their seconds) and runs plain steps where they measured `margin` faster than speculation,
-else speculation (the policy's own choice); the slower runs now and then (`_next`), so a
-change of the drafts' acceptance or of the machine is seen. Below `min_sessions` the guard stays out
-of the way: one session's speed is its own, which the policy's model prices well, and
-every epoch speculates.
+round begun in the epoch (or that round is forgotten, below), it waits one more of the
+epoch's mean rounds (its mode, at this load), so that every round overlapping what
+follows began in the epoch. Then it measures the next `measure_rounds` such rounds (at
+least `min_measure` seconds) and at least one mean request (from its first round to its
+end; up to `max_measure` seconds): in a closed loop whose requests end together, the next
+prompts' forwards, which hold every session, come once a request, and a shorter
+measurement saw them or not by where its bounds fell. It measures fluidly: a round of the
+epoch's mode that committed n tokens in s seconds counts n times the share of its s
+seconds that fell within the measurement.
+A round is thus counted once whatever the measurement's bounds cut, and the rounds that
+one batched forward of the verifier ends together count as the seconds they ran, not as
+one instant's burst. Rounds still running when the measurement ends are waited for (the
+epoch's mode runs on meanwhile; a round begun after the end counts nothing) until each
+has ended or its session has left; a round that never reports its end (its request
+failed) is forgotten ten of the longer mean rounds after it began. The epoch's rate is
+the tokens counted over the measurement's seconds.
+
+Its load level is the most sessions in a round at once during the measurement, in powers
+of two (1, 2-3, 4-7, 8-15, 16-31, 32+): requests one after another are one session. Its
+mean concurrency is the number of sessions with a request in progress (from a round of
+it to its end, time between rounds included), averaged over the measurement. An epoch
+is not kept where it measured no level's steady state: a ramp, whose mean concurrency is
+below `steady` times its peak (a load that drained or grew within it) or whose level is
+not the epoch before's; or a lull, in which no round ended for a quarter of its
+measurement (two of its mean rounds at least). Per level the guard keeps each mode's last
+`window` epochs (their tokens over their seconds) and runs plain steps where they
+measured clearly faster than speculation (`clear_margin`: `margin`, or less once the
+epochs' own spread shows it), else speculation (the policy's own choice); the slower
+runs now and then (`_next`), so a change of the drafts' acceptance or of the machine is
+seen. Below `min_sessions` the guard stays out of the way: one session's speed
+is its own, which the policy's model prices well, and every epoch speculates.
 
 Exact: the mode is fixed before a round, from past timings only, as every other choice of
 the adaptive policy is (specdec.gateway.round.policy.adaptive), and a plain round is an
@@ -30,9 +52,10 @@ ordinary k = 0 round.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -52,8 +75,16 @@ class GuardParams:
     settle_rounds: float = 1.0  # ... and this many more after every session's first round
     measure_rounds: float = 4.0  # an epoch measures this many mean round times, once settled
     min_measure: float = 2.0  # seconds: the shortest measurement
+    measure_requests: float = 1.0  # ... and this many mean requests' durations
+    max_measure: float = 30.0  # ... which count up to this many seconds
+    steady: float = 0.6  # a mean concurrency below this share of the peak: a ramp
     window: int = 4  # epochs of each mode a level remembers
     margin: float = 0.1  # plain steps run where they measured this share faster, at least
+    # ... or, once each mode has `spread_epochs` epochs at the level, `z` standard errors
+    # of the two means' difference (the epochs' own spread), and `min_margin` at least
+    spread_epochs: int = 3
+    z: float = 1.0
+    min_margin: float = 0.03
     explore_every: int = 4  # the other mode's epochs at a level: one in this many, at least
     gap_step: float = 0.05  # ... and one more epoch between for each such share it is slower
     max_explore_every: int = 40  # ... and at least one in this many
@@ -76,6 +107,30 @@ def level_of(sessions: int) -> int:
     return level
 
 
+def clear_margin(
+    p: GuardParams, spec: Sequence[tuple[float, float]], plain: Sequence[tuple[float, float]]
+) -> float:
+    """How much faster than speculation plain steps must measure at a level, as a share of
+    speculation's rate, from each mode's epochs there (tokens, seconds): `margin` until
+    each mode has `spread_epochs`; then what their own spread makes clear, `z` standard
+    errors of the difference of the two modes' mean epoch rates (`min_margin` at least,
+    `margin` at most). Epochs of one request still spread by 10 to 30% once requests end
+    apart (how many prompts' forwards an epoch sees is chance), yet plain steps that
+    measured 9% faster over 4 epochs each, spread 7 and 11%, are faster: a constant margin
+    kept them off."""
+    means, variances = [], []
+    for seen in (spec, plain):
+        if len(seen) < max(2, p.spread_epochs):
+            return p.margin
+        rates = [t / s for t, s in seen]
+        means.append(mean := sum(rates) / len(rates))
+        variances.append(sum((r - mean) ** 2 for r in rates) / (len(rates) - 1) / len(rates))
+    if means[0] <= 0:  # speculation's
+        return p.margin
+    clear = p.z * math.sqrt(sum(variances)) / means[0]
+    return min(p.margin, max(p.min_margin, clear))
+
+
 class GoodputGuard:
     """One gateway replica's epochs of speculation on or off, and what each measured."""
 
@@ -93,19 +148,26 @@ class GoodputGuard:
         self.epoch = 0
         self.mode = GuardMode.SPEC
         self.round_seconds = dict.fromkeys(GuardMode, 0.0)  # each mode's mean round (0: none seen)
+        self.request_seconds = 0.0  # the mean request: its first round to its end (0: none seen)
         self.last_seen: dict[int, float] = {}  # session -> when its last round ended
         # (tokens, seconds) of each mode's last epochs at each level
-        self.measured: dict[tuple[int, GuardMode], deque[tuple[int, float]]] = {}
+        self.measured: dict[tuple[int, GuardMode], deque[tuple[float, float]]] = {}
         self._level = 0  # the level of the last epoch that closed
         self._since: dict[int, int] = {}  # level -> epochs since its slower mode last ran
         self.started = 0.0  # when the epoch began
-        self.measuring_from: float | None = None  # when it began to count (None: settling)
+        self.measuring_from: float | None = None  # when it began to measure (None: settling)
         self._pending: set[int] = set()  # sessions yet to finish a round of the epoch
-        self._tokens = 0  # tokens counted
-        self._length = 0.0  # seconds the epoch counts, once settled
+        self._length = 0.0  # seconds the epoch measures, once settled
+        self._tokens = 0.0  # tokens counted: each round's share within the measurement
+        # Sessions with a request (from a round of it to leave()) -> when its first round began
+        self._present: dict[int, float] = {}
+        self._area = 0.0  # session-seconds of presence within the measurement
+        self._area_at = 0.0  # up to when it is counted
         self._settled: list[float] = []  # seconds of the epoch's rounds ended settling
-        self._last_counted: float | None = None  # when the last counted round ended
-        self._peak = 0  # the most sessions in a round at once in the epoch
+        self._last_counted: float | None = None  # when the last counted round ended in it
+        self._peak: int | None = None  # the most sessions in a round at once in the measurement
+        self._awaited: set[int] | None = None  # sessions in a round when it ended (None: before)
+        self._lost_any = False  # a round it awaited was lost
         self._running: dict[int, float] = {}  # sessions in a round -> when it began
         self._begin(self.clock())
 
@@ -114,37 +176,53 @@ class GoodputGuard:
     def begin(self, session: int) -> Ticket:
         """A round of `session` begins: the epoch and the mode it runs under."""
         now = self.clock()
+        self._observe(now)
         self._advance(now)
         self._running[session] = now
-        self._peak = max(self._peak, len(self._running))
-        # A session alone (the load gone) speculates at once, whatever the epoch's mode.
-        alone = len(self._running) < self.p.min_sessions
+        self._present.setdefault(session, now)
+        start = self.measuring_from
+        if start is not None and self._peak is not None and now < start + self._length:
+            self._peak = max(self._peak, len(self._running))  # rounds begun within it
+        # A session alone (the load gone) speculates at once, whatever the epoch's mode:
+        # alone with a request, not alone in a round (the sessions of one batched forward
+        # begin their next rounds one after another).
+        alone = len(self._present) < self.p.min_sessions
         return Ticket(self.epoch, GuardMode.SPEC if alone else self.mode)
 
     def end(self, session: int, ticket: Ticket, tokens: int, seconds: float) -> None:
-        """A round of `session` begun under `ticket` committed `tokens` in `seconds`."""
+        """A round of `session` begun under `ticket` (`seconds` ago) committed `tokens`."""
         now = self.clock()
+        self._observe(now)
         self.last_seen[session] = now
         self._running.pop(session, None)
-        a, mean = self.p.smoothing, self.round_seconds[ticket.mode]
-        self.round_seconds[ticket.mode] = (1 - a) * mean + a * seconds if mean else seconds
-        if ticket.epoch == self.epoch and ticket.mode == self.mode:
-            if self.measuring_from is None:
-                self._pending.discard(session)
-                self._settled.append(seconds)
-                self._settle(now)
-            elif self.measuring_from < now < self.measuring_from + self._length:
-                self._tokens += tokens
-                self._last_counted = now
+        self.round_seconds[ticket.mode] = self._smoothed(self.round_seconds[ticket.mode], seconds)
+        ours = ticket.epoch == self.epoch and ticket.mode == self.mode
+        if self.measuring_from is not None:
+            if ours:  # a session alone speculates whatever the mode: not counted
+                self._count(now, tokens, seconds)
+        elif ours:
+            self._pending.discard(session)
+            self._settled.append(seconds)
+            self._settle(now)
+        if self._awaited is not None:
+            self._awaited.discard(session)
         self._advance(now)
 
     def leave(self, session: int) -> None:
         """`session`'s request is done: no round of it is awaited."""
+        now = self.clock()
+        self._observe(now)
         self.last_seen.pop(session, None)
         self._running.pop(session, None)
         self._pending.discard(session)
+        arrived = self._present.pop(session, None)
+        if arrived is not None:
+            self.request_seconds = self._smoothed(self.request_seconds, now - arrived)
+        if self._awaited is not None:
+            self._awaited.discard(session)
         if self.measuring_from is None:
-            self._settle(self.clock())
+            self._settle(now)
+        self._advance(now)
 
     # -- what it decided ----------------------------------------------------------------------
 
@@ -166,52 +244,123 @@ class GoodputGuard:
         # Sessions in a round or seen within the last few: the epoch measures once each
         # has finished a round begun under its mode.
         recent = 3.0 * self._longest()
-        # A round that never reported its end (its request failed) is forgotten after
-        # ten of the longer mean rounds.
-        lost = 10.0 * self._longest()
-        self._running = {s: t for s, t in self._running.items() if not lost or now - t <= lost}
+        self._running = {s: t for s, t in self._running.items() if not self._lost(now, t)}
         self._pending = set(self._running) | {
             s for s, t in self.last_seen.items() if now - t <= recent
         }
-        self._tokens = 0
-        self._peak = len(self._running)
+        self._tokens = 0.0
+        self._area, self._area_at = 0.0, 0.0
+        # less any that left without a word
+        self._present = {s: t for s, t in self._present.items() if s in self._pending}
         self._settled = []
         self._last_counted = None
+        self._peak = None
+        self._awaited = None
+        self._lost_any = False  # a round it awaited was lost
+
+    def _smoothed(self, mean: float, seconds: float) -> float:
+        """A mean time (0: none seen yet) with `seconds` seen: `smoothing` its weight."""
+        a = self.p.smoothing
+        return (1 - a) * mean + a * seconds if mean else seconds
 
     def _longest(self) -> float:
         """The longer of the modes' mean rounds (0: none seen)."""
         return max(self.round_seconds.values())
 
+    def _lost(self, now: float, began: float) -> bool:
+        """Whether a round begun at `began` and still running is forgotten: it never
+        reported its end (its request failed), ten of the longer mean rounds on."""
+        lost = 10.0 * self._longest()
+        return bool(lost) and now - began > lost
+
     def _settle(self, now: float) -> None:
         """Once no session is pending and a round of the epoch has ended: wait
-        `settle_rounds` more of its rounds, then count the rounds that end in the next
-        `measure_rounds` (at least `min_measure` seconds). A round here is the mean of the
-        epoch's own rounds so far (its mode at this load), not of earlier loads'."""
+        `settle_rounds` more of its rounds, then measure the next `measure_rounds` (at
+        least `min_measure` seconds), and at least `measure_requests` mean requests (up to
+        `max_measure` seconds). A round here is the mean of the epoch's own rounds so far
+        (its mode at this load), not of earlier loads'. A closed loop's sessions whose
+        requests end together prefill their next prompts together: a measurement shorter
+        than a request sees the prompts' forwards, which hold every session, or misses
+        them, by where its bounds fall."""
         if not self._pending and self._settled:
+            p = self.p
             mean = sum(self._settled) / len(self._settled)
-            self.measuring_from = now + self.p.settle_rounds * mean
-            self._length = max(self.p.min_measure, self.p.measure_rounds * mean)
+            self.measuring_from = now + p.settle_rounds * mean
+            cycle = min(p.max_measure, p.measure_requests * self.request_seconds)
+            self._length = max(p.min_measure, p.measure_rounds * mean, cycle)
+
+    def _observe(self, now: float) -> None:
+        """Before `now`'s event changes who is in a round or present: once the
+        measurement has begun, the sessions in a round at its start are its first peak,
+        and the sessions present since the last event count their seconds within it."""
+        start = self.measuring_from
+        if start is None or now < start:
+            return
+        if self._peak is None:
+            self._peak = len(self._running)
+        lo, hi = max(self._area_at, start), min(now, start + self._length)
+        if hi > lo:
+            self._area += len(self._present) * (hi - lo)
+        self._area_at = max(self._area_at, now)
+
+    def _count(self, now: float, tokens: int, seconds: float) -> None:
+        """A round of the epoch's mode that ended `now` after `seconds`: its tokens, by the
+        share of its seconds within the measurement."""
+        start = self.measuring_from
+        assert start is not None
+        end = start + self._length
+        if seconds > 0:
+            share = (min(now, end) - max(now - seconds, start)) / seconds
+        else:
+            share = 1.0 if start < now <= end else 0.0
+        if share <= 0:
+            return
+        self._tokens += tokens * share
+        if now <= end:
+            self._last_counted = now
 
     def _advance(self, now: float) -> None:
-        """Close the epoch once it has measured long enough, and pick the next one's mode."""
+        """Close the epoch once it has measured long enough and no round it measured is
+        still running, and pick the next one's mode."""
         if self.measuring_from is None:
             stale = 3.0 * self._longest()
             if stale and now - self.started > stale:  # a session that left without a word
                 self._pending = {
-                    s for s in self._pending if now - self.last_seen.get(s, 0.0) <= stale
+                    s
+                    for s in self._pending
+                    if now - self.last_seen.get(s, 0.0) <= stale
+                    or (s in self._running and not self._lost(now, self._running[s]))
                 }
                 self._settle(now)
             return
-        if now < self.measuring_from + self._length:
-            return
-        level = level_of(self._peak)
         end = self.measuring_from + self._length
-        # The load stopped within the count (its sessions done, a lull): the seconds after
-        # the last counted round measured no mode.
-        stopped = self._last_counted is None or end - self._last_counted > self._length / 2
-        if self._peak < self.p.min_sessions:
+        if now < end:
+            return
+        # The rounds running at the end: each counts its share once it has ended.
+        if self._awaited is None:
+            self._awaited = {s for s, t in self._running.items() if t < end}
+        lost = {
+            s for s in self._awaited if s in self._running and self._lost(now, self._running[s])
+        }
+        self._lost_any = self._lost_any or bool(lost)
+        self._awaited = {s for s in self._awaited if s in self._running and s not in lost}
+        if self._awaited:
+            return
+        peak = self._peak or 0
+        level = level_of(peak)
+        # The load drained or grew within the count (its mean well below its peak), or
+        # stopped (a lull, below): the epoch measured no level's steady
+        # state of its mode.
+        ramp = self._area < self.p.steady * peak * self._length
+        # A lull: no round of it ended for a quarter of the measurement (two of its mean
+        # rounds at least, as batched rounds end together).
+        quiet = max(self._length / 4, 2.0 * self.round_seconds[self.mode])
+        stopped = self._last_counted is None or end - self._last_counted > quiet
+        # A round lost within it: what it committed is not known.
+        stopped = stopped or self._lost_any
+        if peak < self.p.min_sessions:
             self.mode = GuardMode.SPEC
-        elif level != self._level or stopped:  # a ramp or a lull, not a level's steady state
+        elif level != self._level or ramp or stopped:
             self.mode = self._next(level)
         else:
             seen = self.measured.setdefault((level, self.mode), deque(maxlen=self.p.window))
@@ -241,7 +390,10 @@ class GoodputGuard:
             if mode not in rates:
                 return mode
         # Speculation is the policy's own choice: plain steps must measure clearly faster.
-        best = plain if rates[plain] > rates[spec] * (1.0 + self.p.margin) else spec
+        margin = clear_margin(
+            self.p, self.measured.get((level, spec), ()), self.measured.get((level, plain), ())
+        )
+        best = plain if rates[plain] > rates[spec] * (1.0 + margin) else spec
         other = plain if best == spec else spec
         every = self.p.explore_every
         if all(len(self.measured.get((level, m), ())) >= 2 for m in GuardMode):
