@@ -91,7 +91,7 @@ def loadtest(address: str, out: Path, *argv: str) -> tuple[dict, str]:
         timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
-    return json.loads((out / "loadtest.json").read_text()), run.stdout
+    return json.loads((out / "loadtest.json").read_text()), run.stdout + run.stderr
 
 
 def test_loadtest_smoke_fields_and_exactness(up, tmp_path):
@@ -122,6 +122,8 @@ def test_loadtest_smoke_fields_and_exactness(up, tmp_path):
         assert r["completed"] == 6 and r["failed"] == 0 and r["errors"] == {}
         assert 6 <= r["total_output_tokens"] <= 60
         assert r["request_throughput"] > 0 and r["output_throughput"] > 0
+        # All users busy (the steady state) for part of the cell, never longer than it
+        assert r["steady_output_throughput"] > 0 and 0 < r["steady_duration"] <= r["duration"]
         assert 0 < r["median_ttft_ms"] <= r["p99_ttft_ms"] <= r["p99_e2el_ms"]
         # Every response under load equals the same request alone at k=0 (the first
         # conversation's second turn included).
@@ -163,6 +165,9 @@ def test_loadtest_smoke_fields_and_exactness(up, tmp_path):
     }
     assert (tmp_path / "out" / "loadtest.png").stat().st_size > 0
     assert "| c=3 | ssd2 | 6 | 0 |" in table and "| c=1 | k0 | TTFT |" in table
+    # Every cell sends the same prompts, and `specdec up` shares recent outputs: warned.
+    assert doc["config"]["suffix_cache_scope"] == "global"
+    assert "--suffix-cache-scope global" in table and "--suffix-cache-scope off" in table
 
 
 def test_loadtest_tree_modes_beside_their_chains(up, tmp_path):
@@ -173,7 +178,9 @@ def test_loadtest_tree_modes_beside_their_chains(up, tmp_path):
         tmp_path / "out",
         *("--modes", "k4@ngram,k4", "--tree-width", "3", "--num-requests", "3"),
         *("--num-prompts", "3", "--max-new-tokens", "16", "--check-exact"),
+        *("--output-len-range", "0.5"),  # each prompt its own length: its reference's too
     )
+    assert doc["config"]["output_len_range"] == 0.5
     modes = ["k4@ngram", "k4@ngram tree3", "k4", "k4 tree3"]
     assert [r["mode"] for r in doc["results"]] == modes
     by_mode = {r["mode"]: r for r in doc["results"]}

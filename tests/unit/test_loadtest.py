@@ -184,7 +184,7 @@ def test_report_table_json_and_png(tmp_path):
     results = [summarize(_cell(), references={(0, 0): (1, 2, 3, 4, 5)})]
     text = tables(results)
     assert (
-        "| c=2 | k2 | 2 | 3 | 1.00 | 3.0 | 0.50 | 2.00 | - | RESOURCE_EXHAUSTED 2, UNAVAILABLE 1 | 0/1 |"
+        "| c=2 | k2 | 2 | 3 | 1.00 | 3.0 | 0.0 | 0.50 | 2.00 | - | RESOURCE_EXHAUSTED 2, UNAVAILABLE 1 | 0/1 |"
         in text
     )
     assert "| c=2 | k2 | TTFT | 200.0 | 200.0 |" in text
@@ -204,7 +204,13 @@ def test_report_table_json_and_png(tmp_path):
         (["--modes", "k2", "--k", "2"], "give --modes or --k/--ssd, not both"),
         (["--api", "rest"], "--api 'rest' is not built (have: grpc, openai)"),
         (["--check-exact", "--temperature", "0.7"], "--check-exact needs greedy decoding"),
+        (["--output-len-range", "1"], "--output-len-range must be at least 0 and below 1"),
         (["--concurrency", "0"], "--concurrency: '0' is not a positive number"),
+        (
+            ["--concurrency", "8,32", "--modes", "k0,k2", "--num-requests", "32"],
+            "concurrency 32 with --num-requests 32 over 2 slices: a slice of 16 requests "
+            "never has 32 in flight; give --num-requests of at least 64 (or fewer --slices)",
+        ),
     ],
 )
 def test_cli_refuses_what_it_cannot_do(argv, message, capsys):
@@ -223,6 +229,7 @@ class FakeBackend:
 
     def __init__(self, fail_every: int = 0):
         self.calls: list[tuple[str, str, str | None, bool]] = []
+        self.lengths: list[tuple[str, str, int]] = []  # (text, mode, max_new_tokens)
         self.in_flight = 0
         self.most_in_flight = 0
         self.fail_every = fail_every
@@ -255,6 +262,7 @@ class FakeBackend:
             self.in_flight -= 1
 
     def stream(self, text, mode, settings, seed, session_id, first_turn):
+        self.lengths.append((text, mode.name, settings.max_new_tokens))
         return self._stream(text, mode, session_id, first_turn)
 
     async def close(self):
@@ -336,3 +344,61 @@ def test_poisson_levels_start_every_request_of_the_budget():
     )
     assert len(cell.records) == 12 and all(r.ok for r in cell.records)
     assert backend.most_in_flight <= 2
+
+
+def test_a_test_repeats_prompts_over_cells_or_within_one():
+    from specdec.sdk.loadtest.cli import repeats_prompts
+
+    assert repeats_prompts(12, 16, 1, None)  # 16 requests cycle through 12 prompts
+    assert repeats_prompts(12, 4, 2, None)  # a second cell starts from the first prompt
+    assert repeats_prompts(12, None, 1, 60.0)  # a duration sends as many as it can
+    assert not repeats_prompts(12, 12, 1, None)
+
+
+def test_steady_throughput_counts_only_while_every_user_has_a_request_in_flight():
+    """Two users: one request of 10 s; beside it two short ones back to back, then nothing
+    (the drain). Full from 0 to 6 s, where 12 of the 16 tokens arrived."""
+    from specdec.sdk.loadtest.runner import RequestRecord
+    from specdec.sdk.loadtest.summary import steady
+
+    def record(sent, ended, chunks):
+        r = RequestRecord("c=2", "k0", 0, 0, ok=True, sent_s=sent, ended_s=ended)
+        r.chunks = chunks
+        return r
+
+    long = record(0.0, 10.0, [(float(t), 1) for t in range(1, 11)])
+    first = record(0.0, 4.0, [(2.0, 2), (4.0, 2)])  # its last chunk as it ends: counted
+    second = record(4.0, 6.0, [(5.0, 1), (6.0, 1)])
+    rate, seconds = steady([long, first, second], 2)
+    assert seconds == 6.0 and rate == 12 / 6.0
+    assert steady([long], 2) == (0.0, 0.0)  # never two in flight
+    assert steady([long], 1) == (1.0, 10.0)
+
+
+def test_an_output_len_range_gives_each_prompt_its_own_length_at_every_level_and_mode():
+    """--output-len-range: each prompt's turn asks for its own max_new_tokens within the
+    range, drawn from the prompt and turn alone: the same at every level and in every mode
+    (and in its reference), different between prompts, so that a closed loop's users end
+    their requests apart."""
+    import asyncio
+
+    from specdec.sdk.loadtest.runner import LoadTest
+    from specdec.sdk.loadtest.workload import Conversation, RequestSettings
+
+    convs = [Conversation(i, "code", (f"p{i}",)) for i in range(8)]
+    convs.append(Conversation(8, "chat", ("t1", "t2")))
+    settings = RequestSettings(max_new_tokens=32, output_len_range=0.5)
+    backend = FakeBackend()
+    test = LoadTest(
+        backend, convs, parse_modes("k0,k2"), parse_levels("1,3", None), settings, 27, None
+    )
+    asyncio.run(test.run())
+    lengths: dict[str, set[int]] = {}
+    for text, _, n in backend.lengths:
+        lengths.setdefault(text, set()).add(n)
+    assert len(lengths) == 10
+    assert all(len(ns) == 1 for ns in lengths.values()), lengths  # one length per turn
+    drawn = [n for (n,) in lengths.values()]
+    assert all(16 <= n <= 48 for n in drawn) and len(set(drawn)) >= 5, drawn
+    assert settings.for_turn(convs[8], 1).max_new_tokens == next(iter(lengths["t2"]))
+    assert RequestSettings(max_new_tokens=32).for_turn(convs[3], 0).max_new_tokens == 32

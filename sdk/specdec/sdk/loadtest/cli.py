@@ -75,6 +75,15 @@ def add_loadtest_parser(commands: Any) -> argparse.ArgumentParser:
     p.add_argument("--prompts", help="JSONL prompts or conversations (default: the shipped set)")
     p.add_argument("--num-prompts", type=int, help="use the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument(
+        "--output-len-range",
+        type=float,
+        default=0.0,
+        help="ask each prompt's turns for max_new_tokens drawn uniformly within this share "
+        "of --max-new-tokens either side (e.g. 0.5 with 32: 16 to 48), the same for a prompt "
+        "at every level and in every mode: the users of a closed loop then end their requests "
+        "apart, as real requests do (0: all the same length, and they stay in step)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -96,6 +105,24 @@ def add_loadtest_parser(commands: Any) -> argparse.ArgumentParser:
     add_progress_argument(p)
     p.set_defaults(func=run_loadtest)
     return p
+
+
+SHARED_OUTPUTS = (
+    "specdec loadtest: warning: the gateway shares its recent outputs between requests "
+    "(--suffix-cache-scope {scope}) and this test sends a prompt more than once: a repeated "
+    "prompt's later requests may draft by copying an earlier one's output (whole, under "
+    "greedy decoding), which measures that cache, not speculation on new text, and favours "
+    "the modes that run later. To measure speculation on new text, start the gateway with "
+    "--suffix-cache-scope off."
+)
+
+
+def repeats_prompts(
+    conversations: int, num_requests: int | None, cells: int, duration: float | None
+) -> bool:
+    """Whether a test sends some conversation more than once: over its cells (levels x
+    modes, each starting from the first conversation) or within one."""
+    return cells > 1 or duration is not None or (num_requests or 0) > conversations
 
 
 def _fail(message: str) -> int:
@@ -148,6 +175,7 @@ def run_loadtest(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             seed=args.seed,
             timeout=args.timeout,
+            output_len_range=args.output_len_range,
         )
         if args.check_exact and not settings.greedy:
             raise ValueError("--check-exact needs greedy decoding (--temperature 0)")
@@ -220,6 +248,11 @@ async def _run(
             progress=progress,
             seed=args.seed or 0,
         )
+        scope = await backend.suffix_cache_scope()
+        if scope not in (None, "off") and repeats_prompts(
+            len(conversations), num_requests, len(levels) * len(modes), args.duration
+        ):
+            print(SHARED_OUTPUTS.format(scope=scope), file=sys.stderr)
         references = None
         if args.check_exact:
             if shown:
@@ -256,11 +289,13 @@ async def _run(
             "prompts": args.prompts or "shipped",
             "num_prompts": len(conversations),
             "max_new_tokens": settings.max_new_tokens,
+            "output_len_range": settings.output_len_range,
             "temperature": settings.temperature,
             "top_p": settings.top_p,
             "top_k": settings.top_k,
             "seed": settings.seed,
             "check_exact": bool(args.check_exact),
+            "suffix_cache_scope": scope,
         },
         "results": results,
         "exact": exact,

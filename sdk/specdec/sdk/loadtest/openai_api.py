@@ -203,6 +203,9 @@ class OpenAIBackend:
         )
         yield StreamChunk("", (), final)
 
+    async def suffix_cache_scope(self) -> str | None:
+        return None  # the OpenAI API does not say
+
     async def close(self) -> None:
         await self.client.aclose()
 

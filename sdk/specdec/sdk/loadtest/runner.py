@@ -44,6 +44,9 @@ class RequestRecord:
     ttft_s: float = 0.0
     e2el_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
+    sent_s: float = 0.0  # perf_counter() when it was sent
+    ended_s: float = 0.0  # ... when its stream ended (its last chunk, or its error)
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter(), tokens)
     prompt_tokens: int = 0
     output_tokens: int = 0
     tokens: tuple[int, ...] = ()
@@ -74,6 +77,11 @@ class Backend(Protocol):
     ) -> AsyncIterator[StreamChunk]: ...
 
     async def close(self) -> None: ...
+
+    async def suffix_cache_scope(self) -> str | None:
+        """Who shares the gateway's cache of recent outputs for suffix drafts: "global",
+        "tenant" or "off" (also when it holds no tokens); None: the API does not say."""
+        ...
 
 
 class GrpcBackend:
@@ -111,6 +119,15 @@ class GrpcBackend:
             tree_width=mode.tree_width,
         )
 
+    async def suffix_cache_scope(self) -> str | None:
+        try:
+            lookup = (await self.client.server_info()).lookup
+        except SpecdecError:  # unreachable: the requests' own errors will say so
+            return None
+        if not lookup.get("suffix_cache_tokens"):
+            return "off"
+        return str(lookup.get("suffix_cache_scope") or "global")
+
     async def close(self) -> None:
         await self.client.close()
 
@@ -138,7 +155,7 @@ async def run_request(
     session_id: str | None,
 ) -> RequestRecord:
     """Send one turn, streaming, and fill record with its timings and result."""
-    sent = time.perf_counter()
+    sent = record.sent_s = time.perf_counter()
     last = None
     try:
         async for chunk in backend.stream(
@@ -146,6 +163,7 @@ async def run_request(
         ):
             now = time.perf_counter()
             if chunk.tokens:
+                record.chunks.append((now, len(chunk.tokens)))
                 if last is None:
                     record.ttft_s = now - sent
                 else:
@@ -166,6 +184,7 @@ async def run_request(
                 record.ok = True
     except SpecdecError as e:
         record.ok, record.error, record.details = False, e.code.name, e.details
+    record.ended_s = time.perf_counter()
     return record
 
 
@@ -206,6 +225,17 @@ class LoadTest:
             raise ValueError("--slices must be at least 1")
         if num_requests is not None and slices > num_requests:
             slices = num_requests
+        if num_requests is not None:
+            # A slice of fewer requests than a level's users never has them all in flight.
+            fewest = num_requests // slices
+            for level in levels:
+                if level.concurrency is not None and level.concurrency > fewest:
+                    raise ValueError(
+                        f"concurrency {level.concurrency} with --num-requests {num_requests} "
+                        f"over {slices} slices: a slice of {fewest} requests never has "
+                        f"{level.concurrency} in flight; give --num-requests of at least "
+                        f"{level.concurrency * slices} (or fewer --slices)"
+                    )
         self.backend = backend
         self.conversations = list(conversations)
         self.modes = list(modes)
@@ -276,7 +306,7 @@ class LoadTest:
                     record,
                     text,
                     cell.mode,
-                    self.settings,
+                    self.settings.for_turn(conversation, t),
                     self.settings.seed_for(conversation),
                     session,
                 )
@@ -348,8 +378,9 @@ async def reference_outputs(
             session = f"loadtest-{run_id}-reference-{conversation.index}"
         for t, text in enumerate(conversation.turns):
             record = RequestRecord("alone", alone.name, conversation.index, t)
+            turn = settings.for_turn(conversation, t)
             await run_request(
-                backend, record, text, alone, settings, settings.seed_for(conversation), session
+                backend, record, text, alone, turn, settings.seed_for(conversation), session
             )
             if not record.ok:
                 raise RuntimeError(

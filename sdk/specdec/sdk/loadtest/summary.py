@@ -34,6 +34,34 @@ def _latency_fields(name: str, values_s: Sequence[float]) -> dict[str, float]:
     return out
 
 
+def steady(records: Sequence[RequestRecord], concurrency: int) -> tuple[float, float]:
+    """(output tokens per second, seconds) over the times when all `concurrency` users of
+    a closed-loop level had a request in flight: the level's steady state, without the
+    ramp at a slice's start (requests sent together, prefilling together) and the drain
+    at its end (the last requests finishing with fewer users left: unequal requests, as
+    speculation makes them, drain longer). A token counts at the time its chunk arrived.
+    (0, 0) when the level never had all its users in flight."""
+    chunk, end, send = 0, 1, 2  # at one time: chunks, then ends, then sends
+    events = []
+    for r in records:
+        if r.ended_s <= 0.0:
+            continue
+        events += [(r.sent_s, send, 0), (r.ended_s, end, 0)]
+        events += [(t, chunk, n) for t, n in r.chunks]
+    events.sort()
+    in_flight, since, seconds, tokens = 0, 0.0, 0.0, 0
+    for t, kind, n in events:
+        full = in_flight >= concurrency
+        if kind == chunk:
+            tokens += n if full else 0
+            continue
+        if full:
+            seconds += t - since
+        in_flight += 1 if kind == send else -1
+        since = t
+    return (tokens / seconds if seconds > 0 else 0.0), seconds
+
+
 def summarize(
     cell: Cell, references: Mapping[tuple[int, int], tuple[int, ...]] | None = None
 ) -> dict[str, Any]:
@@ -68,6 +96,9 @@ def summarize(
         if duration > 0
         else 0.0,
     }
+    if cell.level.concurrency is not None:
+        rate, seconds = steady(cell.records, cell.level.concurrency)
+        result["steady_output_throughput"], result["steady_duration"] = rate, seconds
     samples = {
         "ttft": [r.ttft_s for r in ok if r.output_tokens > 0],
         # Time per output token after the first, per request with more than one.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import re
 from dataclasses import dataclass
 from importlib import resources
@@ -84,10 +85,33 @@ class RequestSettings:
     seed: int | None = None  # base seed: conversation i uses seed + i
     stop: tuple[str, ...] = ()
     timeout: float = 300.0
+    # Each prompt's turns ask for max_new_tokens within this share of it, either side (0:
+    # all the same; `for_turn`).
+    output_len_range: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.output_len_range < 1.0:
+            raise ValueError(
+                f"--output-len-range must be at least 0 and below 1 (got {self.output_len_range})"
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_turn(self, conversation: Conversation, turn: int) -> RequestSettings:
+        """The settings of one turn: under an output length range, its max_new_tokens drawn
+        uniformly within the range around max_new_tokens, from the prompt's index and the
+        turn's alone, so that a prompt asks for the same length at every level and in every
+        mode (and its reference under --check-exact too), while the users of a closed loop,
+        each on another prompt, end their requests apart, as real requests do. (With all
+        the same length they end together and prefill their next prompts together: in
+        step.)"""
+        if not self.output_len_range:
+            return self
+        draw = random.Random(conversation.index * 7919 + turn).uniform(-1.0, 1.0)
+        length = round(self.max_new_tokens * (1.0 + self.output_len_range * draw))
+        return dataclasses.replace(self, max_new_tokens=max(1, length))
 
     def seed_for(self, conversation: Conversation) -> int | None:
         return None if self.seed is None else self.seed + conversation.index
