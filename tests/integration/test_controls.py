@@ -384,17 +384,33 @@ def test_drafter_applies_the_same_processors(same, tokenizer, hf, ssd):
     """With the target as its drafter, a drafter that applies the request's processors
     exactly as the verifier does (plain drafts and SSD branches, each with its own tokens)
     has every draft token accepted; one that did not would be rejected wherever a
-    processor changes the argmax."""
+    processor changes the argmax.
+
+    Whether a round's SSD branch is used is timing: a Speculate still running at its
+    verdict is a hit only if the drafter had started it (tests/integration/test_ssd.py's
+    hit path), and on a loaded machine every one of a request's rounds can miss that way.
+    So with SSD the request runs again, each run checked in full, until one has used a
+    prepared branch (at most five runs)."""
     kwargs, controls = PROCESSORS["all"]
     ids = ids_of(tokenizer, PROMPTS[0])
-    got = same.generate(
-        token_ids=ids, max_new_tokens=N, k=3, ssd=ssd, min_tokens=4, stop_token_ids=[5], **kwargs
-    )
     controls = Controls(**{**controls.__dict__, "min_tokens": 4, "min_tokens_ids": (EOS, 5)})
-    assert list(got.tokens) == hf(ids, N, controls, eos=(EOS, 5))
-    assert got.stats.draft_tokens > 0 and got.stats.acceptance_rate == 1.0, got.stats
+    expected = hf(ids, N, controls, eos=(EOS, 5))
+    runs = []
+    while len(runs) < 5 and not (runs and (not ssd or runs[-1].ssd_hits > 0)):
+        got = same.generate(
+            token_ids=ids,
+            max_new_tokens=N,
+            k=3,
+            ssd=ssd,
+            min_tokens=4,
+            stop_token_ids=[5],
+            **kwargs,
+        )
+        assert list(got.tokens) == expected
+        assert got.stats.draft_tokens > 0 and got.stats.acceptance_rate == 1.0, got.stats
+        runs.append(got.stats)
     if ssd:
-        assert got.stats.ssd_hits > 0, got.stats
+        assert runs[-1].ssd_hits > 0, runs
 
 
 @pytest.mark.parametrize("ssd", [False, True])
