@@ -1,0 +1,40 @@
+#!/bin/bash
+# Issue 45, sixth sitting, part 2: torch at 2, 4, 8 sessions with several requests per user
+# (the steady state most of each level), the grounded set, then llama.cpp. The torch stack
+# of run.sh is still up on port 50561 (--suffix-cache-scope off).
+set -u
+cd /work/main
+M=~/.cache/specdec/models
+OUT=/work/sweep5/out
+up() {  # $1 label, rest: extra args
+  label=$1; shift
+  .venv/bin/specdec up --draft-model $M/qwen2.5-coder-0.5b-instruct/model \
+    --target-model $M/qwen2.5-coder-1.5b-instruct/model --port 50561 --http-port 0 \
+    --gateway-arg '--suffix-cache-scope off' \
+    --log-dir $OUT/logs-$label "$@" > $OUT/up-$label.out 2>&1 &
+  UP=$!
+  for i in $(seq 1 120); do grep -q "^ready" $OUT/up-$label.out && break; sleep 5; done
+  cat $OUT/up-$label.out
+}
+load() {  # $1 label $2 prompts $3 concurrency $4 requests $5 modes, rest: loadtest args
+  label=$1 prompts=$2 c=$3 n=$4 modes=$5; shift 5
+  .venv/bin/specdec loadtest --gateway 127.0.0.1:50561 --concurrency $c --modes $modes \
+    --prompts $prompts --num-requests $n --max-new-tokens 32 --no-progress \
+    --out $OUT/$label "$@" > $OUT/$label.log 2>&1
+  echo "$(date +%T) done $label"
+}
+D=sdk/specdec/sdk/loadtest/prompts.jsonl
+G=sdk/specdec/sdk/loadtest/prompts-grounded.jsonl
+echo "$(date +%T) start $(git -C /work/main rev-parse --short HEAD) (+ the loadtest's steady throughput, uncommitted)"
+load torch-mid-2 $D 2 24 k0,default,k2
+load torch-mid-4 $D 4 48 k0,default,k2
+load torch-mid-8 $D 8 64 k0,default,k2
+load torch-grounded-mid $G 2,4,8 32 k0,default
+pkill -f "specdec up"; sleep 10
+up llamacpp
+load llamacpp-low $D 1,2 16 k0,default,k2
+load llamacpp-mid-4 $D 4 48 k0,default,k2
+load llamacpp-mid-8 $D 8 64 k0,default
+load llamacpp-high $D 16,32 64 k0,default --slices 1
+kill $UP; wait $UP
+echo "$(date +%T) all done"
