@@ -477,3 +477,46 @@ def test_plain_steps_win_by_what_the_epochs_spread_makes_clear(plain, spec, expe
     guard = GoodputGuard()
     _measured(guard, 8, {GuardMode.PLAIN: plain, GuardMode.SPEC: spec})
     assert guard._next(8) == expected  # the faster mode (the slower one's turn is later)
+
+
+@pytest.mark.parametrize("counted", [True, False])
+def test_a_session_alone_in_a_plain_epoch_counts_there(counted):
+    """In a plain epoch, a session left alone with a request (the other between its
+    requests) speculates, and what it commits counts in that epoch: it is what running
+    plain steps does with such a session. Counted as nothing (the negative control: the
+    alone round's ticket as one of another mode), its seconds are the plain epoch's
+    without its tokens, and plain steps measure slower than they run."""
+    now = [0.0]
+    reported: list[tuple[int, str, float]] = []
+    guard = GoodputGuard(
+        GuardParams(min_measure=2.0), clock=lambda: now[0], report=lambda *r: reported.append(r)
+    )
+
+    def rounds(pairs: list[tuple[int, int]], seconds: float = 0.5) -> None:
+        """Sessions' rounds begun together now, each committing its tokens `seconds` on."""
+        tickets = [(s, guard.begin(s), n) for s, n in pairs]
+        now[0] += seconds
+        for s, t, n in tickets:
+            if not counted and t.alone:
+                t = Ticket(t.epoch, t.mode)  # as before: a round of another mode
+            guard.end(s, t, n, seconds)
+
+    for epoch in range(2):  # the first epoch at a level is a ramp, never kept
+        guard.mode = GuardMode.PLAIN  # this epoch's mode (the guard would try speculation)
+        a, b = 2 * epoch + 1, 2 * epoch + 2
+        rounds([(a, 1), (b, 1)])  # settled: both ended a round of the epoch
+        assert guard.measuring_from == pytest.approx(now[0] + 0.5)  # one mean round on
+        assert guard._length == pytest.approx(2.0)
+        rounds([(a, 1), (b, 1)])  # settling; then measured: 1 to 3 s after settling
+        rounds([(a, 1), (b, 1)])
+        rounds([(a, 1), (b, 1)])
+        guard.leave(b)  # b's request ends; its next one is a new session, half a second on
+        alone = guard.begin(a)
+        assert alone.alone and alone.mode == GuardMode.SPEC
+        now[0] += 0.5
+        guard.end(a, alone if counted else Ticket(alone.epoch, alone.mode), 3, 0.5)
+        rounds([(b + 100, 1), (a, 1)])  # b's next request first; these end the epoch
+        guard.leave(b + 100)
+        guard.leave(a)
+    # Measured: a 1 + 1 + 3 + 1, b 1 + 1, b's next request 1, over 2 s
+    assert reported == [(2, "plain", pytest.approx(9 / 2 if counted else 6 / 2))]

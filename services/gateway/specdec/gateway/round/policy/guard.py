@@ -20,8 +20,9 @@ least `min_measure` seconds) and at least one mean request (from its first round
 end; up to `max_measure` seconds): in a closed loop whose requests end together, the next
 prompts' forwards, which hold every session, come once a request, and a shorter
 measurement saw them or not by where its bounds fell. It measures fluidly: a round of the
-epoch's mode that committed n tokens in s seconds counts n times the share of its s
-seconds that fell within the measurement.
+epoch's mode (or of a session alone with a request, which speculates in a plain epoch too)
+that committed n tokens in s seconds counts n times the share of its s seconds that fell
+within the measurement.
 A round is thus counted once whatever the measurement's bounds cut, and the rounds that
 one batched forward of the verifier ends together count as the seconds they ran, not as
 one instant's burst. Rounds still running when the measurement ends are waited for (the
@@ -97,6 +98,7 @@ class Ticket:
 
     epoch: int
     mode: GuardMode
+    alone: bool = False  # its session was alone with a request: it speculates in any epoch
 
 
 def level_of(sessions: int) -> int:
@@ -187,7 +189,7 @@ class GoodputGuard:
         # alone with a request, not alone in a round (the sessions of one batched forward
         # begin their next rounds one after another).
         alone = len(self._present) < self.p.min_sessions
-        return Ticket(self.epoch, GuardMode.SPEC if alone else self.mode)
+        return Ticket(self.epoch, GuardMode.SPEC if alone else self.mode, alone)
 
     def end(self, session: int, ticket: Ticket, tokens: int, seconds: float) -> None:
         """A round of `session` begun under `ticket` (`seconds` ago) committed `tokens`."""
@@ -196,9 +198,12 @@ class GoodputGuard:
         self.last_seen[session] = now
         self._running.pop(session, None)
         self.round_seconds[ticket.mode] = self._smoothed(self.round_seconds[ticket.mode], seconds)
-        ours = ticket.epoch == self.epoch and ticket.mode == self.mode
+        # A round of the epoch's mode, or of a session alone in it (which speculates in
+        # a plain epoch too: that is what running plain steps does with such a session;
+        # uncounted, its seconds were a plain epoch's with none of its tokens).
+        ours = ticket.epoch == self.epoch and (ticket.mode == self.mode or ticket.alone)
         if self.measuring_from is not None:
-            if ours:  # a session alone speculates whatever the mode: not counted
+            if ours:
                 self._count(now, tokens, seconds)
         elif ours:
             self._pending.discard(session)
