@@ -20,8 +20,8 @@ Two runs of the same greedy requests:
 - **the stack**: Redis, drafter, verifier and gateway as processes on loopback (the
   local stack of `specdec up`), the requests sent through the SDK, at each concurrency of
   ``--concurrency`` (that many sessions at once, each sending its requests in turn). Its
-  gateway drafts with the model alone (``--method model``, as in-process) unless a
-  ``--gateway-arg '--method ...'`` names another.
+  gateway drafts k tokens with the model every round (``--method model --k-policy
+  fixed``, as in-process) unless a ``--gateway-arg`` names another method or policy.
 
 A round's time is measured in the steady state: from the first round's end to the last
 round's end, over the rounds in between (the first round prefills the prompt; the request's
@@ -445,10 +445,11 @@ def run_overhead(args: argparse.Namespace) -> int:
     generate_tps = _generate_tps(models.target, some, n, reference)
     print(f"  transformers generate: {generate_tps:.1f} tokens/s", flush=True)
 
-    # The drafter's tokens alone, as in-process: the gateway's default method (hybrid)
-    # extends a draft by lookups, which on the stand-ins' repeating output verify several
-    # times k tokens a round. A --gateway-arg '--method ...' comes later and wins.
-    gateway_args = ["--method model", *args.gateway_args]
+    # The drafter's k tokens every round, as in-process: the gateway's default method
+    # (hybrid) extends a draft by lookups, which on the stand-ins' repeating output verify
+    # several times k tokens a round, and its default policy (adaptive) takes k as a bound.
+    # A --gateway-arg naming either comes later and wins.
+    gateway_args = ["--method model --k-policy fixed", *args.gateway_args]
     stack_args = standin_stack_args(
         models, max(m.k for m in modes), args.log_dir, args.drafter_args,
         args.verifier_args, gateway_args,

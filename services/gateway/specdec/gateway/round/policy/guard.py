@@ -384,7 +384,7 @@ class GoodputGuard:
         once each mode has been measured twice there. Speculation not yet measured at a
         level above one where it measured slower is taken to be as much slower (load only
         shrinks what it gains), and waits the turn that gap gives it (one speculating
-        epoch in five, at a 25% gap, would cost the level 5% where nothing suggests that
+        epoch in four, at a 25% gap, would cost the level 6% where nothing suggests that
         speculation pays)."""
         rates = self.rates(level)
         spec, plain = GuardMode.SPEC, GuardMode.PLAIN
