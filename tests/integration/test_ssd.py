@@ -80,6 +80,7 @@ def test_ssd_greedy_equals_generate_and_plain(ssd_stack, tokenizer, reference, k
 def test_ssd_hit_path(ssd_stack, tokenizer, reference):
     """The drafter is the target: all k drafts are accepted and the bonus token is the
     drafter's own top guess, so every speculated round hits and no Draft follows one."""
+    hits = []
     with Client(ssd_stack["hit"], timeout=120) as client:
         for text in PROMPTS[:3]:
             ids = tokenizer(text).input_ids
@@ -87,12 +88,14 @@ def test_ssd_hit_path(ssd_stack, tokenizer, reference):
             assert list(got.tokens) == reference(ids, N)
             s = got.stats
             check_stats(s, True)
-            # Every prepared outcome is right here, so a miss only comes from timing: a
-            # Speculate still running at its verdict is cancelled (never awaited); one the
-            # drafter had started is a hit through the next Draft's `prepared`, one it had
-            # not started never runs (a miss). On a loaded machine both happen.
-            assert s.ssd_hits > 0, s
             assert s.acceptance_rate == 1.0
+            hits.append(s.ssd_hits)
+    # Every prepared outcome is right here, so a miss only comes from timing: a Speculate
+    # still running at its verdict is cancelled (never awaited); one the drafter had
+    # started is a hit through the next Draft's `prepared`, one it had not started never
+    # runs (a miss). On a loaded machine both happen, and every round of one request can
+    # miss (tests/integration/test_controls.py saw it in CI): so hits over the requests.
+    assert sum(hits) > 0, hits
 
 
 def test_ssd_miss_path(ssd_stack, tokenizer, reference):
