@@ -309,8 +309,8 @@ class GoodputGuard:
         self._area_at = max(self._area_at, now)
 
     def _count(self, now: float, tokens: int, seconds: float) -> None:
-        """A round of the epoch's mode that ended `now` after `seconds`: its tokens, by the
-        share of its seconds within the measurement."""
+        """A round of the epoch (its mode's, or a session's alone) that ended `now` after
+        `seconds`: its tokens, by the share of its seconds within the measurement."""
         start = self.measuring_from
         assert start is not None
         end = start + self._length
