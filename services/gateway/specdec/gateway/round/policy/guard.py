@@ -39,11 +39,14 @@ is not kept where it measured no level's steady state: a ramp, whose mean concur
 below `steady` times its peak (a load that drained or grew within it) or whose level is
 not the epoch before's; or a lull, in which no round ended for a quarter of its
 measurement (two of its mean rounds at least). Per level the guard keeps each mode's last
-`window` epochs (their tokens over their seconds) and runs plain steps where they
-measured clearly faster than speculation (`clear_margin`: `margin`, or less once the
-epochs' own spread shows it), else speculation (the policy's own choice); the slower
-runs now and then (`_next`), so a change of the drafts' acceptance or of the machine is
-seen. Below `min_sessions` the guard stays out of the way: one session's speed
+`window` epochs (their tokens over their seconds), rates each mode by the median of its
+epochs' rates (`rates`: an epoch that caught an unusual burst of prompts moves it
+little), and runs plain steps where they measured clearly faster than speculation
+(`clear_margin`: `margin`, or less once the epochs' own spread shows it), else
+speculation (the policy's own choice); the slower runs now and then (`_next`), so a
+change of the drafts' acceptance or of the machine is seen. The window, the median and
+the spread's weight `z` were chosen on simulated epochs (specdec.tools.bench.guardsim).
+Below `min_sessions` the guard stays out of the way: one session's speed
 is its own, which the policy's model prices well, and every epoch speculates.
 
 Exact: the mode is fixed before a round, from past timings only, as every other choice of
@@ -54,11 +57,13 @@ ordinary k = 0 round.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Literal
 
 
 class GuardMode(str, Enum):
@@ -79,12 +84,14 @@ class GuardParams:
     measure_requests: float = 1.0  # ... and this many mean requests' durations
     max_measure: float = 30.0  # ... which count up to this many seconds
     steady: float = 0.6  # a mean concurrency below this share of the peak: a ramp
-    window: int = 4  # epochs of each mode a level remembers
+    window: int = 8  # epochs of each mode a level remembers
+    # a mode's rate: the median of its epochs' rates, or "pooled" (tokens over seconds)
+    summary: Literal["median", "pooled"] = "median"
     margin: float = 0.1  # plain steps run where they measured this share faster, at least
     # ... or, once each mode has `spread_epochs` epochs at the level, `z` standard errors
     # of the two means' difference (the epochs' own spread), and `min_margin` at least
     spread_epochs: int = 3
-    z: float = 1.0
+    z: float = 0.5
     min_margin: float = 0.03
     explore_every: int = 4  # the other mode's epochs at a level: one in this many, at least
     gap_step: float = 0.05  # ... and one more epoch between for each such share it is slower
@@ -232,13 +239,18 @@ class GoodputGuard:
     # -- what it decided ----------------------------------------------------------------------
 
     def rates(self, level: int) -> dict[GuardMode, float]:
-        """The tokens per second measured at `level` over each mode's remembered epochs,
-        per mode measured."""
+        """The tokens per second measured at `level` from each mode's remembered epochs,
+        per mode measured: the median of their rates (`summary`; "pooled": their tokens
+        over their seconds)."""
         out = {}
         for mode in GuardMode:
             seen = self.measured.get((level, mode))
-            if seen:
+            if not seen:
+                continue
+            if self.p.summary == "pooled":
                 out[mode] = sum(t for t, _ in seen) / sum(s for _, s in seen)
+            else:
+                out[mode] = statistics.median(t / s for t, s in seen)
         return out
 
     # -- epochs -------------------------------------------------------------------------------
