@@ -515,8 +515,10 @@ def test_a_session_alone_in_a_plain_epoch_counts_there(counted):
     without its tokens, and plain steps measure slower than they run."""
     now = [0.0]
     reported: list[tuple[int, str, float]] = []
-    guard = GoodputGuard(
-        GuardParams(min_measure=2.0), clock=lambda: now[0], report=lambda *r: reported.append(r)
+    guard = GoodputGuard(  # alone at once (not a mean round after the other left: below)
+        GuardParams(min_measure=2.0, alone_rounds=0.0),
+        clock=lambda: now[0],
+        report=lambda *r: reported.append(r),
     )
 
     def rounds(pairs: list[tuple[int, int]], seconds: float = 0.5) -> None:
@@ -547,3 +549,33 @@ def test_a_session_alone_in_a_plain_epoch_counts_there(counted):
         guard.leave(a)
     # Measured: a 1 + 1 + 3 + 1, b 1 + 1, b's next request 1, over 2 s
     assert reported == [(2, "plain", pytest.approx(9 / 2 if counted else 6 / 2))]
+
+
+@pytest.mark.parametrize("alone_rounds, turnaround_mode", [(1.0, "plain"), (0.0, "spec")])
+def test_a_closed_loops_turnaround_is_not_the_load_gone(alone_rounds, turnaround_mode):
+    """Two sessions in a plain epoch. When one's request ends and its user's next request
+    comes a tenth of a round later, the other's round begun between is the epoch's (plain):
+    the load has not gone. Once the other has been alone for a mean round, it speculates.
+    The negative control (alone at once, as before) speculates in the turnaround."""
+    now = [0.0]
+    guard = GoodputGuard(GuardParams(alone_rounds=alone_rounds), clock=lambda: now[0])
+    guard.mode = GuardMode.PLAIN
+    for s in (1, 2):  # a round of each: the mean plain round is 0.5 s
+        guard.end(s, guard.begin(s), 1, 0.0)
+    t1, t2 = guard.begin(1), guard.begin(2)
+    now[0] += 0.5
+    guard.end(1, t1, 1, 0.5)
+    guard.end(2, t2, 1, 0.5)
+    guard.leave(2)  # its request is done
+    turnaround = guard.begin(1)
+    assert turnaround.mode == GuardMode(turnaround_mode)
+    now[0] += 0.05
+    t3 = guard.begin(3)  # the user's next request
+    assert t3.mode == GuardMode.PLAIN and not t3.alone
+    now[0] += 0.45
+    guard.end(1, turnaround, 1, 0.5)
+    guard.end(3, t3, 1, 0.45)
+    guard.leave(3)  # now the load is gone: session 1 alone
+    assert guard.begin(1).mode == GuardMode(turnaround_mode)  # not yet a mean round alone
+    now[0] += 0.5
+    assert guard.begin(1) == Ticket(guard.epoch, GuardMode.SPEC, True)

@@ -78,6 +78,10 @@ class GuardParams:
     """The guard's constants (this module's docstring)."""
 
     min_sessions: int = 2  # below this many sessions an epoch speculates and measures nothing
+    # ... and a session speculates in any epoch once it has been alone with a request
+    # (fewer than min_sessions) for this many of the epoch's mean rounds: a closed loop's
+    # next request comes sooner, and the load has not gone
+    alone_rounds: float = 1.0
     settle_rounds: float = 1.0  # ... and this many more after every session's first round
     measure_rounds: float = 4.0  # an epoch measures this many mean round times, once settled
     min_measure: float = 2.0  # seconds: the shortest measurement
@@ -178,6 +182,7 @@ class GoodputGuard:
         self._awaited: set[int] | None = None  # sessions in a round when it ended (None: before)
         self._lost_any = False  # a round it awaited was lost
         self._running: dict[int, float] = {}  # sessions in a round -> when it began
+        self._crowded_at = -math.inf  # when min_sessions had a request at once, last
         self._begin(self.clock())
 
     # -- what the rounds report -------------------------------------------------------------
@@ -192,10 +197,17 @@ class GoodputGuard:
         start = self.measuring_from
         if start is not None and self._peak is not None and now < start + self._length:
             self._peak = max(self._peak, len(self._running))  # rounds begun within it
-        # A session alone (the load gone) speculates at once, whatever the epoch's mode:
-        # alone with a request, not alone in a round (the sessions of one batched forward
-        # begin their next rounds one after another).
-        alone = len(self._present) < self.p.min_sessions
+        # A session alone (the load gone) speculates, whatever the epoch's mode: alone
+        # with a request, not alone in a round (the sessions of one batched forward begin
+        # their next rounds one after another), and for `alone_rounds` of the epoch's
+        # mean rounds (between one request of a closed loop and the next, the other
+        # sessions' rounds run on as the epoch's mode: speculating there cost a plain
+        # epoch at 2 sessions on llama.cpp, whose drafter is as dear as its target).
+        if len(self._present) >= self.p.min_sessions:
+            self._crowded_at = now
+        alone = len(self._present) < self.p.min_sessions and (
+            now - self._crowded_at >= self.p.alone_rounds * self.round_seconds[self.mode]
+        )
         return Ticket(self.epoch, GuardMode.SPEC if alone else self.mode, alone)
 
     def end(self, session: int, ticket: Ticket, tokens: int, seconds: float) -> None:
@@ -227,6 +239,8 @@ class GoodputGuard:
         self.last_seen.pop(session, None)
         self._running.pop(session, None)
         self._pending.discard(session)
+        if len(self._present) >= self.p.min_sessions:
+            self._crowded_at = now
         arrived = self._present.pop(session, None)
         if arrived is not None:
             self.request_seconds = self._smoothed(self.request_seconds, now - arrived)
