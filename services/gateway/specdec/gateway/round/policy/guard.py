@@ -120,6 +120,14 @@ def level_of(sessions: int) -> int:
     return level
 
 
+def rate_of(seen: Sequence[tuple[float, float]], summary: str = "median") -> float:
+    """A mode's rate from its epochs (tokens, seconds): the median of their rates, or
+    ("pooled") their tokens over their seconds."""
+    if summary == "pooled":
+        return sum(t for t, _ in seen) / sum(s for _, s in seen)
+    return statistics.median(t / s for t, s in seen)
+
+
 def clear_margin(
     p: GuardParams, spec: Sequence[tuple[float, float]], plain: Sequence[tuple[float, float]]
 ) -> float:
@@ -198,11 +206,9 @@ class GoodputGuard:
         if start is not None and self._peak is not None and now < start + self._length:
             self._peak = max(self._peak, len(self._running))  # rounds begun within it
         # A session alone (the load gone) speculates, whatever the epoch's mode: alone
-        # with a request, not alone in a round (the sessions of one batched forward begin
-        # their next rounds one after another), and for `alone_rounds` of the epoch's
-        # mean rounds (between one request of a closed loop and the next, the other
-        # sessions' rounds run on as the epoch's mode: speculating there cost a plain
-        # epoch at 2 sessions on llama.cpp, whose drafter is as dear as its target).
+        # with a request, not in a round (a batched forward's sessions begin their next
+        # rounds one by one), for `alone_rounds` of the epoch's rounds (not a closed
+        # loop's turnaround, which cost plain epochs 4% at 2 sessions on llama.cpp).
         if len(self._present) >= self.p.min_sessions:
             self._crowded_at = now
         alone = len(self._present) < self.p.min_sessions and (
@@ -259,12 +265,8 @@ class GoodputGuard:
         out = {}
         for mode in GuardMode:
             seen = self.measured.get((level, mode))
-            if not seen:
-                continue
-            if self.p.summary == "pooled":
-                out[mode] = sum(t for t, _ in seen) / sum(s for _, s in seen)
-            else:
-                out[mode] = statistics.median(t / s for t, s in seen)
+            if seen:
+                out[mode] = rate_of(seen, self.p.summary)
         return out
 
     # -- epochs -------------------------------------------------------------------------------
