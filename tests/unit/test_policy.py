@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from specdec.gateway.names import Ssd
 from specdec.gateway.outcome import DRAFTED, LOOKUP_SUFFIX, Outcome, RequestStats
 from specdec.gateway.round.policy import (
     ADAPTIVE,
@@ -15,7 +16,7 @@ from specdec.gateway.round.policy import (
     make_policy,
     parse_policy,
 )
-from specdec.gateway.round.policy.acceptance import expected_tokens
+from specdec.gateway.round.policy.acceptance import SourcePriors, expected_tokens
 
 
 def rounds(policy: AdaptivePolicy, n: int, *, k: int, accepted: int, verify_s: float,
@@ -128,12 +129,15 @@ def test_ssd_hits_hide_drafting_so_k_is_larger():
         for accepted in (3, 2, 1, 3, 3, 0, 2, 3) * 3:  # about 0.7 a position
             rounds(policy, 1, k=3, accepted=accepted, verify_s=0.3, draft_s=0.15)
     for _ in range(10):
-        ssd.fanout.observe_ssd(True)
+        ssd.choose_fan_out(3, 3)
+        ssd.fanout.settle(True)  # answered in time, a hit: it saved a Draft
     assert ssd.fanout.hit_rate > 0.95
     assert ssd.choose_k(8) > plain.choose_k(8)
 
 
-def test_fan_out_fits_the_speculate_inside_the_verify():
+def test_fan_out_fits_the_speculate_inside_the_verify_and_the_draft_a_hit_saves():
+    """S(f) <= fit_margin (V + h D(branch_k)): a Speculate may outlast its Verify by what a
+    hit saves the next round (its Draft)."""
     params = PolicyParams()
     policy = AdaptivePolicy(ssd=True, max_fan_out=6, params=params)
     rounds(policy, 5, k=2, accepted=2, verify_s=0.40, draft_s=0.1)
@@ -143,18 +147,61 @@ def test_fan_out_fits_the_speculate_inside_the_verify():
         policy.observe_speculate(3, 2, 0.36)
     f = policy.choose_fan_out(2, 2)
     step = policy.fanout.step.value
-    budget = params.fit_margin * policy.prices.verify.value * (1 + policy.prices.token_cost * 2)
+    verify = policy.prices.verify.value * (1 + policy.prices.token_cost * 2)
+    h, draft = policy.fanout.hit_rate, policy.prices.draft_cost(2)
+    assert h == params.prior_hit_rate and draft == pytest.approx(0.1)
+    budget = params.fit_margin * (verify + h * draft)
 
     def cost(fan_out: int) -> float:
         return step * 3 * (1 + params.branch_cost * (fan_out - 1))
 
     assert 1 <= f < 6
     assert cost(f) <= budget < cost(f + 1)
+    # Negative control: within the Verify alone, fewer branches fit.
+    assert cost(f) > params.fit_margin * verify
     # Longer branches take longer: fewer of them fit.
     assert policy.choose_fan_out(2, 4) < f
 
 
-def test_late_speculates_shrink_the_fan_out_then_pause_ssd_and_retry():
+def late_round(k: int, late: Ssd, draft_s: float, forward_ms: float) -> Outcome:
+    """A round after a late Speculate, whose Draft (k tokens, draft_s in all, forward_ms of
+    it in the drafter's forwards) decided it: `late` HIT or MISS."""
+    return Outcome(
+        index=1, max_k=k, k=k, draft=tuple(range(k)), accepted=k, next_token=0,
+        source=DRAFTED, draft_seconds=draft_s, verify_seconds=0.2, queue_depth=0,
+        resends=0, late_outcome=late, draft_forward_ms=forward_ms,
+    )  # fmt: skip
+
+
+def test_a_late_speculate_is_measured_by_the_draft_that_waited_for_it():
+    """The next round's Draft queued behind a late Speculate: what it waited beyond its
+    forward and o_d is the Speculate's lateness (w), priced in drafting and kept out of
+    o_d; a late hit counts for h."""
+    policy = AdaptivePolicy(ssd=True, max_fan_out=6)
+    for _ in range(5):
+        policy.observe_draft(2, 0.101, forward_ms=100.0)  # o_d = 1 ms
+        policy.observe_verify(2, 2, 0.2, 0)
+    assert policy.prices.draft_overhead_s == pytest.approx(0.001)
+    before = policy.drafting(2)
+    policy.choose_fan_out(2, 2)
+    policy.observe_speculate(6, 2, None)  # late: 1.25 V until measured
+    policy.observe(late_round(2, Ssd.MISS, draft_s=0.181, forward_ms=100.0))  # waited 80 ms
+    assert policy.fanout.waits.value == pytest.approx(0.08)
+    assert policy.prices.draft_overhead_s == pytest.approx(0.001)  # not 81 ms
+    assert policy.fanout.hits.value == 0.0
+    assert policy.drafting(2) > before + 0.07
+    assert policy.drafting(0) == 0.0
+    # A late hit: answered from the Speculate's branches, no forward.
+    policy.observe_speculate(6, 2, None)
+    policy.observe(late_round(2, Ssd.HIT, draft_s=0.031, forward_ms=0.0))
+    assert policy.fanout.hits.value > 0.0
+    assert policy.fanout.waits.value < 0.08
+
+
+def test_late_speculates_that_save_less_than_they_cost_shrink_the_fan_out_then_pause_ssd():
+    """Speculates whose next Draft waited 0.5 s for them (a Draft costs 0.1 s): the
+    fan-out shrinks, and once `late_limit` of them saved nothing on average SSD pauses for
+    `pause_rounds` rounds, then tries again measured afresh."""
     params = PolicyParams(late_limit=3, pause_rounds=5)
     policy = AdaptivePolicy(ssd=True, max_fan_out=6, params=params)
     rounds(policy, 3, k=2, accepted=2, verify_s=0.2, draft_s=0.1)
@@ -166,18 +213,83 @@ def test_late_speculates_shrink_the_fan_out_then_pause_ssd_and_retry():
         fan_outs.append(f)
         policy.observe_verify(2, 2, 0.2, 0)
         policy.observe_speculate(f, 2, None)  # still running at the verdict
+        policy.fanout.settle_late(True, 0.5)  # ... and the next Draft waited 0.5 s for it
     assert fan_outs[0] == 6 and fan_outs[-1] == 1
     assert fan_outs == sorted(fan_outs, reverse=True)
-    assert fan_outs[-params.late_limit :] == [1] * params.late_limit
+    assert len(fan_outs) == params.late_limit
     # Paused: no Speculate for pause_rounds rounds (the None above was the first of them),
     # and no hidden drafting counted meanwhile.
-    assert policy.fanout.hit_rate == 0.0
+    assert policy.fanout.hit_rate == 0.0 and policy.fanout.wait == 0.0
     paused = [policy.choose_fan_out(2, 2) for _ in range(params.pause_rounds - 1)]
     assert paused == [None] * (params.pause_rounds - 1)
     assert policy.choose_fan_out(2, 2) == 1  # then it tries again
-    # An answered Speculate in time resets the count of late ones.
-    policy.observe_speculate(1, 2, 0.05)
-    assert policy.fanout.late_in_row == 0
+    assert policy.fanout.settled == 0 and policy.fanout.saved.value is None
+    # Speculates answered in time that hit save their Draft: SSD stays on. Ones that
+    # only miss save nothing, and pause it.
+    for hit, paused in ((True, 0), (False, params.pause_rounds)):
+        policy = AdaptivePolicy(ssd=True, max_fan_out=6, params=params)
+        rounds(policy, 3, k=2, accepted=2, verify_s=0.2, draft_s=0.1)
+        for _ in range(10):
+            assert policy.choose_fan_out(2, 2) is not None
+            policy.observe_speculate(1, 2, 0.05)
+            policy.fanout.settle(hit)
+            if policy.fanout.paused:
+                break
+        assert policy.fanout.paused == paused
+
+
+def test_late_speculates_that_save_more_than_they_cost_keep_ssd_on():
+    """A Speculate 20 ms later than its Verify of 0.2 s, where a hit saves a Draft of 0.1 s
+    at h = 0.9: it pays, so SSD neither pauses nor falls to one branch. Negative control:
+    the same lateness with hits that save nothing (h = 0) pauses it."""
+
+    def run(hit: bool) -> list[int | None]:
+        params = PolicyParams(late_limit=3, pause_rounds=5)
+        policy = AdaptivePolicy(ssd=True, max_fan_out=6, params=params)
+        rounds(policy, 3, k=2, accepted=2, verify_s=0.2, draft_s=0.1)
+        chosen: list[int | None] = []
+        for _ in range(30):
+            f = policy.choose_fan_out(2, 2)
+            chosen.append(f)
+            if f is None:
+                continue
+            policy.observe_verify(2, 2, 0.2, 0)
+            policy.observe_speculate(f, 2, None)
+            policy.fanout.settle_late(hit, 0.02)
+        return chosen
+
+    paying = run(hit=True)
+    assert None not in paying and min(paying[5:]) > 1  # type: ignore[type-var]
+    assert None in run(hit=False)
+
+
+def test_a_gateway_whose_speculates_saved_nothing_starts_requests_with_ssd_paused():
+    """SsdPrior: once the gateway's Speculates saved nothing on average, a new request's
+    SSD starts paused, but one in `ssd_explore_every` (which measures again). Negative
+    control: where they paid, every request starts with SSD on."""
+    params = PolicyParams(late_limit=3, pause_rounds=5)
+
+    def starts(hit: bool) -> list[bool]:
+        priors = SourcePriors()
+        first = AdaptivePolicy(ssd=True, max_fan_out=6, params=params, priors=priors)
+        rounds(first, 3, k=2, accepted=2, verify_s=0.2, draft_s=0.1)
+        for _ in range(params.late_limit):
+            first.choose_fan_out(2, 2)
+            first.observe_verify(2, 2, 0.2, 0)
+            first.observe_speculate(6, 2, None)
+            first.fanout.settle_late(hit, 0.05)  # a hit saves a Draft of 0.1 s
+        return [
+            AdaptivePolicy(ssd=True, max_fan_out=6, params=params, priors=priors).fanout.paused > 0
+            for _ in range(8)
+        ]
+
+    assert starts(hit=False) == [True, True, True, False] * 2
+    assert starts(hit=True) == [False] * 8
+    # Without SSD nothing is paused, whatever the gateway measured.
+    priors = SourcePriors()
+    for _ in range(4):
+        priors.ssd.record(-0.1)
+    assert AdaptivePolicy(ssd=False, max_fan_out=6, priors=priors).fanout.paused == 0
 
 
 def lookup_outcome(k: int, accepted: int, queue: int = 0) -> Outcome:

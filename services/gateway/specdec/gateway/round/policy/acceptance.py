@@ -53,13 +53,37 @@ def drafts_of(
     return out
 
 
+class SsdPrior:
+    """What the gateway's Speculates saved the rounds after them, over every request (one
+    instance per gateway, in its SourcePriors): where they saved nothing on average, a new
+    request starts with SSD paused, but one in `ssd_explore_every`, which measures again."""
+
+    def __init__(self, params: PolicyParams | None = None) -> None:
+        self.p = params or PolicyParams()
+        self.saved = Ema(self.p.smoothing / 4)
+        self.settled = 0
+        self.starts = 0  # requests that found SSD not paying
+
+    def record(self, seconds: float) -> None:
+        self.saved.add(seconds)
+        self.settled += 1
+
+    def start_paused(self) -> bool:
+        """Whether a new request's SSD starts paused."""
+        if self.settled < self.p.late_limit or (self.saved.value or 0.0) > 0.0:
+            return False
+        self.starts += 1
+        return self.starts % self.p.ssd_explore_every != 0
+
+
 class SourcePriors:
     """The gateway's acceptance per draft source over the rounds it served, whatever their
-    policy (decayed counts): each new request's adaptive policy starts from them (one
-    instance per gateway)."""
+    policy (decayed counts), and what its Speculates saved (`ssd`, `SsdPrior`): each new
+    request's adaptive policy starts from them (one instance per gateway)."""
 
     def __init__(self, decay: float = 0.999):
         self.decay = decay
+        self.ssd = SsdPrior()
         self._counts: dict[str, list[float]] = {}  # source -> [accepted, reached]
 
     def observe(self, source: str, accepted: int, reached: int) -> None:

@@ -9,7 +9,7 @@ was measured so far:
                                                        under load (n = 1 + len(d))
     V(n)  = o + F(n),  F(n) = r t_v(R, n)              the verifier's forward of n tokens a
                                                        row at R rows: its reported surface
-    D(d)  = (max(o_d, w_d) + k d_t) (1 - h)            drafting, for the draft model's k tokens
+    D(d)  = (max(o_d, w_d) + k d_t) (1 - h) + w        drafting, for the draft model's k tokens
     rate  = E(d) / T(d);  d* = argmax over the candidates, ties to the shorter
 
 Idle (u = 0), T is the round's own time: the request's tokens per second. Under load the
@@ -68,7 +68,8 @@ every row).
   rows per forward, times its mean forward. A busy drafter pool makes drafts late: that
   lateness prices the draft model's rounds, and lookup drafts (no drafter) and SSD's
   prepared drafts (h) take the rounds over. h: the SSD hit rate, 0 without SSD or while
-  SSD is paused.
+  SSD is paused; w: the mean wait a round's Speculate gives the next round (below), 0
+  likewise.
 
 The candidates of a round, each with its zero:
 - the draft model: k in [0, max_k] (`choose_k`); under hybrid, once the draft is back, its
@@ -83,11 +84,19 @@ The candidates of a round, each with its zero:
 With SSD the policy also sizes each Speculate: a Speculate feeds the draft, then drafts
 branch_k tokens for f branches in batched steps, which takes about
 S(f) = s (branch_k + 1) (1 + c (f - 1)) (s: measured time of one step for one branch, c:
-`branch_cost`, the extra cost of each further row of a batched step). The fan-out is the
-largest f <= f_max with S(f) <= `fit_margin` x V(1 + k), so the Speculate is done when the
-verdict comes. A Speculate still running at its verdict (late) counts as having taken
-longer than that Verify; after `late_limit` late Speculates in a row at fan-out 1, SSD
-pauses for `pause_rounds` rounds (no Speculate, h = 0) and then tries again.
+`branch_cost`, the extra cost of each further row of a batched step). A Speculate still
+running at its verdict (late) is not wasted: the next round's Draft queues behind it on
+the drafter and, on a hit, is answered from its branches without a forward. So it keeps
+the next round waiting w = S(f) - V(1 + k), and saves that round's Draft, D(branch_k), on
+a hit: it pays while w < h D(branch_k). The fan-out is the largest f <= f_max with
+S(f) <= `fit_margin` x (V(1 + k) + h D(branch_k)). The next round settles a late
+Speculate: its Draft's round trip beyond its forward and o_d is w (kept out of o_d; a
+quarter of the Verify when no Draft measured it), which prices drafting as
+D(k) (1 - h) + w, and a hit it prepared counts for h. Each Speculate saved the next round
+D(branch_k) if it hit, less w; once `late_limit` have settled since SSD (re)started and
+they saved nothing on average (on a CPU, a drafter as dear as a third of the target
+whose Speculates outlast the Verify), SSD pauses for `pause_rounds` rounds (no
+Speculate, h = 0) and then tries again, measured afresh.
 
 Why changing the draft is exact: every round is an ordinary speculation round (DESIGN §2):
 given the tokens so far, the tokens it appends follow the target's distribution for any
@@ -149,7 +158,7 @@ class AdaptivePolicy:
         self.p = p = params or PolicyParams()
         self.priors = priors
         self.prices = Prices(p)
-        self.fanout = FanOut(ssd, max_fan_out, p)
+        self.fanout = FanOut(ssd, max_fan_out, p, priors.ssd if priors is not None else None)
         self.sources = starting_acceptance(p, priors)
         self.model = self.sources[MODEL]  # the draft model's
         # A tree's other branches, in the rounds whose first branch failed at its first
@@ -226,11 +235,15 @@ class AdaptivePolicy:
     # -- the model -----------------------------------------------------------------------------
 
     def drafting(self, k: int) -> float:
-        """D(k) (1 - h): the seconds a Draft of k tokens keeps the round waiting."""
-        return self.prices.draft_cost(k) * (1.0 - self.fanout.hit_rate)
+        """D(k) (1 - h) + w: the seconds a Draft of k tokens keeps the round waiting, and
+        the wait its Speculate, if late, gives the next (0 for k = 0)."""
+        if k <= 0:
+            return 0.0
+        fanout = self.fanout
+        return self.prices.draft_cost(k) * (1.0 - fanout.hit_rate) + fanout.wait
 
     def round_time(self, k: int, width: int = 1) -> float:
-        """T(k) of a draft model round, in seconds: V(1 + k) + D(k) (1 - h) idle, priced
+        """T(k) of a draft model round, in seconds: V(1 + k) + D(k) (1 - h) + w idle, priced
         at the batch's cost under load (`Prices.price`)."""
         assert self.prices.draft_time() is not None
         return self.prices.price(1 + k, self.drafting(k), width, k)
@@ -313,7 +326,8 @@ class AdaptivePolicy:
     def choose_fan_out(self, k: int, branch_k: int) -> int | None:
         """Branches to ask the next Speculate for (this round drafts k, the branches
         branch_k); None: send no Speculate (SSD paused)."""
-        return self.fanout.choose(branch_k, self.prices.verify_time(1 + k))
+        draft = self.prices.draft_cost(branch_k) if self._known() else 0.0
+        return self.fanout.choose(branch_k, self.prices.verify_time(1 + k), draft)
 
     def tree_sizes(
         self, k: int, branches: int, bound: int, source: str = Source.NGRAM
@@ -389,21 +403,18 @@ class AdaptivePolicy:
 
     def observe(self, o: Outcome) -> None:
         """Learn from a round's outcome (specdec.gateway.outcome): the drafter's time when
-        its model ran, the verdict and its time, the Speculate's time, SSD hit or miss.
-        A late Speculate (still running at its verdict) took longer than that Verify; the
-        next round's Draft then waited for it, so even its prepared draft was on the
-        critical path: a miss for h."""
+        its model ran, the verdict and its time, the Speculate's time, SSD hit or miss,
+        and the last round's late Speculate (`FanOut.settle_round`)."""
         if self.priors is not None:
             self.priors.observe_outcome(o)
         if o.seconds > 0:
             self.prices.round.add(o.seconds)
-        if o.late_outcome is not None:
-            self.fanout.observe_ssd(False)
+        draft_seconds = self.fanout.settle_round(o, self.prices.draft_overhead_s)
         if o.source == Source.DRAFTED:  # a tree's leaves took no forward of their own, its
             # continuations one per token of the longest
             self.observe_draft(
                 o.chain + o.tree_depth if o.tree else o.k - o.extended,
-                o.draft_seconds,
+                draft_seconds,
                 o.draft_forward_ms,
                 o.draft_fed,
             )
@@ -428,4 +439,4 @@ class AdaptivePolicy:
         elif o.speculate_seconds is not None:
             self.observe_speculate(o.fan_out or 0, o.branch_k, o.speculate_seconds)
         if o.ssd in (Ssd.HIT, Ssd.MISS):
-            self.fanout.observe_ssd(o.ssd == Ssd.HIT)
+            self.fanout.settle(o.ssd == Ssd.HIT)

@@ -26,6 +26,9 @@ class PolicyParams:
     branch_cost: float = 0.15  # extra time of each further branch in a batched step
     late_limit: int = 3  # late Speculates in a row at fan-out 1 before SSD pauses
     pause_rounds: int = 16  # rounds without Speculate before SSD is tried again
+    # where the gateway's Speculates saved nothing, one new request in this many tries SSD
+    # (the others start paused)
+    ssd_explore_every: int = 4
 
 
 @dataclass(frozen=True, slots=True)

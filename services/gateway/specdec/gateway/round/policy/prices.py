@@ -211,10 +211,14 @@ class Prices:
         if k <= 0:
             return 0.0
         d = self.draft_time() or 0.0
+        return max(self.draft_overhead_s, self.drafter_wait()) + k * d
+
+    @property
+    def draft_overhead_s(self) -> float:
+        """o_d: a Draft's round trip beyond its forwards, before one the Verify's (0 before
+        either)."""
         fixed = self.draft_overhead.value
-        if fixed is None:
-            fixed = self.overhead.value or 0.0
-        return max(fixed, self.drafter_wait()) + k * d
+        return (self.overhead.value or 0.0) if fixed is None else fixed
 
     # -- measurements --------------------------------------------------------------------------
 
