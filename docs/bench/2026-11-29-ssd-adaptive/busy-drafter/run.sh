@@ -1,0 +1,24 @@
+#!/bin/bash
+# An experiment on c35df88 (experiment.diff, not committed): no Speculate while the drafter last reported others waiting; torch paged, 1 and 2 sessions.
+set -u
+cd /work/main
+M=~/.cache/specdec/models
+OUT=/work/ssd1/out7
+mkdir -p $OUT
+.venv/bin/specdec up --draft-model $M/qwen2.5-coder-0.5b-instruct/model \
+    --target-model $M/qwen2.5-coder-1.5b-instruct/model --port 50561 --http-port 0 \
+    --gateway-arg '--suffix-cache-scope off' --drafter-arg '--engine paged' --verifier-arg '--engine paged' \
+    --log-dir $OUT/logs > $OUT/up.out 2>&1 &
+UP=$!
+for t in $(seq 1 120); do grep -q "^ready" $OUT/up.out && break; sleep 5; done
+D=sdk/specdec/sdk/loadtest/prompts.jsonl
+load() { label=$1 modes=$2 c=$3 n=$4
+  .venv/bin/specdec loadtest --gateway 127.0.0.1:50561 --concurrency $c --modes $modes \
+    --prompts $D --num-requests $n --max-new-tokens 32 --output-len-range 0.5 --no-progress \
+    --out $OUT/$label > $OUT/$label.log 2>&1
+  echo "$(date +%T) done $label"; }
+load c1 k0,default,adaptive 1 16
+load c2 k0,default,adaptive 2 24
+load c2b adaptive,default 2 24
+kill $UP; wait $UP
+echo "$(date +%T) all done"
