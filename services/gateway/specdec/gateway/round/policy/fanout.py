@@ -91,9 +91,7 @@ class FanOut:
 
     def settle(self, hit: bool) -> None:
         """The Speculate answered in time was a hit or a miss: a hit saved its Draft."""
-        self.hits.add(1.0 if hit else 0.0)
-        self.waits.add(0.0)
-        self._saved(self._draft if hit else 0.0)
+        self._settled(hit, 0.0, self._draft)
 
     def settle_round(self, o: Outcome, draft_overhead: float) -> float:
         """A round that decided the last round's late Speculate (`o.late_outcome`): its
@@ -120,23 +118,26 @@ class FanOut:
             return
         fan_out, branch_k, verify, draft = self._late
         self._late = None
-        if hit is not None:
-            self.hits.add(1.0 if hit else 0.0)
         if wait is None:
             wait = 0.25 * verify  # a floor, raised so the fan-out shrinks
-        self.waits.add(wait)
         self._step(fan_out, branch_k, verify + wait)
-        self._saved((draft if hit else 0.0) - wait)
+        self._settled(hit, wait, draft)
 
     def _step(self, fan_out: int, branch_k: int, seconds: float) -> None:
         per_step = seconds / ((branch_k + 1) * (1.0 + self.p.branch_cost * (max(1, fan_out) - 1)))
         if per_step > 0:
             self.step.add(per_step)
 
-    def _saved(self, seconds: float) -> None:
-        """A Speculate saved the next round `seconds` (below 0: it cost them). Once
-        `late_limit` have settled since SSD (re)started and they saved nothing on average,
-        SSD pauses for `pause_rounds` rounds. The gateway's SsdPrior counts it too."""
+    def _settled(self, hit: bool | None, wait: float, draft: float) -> None:
+        """A Speculate hit or missed (None: not known, no hit), kept the next round waiting
+        `wait` and so saved it its Draft (`draft`) on a hit, less the wait (below 0: it
+        cost it). Once `late_limit` have settled since SSD (re)started and they saved
+        nothing on average, SSD pauses for `pause_rounds` rounds. The gateway's SsdPrior
+        counts it too."""
+        if hit is not None:
+            self.hits.add(1.0 if hit else 0.0)
+        self.waits.add(wait)
+        seconds = (draft if hit else 0.0) - wait
         self.saved.add(seconds)
         self.settled += 1
         if self.prior is not None:
