@@ -29,21 +29,6 @@ LOGGER = "specdec.gateway.sessions"
 
 
 @pytest.fixture
-def server():
-    proc = RedisProcess()
-    proc.start()
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture
-def raw(server):
-    client = redis.Redis.from_url(server.url)
-    yield client
-    client.close()
-
-
-@pytest.fixture
 async def index(server):
     idx = SessionIndex(server.url)
     yield idx

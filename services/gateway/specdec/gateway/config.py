@@ -130,10 +130,17 @@ class GatewayConfig:
     )
     goodput_guard: bool = setting(
         True,
-        "under the adaptive policy, measure the tokens per second this gateway's requests "
+        "under the adaptive policy, measure the tokens per second the gateway's requests "
         "commit with speculation on and off at each load level (sessions, in powers of "
         "two, from 2), in alternating epochs, and run the faster (docs/concepts/"
         "cost-model.md#the-goodput-guard); --no-goodput-guard: the policy's model alone",
+    )
+    guard_scope: str = setting(
+        "shared",
+        "who the goodput guard measures and decides for: shared (every gateway replica on "
+        "the same --redis: one leads, counting all their requests; without --redis, this "
+        "replica) or replica (each replica its own requests)",
+        choices=("shared", "replica"),
     )
     guard_epoch_seconds: float = setting(
         GuardParams.min_measure,

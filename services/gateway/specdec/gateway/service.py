@@ -27,7 +27,8 @@ from specdec.gateway.observe.recorder import Recorder
 from specdec.gateway.round.grammar import Grammars
 from specdec.gateway.round.lookup.settings import LookupSettings, SuffixParams
 from specdec.gateway.round.lookup.suffix import SuffixCache
-from specdec.gateway.round.policy import GoodputGuard, GuardParams, SourcePriors
+from specdec.gateway.round.policy import GoodputGuard, GuardParams, RoundGuard, SourcePriors
+from specdec.gateway.round.policy.shared import SharedGuard
 from specdec.gateway.sessions import SessionIndex, TurnLocks
 from specdec.gateway.text import TextCodec
 from specdec.sdk.request import Sampling
@@ -79,15 +80,23 @@ class GatewayCore:
         # Each draft source's acceptance over the requests served: where a new request's
         # adaptive policy starts from (specdec.gateway.round.policy).
         self.source_priors = SourcePriors()
+
         # Speculation on or off by measured goodput at each load level, for every adaptive
-        # request of this gateway replica (specdec.gateway.round.policy.guard).
-        self.guard = (
-            GoodputGuard(
-                GuardParams(min_measure=config.guard_epoch_seconds), report=metrics.guard_epoch
+        # request (specdec.gateway.round.policy.guard): of every gateway replica on the same
+        # Redis (specdec.gateway.round.policy.shared), or of this one.
+        def make_guard() -> GoodputGuard:
+            params = GuardParams(min_measure=config.guard_epoch_seconds)
+            return GoodputGuard(params, report=metrics.guard_epoch)
+
+        self.guard: RoundGuard | None = None
+        self.shared_guard: SharedGuard | None = None
+        if config.goodput_guard and config.guard_scope == "shared" and self.sessions.redis:
+            self.shared_guard = SharedGuard(
+                self.sessions.redis, make_guard, on_role=lambda r: metrics.guard_role(r.value)
             )
-            if config.goodput_guard
-            else None
-        )
+            self.guard = self.shared_guard
+        elif config.goodput_guard:
+            self.guard = make_guard()
         self._background: set[asyncio.Task[None]] = set()
         self.lookup_settings = LookupSettings(
             prompt_lookup_min=config.prompt_lookup_min,
@@ -150,6 +159,8 @@ class GatewayCore:
             log.warning(
                 "redis unreachable at start; sessions stay in this process until it is back"
             )
+        if self.shared_guard is not None:
+            await self.shared_guard.start()
         log.info(
             "gateway ready",
             extra={
@@ -162,6 +173,8 @@ class GatewayCore:
         )
 
     async def close(self) -> None:
+        if self.shared_guard is not None:
+            await self.shared_guard.close()
         await self.fleet.close()
         await self.turns.close()
         await self.sessions.close()

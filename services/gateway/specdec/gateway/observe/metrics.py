@@ -81,6 +81,19 @@ GUARD_EPOCHS = Counter(
     PREFIX + "guard_epochs", "Epochs the goodput guard measured, by mode (spec, plain)", ["mode"]
 )
 
+GUARD_ROLE = Gauge(
+    PREFIX + "guard_role",
+    "1 for this replica's role in the goodput guard its replicas share (leader: it counts "
+    "every replica's requests and decides; follower; alone: Redis unreachable)",
+    ["role"],
+)
+
+
+def guard_role(role: str) -> None:
+    """This replica's role in the shared goodput guard, now."""
+    for name in ("leader", "follower", "alone"):
+        GUARD_ROLE.labels(role=name).set(1.0 if name == role else 0.0)
+
 
 def guard_epoch(level: int, mode: str, tokens_per_s: float) -> None:
     """An epoch the goodput guard measured (its `report`), also logged."""

@@ -37,7 +37,7 @@ from specdec.gateway.round.draft import Draft, Drafts, constrained
 from specdec.gateway.round.grammar import Constraint
 from specdec.gateway.round.lookup import HYBRID, MODEL
 from specdec.gateway.round.lookup.hybrid import RequestLookup
-from specdec.gateway.round.policy import GoodputGuard, GuardMode, Policy
+from specdec.gateway.round.policy import GuardMode, Policy, RoundGuard
 from specdec.gateway.round.ssd import SsdBranches, SsdCall, SsdVerdict
 from specdec.sdk.request import Scoring
 
@@ -58,7 +58,7 @@ class Speculator:
         lookup_max_k: int = 0,
         constraint: Constraint | None = None,
         lookup: RequestLookup | None = None,
-        guard: GoodputGuard | None = None,
+        guard: RoundGuard | None = None,
     ):
         """One request's rounds through `calls` (its placements, and the sampling and
         output controls every call carries): whether its sampling is `greedy` and its

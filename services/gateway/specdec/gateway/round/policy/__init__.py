@@ -8,9 +8,11 @@
   load (prices.py), and SSD's fan-out (fanout.py); its constants (params.py).
 - `GoodputGuard` (guard.py): the gateway's epochs of speculation on and off under load,
   measured, for every adaptive request; the faster mode runs at each load level.
+- `SharedGuard` (shared.py): one such guard for all of a gateway's replicas, kept through
+  Redis: one replica leads and counts every replica's rounds, the others follow it.
 
-The modules import down this list: params, guard; acceptance, trees; prices, fanout;
-fixed; adaptive.
+The modules import down this list: params, guard; acceptance, trees, shared; prices,
+fanout; fixed; adaptive.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from specdec.gateway.names import KPolicy
 from specdec.gateway.round.policy.acceptance import SourcePriors
 from specdec.gateway.round.policy.adaptive import AdaptivePolicy
 from specdec.gateway.round.policy.fixed import FixedPolicy
-from specdec.gateway.round.policy.guard import GoodputGuard, GuardMode, GuardParams
+from specdec.gateway.round.policy.guard import GoodputGuard, GuardMode, GuardParams, RoundGuard
 from specdec.gateway.round.policy.params import Estimate, PolicyParams
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "GuardParams",
     "Policy",
     "PolicyParams",
+    "RoundGuard",
     "SourcePriors",
     "make_policy",
     "parse_policy",

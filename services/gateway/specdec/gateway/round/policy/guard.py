@@ -60,10 +60,14 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Literal
+from typing import Any, Literal, Protocol
+
+# A session's key: a round loop's id on its own gateway replica, (replica, id) for a round
+# another replica reports (specdec.gateway.round.policy.shared).
+GuardSession = Hashable
 
 
 class GuardMode(str, Enum):
@@ -110,6 +114,18 @@ class Ticket:
     epoch: int
     mode: GuardMode
     alone: bool = False  # its session was alone with a request: it speculates in any epoch
+    term: str = ""  # the leading replica's term it was issued under (a shared guard's)
+
+
+class RoundGuard(Protocol):
+    """What a request's round loop asks of a guard: this replica's `GoodputGuard`, or the
+    one its replicas share (specdec.gateway.round.policy.shared.SharedGuard)."""
+
+    def begin(self, session: GuardSession) -> Ticket: ...
+
+    def end(self, session: GuardSession, ticket: Ticket, tokens: int, seconds: float) -> None: ...
+
+    def leave(self, session: GuardSession) -> None: ...
 
 
 def level_of(sessions: int) -> int:
@@ -161,8 +177,7 @@ class GoodputGuard:
         clock: Callable[[], float] = time.monotonic,
         report: Callable[[int, str, float], None] | None = None,
     ):
-        """`report(level, mode, tokens per second)`: each epoch measured (the gateway's
-        metrics)."""
+        """`report(level, mode, tokens per second)`: each epoch measured (the metrics)."""
         self.p = params or GuardParams()
         self.clock = clock
         self.report = report
@@ -170,32 +185,30 @@ class GoodputGuard:
         self.mode = GuardMode.SPEC
         self.round_seconds = dict.fromkeys(GuardMode, 0.0)  # each mode's mean round (0: none seen)
         self.request_seconds = 0.0  # the mean request: its first round to its end (0: none seen)
-        self.last_seen: dict[int, float] = {}  # session -> when its last round ended
+        self.last_seen: dict[GuardSession, float] = {}  # session -> when its last round ended
         # (tokens, seconds) of each mode's last epochs at each level
         self.measured: dict[tuple[int, GuardMode], deque[tuple[float, float]]] = {}
         self._level = 0  # the level of the last epoch that closed
         self._since: dict[int, int] = {}  # level -> epochs since its slower mode last ran
         self.started = 0.0  # when the epoch began
         self.measuring_from: float | None = None  # when it began to measure (None: settling)
-        self._pending: set[int] = set()  # sessions yet to finish a round of the epoch
+        self._pending: set[GuardSession] = set()  # sessions yet to finish a round of the epoch
         self._length = 0.0  # seconds the epoch measures, once settled
         self._tokens = 0.0  # tokens counted: each round's share within the measurement
-        # Sessions with a request (from a round of it to leave()) -> when its first round began
-        self._present: dict[int, float] = {}
-        self._area = 0.0  # session-seconds of presence within the measurement
-        self._area_at = 0.0  # up to when it is counted
+        self._present: dict[GuardSession, float] = {}  # with a request -> its first round began
+        self._area, self._area_at = 0.0, 0.0  # sessions present x seconds in the count, to when
         self._settled: list[float] = []  # seconds of the epoch's rounds ended settling
         self._last_counted: float | None = None  # when the last counted round ended in it
         self._peak: int | None = None  # the most sessions in a round at once in the measurement
-        self._awaited: set[int] | None = None  # sessions in a round when it ended (None: before)
+        self._awaited: set[GuardSession] | None = None  # in a round when it ended (None: before)
         self._lost_any = False  # a round it awaited was lost
-        self._running: dict[int, float] = {}  # sessions in a round -> when it began
+        self._running: dict[GuardSession, float] = {}  # sessions in a round -> when it began
         self._crowded_at = -math.inf  # when min_sessions had a request at once, last
         self._begin(self.clock())
 
     # -- what the rounds report -------------------------------------------------------------
 
-    def begin(self, session: int) -> Ticket:
+    def begin(self, session: GuardSession) -> Ticket:
         """A round of `session` begins: the epoch and the mode it runs under."""
         now = self.clock()
         self._observe(now)
@@ -205,18 +218,10 @@ class GoodputGuard:
         start = self.measuring_from
         if start is not None and self._peak is not None and now < start + self._length:
             self._peak = max(self._peak, len(self._running))  # rounds begun within it
-        # A session alone (the load gone) speculates, whatever the epoch's mode: alone
-        # with a request, not in a round (a batched forward's sessions begin their next
-        # rounds one by one), for `alone_rounds` of the epoch's rounds (not a closed
-        # loop's turnaround, which cost plain epochs 4% at 2 sessions on llama.cpp).
-        if len(self._present) >= self.p.min_sessions:
-            self._crowded_at = now
-        alone = len(self._present) < self.p.min_sessions and (
-            now - self._crowded_at >= self.p.alone_rounds * self.round_seconds[self.mode]
-        )
+        alone = self.is_alone(now)
         return Ticket(self.epoch, GuardMode.SPEC if alone else self.mode, alone)
 
-    def end(self, session: int, ticket: Ticket, tokens: int, seconds: float) -> None:
+    def end(self, session: GuardSession, ticket: Ticket, tokens: int, seconds: float) -> None:
         """A round of `session` begun under `ticket` (`seconds` ago) committed `tokens`."""
         now = self.clock()
         self._observe(now)
@@ -238,7 +243,7 @@ class GoodputGuard:
             self._awaited.discard(session)
         self._advance(now)
 
-    def leave(self, session: int) -> None:
+    def leave(self, session: GuardSession) -> None:
         """`session`'s request is done: no round of it is awaited."""
         now = self.clock()
         self._observe(now)
@@ -258,10 +263,22 @@ class GoodputGuard:
 
     # -- what it decided ----------------------------------------------------------------------
 
+    def is_alone(self, now: float | None = None) -> bool:
+        """Whether a round beginning `now` (the clock's) is alone, and speculates whatever
+        the epoch's mode: its session alone with a request (the load gone), not in a round
+        (a batched forward's sessions begin their next rounds one by one), for
+        `alone_rounds` of the epoch's rounds (not a closed loop's turnaround, which cost
+        plain epochs 4% at 2 sessions on llama.cpp). A shared guard's followers are told."""
+        now = self.clock() if now is None else now
+        if len(self._present) >= self.p.min_sessions:
+            self._crowded_at = now
+        return len(self._present) < self.p.min_sessions and (
+            now - self._crowded_at >= self.p.alone_rounds * self.round_seconds[self.mode]
+        )
+
     def rates(self, level: int) -> dict[GuardMode, float]:
-        """The tokens per second measured at `level` from each mode's remembered epochs,
-        per mode measured: the median of their rates (`summary`; "pooled": their tokens
-        over their seconds)."""
+        """Each measured mode's tokens per second at `level`, from its remembered epochs:
+        the median of their rates (`summary`; "pooled": their tokens over their seconds)."""
         out = {}
         for mode in GuardMode:
             seen = self.measured.get((level, mode))
@@ -451,3 +468,29 @@ class GoodputGuard:
                 return rates[GuardMode.SPEC] / rates[GuardMode.PLAIN]
             below //= 2
         return None
+
+
+def learnt(guard: GoodputGuard) -> dict[str, Any]:
+    """What `guard` measured and when it last tried the slower mode, per level, as
+    JSON-ready data: what a replica taking over the shared guard starts from (`restore`)."""
+    return {
+        "measured": [
+            [level, mode.value, [list(e) for e in seen]]
+            for (level, mode), seen in guard.measured.items()
+        ],
+        "since": [[level, n] for level, n in guard._since.items()],
+    }
+
+
+def restore(guard: GoodputGuard, data: dict[str, Any]) -> None:
+    """Start `guard` from what another `learnt` (its epochs in progress are not carried:
+    its first epoch settles and measures anew). Raises ValueError or KeyError on data not
+    in that form."""
+    measured = {}
+    for level, mode, seen in data["measured"]:
+        epochs = [(float(t), float(s)) for t, s in seen]
+        if any(s <= 0 or t < 0 for t, s in epochs):
+            raise ValueError(f"an epoch of no time or negative tokens: {epochs}")
+        measured[(int(level), GuardMode(mode))] = deque(epochs, maxlen=guard.p.window)
+    guard.measured = measured
+    guard._since = {int(level): int(n) for level, n in data["since"]}

@@ -1,0 +1,221 @@
+"""The goodput guard shared by a gateway's replicas (specdec.gateway.round.policy.shared),
+against a real redis-server (started per test: tests/unit/conftest.py; no mocks). Each
+`SharedGuard` stands for one gateway replica; they share one Redis, as in a deployment."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+
+import pytest
+import redis.asyncio as aioredis
+
+from specdec.gateway.round.policy import GoodputGuard, GuardMode, GuardParams
+from specdec.gateway.round.policy.guard import Ticket, learnt, restore
+from specdec.gateway.round.policy.shared import GuardRole, SharedGuard, State
+
+LEASE, POLL = 2.0, 0.05  # a lease that outlasts a loaded CI machine's pauses
+# Epochs short enough to close within a second of rounds of 10 ms.
+FAST = GuardParams(min_measure=0.2, measure_rounds=1.0, measure_requests=0.0, settle_rounds=0.5)
+
+
+@contextlib.asynccontextmanager
+async def replicas_on(server):
+    """A factory of started SharedGuards, one per simulated gateway replica; closed after.
+    (In the test's own event loop: their tasks live there.)"""
+    made: list[tuple[SharedGuard, aioredis.Redis]] = []
+
+    async def make(params: GuardParams = FAST, roles: list[GuardRole] | None = None) -> SharedGuard:
+        client = aioredis.Redis.from_url(server.url, socket_timeout=0.5)
+        guard = SharedGuard(client, lambda: GoodputGuard(params), lease=LEASE, poll=POLL)
+        guard.on_role = roles.append if roles is not None else None
+        await guard.start()
+        made.append((guard, client))
+        return guard
+
+    try:
+        yield make
+    finally:
+        for guard, client in made:
+            await guard.close()
+            await client.aclose()
+
+
+async def until(check, timeout: float = 20.0) -> None:
+    """Wait for `check()` to hold (a bound for a hung test, not a measure of speed)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not check():
+        assert loop.time() < deadline, "the condition never held"
+        await asyncio.sleep(0.01)
+
+
+async def rounds(guard: SharedGuard, sessions: list[int], stop: asyncio.Event, tickets: list):
+    """`sessions` running rounds of 10 ms that commit 2 tokens each, until `stop`; every
+    ticket kept. Returns the tokens committed and the seconds they took."""
+    loop = asyncio.get_running_loop()
+    start, tokens = loop.time(), 0
+
+    async def one(session: int) -> None:
+        nonlocal tokens
+        while not stop.is_set():
+            ticket = guard.begin(session)
+            tickets.append(ticket)
+            began = loop.time()
+            await asyncio.sleep(0.01)
+            guard.end(session, ticket, 2, loop.time() - began)
+            tokens += 2
+        guard.leave(session)
+
+    await asyncio.gather(*(one(s) for s in sessions))
+    return tokens, loop.time() - start
+
+
+async def test_one_replica_leads_and_the_others_follow_its_term(server, raw):
+    async with replicas_on(server) as replicas:
+        guards = [await replicas() for _ in range(3)]
+        await until(
+            lambda: all(g.state is not None for g in guards if g.role is GuardRole.FOLLOWER)
+        )
+        leaders = [g for g in guards if g.role is GuardRole.LEADER]
+        assert len(leaders) == 1
+        leader = leaders[0]
+        assert raw.get("specdec:guard:leader").decode() == leader.term
+        for g in guards:
+            if g is not leader:
+                assert g.role is GuardRole.FOLLOWER
+                assert g.state.term == leader.term
+
+
+async def test_the_leader_measures_the_followers_rounds(server):
+    """The leader runs no round of its own: every epoch its guard measures is the
+    follower's, at about the rate the follower's sessions committed."""
+    async with replicas_on(server) as replicas:
+        leader = await replicas()
+        follower = await replicas()
+        assert (leader.role, follower.role) == (GuardRole.LEADER, GuardRole.FOLLOWER)
+        stop, tickets = asyncio.Event(), []
+        work = asyncio.ensure_future(rounds(follower, [1, 2], stop, tickets))
+        await until(lambda: leader.guard.measured)
+        stop.set()
+        tokens, seconds = await work
+        ((level, _mode), seen), *_ = leader.guard.measured.items()
+        assert level == 2  # the follower's two sessions
+        counted, length = seen[0]
+        assert counted / length == pytest.approx(tokens / seconds, rel=0.5)
+        # The follower's rounds ran under the leader's epochs and term.
+        assert {t.term for t in tickets} == {leader.term}
+        assert len({t.epoch for t in tickets}) >= 2
+
+
+async def test_the_leaders_mode_reaches_a_follower_once_its_sessions_are_not_alone(server):
+    async with replicas_on(server) as replicas:
+        leader = await replicas()
+        follower = await replicas()
+        leader.guard.mode = GuardMode.PLAIN  # what its epochs decided (test_guard's subject)
+        await until(lambda: follower.state is not None and follower.state.mode is GuardMode.PLAIN)
+        # One session, alone in every replica: it speculates in a plain epoch.
+        assert follower.state.alone
+        assert follower.begin(1).mode is GuardMode.SPEC
+        follower.begin(2)  # a second: the leader hears of both, and they are not alone
+        await until(lambda: not follower.state.alone)
+        ticket = follower.begin(1)
+        assert (ticket.mode, ticket.alone, ticket.term) == (GuardMode.PLAIN, False, leader.term)
+
+
+async def test_a_round_of_another_term_counts_nothing(server):
+    async with replicas_on(server) as replicas:
+        leader = await replicas()
+        guard = leader.guard
+        for session in (1, 2):
+            guard.begin(session)
+        guard.measuring_from, guard._length, guard._peak = guard.clock() - 1.0, 10.0, 2
+        event = ["x", "e", 1, "another", guard.epoch, "spec", False, 5, 0.5]
+        leader._apply(json.dumps(event).encode())
+        assert guard._tokens == 0.0
+        event[3] = leader.term  # the negative control: the same round under its term counts
+        event[2] = 2
+        leader._apply(json.dumps(event).encode())
+        assert guard._tokens == pytest.approx(5.0)
+        # A local ticket of another term neither.
+        leader.end(1, Ticket(guard.epoch, GuardMode.SPEC, term="another"), 7, 0.5)
+        assert guard._tokens == pytest.approx(5.0)
+
+
+async def test_unreadable_events_are_skipped(server, caplog):
+    async with replicas_on(server) as replicas:
+        leader = await replicas()
+        before = dict(leader.guard._running)
+        with caplog.at_level(logging.WARNING, "specdec.gateway.round.policy.shared"):
+            for raw in (b"", b"[1]", b'["x", "q", 1]', b'["x", "e", 1, "t", "no epoch"]'):
+                leader._apply(raw)
+        assert leader.guard._running == before
+        assert sum("unreadable event" in r.message for r in caplog.records) == 4
+
+
+async def test_a_follower_takes_over_a_crashed_leader_from_what_it_learnt(server, raw):
+    async with replicas_on(server) as replicas:
+        roles: list[GuardRole] = []
+        leader = await replicas()
+        follower = await replicas(roles=roles)
+        taught = {
+            "measured": [[4, "spec", [[90.0, 10.0]]], [4, "plain", [[100.0, 10.0], [98.0, 10.0]]]],
+            "since": [[4, 2]],
+        }
+        restore(leader.guard, taught)
+        leader._learnt_epoch = -1  # an epoch closed: published with the next renewal
+        await until(lambda: raw.get("specdec:guard:learnt") is not None)
+        # The leader's process dies: no release, its lease runs out.
+        for task in leader._tasks:
+            task.cancel()
+        await asyncio.gather(*leader._tasks, return_exceptions=True)
+        leader._tasks, leader.role = [], GuardRole.ALONE  # (its close() releases nothing now)
+        await until(lambda: follower.role is GuardRole.LEADER)
+        assert roles == [GuardRole.FOLLOWER, GuardRole.LEADER]
+        assert learnt(follower.guard) == taught
+        assert follower.guard.rates(4) == {GuardMode.SPEC: 9.0, GuardMode.PLAIN: 9.9}
+        assert State.decode(raw.get("specdec:guard:state")).term == follower.term
+
+
+async def test_a_leader_that_closes_releases_the_lease(server, raw):
+    async with replicas_on(server) as replicas:
+        leader = await replicas()
+        assert raw.get("specdec:guard:leader") is not None
+        await leader.close()
+        assert raw.get("specdec:guard:leader") is None
+        assert raw.get("specdec:guard:state") is None
+
+
+async def test_a_leader_whose_lease_was_taken_follows_and_writes_nothing(server, raw):
+    async with replicas_on(server) as replicas:
+        leader = await replicas()
+        raw.set("specdec:guard:leader", "someone-else", px=5000)
+        taken = State("someone-else", 7, GuardMode.PLAIN, False).encode()
+        raw.set("specdec:guard:state", taken, px=5000)
+        await until(lambda: leader.role is GuardRole.FOLLOWER)
+        await until(lambda: leader.state is not None)
+        assert leader.state.term == "someone-else"
+        assert raw.get("specdec:guard:state").decode() == taken
+
+
+async def test_without_redis_a_replica_decides_alone_then_rejoins(server):
+    async with replicas_on(server) as replicas:
+        roles: list[GuardRole] = []
+        guard = await replicas(roles=roles)
+        assert guard.role is GuardRole.LEADER
+        server.stop()
+        await until(lambda: guard.role is GuardRole.ALONE)
+        ticket = guard.begin(1)  # its own guard decides, its tickets count there
+        assert ticket.term == guard.term
+        guard.end(1, ticket, 3, 0.1)
+        assert guard.guard.round_seconds[GuardMode.SPEC] == pytest.approx(0.1)
+        server.start()  # empty: no one leads
+        await until(lambda: guard.role is GuardRole.LEADER)
+        assert roles == [GuardRole.LEADER, GuardRole.ALONE, GuardRole.LEADER]
+
+
+def test_poll_must_be_well_within_the_lease():
+    with pytest.raises(ValueError, match="poll"):
+        SharedGuard(None, GoodputGuard, lease=0.3, poll=0.1)  # type: ignore[arg-type]
