@@ -273,3 +273,25 @@ def test_the_guard_keeps_a_mispriced_policy_from_losing(concurrency):
     if concurrency == 32:
         assert adaptive < 0.8 * k0, report  # the stand-in does fool the model
         assert guarded >= 0.98 * k0, report
+
+
+# A verifier whose drafted forwards take 30% more than it reports, at 32 sessions: where
+# speculation loses a little, and one guard over every session finds it.
+SHARED = loadsim.setup_of(SURFACES["cpu-float32-packed"], unpriced=0.3)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_one_guard_over_every_replica_where_separate_guards_speculate_and_lose(seed):
+    """32 sessions over 2 gateway replicas. A guard per replica measures its own sessions
+    faster speculating (the other replica's plain rows wait for its wide ones), so both
+    speculate and every session runs slower than at k = 0; one guard over every session
+    (what the replicas share through Redis: specdec.gateway.round.policy.shared) runs
+    plain steps. The separate guards' loss is the reason the guard is shared: if it goes,
+    so may the sharing."""
+    k0 = loadsim.run(SHARED, 32, "k=0", rounds=300, seed=seed).tokens_per_s
+    one = loadsim.run(SHARED, 32, "guarded", rounds=300, seed=seed, gateways=1)
+    apart = loadsim.run(SHARED, 32, "guarded", rounds=300, seed=seed, gateways=2)
+    report = {"k0": k0, "one": one, "apart": apart}
+    assert one.tokens_per_s >= 0.97 * k0, report
+    assert apart.tokens_per_s < 0.96 * k0, report
+    assert one.mean_k < 0.5 * apart.mean_k, report

@@ -231,12 +231,17 @@ class _Sim:
         make_policy: Callable[[], Any],
         seed: int,
         guarded: bool = False,
+        gateways: int = 1,
     ):
         self.setup = setup
         self.make_policy = make_policy
         self.now = 0.0
-        # The gateway's goodput guard over the sessions' rounds, on simulated time.
-        self.guard = GoodputGuard(clock=lambda: self.now) if guarded else None
+        # The gateway's goodput guard over the sessions' rounds, on simulated time; with
+        # `gateways` replicas each guarding its own sessions (session i on replica i mod
+        # gateways), one guard per replica: the guard before replicas shared it
+        # (specdec.gateway.round.policy.shared).
+        self.guards = [GoodputGuard(clock=lambda: self.now) for _ in range(gateways)]
+        self.guarded = guarded
         self.verifier = Replica(setup.target, setup.max_rows)
         self.drafter = Replica(setup.target.scaled(setup.draft_share, "drafter"), setup.max_rows)
         self.events: list[tuple[float, int, str, Any]] = []
@@ -281,6 +286,10 @@ class _Sim:
             (self.rows - rows0) / forwards if forwards else 0.0,
         )
 
+    def _guard(self, s: _Session) -> GoodputGuard:
+        """The guard of the replica serving session `s`."""
+        return self.guards[s.index % len(self.guards)]
+
     def _new_request(self, s: _Session) -> None:
         s.policy = self.make_policy()
         s.generated = s.rounds = 0
@@ -291,7 +300,7 @@ class _Sim:
         half = self.setup.overhead_ms / 2e3
         remaining = self.setup.request_tokens - s.generated
         max_k = max(0, min(MAX_K, remaining - 1))
-        s.ticket = self.guard.begin(s.index) if self.guard is not None else None
+        s.ticket = self._guard(s).begin(s.index) if self.guarded else None
         if s.ticket is not None and s.ticket.mode == GuardMode.PLAIN:
             max_k = 0
         s.k = s.policy.choose_k(max_k)
@@ -358,8 +367,8 @@ class _Sim:
             draft_forward_ms=s.draft_ms if s.k else 0.0, draft_fed=1 if s.k else 0,
         )  # fmt: skip
         s.policy.observe(o)
-        if self.guard is not None and s.ticket is not None:
-            self.guard.end(s.index, s.ticket, accepted + 1, o.seconds)
+        if s.ticket is not None:
+            self._guard(s).end(s.index, s.ticket, accepted + 1, o.seconds)
         self.rounds += 1
         self.tokens += accepted + 1
         self.k_sum += s.k
@@ -383,10 +392,11 @@ def run(
     rounds: int = 120,
     warm: int = 20,
     seed: int = 1,
+    gateways: int = 1,
 ) -> Result:
     """One simulated run: `mode` "adaptive" (one SourcePriors for the gateway),
-    "guarded" (adaptive under the gateway's GoodputGuard) or "k=<n>" (a fixed policy at
-    k = n)."""
+    "guarded" (adaptive under the gateway's GoodputGuard: one over every session, or one
+    per replica of `gateways`, each over its own) or "k=<n>" (a fixed policy at k = n)."""
     if mode in ("adaptive", "guarded"):
         priors = SourcePriors()
 
@@ -402,7 +412,7 @@ def run(
         def make() -> Any:
             return _Fixed()
 
-    sim = _Sim(setup, concurrency, make, seed, guarded=mode == "guarded")
+    sim = _Sim(setup, concurrency, make, seed, guarded=mode == "guarded", gateways=gateways)
     tokens_per_s, rows = sim.run(rounds, warm)
     measured = sum(sim.k_counts)
     return Result(
@@ -448,16 +458,57 @@ def table(name: str, results: dict[int, dict[str, Result]]) -> str:
     return "\n".join(lines)
 
 
+def guard_replicas(
+    setup: Setup,
+    concurrency: int,
+    gateways: Sequence[int] = (1, 2, 4),
+    seeds: Sequence[int] = (1, 2, 3),
+    rounds: int = 300,
+) -> str:
+    """A markdown table: the guarded policy over k = 0, and its mean k, per seed, with the
+    sessions split over each number of gateway replicas guarding their own (1: one guard
+    over every session, what the replicas share through Redis)."""
+    head = ["seed", *(f"{g} {'guard' if g == 1 else 'guards'}" for g in gateways)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "--:|" * len(head)]
+    for seed in seeds:
+        k0 = run(setup, concurrency, "k=0", rounds=rounds, seed=seed).tokens_per_s
+        cells = [str(seed)]
+        for g in gateways:
+            r = run(setup, concurrency, "guarded", rounds=rounds, seed=seed, gateways=g)
+            cells.append(f"{r.tokens_per_s / k0:.3f}x (k {r.mean_k:.2f})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m specdec.tools.bench.loadsim")
     parser.add_argument("--surface", action="append", help="default: every surface")
     parser.add_argument("--acceptance", type=float, default=Setup.acceptance)
     parser.add_argument("--rounds", type=int, default=120)
+    parser.add_argument(
+        "--guard-replicas",
+        type=int,
+        metavar="SESSIONS",
+        help="instead of the sweep: the guarded policy at SESSIONS sessions under one guard "
+        "and under a guard per gateway replica (2 and 4 replicas), over k = 0, 300 rounds",
+    )
+    parser.add_argument(
+        "--unpriced",
+        type=float,
+        default=Setup.unpriced,
+        help="drafted verifier forwards take this share more than the verifier reports",
+    )
     args = parser.parse_args(argv)
+    if args.guard_replicas:
+        for name in args.surface or ["cpu-float32-packed"]:
+            setup = setup_of(surfaces()[name], unpriced=args.unpriced)
+            print(f"**{name}**, {args.guard_replicas} sessions, unpriced {args.unpriced}\n")
+            print(guard_replicas(setup, args.guard_replicas) + "\n")
+        return
     for name, surface in surfaces().items():
         if args.surface and name not in args.surface:
             continue
-        setup = setup_of(surface, acceptance=args.acceptance)
+        setup = setup_of(surface, acceptance=args.acceptance, unpriced=args.unpriced)
         label = f"{name} ({'measured' if surface.measured else 'modelled'}), " + (
             f"acceptance {args.acceptance}"
         )
