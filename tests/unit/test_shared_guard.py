@@ -110,6 +110,20 @@ async def test_the_leader_measures_the_followers_rounds(server):
         assert len({t.epoch for t in tickets}) >= 2
 
 
+async def test_the_leaders_load_level_counts_every_replicas_sessions(server):
+    """Two sessions on the leader, two on a follower, in rounds at once: the leader's
+    epochs are at level 4, the sessions of both (each alone: level 2)."""
+    async with replicas_on(server) as replicas:
+        leader = await replicas()
+        follower = await replicas()
+        stop = asyncio.Event()
+        work = asyncio.gather(rounds(leader, [1, 2], stop, []), rounds(follower, [1, 2], stop, []))
+        await until(lambda: leader.guard.measured)
+        stop.set()
+        await work
+        assert {level for level, _mode in leader.guard.measured} == {4}
+
+
 async def test_the_leaders_mode_reaches_a_follower_once_its_sessions_are_not_alone(server):
     async with replicas_on(server) as replicas:
         leader = await replicas()

@@ -346,7 +346,7 @@ class SharedGuard:
             except STORE_FAILURES:
                 await asyncio.sleep(self.poll)
                 continue
-            for _, entries in reply:
+            for _, entries in reply or ():  # nothing within the block: None or empty
                 for event_id, fields in entries:
                     self._read_from = event_id.decode()
                     if self.role is GuardRole.LEADER:
