@@ -96,6 +96,8 @@ async def test_the_leader_measures_the_followers_rounds(server):
         leader = await replicas()
         follower = await replicas()
         assert (leader.role, follower.role) == (GuardRole.LEADER, GuardRole.FOLLOWER)
+        delays: list[float] = []
+        leader.on_delay = delays.append
         stop, tickets = asyncio.Event(), []
         work = asyncio.ensure_future(rounds(follower, [1, 2], stop, tickets))
         await until(lambda: leader.guard.measured)
@@ -108,6 +110,8 @@ async def test_the_leader_measures_the_followers_rounds(server):
         # The follower's rounds ran under the leader's epochs and term.
         assert {t.term for t in tickets} == {leader.term}
         assert len({t.epoch for t in tickets}) >= 2
+        # Each event's delay, by one clock here: not negative (a clock step aside).
+        assert delays and min(delays) > -0.05
 
 
 async def test_the_leaders_load_level_counts_every_replicas_sessions(server):
@@ -146,11 +150,11 @@ async def test_a_round_of_another_term_counts_nothing(server):
         for session in (1, 2):
             guard.begin(session)
         guard.measuring_from, guard._length, guard._peak = guard.clock() - 1.0, 10.0, 2
-        event = ["x", "e", 1, "another", guard.epoch, "spec", False, 5, 0.5]
+        event = ["x", "e", 0.0, 1, "another", guard.epoch, "spec", False, 5, 0.5]
         leader._apply(json.dumps(event).encode())
         assert guard._tokens == 0.0
-        event[3] = leader.term  # the negative control: the same round under its term counts
-        event[2] = 2
+        event[4] = leader.term  # the negative control: the same round under its term counts
+        event[3] = 2
         leader._apply(json.dumps(event).encode())
         assert guard._tokens == pytest.approx(5.0)
         # A local ticket of another term neither.
@@ -163,7 +167,7 @@ async def test_unreadable_events_are_skipped(server, caplog):
         leader = await replicas()
         before = dict(leader.guard._running)
         with caplog.at_level(logging.WARNING, "specdec.gateway.round.policy.shared"):
-            for raw in (b"", b"[1]", b'["x", "q", 1]', b'["x", "e", 1, "t", "no epoch"]'):
+            for raw in (b"", b"[1]", b'["x", "q", 0.0, 1]', b'["x", "e", 0.0, 1, "t", "no epoch"]'):
                 leader._apply(raw)
         assert leader.guard._running == before
         assert sum("unreadable event" in r.message for r in caplog.records) == 4
@@ -233,3 +237,20 @@ async def test_without_redis_a_replica_decides_alone_then_rejoins(server):
 def test_poll_must_be_well_within_the_lease():
     with pytest.raises(ValueError, match="poll"):
         SharedGuard(None, GoodputGuard, lease=0.3, poll=0.1)  # type: ignore[arg-type]
+
+
+async def test_events_emitted_while_a_send_is_in_flight_all_arrive(server, raw):
+    """A follower's rounds go on emitting while its last events are on their way: none of
+    them is lost (the negative control: each event once, in order)."""
+    async with replicas_on(server) as replicas:
+        await replicas()  # the leader
+        follower = await replicas()
+        for session in range(200):
+            follower.begin(session)
+            if session % 10 == 0:
+                await asyncio.sleep(0)  # the sender runs between some of them
+        await until(lambda: raw.xlen("specdec:guard:events") >= 200)
+        await asyncio.sleep(0.2)
+        sent = [json.loads(f[b"e"]) for _, f in raw.xrange("specdec:guard:events")]
+        assert [e[3] for e in sent] == list(range(200))
+        assert follower.dropped == 0

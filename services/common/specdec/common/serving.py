@@ -34,6 +34,9 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# A server's port is its own: gRPC's default SO_REUSEPORT let a second service (another
+# `specdec up` on the same --port) share it silently, each taking some of the connections.
+SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
 class StartFailed(RuntimeError):
@@ -260,24 +263,31 @@ async def serve(
     port is logged with the gRPC port's, and it stops gracefully beside the gRPC server.
     """
     server = grpc.aio.server(
-        options=CHANNEL_OPTIONS, interceptors=[*interceptors, RefuseMalformed()]
+        options=SERVER_OPTIONS, interceptors=[*interceptors, RefuseMalformed()]
     )
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_reflection([*reflect, health.SERVICE_NAME], server)
     address = f"{host}:{port}"
-    if credentials is None:
-        bound = server.add_insecure_port(address)
-    else:
-        bound = server.add_secure_port(address, credentials)
+    try:  # grpc says 0, or raises RuntimeError, by version
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
+    except RuntimeError:
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
+        raise OSError(f"cannot listen on {host}:{port} (in use, or not an address of this host)")
     servers = [server]
     if health_port:
-        probe_server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        probe_server = grpc.aio.server(options=SERVER_OPTIONS)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, probe_server)
-        if probe_server.add_insecure_port(f"{host}:{health_port}") == 0:
+        try:
+            probe = probe_server.add_insecure_port(f"{host}:{health_port}")
+        except RuntimeError:
+            probe = 0
+        if probe == 0:
             raise OSError(f"cannot listen on {host}:{health_port} (--health-port)")
         servers.append(probe_server)
     for name in ("", service_name):

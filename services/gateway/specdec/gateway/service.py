@@ -92,7 +92,10 @@ class GatewayCore:
         self.shared_guard: SharedGuard | None = None
         if config.goodput_guard and config.guard_scope == "shared" and self.sessions.redis:
             self.shared_guard = SharedGuard(
-                self.sessions.redis, make_guard, on_role=lambda r: metrics.guard_role(r.value)
+                self.sessions.redis,
+                make_guard,
+                on_role=lambda r: metrics.guard_role(r.value),
+                on_delay=metrics.GUARD_EVENT_DELAY.observe,
             )
             self.guard = self.shared_guard
         elif config.goodput_guard:

@@ -88,6 +88,13 @@ GUARD_ROLE = Gauge(
     ["role"],
 )
 
+GUARD_EVENT_DELAY = Histogram(
+    PREFIX + "guard_event_delay_seconds",
+    "On the replica leading the shared goodput guard: another replica's round event's "
+    "seconds from its sending to its counting (the two machines' clocks)",
+    buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0),
+)
+
 
 def guard_role(role: str) -> None:
     """This replica's role in the shared goodput guard, now."""

@@ -125,9 +125,12 @@ class SharedGuard:
         poll: float = 0.1,
         on_role: Callable[[GuardRole], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_delay: Callable[[float], None] | None = None,
     ):
         """`make_guard`: a guard for this replica to lead with. `on_role`: each change of
-        this replica's role (the gateway's metrics)."""
+        this replica's role; `on_delay`: while leading, each other replica's event's seconds
+        from its sending to its counting, by the two machines' clocks (the gateway's
+        metrics)."""
         if lease <= 0 or poll <= 0 or poll >= lease / 3:
             raise ValueError(f"need 0 < poll < lease / 3, got poll {poll} s, lease {lease} s")
         self.redis = redis
@@ -136,6 +139,7 @@ class SharedGuard:
         self.stream = prefix + "events"
         self.lease, self.poll = lease, poll
         self.on_role = on_role
+        self.on_delay = on_delay
         self.clock = clock
         self.replica = uuid.uuid4().hex  # this replica's name on the stream
         self.role = GuardRole.ALONE  # until Redis first answers
@@ -310,7 +314,8 @@ class SharedGuard:
         if len(self._outbox) >= OUTBOX:
             del self._outbox[0]
             self.dropped += 1
-        self._outbox.append(json.dumps([self.replica, *event]))
+        kind, *rest = event
+        self._outbox.append(json.dumps([self.replica, kind, time.time(), *rest]))
         self._wake.set()
 
     async def _send(self) -> None:
@@ -323,15 +328,21 @@ class SharedGuard:
                 await asyncio.sleep(self.poll)  # kept, and sent once Redis answers
 
     async def _flush(self) -> None:
-        """Send the events held, in order, in one pipeline; on a failure they are kept."""
-        events = self._outbox
+        """Send the events held, in order, in one pipeline; on a failure they are kept,
+        before any that came meanwhile (the oldest dropped beyond `OUTBOX`)."""
+        events, self._outbox = self._outbox, []
         if not events:
             return
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for event in events:
-                pipe.xadd(self.stream, {"e": event}, maxlen=STREAM_LENGTH, approximate=True)
-            await pipe.execute()
-        del self._outbox[: len(events)]  # more may have come meanwhile
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for event in events:
+                    pipe.xadd(self.stream, {"e": event}, maxlen=STREAM_LENGTH, approximate=True)
+                await pipe.execute()
+        except BaseException:
+            held = events + self._outbox
+            self.dropped += max(0, len(held) - OUTBOX)
+            self._outbox = held[-OUTBOX:]
+            raise
 
     async def _read(self) -> None:
         """While leading: the other replicas' events, into this replica's guard."""
@@ -356,9 +367,11 @@ class SharedGuard:
         """One event of another replica, into the guard (its own events it counted already);
         one not in the form `_emit` writes is logged and skipped."""
         try:
-            replica, kind, sid, *rest = json.loads(raw)
+            replica, kind, sent, sid, *rest = json.loads(raw)
             if replica == self.replica:
                 return
+            if self.on_delay is not None:
+                self.on_delay(time.time() - float(sent))
             session = (str(replica), int(sid))
             if kind == "b":
                 self.guard.begin(session)
