@@ -254,3 +254,26 @@ async def test_events_emitted_while_a_send_is_in_flight_all_arrive(server, raw):
         sent = [json.loads(f[b"e"]) for _, f in raw.xrange("specdec:guard:events")]
         assert [e[3] for e in sent] == list(range(200))
         assert follower.dropped == 0
+
+
+async def test_a_fault_in_a_step_is_logged_and_the_leader_reads_on(server, caplog):
+    """An unexpected fault while counting an event (a stand-in: the guard's begin raises
+    once) is logged; the leader's reading goes on and counts the next events."""
+    async with replicas_on(server) as replicas:
+        leader = await replicas()
+        follower = await replicas()
+        real, faults = leader.guard.begin, []
+
+        def faulty(session):
+            if not faults:
+                faults.append(session)
+                raise RuntimeError("a stand-in fault")
+            return real(session)
+
+        leader.guard.begin = faulty
+        with caplog.at_level(logging.ERROR, "specdec.gateway.round.policy.shared"):
+            follower.begin(1)
+            await until(lambda: faults)
+            follower.begin(2)
+            await until(lambda: (follower.replica, 2) in leader.guard._running)
+        assert any("a step failed" in r.message for r in caplog.records)

@@ -46,7 +46,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from enum import Enum
 from typing import Any
 
@@ -193,8 +193,8 @@ class SharedGuard:
     async def start(self) -> None:
         """Take part: the first look at Redis now, then the background tasks."""
         await self._tick()
-        for work in (self._ticks, self._send, self._read):
-            self._tasks.append(asyncio.ensure_future(work()))
+        for step in (self._next_tick, self._send, self._read):
+            self._tasks.append(asyncio.ensure_future(self._forever(step)))
 
     async def close(self) -> None:
         """Stop; a leader releases the lease at once (a follower takes over within `poll`)
@@ -211,10 +211,19 @@ class SharedGuard:
         except STORE_FAILURES as e:
             log.warning("shared goodput guard: Redis failed on close", extra={"why": str(e)})
 
-    async def _ticks(self) -> None:
+    async def _forever(self, step: Callable[[], Awaitable[None]]) -> None:
+        """`step` again and again: a fault in one is logged, and the next runs a poll on
+        (the guard's part goes on, whatever one step met)."""
         while True:
-            await asyncio.sleep(self.poll)
-            await self._tick()
+            try:
+                await step()
+            except Exception:
+                log.exception("shared goodput guard: a step failed", extra={"step": step.__name__})
+                await asyncio.sleep(self.poll)
+
+    async def _next_tick(self) -> None:
+        await asyncio.sleep(self.poll)
+        await self._tick()
 
     async def _tick(self) -> None:
         """Lead (renew and publish), or follow (read the state), or take the lease where
@@ -319,13 +328,13 @@ class SharedGuard:
         self._wake.set()
 
     async def _send(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            try:
-                await self._flush()
-            except STORE_FAILURES:
-                await asyncio.sleep(self.poll)  # kept, and sent once Redis answers
+        await self._wake.wait()
+        self._wake.clear()
+        try:
+            await self._flush()
+        except STORE_FAILURES:
+            await asyncio.sleep(self.poll)
+            self._wake.set()  # kept, and tried again
 
     async def _flush(self) -> None:
         """Send the events held, in order, in one pipeline; on a failure they are kept,
@@ -346,22 +355,21 @@ class SharedGuard:
 
     async def _read(self) -> None:
         """While leading: the other replicas' events, into this replica's guard."""
-        while True:
-            if self.role is not GuardRole.LEADER:
-                await asyncio.sleep(self.poll)
-                continue
-            try:
-                reply: Any = await self.redis.xread(
-                    {self.stream: self._read_from}, count=1000, block=round(self.poll * 1e3)
-                )
-            except STORE_FAILURES:
-                await asyncio.sleep(self.poll)
-                continue
-            for _, entries in reply or ():  # nothing within the block: None or empty
-                for event_id, fields in entries:
-                    self._read_from = event_id.decode()
-                    if self.role is GuardRole.LEADER:
-                        self._apply(fields.get(b"e", b""))
+        if self.role is not GuardRole.LEADER:
+            await asyncio.sleep(self.poll)
+            return
+        try:
+            reply: Any = await self.redis.xread(
+                {self.stream: self._read_from}, count=1000, block=round(self.poll * 1e3)
+            )
+        except STORE_FAILURES:
+            await asyncio.sleep(self.poll)
+            return
+        for _, entries in reply or ():  # nothing within the block: None or empty
+            for event_id, fields in entries:
+                self._read_from = event_id.decode()
+                if self.role is GuardRole.LEADER:
+                    self._apply(fields.get(b"e", b""))
 
     def _apply(self, raw: bytes) -> None:
         """One event of another replica, into the guard (its own events it counted already);
