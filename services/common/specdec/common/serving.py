@@ -237,6 +237,26 @@ def enable_reflection(service_names: Sequence[str], server: grpc.aio.Server) -> 
     )
 
 
+def _listen(
+    server: grpc.aio.Server,
+    address: str,
+    credentials: grpc.ServerCredentials | None,
+    what: str = "",
+) -> int:
+    """Bind `server` to `address` (TLS with `credentials`): the port bound. Raises OSError
+    naming the address where it cannot (grpc says 0, or raises RuntimeError, by version)."""
+    try:
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise OSError(f"cannot listen on {address}{what} (in use, or not an address of this host)")
+    return int(bound)
+
+
 async def serve(
     *,
     service_name: str,
@@ -269,26 +289,12 @@ async def serve(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_reflection([*reflect, health.SERVICE_NAME], server)
-    address = f"{host}:{port}"
-    try:  # grpc says 0, or raises RuntimeError, by version
-        if credentials is None:
-            bound = server.add_insecure_port(address)
-        else:
-            bound = server.add_secure_port(address, credentials)
-    except RuntimeError:
-        bound = 0
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port} (in use, or not an address of this host)")
+    bound = _listen(server, f"{host}:{port}", credentials)
     servers = [server]
     if health_port:
         probe_server = grpc.aio.server(options=SERVER_OPTIONS)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, probe_server)
-        try:
-            probe = probe_server.add_insecure_port(f"{host}:{health_port}")
-        except RuntimeError:
-            probe = 0
-        if probe == 0:
-            raise OSError(f"cannot listen on {host}:{health_port} (--health-port)")
+        _listen(probe_server, f"{host}:{health_port}", None, " (--health-port)")
         servers.append(probe_server)
     for name in ("", service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

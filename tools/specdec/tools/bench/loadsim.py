@@ -240,8 +240,9 @@ class _Sim:
         # `gateways` replicas each guarding its own sessions (session i on replica i mod
         # gateways), one guard per replica: the guard before replicas shared it
         # (specdec.gateway.round.policy.shared).
-        self.guards = [GoodputGuard(clock=lambda: self.now) for _ in range(gateways)]
-        self.guarded = guarded
+        self.guards = [
+            GoodputGuard(clock=lambda: self.now) for _ in range(gateways if guarded else 0)
+        ]
         self.verifier = Replica(setup.target, setup.max_rows)
         self.drafter = Replica(setup.target.scaled(setup.draft_share, "drafter"), setup.max_rows)
         self.events: list[tuple[float, int, str, Any]] = []
@@ -300,7 +301,7 @@ class _Sim:
         half = self.setup.overhead_ms / 2e3
         remaining = self.setup.request_tokens - s.generated
         max_k = max(0, min(MAX_K, remaining - 1))
-        s.ticket = self._guard(s).begin(s.index) if self.guarded else None
+        s.ticket = self._guard(s).begin(s.index) if self.guards else None
         if s.ticket is not None and s.ticket.mode == GuardMode.PLAIN:
             max_k = 0
         s.k = s.policy.choose_k(max_k)
