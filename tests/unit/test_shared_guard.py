@@ -277,3 +277,21 @@ async def test_a_fault_in_a_step_is_logged_and_the_leader_reads_on(server, caplo
             follower.begin(2)
             await until(lambda: (follower.replica, 2) in leader.guard._running)
         assert any("a step failed" in r.message for r in caplog.records)
+
+
+async def test_close_ends_a_step_that_swallowed_its_cancel(server):
+    """A step whose Redis call turns the cancel into an error of its own returns as if it
+    had failed; `close` still ends (a bound for a hung close, not a measure of speed)."""
+    client = aioredis.Redis.from_url(server.url, socket_timeout=0.5)
+    guard = SharedGuard(client, GoodputGuard, lease=LEASE, poll=POLL)
+
+    async def swallowing() -> None:
+        # as redis-py may, raising a connection error of its own instead
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(60)
+
+    guard._send = swallowing
+    await guard.start()
+    await asyncio.sleep(0.05)
+    await asyncio.wait_for(guard.close(), timeout=30)
+    await client.aclose()

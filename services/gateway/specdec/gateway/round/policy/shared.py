@@ -153,6 +153,7 @@ class SharedGuard:
         self._outbox: list[str] = []  # events to send, while following
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
         self.dropped = 0  # events a follower could not send
 
     # -- a request's rounds ---------------------------------------------------------------------
@@ -199,6 +200,7 @@ class SharedGuard:
     async def close(self) -> None:
         """Stop; a leader releases the lease at once (a follower takes over within `poll`)
         and a follower sends what it holds."""
+        self._stopping = True  # a step whose Redis call turned the cancel into an error ends
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -213,8 +215,8 @@ class SharedGuard:
 
     async def _forever(self, step: Callable[[], Awaitable[None]]) -> None:
         """`step` again and again: a fault in one is logged, and the next runs a poll on
-        (the guard's part goes on, whatever one step met)."""
-        while True:
+        (the guard's part goes on, whatever one step met), until `close`."""
+        while not self._stopping:
             try:
                 await step()
             except Exception:
