@@ -232,6 +232,24 @@ def test_a_round_that_never_ends_is_forgotten():
     assert not script.guard.rates(8)
 
 
+def test_a_session_gone_without_a_word_is_forgotten():
+    """Sessions whose rounds ended and that never left (their requests failed, or their
+    gateway replica crashed: a shared guard's remote sessions) are not kept for ever: an
+    epoch that begins after three of the longer mean rounds without them forgets them."""
+    script = Script()
+    seconds, tokens = (
+        {GuardMode.PLAIN: 0.1, GuardMode.SPEC: 0.1},
+        {GuardMode.PLAIN: 1, GuardMode.SPEC: 1},
+    )
+    for gone in range(100, 106):
+        ticket = script.guard.begin(gone)
+        script.guard.end(gone, ticket, 1, 0.1)
+    assert set(range(100, 106)) <= set(script.guard.last_seen)
+    script.run(2, seconds, tokens, until=30.0)
+    assert set(script.guard.last_seen) <= {0, 1}
+    assert script.guard.rates(2), script.guard.measured  # measured at 2 sessions
+
+
 @pytest.mark.parametrize("seconds", [0.26, 0.3, 0.35, 0.45])
 @pytest.mark.parametrize("phase", [0.0, 0.25, 0.5, 0.75])
 def test_rounds_that_a_batched_forward_ends_together_measure_their_true_rate(seconds, phase):

@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 
 from specdec.gateway.round.policy import GoodputGuard, GuardMode, GuardParams
 from specdec.gateway.round.policy.guard import Ticket, learnt, restore
-from specdec.gateway.round.policy.shared import GuardRole, SharedGuard, State
+from specdec.gateway.round.policy.shared import STREAM_TTL, GuardRole, SharedGuard, State
 
 LEASE, POLL = 2.0, 0.05  # a lease that outlasts a loaded CI machine's pauses
 # Epochs short enough to close within a second of rounds of 10 ms.
@@ -254,6 +254,8 @@ async def test_events_emitted_while_a_send_is_in_flight_all_arrive(server, raw):
         sent = [json.loads(f[b"e"]) for _, f in raw.xrange("specdec:guard:events")]
         assert [e[3] for e in sent] == list(range(200))
         assert follower.dropped == 0
+        # The stream outlives its last event by STREAM_TTL, not forever.
+        assert 0 < raw.ttl("specdec:guard:events") <= STREAM_TTL
 
 
 async def test_a_fault_in_a_step_is_logged_and_the_leader_reads_on(server, caplog):

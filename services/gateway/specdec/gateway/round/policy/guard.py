@@ -295,9 +295,10 @@ class GoodputGuard:
         # has finished a round begun under its mode.
         recent = 3.0 * self._longest()
         self._running = {s: t for s, t in self._running.items() if not self._lost(now, t)}
-        self._pending = set(self._running) | {
-            s for s, t in self.last_seen.items() if now - t <= recent
-        }
+        # A session not seen since (its request failed, or its replica crashed, without
+        # a word) is forgotten.
+        self.last_seen = {s: t for s, t in self.last_seen.items() if now - t <= recent}
+        self._pending = set(self._running) | set(self.last_seen)
         self._tokens = 0.0
         self._area, self._area_at = 0.0, 0.0
         # less any that left without a word

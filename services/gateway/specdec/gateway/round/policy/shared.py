@@ -82,6 +82,7 @@ return 1
 STREAM_LENGTH = 10_000  # events the stream keeps (about: Redis trims in whole nodes)
 OUTBOX = 10_000  # events a follower holds while Redis is slow; beyond, the oldest go
 LEARNT_TTL = 7 * 24 * 3600  # seconds what the guard learnt outlives the last leader
+STREAM_TTL = 3600  # seconds the events outlive the last one sent
 
 
 class GuardRole(str, Enum):
@@ -348,6 +349,7 @@ class SharedGuard:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for event in events:
                     pipe.xadd(self.stream, {"e": event}, maxlen=STREAM_LENGTH, approximate=True)
+                pipe.expire(self.stream, STREAM_TTL)
                 await pipe.execute()
         except BaseException:
             held = events + self._outbox
