@@ -8,6 +8,7 @@ and not wait for a session that left."""
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Callable
 
 import pytest
@@ -248,6 +249,23 @@ def test_a_session_gone_without_a_word_is_forgotten():
     script.run(2, seconds, tokens, until=30.0)
     assert set(script.guard.last_seen) <= {0, 1}
     assert script.guard.rates(2), script.guard.measured  # measured at 2 sessions
+
+
+@pytest.mark.parametrize(("below", "plain_before_it"), [(0.45, 30), (0.10, 3)])
+def test_a_mode_measured_once_far_slower_waits_the_turn_its_gap_gives(below, plain_before_it):
+    """Speculation measured once, 45% below four plain epochs (as on llama.cpp at 2
+    sessions, 2026-11-30): its second epoch comes after the turns that gap gives it, less
+    what one epoch's spread could make of it (30 plain epochs here), not after four, which
+    cost a cell of 14 epochs another epoch at 40% below. Measured once 10% below, within
+    one epoch's spread, it comes back after three plain epochs, as before."""
+    guard = GoodputGuard(clock=lambda: 0.0)
+    guard.measured[(2, GuardMode.SPEC)] = deque([((1.0 - below) * 10.0, 10.0)], maxlen=8)
+    guard.measured[(2, GuardMode.PLAIN)] = deque([(10.0, 10.0)] * 4, maxlen=8)
+    plain = 0
+    while guard._next(2) == GuardMode.PLAIN:
+        plain += 1
+        assert plain <= 40
+    assert plain == plain_before_it
 
 
 @pytest.mark.parametrize("seconds", [0.26, 0.3, 0.35, 0.45])

@@ -104,6 +104,8 @@ class GuardParams:
     explore_every: int = 4  # the other mode's epochs at a level: one in this many, at least
     gap_step: float = 0.05  # ... and one more epoch between for each such share it is slower
     max_explore_every: int = 40  # ... and at least one in this many
+    # ... where a mode has one epoch at the level, its gap less this spread's share of it
+    first_spread: float = 0.1
     smoothing: float = 0.2  # weight of the newest round in the mean round time
 
 
@@ -426,8 +428,10 @@ class GoodputGuard:
     def _next(self, level: int) -> GuardMode:
         """The mode of the next epoch at `level`: one not measured there yet, else the
         slower one once in `every` epochs, else the faster. `every` grows with how much
-        slower it measured (so trying it again costs about as much whatever the gap),
-        once each mode has been measured twice there. Speculation not yet measured at a
+        slower it measured (so trying it again costs about as much whatever the gap);
+        while a mode has been measured once there, with that gap less what one epoch's
+        spread (`first_spread`) could make of it (one speculating epoch 45% below plain
+        steps' is not tried again after four epochs). Speculation not yet measured at a
         level above one where it measured slower is taken to be as much slower (load only
         shrinks what it gains), and waits the turn that gap gives it (one speculating
         epoch in four, at a 25% gap, would cost the level 6% where nothing suggests that
@@ -449,9 +453,13 @@ class GoodputGuard:
         )
         best = plain if rates[plain] > rates[spec] * (1.0 + margin) else spec
         other = plain if best == spec else spec
+        gap = max(0.0, 1.0 - rates[other] / rates[best]) if rates[best] > 0 else 0.0
+        counts = [len(self.measured.get((level, m), ())) for m in GuardMode]
+        if not inherited and min(counts) < 2:
+            # A mode measured once: its gap, less what one epoch's spread could make of it.
+            gap -= self.p.first_spread * math.sqrt(sum(1.0 / max(1, n) for n in counts))
         every = self.p.explore_every
-        if inherited or all(len(self.measured.get((level, m), ())) >= 2 for m in GuardMode):
-            gap = max(0.0, 1.0 - rates[other] / rates[best]) if rates[best] > 0 else 0.0
+        if gap > 0:
             every = min(self.p.max_explore_every, round(every * (1.0 + gap / self.p.gap_step)))
         self._since[level] = self._since.get(level, 0) + 1
         if self._since[level] >= every:
