@@ -170,6 +170,20 @@ def clear_margin(
     return min(p.margin, max(p.min_margin, clear))
 
 
+def explore_turns(p: GuardParams, gap: float, counts: Sequence[int] | None) -> int:
+    """Every how many epochs at a level the slower mode runs, where it measured `gap`
+    (a share) slower: `explore_every`, and one more for each `gap_step` (so trying it
+    again costs about as much whatever the gap), `max_explore_every` at most. While a mode
+    has one epoch there (`counts`, each mode's epochs; None: the gap was inherited from a
+    level below), its gap less what one epoch's spread (`first_spread`) could make of it:
+    one speculating epoch 45% below plain steps' is not tried again after four epochs."""
+    if counts is not None and min(counts) < 2:
+        gap -= p.first_spread * math.sqrt(sum(1.0 / max(1, n) for n in counts))
+    if gap <= 0:
+        return p.explore_every
+    return min(p.max_explore_every, round(p.explore_every * (1.0 + gap / p.gap_step)))
+
+
 class GoodputGuard:
     """One gateway replica's epochs of speculation on or off, and what each measured."""
 
@@ -427,15 +441,11 @@ class GoodputGuard:
 
     def _next(self, level: int) -> GuardMode:
         """The mode of the next epoch at `level`: one not measured there yet, else the
-        slower one once in `every` epochs, else the faster. `every` grows with how much
-        slower it measured (so trying it again costs about as much whatever the gap);
-        while a mode has been measured once there, with that gap less what one epoch's
-        spread (`first_spread`) could make of it (one speculating epoch 45% below plain
-        steps' is not tried again after four epochs). Speculation not yet measured at a
-        level above one where it measured slower is taken to be as much slower (load only
-        shrinks what it gains), and waits the turn that gap gives it (one speculating
-        epoch in four, at a 25% gap, would cost the level 6% where nothing suggests that
-        speculation pays)."""
+        slower one once in `explore_turns` epochs, else the faster. Speculation not yet
+        measured at a level above one where it measured slower is taken to be as much
+        slower (load only shrinks what it gains), and waits the turn that gap gives it (one
+        speculating epoch in four, at a 25% gap, would cost the level 6% where nothing
+        suggests that speculation pays)."""
         rates = self.rates(level)
         spec, plain = GuardMode.SPEC, GuardMode.PLAIN
         ratio = self._lower_ratio(level) if spec not in rates else None
@@ -455,12 +465,7 @@ class GoodputGuard:
         other = plain if best == spec else spec
         gap = max(0.0, 1.0 - rates[other] / rates[best]) if rates[best] > 0 else 0.0
         counts = [len(self.measured.get((level, m), ())) for m in GuardMode]
-        if not inherited and min(counts) < 2:
-            # A mode measured once: its gap, less what one epoch's spread could make of it.
-            gap -= self.p.first_spread * math.sqrt(sum(1.0 / max(1, n) for n in counts))
-        every = self.p.explore_every
-        if gap > 0:
-            every = min(self.p.max_explore_every, round(every * (1.0 + gap / self.p.gap_step)))
+        every = explore_turns(self.p, gap, None if inherited else counts)
         self._since[level] = self._since.get(level, 0) + 1
         if self._since[level] >= every:
             self._since[level] = 0
