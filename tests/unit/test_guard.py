@@ -111,6 +111,29 @@ def test_one_session_always_speculates_and_measures_nothing():
     assert script.guard.measured == {}
 
 
+def test_the_load_back_after_a_lull_runs_its_levels_mode():
+    """Plain steps learnt faster at 2 sessions; then one session alone for a while (its
+    rounds speculate, its epochs measure nothing); then 2 sessions again: their first
+    rounds run plain steps, the level's mode, not speculation (an epoch of one session
+    used to set the next to speculate, whatever the level had learnt)."""
+    script = Script()
+    seconds, tokens = (
+        {GuardMode.PLAIN: 0.1, GuardMode.SPEC: 0.4},
+        {GuardMode.PLAIN: 1, GuardMode.SPEC: 2},
+    )
+    script.run(2, seconds, tokens, until=60.0)
+    assert script.guard.rates(2)[GuardMode.PLAIN] > script.guard.rates(2)[GuardMode.SPEC]
+    script.guard.leave(1)
+    lull = len(script.modes)
+    script.run(1, seconds, tokens, until=script.now + 20.0)
+    assert set(script.modes[lull + 2 :]) == {GuardMode.SPEC}  # alone: it speculates
+    script.guard.leave(0)
+    back = len(script.modes)
+    script.run(2, seconds, tokens, until=script.now + 5.0)
+    # the first to begin is alone at that instant; the rest run the level's mode
+    assert script.modes[back + 1 : back + 9] == [GuardMode.PLAIN] * 8
+
+
 def test_each_level_decides_for_itself():
     """Speculation loses at 8 sessions and wins at 2: each level keeps its own rates."""
     script = Script()

@@ -47,7 +47,10 @@ speculation (the policy's own choice); the slower runs now and then (`_next`), s
 change of the drafts' acceptance or of the machine is seen. The window, the median and
 the spread's weight `z` were chosen on simulated epochs (specdec.tools.bench.guardsim).
 Below `min_sessions` the guard stays out of the way: one session's speed
-is its own, which the policy's model prices well, and every epoch speculates.
+is its own, which the policy's model prices well, and a session alone speculates in any
+epoch. An epoch that saw one session measures nothing and leaves the mode as it was, so
+the load's return runs the mode its level ran (it used to speculate there, whatever the
+level had learnt).
 
 Exact: the mode is fixed before a round, from past timings only, as every other choice of
 the adaptive policy is (specdec.gateway.round.policy.adaptive), and a plain round is an
@@ -426,7 +429,7 @@ class GoodputGuard:
         # A round lost within it: what it committed is not known.
         stopped = stopped or self._lost_any
         if peak < self.p.min_sessions:
-            self.mode = GuardMode.SPEC
+            pass  # a session alone speculates by its ticket; the mode awaits the load
         elif level != self._level or ramp or stopped:
             self.mode = self._next(level)
         else:
