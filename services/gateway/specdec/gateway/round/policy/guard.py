@@ -107,7 +107,8 @@ class GuardParams:
     explore_every: int = 4  # the other mode's epochs at a level: one in this many, at least
     gap_step: float = 0.05  # ... and one more epoch between for each such share it is slower
     max_explore_every: int = 40  # ... and at least one in this many
-    # ... where a mode has one epoch at the level, its gap less this spread's share of it
+    # ... while a mode has one epoch at the level, its gap less this (one epoch's spread,
+    # a share, scaled by how few epochs each mode has: `explore_turns`)
     first_spread: float = 0.1
     smoothing: float = 0.2  # weight of the newest round in the mean round time
 
