@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 from importlib.metadata import PackageNotFoundError, entry_points, version
 from typing import Any
+
+# gRPC's core writes some INFO lines to stderr unless told otherwise (a peer's GOAWAY as
+# a replica shuts down, say), between `specdec`'s own one-line errors: only its errors,
+# unless GRPC_VERBOSITY is set. Set before gRPC loads; the services that `specdec up`
+# starts inherit it.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 ENTRY_POINT_GROUP = "specdec.commands"
 # Commands of the other distributions, named here so their absence gets a clear message:

@@ -120,12 +120,17 @@ def test_the_gateway_says_which_replica_it_waits_for_and_why(loading_replica):
 
 
 def test_generate_with_nothing_listening_says_how_to_start_a_stack():
+    """One line, with gRPC's own INFO lines kept off stderr: here its `api` trace, which
+    writes dozens at INFO (a replica's GOAWAY at shutdown once put one before `specdec
+    up`'s line), unless GRPC_VERBOSITY says otherwise."""
     address = f"127.0.0.1:{_free_port()}"
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
     done = subprocess.run(
         [sys.executable, "-m", "specdec", "generate", "--gateway", address, "--prompt", "hi"],
         capture_output=True,
         text=True,
         timeout=120,
+        env={**env, "GRPC_TRACE": "api"},
     )
     assert done.returncode == 1
     assert done.stdout == ""
